@@ -1,0 +1,46 @@
+"""jax-elastic: fault-tolerant, elastic training for JAX train loops.
+
+Public API::
+
+    import elastic
+    cfg = elastic.load_config("tiny", ["steps=30"])
+    report = elastic.Trainer(init=..., loss=..., optimizer=optax.adam(1e-3), data=..., config=cfg).fit()
+
+or, for an existing fused step that marks ``grads = elastic.cross_slice_mean(grads)``::
+
+    report = elastic.wrap(train_step, init_state=..., data=..., config=cfg).fit()
+
+Names that pull in JAX load lazily, so ``elastic.config`` and the CLI can set
+``XLA_FLAGS`` before JAX starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from elastic.config import Config, ConfigError, load_config
+from elastic.data import DataSource, FunctionSource, GrainSource
+from elastic.marker import cross_slice_mean
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataSource",
+    "FunctionSource",
+    "GrainSource",
+    "Trainer",
+    "WrappedStep",
+    "build_report",
+    "cross_slice_mean",
+    "load_config",
+    "wrap",
+]
+
+_LAZY = {"Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer", "wrap": "elastic.trainer",
+         "build_report": "elastic.report"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")

@@ -1,0 +1,139 @@
+"""Builds the runtime's programs from user code, once, in the client.
+
+The client traces with abstract values only (``jax.ShapeDtypeStruct`` on an
+``AbstractMesh``), so it never materializes the training state whatever the
+model size. Each program is exported with ``jax.export`` for one virtual slice
+of ``D`` devices and shipped as bytes.
+
+What cannot be exported: host callbacks (``jax.pure_callback``,
+``jax.debug.callback``) and anything that needs concrete values at trace time
+(Python control flow on array values). Both raise :class:`ProgramExportError`
+naming the program, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from runtime import MESH_AXIS, ProgramExportError, ProgramSet
+
+__all__ = ["build_programs", "shard_dim", "export_program"]
+
+
+def shard_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
+    """FSDP placement of one state leaf: its largest dimension divisible by D.
+
+    Returns None (replicate) for scalars, for D == 1, and for leaves with no
+    such dimension. Ties go to the first dimension.
+    """
+    if num_devices == 1:
+        return None
+    best = None
+    for i, n in enumerate(shape):
+        if n % num_devices == 0 and n >= num_devices and (best is None or n > shape[best]):
+            best = i
+    return best
+
+
+def _named(mesh, dim):
+    if dim is None:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(*([None] * dim), MESH_AXIS))
+
+
+def export_program(name: str, fn: Callable, args: tuple, in_dims: list, out_dims, mesh) -> bytes:
+    """Exports ``fn(*args)`` with the given per-leaf placements; returns its bytes."""
+    in_shardings = jax.tree.unflatten(jax.tree.structure(args), [_named(mesh, d) for d in in_dims])
+    out_shardings = jax.tree.map(lambda d: _named(mesh, d), out_dims, is_leaf=lambda x: x is None)
+    try:
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
+        return bytes(jax.export.export(jitted, platforms=["cpu"])(*args).serialize())
+    except Exception as e:  # noqa: BLE001 - any tracing/lowering failure is reported as one typed error
+        raise ProgramExportError(f"could not export the {name!r} program with jax.export: "
+                                 f"{type(e).__name__}: {e}") from e
+
+
+def _flatten_f32(tree) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+
+
+def _unflatten_like(flat: jax.Array, like):
+    leaves, treedef = jax.tree.flatten(like)
+    out, off = [], 0
+    for x in leaves:
+        n = math.prod(x.shape)
+        out.append(flat[off:off + n].reshape(x.shape).astype(x.dtype))
+        off += n
+    return jax.tree.unflatten(treedef, out)
+
+
+def build_programs(
+    *,
+    init_state: Callable,        # key -> state
+    grad_fn: Callable,           # (state, batch) -> (loss, grads pytree)
+    apply_fn: Callable,          # (state, mean grads pytree) -> state
+    batch_spec: dict,            # key -> (shape, dtype) of one microbatch
+    devices_per_slice: int,
+    num_microbatches: int,
+) -> ProgramSet:
+    """Traces and exports init / grad / apply for a slice of ``devices_per_slice``."""
+    d = devices_per_slice
+    mesh = AbstractMesh((d,), (MESH_AXIS,))
+    seed_spec = jax.ShapeDtypeStruct((), jnp.int32)
+
+    # Programs take and return the state as a flat list of arrays: the
+    # serialized form then needs no knowledge of the user's pytree types.
+    try:
+        tree_shapes = jax.eval_shape(lambda seed: init_state(jax.random.key(seed)), seed_spec)
+    except Exception as e:  # noqa: BLE001
+        raise ProgramExportError(f"could not trace the init function: {type(e).__name__}: {e}") from e
+    state_shapes, treedef = jax.tree.flatten(tree_shapes)
+    state_dim_list = [shard_dim(s.shape, d) for s in state_shapes]
+
+    def init(seed):
+        return jax.tree.leaves(init_state(jax.random.key(seed)))
+    batch_shapes = {k: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype)) for k, (shape, dtype) in batch_spec.items()}
+    for k, s in batch_shapes.items():
+        if not s.shape or s.shape[0] % d:
+            raise ProgramExportError(f"batch key {k!r} has shape {s.shape}: its leading (batch) dimension "
+                                     f"must be divisible by the {d} devices of a slice")
+    batch_dims = [0] * len(batch_shapes)
+
+    def grad_tree(state, batch):
+        return grad_fn(jax.tree.unflatten(treedef, state), batch)
+
+    grad_shapes = jax.eval_shape(lambda st, b: grad_tree(st, b)[1], state_shapes, batch_shapes)
+    grad_size = sum(math.prod(g.shape) for g in jax.tree.leaves(grad_shapes))
+
+    def grad(state, batch):
+        loss, grads = grad_tree(state, batch)
+        return jnp.asarray(loss, jnp.float32), _flatten_f32(grads)
+
+    def apply(state, grad_sum):
+        mean = _unflatten_like(grad_sum / np.float32(num_microbatches), grad_shapes)
+        return jax.tree.leaves(apply_fn(jax.tree.unflatten(treedef, state), mean))
+
+    flat_spec = jax.ShapeDtypeStruct((grad_size,), jnp.float32)
+    programs = {
+        "init": export_program("init", init, (seed_spec,), [None], state_dim_list, mesh),
+        "grad": export_program("grad", grad, (state_shapes, batch_shapes), state_dim_list + batch_dims,
+                               (None, None), mesh),
+        "apply": export_program("apply", apply, (state_shapes, flat_spec), state_dim_list + [None],
+                                state_dim_list, mesh),
+    }
+    state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in state_shapes)
+    return ProgramSet(
+        **programs,
+        devices_per_slice=d,
+        num_microbatches=num_microbatches,
+        grad_size=int(grad_size),
+        state_bytes=int(state_bytes),
+        batch_spec={k: [list(s.shape), np.dtype(s.dtype).str] for k, s in batch_shapes.items()},
+        in_specs={"init": [None], "grad": state_dim_list + batch_dims, "apply": state_dim_list + [None]},
+    )

@@ -1,0 +1,303 @@
+"""MaxText-style configuration: flat YAML keys, ``base_config`` inheritance, overrides.
+
+Contract:
+
+* A config file is a YAML mapping of flat ``key: value`` pairs. ``base_config:
+  other.yml`` (a path relative to the file that names it) is loaded first and the
+  file overrides it; chains are allowed, a cycle is an error.
+* ``key=value`` overrides (the command line) are applied last. A value is read as a
+  YAML scalar and then checked against the type of its key, so ``steps=30`` is an
+  int and ``learning_rate=1e-3`` is a float.
+* The result is a frozen, validated :class:`Config`. Every problem (missing file,
+  bad YAML, unknown key, wrong type, out-of-range or contradictory values) raises
+  :class:`ConfigError` with a one-line message naming the key, and the file or
+  ``overrides`` it came from. Nothing is read from the environment.
+* The launcher calls :func:`load_config` once; anything that receives
+  ``Config.to_dict()`` rebuilds the same config with :func:`config_from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import pathlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "builtin_config_path",
+    "config_from_dict",
+    "load_config",
+    "parse_overrides",
+]
+
+_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file, dict or override is invalid; the message names the key and source."""
+
+
+def _key(default: Any, *, ge: float | None = None, gt: float | None = None) -> Any:
+    return field(default=default, metadata={"ge": ge, "gt": gt})
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated run configuration. Construct with :func:`load_config`; change with
+    :meth:`replace` (which validates again)."""
+
+    run_name: str = _key("")  # empty: the launcher fills it in
+    base_output_directory: str = _key("runs")
+    seed: int = _key(0)
+    steps: int = _key(20, ge=1)
+    per_device_batch_size: int = _key(2, ge=1)  # examples per device per microbatch
+    dcn_data_parallelism: int = _key(1, ge=1)  # virtual slices
+    ici_fsdp_parallelism: int = _key(1, ge=1)  # devices per slice
+    learning_rate: float = _key(1e-3, gt=0)
+    warmup_steps: int = _key(0, ge=0)
+    vocab_size: int = _key(64, ge=1)
+    max_target_length: int = _key(32, ge=1)
+    base_emb_dim: int = _key(32, ge=1)
+    base_num_decoder_layers: int = _key(2, ge=1)
+    base_num_query_heads: int = _key(2, ge=1)
+    base_mlp_dim: int = _key(64, ge=1)
+    elastic_microbatches: int = _key(0, ge=0)  # 0: next power of two >= slices
+    elastic_dispatch_depth: int = _key(2, ge=1)  # steps in flight
+    elastic_rpc_timeout_seconds: float = _key(120.0, gt=0)
+    elastic_register_timeout_seconds: float = _key(120.0, gt=0)
+    elastic_chunk_bytes: int = _key(4194304, ge=1024)
+    elastic_enabled: bool = _key(True)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name)))
+        _validate(self.to_dict(), {})
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step M (``elastic_microbatches`` with 0 resolved)."""
+        return self.elastic_microbatches or _next_power_of_two(self.dcn_data_parallelism)
+
+    @property
+    def slices(self) -> int:
+        return self.dcn_data_parallelism
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.ici_fsdp_parallelism
+
+    @property
+    def microbatch_size(self) -> int:
+        """Examples in one microbatch (one slice's share of work per dispatch)."""
+        return self.per_device_batch_size * self.ici_fsdp_parallelism
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.microbatches * self.microbatch_size
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied; raises ConfigError like load_config."""
+        for key in changes:
+            _field(key, "replace()")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain JSON-able dict; ``config_from_dict`` inverts it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_FIELDS = {f.name: f for f in fields(Config)}
+
+
+def load_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> Config:
+    """Load ``path`` (a YAML file, or the name of a builtin config such as ``"tiny"``
+    when no such file exists), its ``base_config`` chain, then ``overrides``."""
+    entries: dict[str, tuple[Any, str]] = {}
+    for source, layer in _read_chain(_locate(path)):
+        for key, value in layer.items():
+            entries[key] = (_coerce(key, value, source), source)
+    for key, value in parse_overrides(overrides).items():
+        entries[key] = (value, "overrides")
+    return _build(entries)
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings into ``{key: typed value}``; later items win.
+
+    Values of string keys are taken verbatim (so ``run_name=007`` stays ``"007"``);
+    other values are read as YAML scalars and checked against the key's type.
+    """
+    if isinstance(items, (str, bytes)):
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got the string {items!r}")
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = str(item).partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        if _field(key, "overrides").type == "str":
+            out[key] = text
+            continue
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not a YAML scalar") from e
+        out[key] = _coerce(key, value, "overrides")
+    return out
+
+
+def config_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> Config:
+    """Build a Config from flat ``{key: value}``; ``source`` names ``d`` in errors."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
+    return _build({str(k): (v, source) for k, v in d.items()})
+
+
+def builtin_config_path(name: str) -> pathlib.Path:
+    """Path of the config shipped as ``elastic/configs/<name>.yml``."""
+    path = _CONFIG_DIR / (name if name.endswith(".yml") else f"{name}.yml")
+    if "/" in name or not path.is_file():
+        known = ", ".join(sorted(p.stem for p in _CONFIG_DIR.glob("*.yml")))
+        raise ConfigError(f"no builtin config {name!r}; builtin configs: {known}")
+    return path
+
+
+# --------------------------------------------------------------------------- private
+
+
+def _build(entries: Mapping[str, tuple[Any, str]]) -> Config:
+    values = {k: _coerce(k, v, src) for k, (v, src) in entries.items()}
+    _validate({**_DEFAULTS, **values}, {k: src for k, (_, src) in entries.items()})
+    return Config(**values)
+
+
+def _field(key: str, source: str) -> dataclasses.Field:
+    if key in _FIELDS:
+        return _FIELDS[key]
+    if key == "base_config":
+        raise ConfigError(f"config key 'base_config' (in {source}) is only allowed at the top of a YAML file")
+    close = difflib.get_close_matches(key, _FIELDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"unknown config key {key!r} (in {source}){hint}")
+
+
+def _coerce(key: str, value: Any, source: str = "") -> Any:
+    """``value`` converted to the type of ``key``, or ConfigError."""
+    kind = _field(key, source or "<Config>").type  # a string: annotations are postponed
+
+    def fail(want: str) -> ConfigError:
+        where = f" (in {source})" if source else ""
+        return ConfigError(f"config key {key!r} must be {want}, got {value!r}{where}")
+
+    if isinstance(value, (Mapping, list, tuple, set)):
+        raise fail("a scalar")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise fail("true or false")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise fail("an integer")
+    if kind == "float":
+        # YAML 1.1 reads '1e-3' (no dot in the mantissa) as a string, so accept that.
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise fail("a number")
+        try:
+            number = float(value)
+        except ValueError:
+            raise fail("a number") from None
+        if not math.isfinite(number):
+            raise fail("a finite number")
+        return number
+    return "" if value is None else str(value)
+
+
+def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """Range and cross-key checks over a complete set of coerced values."""
+
+    def at(key: str) -> str:
+        return f"{key!r} ({values[key]!r}{', in ' + sources[key] if key in sources else ''})"
+
+    for name, f in _FIELDS.items():
+        ge, gt = f.metadata["ge"], f.metadata["gt"]
+        value = values[name]
+        if (ge is not None and not value >= ge) or (gt is not None and not value > gt):
+            bound = f">= {ge}" if ge is not None else f"> {gt}"
+            where = f" (in {sources[name]})" if name in sources else ""
+            raise ConfigError(f"config key {name!r} must be {bound}, got {value!r}{where}")
+    if values["base_emb_dim"] % values["base_num_query_heads"]:
+        raise ConfigError(
+            f"config keys {at('base_emb_dim')} and {at('base_num_query_heads')} contradict: "
+            "base_emb_dim must be divisible by base_num_query_heads"
+        )
+    m, slices = values["elastic_microbatches"], values["dcn_data_parallelism"]
+    if m and m & (m - 1):
+        raise ConfigError(f"config key {at('elastic_microbatches')} must be a power of two (or 0 for auto)")
+    if m and m < slices:
+        raise ConfigError(
+            f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
+            "every slice needs at least one microbatch per step"
+        )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _locate(path: str | pathlib.Path) -> pathlib.Path:
+    p = pathlib.Path(path)
+    if p.exists() or len(p.parts) != 1:
+        return p
+    try:
+        return builtin_config_path(str(path))
+    except ConfigError:
+        raise ConfigError(f"config file not found: {path} (not a file, nor a builtin config name)") from None
+
+
+def _read_chain(path: pathlib.Path, chain: tuple[pathlib.Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """``[(source, layer), ...]`` for ``path`` and its base_config chain, base first."""
+    real = path.resolve()
+    if real in chain:
+        raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*chain, real))}")
+    layer = _read_yaml(path, referrer=chain[-1] if chain else None)
+    base = layer.pop("base_config", None)
+    if base is None:
+        return [(str(path), layer)]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"base_config in {path} must be a file name, got {base!r}")
+    return [*_read_chain(path.parent / base, (*chain, real)), (str(path), layer)]
+
+
+def _read_yaml(path: pathlib.Path, referrer: pathlib.Path | None) -> dict[str, Any]:
+    named_by = f" (base_config of {referrer})" if referrer else ""
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}{named_by}") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}{named_by}: {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise ConfigError(f"invalid YAML in {path}{line}: {problem}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of config keys, got {type(data).__name__}")
+    return {str(k): v for k, v in data.items()}
+
+
+_DEFAULTS = Config().to_dict()

@@ -1,0 +1,215 @@
+"""The user API: ``Trainer`` (loss + optax optimizer) and ``wrap`` (a fused step).
+
+Both turn user code into the runtime's three programs (see
+:mod:`elastic._programs`) and run them with :class:`runtime.controller.Controller`
+on local workers, or in one process with ``reference=True``. Each run writes a
+run directory: ``events.jsonl`` and ``report.json``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Callable
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import optax
+
+from elastic import _programs, marker
+from elastic.config import Config
+from elastic.report import build_report, write_report
+from runtime import ProgramExportError, ProgramSet
+from runtime.controller import Controller, ControllerOptions, peak_rss_bytes
+from runtime.events import EventLog
+from runtime.reference import run_reference
+
+__all__ = ["Trainer", "wrap", "WrappedStep"]
+
+
+class _Job:
+    """What Trainer and WrappedStep share: programs, the run directory, ``fit``."""
+
+    config: Config
+    data: object
+
+    def _build(self) -> ProgramSet:
+        raise NotImplementedError
+
+    def programs(self) -> ProgramSet:
+        if getattr(self, "_programs", None) is None:
+            self._programs = self._build()
+        return self._programs
+
+    def run_dir(self) -> pathlib.Path:
+        name = self.config.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+        return pathlib.Path(self.config.base_output_directory) / name
+
+    def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None) -> dict:
+        """Trains ``config.steps`` steps; writes the run directory; returns the report.
+
+        ``reference=True`` runs the canonical math in this process (it needs
+        ``devices_per_slice`` local devices) instead of on workers.
+        """
+        cfg = self.config
+        run_dir = self.run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        events_path = run_dir / "events.jsonl"
+        if events_path.exists():
+            events_path.unlink()  # a new run under the same name starts a new log
+        events = EventLog(events_path)
+        try:
+            t0 = time.time()
+            events.emit("job_started", mode="reference" if reference else "distributed", config=cfg.to_dict(),
+                        global_batch_size=cfg.global_batch_size, microbatches=cfg.microbatches)
+            programs = self.programs()
+            events.emit("programs_built", seconds=time.time() - t0,
+                        program_bytes={k: len(v) for k, v in programs.programs().items()},
+                        state_bytes=programs.state_bytes, grad_size=programs.grad_size)
+            if reference:
+                self._fit_reference(programs, events, on_step)
+            else:
+                opts = ControllerOptions(slices=cfg.slices, devices_per_slice=cfg.devices_per_slice,
+                                         run_dir=str(run_dir), rpc_timeout_seconds=cfg.elastic_rpc_timeout_seconds,
+                                         register_timeout_seconds=cfg.elastic_register_timeout_seconds,
+                                         dispatch_depth=cfg.elastic_dispatch_depth)
+                with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
+                    ctl.train(cfg.steps, cfg.seed, on_step=on_step)
+        finally:
+            events.close()
+        report = build_report(run_dir / "events.jsonl")
+        write_report(run_dir, report)
+        return report
+
+    def _fit_reference(self, programs, events, on_step):
+        cfg = self.config
+        t0 = time.time()
+        events.emit("run_started", run_id="reference", slices=0, devices_per_slice=cfg.devices_per_slice,
+                    microbatches=programs.num_microbatches, steps=cfg.steps)
+
+        def step_done(step, loss):
+            events.emit("step_committed", step=step, epoch=0, loss=loss)
+            if on_step is not None:
+                on_step(step, loss)
+
+        losses, digest = run_reference(programs, self.data, steps=cfg.steps, seed=cfg.seed, on_step=step_done)
+        events.emit("state_initialized", seed=cfg.seed, state_bytes=programs.state_bytes)
+        events.emit("run_finished", steps_completed=len(losses), final_state_sha256=digest,
+                    replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
+                    client_peak_rss_bytes=peak_rss_bytes())
+
+
+class Trainer(_Job):
+    """Data-parallel training of ``loss(params, batch)`` with an optax optimizer.
+
+    ``init(key) -> params``; ``data`` is a :class:`elastic.data.DataSource`
+    whose microbatches have ``config.microbatch_size`` examples.
+    """
+
+    def __init__(self, *, init: Callable, loss: Callable, optimizer: optax.GradientTransformation, data,
+                 config: Config):
+        self.init, self.loss, self.optimizer, self.data, self.config = init, loss, optimizer, data, config
+
+    def _build(self) -> ProgramSet:
+        opt = self.optimizer
+
+        def init_state(key):
+            params = self.init(key)
+            return params, opt.init(params)
+
+        def grad_fn(state, batch):
+            return jax.value_and_grad(self.loss)(state[0], batch)
+
+        def apply_fn(state, grads):
+            params, opt_state = state
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return _programs.build_programs(init_state=init_state, grad_fn=grad_fn, apply_fn=apply_fn,
+                                        batch_spec=_spec(self.data), devices_per_slice=self.config.devices_per_slice,
+                                        num_microbatches=self.config.microbatches)
+
+
+class WrappedStep(_Job):
+    """An existing fused ``train_step(state, batch) -> (state, metrics)`` made elastic.
+
+    The step marks its sync point with ``grads = elastic.cross_slice_mean(grads)``;
+    ``metrics[loss_key]`` is the microbatch loss reported per step. Everything
+    after the mark may depend only on the state and the reduced gradients.
+    """
+
+    def __init__(self, train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss"):
+        self.train_step, self.init_state, self.data, self.config = train_step, init_state, data, config
+        self.loss_key = loss_key
+
+    def _build(self) -> ProgramSet:
+        step, loss_key = self.train_step, self.loss_key
+        spec = _spec(self.data)
+
+        def grad_fn(state, batch):
+            metrics, grads = _run_to_mark(step, state, batch)
+            if loss_key not in metrics:
+                raise ProgramExportError(f"the wrapped train_step's metrics have no {loss_key!r} "
+                                         f"(keys: {sorted(metrics)}); pass loss_key=")
+            return metrics[loss_key], grads
+
+        def apply_fn(state, grads):
+            zeros = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in spec.items()}
+            with marker.substitute_gradients(grads):
+                new_state, _ = step(state, zeros)
+            return new_state
+
+        _check_apply_ignores_batch(step, self.init_state, spec)
+        return _programs.build_programs(init_state=self.init_state, grad_fn=grad_fn, apply_fn=apply_fn,
+                                        batch_spec=spec, devices_per_slice=self.config.devices_per_slice,
+                                        num_microbatches=self.config.microbatches)
+
+
+def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:
+    """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``."""
+    return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key)
+
+
+def _spec(data) -> dict:
+    return {k: (tuple(shape), dtype) for k, (shape, dtype) in data.element_spec().items()}
+
+
+def _run_to_mark(step, state, batch):
+    """Traces ``step``; returns (metrics, the gradients passed to the mark)."""
+    with marker.capture_gradients() as m:
+        _, metrics = step(state, batch)
+    if len(m.seen) != 1:
+        raise ProgramExportError("the wrapped train_step never called elastic.cross_slice_mean(grads)")
+    return metrics, m.seen[0]
+
+
+def _check_apply_ignores_batch(step, init_state, spec) -> None:
+    """Refuses a step whose state update after the mark reads the batch.
+
+    The apply program runs without the batch, so such a step would silently
+    train on zeros. Checked by tracing: the new state must not depend on it.
+    """
+    state = jax.eval_shape(init_state, jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in spec.items()}
+    grads = jax.eval_shape(lambda s, b: _run_to_mark(step, s, b)[1], state, batch)
+
+    def after_mark(state, grads, batch):
+        with marker.substitute_gradients(grads):
+            return step(state, batch)[0]
+
+    closed = jax.make_jaxpr(after_mark)(state, grads, batch)
+    n_batch = len(jax.tree.leaves(batch))
+    used = _used_inputs(closed.jaxpr)
+    if any(used[-n_batch:]):
+        raise ProgramExportError("the wrapped train_step's update after elastic.cross_slice_mean reads the "
+                                 "batch; compute everything batch-dependent before the mark")
+
+
+def _used_inputs(jaxpr) -> list[bool]:
+    from jax._src.interpreters import partial_eval as pe  # no public DCE API
+
+    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return used
+
+

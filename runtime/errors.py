@@ -1,0 +1,97 @@
+"""One error hierarchy for jax-elastic.
+
+Every error is picklable (plain constructor arguments) so it can cross process
+boundaries. Code branches on the type, never on the message text.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ElasticError",
+    "WorkerError",
+    "WorkerLostError",
+    "StepAbortedError",
+    "ProgramExportError",
+    "RegistrationTimeoutError",
+    "StaleEpochError",
+    "ElasticTrainingFailedError",
+    "ProtocolError",
+]
+
+
+class ElasticError(Exception):
+    """Base of every error raised by jax-elastic."""
+
+
+class WorkerError(ElasticError):
+    """User code (a program, a data source) raised on a worker.
+
+    Carries the worker's id and the remote traceback text.
+    """
+
+    def __init__(self, worker_id: str, message: str, remote_traceback: str = ""):
+        super().__init__(worker_id, message, remote_traceback)
+        self.worker_id = worker_id
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        text = f"worker {self.worker_id}: {self.message}"
+        if self.remote_traceback:
+            text += "\n--- remote traceback ---\n" + self.remote_traceback
+        return text
+
+
+class WorkerLostError(ElasticError):
+    """A worker stopped answering (process died, connection broken, deadline)."""
+
+    def __init__(self, worker_id: str, reason: str):
+        super().__init__(worker_id, reason)
+        self.worker_id = worker_id
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"worker {self.worker_id} lost: {self.reason}"
+
+
+class StepAbortedError(ElasticError):
+    """A step could not complete on this worker (a peer vanished mid-reduction)."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(step, reason)
+        self.step = step
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"step {self.step} aborted: {self.reason}"
+
+
+class StaleEpochError(ElasticError):
+    """A message from an older membership epoch (or another run) was refused."""
+
+
+class ProtocolError(ElasticError, ValueError):
+    """A malformed RPC message or tensor chunk (bad size, bad checksum, ...)."""
+
+
+class ProgramExportError(ElasticError):
+    """The step could not be exported with ``jax.export``; says why and what to do."""
+
+
+class RegistrationTimeoutError(ElasticError, TimeoutError):
+    """Workers did not register with the controller within the deadline."""
+
+
+class ElasticTrainingFailedError(ElasticError):
+    """The run cannot continue; carries what failed where."""
+
+    def __init__(self, message: str, step: int | None = None, cause: str = ""):
+        super().__init__(message, step, cause)
+        self.message = message
+        self.step = step
+        self.cause = cause
+
+    def __str__(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        why = f": {self.cause}" if self.cause else ""
+        return f"{self.message}{where}{why}"

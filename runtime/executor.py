@@ -1,0 +1,127 @@
+"""Runs a :class:`ProgramSet` on the local devices of one slice.
+
+Used by the worker (behind gRPC) and by the single-process reference run, so
+both execute exactly the same code on the same programs. Not thread-safe: the
+owner serializes calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from runtime.microbatch import Node, tree_reduce
+from runtime.programs import MESH_AXIS, ProgramSet
+
+__all__ = ["SliceExecutor", "add_f32"]
+
+
+def add_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The one addition used to combine gradient partials (IEEE float32)."""
+    return np.add(a, b, dtype=np.float32)
+
+
+class SliceExecutor:
+    """Holds one replica of the training state on ``devices``.
+
+    Call :meth:`load` once, then :meth:`init`, then any number of
+    ``grad``/``apply`` pairs. Errors from user programs propagate unchanged.
+    """
+
+    def __init__(self, programs: ProgramSet, data_source, devices=None):
+        devices = list(devices if devices is not None else jax.devices())
+        d = programs.devices_per_slice
+        if len(devices) < d:
+            raise ValueError(f"slice needs {d} devices, this process has {len(devices)}")
+        self.programs = programs
+        self.data = data_source
+        self.mesh = Mesh(np.array(devices[:d]), (MESH_AXIS,))
+        self.state = None
+        self.steps_applied = 0
+        self._fns: dict[str, object] = {}
+        self._exported: dict[str, object] = {}
+        self._shardings: dict[str, list[NamedSharding]] = {}
+
+    # -- setup ---------------------------------------------------------------
+
+    def load(self) -> float:
+        """Deserializes and compiles every program; returns seconds spent."""
+        t0 = time.perf_counter()
+        for name, blob in self.programs.programs().items():
+            exp = jax.export.deserialize(bytearray(blob))
+            if exp.nr_devices != self.programs.devices_per_slice:
+                raise ValueError(f"program {name!r} is for {exp.nr_devices} devices, slice has "
+                                 f"{self.programs.devices_per_slice}")
+            self._exported[name] = exp
+            specs = self.programs.in_specs[name]
+            if len(specs) != len(exp.in_avals):
+                raise ValueError(f"program {name!r} takes {len(exp.in_avals)} inputs, layout names {len(specs)}")
+            self._shardings[name] = [self._sharding(d) for d in specs]
+            args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                    for a, s in zip(exp.in_avals, self._shardings[name])]
+            args, kwargs = jax.tree.unflatten(exp.in_tree, args)
+            self._fns[name] = jax.jit(exp.call).lower(*args, **kwargs).compile()
+        return time.perf_counter() - t0
+
+    def _sharding(self, dim: int | None) -> NamedSharding:
+        """Replicated, or dimension ``dim`` split over the slice's mesh axis."""
+        if dim is None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * dim), MESH_AXIS))
+
+    def _call(self, name: str, *args):
+        exp = self._exported[name]
+        flat, tree = jax.tree.flatten((args, {}))
+        if tree != exp.in_tree:
+            raise ValueError(f"program {name!r} expects inputs {exp.in_tree}, got {tree}")
+        placed = [x if isinstance(x, jax.Array) else jax.device_put(x, s)
+                  for x, s in zip(flat, self._shardings[name])]
+        args, _ = jax.tree.unflatten(tree, placed)
+        return self._fns[name](*args)
+
+    # -- the step ------------------------------------------------------------
+
+    def init(self, seed: int) -> int:
+        self.state = self._call("init", np.int32(seed))
+        self.steps_applied = 0
+        return self.state_nbytes()
+
+    def grad(self, step: int, microbatch: int) -> tuple[np.float32, np.ndarray]:
+        """Loss and flat float32 gradient of one microbatch, on the host."""
+        batch = self.data.batch(step, microbatch)
+        loss, grads = self._call("grad", self.state, batch)
+        return np.float32(loss), np.asarray(grads, dtype=np.float32)
+
+    def partials(self, step: int, nodes) -> dict:
+        """Canonical sums over each subtree in ``nodes``: ``{node: (loss_sum, grad_sum)}``.
+
+        Each microbatch's gradient is computed once, then summed in the
+        canonical tree order (see :mod:`runtime.microbatch`).
+        """
+        out = {}
+        for node in nodes:
+            leaves = {Node(0, m): self.grad(step, m) for m in node.ids}
+            out[node] = tree_reduce(leaves, node, lambda a, b: (add_f32(a[0], b[0]), add_f32(a[1], b[1])))
+        return out
+
+    def apply(self, grad_sum: np.ndarray) -> None:
+        self.state = self._call("apply", self.state, grad_sum)
+        self.steps_applied += 1
+
+    # -- inspection ----------------------------------------------------------
+
+    def state_nbytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.state)))
+
+    def state_sha256(self) -> str:
+        """Hash of every state leaf's bytes, in pytree order (same on every replica)."""
+        h = hashlib.sha256()
+        for leaf in jax.tree.leaves(self.state):
+            arr = np.asarray(leaf)
+            h.update(str((arr.shape, arr.dtype.str)).encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()

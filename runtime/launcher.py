@@ -1,0 +1,61 @@
+"""Starts worker processes. ``LocalLauncher``: subprocesses on loopback.
+
+A worker binds port 0 and registers its address with the controller, so no
+ports are chosen here. Each worker writes its log to ``log_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+__all__ = ["LocalLauncher"]
+
+
+class LocalLauncher:
+    """Launches ``python -m runtime.worker`` children with N simulated devices each."""
+
+    def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str):
+        self.run_id = run_id
+        self.controller_address = controller_address
+        self.devices_per_worker = devices_per_worker
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        os.makedirs(log_dir, exist_ok=True)
+
+    def launch(self, worker_id: str) -> subprocess.Popen:
+        env = dict(os.environ)
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_worker}"])
+        env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+        # Keep each worker's XLA/Eigen pools from oversubscribing a small host.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        # Same import path as the client, so data sources pickled by reference
+        # (classes of the user's modules) load on the worker.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        paths = [root] + [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        log = open(os.path.join(self.log_dir, f"worker-{worker_id}.log"), "ab")
+        cmd = [sys.executable, "-m", "runtime.worker", "--controller", self.controller_address,
+               "--run-id", self.run_id, "--worker-id", worker_id, "--exit-with-parent"]
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        self.procs[worker_id] = proc
+        return proc
+
+    def alive(self, worker_id: str) -> bool:
+        p = self.procs.get(worker_id)
+        return p is not None and p.poll() is None
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Terminates every child, then kills what is left after ``timeout``."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout)

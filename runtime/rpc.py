@@ -1,0 +1,75 @@
+"""gRPC plumbing shared by the controller and the workers.
+
+Errors cross the wire as status codes, and are mapped back to typed errors by
+code (never by message text):
+
+=====================  ==========================
+status                 error on the caller's side
+=====================  ==========================
+INTERNAL               WorkerError (user code raised; details carry the traceback)
+FAILED_PRECONDITION    StaleEpochError (fenced: wrong run or older epoch)
+INVALID_ARGUMENT       ProtocolError (malformed message, bad checksum)
+ABORTED                StepAbortedError (a peer vanished mid-step)
+anything else          WorkerLostError (unreachable, deadline, cancelled)
+=====================  ==========================
+"""
+
+from __future__ import annotations
+
+import traceback
+from concurrent import futures
+
+import grpc
+
+from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError, WorkerError, WorkerLostError
+
+__all__ = ["CHANNEL_OPTIONS", "make_server", "channel", "abort_with", "to_error"]
+
+MAX_MESSAGE = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.enable_retries", 0),
+]
+
+_CODES = {
+    StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
+    ProtocolError: grpc.StatusCode.INVALID_ARGUMENT,
+    StepAbortedError: grpc.StatusCode.ABORTED,
+}
+
+
+def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind a gRPC server on {host}:{port}")
+    return server, bound
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
+    """Server side: ends the RPC with the status code that names ``exc``'s kind."""
+    for kind, code in _CODES.items():
+        if isinstance(exc, kind):
+            context.abort(code, str(exc))
+    text = "".join(traceback.format_exception(exc))
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}\n{text}")
+
+
+def to_error(worker_id: str, err: grpc.RpcError) -> Exception:
+    """Client side: the typed error for a failed RPC to ``worker_id``."""
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.INTERNAL:
+        message, _, tb = details.partition("\n")
+        return WorkerError(worker_id, message, tb)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return StaleEpochError(f"worker {worker_id} refused: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ProtocolError(f"worker {worker_id} rejected a message: {details}")
+    if code == grpc.StatusCode.ABORTED:
+        return StepAbortedError(-1, f"worker {worker_id}: {details}")
+    return WorkerLostError(worker_id, f"{code.name}: {details}")

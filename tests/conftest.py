@@ -1,0 +1,29 @@
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_cli(args, tmp_path, *, check=True, timeout=300):
+    """Runs ``elastic ARGS`` in a subprocess; returns (CompletedProcess, report dict or None)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "elastic.cli", *args, f"base_output_directory={tmp_path}", "--quiet"]
+    pathlib.Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    if check and proc.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in pathlib.Path(tmp_path).rglob("*.log"))
+        raise AssertionError(f"elastic {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n{logs}")
+    reports = sorted(pathlib.Path(tmp_path).rglob("report.json"), key=lambda p: p.stat().st_mtime)
+    report = json.loads(reports[-1].read_text()) if reports and proc.returncode == 0 else None
+    return proc, report
+
+
+@pytest.fixture
+def cli(tmp_path):
+    return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)

@@ -1,0 +1,43 @@
+"""Package layering and generated code stay as documented."""
+
+import ast
+import filecmp
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ALLOWED = {
+    "runtime": set(),
+    "elastic": {"runtime"},
+    "chaos": {"runtime", "elastic"},
+    "integrations": {"elastic", "runtime"},
+}
+
+
+def imported_packages(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module.split(".")[0]
+
+
+def test_imports_flow_one_way():
+    bad = []
+    for pkg, allowed in ALLOWED.items():
+        for f in (ROOT / pkg).rglob("*.py"):
+            for mod in imported_packages(f):
+                if mod in ALLOWED and mod != pkg and mod not in allowed:
+                    bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+    assert not bad, bad
+
+
+def test_generated_protos_match_the_proto_file(tmp_path):
+    env_py = pathlib.Path(sys.executable).parent
+    subprocess.run(["bash", str(ROOT / "scripts/gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT,
+                   env={"PATH": f"{env_py}:/usr/bin:/bin"})
+    for name in ("elastic_pb2.py", "elastic_pb2_grpc.py"):
+        assert filecmp.cmp(tmp_path / name, ROOT / "runtime/_proto" / name, shallow=False), (
+            f"runtime/_proto/{name} is stale: run scripts/gen_protos.sh")
