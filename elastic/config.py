@@ -74,6 +74,14 @@ class Config:
     elastic_register_timeout_seconds: float = _key(120.0, gt=0)
     elastic_chunk_bytes: int = _key(4194304, ge=1024)
     elastic_enabled: bool = _key(True)
+    elastic_spares: int = _key(0, ge=0)  # warmed spare slices launched beside the active ones
+    elastic_min_slice_count: int = _key(1, ge=1)  # shrink no further than this
+    elastic_timeout_seconds: float = _key(60.0, gt=0)  # wait for capacity below the minimum
+    elastic_max_retries: int = _key(10, ge=0)  # recoveries before the run fails
+    elastic_heartbeat_seconds: float = _key(0.25, gt=0)  # health probe interval
+    elastic_lease_seconds: float = _key(1.5, gt=0)  # silence before a worker is suspect
+    elastic_probe_retries: int = _key(2, ge=0)  # re-probes confirming a suspect is dead
+    elastic_relaunch: bool = _key(True)  # local launcher restarts dead workers as spares
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -247,6 +255,11 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
         raise ConfigError(
             f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
             "every slice needs at least one microbatch per step"
+        )
+    if values["elastic_min_slice_count"] > slices:
+        raise ConfigError(
+            f"config keys {at('elastic_min_slice_count')} and {at('dcn_data_parallelism')} contradict: "
+            "the minimum slice count cannot exceed the slice count"
         )
 
 

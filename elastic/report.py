@@ -43,6 +43,10 @@ def build_report(events_or_path) -> dict:
         "compile_seconds": None,
         "step_seconds_median": None,
         "finished": False,
+        "failures": [],
+        "checkpoint_restores": 0,
+        "steps_lost": 0,
+        "slices_at_end": None,
     }
     step_seconds = []
     t_first = events[0]["t"] if events else None
@@ -65,6 +69,23 @@ def build_report(events_or_path) -> dict:
             report["steps_completed"] += 1
             if "seconds" in e:
                 step_seconds.append(e["seconds"])
+        elif kind == "placement":
+            report["slices_at_end"] = len(e["active"])
+        elif kind == "failure_detected":
+            current = {"detected_at": e["t"] - t_first, "error": e["error"], "detail": e["detail"],
+                       "step": e["committed"], "workers": [], "path": None, "recovered_after_s": None,
+                       "bytes_moved": 0}
+            report["failures"].append(current)
+        elif kind == "worker_dead" and report["failures"] and report["failures"][-1]["path"] is None:
+            report["failures"][-1]["workers"].append(e["worker"])
+        elif kind == "recovery_decision" and report["failures"]:
+            report["failures"][-1]["path"] = e["action"]
+            report["slices_at_end"] = len(e["active"])
+        elif kind == "recovered" and report["failures"]:
+            report["failures"][-1].update(recovered_after_s=e["seconds"], bytes_moved=e["bytes_moved"],
+                                          resume_step=e["resume_step"])
+        elif kind == "grown":
+            report["slices_at_end"] = len(e["active"])
         elif kind == "run_finished":
             report.update(final_state_sha256=e["final_state_sha256"], replica_hashes=e["replica_hashes"],
                           client_peak_rss_bytes=e["client_peak_rss_bytes"], finished=True)

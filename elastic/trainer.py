@@ -73,7 +73,13 @@ class _Job:
                 opts = ControllerOptions(slices=cfg.slices, devices_per_slice=cfg.devices_per_slice,
                                          run_dir=str(run_dir), rpc_timeout_seconds=cfg.elastic_rpc_timeout_seconds,
                                          register_timeout_seconds=cfg.elastic_register_timeout_seconds,
-                                         dispatch_depth=cfg.elastic_dispatch_depth)
+                                         dispatch_depth=cfg.elastic_dispatch_depth, spares=cfg.elastic_spares,
+                                         min_slices=cfg.elastic_min_slice_count,
+                                         max_retries=cfg.elastic_max_retries,
+                                         heartbeat_seconds=cfg.elastic_heartbeat_seconds,
+                                         lease_seconds=cfg.elastic_lease_seconds,
+                                         probe_retries=cfg.elastic_probe_retries,
+                                         relaunch=cfg.elastic_relaunch)
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     ctl.train(cfg.steps, cfg.seed, on_step=on_step)
         finally:

@@ -28,7 +28,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node
 
-__all__ = ["Mailbox", "chunk_bounds", "pieces", "REDUCE_SCATTER", "ALL_GATHER"]
+__all__ = ["Mailbox", "chunk_bounds", "pieces", "state_chunks", "assemble_state", "REDUCE_SCATTER", "ALL_GATHER"]
 
 REDUCE_SCATTER, ALL_GATHER = 0, 1
 
@@ -60,12 +60,15 @@ def pieces(fence: pb.Fence, step: int, phase: int, src_rank: int, node: Node, da
 class Mailbox:
     """Where a worker's Push handler drops complete pieces for the step thread.
 
-    Keyed by ``(step, phase)``, then sender rank, then subtree. Thread-safe.
+    Keyed by ``(epoch, step, phase)``, then sender rank, then subtree, so a
+    step re-run in a new epoch never sees pieces of its aborted attempt.
+    Thread-safe.
     """
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._box: dict[tuple[int, int], dict[int, dict[Node, np.ndarray]]] = {}
+        self._box: dict[tuple[int, int, int], dict[int, dict[Node, np.ndarray]]] = {}
+        self.epoch = 0
 
     def receive(self, chunks: Iterator[pb.TensorChunk], check_fence) -> None:
         """Assembles one Push stream; deposits it when the stream ends cleanly."""
@@ -75,8 +78,8 @@ class Mailbox:
         for c in chunks:
             check_fence(c.fence)
             if key is None:
-                key, src = (c.step, c.phase), c.src_rank
-            elif (c.step, c.phase) != key or c.src_rank != src:
+                key, src = (c.fence.epoch, c.step, c.phase), c.src_rank
+            elif (c.fence.epoch, c.step, c.phase) != key or c.src_rank != src:
                 raise ProtocolError("one Push stream mixed steps, phases or senders")
             if zlib.crc32(c.data) != c.crc32:
                 raise ProtocolError(f"checksum mismatch in step {c.step} from rank {c.src_rank}")
@@ -100,14 +103,30 @@ class Mailbox:
         if key is None:
             return
         with self._cond:
-            self._box.setdefault(key, {})[src] = bufs
+            if key[0] >= self.epoch:
+                self._box.setdefault(key, {})[src] = bufs
+                self._cond.notify_all()
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new membership epoch: waiters of older epochs abort, their pieces go."""
+        with self._cond:
+            self.epoch = max(self.epoch, epoch)
+            for key in [k for k in self._box if k[0] < self.epoch]:
+                del self._box[key]
             self._cond.notify_all()
 
-    def wait(self, step: int, phase: int, senders: set[int], deadline: float) -> dict[int, dict[Node, np.ndarray]]:
-        """Blocks until every rank in ``senders`` delivered; pops and returns their pieces."""
-        key = (step, phase)
+    def wait(self, epoch: int, step: int, phase: int, senders: set[int],
+             deadline: float) -> dict[int, dict[Node, np.ndarray]]:
+        """Blocks until every rank in ``senders`` delivered; pops and returns their pieces.
+
+        Raises :class:`StepAbortedError` at the deadline, or as soon as a newer
+        epoch than ``epoch`` is set (the step was aborted).
+        """
+        key = (epoch, step, phase)
         with self._cond:
             while True:
+                if self.epoch > epoch:
+                    raise StepAbortedError(step, f"aborted: membership moved to epoch {self.epoch}")
                 got = self._box.get(key, {})
                 if senders <= got.keys():
                     self._box.pop(key, None)
@@ -119,8 +138,46 @@ class Mailbox:
                                                  f"from ranks {missing} before the deadline")
                 self._cond.wait(left)
 
-    def drop_before(self, step: int) -> None:
-        """Forgets pieces of steps older than ``step`` (after an abort)."""
-        with self._cond:
-            for key in [k for k in self._box if k[0] < step]:
-                del self._box[key]
+
+def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int) -> Iterator[pb.StateChunk]:
+    """Cuts state leaves into checksummed messages for a peer-to-peer transfer."""
+    for i, leaf in enumerate(leaves):
+        raw = np.ascontiguousarray(leaf).view(np.uint8).reshape(-1)
+        for off in range(0, max(len(raw), 1), chunk_bytes):
+            blob = raw[off:off + chunk_bytes].tobytes()
+            yield pb.StateChunk(leaf=i, num_leaves=len(leaves), shape=leaf.shape, dtype=leaf.dtype.str,
+                                total_bytes=leaf.nbytes, offset=off, data=blob, crc32=zlib.crc32(blob),
+                                applied_steps=applied_steps)
+
+
+def assemble_state(chunks: Iterator[pb.StateChunk]) -> tuple[list[np.ndarray], int]:
+    """Rebuilds the leaves of :func:`state_chunks`; ``ProtocolError`` on any inconsistency."""
+    bufs: dict[int, np.ndarray] = {}
+    meta: dict[int, tuple] = {}
+    filled: dict[int, int] = {}
+    num = applied = None
+    for c in chunks:
+        if zlib.crc32(c.data) != c.crc32:
+            raise ProtocolError(f"checksum mismatch in state leaf {c.leaf}")
+        if num is None:
+            num, applied = c.num_leaves, c.applied_steps
+        elif (c.num_leaves, c.applied_steps) != (num, applied):
+            raise ProtocolError("state stream changed leaf count or step midway")
+        if not 0 <= c.leaf < num:
+            raise ProtocolError(f"state leaf {c.leaf} out of range [0, {num})")
+        if c.leaf not in bufs:
+            dtype = np.dtype(c.dtype)
+            if int(np.prod(c.shape, dtype=np.int64)) * dtype.itemsize != c.total_bytes:
+                raise ProtocolError(f"state leaf {c.leaf}: shape {list(c.shape)} x {dtype} is not {c.total_bytes} bytes")
+            bufs[c.leaf] = np.empty(c.total_bytes, dtype=np.uint8)
+            meta[c.leaf] = (tuple(c.shape), dtype)
+            filled[c.leaf] = 0
+        buf = bufs[c.leaf]
+        if c.offset < 0 or c.offset + len(c.data) > buf.size:
+            raise ProtocolError(f"state leaf {c.leaf}: chunk outside its {buf.size} bytes")
+        buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+        filled[c.leaf] += len(c.data)
+    if num is None or len(bufs) != num or any(filled[i] != bufs[i].size for i in bufs):
+        raise ProtocolError("state stream ended before every leaf arrived")
+    leaves = [bufs[i].view(meta[i][1]).reshape(meta[i][0]) for i in range(num)]
+    return leaves, applied

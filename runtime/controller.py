@@ -22,13 +22,14 @@ import numpy as np
 from runtime import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.errors import ElasticTrainingFailedError, RegistrationTimeoutError
+from runtime import auth
+from runtime.errors import (ElasticTrainingFailedError, RegistrationTimeoutError, StaleEpochError, StepAbortedError,
+                            WorkerLostError)
+from runtime.health import HealthMonitor
 from runtime.events import EventLog
-from runtime.executor import add_f32
 from runtime.launcher import LocalLauncher
-from runtime.microbatch import Node, root, tree_reduce
 from runtime.programs import ProgramSet
-from runtime.resource_manager import Placement, StepPlan, WorkerInfo, place, plan_step
+from runtime.resource_manager import Placement, StepPlan, WorkerInfo, decide_grow, decide_recovery, place, plan_step
 
 __all__ = ["ControllerOptions", "Controller", "RunResult", "gather", "peak_rss_bytes"]
 
@@ -52,6 +53,8 @@ def gather(futures: dict[str, grpc.Future]) -> dict[str, object]:
         w, f = done.get()
         try:
             out[w] = f.result()
+        except grpc.FutureCancelledError:
+            raise WorkerLostError(w, "declared dead; its call was cancelled") from None
         except grpc.RpcError as e:
             raise rpc.to_error(w, e) from None
     return out
@@ -67,6 +70,14 @@ class ControllerOptions:
     rpc_timeout_seconds: float = 120.0
     register_timeout_seconds: float = 120.0
     dispatch_depth: int = 2
+    spares: int = 0
+    min_slices: int = 1
+    max_retries: int = 10
+    heartbeat_seconds: float = 0.25
+    lease_seconds: float = 1.5
+    probe_retries: int = 2
+    relaunch: bool = True
+    secret: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +89,7 @@ class RunResult:
     wall_seconds: float
     client_peak_rss_bytes: int
     state_bytes: int
+    recoveries: int = 0
 
 
 class _Registry(pb_grpc.ControllerServicer):
@@ -122,32 +134,70 @@ class Controller:
         self.opts = options
         self.run_id = options.run_id or uuid.uuid4().hex[:12]
         self.events = events
+        self.secret = options.secret or auth.new_secret()
         self.registry = _Registry(self.run_id, events)
-        self.server, port = rpc.make_server(options.host, 0, max_workers=8)
+        self.server, port = rpc.make_server(options.host, 0, max_workers=8, secret=self.secret)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{options.host}:{port}"
         self.launcher = LocalLauncher(self.run_id, self.address, options.devices_per_slice,
-                                      f"{options.run_dir}/logs")
+                                      f"{options.run_dir}/logs", secret=self.secret)
         self.placement: Placement | None = None
         self.stubs: dict[str, pb_grpc.WorkerStub] = {}
+        self.channels: dict[str, grpc.Channel] = {}
+        self.inflight: dict[str, list[grpc.Future]] = {}
+        self.dead: dict[str, str] = {}          # worker -> why (declared by the monitor or a probe)
+        self.warming: dict[str, grpc.Future] = {}
+        self.recoveries = 0
+        self.monitor = HealthMonitor(self._channel, self._declare_dead, interval=options.heartbeat_seconds,
+                                     lease=options.lease_seconds, retries=options.probe_retries, events=events)
+        self._launched = 0
+        self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------
 
     def __enter__(self) -> Controller:
         self.server.start()
+        self.monitor.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
+        self.monitor.stop()
         for wid, stub in self.stubs.items():
+            if wid in self.dead:
+                continue
             try:
                 stub.Shutdown(pb.ShutdownRequest(fence=self._fence()), timeout=2.0)
             except grpc.RpcError:
                 pass
         self.launcher.stop_all()
         self.server.stop(0)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        ch = self.channels.get(address)
+        if ch is None:
+            ch = self.channels[address] = rpc.channel(address, self.secret)
+        return ch
+
+    def _declare_dead(self, worker_id: str, reason: str) -> None:
+        """Called by the health monitor (or a probe): fence the worker, fail its RPCs."""
+        with self._lock:
+            if worker_id in self.dead:
+                return
+            self.dead[worker_id] = reason
+            futs = self.inflight.pop(worker_id, [])
+        self.events.emit("worker_dead", worker=worker_id, reason=reason)
+        self.launcher.kill(worker_id)   # a declared-dead process must never come back as itself
+        for f in futs:
+            f.cancel()
+
+    def _launch(self) -> str:
+        wid = f"w{self._launched}"
+        self._launched += 1
+        self.launcher.launch(wid)
+        return wid
 
     def _fence(self) -> pb.Fence:
         return pb.Fence(run_id=self.run_id, epoch=self.placement.epoch if self.placement else 0)
@@ -160,7 +210,7 @@ class Controller:
 
     def _all(self, method: str, make_request, workers=None) -> dict[str, object]:
         """Calls ``method`` on every active worker concurrently; see :func:`gather`."""
-        workers = workers or self.placement.active
+        workers = self.placement.active if workers is None else workers
         return gather({w: getattr(self.stubs[w], method).future(make_request(w), timeout=self.opts.rpc_timeout_seconds)
                        for w in workers})
 
@@ -169,23 +219,31 @@ class Controller:
     def start_workers(self) -> None:
         """Launches, registers, places, loads programs and initializes state."""
         t0 = time.time()
-        for v in range(self.opts.slices):
-            self.launcher.launch(f"w{v}")
-        workers = self.registry.wait_for(self.opts.slices, self.opts.register_timeout_seconds)
+        for _ in range(self.opts.slices + self.opts.spares):
+            self._launch()
+        workers = self.registry.wait_for(self.opts.slices + self.opts.spares, self.opts.register_timeout_seconds)
         for w in workers:
-            self.stubs[w.worker_id] = pb_grpc.WorkerStub(rpc.channel(w.address))
+            self._adopt(w)
         try:
             self.placement = place(self.opts.slices, self.opts.devices_per_slice, workers)
         except ValueError as e:
             raise ElasticTrainingFailedError("cannot place the virtual slices", cause=str(e)) from None
         self.events.emit("placement", epoch=self.placement.epoch, active=list(self.placement.active),
                          spares=list(self.placement.spares), seconds=time.time() - t0)
-        progs = [pb.Program(name=k, serialized=v) for k, v in self.programs.programs().items()]
-        layout = self.programs.layout_json()
-        replies = self._all("Load", lambda w: pb.LoadRequest(fence=self._fence(), programs=progs,
-                                                              data_source=self.data_source, layout=layout))
+        progs = self._load_request("").programs
+        everyone = list(self.placement.active + self.placement.spares)
+        replies = self._all("Load", self._load_request, workers=everyone)
         self.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in replies.items()},
                          program_bytes=sum(len(p.serialized) for p in progs))
+
+    def _adopt(self, w: WorkerInfo) -> None:
+        self.stubs[w.worker_id] = pb_grpc.WorkerStub(self._channel(w.address))
+        self.monitor.watch(w.worker_id, w.address)
+
+    def _load_request(self, worker_id: str) -> pb.LoadRequest:
+        progs = [pb.Program(name=k, serialized=v) for k, v in self.programs.programs().items()]
+        return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
+                              layout=self.programs.layout_json())
 
     def init_state(self, seed: int) -> int:
         replies = self._all("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed))
@@ -208,47 +266,82 @@ class Controller:
 
     def _dispatch(self, plan: StepPlan):
         reqs = self._step_requests(plan)
-        futs = {w: self.stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds) for w, req in reqs.items()}
+        futs = {}
+        with self._lock:
+            for w, req in reqs.items():
+                futs[w] = self.stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
+                self.inflight.setdefault(w, []).append(futs[w])
+                if w in self.dead:
+                    futs[w].cancel()
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
         return plan, futs, time.time()
 
-    def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> float:
-        replies = gather(futs)
-        partials = {Node(nl.node.level, nl.node.index): np.float32(nl.loss_sum)
-                    for r in replies.values() for nl in r.losses}
-        m = self.programs.num_microbatches
-        loss = float(tree_reduce(partials, root(m), add_f32) / np.float32(m))
-        self.events.emit(
-            "step_committed", step=plan.step, epoch=plan.epoch, loss=loss,
-            microbatches={w: [i for n in nodes for i in n.ids] for w, nodes in zip(plan.workers, plan.nodes)},
-            grad_seconds=max(r.grad_seconds for r in replies.values()),
-            reduce_seconds=max(r.reduce_seconds for r in replies.values()),
-            apply_seconds=max(r.apply_seconds for r in replies.values()),
-            bytes_sent=sum(r.bytes_sent for r in replies.values()),
-            seconds=time.time() - t_dispatch)
-        return loss
+    def _commit(self, plan: StepPlan, futs, t_dispatch: float, on_step) -> None:
+        try:
+            replies = gather(futs)
+        finally:
+            with self._lock:
+                for w, f in futs.items():
+                    if f in self.inflight.get(w, []):
+                        self.inflight[w].remove(f)
+        sums = {r.loss_sum for r in replies.values()}
+        if len(sums) != 1:
+            raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
+        self._record(plan.step, plan.epoch, sums.pop(), on_step, t_dispatch=t_dispatch, plan=plan,
+                     grad_seconds=max(r.grad_seconds for r in replies.values()),
+                     reduce_seconds=max(r.reduce_seconds for r in replies.values()),
+                     apply_seconds=max(r.apply_seconds for r in replies.values()),
+                     bytes_sent=sum(r.bytes_sent for r in replies.values()))
+
+    def _record(self, step: int, epoch: int, loss_sum: float, on_step, *, t_dispatch=None, plan=None, **fields):
+        loss = float(np.float32(loss_sum) / np.float32(self.programs.num_microbatches))
+        if plan is not None:
+            fields["microbatches"] = {w: [i for n in nodes for i in n.ids] for w, nodes in zip(plan.workers, plan.nodes)}
+        if t_dispatch is not None:
+            fields["seconds"] = time.time() - t_dispatch
+        self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, **fields)
+        self.losses.append(loss)
+        if on_step is not None:
+            on_step(step, loss)
 
     def train(self, steps: int, seed: int, on_step=None) -> RunResult:
-        """Runs ``steps`` steps from a fresh state; returns the run's summary."""
+        """Runs ``steps`` steps from a fresh state; returns the run's summary.
+
+        Step ``s`` is committed when every active slice applied it. When a
+        worker is lost, in-flight steps are abandoned, the resource manager
+        decides (replace / shrink / fail), and training resumes at the first
+        step not applied by every survivor: no committed step is lost or
+        applied twice.
+        """
         t0 = time.time()
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
-                         devices_per_slice=self.opts.devices_per_slice,
+                         devices_per_slice=self.opts.devices_per_slice, spares=self.opts.spares,
                          microbatches=self.programs.num_microbatches, steps=steps, controller=self.address)
         self.start_workers()
         state_bytes = self.init_state(seed)
-        losses: list[float] = []
+        self.losses: list[float] = []
         pending: collections.deque = collections.deque()
-        for step in range(steps):
-            pending.append(self._dispatch(plan_step(self.placement, step, self.programs.num_microbatches)))
-            while pending and (len(pending) >= self.opts.dispatch_depth or step == steps - 1):
+        next_step = 0
+        while len(self.losses) < steps:
+            try:
+                if self._membership_pending():
+                    while pending:  # drain, so the change happens at a step boundary
+                        self._commit(*pending.popleft(), on_step)
+                    self._step_boundary()
+                while len(pending) < self.opts.dispatch_depth and next_step < steps:
+                    pending.append(self._dispatch(plan_step(self.placement, next_step,
+                                                            self.programs.num_microbatches)))
+                    next_step += 1
                 plan, futs, td = pending.popleft()
-                losses.append(self._commit(plan, futs, td))
-                if on_step is not None:
-                    on_step(plan.step, losses[-1])
+                self._commit(plan, futs, td, on_step)
+            except (WorkerLostError, StepAbortedError, StaleEpochError) as err:
+                pending.clear()
+                next_step = self._recover(err, on_step)
         hashes = {w: r.sha256 for w, r in self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence())).items()}
         if len(set(hashes.values())) != 1:
             raise ElasticTrainingFailedError("replicas diverged", step=steps, cause=f"state hashes {hashes}")
-        result = RunResult(steps_completed=len(losses), losses=losses, final_state_sha256=next(iter(hashes.values())),
+        losses = self.losses
+        result = RunResult(steps_completed=len(losses), losses=losses, recoveries=self.recoveries, final_state_sha256=next(iter(hashes.values())),
                            replica_hashes=hashes, wall_seconds=time.time() - t0,
                            client_peak_rss_bytes=peak_rss_bytes(), state_bytes=state_bytes)
         self.events.emit("run_finished", steps_completed=result.steps_completed,
@@ -256,3 +349,138 @@ class Controller:
                          wall_seconds=result.wall_seconds, client_peak_rss_bytes=result.client_peak_rss_bytes)
         return result
 
+
+    # -- recovery ------------------------------------------------------------
+
+    def _recover(self, err: Exception, on_step) -> int:
+        """Handles a failed step; returns the step to dispatch next. Retries while recovery itself fails."""
+        while True:
+            try:
+                return self._recover_once(err, on_step)
+            except (WorkerLostError, StepAbortedError, StaleEpochError) as again:
+                err = again
+
+    def _recover_once(self, err: Exception, on_step) -> int:
+        t_detect = time.time()
+        self.recoveries += 1
+        with self._lock:
+            for futs in self.inflight.values():
+                for f in futs:
+                    f.cancel()
+            self.inflight.clear()
+        self.events.emit("failure_detected", error=type(err).__name__, detail=str(err)[:500],
+                         worker=getattr(err, "worker_id", None), committed=len(self.losses))
+        members = [w for w in self.placement.active + self.placement.spares if w not in self.dead]
+        probes = {w: self._probe(w) for w in members}
+        for w, ok in probes.items():
+            if not ok:
+                self._declare_dead(w, f"no answer after {type(err).__name__}")
+        dead = frozenset(w for w in self.placement.active + self.placement.spares if w in self.dead)
+        decision = decide_recovery(self.placement, dead, min_slices=self.opts.min_slices,
+                                   recoveries=self.recoveries, max_retries=self.opts.max_retries)
+        self.events.emit("recovery_decision", action=decision.action, reason=decision.reason, dead=sorted(dead),
+                         epoch=decision.placement.epoch, active=list(decision.placement.active),
+                         spares=list(decision.placement.spares))
+        if decision.action == "fail":
+            raise ElasticTrainingFailedError("cannot recover", step=len(self.losses), cause=decision.reason)
+        survivors = [w for w in self.placement.active if w not in dead]
+        self.placement = decision.placement
+        for w in dead:
+            self.monitor.unwatch(w)
+            if self.opts.relaunch and self._launched < self.opts.slices + self.opts.spares + self.opts.max_retries:
+                self.events.emit("worker_relaunched", replaces=w, worker=self._launch())
+        target = self._realign(survivors, on_step)
+        moved = 0
+        for _, spare in decision.replacements:
+            moved += self._transfer(survivors[0], spare, target)
+        self._check_replicas(target)
+        self.events.emit("recovered", path=decision.action, epoch=self.placement.epoch, resume_step=target,
+                         dead=sorted(dead), bytes_moved=moved, seconds=time.time() - t_detect)
+        return target
+
+    def _probe(self, worker_id: str) -> bool:
+        return self.monitor.is_alive(worker_id)
+
+    def _realign(self, survivors: list[str], on_step) -> int:
+        """Fences every member into the new epoch and brings survivors to one step.
+
+        Survivors differ by at most one applied step (a step applies only once
+        every rank finished its reduce-scatter). Steps all of them applied are
+        committed from their recorded losses; those ahead roll back one step.
+        """
+        members = list(self.placement.active + self.placement.spares)
+        statuses = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers=members)
+        applied = {w: statuses[w].applied_steps for w in survivors}
+        target, committed = min(applied.values()), len(self.losses)
+        if target < committed or max(applied.values()) > target + 1:
+            raise ElasticTrainingFailedError("replicas are out of step", step=committed, cause=str(applied))
+        for step in range(committed, target):
+            sums = {l.loss_sum for w in survivors for l in statuses[w].recent if l.step == step}
+            if len(sums) != 1:
+                raise ElasticTrainingFailedError("no agreed loss for an applied step", step=step, cause=str(sums))
+            self._record(step, self.placement.epoch, sums.pop(), on_step, recovered=True)
+        for w, a in applied.items():
+            if a == target + 1:
+                self._call(w, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=target))
+                self.events.emit("rolled_back", worker=w, to_step=target)
+        return target
+
+    def _transfer(self, source: str, dest: str, applied: int) -> int:
+        """Copies the state of live replica ``source`` to ``dest``, peer to peer."""
+        t0 = time.time()
+        self.events.emit("transfer_started", source=source, dest=dest, step=applied)
+        reply = self._call(dest, "PullState", pb.PullStateRequest(
+            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied))
+        self.events.emit("state_transferred", source=source, dest=dest, step=applied, bytes=reply.bytes,
+                         seconds=time.time() - t0, sha256=reply.sha256)
+        return reply.bytes
+
+    def _check_replicas(self, applied: int) -> None:
+        replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()))
+        if {r.step for r in replies.values()} != {applied} or len({r.sha256 for r in replies.values()}) != 1:
+            raise ElasticTrainingFailedError("replicas disagree after recovery", step=applied,
+                                             cause=str({w: (r.step, r.sha256[:12]) for w, r in replies.items()}))
+
+    # -- membership changes at step boundaries -------------------------------
+
+    def _membership_pending(self) -> bool:
+        """Cheap check: is there a new, warmed or promotable worker to act on?"""
+        return (any(w not in self.stubs for w in list(self.registry.workers))
+                or any(f.done() for f in self.warming.values())
+                or any(s in self.dead for s in self.placement.spares)
+                or (len(self.placement.active) < self.opts.slices and bool(self.placement.spares)))
+
+    def _step_boundary(self) -> None:
+        """No step in flight: warm new workers into spares, drop dead spares, grow."""
+        for w in list(self.registry.workers.values()):
+            if w.worker_id not in self.stubs:
+                self._adopt(w)
+                self.warming[w.worker_id] = self.stubs[w.worker_id].Load.future(
+                    self._load_request(w.worker_id), timeout=self.opts.rpc_timeout_seconds)
+        spares = [s for s in self.placement.spares if s not in self.dead]
+        for wid, fut in list(self.warming.items()):
+            if not fut.done():
+                continue
+            del self.warming[wid]
+            try:
+                reply = fut.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                self._declare_dead(wid, "failed to load programs")
+                continue
+            spares.append(wid)
+            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
+        if tuple(spares) != self.placement.spares:
+            self.placement = dataclasses.replace(self.placement, spares=tuple(spares))
+        grown = decide_grow(self.placement, self.opts.slices)
+        if grown is None:
+            return
+        committed = len(self.losses)
+        promoted = [w for w in grown.active if w not in self.placement.active]
+        source = self.placement.active[0]
+        self.placement = grown
+        self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()),
+                  workers=list(grown.active + grown.spares))
+        moved = sum(self._transfer(source, w, committed) for w in promoted)
+        self._check_replicas(committed)
+        self.events.emit("grown", epoch=grown.epoch, promoted=promoted, active=list(grown.active),
+                         bytes_moved=moved, step=committed)

@@ -7,6 +7,7 @@ boundaries. Code branches on the type, never on the message text.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "ElasticError",
     "WorkerError",
     "WorkerLostError",
@@ -68,6 +69,10 @@ class StepAbortedError(ElasticError):
 
 class StaleEpochError(ElasticError):
     """A message from an older membership epoch (or another run) was refused."""
+
+
+class AuthenticationError(ElasticError, PermissionError):
+    """A peer or client did not present this run's secret."""
 
 
 class ProtocolError(ElasticError, ValueError):

@@ -41,6 +41,7 @@ class SliceExecutor:
         self.data = data_source
         self.mesh = Mesh(np.array(devices[:d]), (MESH_AXIS,))
         self.state = None
+        self.prev_state = None   # one step of history, for rollback after a failed step
         self.steps_applied = 0
         self._fns: dict[str, object] = {}
         self._exported: dict[str, object] = {}
@@ -87,6 +88,7 @@ class SliceExecutor:
 
     def init(self, seed: int) -> int:
         self.state = self._call("init", np.int32(seed))
+        self.prev_state = None
         self.steps_applied = 0
         return self.state_nbytes()
 
@@ -109,8 +111,33 @@ class SliceExecutor:
         return out
 
     def apply(self, grad_sum: np.ndarray) -> None:
-        self.state = self._call("apply", self.state, grad_sum)
+        new = self._call("apply", self.state, grad_sum)
+        self.prev_state, self.state = self.state, new
         self.steps_applied += 1
+
+    def rollback(self) -> None:
+        """Undoes the last :meth:`apply` (only one step of history is kept)."""
+        if self.prev_state is None:
+            raise ValueError(f"no step to roll back (at {self.steps_applied} applied steps)")
+        self.state, self.prev_state = self.prev_state, None
+        self.steps_applied -= 1
+
+    def host_state(self) -> list[np.ndarray]:
+        """The state leaves as host arrays (for a peer-to-peer transfer)."""
+        return [np.asarray(x) for x in self.state]
+
+    def set_state(self, leaves: list[np.ndarray], steps_applied: int) -> None:
+        """Adopts a state copied from another replica, placed on this slice's mesh."""
+        shardings = self._shardings["apply"][:-1]
+        exp = self._exported["apply"]
+        if len(leaves) != len(shardings):
+            raise ValueError(f"state has {len(leaves)} leaves, programs expect {len(shardings)}")
+        for i, (x, aval) in enumerate(zip(leaves, exp.in_avals)):
+            if x.shape != aval.shape or x.dtype != aval.dtype:
+                raise ValueError(f"state leaf {i}: got {x.shape} {x.dtype}, expected {aval.shape} {aval.dtype}")
+        self.state = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        self.prev_state = None
+        self.steps_applied = steps_applied
 
     # -- inspection ----------------------------------------------------------
 

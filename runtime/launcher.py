@@ -16,7 +16,9 @@ __all__ = ["LocalLauncher"]
 class LocalLauncher:
     """Launches ``python -m runtime.worker`` children with N simulated devices each."""
 
-    def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str):
+    def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
+                 secret: str = ""):
+        self.secret = secret
         self.run_id = run_id
         self.controller_address = controller_address
         self.devices_per_worker = devices_per_worker
@@ -29,6 +31,7 @@ class LocalLauncher:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_worker}"])
         env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+        env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         # Keep each worker's XLA/Eigen pools from oversubscribing a small host.
         env.setdefault("OMP_NUM_THREADS", "1")
         # Same import path as the client, so data sources pickled by reference
@@ -43,6 +46,12 @@ class LocalLauncher:
         log.close()
         self.procs[worker_id] = proc
         return proc
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILLs a worker declared dead (works on a stopped process too)."""
+        p = self.procs.get(worker_id)
+        if p is not None and p.poll() is None:
+            p.kill()
 
     def alive(self, worker_id: str) -> bool:
         p = self.procs.get(worker_id)

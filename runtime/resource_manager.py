@@ -10,7 +10,7 @@ import dataclasses
 
 from runtime.microbatch import Node, assign_microbatches
 
-__all__ = ["WorkerInfo", "Placement", "StepPlan", "place", "plan_step"]
+__all__ = ["WorkerInfo", "Placement", "RecoveryDecision", "StepPlan", "decide_grow", "decide_recovery", "place", "plan_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +69,60 @@ def plan_step(placement: Placement, step: int, num_microbatches: int) -> StepPla
     nodes = assign_microbatches(num_microbatches, len(placement.active))
     return StepPlan(step=step, epoch=placement.epoch, workers=placement.active,
                     nodes=tuple(tuple(n) for n in nodes))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryDecision:
+    """What to do after ``dead`` workers were lost.
+
+    ``action``: ``replace`` (every dead slice got a spare), ``shrink`` (some
+    slices were dropped; survivors take their microbatches), ``retry`` (no one
+    died: re-run the step in a new epoch) or ``fail``. ``replacements`` lists
+    ``(vslice, spare)`` pairs that need the state copied to them.
+    """
+
+    action: str
+    placement: Placement
+    replacements: tuple[tuple[int, str], ...] = ()
+    reason: str = ""
+
+
+def decide_recovery(placement: Placement, dead: frozenset[str], *, min_slices: int, recoveries: int,
+                    max_retries: int) -> RecoveryDecision:
+    """Replace dead active slices with spares; else shrink down to ``min_slices``; else fail."""
+    if recoveries > max_retries:
+        return RecoveryDecision("fail", placement, reason=f"gave up after {max_retries} recoveries")
+    spares = [s for s in placement.spares if s not in dead]
+    active, replacements, dropped = [], [], 0
+    for w in placement.active:
+        if w not in dead:
+            active.append(w)
+        elif spares:
+            replacements.append((len(active), spares[0]))
+            active.append(spares.pop(0))
+        else:
+            dropped += 1
+    new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
+    survivors = [w for w in placement.active if w not in dead]
+    if not survivors:
+        return RecoveryDecision("fail", new, reason="every active slice is gone: no live replica of the state "
+                                                   "(restore from a snapshot or checkpoint is not built yet)")
+    if len(active) < min_slices:
+        return RecoveryDecision("fail", new, reason=f"{len(active)} slices left, elastic_min_slice_count is "
+                                                   f"{min_slices} and no spare is available")
+    if dropped:
+        return RecoveryDecision("shrink", new, tuple(replacements),
+                                reason=f"no spare for {dropped} slice(s): {len(active)} survivors take over")
+    if replacements:
+        return RecoveryDecision("replace", new, tuple(replacements), reason="spares replace the lost slices")
+    return RecoveryDecision("retry", new, reason="no worker was lost; re-run the step")
+
+
+def decide_grow(placement: Placement, slices: int) -> Placement | None:
+    """Promotes spares while fewer than ``slices`` run; None when nothing changes."""
+    missing = slices - len(placement.active)
+    if missing <= 0 or not placement.spares:
+        return None
+    take = placement.spares[:missing]
+    return Placement(epoch=placement.epoch + 1, active=placement.active + take,
+                     spares=placement.spares[len(take):])

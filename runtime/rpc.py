@@ -10,18 +10,24 @@ INTERNAL               WorkerError (user code raised; details carry the tracebac
 FAILED_PRECONDITION    StaleEpochError (fenced: wrong run or older epoch)
 INVALID_ARGUMENT       ProtocolError (malformed message, bad checksum)
 ABORTED                StepAbortedError (a peer vanished mid-step)
+UNAUTHENTICATED        AuthenticationError (missing or wrong run secret)
 anything else          WorkerLostError (unreachable, deadline, cancelled)
 =====================  ==========================
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
 from concurrent import futures
 
 import grpc
 
-from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError, WorkerError, WorkerLostError
+from runtime import auth
+from runtime.errors import (AuthenticationError, ProtocolError, StaleEpochError, StepAbortedError, WorkerError,
+                            WorkerLostError)
+
+log = logging.getLogger("jax_elastic.rpc")
 
 __all__ = ["CHANNEL_OPTIONS", "make_server", "channel", "abort_with", "to_error"]
 
@@ -39,16 +45,25 @@ _CODES = {
 }
 
 
-def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
+                secret: str = "") -> tuple[grpc.Server, int]:
+    """A server on ``host:port`` (0: any free port); with ``secret``, every RPC must carry it."""
+    interceptors = []
+    if secret:
+        interceptors.append(auth.SecretServerInterceptor(
+            secret, on_refused=lambda method, why: log.warning("refused %s: %s", method, why)))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+                         interceptors=interceptors)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind a gRPC server on {host}:{port}")
     return server, bound
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, secret: str = "") -> grpc.Channel:
+    """A channel to ``address`` that attaches the run secret to every call."""
+    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return auth.secure_channel(ch, secret) if secret else ch
 
 
 def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
@@ -72,4 +87,6 @@ def to_error(worker_id: str, err: grpc.RpcError) -> Exception:
         return ProtocolError(f"worker {worker_id} rejected a message: {details}")
     if code == grpc.StatusCode.ABORTED:
         return StepAbortedError(-1, f"worker {worker_id}: {details}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"worker {worker_id} refused the run secret: {details}")
     return WorkerLostError(worker_id, f"{code.name}: {details}")

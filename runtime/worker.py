@@ -28,11 +28,12 @@ from concurrent import futures
 import grpc
 import jax
 import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import ALL_GATHER, REDUCE_SCATTER, Mailbox, chunk_bounds, pieces
+from runtime.collective import ALL_GATHER, REDUCE_SCATTER, Mailbox, assemble_state, chunk_bounds, pieces, state_chunks
 from runtime.errors import StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32
 from runtime.microbatch import Node, root, tree_reduce
@@ -48,18 +49,27 @@ def _node(n: pb.Node) -> Node:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """gRPC face of one worker. Each handler maps failures to status codes."""
+    """gRPC face of one worker. Each handler maps failures to status codes.
 
-    def __init__(self, run_id: str, worker_id: str, step_timeout: float = 300.0):
+    Concurrency: one step runs at a time (``_running``); ``Abort`` may arrive
+    at any moment from another thread, adopts the new epoch, wakes the step if
+    it waits on peers, and returns once no step runs. A step of an older
+    epoch never applies after an abort was received.
+    """
+
+    def __init__(self, run_id: str, worker_id: str, secret: str = "", step_timeout: float = 300.0):
         self.run_id = run_id
         self.worker_id = worker_id
+        self.secret = secret
         self.epoch = 0
         self.step_timeout = step_timeout
         self.executor: SliceExecutor | None = None
         self.mailbox = Mailbox()
         self.chunk_bytes = 4 << 20
         self.next_step = 0
-        self._order = threading.Condition()
+        self._running = False
+        self._recent: dict[int, float] = {}   # step -> loss sum, last few applied
+        self._cond = threading.Condition()
         self._peers: dict[str, pb_grpc.WorkerStub] = {}
         self._send_pool = futures.ThreadPoolExecutor(max_workers=16)
         self.stopped = threading.Event()
@@ -67,17 +77,22 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- fencing -------------------------------------------------------------
 
     def check_fence(self, fence: pb.Fence) -> None:
+        """Refuses other runs and older epochs; adopts a newer epoch."""
         if fence.run_id != self.run_id:
             raise StaleEpochError(f"message for run {fence.run_id!r}, this worker serves {self.run_id!r}")
-        if fence.epoch < self.epoch:
-            raise StaleEpochError(f"message from epoch {fence.epoch}, worker is at epoch {self.epoch}")
-        self.epoch = fence.epoch
+        with self._cond:
+            if fence.epoch < self.epoch:
+                raise StaleEpochError(f"message from epoch {fence.epoch}, worker is at epoch {self.epoch}")
+            if fence.epoch > self.epoch:
+                self.epoch = fence.epoch
+                self.mailbox.set_epoch(fence.epoch)
+                self._cond.notify_all()
 
     def _guard(self, context, fn):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a status
-            log.exception("request failed")
+            log.warning("%s failed: %s: %s", getattr(fn, "__name__", "request"), type(e).__name__, e)
             rpc.abort_with(context, e)
 
     # -- control RPCs --------------------------------------------------------
@@ -96,7 +111,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             self._need_executor()
             nbytes = self.executor.init(request.seed)
-            with self._order:
+            with self._cond:
                 self.next_step = 0
             return pb.InitReply(state_bytes=nbytes)
         return self._guard(context, init)
@@ -104,8 +119,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     def StateHash(self, request, context):
         def digest():
             self.check_fence(request.fence)
-            self._need_executor()
-            with self._order:
+            self._need_state()
+            with self._cond:
                 return pb.HashReply(sha256=self.executor.state_sha256(), step=self.executor.steps_applied)
         return self._guard(context, digest)
 
@@ -116,6 +131,74 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.Empty()
         return self._guard(context, stop)
 
+    def Abort(self, request, context):
+        def abort():
+            self.check_fence(request.fence)
+            deadline = time.monotonic() + self.step_timeout
+            with self._cond:
+                while self._running:
+                    if not self._cond.wait(max(deadline - time.monotonic(), 0)):
+                        raise StepAbortedError(self.next_step, "the running step did not stop")
+                return self._status()
+        return self._guard(context, abort)
+
+    def Rollback(self, request, context):
+        def rollback():
+            self.check_fence(request.fence)
+            self._need_state()
+            with self._cond:
+                if self._running:
+                    raise StaleEpochError("cannot roll back while a step runs; abort first")
+                ex = self.executor
+                if ex.steps_applied == request.to_applied_steps + 1:
+                    ex.rollback()
+                    self._recent.pop(ex.steps_applied, None)
+                elif ex.steps_applied != request.to_applied_steps:
+                    raise ValueError(f"cannot roll back from {ex.steps_applied} to {request.to_applied_steps} "
+                                     "applied steps (one step of history is kept)")
+                self.next_step = ex.steps_applied
+                return self._status()
+        return self._guard(context, rollback)
+
+    def GetState(self, request, context):
+        """Streams this replica's state to a peer (checksummed chunks)."""
+        try:
+            self.check_fence(request.fence)
+            self._need_state()
+            with self._cond:
+                if self.executor.steps_applied != request.applied_steps or self._running:
+                    raise StaleEpochError(f"state is at {self.executor.steps_applied} applied steps, "
+                                          f"asked for {request.applied_steps}")
+                leaves = self.executor.host_state()
+                applied = self.executor.steps_applied
+        except Exception as e:  # noqa: BLE001
+            rpc.abort_with(context, e)
+        yield from state_chunks(leaves, applied, self.chunk_bytes)
+
+    def PullState(self, request, context):
+        def pull():
+            self.check_fence(request.fence)
+            self._need_executor()
+            t0 = time.perf_counter()
+            stream = self._stub(request.source_address).GetState(
+                pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
+                timeout=self.step_timeout)
+            try:
+                leaves, applied = assemble_state(stream)
+            except grpc.RpcError as e:
+                raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
+                                           f"{e.code().name}") from e
+            with self._cond:
+                if self._running:
+                    raise StaleEpochError("a step is running; cannot replace the state")
+                self.executor.set_state(leaves, applied)
+                self.next_step = applied
+                self._recent.clear()
+                digest = self.executor.state_sha256()
+            return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
+                                     seconds=time.perf_counter() - t0)
+        return self._guard(context, pull)
+
     def Push(self, request_iterator, context):
         def push():
             self.mailbox.receive(request_iterator, self.check_fence)
@@ -125,46 +208,73 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Step(self, request, context):
         return self._guard(context, lambda: self._step(request))
 
-    # -- the step ------------------------------------------------------------
+    # -- helpers -------------------------------------------------------------
 
     def _need_executor(self):
         if self.executor is None:
             raise StaleEpochError("no programs loaded on this worker yet")
 
-    def _step(self, req: pb.StepRequest) -> pb.StepReply:
-        self.check_fence(req.fence)
+    def _need_state(self):
         self._need_executor()
-        deadline = time.monotonic() + self.step_timeout
-        with self._order:
-            while self.next_step != req.step:
-                if self.next_step > req.step:
-                    raise StaleEpochError(f"step {req.step} already applied (worker at {self.next_step})")
-                if not self._order.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
-                    raise StepAbortedError(req.step, f"still waiting for step {self.next_step}")
-            reply = self._run_step(req, deadline)
-            self.next_step = req.step + 1
-            self._order.notify_all()
-            return reply
+        if self.executor.state is None:
+            raise StaleEpochError("this worker holds no state yet")
 
-    def _run_step(self, req: pb.StepRequest, deadline: float) -> pb.StepReply:
+    def _status(self) -> pb.StatusReply:
         ex = self.executor
-        t0 = time.perf_counter()
-        mine = ex.partials(req.step, [_node(n) for n in req.nodes])
-        t1 = time.perf_counter()
-        grad_sum, sent = self._all_reduce(req, {n: g for n, (_, g) in mine.items()}, deadline)
-        t2 = time.perf_counter()
-        ex.apply(grad_sum)
-        t3 = time.perf_counter()
-        losses = [pb.NodeLoss(node=pb.Node(level=n.level, index=n.index), loss_sum=float(l))
-                  for n, (l, _) in mine.items()]
-        return pb.StepReply(step=req.step, losses=losses, grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
-                            apply_seconds=t3 - t2, bytes_sent=sent)
+        has = ex is not None and ex.state is not None
+        return pb.StatusReply(applied_steps=ex.steps_applied if has else -1,
+                              sha256=ex.state_sha256() if has else "",
+                              recent=[pb.StepLoss(step=k, loss_sum=v) for k, v in sorted(self._recent.items())])
 
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         stub = self._peers.get(address)
         if stub is None:
-            stub = self._peers[address] = pb_grpc.WorkerStub(rpc.channel(address))
+            stub = self._peers[address] = pb_grpc.WorkerStub(rpc.channel(address, self.secret))
         return stub
+
+    # -- the step ------------------------------------------------------------
+
+    def _step(self, req: pb.StepRequest) -> pb.StepReply:
+        self.check_fence(req.fence)
+        self._need_state()
+        deadline = time.monotonic() + self.step_timeout
+        epoch = req.fence.epoch
+        with self._cond:
+            while self.next_step != req.step or self._running:
+                if self.epoch != epoch:
+                    raise StaleEpochError(f"step {req.step} of epoch {epoch} superseded by epoch {self.epoch}")
+                if self.next_step > req.step:
+                    raise StaleEpochError(f"step {req.step} already applied (worker at {self.next_step})")
+                if not self._cond.wait(max(deadline - time.monotonic(), 0)) and time.monotonic() >= deadline:
+                    raise StepAbortedError(req.step, f"still waiting for step {self.next_step}")
+            self._running = True
+        try:
+            return self._run_step(req, epoch, deadline)
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    def _run_step(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
+        ex = self.executor
+        t0 = time.perf_counter()
+        mine = ex.partials(req.step, [_node(n) for n in req.nodes])
+        # The loss rides along as one more element, reduced in the same tree order.
+        vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
+        t1 = time.perf_counter()
+        total, sent = self._all_reduce(req, vecs, epoch, deadline)
+        t2 = time.perf_counter()
+        with self._cond:
+            if self.epoch != epoch:
+                raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
+            ex.apply(total[:-1])
+            self.next_step = req.step + 1
+            self._recent[req.step] = float(total[-1])
+            for old in [k for k in self._recent if k < req.step - 4]:
+                del self._recent[old]
+        t3 = time.perf_counter()
+        return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
+                            apply_seconds=t3 - t2, bytes_sent=sent)
 
     def _send(self, address: str, messages, deadline: float) -> None:
         try:
@@ -172,10 +282,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         except grpc.RpcError as e:
             raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}") from e
 
-    def _all_reduce(self, req: pb.StepRequest, partials: dict[Node, np.ndarray], deadline: float):
-        """Reduce-scatter + all-gather; returns (canonical gradient sum, bytes sent)."""
+    def _all_reduce(self, req: pb.StepRequest, partials: dict[Node, np.ndarray], epoch: int, deadline: float):
+        """Reduce-scatter + all-gather; returns (canonical sum, bytes sent)."""
         n = len(req.peers)
-        size = self.executor.programs.grad_size
+        size = self.executor.programs.grad_size + 1
         top = root(self.executor.programs.num_microbatches)
         if n == 1:
             return tree_reduce(partials, top, add_f32), 0
@@ -197,7 +307,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             sent += 4 * (hi - lo) * len(partials)
             sends.append(self._send_pool.submit(self._send, p.address,
                                                 stream(REDUCE_SCATTER, p.rank, partials.items()), deadline))
-        got = self.mailbox.wait(req.step, REDUCE_SCATTER, {p.rank for p in others}, deadline)
+        got = self.mailbox.wait(epoch, req.step, REDUCE_SCATTER, {p.rank for p in others}, deadline)
         lo, hi = bounds[me]
         mine = {node: vec[lo:hi] for node, vec in partials.items()}
         for r, nodes in got.items():
@@ -215,7 +325,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             sent += 4 * reduced.size
             sends.append(self._send_pool.submit(self._send, p.address,
                                                 stream(ALL_GATHER, p.rank, [(top, reduced)]), deadline))
-        gathered = self.mailbox.wait(req.step, ALL_GATHER, {p.rank for p in others}, deadline)
+        gathered = self.mailbox.wait(epoch, req.step, ALL_GATHER, {p.rank for p in others}, deadline)
         out = np.empty(size, dtype=np.float32)
         out[lo:hi] = reduced
         for r, nodes in gathered.items():
@@ -230,14 +340,17 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
-          register_timeout: float = 60.0, parent_pid: int | None = None) -> None:
+          register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "") -> None:
     """Runs a worker until told to shut down (or its parent process dies)."""
-    service = WorkerService(run_id, worker_id)
-    server, bound = rpc.make_server(host, port)
+    service = WorkerService(run_id, worker_id, secret)
+    server, bound = rpc.make_server(host, port, secret=secret)
     pb_grpc.add_WorkerServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     server.start()
     address = f"{host}:{bound}"
-    stub = pb_grpc.ControllerStub(rpc.channel(controller))
+    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret))
     devices = jax.devices()
     reply = stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
                                              num_devices=len(devices), platform=devices[0].platform,
@@ -262,11 +375,14 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    ap.add_argument("--secret", default=None,
+                    help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
     args = ap.parse_args(argv)
+    secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
                         stream=sys.stderr)
     serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
-          parent_pid=os.getppid() if args.exit_with_parent else None)
+          parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\relastic.proto\x12\x0bjax_elastic\"&\n\x05\x46\x65nce\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"y\n\x0fRegisterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x10\n\x08platform\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\"1\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\x07Program\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nserialized\x18\x02 \x01(\x0c\"}\n\x0bLoadRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12&\n\x08programs\x18\x02 \x03(\x0b\x32\x14.jax_elastic.Program\x12\x13\n\x0b\x64\x61ta_source\x18\x03 \x01(\x0c\x12\x0e\n\x06layout\x18\x04 \x01(\x0c\"$\n\tLoadReply\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\">\n\x0bInitRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04seed\x18\x02 \x01(\x03\" \n\tInitReply\x12\x13\n\x0bstate_bytes\x18\x01 \x01(\x03\"$\n\x04Node\x12\r\n\x05level\x18\x01 \x01(\x05\x12\r\n\x05index\x18\x02 \x01(\x05\"%\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xca\x01\n\x0bStepRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12 \n\x05peers\x18\x04 \x03(\x0b\x32\x11.jax_elastic.Peer\x12 \n\x05nodes\x18\x05 \x03(\x0b\x32\x11.jax_elastic.Node\x12$\n\tall_nodes\x18\x06 \x03(\x0b\x32\x11.jax_elastic.Node\x12\x12\n\nnode_owner\x18\x07 \x03(\x05\"=\n\x08NodeLoss\x12\x1f\n\x04node\x18\x01 \x01(\x0b\x32\x11.jax_elastic.Node\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\"\x99\x01\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12%\n\x06losses\x18\x02 \x03(\x0b\x32\x15.jax_elastic.NodeLoss\x12\x14\n\x0cgrad_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ereduce_seconds\x18\x04 \x01(\x01\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\"0\n\x0bHashRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\")\n\tHashReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"4\n\x0fShutdownRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"\x07\n\x05\x45mpty\"\xbc\x01\n\x0bTensorChunk\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12\x10\n\x08src_rank\x18\x04 \x01(\x05\x12\x1f\n\x04node\x18\x05 \x01(\x0b\x32\x11.jax_elastic.Node\x12\r\n\x05total\x18\x06 \x01(\x03\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r2R\n\nController\x12\x44\n\x08Register\x12\x1c.jax_elastic.RegisterRequest\x1a\x1a.jax_elastic.RegisterReply2\xeb\x02\n\x06Worker\x12\x38\n\x04Load\x12\x18.jax_elastic.LoadRequest\x1a\x16.jax_elastic.LoadReply\x12\x38\n\x04Init\x12\x18.jax_elastic.InitRequest\x1a\x16.jax_elastic.InitReply\x12\x38\n\x04Step\x12\x18.jax_elastic.StepRequest\x1a\x16.jax_elastic.StepReply\x12=\n\tStateHash\x12\x18.jax_elastic.HashRequest\x1a\x16.jax_elastic.HashReply\x12<\n\x08Shutdown\x12\x1c.jax_elastic.ShutdownRequest\x1a\x12.jax_elastic.Empty\x12\x36\n\x04Push\x12\x18.jax_elastic.TensorChunk\x1a\x12.jax_elastic.Empty(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\relastic.proto\x12\x0bjax_elastic\"&\n\x05\x46\x65nce\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"y\n\x0fRegisterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x10\n\x08platform\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\"1\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"+\n\x07Program\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nserialized\x18\x02 \x01(\x0c\"}\n\x0bLoadRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12&\n\x08programs\x18\x02 \x03(\x0b\x32\x14.jax_elastic.Program\x12\x13\n\x0b\x64\x61ta_source\x18\x03 \x01(\x0c\x12\x0e\n\x06layout\x18\x04 \x01(\x0c\"$\n\tLoadReply\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\">\n\x0bInitRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04seed\x18\x02 \x01(\x03\" \n\tInitReply\x12\x13\n\x0bstate_bytes\x18\x01 \x01(\x03\"$\n\x04Node\x12\r\n\x05level\x18\x01 \x01(\x05\x12\r\n\x05index\x18\x02 \x01(\x05\"%\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xca\x01\n\x0bStepRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12 \n\x05peers\x18\x04 \x03(\x0b\x32\x11.jax_elastic.Peer\x12 \n\x05nodes\x18\x05 \x03(\x0b\x32\x11.jax_elastic.Node\x12$\n\tall_nodes\x18\x06 \x03(\x0b\x32\x11.jax_elastic.Node\x12\x12\n\nnode_owner\x18\x07 \x03(\x05\"\x84\x01\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\x12\x14\n\x0cgrad_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ereduce_seconds\x18\x04 \x01(\x01\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\"0\n\x0bHashRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\")\n\tHashReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"1\n\x0c\x41\x62ortRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"*\n\x08StepLoss\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\"[\n\x0bStatusReply\x12\x15\n\rapplied_steps\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12%\n\x06recent\x18\x03 \x03(\x0b\x32\x15.jax_elastic.StepLoss\"N\n\x0fRollbackRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x18\n\x10to_applied_steps\x18\x02 \x01(\x03\"d\n\x10PullStateRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x15\n\rapplied_steps\x18\x03 \x01(\x03\"@\n\x0ePullStateReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"K\n\x0fGetStateRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x15\n\rapplied_steps\x18\x02 \x01(\x03\"\xa5\x01\n\nStateChunk\x12\x0c\n\x04leaf\x18\x01 \x01(\x05\x12\x12\n\nnum_leaves\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x15\n\rapplied_steps\x18\t \x01(\x03\"4\n\x0fShutdownRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"\x07\n\x05\x45mpty\"\xbc\x01\n\x0bTensorChunk\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12\x10\n\x08src_rank\x18\x04 \x01(\x05\x12\x1f\n\x04node\x18\x05 \x01(\x0b\x32\x11.jax_elastic.Node\x12\r\n\x05total\x18\x06 \x01(\x03\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r2R\n\nController\x12\x44\n\x08Register\x12\x1c.jax_elastic.RegisterRequest\x1a\x1a.jax_elastic.RegisterReply2\xfb\x04\n\x06Worker\x12\x38\n\x04Load\x12\x18.jax_elastic.LoadRequest\x1a\x16.jax_elastic.LoadReply\x12\x38\n\x04Init\x12\x18.jax_elastic.InitRequest\x1a\x16.jax_elastic.InitReply\x12\x38\n\x04Step\x12\x18.jax_elastic.StepRequest\x1a\x16.jax_elastic.StepReply\x12=\n\tStateHash\x12\x18.jax_elastic.HashRequest\x1a\x16.jax_elastic.HashReply\x12<\n\x08Shutdown\x12\x1c.jax_elastic.ShutdownRequest\x1a\x12.jax_elastic.Empty\x12<\n\x05\x41\x62ort\x12\x19.jax_elastic.AbortRequest\x1a\x18.jax_elastic.StatusReply\x12\x42\n\x08Rollback\x12\x1c.jax_elastic.RollbackRequest\x1a\x18.jax_elastic.StatusReply\x12G\n\tPullState\x12\x1d.jax_elastic.PullStateRequest\x1a\x1b.jax_elastic.PullStateReply\x12\x36\n\x04Push\x12\x18.jax_elastic.TensorChunk\x1a\x12.jax_elastic.Empty(\x01\x12\x43\n\x08GetState\x12\x1c.jax_elastic.GetStateRequest\x1a\x17.jax_elastic.StateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,22 +53,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEER']._serialized_end=627
   _globals['_STEPREQUEST']._serialized_start=630
   _globals['_STEPREQUEST']._serialized_end=832
-  _globals['_NODELOSS']._serialized_start=834
-  _globals['_NODELOSS']._serialized_end=895
-  _globals['_STEPREPLY']._serialized_start=898
-  _globals['_STEPREPLY']._serialized_end=1051
-  _globals['_HASHREQUEST']._serialized_start=1053
-  _globals['_HASHREQUEST']._serialized_end=1101
-  _globals['_HASHREPLY']._serialized_start=1103
-  _globals['_HASHREPLY']._serialized_end=1144
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1146
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1198
-  _globals['_EMPTY']._serialized_start=1200
-  _globals['_EMPTY']._serialized_end=1207
-  _globals['_TENSORCHUNK']._serialized_start=1210
-  _globals['_TENSORCHUNK']._serialized_end=1398
-  _globals['_CONTROLLER']._serialized_start=1400
-  _globals['_CONTROLLER']._serialized_end=1482
-  _globals['_WORKER']._serialized_start=1485
-  _globals['_WORKER']._serialized_end=1848
+  _globals['_STEPREPLY']._serialized_start=835
+  _globals['_STEPREPLY']._serialized_end=967
+  _globals['_HASHREQUEST']._serialized_start=969
+  _globals['_HASHREQUEST']._serialized_end=1017
+  _globals['_HASHREPLY']._serialized_start=1019
+  _globals['_HASHREPLY']._serialized_end=1060
+  _globals['_ABORTREQUEST']._serialized_start=1062
+  _globals['_ABORTREQUEST']._serialized_end=1111
+  _globals['_STEPLOSS']._serialized_start=1113
+  _globals['_STEPLOSS']._serialized_end=1155
+  _globals['_STATUSREPLY']._serialized_start=1157
+  _globals['_STATUSREPLY']._serialized_end=1248
+  _globals['_ROLLBACKREQUEST']._serialized_start=1250
+  _globals['_ROLLBACKREQUEST']._serialized_end=1328
+  _globals['_PULLSTATEREQUEST']._serialized_start=1330
+  _globals['_PULLSTATEREQUEST']._serialized_end=1430
+  _globals['_PULLSTATEREPLY']._serialized_start=1432
+  _globals['_PULLSTATEREPLY']._serialized_end=1496
+  _globals['_GETSTATEREQUEST']._serialized_start=1498
+  _globals['_GETSTATEREQUEST']._serialized_end=1573
+  _globals['_STATECHUNK']._serialized_start=1576
+  _globals['_STATECHUNK']._serialized_end=1741
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1743
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1795
+  _globals['_EMPTY']._serialized_start=1797
+  _globals['_EMPTY']._serialized_end=1804
+  _globals['_TENSORCHUNK']._serialized_start=1807
+  _globals['_TENSORCHUNK']._serialized_end=1995
+  _globals['_CONTROLLER']._serialized_start=1997
+  _globals['_CONTROLLER']._serialized_end=2079
+  _globals['_WORKER']._serialized_start=2082
+  _globals['_WORKER']._serialized_end=2717
 # @@protoc_insertion_point(module_scope)

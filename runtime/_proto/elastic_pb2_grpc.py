@@ -131,10 +131,30 @@ class WorkerStub:
                 request_serializer=elastic__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=elastic__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/jax_elastic.Worker/Abort',
+                request_serializer=elastic__pb2.AbortRequest.SerializeToString,
+                response_deserializer=elastic__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/jax_elastic.Worker/Rollback',
+                request_serializer=elastic__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=elastic__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.PullState = channel.unary_unary(
+                '/jax_elastic.Worker/PullState',
+                request_serializer=elastic__pb2.PullStateRequest.SerializeToString,
+                response_deserializer=elastic__pb2.PullStateReply.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/jax_elastic.Worker/Push',
                 request_serializer=elastic__pb2.TensorChunk.SerializeToString,
                 response_deserializer=elastic__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetState = channel.unary_stream(
+                '/jax_elastic.Worker/GetState',
+                request_serializer=elastic__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=elastic__pb2.StateChunk.FromString,
                 _registered_method=True)
 
 
@@ -171,7 +191,32 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Push(self, request_iterator, context):
+        """worker <-> worker
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,10 +250,30 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=elastic__pb2.ShutdownRequest.FromString,
                     response_serializer=elastic__pb2.Empty.SerializeToString,
             ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=elastic__pb2.AbortRequest.FromString,
+                    response_serializer=elastic__pb2.StatusReply.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=elastic__pb2.RollbackRequest.FromString,
+                    response_serializer=elastic__pb2.StatusReply.SerializeToString,
+            ),
+            'PullState': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=elastic__pb2.PullStateRequest.FromString,
+                    response_serializer=elastic__pb2.PullStateReply.SerializeToString,
+            ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=elastic__pb2.TensorChunk.FromString,
                     response_serializer=elastic__pb2.Empty.SerializeToString,
+            ),
+            'GetState': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetState,
+                    request_deserializer=elastic__pb2.GetStateRequest.FromString,
+                    response_serializer=elastic__pb2.StateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +422,87 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Abort',
+            elastic__pb2.AbortRequest.SerializeToString,
+            elastic__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Rollback',
+            elastic__pb2.RollbackRequest.SerializeToString,
+            elastic__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/PullState',
+            elastic__pb2.PullStateRequest.SerializeToString,
+            elastic__pb2.PullStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Push(request_iterator,
             target,
             options=(),
@@ -373,6 +519,33 @@ class Worker:
             '/jax_elastic.Worker/Push',
             elastic__pb2.TensorChunk.SerializeToString,
             elastic__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jax_elastic.Worker/GetState',
+            elastic__pb2.GetStateRequest.SerializeToString,
+            elastic__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,175 @@
+"""Per-run secret authentication for the controller <-> worker gRPC links.
+
+Contract:
+
+* Every run has one secret (``new_secret()``), handed to workers out of band.
+* A caller attaches it to every call, in both directions, by wrapping its channel
+  with ``secure_channel(channel, secret)``: each call's metadata gains
+  ``(METADATA_KEY, secret)``. ``.future()`` and streaming calls work as usual.
+* A server installs ``SecretServerInterceptor(secret)``. A call whose metadata
+  lacks the key, or carries any other value, fails with ``UNAUTHENTICATED``
+  ("missing or wrong run secret for <method>") before the real handler runs,
+  whatever the method's arity. Methods named in ``exempt`` (full names such as
+  ``"/grpc.health.v1.Health/Check"``) need no secret. Unknown methods still get
+  ``UNIMPLEMENTED``.
+* The secret guards against stray or stale clients, not eavesdroppers: for that,
+  also use TLS (``server_credentials`` / ``channel_credentials``).
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import os
+import secrets
+from typing import Callable
+
+import grpc
+
+__all__ = [
+    "METADATA_KEY", "new_secret", "SecretServerInterceptor",
+    "secure_channel", "server_credentials", "channel_credentials",
+]
+
+METADATA_KEY = "x-elastic-run-secret"
+
+_log = logging.getLogger(__name__)
+
+
+def new_secret() -> str:
+    """A fresh 128-bit run secret, as 32 hex characters."""
+    return secrets.token_hex(16)
+
+
+class SecretServerInterceptor(grpc.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every call that does not carry the run secret."""
+
+    def __init__(
+        self,
+        secret: str,
+        on_refused: Callable[[str, str], None] | None = None,
+        exempt: frozenset[str] = frozenset(),
+    ):
+        if not secret:
+            raise ValueError("run secret must be a non-empty string")
+        self._secret = secret.encode()
+        self._on_refused = on_refused
+        self._exempt = frozenset(exempt)
+
+    def _authentic(self, metadata) -> str | None:
+        """None when the metadata carries the secret, else the reason it does not."""
+        values = [v for k, v in (metadata or ()) if k == METADATA_KEY]
+        if not values:
+            return "missing run secret"
+        for v in values:
+            v = v if isinstance(v, bytes) else v.encode("utf-8", "replace")
+            if not hmac.compare_digest(v, self._secret):
+                return "wrong run secret"
+        return None
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method in self._exempt:
+            return continuation(handler_call_details)
+        reason = self._authentic(handler_call_details.invocation_metadata)
+        if reason is None:
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return None
+        return self._refusing_handler(handler, method, reason)
+
+    def _refusing_handler(self, handler, method: str, reason: str):
+        def refuse(_request_or_iterator, context):
+            if self._on_refused is not None:
+                try:
+                    self._on_refused(method, f"{reason} from {context.peer()}")
+                except Exception:  # a logging hook must not change the status
+                    _log.exception("on_refused hook failed for %s", method)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong run secret for {method}")
+
+        if handler.request_streaming and handler.response_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        elif handler.request_streaming:
+            make = grpc.stream_unary_rpc_method_handler
+        elif handler.response_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
+        return make(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+_Fields = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", _Fields), grpc.ClientCallDetails):
+    pass
+
+
+class _SecretClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Appends ``(METADATA_KEY, secret)`` to every outgoing call's metadata."""
+
+    def __init__(self, secret: str):
+        self._secret = secret
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(d.metadata or ()), (METADATA_KEY, self._secret)]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def secure_channel(channel: grpc.Channel, secret: str) -> grpc.Channel:
+    """``channel`` with the run secret attached to every call made through it."""
+    if not secret:
+        raise ValueError("run secret must be a non-empty string")
+    return grpc.intercept_channel(channel, _SecretClientInterceptor(secret))
+
+
+def _read(path, what: str) -> bytes:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"TLS {what} file not found: {path}")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.strip():
+        raise ValueError(f"TLS {what} file is empty: {path}")
+    return data
+
+
+def server_credentials(cert_file, key_file, ca_file=None) -> grpc.ServerCredentials:
+    """TLS for a server; with ``ca_file``, clients must present a certificate it signed."""
+    pair = (_read(key_file, "key"), _read(cert_file, "certificate"))
+    ca = _read(ca_file, "CA") if ca_file is not None else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(ca_file=None, cert_file=None, key_file=None) -> grpc.ChannelCredentials:
+    """TLS for a client: ``ca_file`` (default: system roots) and an optional client cert/key pair."""
+    if (cert_file is None) != (key_file is None):
+        missing = "key_file" if key_file is None else "cert_file"
+        raise ValueError(f"client TLS needs both cert_file and key_file; {missing} is missing")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_file, "CA") if ca_file is not None else None,
+        private_key=_read(key_file, "key") if key_file is not None else None,
+        certificate_chain=_read(cert_file, "certificate") if cert_file is not None else None,
+    )

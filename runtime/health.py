@@ -1,0 +1,116 @@
+"""Health probes: the client's heartbeat lease on every worker.
+
+A :class:`HealthMonitor` thread sends the standard ``grpc.health.v1`` Check
+to each watched worker every ``interval`` seconds. A worker that has not
+answered for ``lease`` seconds is suspect; a suspect is re-probed with a
+bounded retry (tenacity) and, if it still does not answer, declared dead
+through ``on_dead`` (called at most once per worker). A crashed process is
+found by the first failed probe; a hung one (SIGSTOP, deadlock) by the lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import tenacity
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+__all__ = ["HealthMonitor", "probe"]
+
+
+def probe(stub: health_pb2_grpc.HealthStub, timeout: float) -> bool:
+    """One Check; True when the worker answers SERVING within ``timeout``."""
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def confirm_dead(stub, timeout: float, retries: int) -> bool:
+    """Re-probes a suspect up to ``retries`` times; True if it never answers."""
+    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(retries + 1),
+                                 wait=tenacity.wait_fixed(timeout / 4),
+                                 retry=tenacity.retry_if_result(lambda ok: not ok), reraise=False,
+                                 retry_error_callback=lambda state: False)
+    return not retrying(probe, stub, timeout)
+
+
+class HealthMonitor:
+    def __init__(self, channels: Callable[[str], grpc.Channel], on_dead: Callable[[str, str], None], *,
+                 interval: float, lease: float, retries: int, events=None):
+        self._channels = channels
+        self.on_dead = on_dead
+        self.interval, self.lease, self.retries = interval, lease, retries
+        self.events = events
+        self._stubs: dict[str, health_pb2_grpc.HealthStub] = {}
+        self._last_ok: dict[str, float] = {}
+        self._dead: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+
+    def watch(self, worker_id: str, address: str) -> None:
+        with self._lock:
+            self._stubs[worker_id] = health_pb2_grpc.HealthStub(self._channels(address))
+            self._last_ok[worker_id] = time.monotonic()
+
+    def unwatch(self, worker_id: str) -> None:
+        with self._lock:
+            self._stubs.pop(worker_id, None)
+            self._last_ok.pop(worker_id, None)
+
+    def is_alive(self, worker_id: str, timeout: float | None = None) -> bool:
+        """Probe now with the bounded retry: False if the worker is confirmed dead."""
+        with self._lock:
+            stub = self._stubs.get(worker_id)
+            if stub is None or worker_id in self._dead:
+                return False
+        return not confirm_dead(stub, timeout or self.lease, self.retries)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                stubs = dict(self._stubs)
+            for wid, stub in stubs.items():
+                if self._stop.is_set():
+                    return
+                now = time.monotonic()
+                if probe(stub, timeout=self.interval):
+                    with self._lock:
+                        if wid in self._last_ok:
+                            self._last_ok[wid] = now
+                    continue
+                with self._lock:
+                    silent = now - self._last_ok.get(wid, now)
+                if silent < self.lease and _reachable_error(stub):
+                    continue  # slow answer within the lease: not suspect yet
+                if self.events is not None:
+                    self.events.emit("worker_suspect", worker=wid, silent_seconds=silent)
+                if confirm_dead(stub, self.interval, self.retries):
+                    with self._lock:
+                        if wid in self._dead:
+                            continue
+                        self._dead.add(wid)
+                        self._stubs.pop(wid, None)
+                    self.on_dead(wid, f"no health answer for {silent:.2f} s and {self.retries} re-probes")
+
+
+def _reachable_error(stub) -> bool:
+    """True when the last failure looks like slowness, not a refused connection."""
+    try:
+        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.05)
+        return True
+    except grpc.RpcError as e:
+        return e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
