@@ -24,7 +24,7 @@ def test_pieces_round_trip_through_the_mailbox_in_small_chunks():
     assert len(msgs) == 4
     box = Mailbox()
     box.receive(iter(msgs), ok)
-    got = box.wait(3, REDUCE_SCATTER, {1}, deadline=float("inf"))
+    got = box.wait(1, 3, REDUCE_SCATTER, {1}, deadline=float("inf"))
     assert got[1][Node(1, 0)].tobytes() == data.tobytes()
 
 
@@ -35,7 +35,7 @@ def test_a_corrupted_chunk_is_refused():
     with pytest.raises(ProtocolError, match="checksum"):
         box.receive(iter(msgs), ok)
     with pytest.raises(StepAbortedError):
-        box.wait(0, REDUCE_SCATTER, {0}, deadline=0)
+        box.wait(1, 0, REDUCE_SCATTER, {0}, deadline=0)
 
 
 def test_out_of_range_and_incomplete_pieces_are_refused():
