@@ -65,6 +65,10 @@ def build_report(events_or_path) -> dict:
         elif kind == "state_initialized":
             report["state_bytes"] = e["state_bytes"]
         elif kind == "step_committed":
+            if e["step"] < report["steps_completed"]:
+                # A step committed again: the run had rewound past committed work.
+                report["steps_lost"] += 1
+                continue
             report["losses"].append(e["loss"])
             report["steps_completed"] += 1
             if "seconds" in e:

@@ -41,3 +41,13 @@ def test_generated_protos_match_the_proto_file(tmp_path):
     for name in ("elastic_pb2.py", "elastic_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / name, ROOT / "runtime/_proto" / name, shallow=False), (
             f"runtime/_proto/{name} is stale: run scripts/gen_protos.sh")
+
+
+def test_report_counts_a_recommitted_step_as_lost():
+    from elastic.report import build_report
+
+    events = [{"t": 0.0, "kind": "step_committed", "step": 0, "loss": 2.0},
+              {"t": 1.0, "kind": "step_committed", "step": 1, "loss": 1.5},
+              {"t": 2.0, "kind": "step_committed", "step": 1, "loss": 1.5}]
+    report = build_report(events)
+    assert report["steps_completed"] == 2 and report["steps_lost"] == 1 and report["losses"] == [2.0, 1.5]
