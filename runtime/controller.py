@@ -371,7 +371,7 @@ class Controller:
         self.events.emit("failure_detected", error=type(err).__name__, detail=str(err)[:500],
                          worker=getattr(err, "worker_id", None), committed=len(self.losses))
         members = [w for w in self.placement.active + self.placement.spares if w not in self.dead]
-        probes = {w: self._probe(w) for w in members}
+        probes = {w: self.monitor.is_alive(w) for w in members}
         for w, ok in probes.items():
             if not ok:
                 self._declare_dead(w, f"no answer after {type(err).__name__}")
@@ -398,8 +398,10 @@ class Controller:
                          dead=sorted(dead), bytes_moved=moved, seconds=time.time() - t_detect)
         return target
 
-    def _probe(self, worker_id: str) -> bool:
-        return self.monitor.is_alive(worker_id)
+    def _abort_members(self) -> dict[str, pb.StatusReply]:
+        """Fences every member of the current placement into its epoch; returns their status."""
+        return self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()),
+                         workers=list(self.placement.active + self.placement.spares))
 
     def _realign(self, survivors: list[str], on_step) -> int:
         """Fences every member into the new epoch and brings survivors to one step.
@@ -408,8 +410,7 @@ class Controller:
         every rank finished its reduce-scatter). Steps all of them applied are
         committed from their recorded losses; those ahead roll back one step.
         """
-        members = list(self.placement.active + self.placement.spares)
-        statuses = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers=members)
+        statuses = self._abort_members()
         applied = {w: statuses[w].applied_steps for w in survivors}
         target, committed = min(applied.values()), len(self.losses)
         if target < committed or max(applied.values()) > target + 1:
@@ -478,8 +479,7 @@ class Controller:
         promoted = [w for w in grown.active if w not in self.placement.active]
         source = self.placement.active[0]
         self.placement = grown
-        self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()),
-                  workers=list(grown.active + grown.spares))
+        self._abort_members()
         moved = sum(self._transfer(source, w, committed) for w in promoted)
         self._check_replicas(committed)
         self.events.emit("grown", epoch=grown.epoch, promoted=promoted, active=list(grown.active),
