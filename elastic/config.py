@@ -82,6 +82,11 @@ class Config:
     elastic_lease_seconds: float = _key(1.5, gt=0)  # silence before a worker is suspect
     elastic_probe_retries: int = _key(2, ge=0)  # re-probes confirming a suspect is dead
     elastic_relaunch: bool = _key(True)  # local launcher restarts dead workers as spares
+    elastic_worker_lease_seconds: float = _key(5.0, gt=0)  # a worker cut off from the controller this long fences itself
+    elastic_straggler_factor: float = _key(3.0, gt=1)  # grad phase slower than factor x median of the others
+    elastic_straggler_patience: int = _key(3, ge=1)  # consecutive slow steps before a straggler is reported
+    elastic_replace_stragglers: bool = _key(False)  # move a reported straggler's slice onto a spare
+    elastic_chaos: bool = _key(False)  # workers accept fault injection from the chaos harness
 
     def __post_init__(self) -> None:
         for f in fields(self):

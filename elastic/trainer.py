@@ -46,11 +46,14 @@ class _Job:
         name = self.config.run_name or time.strftime("run-%Y%m%d-%H%M%S")
         return pathlib.Path(self.config.base_output_directory) / name
 
-    def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None) -> dict:
+    def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None,
+            observer=None) -> dict:
         """Trains ``config.steps`` steps; writes the run directory; returns the report.
 
         ``reference=True`` runs the canonical math in this process (it needs
         ``devices_per_slice`` local devices) instead of on workers.
+        ``observer``: a :class:`runtime.controller.ControllerObserver` (the chaos
+        harness) told about commits and transfers.
         """
         cfg = self.config
         run_dir = self.run_dir()
@@ -79,8 +82,16 @@ class _Job:
                                          heartbeat_seconds=cfg.elastic_heartbeat_seconds,
                                          lease_seconds=cfg.elastic_lease_seconds,
                                          probe_retries=cfg.elastic_probe_retries,
-                                         relaunch=cfg.elastic_relaunch)
+                                         relaunch=cfg.elastic_relaunch,
+                                         worker_lease_seconds=cfg.elastic_worker_lease_seconds,
+                                         capacity_timeout_seconds=cfg.elastic_timeout_seconds,
+                                         straggler_factor=cfg.elastic_straggler_factor,
+                                         straggler_patience=cfg.elastic_straggler_patience,
+                                         replace_stragglers=cfg.elastic_replace_stragglers,
+                                         chaos=cfg.elastic_chaos)
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
+                    if observer is not None:
+                        ctl.observer = observer
                     ctl.train(cfg.steps, cfg.seed, on_step=on_step)
         finally:
             events.close()

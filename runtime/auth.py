@@ -29,7 +29,7 @@ import grpc
 
 __all__ = [
     "METADATA_KEY", "new_secret", "SecretServerInterceptor",
-    "secure_channel", "server_credentials", "channel_credentials",
+    "secure_channel", "server_credentials", "channel_credentials", "handler_like",
 ]
 
 METADATA_KEY = "x-elastic-run-secret"
@@ -89,19 +89,21 @@ class SecretServerInterceptor(grpc.ServerInterceptor):
                     _log.exception("on_refused hook failed for %s", method)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong run secret for {method}")
 
-        if handler.request_streaming and handler.response_streaming:
-            make = grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            make = grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            make = grpc.unary_stream_rpc_method_handler
-        else:
-            make = grpc.unary_unary_rpc_method_handler
-        return make(
-            refuse,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return handler_like(handler, refuse)
+
+
+def handler_like(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s arity and serializers that runs ``behavior(request, context)`` instead."""
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    return make(behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 _Fields = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")

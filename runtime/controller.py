@@ -29,9 +29,11 @@ from runtime.health import HealthMonitor
 from runtime.events import EventLog
 from runtime.launcher import LocalLauncher
 from runtime.programs import ProgramSet
-from runtime.resource_manager import Placement, StepPlan, WorkerInfo, decide_grow, decide_recovery, place, plan_step
+from runtime.resource_manager import (Placement, StepPlan, WorkerInfo, decide_grow, decide_recovery, decide_swap, place,
+                                     plan_step)
+from runtime.stragglers import StragglerDetector, StragglerPolicy
 
-__all__ = ["ControllerOptions", "Controller", "RunResult", "gather", "peak_rss_bytes"]
+__all__ = ["ControllerOptions", "Controller", "ControllerObserver", "RunResult", "gather", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
@@ -78,6 +80,31 @@ class ControllerOptions:
     probe_retries: int = 2
     relaunch: bool = True
     secret: str = ""
+    worker_lease_seconds: float = 5.0      # a worker fences itself after this long without the controller
+    capacity_timeout_seconds: float = 0.0  # below min_slices: wait this long for a worker to join
+    straggler_factor: float = 3.0
+    straggler_patience: int = 3
+    replace_stragglers: bool = False
+    chaos: bool = False                    # workers serve fault-injection calls
+
+
+class ControllerObserver:
+    """Hooks for the chaos harness (and anything else that watches a run). Default: no-ops.
+
+    Called on the controller's thread; a hook must return quickly.
+    """
+
+    def attach(self, controller: "Controller") -> None:
+        """The controller started; workers are registered and placed."""
+
+    def step_committed(self, step: int) -> None:
+        """Step ``step`` was committed."""
+
+    def before_transfer(self, source: str, dest: str) -> None:
+        """A peer-to-peer state transfer from ``source`` to ``dest`` is about to start."""
+
+    def close(self) -> None:
+        """The run ended (in any way)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,16 +122,22 @@ class RunResult:
 class _Registry(pb_grpc.ControllerServicer):
     """Receives worker registrations (the controller's gRPC service)."""
 
-    def __init__(self, run_id: str, events: EventLog):
+    def __init__(self, run_id: str, events: EventLog, refuse=lambda worker_id: ""):
         self.run_id = run_id
         self.events = events
+        self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
         self.workers: dict[str, WorkerInfo] = {}
         self.cond = threading.Condition()
 
     def Register(self, request, context):
+        reason = ""
         if request.run_id != self.run_id:
-            self.events.emit("register_refused", worker=request.worker_id, reason="wrong run id")
-            return pb.RegisterReply(accepted=False, reason=f"this controller runs {self.run_id!r}")
+            reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
+        elif request.worker_id in self.workers:
+            reason = self.refuse(request.worker_id) or f"worker id {request.worker_id!r} is already a member"
+        if reason:
+            self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
+            return pb.RegisterReply(accepted=False, reason=reason)
         info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid)
         with self.cond:
             self.workers[info.worker_id] = info
@@ -135,18 +168,24 @@ class Controller:
         self.run_id = options.run_id or uuid.uuid4().hex[:12]
         self.events = events
         self.secret = options.secret or auth.new_secret()
-        self.registry = _Registry(self.run_id, events)
+        self.registry = _Registry(self.run_id, events, refuse=self._why_fenced)
         self.server, port = rpc.make_server(options.host, 0, max_workers=8, secret=self.secret)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{options.host}:{port}"
         self.launcher = LocalLauncher(self.run_id, self.address, options.devices_per_slice,
-                                      f"{options.run_dir}/logs", secret=self.secret)
+                                      f"{options.run_dir}/logs", secret=self.secret, chaos=options.chaos)
         self.placement: Placement | None = None
         self.stubs: dict[str, pb_grpc.WorkerStub] = {}
         self.channels: dict[str, grpc.Channel] = {}
         self.inflight: dict[str, list[grpc.Future]] = {}
         self.dead: dict[str, str] = {}          # worker -> why (declared by the monitor or a probe)
         self.warming: dict[str, grpc.Future] = {}
+        self.replicas: set[str] = set()          # workers known to hold the state at the committed frontier
+        self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
+        self.swap_pending: list[str] = []
+        self.relaunched: set[str] = set()         # stragglers to move onto spares at the next boundary
+        self.stragglers = StragglerDetector(StragglerPolicy(options.straggler_factor, options.straggler_patience))
+        self.observer = ControllerObserver()
         self.recoveries = 0
         self.monitor = HealthMonitor(self._channel, self._declare_dead, interval=options.heartbeat_seconds,
                                      lease=options.lease_seconds, retries=options.probe_retries, events=events)
@@ -164,6 +203,7 @@ class Controller:
         self.close()
 
     def close(self) -> None:
+        self.observer.close()
         self.monitor.stop()
         for wid, stub in self.stubs.items():
             if wid in self.dead:
@@ -172,6 +212,8 @@ class Controller:
                 stub.Shutdown(pb.ShutdownRequest(fence=self._fence()), timeout=2.0)
             except grpc.RpcError:
                 pass
+        for wid in self.dead:
+            self.launcher.kill(wid)   # a declared-dead process may be stopped (hang) or cut off
         self.launcher.stop_all()
         self.server.stop(0)
 
@@ -189,9 +231,17 @@ class Controller:
             self.dead[worker_id] = reason
             futs = self.inflight.pop(worker_id, [])
         self.events.emit("worker_dead", worker=worker_id, reason=reason)
-        self.launcher.kill(worker_id)   # a declared-dead process must never come back as itself
+        # Not killed: on a real cluster a partitioned host cannot be reached
+        # either. Fencing keeps it harmless (older epoch; refused on rejoin)
+        # and it fences itself when its lease on this controller lapses.
         for f in futs:
             f.cancel()
+
+    def _why_fenced(self, worker_id: str) -> str:
+        if worker_id in self.dead:
+            return (f"worker {worker_id} was declared dead ({self.dead[worker_id]}) and is fenced; the run is at "
+                    f"epoch {self.placement.epoch if self.placement else 0}: a fresh process joins as a new worker")
+        return ""
 
     def _launch(self) -> str:
         wid = f"w{self._launched}"
@@ -233,8 +283,11 @@ class Controller:
         progs = self._load_request("").programs
         everyone = list(self.placement.active + self.placement.spares)
         replies = self._all("Load", self._load_request, workers=everyone)
+        for w, r in replies.items():
+            self.events.emit("device_probe", worker=w, ok=True, devices=r.devices_probed, seconds=r.probe_seconds)
         self.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in replies.items()},
                          program_bytes=sum(len(p.serialized) for p in progs))
+        self.observer.attach(self)
 
     def _adopt(self, w: WorkerInfo) -> None:
         self.stubs[w.worker_id] = pb_grpc.WorkerStub(self._channel(w.address))
@@ -243,11 +296,12 @@ class Controller:
     def _load_request(self, worker_id: str) -> pb.LoadRequest:
         progs = [pb.Program(name=k, serialized=v) for k, v in self.programs.programs().items()]
         return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
-                              layout=self.programs.layout_json())
+                              layout=self.programs.layout_json(), lease_seconds=self.opts.worker_lease_seconds)
 
     def init_state(self, seed: int) -> int:
         replies = self._all("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed))
         sizes = {r.state_bytes for r in replies.values()}
+        self.replicas = set(self.placement.active)
         self.events.emit("state_initialized", seed=seed, state_bytes=max(sizes))
         return max(sizes)
 
@@ -273,6 +327,7 @@ class Controller:
                 self.inflight.setdefault(w, []).append(futs[w])
                 if w in self.dead:
                     futs[w].cancel()
+        self.plans[plan.step] = plan
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
         return plan, futs, time.time()
 
@@ -287,6 +342,7 @@ class Controller:
         sums = {r.loss_sum for r in replies.values()}
         if len(sums) != 1:
             raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
+        self._watch_stragglers(plan, replies)
         self._record(plan.step, plan.epoch, sums.pop(), on_step, t_dispatch=t_dispatch, plan=plan,
                      grad_seconds=max(r.grad_seconds for r in replies.values()),
                      reduce_seconds=max(r.reduce_seconds for r in replies.values()),
@@ -300,9 +356,22 @@ class Controller:
         if t_dispatch is not None:
             fields["seconds"] = time.time() - t_dispatch
         self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, **fields)
+        self.plans.pop(step, None)
         self.losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
+        self.observer.step_committed(step)
+
+    def _watch_stragglers(self, plan: StepPlan, replies) -> None:
+        per_mb = {w: replies[w].grad_seconds / max(sum(len(n.ids) for n in nodes), 1)
+                  for w, nodes in zip(plan.workers, plan.nodes)}
+        for w, seconds, median in self.stragglers.observe(per_mb):
+            replace = (self.opts.replace_stragglers and any(s not in self.dead for s in self.placement.spares)
+                       and w not in self.swap_pending)
+            self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
+                             action="replaced" if replace else "reported")
+            if replace:
+                self.swap_pending.append(w)
 
     def train(self, steps: int, seed: int, on_step=None) -> RunResult:
         """Runs ``steps`` steps from a fresh state; returns the run's summary.
@@ -361,6 +430,12 @@ class Controller:
                 err = again
 
     def _recover_once(self, err: Exception, on_step) -> int:
+        """One recovery attempt: probe, decide, fence, realign, copy state to new members, check.
+
+        Only workers in ``self.replicas`` count as holding the state: a spare
+        that was promoted but died (or whose source died) before its copy
+        finished is not a replica, so a retry copies to it again or replaces it.
+        """
         t_detect = time.time()
         self.recoveries += 1
         with self._lock:
@@ -371,32 +446,76 @@ class Controller:
         self.events.emit("failure_detected", error=type(err).__name__, detail=str(err)[:500],
                          worker=getattr(err, "worker_id", None), committed=len(self.losses))
         members = [w for w in self.placement.active + self.placement.spares if w not in self.dead]
-        probes = {w: self.monitor.is_alive(w) for w in members}
-        for w, ok in probes.items():
-            if not ok:
+        for w in members:
+            if not self.monitor.is_alive(w):
                 self._declare_dead(w, f"no answer after {type(err).__name__}")
-        dead = frozenset(w for w in self.placement.active + self.placement.spares if w in self.dead)
-        decision = decide_recovery(self.placement, dead, min_slices=self.opts.min_slices,
-                                   recoveries=self.recoveries, max_retries=self.opts.max_retries)
-        self.events.emit("recovery_decision", action=decision.action, reason=decision.reason, dead=sorted(dead),
-                         epoch=decision.placement.epoch, active=list(decision.placement.active),
-                         spares=list(decision.placement.spares))
+        decision = self._decide()
+        if decision.action == "wait":
+            decision = self._wait_for_capacity(decision)
         if decision.action == "fail":
             raise ElasticTrainingFailedError("cannot recover", step=len(self.losses), cause=decision.reason)
-        survivors = [w for w in self.placement.active if w not in dead]
+        dead = sorted(w for w in self.placement.active + self.placement.spares if w in self.dead)
         self.placement = decision.placement
         for w in dead:
             self.monitor.unwatch(w)
-            if self.opts.relaunch and self._launched < self.opts.slices + self.opts.spares + self.opts.max_retries:
-                self.events.emit("worker_relaunched", replaces=w, worker=self._launch())
-        target = self._realign(survivors, on_step)
-        moved = 0
-        for _, spare in decision.replacements:
-            moved += self._transfer(survivors[0], spare, target)
+            self._relaunch(w)
+        holders = [w for w in self.placement.active if w in self.replicas]
+        target = self._realign(holders, on_step)
+        moved = sum(self._transfer(holders[0], w, target) for w in self.placement.active if w not in holders)
         self._check_replicas(target)
+        self.replicas = set(self.placement.active)
         self.events.emit("recovered", path=decision.action, epoch=self.placement.epoch, resume_step=target,
-                         dead=sorted(dead), bytes_moved=moved, seconds=time.time() - t_detect)
+                         dead=dead, bytes_moved=moved, seconds=time.time() - t_detect)
         return target
+
+    def _decide(self, may_wait: bool | None = None):
+        dead = frozenset(w for w in self.placement.active + self.placement.spares if w in self.dead)
+        placement = self.placement
+        if may_wait is None:
+            may_wait = self.opts.capacity_timeout_seconds > 0
+        decision = decide_recovery(placement, dead, min_slices=self.opts.min_slices, recoveries=self.recoveries,
+                                   max_retries=self.opts.max_retries, may_wait=may_wait)
+        # A promoted spare whose copy never finished is alive but holds no state: it is not a survivor.
+        if decision.action != "fail" and not any(w in self.replicas and w not in dead for w in placement.active):
+            decision = dataclasses.replace(decision, action="fail", reason="no live replica of the state is left "
+                                           "(restore from a snapshot or checkpoint is not built yet)")
+        self.events.emit("recovery_decision", action=decision.action, reason=decision.reason, dead=sorted(dead),
+                         epoch=decision.placement.epoch, active=list(decision.placement.active),
+                         spares=list(decision.placement.spares))
+        return decision
+
+    def _relaunch(self, dead_worker: str) -> None:
+        """The local launcher starts a fresh process (a new worker id) for each dead one, once."""
+        if dead_worker in self.relaunched:
+            return
+        self.relaunched.add(dead_worker)
+        if self.opts.relaunch and self._launched < self.opts.slices + self.opts.spares + self.opts.max_retries:
+            self.events.emit("worker_relaunched", replaces=dead_worker, worker=self._launch())
+
+    def _wait_for_capacity(self, decision):
+        """Below ``min_slices``: wait up to ``capacity_timeout_seconds`` for workers to join, warm them as spares."""
+        t0 = time.time()
+        deadline = time.monotonic() + self.opts.capacity_timeout_seconds
+        for w in sorted(w for w in self.placement.active + self.placement.spares if w in self.dead):
+            self._relaunch(w)
+        self.events.emit("capacity_wait", needed=self.opts.min_slices, timeout_seconds=self.opts.capacity_timeout_seconds)
+        found: list[str] = []
+        while decision.action == "wait":
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.events.emit("capacity_wait_ended", seconds=time.time() - t0, found=found)
+                return dataclasses.replace(decision, action="fail", reason=decision.reason.replace(
+                    "waiting for capacity", f"no capacity arrived within elastic_timeout_seconds="
+                                            f"{self.opts.capacity_timeout_seconds:g}"))
+            with self.registry.cond:
+                if all(w in self.stubs for w in self.registry.workers):
+                    self.registry.cond.wait(min(left, 0.5))
+            before = set(self.placement.spares)
+            self._warm_new_workers(block_until=deadline)
+            found += [w for w in self.placement.spares if w not in before]
+            decision = self._decide(may_wait=True)
+        self.events.emit("capacity_wait_ended", seconds=time.time() - t0, found=found)
+        return decision
 
     def _abort_members(self) -> dict[str, pb.StatusReply]:
         """Fences every member of the current placement into its epoch; returns their status."""
@@ -419,16 +538,18 @@ class Controller:
             sums = {l.loss_sum for w in survivors for l in statuses[w].recent if l.step == step}
             if len(sums) != 1:
                 raise ElasticTrainingFailedError("no agreed loss for an applied step", step=step, cause=str(sums))
-            self._record(step, self.placement.epoch, sums.pop(), on_step, recovered=True)
+            self._record(step, self.placement.epoch, sums.pop(), on_step, plan=self.plans.get(step), recovered=True)
         for w, a in applied.items():
             if a == target + 1:
                 self._call(w, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=target))
                 self.events.emit("rolled_back", worker=w, to_step=target)
+        self.plans.clear()
         return target
 
     def _transfer(self, source: str, dest: str, applied: int) -> int:
         """Copies the state of live replica ``source`` to ``dest``, peer to peer."""
         t0 = time.time()
+        self.observer.before_transfer(source, dest)
         self.events.emit("transfer_started", source=source, dest=dest, step=applied)
         reply = self._call(dest, "PullState", pb.PullStateRequest(
             fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied))
@@ -445,14 +566,19 @@ class Controller:
     # -- membership changes at step boundaries -------------------------------
 
     def _membership_pending(self) -> bool:
-        """Cheap check: is there a new, warmed or promotable worker to act on?"""
+        """Cheap check: is there a new, warmed or promotable worker, or a straggler to swap out?"""
         return (any(w not in self.stubs for w in list(self.registry.workers))
                 or any(f.done() for f in self.warming.values())
                 or any(s in self.dead for s in self.placement.spares)
+                or bool(self.swap_pending)
                 or (len(self.placement.active) < self.opts.slices and bool(self.placement.spares)))
 
-    def _step_boundary(self) -> None:
-        """No step in flight: warm new workers into spares, drop dead spares, grow."""
+    def _warm_new_workers(self, block_until: float | None = None) -> None:
+        """Adopts newly registered workers and loads programs on them; warmed ones become spares.
+
+        With ``block_until``, waits (until that monotonic time) for the loads
+        it started, so a recovery waiting for capacity can use them.
+        """
         for w in list(self.registry.workers.values()):
             if w.worker_id not in self.stubs:
                 self._adopt(w)
@@ -460,27 +586,59 @@ class Controller:
                     self._load_request(w.worker_id), timeout=self.opts.rpc_timeout_seconds)
         spares = [s for s in self.placement.spares if s not in self.dead]
         for wid, fut in list(self.warming.items()):
+            if block_until is not None:
+                try:
+                    fut.result(timeout=max(block_until - time.monotonic(), 0.001))
+                except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+                    pass
             if not fut.done():
                 continue
             del self.warming[wid]
             try:
                 reply = fut.result()
-            except (grpc.RpcError, grpc.FutureCancelledError):
-                self._declare_dead(wid, "failed to load programs")
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                self.events.emit("device_probe", worker=wid, ok=False, devices=0, seconds=0.0,
+                                 error=str(getattr(e, "details", lambda: e)())[:300])
+                self._declare_dead(wid, "failed to load programs or probe its devices")
                 continue
             spares.append(wid)
+            self.events.emit("device_probe", worker=wid, ok=True, devices=reply.devices_probed,
+                             seconds=reply.probe_seconds)
             self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
         if tuple(spares) != self.placement.spares:
             self.placement = dataclasses.replace(self.placement, spares=tuple(spares))
+
+    def _step_boundary(self) -> None:
+        """No step in flight: warm new workers into spares, drop dead spares, swap stragglers out, grow."""
+        self._warm_new_workers()
+        while self.swap_pending:
+            slow = self.swap_pending.pop(0)
+            swapped = decide_swap(self.placement, slow)
+            if swapped is not None:
+                self._remap(swapped, "straggler_replaced", slow=slow)
+                self._shutdown(slow)
         grown = decide_grow(self.placement, self.opts.slices)
-        if grown is None:
-            return
+        if grown is not None:
+            self._remap(grown, "grown")
+
+    def _remap(self, placement: Placement, kind: str, **fields) -> None:
+        """A planned membership change at a step boundary: fence, copy state to the newcomers, check."""
         committed = len(self.losses)
-        promoted = [w for w in grown.active if w not in self.placement.active]
-        source = self.placement.active[0]
-        self.placement = grown
+        promoted = [w for w in placement.active if w not in self.placement.active]
+        source = next(w for w in self.placement.active if w in self.replicas and w in placement.active)
+        self.placement = placement
         self._abort_members()
         moved = sum(self._transfer(source, w, committed) for w in promoted)
         self._check_replicas(committed)
-        self.events.emit("grown", epoch=grown.epoch, promoted=promoted, active=list(grown.active),
-                         bytes_moved=moved, step=committed)
+        self.replicas = set(placement.active)
+        self.events.emit(kind, epoch=placement.epoch, promoted=promoted, active=list(placement.active),
+                         bytes_moved=moved, step=committed, **fields)
+
+    def _shutdown(self, worker_id: str) -> None:
+        """Sends a worker that left the placement home (best effort; it is fenced either way)."""
+        self.monitor.unwatch(worker_id)
+        try:
+            self.stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence()), timeout=2.0)
+        except grpc.RpcError:
+            pass
+        self.launcher.kill(worker_id)

@@ -17,8 +17,9 @@ class LocalLauncher:
     """Launches ``python -m runtime.worker`` children with N simulated devices each."""
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
-                 secret: str = ""):
+                 secret: str = "", chaos: bool = False):
         self.secret = secret
+        self.chaos = chaos
         self.run_id = run_id
         self.controller_address = controller_address
         self.devices_per_worker = devices_per_worker
@@ -32,6 +33,7 @@ class LocalLauncher:
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_worker}"])
         env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
+        env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
         # Keep each worker's XLA/Eigen pools from oversubscribing a small host.
         env.setdefault("OMP_NUM_THREADS", "1")
         # Same import path as the client, so data sources pickled by reference
@@ -56,6 +58,10 @@ class LocalLauncher:
     def alive(self, worker_id: str) -> bool:
         p = self.procs.get(worker_id)
         return p is not None and p.poll() is None
+
+    def pid(self, worker_id: str) -> int | None:
+        p = self.procs.get(worker_id)
+        return p.pid if p is not None else None
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """Terminates every child, then kills what is left after ``timeout``."""

@@ -10,7 +10,8 @@ import dataclasses
 
 from runtime.microbatch import Node, assign_microbatches
 
-__all__ = ["WorkerInfo", "Placement", "RecoveryDecision", "StepPlan", "decide_grow", "decide_recovery", "place", "plan_step"]
+__all__ = ["WorkerInfo", "Placement", "RecoveryDecision", "StepPlan", "decide_grow", "decide_recovery", "decide_swap",
+           "place", "plan_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +89,13 @@ class RecoveryDecision:
 
 
 def decide_recovery(placement: Placement, dead: frozenset[str], *, min_slices: int, recoveries: int,
-                    max_retries: int) -> RecoveryDecision:
-    """Replace dead active slices with spares; else shrink down to ``min_slices``; else fail."""
+                    max_retries: int, may_wait: bool = False) -> RecoveryDecision:
+    """Replace dead active slices with spares; else shrink down to ``min_slices``; else wait or fail.
+
+    ``may_wait``: capacity may still arrive (a relaunched or joining worker,
+    within ``elastic_timeout_seconds``), so being below the minimum answers
+    ``wait`` instead of ``fail``.
+    """
     if recoveries > max_retries:
         return RecoveryDecision("fail", placement, reason=f"gave up after {max_retries} recoveries")
     spares = [s for s in placement.spares if s not in dead]
@@ -108,6 +114,9 @@ def decide_recovery(placement: Placement, dead: frozenset[str], *, min_slices: i
         return RecoveryDecision("fail", new, reason="every active slice is gone: no live replica of the state "
                                                    "(restore from a snapshot or checkpoint is not built yet)")
     if len(active) < min_slices:
+        if may_wait:
+            return RecoveryDecision("wait", placement, reason=f"{len(active)} slices left, elastic_min_slice_count "
+                                                              f"is {min_slices}: waiting for capacity")
         return RecoveryDecision("fail", new, reason=f"{len(active)} slices left, elastic_min_slice_count is "
                                                    f"{min_slices} and no spare is available")
     if dropped:
@@ -126,3 +135,15 @@ def decide_grow(placement: Placement, slices: int) -> Placement | None:
     take = placement.spares[:missing]
     return Placement(epoch=placement.epoch + 1, active=placement.active + take,
                      spares=placement.spares[len(take):])
+
+
+def decide_swap(placement: Placement, slow: str) -> Placement | None:
+    """Moves ``slow``'s virtual slice onto the first spare (a straggler replaced); None without a spare.
+
+    The slow worker leaves the placement: a host known to be slow is not kept
+    as a spare.
+    """
+    if slow not in placement.active or not placement.spares:
+        return None
+    active = tuple(placement.spares[0] if w == slow else w for w in placement.active)
+    return Placement(epoch=placement.epoch + 1, active=active, spares=placement.spares[1:])

@@ -46,9 +46,13 @@ _CODES = {
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
-                secret: str = "") -> tuple[grpc.Server, int]:
-    """A server on ``host:port`` (0: any free port); with ``secret``, every RPC must carry it."""
-    interceptors = []
+                secret: str = "", interceptors=()) -> tuple[grpc.Server, int]:
+    """A server on ``host:port`` (0: any free port); with ``secret``, every RPC must carry it.
+
+    ``interceptors`` run before the secret check (the chaos partition drops
+    calls before anything else sees them).
+    """
+    interceptors = list(interceptors)
     if secret:
         interceptors.append(auth.SecretServerInterceptor(
             secret, on_refused=lambda method, why: log.warning("refused %s: %s", method, why)))

@@ -36,6 +36,7 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.collective import ALL_GATHER, REDUCE_SCATTER, Mailbox, assemble_state, chunk_bounds, pieces, state_chunks
 from runtime.errors import StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32
+from runtime.fault_injection import FaultInjector, PartitionInterceptor
 from runtime.microbatch import Node, root, tree_reduce
 from runtime.programs import ProgramSet
 
@@ -57,7 +58,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     epoch never applies after an abort was received.
     """
 
-    def __init__(self, run_id: str, worker_id: str, secret: str = "", step_timeout: float = 300.0):
+    def __init__(self, run_id: str, worker_id: str, secret: str = "", step_timeout: float = 300.0,
+                 chaos: bool = False):
         self.run_id = run_id
         self.worker_id = worker_id
         self.secret = secret
@@ -73,6 +75,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._peers: dict[str, pb_grpc.WorkerStub] = {}
         self._send_pool = futures.ThreadPoolExecutor(max_workers=16)
         self.stopped = threading.Event()
+        self.faults = FaultInjector(chaos)
+        self.lease = 0.0                      # seconds without the controller before fencing; 0: off
+        self.last_contact = time.monotonic()
+        self.fenced = ""                      # why this worker fenced itself ("" while a member)
+        self._outgoing: set[grpc.Future] = set()   # pushes in flight, cancelled by an abort
 
     # -- fencing -------------------------------------------------------------
 
@@ -80,13 +87,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Refuses other runs and older epochs; adopts a newer epoch."""
         if fence.run_id != self.run_id:
             raise StaleEpochError(f"message for run {fence.run_id!r}, this worker serves {self.run_id!r}")
+        if self.fenced:
+            raise StaleEpochError(f"worker {self.worker_id} fenced itself: {self.fenced}")
         with self._cond:
             if fence.epoch < self.epoch:
                 raise StaleEpochError(f"message from epoch {fence.epoch}, worker is at epoch {self.epoch}")
             if fence.epoch > self.epoch:
                 self.epoch = fence.epoch
-                self.mailbox.set_epoch(fence.epoch)
-                self._cond.notify_all()
+                self._abort_step(fence.epoch)
 
     def _guard(self, context, fn):
         try:
@@ -95,6 +103,40 @@ class WorkerService(pb_grpc.WorkerServicer):
             log.warning("%s failed: %s: %s", getattr(fn, "__name__", "request"), type(e).__name__, e)
             rpc.abort_with(context, e)
 
+    # -- the worker's lease on its controller ---------------------------------
+
+    CONTROLLER_METHODS = ("Load", "Init", "Step", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
+                          "Chaos", "/grpc.health.v1.Health/Check")
+
+    def heard(self, method: str) -> None:
+        """Any call from the controller (not from a peer) renews the lease."""
+        if method.endswith(self.CONTROLLER_METHODS):
+            self.last_contact = time.monotonic()
+
+    def lease_lapsed(self) -> bool:
+        """Fences this worker when the controller has been silent longer than the lease.
+
+        Called periodically by :func:`serve`. A fenced worker refuses all work
+        and wakes a step waiting on peers; it never serves this run again.
+        """
+        if not self.lease or self.fenced:
+            return bool(self.fenced)
+        silent = time.monotonic() - self.last_contact
+        if silent <= self.lease:
+            return False
+        self.fenced = f"no word from the controller for {silent:.1f} s (lease {self.lease:.1f} s)"
+        log.warning("fencing myself: %s", self.fenced)
+        with self._cond:
+            self._abort_step(self.epoch + 1)
+        return True
+
+    def _abort_step(self, epoch: int) -> None:
+        """With ``_cond`` held: a step waiting on peers or on a push gives up now."""
+        self.mailbox.set_epoch(epoch)
+        for call in self._outgoing:
+            call.cancel()   # a push to a hung peer would otherwise block until the step deadline
+        self._cond.notify_all()
+
     # -- control RPCs --------------------------------------------------------
 
     def Load(self, request, context):
@@ -102,9 +144,26 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             programs = ProgramSet.from_parts({p.name: p.serialized for p in request.programs}, request.layout)
             source = pickle.loads(request.data_source)
-            self.executor = SliceExecutor(programs, source)
-            return pb.LoadReply(compile_seconds=self.executor.load())
+            executor = SliceExecutor(programs, source)
+            t0 = time.perf_counter()
+            probed = probe_devices()
+            probe_seconds = time.perf_counter() - t0
+            compile_seconds = executor.load()
+            self.executor = executor
+            self.lease = max(request.lease_seconds, 0.0)
+            self.last_contact = time.monotonic()
+            return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
         return self._guard(context, load)
+
+    def Chaos(self, request, context):
+        def arm():
+            try:
+                self.faults.arm(request.action, request.factor, request.seconds)
+            except PermissionError as e:
+                raise StaleEpochError(str(e)) from None
+            log.warning("chaos: armed %s (factor %s, %s s)", request.action, request.factor, request.seconds)
+            return pb.Empty()
+        return self._guard(context, arm)
 
     def Init(self, request, context):
         def init():
@@ -173,7 +232,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                 applied = self.executor.steps_applied
         except Exception as e:  # noqa: BLE001
             rpc.abort_with(context, e)
-        yield from state_chunks(leaves, applied, self.chunk_bytes)
+        for i, chunk in enumerate(state_chunks(leaves, applied, self.chunk_bytes)):
+            if i == 1:
+                self.faults.sending_state()   # chaos: die mid-transfer, after the first chunk
+            yield chunk
 
     def PullState(self, request, context):
         def pull():
@@ -184,7 +246,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
                 timeout=self.step_timeout)
             try:
-                leaves, applied = assemble_state(stream)
+                leaves, applied = assemble_state(self._receiving(stream))
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                            f"{e.code().name}") from e
@@ -209,6 +271,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._guard(context, lambda: self._step(request))
 
     # -- helpers -------------------------------------------------------------
+
+    def _receiving(self, stream):
+        for i, chunk in enumerate(stream):
+            if i == 1:
+                self.faults.receiving_state()   # chaos: die mid-transfer, after the first chunk
+            yield chunk
 
     def _need_executor(self):
         if self.executor is None:
@@ -259,6 +327,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         ex = self.executor
         t0 = time.perf_counter()
         mine = ex.partials(req.step, [_node(n) for n in req.nodes])
+        self.faults.straggle(time.perf_counter() - t0)
         # The loss rides along as one more element, reduced in the same tree order.
         vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
         t1 = time.perf_counter()
@@ -277,10 +346,22 @@ class WorkerService(pb_grpc.WorkerServicer):
                             apply_seconds=t3 - t2, bytes_sent=sent)
 
     def _send(self, address: str, messages, deadline: float) -> None:
+        if self.faults.partitioned():
+            raise StepAbortedError(-1, f"push to {address} failed: partitioned (chaos)")
+        if self.faults.take_corruption():
+            messages = _corrupt_first(messages)
+        call = self._stub(address).Push.future(messages, timeout=max(deadline - time.monotonic(), 0.001))
+        with self._cond:
+            self._outgoing.add(call)
         try:
-            self._stub(address).Push(messages, timeout=max(deadline - time.monotonic(), 0.001))
+            call.result()
+        except grpc.FutureCancelledError:
+            raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted") from None
         except grpc.RpcError as e:
             raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}") from e
+        finally:
+            with self._cond:
+                self._outgoing.discard(call)
 
     def _all_reduce(self, req: pb.StepRequest, partials: dict[Node, np.ndarray], epoch: int, deadline: float):
         """Reduce-scatter + all-gather; returns (canonical sum, bytes sent)."""
@@ -339,11 +420,42 @@ class WorkerService(pb_grpc.WorkerServicer):
         return out, sent
 
 
+def _corrupt_first(messages):
+    """Chaos: flips one byte of the first message after its checksum was computed."""
+    for i, m in enumerate(messages):
+        if i == 0 and m.data:
+            m.data = bytes([m.data[0] ^ 0xFF]) + m.data[1:]
+        yield m
+
+
+def probe_devices() -> int:
+    """Runs a tiny program on every local device; returns how many gave the right answer.
+
+    Raises ``RuntimeError`` naming the first device that computed a wrong
+    result, so a worker with a bad device never joins the run.
+    """
+    n = 0
+    for d in jax.devices():
+        x = jax.device_put(np.arange(16, dtype=np.float32), d)
+        got = float(jax.jit(lambda v: (v * 2.0).sum())(x))
+        if got != 240.0:
+            raise RuntimeError(f"device probe failed on {d}: computed {got}, expected 240.0")
+        n += 1
+    return n
+
+
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
-          register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "") -> None:
-    """Runs a worker until told to shut down (or its parent process dies)."""
-    service = WorkerService(run_id, worker_id, secret)
-    server, bound = rpc.make_server(host, port, secret=secret)
+          register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "",
+          chaos: bool = False) -> int:
+    """Runs a worker until told to shut down, its parent dies, or it fences itself.
+
+    Returns the process exit status: 0 after a shutdown, 3 after fencing
+    itself (it lost the controller's lease and was refused when it asked to
+    come back: the run has moved on without it).
+    """
+    service = WorkerService(run_id, worker_id, secret, chaos=chaos)
+    server, bound = rpc.make_server(host, port, secret=secret,
+                                    interceptors=[PartitionInterceptor(service.faults, service.heard)])
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -352,19 +464,45 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     address = f"{host}:{bound}"
     stub = pb_grpc.ControllerStub(rpc.channel(controller, secret))
     devices = jax.devices()
-    reply = stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
-                                             num_devices=len(devices), platform=devices[0].platform,
-                                             pid=os.getpid()),
-                          timeout=register_timeout, wait_for_ready=True)
+
+    def register(rejoin: bool) -> pb.RegisterReply:
+        return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
+                                                num_devices=len(devices), platform=devices[0].platform,
+                                                pid=os.getpid(), rejoin=rejoin),
+                             timeout=register_timeout, wait_for_ready=True)
+
+    reply = register(False)
     if not reply.accepted:
         server.stop(0)
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
     log.info("worker %s serving on %s with %d %s devices", worker_id, address, len(devices), devices[0].platform)
-    while not service.stopped.wait(0.5):
+    status = 0
+    while not service.stopped.wait(0.2):
         if parent_pid is not None and os.getppid() != parent_pid:
             log.warning("parent process %d is gone; exiting", parent_pid)
             break
+        if service.lease_lapsed():
+            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            status = 3
+            reply = _rejoin(service, register, register_timeout)
+            log.warning("asked to rejoin after fencing: %s", reply)
+            if reply is None or not reply.accepted:
+                break
     server.stop(grace=1.0)
+    return status
+
+
+def _rejoin(service: WorkerService, register, timeout: float):
+    """A fenced worker asks the controller to take it back (it will be refused while the run lives)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not service.faults.partitioned():
+            try:
+                return register(True)
+            except grpc.RpcError as e:
+                log.warning("rejoin failed: %s", e.code().name)
+        time.sleep(0.5)
+    return None
 
 
 def main(argv=None) -> None:
@@ -375,14 +513,17 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
+                    help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
     ap.add_argument("--secret", default=None,
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
     args = ap.parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
                         stream=sys.stderr)
-    serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
-          parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret)
+    status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
+                   parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret, chaos=args.chaos)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

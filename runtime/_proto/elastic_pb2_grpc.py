@@ -156,6 +156,11 @@ class WorkerStub:
                 request_serializer=elastic__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=elastic__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.Chaos = channel.unary_unary(
+                '/jax_elastic.Worker/Chaos',
+                request_serializer=elastic__pb2.ChaosRequest.SerializeToString,
+                response_deserializer=elastic__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -222,6 +227,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chaos(self, request, context):
+        """chaos harness -> worker
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +286,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=elastic__pb2.GetStateRequest.FromString,
                     response_serializer=elastic__pb2.StateChunk.SerializeToString,
+            ),
+            'Chaos': grpc.unary_unary_rpc_method_handler(
+                    servicer.Chaos,
+                    request_deserializer=elastic__pb2.ChaosRequest.FromString,
+                    response_serializer=elastic__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -546,6 +563,33 @@ class Worker:
             '/jax_elastic.Worker/GetState',
             elastic__pb2.GetStateRequest.SerializeToString,
             elastic__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chaos(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Chaos',
+            elastic__pb2.ChaosRequest.SerializeToString,
+            elastic__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

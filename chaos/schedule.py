@@ -1,0 +1,113 @@
+"""Random fault schedules and target resolution: pure functions of their arguments.
+
+Contract:
+
+* :func:`random_faults` draws a schedule from a seed alone, so a failing chaos
+  run is replayed by rerunning with the same seed.
+* :func:`resolve_target` is called by the injector at the moment a fault fires,
+  with the membership it sees then; it returns the worker ids to hit, or raises
+  :class:`TargetError` when the target names nobody (the injector records the
+  fault as skipped, with the message).
+"""
+
+from __future__ import annotations
+
+import random
+
+from chaos.spec import Fault, FaultSpecError, Target, When, validate
+
+__all__ = ["TargetError", "random_faults", "resolve_target"]
+
+DEFAULT_KINDS = ("kill", "hang", "straggle", "partition", "corrupt")
+_HANG_RESUME_SECONDS = 2.0
+_FOR_RANGE_SECONDS = {"straggle": (2.0, 6.0), "partition": (2.0, 5.0)}
+
+
+class TargetError(ValueError):
+    """A fault's target names no worker in the current membership."""
+
+
+def random_faults(seed: int, mtbf_seconds: float, duration_seconds: float,
+                  kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[Fault]:
+    """Faults at exponentially distributed times (mean gap ``mtbf_seconds``) before
+    ``duration_seconds``, each of a kind drawn from ``kinds``, aimed at ``random``.
+
+    Deterministic in ``seed``. ``hang`` resumes after 2 s; ``straggle`` and
+    ``partition`` last a few seconds (drawn, rounded to 0.1 s); times are rounded
+    to milliseconds. Raises FaultSpecError for bad arguments or a kind the runtime
+    cannot inject (``kill_save``) or that needs a transfer.
+    """
+    if not mtbf_seconds > 0:
+        raise FaultSpecError(f"mtbf_seconds must be > 0, got {mtbf_seconds!r}")
+    if not duration_seconds >= 0:
+        raise FaultSpecError(f"duration_seconds must be >= 0, got {duration_seconds!r}")
+    if not kinds:
+        raise FaultSpecError("random_faults needs at least one fault kind")
+    # Check every kind up front, not only those a short schedule happens to draw.
+    validate([Fault(kind, Target("random"), When(time=0.0)) for kind in kinds])
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(1.0 / mtbf_seconds)
+        if t >= duration_seconds:
+            break
+        kind = rng.choice(kinds)
+        options: tuple[tuple[str, float], ...] = ()
+        if kind == "hang":
+            options = (("resume", _HANG_RESUME_SECONDS),)
+        elif kind in _FOR_RANGE_SECONDS:
+            options = (("for", round(rng.uniform(*_FOR_RANGE_SECONDS[kind]), 1)),)
+        faults.append(Fault(kind, Target("random"), When(time=round(t, 3)), options))
+    return faults
+
+
+def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, ...], rng: random.Random, *,
+                   source: str | None = None, dest: str | None = None) -> tuple[str, ...]:
+    """The worker ids ``target`` names now; ``active[v]`` runs virtual slice ``v``.
+
+    ``source``/``dest`` are the two ends of the state transfer in progress, if any.
+    Random choices use ``rng`` only. Raises TargetError when nobody matches.
+    """
+    kind, value = target.kind, target.value
+    if kind == "slice":
+        if not isinstance(value, int) or not 0 <= value < len(active):
+            raise TargetError(f"slice {value} is out of range: {_count(active, 'active slice')}")
+        return (active[value],)
+    if kind == "worker":
+        if value not in active and value not in spares:
+            raise TargetError(f"unknown worker {value!r} (active: {_ids(active)}; spares: {_ids(spares)})")
+        return (str(value),)
+    if kind == "random" or (kind == "role" and value == "active"):
+        if not active:
+            raise TargetError("no active slice to hit")
+        return (rng.choice(active),)
+    if kind == "role" and value == "spare":
+        if not spares:
+            raise TargetError(f"no spare left (active: {_ids(active)})")
+        return (rng.choice(spares),)
+    if kind == "role" and value in ("source", "dest"):
+        who = source if value == "source" else dest
+        if who is None:
+            raise TargetError(f"role={value} names nobody: no state transfer is in progress")
+        return (who,)
+    if kind == "all":
+        if not active:
+            raise TargetError("no active slice to hit")
+        return tuple(active)
+    if kind == "everything":
+        if not active and not spares:
+            raise TargetError("no worker to hit")
+        return (*active, *spares)
+    raise TargetError(f"cannot resolve target {target.spec()!r}")
+
+
+def _ids(ids: tuple[str, ...]) -> str:
+    return ", ".join(ids) if ids else "none"
+
+
+def _count(items: tuple[str, ...], noun: str) -> str:
+    n = len(items)
+    if n == 0:
+        return f"no {noun}s"
+    return f"{n} {noun}{'s' if n != 1 else ''} (0..{n - 1})"

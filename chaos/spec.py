@@ -1,0 +1,495 @@
+"""The fault grammar and chaos scenarios: pure parsing, no side effects.
+
+A fault list reads ``KIND[(OPTIONS)][:TARGET]@WHEN``, comma separated, e.g.::
+
+    kill@step=10,hang(resume=3s):slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40
+
+Contract:
+
+* :func:`parse_faults` turns such text into :class:`Fault` values, or raises
+  :class:`FaultSpecError` whose message names the fault (1-based index and its
+  text) and the offending piece. It checks grammar and combinations
+  (``@transfer`` only with ``kill``/``hang`` and ``role=source``/``role=dest``;
+  ``role=source``/``role=dest`` only with ``@transfer``).
+* :func:`validate` re-checks faults built any way and also rejects what the
+  runtime cannot do yet (``kill_save``). The caller (the chaos runner) calls it
+  before starting a run; :func:`load_scenario` calls it for you.
+* ``parse_faults(f.spec()) == [f]`` for every valid fault ``f``.
+* :func:`load_scenario` reads one YAML scenario file; unknown keys, bad types
+  and bad faults raise :class:`FaultSpecError` naming the key and the file.
+
+The full reference is ``docs/chaos-guide.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "KINDS",
+    "ROLES",
+    "TARGET_KINDS",
+    "Fault",
+    "FaultSpecError",
+    "Scenario",
+    "Target",
+    "When",
+    "format_duration",
+    "load_scenario",
+    "parse_duration",
+    "parse_faults",
+    "validate",
+]
+
+KINDS = ("kill", "hang", "straggle", "partition", "corrupt", "kill_save")
+TARGET_KINDS = ("slice", "worker", "role", "random", "all", "everything")
+ROLES = ("active", "spare", "source", "dest")
+TRANSFER_KINDS = ("kill", "hang")
+TRANSFER_ROLES = ("source", "dest")
+
+# Options each kind accepts, with their defaults (None: no default, the option changes behaviour).
+_OPTIONS: dict[str, dict[str, float | None]] = {
+    "kill": {},
+    "hang": {"resume": None},  # without resume the worker stays stopped
+    "straggle": {"factor": 3.0, "for": 10.0},
+    "partition": {"for": 5.0},
+    "corrupt": {},
+    "kill_save": {},
+}
+_DURATION_OPTIONS = frozenset({"resume", "for"})
+_INT = re.compile(r"[0-9]+")
+_WORKER_ID = re.compile(r"[A-Za-z0-9_.\-]+")
+_DURATION = re.compile(r"(?P<num>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?P<unit>ms|s|m)?")
+_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0}
+
+
+class FaultSpecError(ValueError):
+    """A fault spec, fault or scenario file is invalid; the message names the bad piece."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Whom a fault hits; resolved to worker ids at injection time (``chaos.schedule``)."""
+
+    kind: str  # "slice" | "worker" | "role" | "random" | "all" | "everything"
+    value: int | str | None = None  # slice index, worker id, role name, or None
+
+    def spec(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}={self.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class When:
+    """When a fault fires; exactly one of the three is set."""
+
+    step: int | None = None  # inject once this many steps are committed
+    time: float | None = None  # seconds since training started
+    transfer: bool = False  # during the next state transfer
+
+    def spec(self) -> str:
+        if self.transfer:
+            return "transfer"
+        if self.step is not None:
+            return f"step={self.step}"
+        return f"time={format_duration(self.time if self.time is not None else 0.0)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault to inject. ``options`` are sorted ``(name, value)`` pairs given
+    explicitly; durations are in seconds."""
+
+    kind: str
+    target: Target
+    when: When
+    options: tuple[tuple[str, float], ...] = ()
+
+    def option(self, name: str, default: float | None = None) -> float | None:
+        """The value of option ``name``: the explicit one, else ``default``, else the
+        kind's documented default (``straggle``: factor 3, for 10 s; ``partition``:
+        for 5 s), else None. Raises KeyError for a name the kind does not take."""
+        allowed = _OPTIONS.get(self.kind, {})
+        if name not in allowed:
+            raise KeyError(f"fault kind {self.kind!r} has no option {name!r} (options: {_names(allowed)})")
+        for key, value in self.options:
+            if key == name:
+                return value
+        return default if default is not None else allowed[name]
+
+    def spec(self) -> str:
+        """Canonical text of this fault; ``parse_faults(f.spec()) == [f]``."""
+        text = self.kind
+        if self.options:
+            text += "(" + ",".join(f"{k}={_format_option(k, v)}" for k, v in self.options) + ")"
+        if self.target != Target("random"):
+            text += f":{self.target.spec()}"
+        return f"{text}@{self.when.spec()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A named chaos experiment: a config, overrides and the faults to inject.
+
+    ``mtbf_seconds``/``duration_seconds`` ask the runner for extra random faults
+    (``chaos.schedule.random_faults(seed, mtbf_seconds, duration_seconds)``).
+    ``expect`` is the verdict the scenario should get: "pass" or "fail".
+    """
+
+    name: str
+    config: str = "tiny"
+    overrides: tuple[str, ...] = ()
+    faults: tuple[Fault, ...] = ()
+    seed: int = 0
+    mtbf_seconds: float | None = None
+    duration_seconds: float | None = None
+    description: str = ""
+    expect: str = "pass"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30s``, ``1.5s``, ``500ms``, ``2m`` or a bare number (seconds)."""
+    m = _DURATION.fullmatch(text.strip())
+    if not m:
+        raise FaultSpecError(f"bad duration {text!r} (expected e.g. 30s, 1.5s, 500ms, 2m or a number of seconds)")
+    value = float(m["num"]) * _UNITS[m["unit"]]
+    if not math.isfinite(value):
+        raise FaultSpecError(f"bad duration {text!r}: not finite")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """Text that :func:`parse_duration` reads back as exactly ``seconds``."""
+    return f"{int(seconds)}s" if float(seconds).is_integer() else f"{float(seconds)!r}s"
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Parse a comma-separated fault list; raises FaultSpecError naming the bad fault and piece."""
+    if not text or not text.strip():
+        raise FaultSpecError("empty fault spec (expected e.g. kill@step=10)")
+    pieces = _split_top_level(text)
+    faults = []
+    for i, piece in enumerate(pieces, 1):
+        where = f"fault {i} {piece.strip()!r}"
+        if not piece.strip():
+            what = "trailing comma" if i == len(pieces) else "empty fault between commas"
+            raise FaultSpecError(f"fault {i}: {what} in {text!r}")
+        try:
+            fault = _parse_one(piece.strip())
+            _check(fault)
+        except FaultSpecError as e:
+            raise FaultSpecError(f"{where}: {e}") from None
+        faults.append(fault)
+    return faults
+
+
+def validate(faults: list[Fault] | tuple[Fault, ...]) -> None:
+    """Raise FaultSpecError for a fault the grammar forbids or the runtime cannot inject."""
+    for i, fault in enumerate(faults, 1):
+        try:
+            _check(fault)
+            if fault.kind == "kill_save":
+                raise FaultSpecError("kill_save needs checkpoints, which this version does not write")
+        except FaultSpecError as e:
+            raise FaultSpecError(f"fault {i} {_safe_spec(fault)!r}: {e}") from None
+
+
+def _split_top_level(text: str) -> list[str]:
+    pieces, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise FaultSpecError(f"unbalanced ')' at position {i} in {text!r}")
+        elif ch == "," and depth == 0:
+            pieces.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise FaultSpecError(f"unclosed '(' in {text!r}")
+    pieces.append(text[start:])
+    return pieces
+
+
+def _parse_one(piece: str) -> Fault:
+    head, at, when_text = piece.partition("@")
+    if not at:
+        raise FaultSpecError("missing '@WHEN' (e.g. @step=10, @time=30s, @transfer)")
+    if "@" in when_text:
+        raise FaultSpecError("more than one '@'")
+    m = re.match(r"\s*(\w*)\s*", head)
+    kind, rest = m.group(1), head[m.end():]
+    if kind not in KINDS:
+        raise FaultSpecError(f"unknown kind {kind!r} (expected {_names(KINDS)})")
+    options: dict[str, float] = {}
+    if rest.startswith("("):
+        close = rest.index(")")
+        options = _parse_options(kind, rest[1:close])
+        rest = rest[close + 1:].strip()
+    if rest and not rest.startswith(":"):
+        raise FaultSpecError(f"unexpected {rest!r} after kind {kind!r} (expected '(OPTIONS)', ':TARGET' or '@WHEN')")
+    when = _parse_when(when_text.strip())
+    if rest:
+        target = _parse_target(rest[1:].strip())
+    else:
+        target = Target("role", "source") if when.transfer else Target("random")
+    return Fault(kind, target, when, tuple(sorted(options.items())))
+
+
+def _parse_options(kind: str, text: str) -> dict[str, float]:
+    allowed = _OPTIONS[kind]
+    out: dict[str, float] = {}
+    if not text.strip():
+        raise FaultSpecError("empty option list '()' (drop the parentheses)")
+    for item in text.split(","):
+        name, eq, value = (s.strip() for s in item.partition("="))
+        if not name or not eq or not value:
+            raise FaultSpecError(f"bad option {item.strip()!r} (expected name=value)")
+        if name not in allowed:
+            raise FaultSpecError(f"unknown option {name!r} for {kind} (options: {_names(allowed)})")
+        if name in out:
+            raise FaultSpecError(f"option {name!r} given twice")
+        if name in _DURATION_OPTIONS:
+            out[name] = parse_duration(value)
+        else:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                raise FaultSpecError(f"option {name!r} must be a number, got {value!r}") from None
+    return out
+
+
+def _parse_target(text: str) -> Target:
+    name, eq, value = (s.strip() for s in text.partition("="))
+    if name not in TARGET_KINDS:
+        raise FaultSpecError(f"unknown target {name!r} (expected {_names(TARGET_KINDS)})")
+    if name in ("random", "all", "everything"):
+        if eq:
+            raise FaultSpecError(f"target {name!r} takes no value, got {text!r}")
+        return Target(name)
+    if not value:
+        raise FaultSpecError(f"target {name!r} needs a value ({name}=...)")
+    if name == "slice":
+        if not _INT.fullmatch(value):
+            raise FaultSpecError(f"target slice needs an integer >= 0, got {value!r}")
+        return Target("slice", int(value))
+    return Target(name, value)
+
+
+def _parse_when(text: str) -> When:
+    name, eq, value = (s.strip() for s in text.partition("="))
+    if name == "transfer" and not eq:
+        return When(transfer=True)
+    if name == "step" and value:
+        if not _INT.fullmatch(value):
+            raise FaultSpecError(f"bad when {text!r}: step needs an integer >= 0")
+        return When(step=int(value))
+    if name == "time" and value:
+        try:
+            return When(time=parse_duration(value))
+        except FaultSpecError as e:
+            raise FaultSpecError(f"bad when {text!r}: {e}") from None
+    raise FaultSpecError(f"bad when {text!r} (expected step=N, time=DURATION or transfer)")
+
+
+def _check(f: Fault) -> None:
+    """Structural rules shared by parse_faults and validate."""
+    if f.kind not in KINDS:
+        raise FaultSpecError(f"unknown kind {f.kind!r} (expected {_names(KINDS)})")
+    t, w = f.target, f.when
+    if t.kind not in TARGET_KINDS:
+        raise FaultSpecError(f"unknown target {t.kind!r} (expected {_names(TARGET_KINDS)})")
+    if t.kind == "slice" and (not isinstance(t.value, int) or isinstance(t.value, bool) or t.value < 0):
+        raise FaultSpecError(f"target slice needs an integer >= 0, got {t.value!r}")
+    if t.kind == "worker" and not (isinstance(t.value, str) and _WORKER_ID.fullmatch(t.value)):
+        raise FaultSpecError(f"target worker needs an id of letters, digits, '_', '.', '-', got {t.value!r}")
+    if t.kind == "role" and t.value not in ROLES:
+        raise FaultSpecError(f"unknown role {t.value!r} (expected {_names(ROLES)})")
+    if t.kind in ("random", "all", "everything") and t.value is not None:
+        raise FaultSpecError(f"target {t.kind!r} takes no value, got {t.value!r}")
+    if sum((w.step is not None, w.time is not None, bool(w.transfer))) != 1:
+        raise FaultSpecError(f"when must set exactly one of step, time, transfer, got {w}")
+    if w.step is not None and (isinstance(w.step, bool) or not isinstance(w.step, int) or w.step < 0):
+        raise FaultSpecError(f"step must be an integer >= 0, got {w.step!r}")
+    if w.time is not None and not (math.isfinite(w.time) and w.time >= 0):
+        raise FaultSpecError(f"time must be a finite number of seconds >= 0, got {w.time!r}")
+    is_transfer_role = t.kind == "role" and t.value in TRANSFER_ROLES
+    if w.transfer and f.kind not in TRANSFER_KINDS:
+        raise FaultSpecError(f"@transfer works only with kill and hang, not {f.kind!r}")
+    if w.transfer and not is_transfer_role:
+        raise FaultSpecError(f"@transfer needs target role=source or role=dest, got {t.spec()!r}")
+    if is_transfer_role and not w.transfer:
+        raise FaultSpecError(f"target role={t.value} exists only during a transfer: use @transfer")
+    allowed = _OPTIONS[f.kind]
+    names = [k for k, _ in f.options]
+    if names != sorted(set(names)):
+        raise FaultSpecError(f"options must be sorted with unique names, got {names}")
+    for name, value in f.options:
+        if name not in allowed:
+            raise FaultSpecError(f"unknown option {name!r} for {f.kind} (options: {_names(allowed)})")
+        low_ok = value >= 1.0 if name == "factor" else value > 0.0
+        if not (math.isfinite(value) and low_ok):
+            bound = ">= 1" if name == "factor" else "> 0"
+            raise FaultSpecError(f"option {name!r} must be {bound}, got {value!r}")
+
+
+def _format_option(name: str, value: float) -> str:
+    if name in _DURATION_OPTIONS:
+        return format_duration(value)
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _safe_spec(f: Fault) -> str:
+    try:
+        return f.spec()
+    except Exception:  # a malformed fault built by hand: show the dataclass instead
+        return repr(f)
+
+
+def _names(items) -> str:
+    return ", ".join(items) if items else "none"
+
+
+# --------------------------------------------------------------------------- scenarios
+
+_SCENARIO_KEYS = ("name", "description", "config", "overrides", "seed", "faults", "mtbf_seconds",
+                  "duration_seconds", "expect")
+_FAULT_KEYS = ("kind", "target", "at", "options")
+
+
+def load_scenario(path: str | os.PathLike) -> Scenario:
+    """Read a scenario YAML file (format in ``docs/chaos-guide.md``) and validate its faults.
+
+    ``name`` defaults to the file's stem. Raises FaultSpecError naming the file
+    and the key for unknown keys, wrong types and bad faults.
+    """
+    path = pathlib.Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise FaultSpecError(f"cannot read scenario file {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise FaultSpecError(f"invalid YAML in scenario file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise FaultSpecError(f"{path}: a scenario must be a YAML mapping, got {type(data).__name__}")
+    for key in data:
+        if key not in _SCENARIO_KEYS:
+            raise FaultSpecError(f"{path}: unknown scenario key {key!r} (keys: {_names(_SCENARIO_KEYS)})")
+
+    def get(key: str, types: tuple[type, ...], default: Any) -> Any:
+        value = data.get(key)
+        if value is None:  # absent, or present and empty
+            return default
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise FaultSpecError(f"{path}: scenario key {key!r} has the wrong type ({type(value).__name__})")
+        return value
+
+    faults_data = get("faults", (list,), [])
+    faults = []
+    for i, item in enumerate(faults_data, 1):
+        try:
+            text = item if isinstance(item, str) else _fault_text(item)
+            if not text.strip() or len(_split_top_level(text)) != 1:
+                raise FaultSpecError(f"expected exactly one fault, got {text!r}")
+            faults.extend(parse_faults(text))
+        except FaultSpecError as e:
+            raise FaultSpecError(f"{path}: faults[{i}]: {e}") from None
+    try:
+        validate(faults)
+    except FaultSpecError as e:
+        raise FaultSpecError(f"{path}: {e}") from None
+    mtbf = _seconds(path, "mtbf_seconds", data.get("mtbf_seconds"))
+    duration = _seconds(path, "duration_seconds", data.get("duration_seconds"))
+    if mtbf is not None and duration is None:
+        raise FaultSpecError(f"{path}: mtbf_seconds needs duration_seconds (how long to draw random faults for)")
+    expect = get("expect", (str,), "pass")
+    if expect not in ("pass", "fail"):
+        raise FaultSpecError(f"{path}: scenario key 'expect' must be 'pass' or 'fail', got {expect!r}")
+    return Scenario(
+        name=str(get("name", (str,), path.stem)),
+        description=str(get("description", (str,), "")).strip(),
+        config=str(get("config", (str,), "tiny")),
+        overrides=_overrides(path, data.get("overrides") or {}),
+        faults=tuple(faults),
+        seed=get("seed", (int,), 0),
+        mtbf_seconds=mtbf,
+        duration_seconds=duration,
+        expect=expect,
+    )
+
+
+def _fault_text(item: Any) -> str:
+    """The grammar text of a fault written as a mapping {kind, target, at, options}."""
+    if not isinstance(item, Mapping):
+        raise FaultSpecError(f"a fault must be a string or a mapping, got {type(item).__name__}")
+    for key in item:
+        if key not in _FAULT_KEYS:
+            raise FaultSpecError(f"unknown fault key {key!r} (keys: {_names(_FAULT_KEYS)})")
+    if "kind" not in item or "at" not in item:
+        raise FaultSpecError("a fault mapping needs 'kind' and 'at'")
+    text = _scalar("kind", item["kind"])
+    options = item.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise FaultSpecError(f"fault 'options' must be a mapping, got {type(options).__name__}")
+    if options:
+        text += "(" + ",".join(f"{_scalar('options', k)}={_scalar('options', v)}" for k, v in options.items()) + ")"
+    if "target" in item:
+        text += ":" + _pair("target", item["target"])
+    return f"{text}@{_pair('at', item['at'])}"
+
+
+def _pair(key: str, value: Any) -> str:
+    """``{slice: 2}`` -> ``slice=2``; ``{transfer: true}`` and strings pass through."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and len(value) == 1:
+        (name, inner), = value.items()
+        if inner is True or inner is None:
+            return _scalar(key, name)
+        return f"{_scalar(key, name)}={_scalar(key, inner)}"
+    raise FaultSpecError(f"fault {key!r} must be a string or a one-key mapping, got {value!r}")
+
+
+def _scalar(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise FaultSpecError(f"fault {key!r} value must be a string or a number, got {value!r}")
+    text = str(value)
+    if any(ch in text for ch in ",()@:="):
+        raise FaultSpecError(f"fault {key!r} value {text!r} may not contain , ( ) @ : =")
+    return text
+
+
+def _overrides(path: pathlib.Path, value: Any) -> tuple[str, ...]:
+    if isinstance(value, Mapping):
+        items = []
+        for k, v in value.items():
+            if isinstance(v, (Mapping, list)):
+                raise FaultSpecError(f"{path}: override {k!r} must be a scalar, got {v!r}")
+            items.append(f"{k}={'true' if v is True else 'false' if v is False else '' if v is None else v}")
+        return tuple(items)
+    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+        return tuple(value)
+    raise FaultSpecError(f"{path}: scenario key 'overrides' must be a mapping (or a list of key=value), got {value!r}")
+
+
+def _seconds(path: pathlib.Path, key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration(str(value)) if not isinstance(value, bool) else -1.0
+    except FaultSpecError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise FaultSpecError(f"{path}: scenario key {key!r} must be a positive number of seconds, got {value!r}")
+    return seconds

@@ -1,0 +1,186 @@
+"""The chaos verdict: did a faulted run train exactly as a fault-free one would?
+
+Pure functions of a run's ``report.json`` dict, its ``events.jsonl`` events and
+(optionally) a fault-free reference run's report. The chaos runner calls
+:func:`judge` after the run ends and merges the returned dict into the report.
+
+A run passes when it finished every requested step, never recomputed a
+committed step (``steps_lost == 0``), never restored from a checkpoint
+(``checkpoint_restores == 0``), applied every microbatch of every committed step
+exactly once, and (given a reference) followed the reference's loss trajectory
+bit for bit or within ``rtol``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+__all__ = ["compare_trajectory", "exactly_once", "judge"]
+
+_DETAIL_LIMIT = 20
+
+
+def exactly_once(events: list[dict], microbatches: int, steps: int) -> tuple[bool | None, dict]:
+    """Check each committed step applied microbatches ``0..microbatches-1`` once each.
+
+    Reads ``step_committed`` events; when a step was committed more than once the
+    last event counts. Returns ``(None, {})`` when no such event carries a
+    ``"microbatches"`` mapping (reference runs). Otherwise returns ``(ok, detail)``
+    where ``detail`` holds (each list truncated to 20 entries):
+
+    * ``missing``, ``duplicated``, ``unexpected``: ``[step, microbatch]`` pairs
+      never applied, applied more than once, or outside ``0..microbatches-1``;
+    * ``uncommitted_steps``: steps in ``0..steps-1`` with no commit. They are
+      listed but do not make ``ok`` False: a run that stopped early fails on
+      completion, not on exactly-once;
+    * ``unverified_steps``: steps whose last commit carries no ``microbatches``
+      (committed from recorded losses during a recovery). They are not counted
+      as violations.
+    """
+    last: dict[int, dict] = {}
+    for e in events:
+        if e.get("kind") == "step_committed":
+            last[e["step"]] = e
+    if not any("microbatches" in e for e in last.values()):
+        return None, {}
+    missing, duplicated, unexpected, uncommitted, unverified = [], [], [], [], []
+    for step in range(steps):
+        event = last.get(step)
+        if event is None:
+            uncommitted.append(step)
+            continue
+        if "microbatches" not in event:
+            unverified.append(step)
+            continue
+        seen: dict[int, int] = {}
+        for ids in event["microbatches"].values():
+            for mb in ids:
+                seen[mb] = seen.get(mb, 0) + 1
+        missing += [[step, mb] for mb in range(microbatches) if mb not in seen]
+        duplicated += [[step, mb] for mb, n in sorted(seen.items()) if n > 1]
+        unexpected += [[step, mb] for mb in sorted(seen) if not 0 <= mb < microbatches]
+    ok = not (missing or duplicated or unexpected)
+    detail = {"missing": missing, "duplicated": duplicated, "unexpected": unexpected,
+              "uncommitted_steps": uncommitted, "unverified_steps": unverified}
+    return ok, {k: v[:_DETAIL_LIMIT] for k, v in detail.items()}
+
+
+def compare_trajectory(losses: list[float], reference_losses: list[float], *, final_sha: str | None,
+                       reference_sha: str | None, rtol: float = 1e-5) -> tuple[str, int | None]:
+    """Compare per-step losses (and final state hashes) with a reference run.
+
+    Returns ``("identical", None)`` when the lists have the same length, every
+    loss is bit-equal and both final hashes are known and equal;
+    ``("within_tolerance", None)`` when the lists have the same length and every
+    ``|loss - ref| <= rtol * |ref|``; else ``("diverged", k)`` with ``k`` the first
+    step beyond tolerance, or the length of the shorter list when one ends first.
+    """
+    for step, (a, b) in enumerate(zip(losses, reference_losses)):
+        if not _close(a, b, rtol):
+            return "diverged", step
+    if len(losses) != len(reference_losses):
+        return "diverged", min(len(losses), len(reference_losses))
+    bit_equal = all(_bits(a) == _bits(b) for a, b in zip(losses, reference_losses))
+    if bit_equal and final_sha is not None and final_sha == reference_sha:
+        return "identical", None
+    return "within_tolerance", None
+
+
+def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: float = 1e-5) -> dict:
+    """The verdict fields for ``report.json``: ``verdict``, ``verdict_reasons``,
+    ``trajectory``, ``first_diverging_step``, ``exactly_once``, ``exactly_once_detail``.
+
+    ``verdict_reasons`` is empty on a pass; otherwise one sentence per broken
+    requirement, with the numbers. ``reference`` is the report of a fault-free run
+    of the same config, or None (then ``trajectory`` is None and not judged).
+    """
+    reasons: list[str] = []
+    requested = report.get("steps_requested")
+    if requested is None:
+        requested = (report.get("config") or {}).get("steps")
+    completed = report.get("steps_completed") or 0
+    finished = bool(report.get("finished"))
+    stopped_early = not finished or completed != requested
+    if stopped_early:
+        of = f"of {requested}" if requested is not None else "of an unknown number"
+        if report.get("failure_reason"):
+            why = f"the run failed ({report['failure_reason']})"
+        elif not finished:
+            why = "the run did not finish (no run_finished event)"
+        else:
+            why = f"the run finished with {completed} committed steps instead of {requested}"
+        reasons.append(f"stopped at step {completed} {of}: {why}.")
+
+    lost = report.get("steps_lost") or 0
+    if lost:
+        reasons.append(f"{lost} committed step{_s(lost)} had to be recomputed (steps_lost={lost}); "
+                       "recovery must never rewind past a committed step.")
+    restores = report.get("checkpoint_restores") or 0
+    if restores:
+        reasons.append(f"the run restored from a snapshot or checkpoint {restores} time{_s(restores)} "
+                       "(checkpoint_restores); a surviving replica should have supplied the state.")
+
+    once, once_detail = (None, {})
+    if report.get("microbatches") and requested is not None:
+        once, once_detail = exactly_once(events, report["microbatches"], requested)
+    if once is False:
+        reasons.append(_exactly_once_reason(once_detail, report["microbatches"]))
+
+    trajectory, first = None, None
+    if reference is not None:
+        losses, ref_losses = list(report.get("losses") or []), list(reference.get("losses") or [])
+        trajectory, first = compare_trajectory(losses, ref_losses, final_sha=report.get("final_state_sha256"),
+                                               reference_sha=reference.get("final_state_sha256"), rtol=rtol)
+        if not reference.get("finished"):
+            reasons.append(f"the reference run did not finish ({len(ref_losses)} losses), "
+                           "so the trajectory cannot be trusted.")
+        if trajectory == "diverged":
+            reason = _trajectory_reason(first, losses, ref_losses, rtol)
+            # A run that stopped early already failed for that; only a real mismatch adds a reason.
+            if not (stopped_early and first == len(losses) < len(ref_losses)):
+                reasons.append(reason)
+
+    return {
+        "verdict": "fail" if reasons else "pass",
+        "verdict_reasons": reasons,
+        "trajectory": trajectory,
+        "first_diverging_step": first,
+        "exactly_once": once,
+        "exactly_once_detail": once_detail,
+    }
+
+
+def _exactly_once_reason(detail: dict[str, Any], microbatches: int) -> str:
+    parts = []
+    for key, verb in (("missing", "never applied"), ("duplicated", "applied more than once"),
+                      ("unexpected", f"outside 0..{microbatches - 1}")):
+        pairs = detail.get(key) or []
+        if pairs:
+            shown = ", ".join(f"step {s} microbatch {m}" for s, m in pairs[:3])
+            more = "" if len(pairs) <= 3 else f" and {len(pairs) - 3} more"
+            parts.append(f"{verb}: {shown}{more}")
+    return "exactly-once violated: " + "; ".join(parts) + "."
+
+
+def _trajectory_reason(first: int | None, losses: list[float], ref: list[float], rtol: float) -> str:
+    if first is not None and first < len(losses) and first < len(ref):
+        return (f"the loss trajectory diverged from the reference at step {first}: "
+                f"{losses[first]!r} vs {ref[first]!r} (rtol {rtol:g}).")
+    return (f"the loss trajectory diverged from the reference at step {first}: "
+            f"the run has {len(losses)} losses, the reference {len(ref)}.")
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    if _bits(a) == _bits(b):
+        return True
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rtol * abs(b)
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", float(x))
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"

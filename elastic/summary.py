@@ -1,0 +1,89 @@
+"""A short terminal summary of a run, printed by ``elastic run`` at the end.
+
+:func:`print_summary` draws a rich panel from ``report.json`` (a dict);
+:func:`summary_text` renders the same panel without colour, for logs and
+tests. Both are pure apart from writing to the console, and tolerate fields
+missing from older reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["print_summary", "summary_panel", "summary_text"]
+
+_VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
+
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{1000 * x:.0f} ms" if abs(x) < 1 else f"{x:.1f} s"
+
+
+def _rows(report: dict) -> list[tuple[str, str]]:
+    losses = report.get("losses") or []
+    failures = report.get("failures") or []
+    paths = collections.Counter(f.get("path") or "undecided" for f in failures)
+    gp = report.get("goodput") or {}
+    wall = report.get("wall_seconds")
+    if wall is None:
+        wall = gp.get("wall_seconds")
+    rows = [
+        ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
+        ("loss", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "—"),
+        ("slices at end", "—" if report.get("slices_at_end") is None
+         else f"{report['slices_at_end']} of {report.get('slices', '—')}"),
+        ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"
+                                           if failures else "")),
+        ("steps lost", str(report.get("steps_lost", 0))),
+        ("checkpoint restores", str(report.get("checkpoint_restores", 0))),
+        ("goodput", f"{100 * gp['goodput_fraction']:.1f} %" if "goodput_fraction" in gp else "—"),
+        ("wall time", _seconds(wall)),
+    ]
+    if report.get("trajectory") is not None:
+        rows.append(("trajectory", str(report["trajectory"])))
+    if report.get("exactly_once") is not None:
+        rows.append(("exactly once", "yes" if report["exactly_once"] else "NO"))
+    if not report.get("finished", True) and report.get("failure_reason"):
+        rows.append(("failed", str(report["failure_reason"])[:200]))
+    return rows
+
+
+def summary_panel(report: dict) -> Panel:
+    """The summary as a rich renderable (a panel around a two-column table)."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column()
+    verdict = report.get("verdict")
+    if verdict is not None:
+        # Text, not markup: reasons and values are data and may contain "[".
+        table.add_row("verdict", Text(f" {str(verdict).upper()} ", style=_VERDICT_STYLE.get(verdict, "bold")))
+        for reason in (report.get("verdict_reasons") or [])[:5]:
+            table.add_row("", Text(f"- {reason}"))
+    for k, v in _rows(report):
+        table.add_row(k, Text(v))
+    title = Text(f"run {report.get('run_id') or '?'} ({report.get('mode') or '?'})")
+    border = {"pass": "green", "fail": "red"}.get(verdict or "", "blue")
+    if not report.get("finished", True):
+        border = "red"
+    return Panel(table, title=title, title_align="left", border_style=border, expand=False)
+
+
+def print_summary(report: dict, console: Console | None = None) -> None:
+    """Prints the summary panel to ``console`` (default: a new stdout console)."""
+    (console or Console()).print(summary_panel(report))
+
+
+def summary_text(report: dict, width: int = 88) -> str:
+    """The summary as plain text (no colour, no control codes), ``width`` columns at most."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False)
+    console.print(summary_panel(report))
+    return buf.getvalue()

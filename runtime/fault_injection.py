@@ -1,0 +1,135 @@
+"""Worker-side fault injection, armed by the chaos harness through ``Chaos``.
+
+Off unless the worker was started with chaos enabled (``--chaos`` or
+``ELASTIC_CHAOS=1``): a worker that is not in a chaos run refuses every
+``Chaos`` call, so production runs cannot be faulted by accident.
+
+Faults act from outside the training math: a partition drops calls at the
+gRPC layer (:class:`PartitionInterceptor`), a straggler sleeps after its grad
+phase, corruption flips bits in an outgoing message after its checksum was
+computed, and the transfer faults signal the process itself at a fixed point
+of a state transfer. Nothing here changes what a healthy step computes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+
+from runtime.auth import handler_like
+
+__all__ = ["FaultInjector", "PartitionInterceptor", "ACTIONS"]
+
+ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_receive_state",
+           "hang_on_send_state", "clear")
+
+
+class FaultInjector:
+    """The faults armed on one worker. Thread-safe; every method is cheap when nothing is armed."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._straggle_until = 0.0
+        self._factor = 1.0
+        self._partition_until = 0.0
+        self._corrupt = False
+        self._on_send_state: str | None = None
+        self._on_receive_state: str | None = None
+
+    def arm(self, action: str, factor: float = 0.0, seconds: float = 0.0) -> None:
+        """Arms one fault; ``ValueError`` for an unknown action or bad numbers."""
+        if not self.enabled:
+            raise PermissionError("fault injection is off on this worker (start it with chaos enabled)")
+        if action not in ACTIONS:
+            raise ValueError(f"unknown chaos action {action!r}; expected one of {', '.join(ACTIONS)}")
+        if seconds < 0 or (action == "straggle" and factor < 1):
+            raise ValueError(f"chaos {action}: factor must be >= 1 and seconds >= 0 (got {factor}, {seconds})")
+        now = time.monotonic()
+        with self._lock:
+            if action == "straggle":
+                self._straggle_until, self._factor = now + seconds, factor
+            elif action == "partition":
+                self._partition_until = now + seconds
+            elif action == "corrupt":
+                self._corrupt = True
+            elif action == "kill_on_send_state":
+                self._on_send_state = "kill"
+            elif action == "hang_on_send_state":
+                self._on_send_state = "hang"
+            elif action == "kill_on_receive_state":
+                self._on_receive_state = "kill"
+            else:
+                self.__init__(self.enabled)
+
+    # -- checks on the worker's paths ----------------------------------------
+
+    def partitioned(self) -> float:
+        """Seconds of partition left (0.0 when connected)."""
+        return max(self._partition_until - time.monotonic(), 0.0)
+
+    def straggle(self, spent: float) -> None:
+        """Called after the grad phase took ``spent`` seconds: sleeps so it took ``factor`` times as long."""
+        if self._straggle_until and time.monotonic() < self._straggle_until:
+            time.sleep(spent * (self._factor - 1.0))
+
+    def take_corruption(self) -> bool:
+        """True once after ``corrupt`` was armed: the caller corrupts its next message."""
+        with self._lock:
+            hit, self._corrupt = self._corrupt, False
+            return hit
+
+    def sending_state(self) -> None:
+        """Called between two chunks of an outgoing state transfer."""
+        with self._lock:
+            action, self._on_send_state = self._on_send_state, None
+        _signal_self(action)
+
+    def receiving_state(self) -> None:
+        """Called between two chunks of an incoming state transfer."""
+        with self._lock:
+            action, self._on_receive_state = self._on_receive_state, None
+        _signal_self(action)
+
+
+def _signal_self(action: str | None) -> None:
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class PartitionInterceptor(grpc.ServerInterceptor):
+    """While a partition is armed, every incoming call is dropped.
+
+    A dropped call waits until the partition heals or its deadline passes,
+    then fails with UNAVAILABLE: to the caller it looks like an unreachable
+    host, not like a refused connection. ``on_call(method)`` is told about
+    every call that gets through (the worker's lease on its controller).
+    """
+
+    def __init__(self, injector: FaultInjector, on_call=None):
+        self._injector = injector
+        self._on_call = on_call
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if not self._injector.partitioned():
+            if self._on_call is not None:
+                self._on_call(handler_call_details.method)
+            return handler
+        injector = self._injector
+
+        def drop(_request, context):
+            left = injector.partitioned()
+            remaining = context.time_remaining()
+            time.sleep(min(left, remaining if remaining is not None else left, 5.0))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (chaos)")
+
+        return handler_like(handler, drop)

@@ -1,0 +1,239 @@
+"""The fault grammar, scenario files, random schedules and target resolution (pure)."""
+
+import pathlib
+import random
+
+import pytest
+
+from chaos.schedule import TargetError, random_faults, resolve_target
+from chaos.spec import (Fault, FaultSpecError, Scenario, Target, When, load_scenario, parse_duration,
+                        parse_faults, validate)
+from elastic.config import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCENARIOS = sorted((ROOT / "chaos" / "scenarios").glob("*.yml"))
+EXAMPLE = "kill@step=10,hang:slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40"
+
+
+def test_parses_the_example_field_by_field():
+    assert parse_faults(EXAMPLE) == [
+        Fault("kill", Target("random"), When(step=10)),
+        Fault("hang", Target("slice", 2), When(step=20)),
+        Fault("kill", Target("role", "spare"), When(time=30.0)),
+        Fault("kill", Target("all"), When(step=40)),
+    ]
+
+
+def test_options_targets_and_whens():
+    straggle, hang, transfer, dest, everything = parse_faults(
+        "straggle(factor=4,for=8s):slice=1@step=5, hang(resume=3s):worker=w2@time=20s,"
+        "kill@transfer,hang:role=dest@transfer,partition:everything@time=500ms")
+    assert straggle.options == (("factor", 4.0), ("for", 8.0)) and straggle.target == Target("slice", 1)
+    assert hang.option("resume") == 3.0 and hang.target == Target("worker", "w2") and hang.when == When(time=20.0)
+    assert transfer.target == Target("role", "source") and transfer.when == When(transfer=True)
+    assert dest.target == Target("role", "dest")
+    assert everything.target == Target("everything") and everything.when.time == 0.5
+
+
+def test_option_defaults_come_from_the_kind():
+    straggle, partition, hang = parse_faults("straggle@step=1,partition@step=1,hang@step=1")
+    assert straggle.options == () and straggle.option("factor") == 3.0 and straggle.option("for") == 10.0
+    assert partition.option("for") == 5.0 and partition.option("for", 2.0) == 2.0
+    assert hang.option("resume") is None  # stays stopped
+    with pytest.raises(KeyError, match="resume"):
+        straggle.option("resume")
+
+
+@pytest.mark.parametrize("text,seconds", [("30s", 30.0), ("1.5s", 1.5), ("500ms", 0.5), ("2m", 120.0), ("7", 7.0)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", [
+    EXAMPLE,
+    "straggle(factor=4.5,for=8s):slice=1@step=5",
+    "hang(resume=0.25s):worker=w-2.a@time=1.5s",
+    "kill:role=source@transfer,hang:role=dest@transfer",
+    "partition(for=1m):everything@time=0s,corrupt:role=active@step=0,kill_save@step=3",
+])
+def test_spec_round_trips(text):
+    faults = parse_faults(text)
+    for f in faults:
+        assert parse_faults(f.spec()) == [f]
+    assert parse_faults(",".join(f.spec() for f in faults)) == faults
+
+
+def test_spec_is_canonical():
+    assert parse_faults("straggle( for=8000ms , factor=4 ):slice=1@step=5")[0].spec() == \
+        "straggle(factor=4,for=8s):slice=1@step=5"
+    assert parse_faults("kill:random@step=3")[0].spec() == "kill@step=3"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("kill@step=10,hang:slise=2@step=20",
+     "fault 2 'hang:slise=2@step=20': unknown target 'slise' (expected slice, worker, role, random, all, everything)"),
+    ("kil@step=1", "unknown kind 'kil'"),
+    ("kill@stp=1", "bad when 'stp=1'"),
+    ("kill", "missing '@WHEN'"),
+    ("kill@step=-1", "bad when 'step=-1'"),
+    ("kill@time=3x", "bad duration '3x'"),
+    ("hang(resume=soon)@step=1", "bad duration 'soon'"),
+    ("hang(resum=1s)@step=1", "unknown option 'resum' for hang"),
+    ("kill(for=1s)@step=1", "unknown option 'for' for kill"),
+    ("straggle(factor=0.5)@step=1", "option 'factor' must be >= 1"),
+    ("hang(resume=0s)@step=1", "option 'resume' must be > 0"),
+    ("corrupt@transfer", "@transfer works only with kill and hang, not 'corrupt'"),
+    ("straggle:role=source@transfer", "not 'straggle'"),
+    ("kill:slice=1@transfer", "@transfer needs target role=source or role=dest, got 'slice=1'"),
+    ("kill:role=source@step=3", "role=source exists only during a transfer"),
+    ("kill:role=boss@step=3", "unknown role 'boss'"),
+    ("kill:slice=x@step=3", "target slice needs an integer >= 0, got 'x'"),
+    ("kill:all=2@step=3", "target 'all' takes no value"),
+    ("kill:worker@step=3", "target 'worker' needs a value"),
+    ("", "empty fault spec"),
+    ("  ", "empty fault spec"),
+    ("kill@step=1,", "fault 2: trailing comma"),
+    ("kill@step=1,,kill@step=2", "fault 2: empty fault between commas"),
+    ("kill(@step=1", "unclosed '('"),
+])
+def test_errors_name_the_bad_piece(text, message):
+    with pytest.raises(FaultSpecError) as info:
+        parse_faults(text)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_validate_rejects_kill_save_and_hand_built_nonsense():
+    faults = parse_faults("kill@step=1,kill_save@step=3")  # parses: the grammar knows it
+    with pytest.raises(FaultSpecError, match="fault 2 'kill_save@step=3': kill_save needs checkpoints, "
+                                             "which this version does not write"):
+        validate(faults)
+    validate(faults[:1])
+    with pytest.raises(FaultSpecError, match="exactly one of step, time, transfer"):
+        validate([Fault("kill", Target("random"), When(step=1, time=2.0))])
+    with pytest.raises(FaultSpecError, match="target slice needs an integer >= 0, got -1"):
+        validate([Fault("kill", Target("slice", -1), When(step=1))])
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_shipped_scenarios_load_and_their_configs_are_valid(path):
+    scenario = load_scenario(path)
+    assert scenario.name == path.stem and scenario.faults and scenario.expect in ("pass", "fail")
+    load_config(scenario.config, scenario.overrides)  # every override names a real config key
+
+
+def test_shipped_scenarios_cover_the_demo_and_a_negative_control():
+    scenarios = {p.stem: load_scenario(p) for p in SCENARIOS}
+    assert len(scenarios) >= 4
+    demo = scenarios["kill-three"]
+    assert [f.kind for f in demo.faults] == ["kill"] * 3
+    assert Fault("kill", Target("role", "source"), When(transfer=True)) in demo.faults
+    negative = scenarios["no-recovery"]
+    cfg = load_config(negative.config, negative.overrides)
+    assert negative.expect == "fail" and cfg.elastic_spares == 0 and not cfg.elastic_relaunch
+    assert cfg.elastic_min_slice_count == cfg.slices
+
+
+def test_scenario_mapping_faults_and_defaults(tmp_path):
+    path = tmp_path / "s.yml"
+    path.write_text(
+        "description: two forms\n"
+        "overrides: {steps: 12, elastic_relaunch: false, learning_rate: 0.01}\n"
+        "seed: 3\nmtbf_seconds: 20\nduration_seconds: 1m\n"
+        "faults:\n"
+        "  - kill@step=5\n"
+        "  - {kind: hang, target: {slice: 2}, at: {step: 10}, options: {resume: 3s}}\n"
+        "  - {kind: kill, target: {role: source}, at: transfer}\n"
+        "  - {kind: partition, at: {time: 2.5}}\n")
+    assert load_scenario(path) == Scenario(
+        name="s", description="two forms", config="tiny", seed=3, mtbf_seconds=20.0, duration_seconds=60.0,
+        overrides=("steps=12", "elastic_relaunch=false", "learning_rate=0.01"),
+        faults=tuple(parse_faults("kill@step=5,hang(resume=3s):slice=2@step=10,kill@transfer,partition@time=2.5s")))
+
+
+@pytest.mark.parametrize("body,message", [
+    ("name: x\nfault: [kill@step=1]\n", "unknown scenario key 'fault'"),
+    ("faults: [{kind: kill, at: {step: 1}, when: 3}]\n", "faults[1]: unknown fault key 'when'"),
+    ("faults: [kill@step=1, 'hang:slise=2@step=20']\n", "faults[2]: fault 1 'hang:slise=2@step=20': unknown target"),
+    ("faults: ['kill@step=1,kill@step=2']\n", "faults[1]: expected exactly one fault"),
+    ("faults: [kill_save@step=1]\n", "kill_save needs checkpoints"),
+    ("expect: maybe\n", "'expect' must be 'pass' or 'fail'"),
+    ("seed: true\n", "'seed' has the wrong type"),
+    ("mtbf_seconds: 10\n", "mtbf_seconds needs duration_seconds"),
+    ("- kill@step=1\n", "a scenario must be a YAML mapping"),
+])
+def test_scenario_errors_name_the_key_and_the_file(tmp_path, body, message):
+    path = tmp_path / "bad.yml"
+    path.write_text(body)
+    with pytest.raises(FaultSpecError) as info:
+        load_scenario(path)
+    assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_random_faults_are_deterministic_in_the_seed():
+    a = random_faults(7, mtbf_seconds=5.0, duration_seconds=120.0)
+    assert a == random_faults(7, mtbf_seconds=5.0, duration_seconds=120.0)
+    assert a != random_faults(8, mtbf_seconds=5.0, duration_seconds=120.0)
+    assert len(a) > 5
+    times = [f.when.time for f in a]
+    assert times == sorted(times) and all(0 < t < 120.0 for t in times)
+    assert all(f.target == Target("random") for f in a)
+    validate(a)
+    assert parse_faults(",".join(f.spec() for f in a)) == a
+    for f in a:
+        if f.kind == "hang":
+            assert f.option("resume") == 2.0
+        if f.kind in ("straggle", "partition"):
+            assert 1.0 < f.option("for") < 10.0 and f.options  # drawn explicitly
+
+
+def test_random_faults_honours_kinds_and_arguments():
+    assert {f.kind for f in random_faults(1, 1.0, 60.0, kinds=("kill",))} == {"kill"}
+    assert random_faults(1, 1000.0, 0.0) == []
+    with pytest.raises(FaultSpecError, match="kill_save needs checkpoints"):
+        random_faults(1, 1000.0, 1.0, kinds=("kill", "kill_save"))
+    with pytest.raises(FaultSpecError, match="mtbf_seconds must be > 0"):
+        random_faults(1, 0.0, 10.0)
+
+
+ACTIVE, SPARES = ("w0", "w1", "w2", "w3"), ("w4",)
+
+
+@pytest.mark.parametrize("target,expected", [
+    (Target("slice", 2), ("w2",)),
+    (Target("worker", "w4"), ("w4",)),
+    (Target("role", "spare"), ("w4",)),
+    (Target("all"), ACTIVE),
+    (Target("everything"), ACTIVE + SPARES),
+])
+def test_resolve_fixed_targets(target, expected):
+    assert resolve_target(target, ACTIVE, SPARES, random.Random(0)) == expected
+
+
+def test_resolve_random_targets_use_the_rng_and_active_slices_only():
+    picks = [resolve_target(Target("random"), ACTIVE, SPARES, random.Random(s)) for s in range(40)]
+    assert {p for (p,) in picks} == set(ACTIVE)
+    again = [resolve_target(Target("random"), ACTIVE, SPARES, random.Random(s)) for s in range(40)]
+    assert picks == again
+    assert resolve_target(Target("role", "active"), ("w9",), (), random.Random(0)) == ("w9",)
+
+
+def test_resolve_transfer_roles():
+    rng = random.Random(0)
+    assert resolve_target(Target("role", "source"), ACTIVE, SPARES, rng, source="w1", dest="w4") == ("w1",)
+    assert resolve_target(Target("role", "dest"), ACTIVE, SPARES, rng, source="w1", dest="w4") == ("w4",)
+    with pytest.raises(TargetError, match="no state transfer is in progress"):
+        resolve_target(Target("role", "source"), ACTIVE, SPARES, rng)
+
+
+@pytest.mark.parametrize("target,active,spares,message", [
+    (Target("slice", 4), ACTIVE, SPARES, "slice 4 is out of range: 4 active slices (0..3)"),
+    (Target("worker", "w9"), ACTIVE, SPARES, "unknown worker 'w9'"),
+    (Target("role", "spare"), ACTIVE, (), "no spare left"),
+    (Target("random"), (), SPARES, "no active slice"),
+    (Target("all"), (), SPARES, "no active slice"),
+])
+def test_resolve_errors(target, active, spares, message):
+    with pytest.raises(TargetError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        resolve_target(target, active, spares, random.Random(0))
+    assert isinstance(info.value, ValueError)
