@@ -57,7 +57,7 @@ TRANSFER_ROLES = ("source", "dest")
 
 # Options each kind accepts, with their defaults (None: no default, the option changes behaviour).
 _OPTIONS: dict[str, dict[str, float | None]] = {
-    "kill": {},
+    "kill": {"phase": None},  # with phase: die inside that phase of the step after WHEN
     "hang": {"resume": None},  # without resume the worker stays stopped
     "straggle": {"factor": 3.0, "for": 10.0},
     "partition": {"for": 5.0},
@@ -65,6 +65,8 @@ _OPTIONS: dict[str, dict[str, float | None]] = {
     "kill_save": {},
 }
 _DURATION_OPTIONS = frozenset({"resume", "for"})
+# Options whose value is a word from a fixed list (kept as text).
+_CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {"phase": ("grad", "reduce", "apply")}
 _INT = re.compile(r"[0-9]+")
 _WORKER_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _DURATION = re.compile(r"(?P<num>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?P<unit>ms|s|m)?")
@@ -262,6 +264,11 @@ def _parse_options(kind: str, text: str) -> dict[str, float]:
             raise FaultSpecError(f"option {name!r} given twice")
         if name in _DURATION_OPTIONS:
             out[name] = parse_duration(value)
+        elif name in _CHOICE_OPTIONS:
+            if value not in _CHOICE_OPTIONS[name]:
+                raise FaultSpecError(f"option {name!r} must be one of {', '.join(_CHOICE_OPTIONS[name])}, "
+                                     f"got {value!r}")
+            out[name] = value
         else:
             try:
                 out[name] = float(value)
@@ -338,13 +345,20 @@ def _check(f: Fault) -> None:
     for name, value in f.options:
         if name not in allowed:
             raise FaultSpecError(f"unknown option {name!r} for {f.kind} (options: {_names(allowed)})")
+        if name in _CHOICE_OPTIONS:
+            if value not in _CHOICE_OPTIONS[name]:
+                raise FaultSpecError(f"option {name!r} must be one of {', '.join(_CHOICE_OPTIONS[name])}, "
+                                     f"got {value!r}")
+            continue
         low_ok = value >= 1.0 if name == "factor" else value > 0.0
         if not (math.isfinite(value) and low_ok):
             bound = ">= 1" if name == "factor" else "> 0"
             raise FaultSpecError(f"option {name!r} must be {bound}, got {value!r}")
 
 
-def _format_option(name: str, value: float) -> str:
+def _format_option(name: str, value: float | str) -> str:
+    if isinstance(value, str):
+        return value
     if name in _DURATION_OPTIONS:
         return format_duration(value)
     return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 
+from elastic.goodput import goodput
 from runtime.events import read_events
 
 __all__ = ["build_report", "write_report", "REPORT_VERSION"]
@@ -47,14 +48,28 @@ def build_report(events_or_path) -> dict:
         "checkpoint_restores": 0,
         "steps_lost": 0,
         "slices_at_end": None,
+        "seed": None,
+        "faults": [],
+        "stragglers": [],
+        "goodput": None,
+        "chaos": None,
+        "reference": None,
+        "verdict": None,
+        "verdict_reasons": [],
+        "trajectory": None,
+        "first_diverging_step": None,
+        "exactly_once": None,
+        "exactly_once_detail": {},
+        "failure_reason": None,
     }
+    dead_at: dict[str, float] = {}   # worker -> when it was declared dead (s since start)
     step_seconds = []
     t_first = events[0]["t"] if events else None
     for e in events:
         kind = e["kind"]
         if kind == "job_started":
             report.update(mode=e["mode"], config=e["config"], global_batch_size=e["global_batch_size"],
-                          microbatches=e["microbatches"])
+                          microbatches=e["microbatches"], seed=(e["config"] or {}).get("seed"))
         elif kind == "programs_built":
             report.update(program_bytes=e["program_bytes"], state_bytes=e["state_bytes"])
         elif kind == "run_started":
@@ -78,27 +93,101 @@ def build_report(events_or_path) -> dict:
         elif kind == "failure_detected":
             current = {"detected_at": e["t"] - t_first, "error": e["error"], "detail": e["detail"],
                        "step": e["committed"], "workers": [], "path": None, "recovered_after_s": None,
-                       "bytes_moved": 0}
+                       "bytes_moved": 0, "kind": "error", "detected_after_s": None}
             report["failures"].append(current)
-        elif kind == "worker_dead" and report["failures"] and report["failures"][-1]["path"] is None:
-            report["failures"][-1]["workers"].append(e["worker"])
+        elif kind == "worker_dead":
+            dead_at[e["worker"]] = e["t"] - t_first
         elif kind == "recovery_decision" and report["failures"]:
-            report["failures"][-1]["path"] = e["action"]
-            report["slices_at_end"] = len(e["active"])
+            failure = report["failures"][-1]
+            failure["workers"] += [w for w in e["dead"] if w not in failure["workers"]]
+            failure["path"] = e["action"]
+            if e["action"] != "wait":
+                report["slices_at_end"] = len(e["active"])
         elif kind == "recovered" and report["failures"]:
-            report["failures"][-1].update(recovered_after_s=e["seconds"], bytes_moved=e["bytes_moved"],
-                                          resume_step=e["resume_step"])
-        elif kind == "grown":
+            # A failure during a recovery (say, the transfer source died) is
+            # recovered by the same, final recovery.
+            for f in report["failures"]:
+                if f["recovered_after_s"] is None:
+                    f.update(recovered_after_s=e["t"] - t_first - f["detected_at"], resume_step=e["resume_step"])
+            report["failures"][-1].update(bytes_moved=e["bytes_moved"])
+        elif kind in ("grown", "straggler_replaced"):
             report["slices_at_end"] = len(e["active"])
+        elif kind == "straggler":
+            report["stragglers"].append({k: e[k] for k in ("worker", "step", "seconds", "median_seconds", "action")})
+        elif kind == "fault_injected":
+            report["faults"].append({"index": e["index"], "spec": e["fault"], "kind": e["fault_kind"],
+                                     "workers": e["workers"], "injected_at": e["t"] - t_first, "step": e["step"],
+                                     "detected_after_s": None, "recovered_after_s": None, "path": None,
+                                     "bytes_moved": 0, "skipped": None})
+        elif kind == "fault_skipped":
+            report["faults"].append({"index": e["index"], "spec": e["fault"], "kind": e["fault"].split("@")[0]
+                                     .split(":")[0].split("(")[0], "workers": [], "injected_at": None,
+                                     "step": e["step"], "detected_after_s": None, "recovered_after_s": None,
+                                     "path": None, "bytes_moved": 0, "skipped": e["reason"]})
+        elif kind == "chaos_started":
+            report["chaos"] = {k: e[k] for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}
+        elif kind == "run_truncated":
+            report["steps_requested"] = e["steps"]
+        elif kind == "run_failed":
+            report["failure_reason"] = e["error"]
+        elif kind == "verdict":
+            for k in ("verdict", "verdict_reasons", "trajectory", "first_diverging_step", "exactly_once",
+                      "exactly_once_detail", "reference"):
+                report[k] = e[k]
         elif kind == "run_finished":
             report.update(final_state_sha256=e["final_state_sha256"], replica_hashes=e["replica_hashes"],
                           client_peak_rss_bytes=e["client_peak_rss_bytes"], finished=True)
             report["wall_seconds"] = e["t"] - t_first
     if step_seconds:
         report["step_seconds_median"] = sorted(step_seconds)[len(step_seconds) // 2]
+    _attribute(report, events, dead_at, t_first)
+    report["goodput"] = goodput(events) if events else None
     if report["mode"] == "reference":
         report["slices"] = 0
     return report
+
+
+_FAILURE_KINDS = {"kill": "crash", "hang": "hang", "partition": "partition", "corrupt": "corrupt",
+                  "straggle": "straggler"}
+
+
+def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_first: float) -> None:
+    """Matches each injected fault to the failure it caused; fills kinds and latencies.
+
+    A fault causes the first failure detected after it that lost one of its
+    workers (or, for a fault that kills nobody, such as a corrupt message,
+    the first failure after it). Detection time is when the first of those
+    workers was declared dead, else when the failure was detected.
+    """
+    failures = report["failures"]
+    for f in failures:
+        causes = {e.get("cause") for e in events if e["kind"] == "worker_dead" and e["worker"] in f["workers"]}
+        if causes:
+            f["kind"] = "hang" if "hang" in causes else "crash"
+    for fault in report["faults"]:
+        if fault["injected_at"] is None:
+            continue
+        if fault["kind"] == "straggle":
+            hits = [e for e in events if e["kind"] == "straggler" and e["worker"] in fault["workers"]
+                    and e["t"] - t_first >= fault["injected_at"]]
+            if hits:
+                fault["detected_after_s"] = hits[0]["t"] - t_first - fault["injected_at"]
+                fault["path"] = "replace" if hits[0]["action"] == "replaced" else None
+            continue
+        for f in failures:
+            if f["detected_at"] < fault["injected_at"] - 1e-6:
+                continue
+            if f["workers"] and not set(f["workers"]) & set(fault["workers"]) and fault["kind"] != "corrupt":
+                continue
+            seen = [dead_at[w] for w in fault["workers"] if w in dead_at and dead_at[w] >= fault["injected_at"]]
+            detected = min(seen + [f["detected_at"]])
+            fault.update(detected_after_s=detected - fault["injected_at"], path=f["path"],
+                         bytes_moved=f["bytes_moved"])
+            if f["recovered_after_s"] is not None:
+                fault["recovered_after_s"] = f["detected_at"] + f["recovered_after_s"] - fault["injected_at"]
+            f["kind"] = _FAILURE_KINDS.get(fault["kind"], f["kind"])
+            f["detected_after_s"] = fault["detected_after_s"]
+            break
 
 
 def write_report(run_dir, report: dict) -> pathlib.Path:

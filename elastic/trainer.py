@@ -20,9 +20,10 @@ import optax
 from elastic import _programs, marker
 from elastic.config import Config
 from elastic.report import build_report, write_report
-from runtime import ProgramExportError, ProgramSet
+from elastic.report_html import write_html
+from runtime import ElasticError, ProgramExportError, ProgramSet
 from runtime.controller import Controller, ControllerOptions, peak_rss_bytes
-from runtime.events import EventLog
+from runtime.events import EventLog, read_events
 from runtime.reference import run_reference
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
@@ -43,17 +44,26 @@ class _Job:
         return self._programs
 
     def run_dir(self) -> pathlib.Path:
-        name = self.config.run_name or time.strftime("run-%Y%m%d-%H%M%S")
-        return pathlib.Path(self.config.base_output_directory) / name
+        """``<base_output_directory>/<run_name>``; an unnamed run is named by its start time, once."""
+        if getattr(self, "_run_dir", None) is None:
+            name = self.config.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+            self._run_dir = pathlib.Path(self.config.base_output_directory) / name
+        return self._run_dir
 
     def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None,
-            observer=None) -> dict:
+            observer=None, max_seconds: float | None = None) -> dict:
         """Trains ``config.steps`` steps; writes the run directory; returns the report.
 
         ``reference=True`` runs the canonical math in this process (it needs
         ``devices_per_slice`` local devices) instead of on workers.
         ``observer``: a :class:`runtime.controller.ControllerObserver` (the chaos
-        harness) told about commits and transfers.
+        harness) told about commits and transfers. ``max_seconds``: stop
+        dispatching after this long of training and finish at the last
+        committed step (soak runs).
+
+        The run directory gets ``events.jsonl``, ``report.json`` and
+        ``report.html`` whether the run finishes or fails; a failed run
+        records ``run_failed`` and the error propagates.
         """
         cfg = self.config
         run_dir = self.run_dir()
@@ -92,11 +102,21 @@ class _Job:
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     if observer is not None:
                         ctl.observer = observer
-                    ctl.train(cfg.steps, cfg.seed, on_step=on_step)
+                    ctl.train(cfg.steps, cfg.seed, on_step=on_step, max_seconds=max_seconds)
+        except ElasticError as e:
+            events.emit("run_failed", error=f"{type(e).__name__}: {e}")
+            raise
         finally:
             events.close()
-        report = build_report(run_dir / "events.jsonl")
+            self._write(run_dir)
+        return build_report(run_dir / "events.jsonl")
+
+    @staticmethod
+    def _write(run_dir: pathlib.Path) -> dict:
+        events = read_events(run_dir / "events.jsonl")
+        report = build_report(events)
         write_report(run_dir, report)
+        write_html(run_dir, report, events)
         return report
 
     def _fit_reference(self, programs, events, on_step):

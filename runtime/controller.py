@@ -223,14 +223,14 @@ class Controller:
             ch = self.channels[address] = rpc.channel(address, self.secret)
         return ch
 
-    def _declare_dead(self, worker_id: str, reason: str) -> None:
+    def _declare_dead(self, worker_id: str, reason: str, cause: str = "unresponsive") -> None:
         """Called by the health monitor (or a probe): fence the worker, fail its RPCs."""
         with self._lock:
             if worker_id in self.dead:
                 return
             self.dead[worker_id] = reason
             futs = self.inflight.pop(worker_id, [])
-        self.events.emit("worker_dead", worker=worker_id, reason=reason)
+        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
         # Not killed: on a real cluster a partitioned host cannot be reached
         # either. Fencing keeps it harmless (older epoch; refused on rejoin)
         # and it fences itself when its lease on this controller lapses.
@@ -373,14 +373,16 @@ class Controller:
             if replace:
                 self.swap_pending.append(w)
 
-    def train(self, steps: int, seed: int, on_step=None) -> RunResult:
+    def train(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> RunResult:
         """Runs ``steps`` steps from a fresh state; returns the run's summary.
 
         Step ``s`` is committed when every active slice applied it. When a
         worker is lost, in-flight steps are abandoned, the resource manager
         decides (replace / shrink / fail), and training resumes at the first
         step not applied by every survivor: no committed step is lost or
-        applied twice.
+        applied twice. With ``max_seconds``, dispatching stops that long after
+        training started and the run ends at the last dispatched step
+        (``run_truncated``).
         """
         t0 = time.time()
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
@@ -391,7 +393,11 @@ class Controller:
         self.losses: list[float] = []
         pending: collections.deque = collections.deque()
         next_step = 0
+        deadline = time.monotonic() + max_seconds if max_seconds else None
         while len(self.losses) < steps:
+            if deadline is not None and time.monotonic() > deadline and steps > max(next_step, 1):
+                steps = max(next_step, 1)
+                self.events.emit("run_truncated", steps=steps, reason=f"max_seconds={max_seconds:g} reached")
             try:
                 if self._membership_pending():
                     while pending:  # drain, so the change happens at a step boundary
@@ -401,6 +407,8 @@ class Controller:
                     pending.append(self._dispatch(plan_step(self.placement, next_step,
                                                             self.programs.num_microbatches)))
                     next_step += 1
+                if not pending:
+                    continue   # the boundary drained the last steps
                 plan, futs, td = pending.popleft()
                 self._commit(plan, futs, td, on_step)
             except (WorkerLostError, StepAbortedError, StaleEpochError) as err:

@@ -25,7 +25,8 @@ from runtime.auth import handler_like
 __all__ = ["FaultInjector", "PartitionInterceptor", "ACTIONS"]
 
 ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_receive_state",
-           "hang_on_send_state", "clear")
+           "hang_on_send_state", "kill_in_phase", "clear")
+PHASES = ("grad", "reduce", "apply")
 
 
 class FaultInjector:
@@ -40,8 +41,9 @@ class FaultInjector:
         self._corrupt = False
         self._on_send_state: str | None = None
         self._on_receive_state: str | None = None
+        self._kill_in_phase: str | None = None
 
-    def arm(self, action: str, factor: float = 0.0, seconds: float = 0.0) -> None:
+    def arm(self, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "") -> None:
         """Arms one fault; ``ValueError`` for an unknown action or bad numbers."""
         if not self.enabled:
             raise PermissionError("fault injection is off on this worker (start it with chaos enabled)")
@@ -49,6 +51,8 @@ class FaultInjector:
             raise ValueError(f"unknown chaos action {action!r}; expected one of {', '.join(ACTIONS)}")
         if seconds < 0 or (action == "straggle" and factor < 1):
             raise ValueError(f"chaos {action}: factor must be >= 1 and seconds >= 0 (got {factor}, {seconds})")
+        if action == "kill_in_phase" and phase not in PHASES:
+            raise ValueError(f"chaos kill_in_phase: phase must be one of {', '.join(PHASES)}, got {phase!r}")
         now = time.monotonic()
         with self._lock:
             if action == "straggle":
@@ -63,6 +67,8 @@ class FaultInjector:
                 self._on_send_state = "hang"
             elif action == "kill_on_receive_state":
                 self._on_receive_state = "kill"
+            elif action == "kill_in_phase":
+                self._kill_in_phase = phase
             else:
                 self.__init__(self.enabled)
 
@@ -82,6 +88,11 @@ class FaultInjector:
         with self._lock:
             hit, self._corrupt = self._corrupt, False
             return hit
+
+    def in_phase(self, phase: str) -> None:
+        """Called inside each phase of a step (after grad, mid-reduction, after apply)."""
+        if self._kill_in_phase == phase:
+            _signal_self("kill")
 
     def sending_state(self) -> None:
         """Called between two chunks of an outgoing state transfer."""

@@ -4,8 +4,10 @@ A :class:`HealthMonitor` thread sends the standard ``grpc.health.v1`` Check
 to each watched worker every ``interval`` seconds. A worker that has not
 answered for ``lease`` seconds is suspect; a suspect is re-probed with a
 bounded retry (tenacity) and, if it still does not answer, declared dead
-through ``on_dead`` (called at most once per worker). A crashed process is
-found by the first failed probe; a hung one (SIGSTOP, deadlock) by the lease.
+through ``on_dead(worker, reason, cause)`` (called at most once per worker;
+``cause`` is "crash", "hang" or "fenced", from how the last probe failed). A
+crashed process is found by the first failed probe (connection refused); a
+hung or cut-off one (SIGSTOP, deadlock, partition) by the lease.
 """
 
 from __future__ import annotations
@@ -18,16 +20,26 @@ import grpc
 import tenacity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["HealthMonitor", "probe"]
+__all__ = ["HealthMonitor", "check", "probe"]
 
 
 def probe(stub: health_pb2_grpc.HealthStub, timeout: float) -> bool:
     """One Check; True when the worker answers SERVING within ``timeout``."""
+    return check(stub, timeout) is None
+
+
+def check(stub: health_pb2_grpc.HealthStub, timeout: float) -> str | None:
+    """One Check; None when the worker answers SERVING, else how it failed.
+
+    ``"refused"``: the process is gone (connection refused or reset: a crash);
+    ``"silent"``: no answer within ``timeout`` (a hang, or a partition);
+    ``"not_serving"``: it answered but has fenced itself.
+    """
     try:
         reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-    except grpc.RpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError as e:
+        return "silent" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "refused"
+    return None if reply.status == health_pb2.HealthCheckResponse.SERVING else "not_serving"
 
 
 def confirm_dead(stub, timeout: float, retries: int) -> bool:
@@ -40,7 +52,7 @@ def confirm_dead(stub, timeout: float, retries: int) -> bool:
 
 
 class HealthMonitor:
-    def __init__(self, channels: Callable[[str], grpc.Channel], on_dead: Callable[[str, str], None], *,
+    def __init__(self, channels: Callable[[str], grpc.Channel], on_dead: Callable[..., None], *,
                  interval: float, lease: float, retries: int, events=None):
         self._channels = channels
         self.on_dead = on_dead
@@ -87,14 +99,15 @@ class HealthMonitor:
                 if self._stop.is_set():
                     return
                 now = time.monotonic()
-                if probe(stub, timeout=self.interval):
+                failure = check(stub, timeout=self.interval)
+                if failure is None:
                     with self._lock:
                         if wid in self._last_ok:
                             self._last_ok[wid] = now
                     continue
                 with self._lock:
                     silent = now - self._last_ok.get(wid, now)
-                if silent < self.lease and _reachable_error(stub):
+                if silent < self.lease and failure == "silent":
                     continue  # slow answer within the lease: not suspect yet
                 if self.events is not None:
                     self.events.emit("worker_suspect", worker=wid, silent_seconds=silent)
@@ -104,13 +117,6 @@ class HealthMonitor:
                             continue
                         self._dead.add(wid)
                         self._stubs.pop(wid, None)
-                    self.on_dead(wid, f"no health answer for {silent:.2f} s and {self.retries} re-probes")
-
-
-def _reachable_error(stub) -> bool:
-    """True when the last failure looks like slowness, not a refused connection."""
-    try:
-        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.05)
-        return True
-    except grpc.RpcError as e:
-        return e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    cause = {"refused": "crash", "silent": "hang", "not_serving": "fenced"}[failure]
+                    self.on_dead(wid, f"no health answer for {silent:.2f} s and {self.retries} re-probes "
+                                      f"({failure})", cause)

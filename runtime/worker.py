@@ -158,7 +158,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Chaos(self, request, context):
         def arm():
             try:
-                self.faults.arm(request.action, request.factor, request.seconds)
+                self.faults.arm(request.action, request.factor, request.seconds, request.phase)
             except PermissionError as e:
                 raise StaleEpochError(str(e)) from None
             log.warning("chaos: armed %s (factor %s, %s s)", request.action, request.factor, request.seconds)
@@ -328,6 +328,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         t0 = time.perf_counter()
         mine = ex.partials(req.step, [_node(n) for n in req.nodes])
         self.faults.straggle(time.perf_counter() - t0)
+        self.faults.in_phase("grad")
         # The loss rides along as one more element, reduced in the same tree order.
         vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
         t1 = time.perf_counter()
@@ -337,6 +338,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             if self.epoch != epoch:
                 raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
             ex.apply(total[:-1])
+            self.faults.in_phase("apply")
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
             for old in [k for k in self._recent if k < req.step - 4]:
@@ -358,7 +360,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         except grpc.FutureCancelledError:
             raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted") from None
         except grpc.RpcError as e:
-            raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}") from e
+            raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
         finally:
             with self._cond:
                 self._outgoing.discard(call)
@@ -401,6 +403,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         reduced = tree_reduce(mine, top, add_f32)
         for f in sends:
             f.result()
+        self.faults.in_phase("reduce")
         sends = []
         for p in others:
             sent += 4 * reduced.size

@@ -24,11 +24,17 @@ def imported_packages(path):
             yield node.module.split(".")[0]
 
 
+# The command line is the top of the stack: `elastic chaos` drives the chaos package.
+EXCEPTIONS = {("elastic/cli.py", "chaos")}
+
+
 def test_imports_flow_one_way():
     bad = []
     for pkg, allowed in ALLOWED.items():
         for f in (ROOT / pkg).rglob("*.py"):
             for mod in imported_packages(f):
+                if (str(f.relative_to(ROOT)), mod) in EXCEPTIONS:
+                    continue
                 if mod in ALLOWED and mod != pkg and mod not in allowed:
                     bad.append(f"{f.relative_to(ROOT)} imports {mod}")
     assert not bad, bad

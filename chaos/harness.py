@@ -1,0 +1,111 @@
+"""``elastic chaos``: a fault-free reference, a faulted run, and the verdict.
+
+:func:`run_chaos` runs the config's fault-free reference in this process
+(or reuses a cached one with the same math), then the same config on local
+workers with a :class:`chaos.injector.FaultInjector` attached, then judges
+the faulted run against the reference (:func:`chaos.verdict.judge`). The
+verdict goes into the faulted run's event log (a ``verdict`` event), so
+``report.json`` and ``report.html`` -- and ``elastic report`` later -- carry
+it. Soak mode (``mtbf_seconds``/``duration_seconds``) draws random faults
+from the seed and stops training at the duration; its reference is then run
+for exactly the steps the soak committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+
+from chaos.injector import FaultInjector
+from chaos.schedule import random_faults
+from chaos.spec import Fault, validate
+from chaos.verdict import judge
+from elastic.config import Config
+from elastic.report import build_report, write_report
+from elastic.report_html import write_html
+from runtime import ElasticError
+from runtime.events import EventLog, read_events
+
+__all__ = ["ChaosOptions", "run_chaos", "reference_report"]
+
+# Keys that change how a run is executed or observed, not its math.
+_NOT_MATH = ("run_name", "base_output_directory", "dcn_data_parallelism")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChaosOptions:
+    faults: tuple[Fault, ...] = ()
+    seed: int = 0
+    mtbf_seconds: float | None = None
+    duration_seconds: float | None = None
+    scenario: str | None = None
+    rtol: float = 1e-5
+
+
+def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathlib.Path]:
+    """The fault-free reference of ``cfg``'s math for ``steps`` steps, run in this process or reused.
+
+    Cached under ``<base_output_directory>/references/<digest>``, keyed by
+    every config key that affects the math (slice count excluded: the result
+    is bit-identical for any slice count, as long as the microbatch count M
+    is the same). ``trainer_for(cfg)`` builds the trainer.
+    """
+    math = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_MATH and not
+            (k.startswith("elastic_") and k != "elastic_microbatches")}
+    math.update(steps=steps, elastic_microbatches=cfg.microbatches)
+    digest = hashlib.sha256(json.dumps(math, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    ref_cfg = cfg.replace(run_name=f"references/{digest}", steps=steps)
+    trainer = trainer_for(ref_cfg)
+    run_dir = trainer.run_dir()
+    cached = run_dir / "report.json"
+    if cached.exists():
+        report = json.loads(cached.read_text())
+        if report.get("finished") and report.get("steps_completed") == steps:
+            return report, run_dir
+    return trainer.fit(reference=True), run_dir
+
+
+def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) -> tuple[dict, pathlib.Path]:
+    """Reference, faulted run, verdict; returns the faulted run's final report and its run directory.
+
+    A faulted run that fails (the runtime gave up) still gets a report and a
+    verdict ("fail", with the error among the reasons); only bad input
+    raises.
+    """
+    faults = list(options.faults)
+    if options.mtbf_seconds:
+        faults += random_faults(options.seed, options.mtbf_seconds, options.duration_seconds or 60.0)
+    validate(faults)
+    cfg = cfg.replace(elastic_chaos=True)
+    soak = options.duration_seconds if options.mtbf_seconds else None
+    reference = None
+    if not soak:
+        reference, ref_dir = reference_report(trainer_for, cfg, cfg.steps)
+    trainer = trainer_for(cfg)
+    injector = FaultInjector(faults, seed=options.seed, info={
+        "spec": ",".join(f.spec() for f in faults), "seed": options.seed, "mtbf_seconds": options.mtbf_seconds,
+        "duration_seconds": options.duration_seconds, "scenario": options.scenario})
+    try:
+        trainer.fit(on_step=on_step, observer=injector, max_seconds=soak)
+    except ElasticError:
+        pass   # recorded as run_failed; the verdict says why
+    run_dir = trainer.run_dir()
+    events = read_events(run_dir / "events.jsonl")
+    report = build_report(events)
+    if soak:
+        reference, ref_dir = reference_report(trainer_for, cfg, max(report["steps_completed"], 1))
+    verdict = judge(report, reference, events, rtol=options.rtol)
+    verdict["reference"] = {"run_dir": str(ref_dir), "losses": reference["losses"],
+                            "final_state_sha256": reference["final_state_sha256"]}
+    log = EventLog(run_dir / "events.jsonl")
+    try:
+        log.emit("verdict", **verdict)
+    finally:
+        log.close()
+    events = read_events(run_dir / "events.jsonl")
+    report = build_report(events)
+    write_report(run_dir, report)
+    write_html(run_dir, report, events)
+    return report, run_dir

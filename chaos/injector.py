@@ -1,0 +1,155 @@
+"""The fault injector: fires a schedule of faults at a live run, from outside it.
+
+A :class:`FaultInjector` is a :class:`runtime.controller.ControllerObserver`:
+the controller tells it when steps commit and when a state transfer starts;
+a thread of its own fires the time-based faults. Each fault is resolved to
+worker ids (:func:`chaos.schedule.resolve_target`, with a seeded RNG, so a
+schedule replays the same way) and injected by a signal to the worker
+process (kill, hang) or by the worker's fault-injection RPC (straggle,
+partition, corrupt, a kill inside a given phase, a kill mid-transfer). Every
+injection is an event (``fault_injected``; ``fault_skipped`` when its target
+does not exist at that moment), so the report can match faults to failures.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+
+from chaos.schedule import TargetError, resolve_target
+from chaos.spec import Fault
+from runtime._proto import elastic_pb2 as pb
+from runtime.controller import ControllerObserver
+
+__all__ = ["FaultInjector"]
+
+_TRANSFER_ACTIONS = {("kill", "source"): "kill_on_send_state", ("hang", "source"): "hang_on_send_state",
+                     ("kill", "dest"): "kill_on_receive_state"}
+
+
+class FaultInjector(ControllerObserver):
+    """Injects ``faults`` into the run of the controller it is attached to.
+
+    Contract: each fault fires at most once, in schedule order for its
+    trigger; a fault whose target cannot be resolved is skipped and logged,
+    never retried. Hooks run on the controller's thread and only send
+    signals or one short RPC.
+    """
+
+    def __init__(self, faults: list[Fault], seed: int = 0, info: dict | None = None):
+        self.faults = list(faults)
+        self.info = info or {}
+        self.rng = random.Random(seed)
+        self.ctl = None
+        self.t0 = 0.0
+        self.committed = 0
+        self.fired: set[int] = set()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._timers: list[threading.Timer] = []
+        self._thread = threading.Thread(target=self._clock, name="chaos-clock", daemon=True)
+
+    # -- ControllerObserver --------------------------------------------------
+
+    def attach(self, controller) -> None:
+        self.ctl = controller
+        self.t0 = time.monotonic()
+        if self.info:
+            controller.events.emit("chaos_started", **self.info)
+        self._fire(lambda f: f.when.step is not None and f.when.step <= 0)
+        self._thread.start()
+
+    def step_committed(self, step: int) -> None:
+        self.committed = max(self.committed, step + 1)
+        self._fire(lambda f: f.when.step is not None and f.when.step <= self.committed)
+
+    def before_transfer(self, source: str, dest: str) -> None:
+        self._fire(lambda f: f.when.transfer, source=source, dest=dest)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._timers:
+            t.cancel()
+
+    # -- firing --------------------------------------------------------------
+
+    def _clock(self) -> None:
+        while not self._stop.wait(0.05):
+            elapsed = time.monotonic() - self.t0
+            self._fire(lambda f: f.when.time is not None and f.when.time <= elapsed)
+            if all(i in self.fired for i in range(len(self.faults))):
+                return
+
+    def _fire(self, due, source: str | None = None, dest: str | None = None) -> None:
+        with self._lock:
+            for i, fault in enumerate(self.faults):
+                if i in self.fired or not due(fault):
+                    continue
+                self.fired.add(i)
+                self._inject(i, fault, source, dest)
+                if fault.when.transfer:
+                    return   # one transfer fault per transfer: the next one hits the retry's transfer
+
+    def _inject(self, index: int, fault: Fault, source: str | None, dest: str | None) -> None:
+        ctl = self.ctl
+        placement = ctl.placement
+        spares = tuple(s for s in placement.spares if s not in ctl.dead)
+        try:
+            workers = resolve_target(fault.target, placement.active, spares, self.rng, source=source, dest=dest)
+        except TargetError as e:
+            ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), reason=str(e), step=self.committed)
+            return
+        errors = {}
+        for w in workers:
+            try:
+                self._hit(fault, w)
+            except (OSError, grpc.RpcError, KeyError) as e:
+                errors[w] = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"
+        ctl.events.emit("fault_injected", index=index, fault=fault.spec(), fault_kind=fault.kind,
+                        workers=list(workers), step=self.committed, errors=errors,
+                        seconds=time.monotonic() - self.t0)
+
+    def _hit(self, fault: Fault, worker: str) -> None:
+        kind = fault.kind
+        if fault.when.transfer:
+            self._chaos(worker, _TRANSFER_ACTIONS[(kind, fault.target.value)])
+        elif kind == "kill" and fault.option("phase"):
+            self._chaos(worker, "kill_in_phase", phase=str(fault.option("phase")))
+        elif kind == "kill":
+            os.kill(self._pid(worker), signal.SIGKILL)
+        elif kind == "hang":
+            pid = self._pid(worker)
+            os.kill(pid, signal.SIGSTOP)
+            resume = fault.option("resume")
+            if resume:
+                timer = threading.Timer(resume, _resume, args=(pid,))
+                timer.daemon = True
+                timer.start()
+                self._timers.append(timer)
+        elif kind == "straggle":
+            self._chaos(worker, "straggle", factor=fault.option("factor"), seconds=fault.option("for"))
+        elif kind == "partition":
+            self._chaos(worker, "partition", seconds=fault.option("for"))
+        elif kind == "corrupt":
+            self._chaos(worker, "corrupt")
+        else:
+            raise KeyError(f"the injector cannot do {kind!r}")
+
+    def _pid(self, worker: str) -> int:
+        return self.ctl.registry.workers[worker].pid
+
+    def _chaos(self, worker: str, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "") -> None:
+        self.ctl.stubs[worker].Chaos(pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
+                                                     phase=phase), timeout=5.0)
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass   # the controller's cleanup got there first

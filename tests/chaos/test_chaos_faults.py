@@ -1,0 +1,167 @@
+"""`elastic chaos` on real worker processes: one short scenario per fault kind.
+
+Each test runs the CLI end to end (reference, faulted run, verdict) and
+asserts the verdict fields, not just the exit code: the faulted run reaches
+the last step bit-identical to the fault-free reference, with no lost step,
+no checkpoint restore and every microbatch consumed exactly once.
+"""
+
+import json
+import pathlib
+
+import jsonschema
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+STEPS = 12
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+
+
+def chaos(tmp_path, faults, *overrides, check=True, steps=STEPS):
+    proc, _ = run_cli(["chaos", "tiny", f"steps={steps}", "run_name=faulted", *overrides, "--faults", faults],
+                      tmp_path, check=check)
+    run_dir = pathlib.Path(tmp_path) / "faulted"
+    report = json.loads((run_dir / "report.json").read_text())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    jsonschema.validate(report, SCHEMA)
+    return proc, report, events
+
+
+def passed(report, steps=STEPS):
+    assert report["verdict"] == "pass", report["verdict_reasons"]
+    assert report["verdict_reasons"] == []
+    assert report["steps_completed"] == steps and report["steps_lost"] == 0
+    assert report["checkpoint_restores"] == 0
+    assert report["trajectory"] == "identical" and report["exactly_once"] is True
+    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["losses"] == report["reference"]["losses"]
+
+
+def kinds(events, kind):
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.mark.parametrize("phase", ["grad", "reduce", "apply"])
+def test_sigkill_inside_each_phase_is_replaced_by_the_spare(tmp_path, phase):
+    _, report, events = chaos(tmp_path, f"kill(phase={phase}):slice=1@step=3", "elastic_spares=1")
+    passed(report)
+    [fault] = report["faults"]
+    assert fault["workers"] == ["w1"] and fault["path"] == "replace"
+    assert fault["detected_after_s"] is not None and fault["recovered_after_s"] >= fault["detected_after_s"]
+    assert fault["bytes_moved"] == report["state_bytes"]
+    assert report["failures"][0]["kind"] == "crash"
+    assert report["slices_at_end"] == 4
+
+
+def test_the_spare_killed_while_receiving_state_is_replaced_by_the_next(tmp_path):
+    _, report, events = chaos(tmp_path, "kill:slice=1@step=3,kill:role=dest@transfer", "elastic_spares=2",
+                              "elastic_relaunch=false")
+    passed(report)
+    dest_fault = report["faults"][1]
+    assert dest_fault["spec"] == "kill:role=dest@transfer" and dest_fault["workers"] == ["w4"]
+    assert [e["dest"] for e in kinds(events, "state_transferred")] == ["w5"]
+    assert report["slices_at_end"] == 4
+
+
+def test_the_source_killed_while_sending_state_leaves_another_replica(tmp_path):
+    _, report, events = chaos(tmp_path, "kill:slice=2@step=3,kill:role=source@transfer", "elastic_spares=1",
+                              "elastic_relaunch=false")
+    passed(report)
+    source = report["faults"][1]["workers"][0]
+    [moved] = kinds(events, "state_transferred")
+    assert moved["source"] != source and moved["dest"] == "w4"
+    assert report["slices_at_end"] == 3   # the spare took one slice; the other slice shrank away
+
+
+# Long enough that the run is still going when the cut-off worker comes back.
+LONG = 150
+
+
+def test_a_hung_worker_resumed_later_has_fenced_itself_and_is_refused(tmp_path):
+    _, report, events = chaos(tmp_path, "hang(resume=4s):slice=2@step=3", "elastic_spares=1",
+                              "elastic_worker_lease_seconds=2", steps=LONG)
+    passed(report, steps=LONG)
+    [fault] = report["faults"]
+    assert fault["path"] == "replace" and report["failures"][0]["kind"] == "hang"
+    refused = [e for e in kinds(events, "register_refused") if e["worker"] == "w2"]
+    assert refused and refused[0]["rejoin"] and "fenced" in refused[0]["reason"]
+
+
+def test_a_partitioned_worker_that_comes_back_is_refused(tmp_path):
+    _, report, events = chaos(tmp_path, "partition(for=4s):slice=2@step=3", "elastic_spares=1",
+                              "elastic_worker_lease_seconds=2", steps=LONG)
+    passed(report, steps=LONG)
+    [fault] = report["faults"]
+    assert fault["kind"] == "partition" and fault["path"] == "replace"
+    assert report["failures"][0]["kind"] == "partition"
+    refused = [e for e in kinds(events, "register_refused") if e["worker"] == "w2"]
+    assert refused and refused[0]["rejoin"], "the partitioned worker never asked to come back"
+    log = (pathlib.Path(tmp_path) / "faulted" / "logs" / "worker-w2.log").read_text()
+    assert "fencing myself" in log
+
+
+def test_a_corrupted_tensor_message_is_caught_by_checksum_and_the_step_redone(tmp_path):
+    _, report, events = chaos(tmp_path, "corrupt:slice=1@step=3")
+    passed(report)
+    [failure] = report["failures"]
+    assert failure["path"] == "retry" and failure["workers"] == [] and failure["kind"] == "corrupt"
+    assert "checksum" in json.dumps(events)
+    assert report["slices_at_end"] == 4
+
+
+def test_a_straggler_is_reported_and_moved_onto_the_spare(tmp_path):
+    _, report, events = chaos(tmp_path, "straggle(factor=30,for=60s):slice=1@step=1", "elastic_spares=1",
+                              "elastic_replace_stragglers=true", steps=16)
+    passed(report, steps=16)
+    [straggler] = report["stragglers"]
+    assert straggler["worker"] == "w1" and straggler["action"] == "replaced"
+    [swap] = kinds(events, "straggler_replaced")
+    assert swap["slow"] == "w1" and "w1" not in swap["active"] and len(swap["active"]) == 4
+
+
+def test_killing_the_spare_costs_the_run_nothing(tmp_path):
+    _, report, events = chaos(tmp_path, "kill:role=spare@step=3", "elastic_spares=1", "elastic_relaunch=false")
+    passed(report)
+    assert report["faults"][0]["workers"] == ["w4"]
+    assert report["failures"] == [] and report["slices_at_end"] == 4
+
+
+def test_several_workers_killed_at_once(tmp_path):
+    _, report, events = chaos(tmp_path, "kill:slice=0@step=4,kill:slice=3@step=4", "elastic_spares=1",
+                              "elastic_relaunch=false")
+    passed(report)
+    assert sorted(w for f in report["failures"] for w in f["workers"]) == ["w0", "w3"]
+    assert report["slices_at_end"] == 3
+
+
+def test_below_the_minimum_the_run_waits_for_a_relaunched_worker(tmp_path):
+    _, report, events = chaos(tmp_path, "kill:slice=1@step=3", "elastic_min_slice_count=4",
+                              "elastic_timeout_seconds=120")
+    passed(report)
+    [wait] = kinds(events, "capacity_wait_ended")
+    assert wait["found"] == ["w4"]
+    assert [f["path"] for f in report["failures"]] == ["replace"] and report["slices_at_end"] == 4
+
+
+def test_a_failed_verdict_exits_non_zero_and_says_why(tmp_path):
+    proc, _ = run_cli(["chaos", "--scenario", str(ROOT / "chaos/scenarios/no-recovery.yml"), "run_name=faulted"],
+                      tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "expects the verdict 'fail': got 'fail'" in proc.stdout
+    report = json.loads((pathlib.Path(tmp_path) / "faulted" / "report.json").read_text())
+    jsonschema.validate(report, SCHEMA)
+    assert report["verdict"] == "fail" and not report["finished"]
+    assert any("elastic_timeout_seconds" in r for r in report["verdict_reasons"]), report["verdict_reasons"]
+    proc, _ = run_cli(["chaos", "tiny", "steps=8", "elastic_min_slice_count=4", "elastic_timeout_seconds=1",
+                       "elastic_relaunch=false", "run_name=again", "--faults", "kill@step=2"], tmp_path, check=False)
+    assert proc.returncode == 1
+    again = json.loads((pathlib.Path(tmp_path) / "again" / "report.json").read_text())
+    assert again["verdict"] == "fail" and again["failure_reason"].startswith("ElasticTrainingFailedError")
+
+
+def test_a_fault_the_runtime_cannot_do_is_bad_input(tmp_path):
+    proc, _ = run_cli(["chaos", "tiny", "--faults", "kill_save@step=3"], tmp_path, check=False)
+    assert proc.returncode == 2 and "checkpoints" in proc.stderr
+    proc, _ = run_cli(["chaos", "tiny", "--faults", "kill:slise=1@step=3"], tmp_path, check=False)
+    assert proc.returncode == 2 and "slise" in proc.stderr
