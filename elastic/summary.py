@@ -47,6 +47,13 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         ("goodput", f"{100 * gp['goodput_fraction']:.1f} %" if "goodput_fraction" in gp else "—"),
         ("wall time", _seconds(wall)),
     ]
+    for f in report.get("faults") or []:
+        if f.get("skipped"):
+            rows.append((f"fault {f['index']}", f"{f['spec']}: skipped ({f['skipped']})"[:120]))
+        else:
+            rows.append((f"fault {f['index']}", f"{f['spec']} -> {','.join(f['workers'])}: detected "
+                         f"{_seconds(f['detected_after_s'])}, recovered {_seconds(f['recovered_after_s'])}"
+                         + (f" ({f['path']})" if f.get("path") else "")))
     if report.get("trajectory") is not None:
         rows.append(("trajectory", str(report["trajectory"])))
     if report.get("exactly_once") is not None:

@@ -9,6 +9,7 @@ state: only programs (bytes), per-step losses and timings pass through it.
 from __future__ import annotations
 
 import collections
+from concurrent import futures
 import dataclasses
 import queue
 import resource
@@ -454,8 +455,10 @@ class Controller:
         self.events.emit("failure_detected", error=type(err).__name__, detail=str(err)[:500],
                          worker=getattr(err, "worker_id", None), committed=len(self.losses))
         members = [w for w in self.placement.active + self.placement.spares if w not in self.dead]
+        with futures.ThreadPoolExecutor(max_workers=max(len(members), 1)) as pool:   # probe all at once
+            alive = dict(zip(members, pool.map(self.monitor.is_alive, members)))
         for w in members:
-            if not self.monitor.is_alive(w):
+            if not alive[w]:
                 self._declare_dead(w, f"no answer after {type(err).__name__}")
         decision = self._decide()
         if decision.action == "wait":

@@ -2,8 +2,9 @@
 
 A :class:`HealthMonitor` thread sends the standard ``grpc.health.v1`` Check
 to each watched worker every ``interval`` seconds. A worker that has not
-answered for ``lease`` seconds is suspect; a suspect is re-probed with a
-bounded retry (tenacity) and, if it still does not answer, declared dead
+answered for half its ``lease`` is suspect; a suspect is re-probed with a
+bounded retry (tenacity) spread over the rest of the lease and, if it still
+does not answer, declared dead
 through ``on_dead(worker, reason, cause)`` (called at most once per worker;
 ``cause`` is "crash", "hang" or "fenced", from how the last probe failed). A
 crashed process is found by the first failed probe (connection refused); a
@@ -42,10 +43,10 @@ def check(stub: health_pb2_grpc.HealthStub, timeout: float) -> str | None:
     return None if reply.status == health_pb2.HealthCheckResponse.SERVING else "not_serving"
 
 
-def confirm_dead(stub, timeout: float, retries: int) -> bool:
-    """Re-probes a suspect up to ``retries`` times; True if it never answers."""
+def confirm_dead(stub, timeout: float, retries: int, wait: float = 0.0) -> bool:
+    """Probes a suspect up to ``retries + 1`` times, ``wait`` seconds apart; True if it never answers."""
     retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(retries + 1),
-                                 wait=tenacity.wait_fixed(timeout / 4),
+                                 wait=tenacity.wait_fixed(wait),
                                  retry=tenacity.retry_if_result(lambda ok: not ok), reraise=False,
                                  retry_error_callback=lambda state: False)
     return not retrying(probe, stub, timeout)
@@ -81,7 +82,7 @@ class HealthMonitor:
             stub = self._stubs.get(worker_id)
             if stub is None or worker_id in self._dead:
                 return False
-        return not confirm_dead(stub, timeout or self.lease, self.retries)
+        return not confirm_dead(stub, timeout or self.lease, self.retries, wait=self.interval / 2)
 
     def start(self) -> None:
         self._thread.start()
@@ -107,11 +108,15 @@ class HealthMonitor:
                     continue
                 with self._lock:
                     silent = now - self._last_ok.get(wid, now)
-                if silent < self.lease and failure == "silent":
-                    continue  # slow answer within the lease: not suspect yet
+                # Silent for half the lease: suspect, and the re-probes fill the
+                # other half, so a hung worker is declared dead about when its
+                # lease ends. A refused connection (crash) is suspect at once.
+                if silent < self.lease / 2 and failure == "silent":
+                    continue
                 if self.events is not None:
                     self.events.emit("worker_suspect", worker=wid, silent_seconds=silent)
-                if confirm_dead(stub, self.interval, self.retries):
+                spread = max(self.lease / 2 - (self.retries + 1) * self.interval, 0.0) / max(self.retries, 1)
+                if confirm_dead(stub, self.interval, self.retries, wait=spread):
                     with self._lock:
                         if wid in self._dead:
                             continue

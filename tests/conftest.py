@@ -13,7 +13,8 @@ def run_cli(args, tmp_path, *, check=True, timeout=300):
     """Runs ``elastic ARGS`` in a subprocess; returns (CompletedProcess, report dict or None)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "elastic.cli", *args, f"base_output_directory={tmp_path}", "--quiet"]
+    where = [f"base_output_directory={tmp_path}"] if args[0] in ("run", "chaos") else []
+    cmd = [sys.executable, "-m", "elastic.cli", *args, *where, "--quiet"]
     pathlib.Path(tmp_path).mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     if check and proc.returncode != 0:

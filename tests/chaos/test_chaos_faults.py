@@ -165,3 +165,26 @@ def test_a_fault_the_runtime_cannot_do_is_bad_input(tmp_path):
     assert proc.returncode == 2 and "checkpoints" in proc.stderr
     proc, _ = run_cli(["chaos", "tiny", "--faults", "kill:slise=1@step=3"], tmp_path, check=False)
     assert proc.returncode == 2 and "slise" in proc.stderr
+
+
+def test_soak_mode_draws_random_faults_and_stops_at_the_duration(tmp_path):
+    proc, _ = run_cli(["chaos", "tiny", "steps=100000", "elastic_spares=1", "run_name=soak", "--mtbf", "4s",
+                       "--duration", "12s", "--seed", "3"], tmp_path, check=False)
+    report = json.loads((pathlib.Path(tmp_path) / "soak" / "report.json").read_text())
+    jsonschema.validate(report, SCHEMA)
+    assert report["chaos"]["mtbf_seconds"] == 4 and report["chaos"]["duration_seconds"] == 12
+    assert len(report["faults"]) >= 1, "seed 3 draws faults within 12 s"
+    steps = report["steps_completed"]
+    assert 0 < steps < 100000 and report["steps_requested"] == steps
+    passed(report, steps=steps)
+    assert proc.returncode == 0
+
+
+def test_elastic_report_re_renders_a_chaos_run_with_its_verdict(tmp_path):
+    _, report, _ = chaos(tmp_path, "kill:slice=3@step=2", "elastic_spares=1", steps=6)
+    run_dir = pathlib.Path(tmp_path) / "faulted"
+    (run_dir / "report.json").unlink()
+    proc, _ = run_cli(["report", str(run_dir)], tmp_path)
+    again = json.loads((run_dir / "report.json").read_text())
+    assert again == report and again["verdict"] == "pass"
+    assert "PASS" in proc.stdout
