@@ -87,6 +87,9 @@ class Config:
     elastic_straggler_patience: int = _key(3, ge=1)  # consecutive slow steps before a straggler is reported
     elastic_replace_stragglers: bool = _key(False)  # move a reported straggler's slice onto a spare
     elastic_chaos: bool = _key(False)  # workers accept fault injection from the chaos harness
+    elastic_tls_cert_file: str = _key("")  # PEM certificate: mutual TLS on every link when set
+    elastic_tls_key_file: str = _key("")  # its private key
+    elastic_tls_ca_file: str = _key("")  # CA that signed every process's certificate
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -261,6 +264,14 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
             f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
             "every slice needs at least one microbatch per step"
         )
+    tls = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if values[k]]
+    if tls and len(tls) != 3:
+        missing = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if k not in tls]
+        raise ConfigError(f"config key {at(tls[0])} needs {', '.join(repr(k) for k in missing)} too: "
+                          "TLS takes a certificate, its key and a CA file")
+    for key in tls:
+        if not pathlib.Path(values[key]).is_file():
+            raise ConfigError(f"config key {at(key)}: no such file")
     if values["elastic_min_slice_count"] > slices:
         raise ConfigError(
             f"config keys {at('elastic_min_slice_count')} and {at('dcn_data_parallelism')} contradict: "

@@ -23,6 +23,7 @@ from elastic.report import build_report, write_report
 from elastic.report_html import write_html
 from runtime import ElasticError, ProgramExportError, ProgramSet
 from runtime.controller import Controller, ControllerOptions, peak_rss_bytes
+from runtime.auth import TlsFiles
 from runtime.events import EventLog, read_events
 from runtime.reference import run_reference
 
@@ -98,7 +99,7 @@ class _Job:
                                          straggler_factor=cfg.elastic_straggler_factor,
                                          straggler_patience=cfg.elastic_straggler_patience,
                                          replace_stragglers=cfg.elastic_replace_stragglers,
-                                         chaos=cfg.elastic_chaos)
+                                         chaos=cfg.elastic_chaos, tls=_tls(cfg))
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     if observer is not None:
                         ctl.observer = observer
@@ -206,6 +207,13 @@ class WrappedStep(_Job):
 def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:
     """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``."""
     return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key)
+
+
+def _tls(cfg: Config) -> TlsFiles | None:
+    if not cfg.elastic_tls_cert_file:
+        return None
+    files = (cfg.elastic_tls_cert_file, cfg.elastic_tls_key_file, cfg.elastic_tls_ca_file)
+    return TlsFiles(*(str(pathlib.Path(f).resolve()) for f in files))   # workers run elsewhere (cwd)
 
 
 def _spec(data) -> dict:

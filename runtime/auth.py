@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hmac
 import logging
 import os
@@ -29,7 +30,7 @@ import grpc
 
 __all__ = [
     "METADATA_KEY", "new_secret", "SecretServerInterceptor",
-    "secure_channel", "server_credentials", "channel_credentials", "handler_like",
+    "secure_channel", "server_credentials", "channel_credentials", "handler_like", "TlsFiles",
 ]
 
 METADATA_KEY = "x-elastic-run-secret"
@@ -146,6 +147,31 @@ def secure_channel(channel: grpc.Channel, secret: str) -> grpc.Channel:
     if not secret:
         raise ValueError("run secret must be a non-empty string")
     return grpc.intercept_channel(channel, _SecretClientInterceptor(secret))
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for mutual TLS between the controller and the workers.
+
+    Every process serves with ``cert_file``/``key_file`` and presents the same
+    pair as a client; peers must present a certificate ``ca_file`` signed (a
+    self-signed certificate may be its own CA). The certificate must name the
+    hosts the processes dial (for local runs: IP 127.0.0.1).
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return server_credentials(self.cert_file, self.key_file, self.ca_file)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return channel_credentials(self.ca_file, self.cert_file, self.key_file)
+
+    def environ(self) -> dict[str, str]:
+        """For a launched worker (paths, not secrets)."""
+        return {"ELASTIC_TLS_CERT": self.cert_file, "ELASTIC_TLS_KEY": self.key_file, "ELASTIC_TLS_CA": self.ca_file}
 
 
 def _read(path, what: str) -> bytes:

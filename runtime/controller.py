@@ -87,6 +87,7 @@ class ControllerOptions:
     straggler_patience: int = 3
     replace_stragglers: bool = False
     chaos: bool = False                    # workers serve fault-injection calls
+    tls: auth.TlsFiles | None = None       # mutual TLS on every link
 
 
 class ControllerObserver:
@@ -170,11 +171,12 @@ class Controller:
         self.events = events
         self.secret = options.secret or auth.new_secret()
         self.registry = _Registry(self.run_id, events, refuse=self._why_fenced)
-        self.server, port = rpc.make_server(options.host, 0, max_workers=8, secret=self.secret)
+        self.server, port = rpc.make_server(options.host, 0, max_workers=8, secret=self.secret, tls=options.tls)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{options.host}:{port}"
         self.launcher = LocalLauncher(self.run_id, self.address, options.devices_per_slice,
-                                      f"{options.run_dir}/logs", secret=self.secret, chaos=options.chaos)
+                                      f"{options.run_dir}/logs", secret=self.secret, chaos=options.chaos,
+                                      tls=options.tls)
         self.placement: Placement | None = None
         self.stubs: dict[str, pb_grpc.WorkerStub] = {}
         self.channels: dict[str, grpc.Channel] = {}
@@ -221,7 +223,7 @@ class Controller:
     def _channel(self, address: str) -> grpc.Channel:
         ch = self.channels.get(address)
         if ch is None:
-            ch = self.channels[address] = rpc.channel(address, self.secret)
+            ch = self.channels[address] = rpc.channel(address, self.secret, self.opts.tls)
         return ch
 
     def _declare_dead(self, worker_id: str, reason: str, cause: str = "unresponsive") -> None:

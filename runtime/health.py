@@ -1,7 +1,8 @@
 """Health probes: the client's heartbeat lease on every worker.
 
-A :class:`HealthMonitor` thread sends the standard ``grpc.health.v1`` Check
-to each watched worker every ``interval`` seconds. A worker that has not
+A :class:`HealthMonitor` holds a standard ``grpc.health.v1`` Watch stream
+open to each watched worker (a crash ends it at once and triggers a probe
+round) and a thread sends a Check to each every ``interval`` seconds. A worker that has not
 answered for half its ``lease`` is suspect; a suspect is re-probed with a
 bounded retry (tenacity) spread over the rest of the lease and, if it still
 does not answer, declared dead
@@ -22,6 +23,8 @@ import tenacity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 __all__ = ["HealthMonitor", "check", "probe"]
+
+_WATCH_SECONDS = 60.0
 
 
 def probe(stub: health_pb2_grpc.HealthStub, timeout: float) -> bool:
@@ -64,17 +67,48 @@ class HealthMonitor:
         self._dead: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()     # a Watch stream broke: probe now, not at the next tick
+        self._streams: dict[str, grpc.Future] = {}
         self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
 
     def watch(self, worker_id: str, address: str) -> None:
+        stub = health_pb2_grpc.HealthStub(self._channels(address))
         with self._lock:
-            self._stubs[worker_id] = health_pb2_grpc.HealthStub(self._channels(address))
+            self._stubs[worker_id] = stub
             self._last_ok[worker_id] = time.monotonic()
+        threading.Thread(target=self._follow, args=(worker_id, stub), name=f"health-watch-{worker_id}",
+                         daemon=True).start()
 
     def unwatch(self, worker_id: str) -> None:
         with self._lock:
             self._stubs.pop(worker_id, None)
             self._last_ok.pop(worker_id, None)
+            stream = self._streams.pop(worker_id, None)
+        if stream is not None:
+            stream.cancel()
+
+    def _follow(self, worker_id: str, stub) -> None:
+        """Holds a ``grpc.health.v1`` Watch stream open; when it breaks (the process died), probes at once.
+
+        The stream is re-opened every ``_WATCH_SECONDS`` (every call has a
+        deadline) and after it broke, as long as the worker is watched.
+        """
+        while not self._stop.is_set():
+            with self._lock:
+                if self._stubs.get(worker_id) is not stub:
+                    return
+                stream = self._streams[worker_id] = stub.Watch(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=_WATCH_SECONDS)
+            try:
+                for reply in stream:
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        self._wake.set()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._wake.set()
+                    self._stop.wait(self.interval)   # do not spin on a dead address
 
     def is_alive(self, worker_id: str, timeout: float | None = None) -> bool:
         """Probe now with the bounded retry: False if the worker is confirmed dead."""
@@ -89,11 +123,20 @@ class HealthMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             with self._lock:
                 stubs = dict(self._stubs)
             for wid, stub in stubs.items():

@@ -17,9 +17,10 @@ class LocalLauncher:
     """Launches ``python -m runtime.worker`` children with N simulated devices each."""
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
-                 secret: str = "", chaos: bool = False):
+                 secret: str = "", chaos: bool = False, tls=None):
         self.secret = secret
         self.chaos = chaos
+        self.tls = tls
         self.run_id = run_id
         self.controller_address = controller_address
         self.devices_per_worker = devices_per_worker
@@ -34,6 +35,8 @@ class LocalLauncher:
         env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
+        if self.tls is not None:
+            env.update(self.tls.environ())
         # Keep each worker's XLA/Eigen pools from oversubscribing a small host.
         env.setdefault("OMP_NUM_THREADS", "1")
         # Same import path as the client, so data sources pickled by reference

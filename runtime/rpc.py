@@ -46,8 +46,9 @@ _CODES = {
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
-                secret: str = "", interceptors=()) -> tuple[grpc.Server, int]:
-    """A server on ``host:port`` (0: any free port); with ``secret``, every RPC must carry it.
+                secret: str = "", interceptors=(), tls: auth.TlsFiles | None = None) -> tuple[grpc.Server, int]:
+    """A server on ``host:port`` (0: any free port); with ``secret``, every RPC must carry it;
+    with ``tls``, only mutual-TLS connections are accepted.
 
     ``interceptors`` run before the secret check (the chaos partition drops
     calls before anything else sees them).
@@ -58,15 +59,21 @@ def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
             secret, on_refused=lambda method, why: log.warning("refused %s: %s", method, why)))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
                          interceptors=interceptors)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind a gRPC server on {host}:{port}")
     return server, bound
 
 
-def channel(address: str, secret: str = "") -> grpc.Channel:
-    """A channel to ``address`` that attaches the run secret to every call."""
-    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, secret: str = "", tls: auth.TlsFiles | None = None) -> grpc.Channel:
+    """A channel to ``address`` that attaches the run secret to every call (over mutual TLS with ``tls``)."""
+    if tls is not None:
+        ch = grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    else:
+        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return auth.secure_channel(ch, secret) if secret else ch
 
 

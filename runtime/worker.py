@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime import rpc
+from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.collective import ALL_GATHER, REDUCE_SCATTER, Mailbox, assemble_state, chunk_bounds, pieces, state_chunks
@@ -59,7 +59,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     """
 
     def __init__(self, run_id: str, worker_id: str, secret: str = "", step_timeout: float = 300.0,
-                 chaos: bool = False):
+                 chaos: bool = False, tls=None):
         self.run_id = run_id
         self.worker_id = worker_id
         self.secret = secret
@@ -76,6 +76,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._send_pool = futures.ThreadPoolExecutor(max_workers=16)
         self.stopped = threading.Event()
         self.faults = FaultInjector(chaos)
+        self.tls = tls
         self.lease = 0.0                      # seconds without the controller before fencing; 0: off
         self.last_contact = time.monotonic()
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
@@ -297,7 +298,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         stub = self._peers.get(address)
         if stub is None:
-            stub = self._peers[address] = pb_grpc.WorkerStub(rpc.channel(address, self.secret))
+            stub = self._peers[address] = pb_grpc.WorkerStub(rpc.channel(address, self.secret, self.tls))
         return stub
 
     # -- the step ------------------------------------------------------------
@@ -449,15 +450,15 @@ def probe_devices() -> int:
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
           register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "",
-          chaos: bool = False) -> int:
+          chaos: bool = False, tls=None) -> int:
     """Runs a worker until told to shut down, its parent dies, or it fences itself.
 
     Returns the process exit status: 0 after a shutdown, 3 after fencing
     itself (it lost the controller's lease and was refused when it asked to
     come back: the run has moved on without it).
     """
-    service = WorkerService(run_id, worker_id, secret, chaos=chaos)
-    server, bound = rpc.make_server(host, port, secret=secret,
+    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls)
+    server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
                                     interceptors=[PartitionInterceptor(service.faults, service.heard)])
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
@@ -465,7 +466,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     server.start()
     address = f"{host}:{bound}"
-    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret))
+    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
     devices = jax.devices()
 
     def register(rejoin: bool) -> pb.RegisterReply:
@@ -518,6 +519,9 @@ def main(argv=None) -> None:
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
     ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
                     help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
+    for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
+        ap.add_argument(f"--tls-{name}", default=os.environ.get(env, ""),
+                        help=f"PEM {name} file for mutual TLS (default: ${env})")
     ap.add_argument("--secret", default=None,
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
     args = ap.parse_args(argv)
@@ -525,7 +529,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
                         stream=sys.stderr)
     status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
-                   parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret, chaos=args.chaos)
+                   parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret, chaos=args.chaos,
+                   tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
     sys.exit(status)
 
 
