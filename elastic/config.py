@@ -86,6 +86,8 @@ class Config:
     elastic_straggler_factor: float = _key(3.0, gt=1)  # grad phase slower than factor x median of the others
     elastic_straggler_patience: int = _key(3, ge=1)  # consecutive slow steps before a straggler is reported
     elastic_replace_stragglers: bool = _key(False)  # move a reported straggler's slice onto a spare
+    elastic_step_watchdog_factor: float = _key(10.0, gt=1)  # a step this many x the median step time...
+    elastic_step_watchdog_min_seconds: float = _key(10.0, gt=0)  # ...and at least this long: find who holds it up
     elastic_chaos: bool = _key(False)  # workers accept fault injection from the chaos harness
     elastic_tls_cert_file: str = _key("")  # PEM certificate: mutual TLS on every link when set
     elastic_tls_key_file: str = _key("")  # its private key

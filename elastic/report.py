@@ -163,7 +163,7 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
     for f in failures:
         causes = {e.get("cause") for e in events if e["kind"] == "worker_dead" and e["worker"] in f["workers"]}
         if causes:
-            f["kind"] = "hang" if "hang" in causes else "crash"
+            f["kind"] = "hang" if "hang" in causes else "straggler" if "stuck" in causes else "crash"
     for fault in report["faults"]:
         if fault["injected_at"] is None:
             continue

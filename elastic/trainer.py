@@ -99,6 +99,8 @@ class _Job:
                                          straggler_factor=cfg.elastic_straggler_factor,
                                          straggler_patience=cfg.elastic_straggler_patience,
                                          replace_stragglers=cfg.elastic_replace_stragglers,
+                                         watchdog_factor=cfg.elastic_step_watchdog_factor,
+                                         watchdog_min_seconds=cfg.elastic_step_watchdog_min_seconds,
                                          chaos=cfg.elastic_chaos, tls=_tls(cfg))
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     if observer is not None:

@@ -32,7 +32,7 @@ from runtime.launcher import LocalLauncher
 from runtime.programs import ProgramSet
 from runtime.resource_manager import (Placement, StepPlan, WorkerInfo, decide_grow, decide_recovery, decide_swap, place,
                                      plan_step)
-from runtime.stragglers import StragglerDetector, StragglerPolicy
+from runtime.stragglers import StragglerDetector, StragglerPolicy, holding_up
 
 __all__ = ["ControllerOptions", "Controller", "ControllerObserver", "RunResult", "gather", "peak_rss_bytes"]
 
@@ -42,18 +42,26 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def gather(futures: dict[str, grpc.Future]) -> dict[str, object]:
+def gather(futures: dict[str, grpc.Future], watchdog=None) -> dict[str, object]:
     """Waits for every RPC future; raises the typed error of the first to *fail*.
 
     Completion order matters: when one worker fails, its peers typically fail
-    later with a timeout; the first failure is the cause.
+    later with a timeout; the first failure is the cause. ``watchdog``:
+    ``(monotonic deadline, callback(pending worker ids))``, called once if
+    the futures are not all done by then (the wait goes on; every future has
+    its own RPC deadline).
     """
     done: queue.Queue = queue.Queue()
     for w, f in futures.items():
         f.add_done_callback(lambda f, w=w: done.put((w, f)))
     out = {}
     for _ in futures:
-        w, f = done.get()
+        try:
+            w, f = done.get(timeout=max(watchdog[0] - time.monotonic(), 0.0) if watchdog else None)
+        except queue.Empty:
+            watchdog[1]([w for w, f in futures.items() if not f.done()])
+            watchdog = None
+            w, f = done.get()
         try:
             out[w] = f.result()
         except grpc.FutureCancelledError:
@@ -86,6 +94,8 @@ class ControllerOptions:
     straggler_factor: float = 3.0
     straggler_patience: int = 3
     replace_stragglers: bool = False
+    watchdog_factor: float = 10.0          # a step this many times slower than the median...
+    watchdog_min_seconds: float = 10.0     # ...and at least this long triggers the step watchdog
     chaos: bool = False                    # workers serve fault-injection calls
     tls: auth.TlsFiles | None = None       # mutual TLS on every link
 
@@ -189,6 +199,8 @@ class Controller:
         self.relaunched: set[str] = set()         # stragglers to move onto spares at the next boundary
         self.stragglers = StragglerDetector(StragglerPolicy(options.straggler_factor, options.straggler_patience))
         self.observer = ControllerObserver()
+        self.step_seconds: collections.deque = collections.deque(maxlen=20)
+        self.last_commit = time.monotonic()
         self.recoveries = 0
         self.monitor = HealthMonitor(self._channel, self._declare_dead, interval=options.heartbeat_seconds,
                                      lease=options.lease_seconds, retries=options.probe_retries, events=events)
@@ -335,8 +347,13 @@ class Controller:
         return plan, futs, time.time()
 
     def _commit(self, plan: StepPlan, futs, t_dispatch: float, on_step) -> None:
+        watchdog = None
+        if len(self.step_seconds) >= 3:
+            median = sorted(self.step_seconds)[len(self.step_seconds) // 2]
+            limit = max(self.opts.watchdog_factor * median, self.opts.watchdog_min_seconds)
+            watchdog = (self.last_commit + limit, lambda pending: self._step_watchdog(plan, pending, median))
         try:
-            replies = gather(futs)
+            replies = gather(futs, watchdog)
         finally:
             with self._lock:
                 for w, f in futs.items():
@@ -358,12 +375,48 @@ class Controller:
             fields["microbatches"] = {w: [i for n in nodes for i in n.ids] for w, nodes in zip(plan.workers, plan.nodes)}
         if t_dispatch is not None:
             fields["seconds"] = time.time() - t_dispatch
+        now = time.monotonic()
+        if not fields.get("recovered"):
+            self.step_seconds.append(now - self.last_commit)
+        self.last_commit = now
         self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, **fields)
         self.plans.pop(step, None)
         self.losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
         self.observer.step_committed(step)
+
+    def _step_watchdog(self, plan: StepPlan, pending: list[str], median: float) -> None:
+        """A step is far slower than the median: find who holds it up; fence it out or report it.
+
+        Asks every worker of the step where it is (``Progress``). A worker
+        that does not answer, or fails its health probe, is declared dead. A
+        live worker stuck computing while its peers wait is a straggler: with
+        ``replace_stragglers`` and a spare it is declared dead (fenced out and
+        replaced by the normal recovery), else it is reported.
+        """
+        progress, silent = {}, []
+        for w in plan.workers:
+            try:
+                r = self._call(w, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=2.0)
+                progress[w] = (r.step, r.phase, r.seconds)
+            except (WorkerLostError, StaleEpochError, StepAbortedError):
+                silent.append(w)
+        suspects = sorted(set(silent) | set(holding_up(progress, plan.step)))
+        self.events.emit("step_watchdog", step=plan.step, seconds=time.monotonic() - self.last_commit,
+                         median_seconds=median, pending=pending, suspects=suspects,
+                         progress={w: list(p) for w, p in progress.items()})
+        for w in suspects:
+            if w in silent or not self.monitor.is_alive(w):
+                self._declare_dead(w, "no answer to the step watchdog", cause="hang")
+                continue
+            _, phase, seconds = progress[w]
+            spare = any(s not in self.dead for s in self.placement.spares)
+            action = "replaced" if self.opts.replace_stragglers and spare else "reported"
+            self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
+                             action=action)
+            if action == "replaced":
+                self._declare_dead(w, f"stuck in {phase} for {seconds:.1f} s (step watchdog)", cause="stuck")
 
     def _watch_stragglers(self, plan: StepPlan, replies) -> None:
         per_mb = {w: replies[w].grad_seconds / max(sum(len(n.ids) for n in nodes), 1)
@@ -393,6 +446,7 @@ class Controller:
                          microbatches=self.programs.num_microbatches, steps=steps, controller=self.address)
         self.start_workers()
         state_bytes = self.init_state(seed)
+        self.last_commit = time.monotonic()
         self.losses: list[float] = []
         pending: collections.deque = collections.deque()
         next_step = 0
@@ -477,6 +531,7 @@ class Controller:
         moved = sum(self._transfer(holders[0], w, target) for w in self.placement.active if w not in holders)
         self._check_replicas(target)
         self.replicas = set(self.placement.active)
+        self.last_commit = time.monotonic()   # the watchdog times the next step from here
         self.events.emit("recovered", path=decision.action, epoch=self.placement.epoch, resume_step=target,
                          dead=dead, bytes_moved=moved, seconds=time.time() - t_detect)
         return target
@@ -644,6 +699,7 @@ class Controller:
         moved = sum(self._transfer(source, w, committed) for w in promoted)
         self._check_replicas(committed)
         self.replicas = set(placement.active)
+        self.last_commit = time.monotonic()
         self.events.emit(kind, epoch=placement.epoch, promoted=promoted, active=list(placement.active),
                          bytes_moved=moved, step=committed, **fields)
 

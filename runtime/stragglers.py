@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-__all__ = ["StragglerPolicy", "StragglerDetector"]
+__all__ = ["StragglerPolicy", "StragglerDetector", "holding_up"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,3 +42,15 @@ class StragglerDetector:
         for w in [k for k in self._streak if k not in seconds]:
             del self._streak[w]
         return flagged
+
+
+def holding_up(progress: dict[str, tuple[int, str, float]], step: int) -> list[str]:
+    """The workers holding up ``step``, from each worker's ``(step, phase, seconds in phase)``.
+
+    A worker holds the step up when it is behind (still on an earlier step)
+    or computing (``grad`` or ``apply``) while some peer is already done with
+    its part (waiting in ``reduce``, or finished). When every worker is in
+    the same state, no one is singled out: the step is slow, not a worker.
+    """
+    behind = {w for w, (s, phase, _) in progress.items() if s < step or (s == step and phase in ("grad", "apply"))}
+    return sorted(behind) if behind and len(behind) < len(progress) else []

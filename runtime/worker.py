@@ -81,6 +81,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.last_contact = time.monotonic()
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
         self._outgoing: set[grpc.Future] = set()   # pushes in flight, cancelled by an abort
+        self.progress = (-1, "idle", time.monotonic())
 
     # -- fencing -------------------------------------------------------------
 
@@ -155,6 +156,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.last_contact = time.monotonic()
             return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
         return self._guard(context, load)
+
+    def Progress(self, request, context):
+        def progress():
+            self.check_fence(request.fence)
+            step, phase, since = self.progress
+            return pb.ProgressReply(step=step, phase=phase, seconds=time.monotonic() - since)
+        return self._guard(context, progress)
 
     def Chaos(self, request, context):
         def arm():
@@ -324,17 +332,29 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self._running = False
                 self._cond.notify_all()
 
+    def _phase(self, step: int, phase: str) -> None:
+        self.progress = (step, phase, time.monotonic())   # one tuple: read without a lock
+
     def _run_step(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
+        try:
+            return self._run_phases(req, epoch, deadline)
+        finally:
+            self._phase(req.step, "idle")
+
+    def _run_phases(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
         ex = self.executor
         t0 = time.perf_counter()
+        self._phase(req.step, "grad")
         mine = ex.partials(req.step, [_node(n) for n in req.nodes])
         self.faults.straggle(time.perf_counter() - t0)
         self.faults.in_phase("grad")
         # The loss rides along as one more element, reduced in the same tree order.
         vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
         t1 = time.perf_counter()
+        self._phase(req.step, "reduce")
         total, sent = self._all_reduce(req, vecs, epoch, deadline)
         t2 = time.perf_counter()
+        self._phase(req.step, "apply")
         with self._cond:
             if self.epoch != epoch:
                 raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")

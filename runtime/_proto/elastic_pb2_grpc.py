@@ -161,6 +161,11 @@ class WorkerStub:
                 request_serializer=elastic__pb2.ChaosRequest.SerializeToString,
                 response_deserializer=elastic__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Progress = channel.unary_unary(
+                '/jax_elastic.Worker/Progress',
+                request_serializer=elastic__pb2.ProgressRequest.SerializeToString,
+                response_deserializer=elastic__pb2.ProgressReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -234,6 +239,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Progress(self, request, context):
+        """controller -> worker: where the running step is (for the step watchdog)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +303,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Chaos,
                     request_deserializer=elastic__pb2.ChaosRequest.FromString,
                     response_serializer=elastic__pb2.Empty.SerializeToString,
+            ),
+            'Progress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Progress,
+                    request_deserializer=elastic__pb2.ProgressRequest.FromString,
+                    response_serializer=elastic__pb2.ProgressReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -590,6 +607,33 @@ class Worker:
             '/jax_elastic.Worker/Chaos',
             elastic__pb2.ChaosRequest.SerializeToString,
             elastic__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Progress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Progress',
+            elastic__pb2.ProgressRequest.SerializeToString,
+            elastic__pb2.ProgressReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -188,3 +188,16 @@ def test_elastic_report_re_renders_a_chaos_run_with_its_verdict(tmp_path):
     again = json.loads((run_dir / "report.json").read_text())
     assert again == report and again["verdict"] == "pass"
     assert "PASS" in proc.stdout
+
+
+def test_the_step_watchdog_finds_the_worker_holding_a_step_up_and_replaces_it(tmp_path):
+    # w1's grad phase becomes ~2000x slower: the step stalls; the watchdog asks every worker where it is.
+    _, report, events = chaos(tmp_path, "straggle(factor=2000,for=120s):slice=1@step=4", "elastic_spares=1",
+                              "elastic_replace_stragglers=true", "elastic_step_watchdog_factor=5",
+                              "elastic_step_watchdog_min_seconds=1")
+    passed(report)
+    fired = [e for e in kinds(events, "step_watchdog") if e["suspects"]]
+    assert fired and fired[0]["suspects"] == ["w1"] and fired[0]["progress"]["w1"][1] == "grad"
+    assert [s["action"] for s in report["stragglers"] if s["worker"] == "w1"] == ["replaced"]
+    [failure] = report["failures"]
+    assert failure["workers"] == ["w1"] and failure["path"] == "replace" and failure["kind"] == "straggler"
