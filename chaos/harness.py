@@ -23,8 +23,7 @@ from chaos.schedule import random_faults
 from chaos.spec import Fault, validate
 from chaos.verdict import judge
 from elastic.config import Config
-from elastic.report import build_report, write_report
-from elastic.report_html import write_html
+from elastic.report import build_report, render_run
 from runtime import ElasticError
 from runtime.events import EventLog, read_events
 
@@ -104,8 +103,4 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
         log.emit("verdict", **verdict)
     finally:
         log.close()
-    events = read_events(run_dir / "events.jsonl")
-    report = build_report(events)
-    write_report(run_dir, report)
-    write_html(run_dir, report, events)
-    return report, run_dir
+    return render_run(run_dir), run_dir

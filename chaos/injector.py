@@ -102,7 +102,8 @@ class FaultInjector(ControllerObserver):
         try:
             workers = resolve_target(fault.target, placement.active, spares, self.rng, source=source, dest=dest)
         except TargetError as e:
-            ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), reason=str(e), step=self.committed)
+            ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), fault_kind=fault.kind, reason=str(e),
+                            step=self.committed)
             return
         errors = {}
         for w in workers:

@@ -140,9 +140,7 @@ def _cmd_chaos(args) -> int:
 def _cmd_report(args) -> int:
     import pathlib
 
-    from elastic.report import build_report, write_report
-    from elastic.report_html import write_html
-    from runtime.events import read_events
+    from elastic.report import render_run
 
     run_dir = pathlib.Path(args.run_dir)
     path = run_dir / "events.jsonl"
@@ -150,13 +148,10 @@ def _cmd_report(args) -> int:
         print(f"elastic: error: {path} not found (is {run_dir} a run directory?)", file=sys.stderr)
         return 2
     try:
-        events = read_events(path)
-        report = build_report(events)
+        report = render_run(run_dir)
     except (ValueError, KeyError, TypeError) as e:
         print(f"elastic: error: {path} is not a valid event log: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    write_report(run_dir, report)
-    write_html(run_dir, report, events)
     _finish(report, run_dir, args.quiet)
     return 0
 

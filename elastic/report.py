@@ -12,9 +12,10 @@ import os
 import pathlib
 
 from elastic.goodput import goodput
+from elastic.report_html import write_html
 from runtime.events import read_events
 
-__all__ = ["build_report", "write_report", "REPORT_VERSION"]
+__all__ = ["build_report", "write_report", "render_run", "REPORT_VERSION"]
 
 REPORT_VERSION = 1
 
@@ -114,16 +115,13 @@ def build_report(events_or_path) -> dict:
             report["slices_at_end"] = len(e["active"])
         elif kind == "straggler":
             report["stragglers"].append({k: e[k] for k in ("worker", "step", "seconds", "median_seconds", "action")})
-        elif kind == "fault_injected":
+        elif kind in ("fault_injected", "fault_skipped"):
+            injected = kind == "fault_injected"
             report["faults"].append({"index": e["index"], "spec": e["fault"], "kind": e["fault_kind"],
-                                     "workers": e["workers"], "injected_at": e["t"] - t_first, "step": e["step"],
+                                     "workers": e["workers"] if injected else [],
+                                     "injected_at": e["t"] - t_first if injected else None, "step": e["step"],
                                      "detected_after_s": None, "recovered_after_s": None, "path": None,
-                                     "bytes_moved": 0, "skipped": None})
-        elif kind == "fault_skipped":
-            report["faults"].append({"index": e["index"], "spec": e["fault"], "kind": e["fault"].split("@")[0]
-                                     .split(":")[0].split("(")[0], "workers": [], "injected_at": None,
-                                     "step": e["step"], "detected_after_s": None, "recovered_after_s": None,
-                                     "path": None, "bytes_moved": 0, "skipped": e["reason"]})
+                                     "bytes_moved": 0, "skipped": None if injected else e["reason"]})
         elif kind == "chaos_started":
             report["chaos"] = {k: e[k] for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}
         elif kind == "run_truncated":
@@ -188,6 +186,19 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
             f["kind"] = _FAILURE_KINDS.get(fault["kind"], f["kind"])
             f["detected_after_s"] = fault["detected_after_s"]
             break
+
+
+def render_run(run_dir) -> dict:
+    """Folds ``run_dir/events.jsonl`` into ``report.json`` and ``report.html``; returns the report.
+
+    Every writer of a run's reports goes through here (the trainer at the end
+    of a run, the chaos harness after its verdict, ``elastic report``).
+    """
+    events = read_events(pathlib.Path(run_dir) / "events.jsonl")
+    report = build_report(events)
+    write_report(run_dir, report)
+    write_html(run_dir, report, events)
+    return report
 
 
 def write_report(run_dir, report: dict) -> pathlib.Path:

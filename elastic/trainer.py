@@ -19,12 +19,11 @@ import optax
 
 from elastic import _programs, marker
 from elastic.config import Config
-from elastic.report import build_report, write_report
-from elastic.report_html import write_html
+from elastic.report import render_run
 from runtime import ElasticError, ProgramExportError, ProgramSet
 from runtime.controller import Controller, ControllerOptions, peak_rss_bytes
 from runtime.auth import TlsFiles
-from runtime.events import EventLog, read_events
+from runtime.events import EventLog
 from runtime.reference import run_reference
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
@@ -111,15 +110,7 @@ class _Job:
             raise
         finally:
             events.close()
-            self._write(run_dir)
-        return build_report(run_dir / "events.jsonl")
-
-    @staticmethod
-    def _write(run_dir: pathlib.Path) -> dict:
-        events = read_events(run_dir / "events.jsonl")
-        report = build_report(events)
-        write_report(run_dir, report)
-        write_html(run_dir, report, events)
+            report = render_run(run_dir)
         return report
 
     def _fit_reference(self, programs, events, on_step):

@@ -252,6 +252,13 @@ class Controller:
         for f in futs:
             f.cancel()
 
+    def _dead_members(self) -> list[str]:
+        """Members of the current placement (active or spare) declared dead, sorted."""
+        return sorted(w for w in self.placement.active + self.placement.spares if w in self.dead)
+
+    def _live_spare(self) -> bool:
+        return any(s not in self.dead for s in self.placement.spares)
+
     def _why_fenced(self, worker_id: str) -> str:
         if worker_id in self.dead:
             return (f"worker {worker_id} was declared dead ({self.dead[worker_id]}) and is fenced; the run is at "
@@ -411,8 +418,7 @@ class Controller:
                 self._declare_dead(w, "no answer to the step watchdog", cause="hang")
                 continue
             _, phase, seconds = progress[w]
-            spare = any(s not in self.dead for s in self.placement.spares)
-            action = "replaced" if self.opts.replace_stragglers and spare else "reported"
+            action = "replaced" if self.opts.replace_stragglers and self._live_spare() else "reported"
             self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
                              action=action)
             if action == "replaced":
@@ -422,7 +428,7 @@ class Controller:
         per_mb = {w: replies[w].grad_seconds / max(sum(len(n.ids) for n in nodes), 1)
                   for w, nodes in zip(plan.workers, plan.nodes)}
         for w, seconds, median in self.stragglers.observe(per_mb):
-            replace = (self.opts.replace_stragglers and any(s not in self.dead for s in self.placement.spares)
+            replace = (self.opts.replace_stragglers and self._live_spare()
                        and w not in self.swap_pending)
             self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
                              action="replaced" if replace else "reported")
@@ -521,23 +527,20 @@ class Controller:
             decision = self._wait_for_capacity(decision)
         if decision.action == "fail":
             raise ElasticTrainingFailedError("cannot recover", step=len(self.losses), cause=decision.reason)
-        dead = sorted(w for w in self.placement.active + self.placement.spares if w in self.dead)
+        dead = self._dead_members()
         self.placement = decision.placement
         for w in dead:
             self.monitor.unwatch(w)
             self._relaunch(w)
         holders = [w for w in self.placement.active if w in self.replicas]
         target = self._realign(holders, on_step)
-        moved = sum(self._transfer(holders[0], w, target) for w in self.placement.active if w not in holders)
-        self._check_replicas(target)
-        self.replicas = set(self.placement.active)
-        self.last_commit = time.monotonic()   # the watchdog times the next step from here
+        moved = self._copy_to_newcomers(holders[0], target)
         self.events.emit("recovered", path=decision.action, epoch=self.placement.epoch, resume_step=target,
                          dead=dead, bytes_moved=moved, seconds=time.time() - t_detect)
         return target
 
     def _decide(self, may_wait: bool | None = None):
-        dead = frozenset(w for w in self.placement.active + self.placement.spares if w in self.dead)
+        dead = frozenset(self._dead_members())
         placement = self.placement
         if may_wait is None:
             may_wait = self.opts.capacity_timeout_seconds > 0
@@ -564,7 +567,7 @@ class Controller:
         """Below ``min_slices``: wait up to ``capacity_timeout_seconds`` for workers to join, warm them as spares."""
         t0 = time.time()
         deadline = time.monotonic() + self.opts.capacity_timeout_seconds
-        for w in sorted(w for w in self.placement.active + self.placement.spares if w in self.dead):
+        for w in self._dead_members():
             self._relaunch(w)
         self.events.emit("capacity_wait", needed=self.opts.min_slices, timeout_seconds=self.opts.capacity_timeout_seconds)
         found: list[str] = []
@@ -624,6 +627,17 @@ class Controller:
         self.events.emit("state_transferred", source=source, dest=dest, step=applied, bytes=reply.bytes,
                          seconds=time.time() - t0, sha256=reply.sha256)
         return reply.bytes
+
+    def _copy_to_newcomers(self, source: str, step: int) -> int:
+        """Copies replica ``source``'s state to every active member that holds none; checks every hash.
+
+        Afterwards every active member is a replica. Returns the bytes moved.
+        """
+        moved = sum(self._transfer(source, w, step) for w in self.placement.active if w not in self.replicas)
+        self._check_replicas(step)
+        self.replicas = set(self.placement.active)
+        self.last_commit = time.monotonic()   # the watchdog times the next step from here
+        return moved
 
     def _check_replicas(self, applied: int) -> None:
         replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()))
@@ -696,10 +710,7 @@ class Controller:
         source = next(w for w in self.placement.active if w in self.replicas and w in placement.active)
         self.placement = placement
         self._abort_members()
-        moved = sum(self._transfer(source, w, committed) for w in promoted)
-        self._check_replicas(committed)
-        self.replicas = set(placement.active)
-        self.last_commit = time.monotonic()
+        moved = self._copy_to_newcomers(source, committed)
         self.events.emit(kind, epoch=placement.epoch, promoted=promoted, active=list(placement.active),
                          bytes_moved=moved, step=committed, **fields)
 

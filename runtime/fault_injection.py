@@ -35,6 +35,9 @@ class FaultInjector:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._lock = threading.Lock()
+        self._disarm()
+
+    def _disarm(self) -> None:
         self._straggle_until = 0.0
         self._factor = 1.0
         self._partition_until = 0.0
@@ -70,7 +73,7 @@ class FaultInjector:
             elif action == "kill_in_phase":
                 self._kill_in_phase = phase
             else:
-                self.__init__(self.enabled)
+                self._disarm()
 
     # -- checks on the worker's paths ----------------------------------------
 

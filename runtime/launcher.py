@@ -62,10 +62,6 @@ class LocalLauncher:
         p = self.procs.get(worker_id)
         return p is not None and p.poll() is None
 
-    def pid(self, worker_id: str) -> int | None:
-        p = self.procs.get(worker_id)
-        return p.pid if p is not None else None
-
     def stop_all(self, timeout: float = 10.0) -> None:
         """Terminates every child, then kills what is left after ``timeout``."""
         for p in self.procs.values():

@@ -246,10 +246,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 applied = self.executor.steps_applied
         except Exception as e:  # noqa: BLE001
             rpc.abort_with(context, e)
-        for i, chunk in enumerate(state_chunks(leaves, applied, self.chunk_bytes)):
-            if i == 1:
-                self.faults.sending_state()   # chaos: die mid-transfer, after the first chunk
-            yield chunk
+        yield from _mid_stream(state_chunks(leaves, applied, self.chunk_bytes), self.faults.sending_state)
 
     def PullState(self, request, context):
         def pull():
@@ -260,7 +257,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
                 timeout=self.step_timeout)
             try:
-                leaves, applied = assemble_state(self._receiving(stream))
+                leaves, applied = assemble_state(_mid_stream(stream, self.faults.receiving_state))
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                            f"{e.code().name}") from e
@@ -285,12 +282,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._guard(context, lambda: self._step(request))
 
     # -- helpers -------------------------------------------------------------
-
-    def _receiving(self, stream):
-        for i, chunk in enumerate(stream):
-            if i == 1:
-                self.faults.receiving_state()   # chaos: die mid-transfer, after the first chunk
-            yield chunk
 
     def _need_executor(self):
         if self.executor is None:
@@ -449,6 +440,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         for f in sends:
             f.result()
         return out, sent
+
+
+def _mid_stream(chunks, hook):
+    """Passes ``chunks`` through, calling ``hook()`` after the first (chaos: a fault mid-transfer)."""
+    for i, chunk in enumerate(chunks):
+        if i == 1:
+            hook()
+        yield chunk
 
 
 def _corrupt_first(messages):
