@@ -23,8 +23,7 @@ import grpc
 
 from chaos.schedule import TargetError, resolve_target
 from chaos.spec import Fault
-from runtime._proto import elastic_pb2 as pb
-from runtime.controller import ControllerObserver
+from runtime import ControllerObserver, ElasticError
 
 __all__ = ["FaultInjector"]
 
@@ -98,7 +97,7 @@ class FaultInjector(ControllerObserver):
     def _inject(self, index: int, fault: Fault, source: str | None, dest: str | None) -> None:
         ctl = self.ctl
         placement = ctl.placement
-        spares = tuple(s for s in placement.spares if s not in ctl.dead)
+        spares = ctl.live_spares()
         try:
             workers = resolve_target(fault.target, placement.active, spares, self.rng, source=source, dest=dest)
         except TargetError as e:
@@ -109,7 +108,7 @@ class FaultInjector(ControllerObserver):
         for w in workers:
             try:
                 self._hit(fault, w)
-            except (OSError, grpc.RpcError, KeyError) as e:
+            except (OSError, ElasticError, KeyError) as e:
                 errors[w] = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"
         ctl.events.emit("fault_injected", index=index, fault=fault.spec(), fault_kind=fault.kind,
                         workers=list(workers), step=self.committed, errors=errors,
@@ -142,11 +141,10 @@ class FaultInjector(ControllerObserver):
             raise KeyError(f"the injector cannot do {kind!r}")
 
     def _pid(self, worker: str) -> int:
-        return self.ctl.registry.workers[worker].pid
+        return self.ctl.pid(worker)
 
     def _chaos(self, worker: str, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "") -> None:
-        self.ctl.stubs[worker].Chaos(pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
-                                                     phase=phase), timeout=5.0)
+        self.ctl.inject_fault(worker, action, factor=factor, seconds=seconds, phase=phase)
 
 
 def _resume(pid: int) -> None:

@@ -1,8 +1,11 @@
 """jax-elastic runtime: controller, workers, scheduling and recovery.
 
-Imports none of ``elastic``, ``integrations`` or ``chaos``.
+Imports none of ``elastic``, ``integrations`` or ``chaos``; those packages use
+the runtime only through the names exported here.
 """
 
+from runtime.auth import TlsFiles
+from runtime.controller import Controller, ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
 from runtime.errors import (
     ElasticError,
     ElasticTrainingFailedError,
@@ -14,23 +17,51 @@ from runtime.errors import (
     WorkerError,
     WorkerLostError,
 )
+from runtime.events import EventLog, read_events
+from runtime.fault_injection import ACTIONS as FAULT_ACTIONS
 from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
 from runtime.programs import MESH_AXIS, ProgramSet
 
+
+def run_reference(*args, **kwargs):
+    """The same math in one process (ground truth); see :func:`runtime.reference.run_reference`. Imports JAX."""
+    from runtime.reference import run_reference as run
+
+    return run(*args, **kwargs)
+
+
+def worker_main(argv=None) -> None:
+    """The worker process's entry point (``elastic worker``); imports JAX, so set ``XLA_FLAGS`` first."""
+    from runtime.worker import main
+
+    main(argv)
+
+
 __all__ = [
+    "Controller",
+    "ControllerObserver",
+    "ControllerOptions",
     "ElasticError",
     "ElasticTrainingFailedError",
+    "EventLog",
+    "FAULT_ACTIONS",
     "MESH_AXIS",
     "Node",
     "ProgramExportError",
     "ProgramSet",
     "ProtocolError",
     "RegistrationTimeoutError",
+    "RunResult",
     "StaleEpochError",
     "StepAbortedError",
+    "TlsFiles",
     "WorkerError",
     "WorkerLostError",
     "assign_microbatches",
+    "peak_rss_bytes",
+    "read_events",
+    "run_reference",
     "tree_reduce",
     "tree_sum",
+    "worker_main",
 ]

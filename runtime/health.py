@@ -22,6 +22,8 @@ import grpc
 import tenacity
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime.policy import cause_of, is_suspect, reprobe_wait
+
 __all__ = ["HealthMonitor", "check", "probe"]
 
 _WATCH_SECONDS = 60.0
@@ -150,21 +152,19 @@ class HealthMonitor:
                             self._last_ok[wid] = now
                     continue
                 with self._lock:
-                    silent = now - self._last_ok.get(wid, now)
-                # Silent for half the lease: suspect, and the re-probes fill the
-                # other half, so a hung worker is declared dead about when its
-                # lease ends. A refused connection (crash) is suspect at once.
-                if silent < self.lease / 2 and failure == "silent":
+                    last_ok = self._last_ok.get(wid, now)
+                silent = now - last_ok
+                if not is_suspect(now, last_ok, self.lease, failure):
                     continue
                 if self.events is not None:
                     self.events.emit("worker_suspect", worker=wid, silent_seconds=silent)
-                spread = max(self.lease / 2 - (self.retries + 1) * self.interval, 0.0) / max(self.retries, 1)
+                spread = reprobe_wait(self.lease, self.retries, self.interval)
                 if confirm_dead(stub, self.interval, self.retries, wait=spread):
                     with self._lock:
                         if wid in self._dead:
                             continue
                         self._dead.add(wid)
                         self._stubs.pop(wid, None)
-                    cause = {"refused": "crash", "silent": "hang", "not_serving": "fenced"}[failure]
+                    cause = cause_of(failure)
                     self.on_dead(wid, f"no health answer for {silent:.2f} s and {self.retries} re-probes "
                                       f"({failure})", cause)

@@ -1,0 +1,122 @@
+"""Recovery after a failed step, up to the point where the survivors agree.
+
+Called by the controller in its ``recovering`` phase. One attempt:
+
+1. abandon the steps in flight and probe every member in parallel (a worker
+   that does not answer is declared dead);
+2. ask :func:`runtime.policy.decide_recovery` (replace, shrink, retry,
+   wait for capacity, or fail);
+3. fence every member of the new placement into the new epoch (``Abort``)
+   and reconcile the survivors with :func:`runtime.policy.plan_realign`,
+   rolling back those one step ahead.
+
+:meth:`Recovery.decide` answers the decision (the controller adopts its
+placement at once); :meth:`Recovery.realign` answers a
+:class:`~runtime.policy.RealignPlan`: the step to resume at and the steps to
+commit from the survivors' recorded losses. It records no step and notifies
+no observer; the controller does both, then copies the state to the
+newcomers. A failure inside an attempt propagates as its typed error
+(the controller starts another attempt); giving up raises
+``ElasticTrainingFailedError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from runtime.errors import ElasticTrainingFailedError
+from runtime.policy import Action, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, decide_recovery, \
+    plan_realign
+
+__all__ = ["Recovery"]
+
+
+class Recovery:
+    """Carries out a recovery attempt through a worker group, in two calls (see the module docstring).
+
+    The controller calls :meth:`decide`, adopts the placement it answers
+    (so a retry after a failed attempt starts from it, in a newer epoch),
+    then calls :meth:`realign`. ``opts``: the run's ``ControllerOptions``
+    (``min_slices``, ``max_retries``, ``capacity_timeout_seconds``).
+    """
+
+    def __init__(self, group, opts, events):
+        self.group, self.opts, self.events = group, opts, events
+
+    def decide(self, err: Exception, placement: Placement, replicas: frozenset[str], committed: int,
+               recoveries: int) -> tuple[RecoveryDecision, float]:
+        """Abandons the steps in flight, probes every member, asks the policy; returns ``(decision, wall start)``.
+
+        Waits for capacity when the policy says so; raises
+        ``ElasticTrainingFailedError`` when it says fail.
+        """
+        started = time.time()
+        group = self.group
+        group.cancel_inflight()
+        self.events.emit("failure_detected", error=type(err).__name__, detail=str(err)[:500],
+                         worker=getattr(err, "worker_id", None), committed=committed)
+        members = [w for w in placement.members if w not in group.dead]
+        for w, alive in group.probe(members).items():
+            if not alive:
+                group.declare_dead(w, f"no answer after {type(err).__name__}")
+        decision = self._decide(placement, replicas, recoveries, may_wait=self.opts.capacity_timeout_seconds > 0)
+        if decision.action is Action.WAIT:
+            decision = self._wait_for_capacity(decision, replicas, recoveries)
+        if decision.action is Action.FAIL:
+            raise ElasticTrainingFailedError("cannot recover", step=committed, cause=decision.reason)
+        return decision, started
+
+    def realign(self, old: Placement, new: Placement, replicas: frozenset[str], committed: int) -> RealignPlan:
+        """Relaunches the dead, fences every member of ``new`` into its epoch, rolls back survivors one step ahead.
+
+        Returns the plan: the step to resume at and the steps to commit from
+        the survivors' recorded losses (the caller records them).
+        """
+        group = self.group
+        for w in old.members:
+            if w in group.dead:
+                group.forget(w)
+                group.relaunch(w)
+        survivors = [w for w in new.active if w in replicas]
+        statuses = group.abort(new.members)
+        plan = plan_realign({w: statuses[w].applied_steps for w in survivors},
+                            {w: statuses[w].losses for w in survivors}, committed)
+        if plan.error:
+            raise ElasticTrainingFailedError("cannot realign the survivors", step=committed, cause=plan.error)
+        for w in plan.rollbacks:
+            group.rollback(w, plan.target)
+            self.events.emit("rolled_back", worker=w, to_step=plan.target)
+        return plan
+
+    def _decide(self, placement: Placement, replicas, recoveries: int, may_wait: bool) -> RecoveryDecision:
+        dead = sorted(w for w in placement.members if w in self.group.dead)
+        decision = decide_recovery(placement, dead, replicas, min_slices=self.opts.min_slices,
+                                   recoveries=recoveries, max_retries=self.opts.max_retries, may_wait=may_wait)
+        self.events.emit("recovery_decision", action=decision.action.value, reason=decision.reason, dead=dead,
+                         epoch=decision.placement.epoch, active=list(decision.placement.active),
+                         spares=list(decision.placement.spares))
+        return decision
+
+    def _wait_for_capacity(self, decision: RecoveryDecision, replicas, recoveries: int) -> RecoveryDecision:
+        """Below ``min_slices``: waits up to ``capacity_timeout_seconds`` for workers to join and warm as spares."""
+        group, timeout = self.group, self.opts.capacity_timeout_seconds
+        t0, deadline = time.time(), time.monotonic() + timeout
+        for w in decision.placement.members:
+            if w in group.dead:
+                group.relaunch(w)
+        self.events.emit("capacity_wait", needed=self.opts.min_slices, timeout_seconds=timeout)
+        found: list[str] = []
+        while decision.action is Action.WAIT:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.events.emit("capacity_wait_ended", seconds=time.time() - t0, found=found)
+                return capacity_timed_out(decision, timeout)
+            group.wait_for_newcomer(min(left, 0.5))
+            warmed = group.warm_newcomers(block_until=deadline)
+            found += warmed
+            placement = decision.placement
+            spares = tuple(s for s in placement.spares if s not in group.dead) + tuple(warmed)
+            decision = self._decide(dataclasses.replace(placement, spares=spares), replicas, recoveries, True)
+        self.events.emit("capacity_wait_ended", seconds=time.time() - t0, found=found)
+        return decision

@@ -1,0 +1,465 @@
+"""The worker group: every RPC, stub, channel and launcher call of one run.
+
+The controller decides; the group carries out. It owns the controller's gRPC
+service (worker registration), the launcher, one channel and stub per
+worker, the health monitor, and the futures of the steps in flight. It turns
+gRPC replies into plain values (:class:`StepResult`, :class:`WorkerStatus`)
+and gRPC failures into the typed errors of :mod:`runtime.errors`, so nothing
+above it knows about protocol buffers.
+
+Deaths are values: whoever finds one (the health monitor, a failed probe, the
+step watchdog) calls :meth:`WorkerGroup.declare_dead`, which records it once,
+fails the worker's calls in flight, and puts a :class:`Death` on the queue
+that the controller drains (:meth:`WorkerGroup.drain_deaths`). Nothing here
+calls back into the controller.
+
+A test drives the controller with a fake group offering the same methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from runtime import auth, rpc
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.errors import RegistrationTimeoutError, WorkerLostError
+from runtime.events import EventLog
+from runtime.health import HealthMonitor
+from runtime.launcher import LocalLauncher
+from runtime.policy import StepPlan, WorkerInfo, may_relaunch
+from runtime.programs import ProgramSet
+
+__all__ = ["Death", "LoadResult", "Stalled", "StepResult", "WorkerGroup", "WorkerStatus", "gather"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Death:
+    """A worker declared dead: who, why, and the cause (crash, hang, fenced, stuck, load_failed, unresponsive)."""
+
+    worker: str
+    reason: str
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One worker's reply to one step."""
+
+    loss_sum: float
+    grad_seconds: float = 0.0
+    reduce_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    bytes_sent: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStatus:
+    """Where a replica stands after an abort: steps applied and the loss sums of the last ones."""
+
+    applied_steps: int
+    losses: dict[int, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    compile_seconds: float
+    devices_probed: int
+    probe_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Stalled:
+    """:meth:`WorkerGroup.wait` reached its deadline; ``pending`` workers have not answered yet."""
+
+    pending: tuple[str, ...]
+
+
+def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, object] | Stalled:
+    """Waits for every RPC future; raises the typed error of the first to *fail*.
+
+    Completion order matters: when one worker fails, its peers typically fail
+    later with a timeout; the first failure is the cause. With ``deadline``
+    (monotonic), answers :class:`Stalled` if the futures are not all done by
+    then; waiting again on the same futures picks up where this one left.
+    """
+    done: queue.Queue = queue.Queue()
+    for w, f in futs.items():
+        f.add_done_callback(lambda f, w=w: done.put((w, f)))
+    out = {}
+    for _ in futs:
+        try:
+            w, f = done.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return Stalled(tuple(w for w, f in futs.items() if not f.done()))
+        try:
+            out[w] = f.result()
+        except grpc.FutureCancelledError:
+            raise WorkerLostError(w, "declared dead; its call was cancelled") from None
+        except grpc.RpcError as e:
+            raise rpc.to_error(w, e) from None
+    return out
+
+
+class _Registry(pb_grpc.ControllerServicer):
+    """Receives worker registrations (the controller's gRPC service)."""
+
+    def __init__(self, run_id: str, events: EventLog, refuse):
+        self.run_id = run_id
+        self.events = events
+        self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
+        self.workers: dict[str, WorkerInfo] = {}
+        self.cond = threading.Condition()
+
+    def Register(self, request, context):
+        reason = ""
+        if request.run_id != self.run_id:
+            reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
+        elif request.worker_id in self.workers:
+            reason = self.refuse(request.worker_id) or f"worker id {request.worker_id!r} is already a member"
+        if reason:
+            self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
+            return pb.RegisterReply(accepted=False, reason=reason)
+        info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid)
+        with self.cond:
+            self.workers[info.worker_id] = info
+            self.cond.notify_all()
+        self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
+                         devices=info.num_devices, platform=info.platform, pid=info.pid)
+        return pb.RegisterReply(accepted=True)
+
+
+class WorkerGroup:
+    """The workers of one run, reached over gRPC. Thread-safe where noted; otherwise called by the controller.
+
+    ``opts`` is the run's ``ControllerOptions``. The group fences every call
+    with ``(run_id, epoch)``; the controller moves the epoch with
+    :meth:`fence_at`.
+    """
+
+    def __init__(self, run_id: str, secret: str, programs: ProgramSet, data_source: bytes, opts, events: EventLog):
+        self.run_id, self.secret, self.opts, self.events = run_id, secret, opts, events
+        self.programs, self.data_source = programs, data_source
+        self.epoch = 0
+        self.registry = _Registry(run_id, events, refuse=self._why_fenced)
+        self.server, port = rpc.make_server(opts.host, 0, max_workers=8, secret=secret, tls=opts.tls)
+        pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
+        self.address = f"{opts.host}:{port}"
+        self.launcher = LocalLauncher(run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs",
+                                      secret=secret, chaos=opts.chaos, tls=opts.tls)
+        self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
+                                     lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
+        self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
+        self._deaths: queue.Queue[Death] = queue.Queue()
+        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._inflight: dict[str, list[grpc.Future]] = {}
+        self._warming: dict[str, grpc.Future] = {}
+        self._relaunched: set[str] = set()
+        self._launched = 0
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        self.server.start()
+        self.monitor.start()
+
+    def close(self) -> None:
+        """Sends live workers home, kills declared-dead processes (a hung one may be stopped), stops the server."""
+        self.monitor.stop()
+        for wid in list(self._stubs):
+            if wid not in self.dead:
+                self._shutdown_call(wid)
+        for wid in self.dead:
+            self.launcher.kill(wid)
+        self.launcher.stop_all()
+        self.server.stop(0)
+
+    def fence_at(self, epoch: int) -> None:
+        """Every later call carries ``epoch``: workers refuse calls of older epochs."""
+        self.epoch = epoch
+
+    def _fence(self) -> pb.Fence:
+        return pb.Fence(run_id=self.run_id, epoch=self.epoch)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = rpc.channel(address, self.secret, self.opts.tls)
+        return ch
+
+    # -- membership ----------------------------------------------------------
+
+    def launch(self) -> str:
+        """Starts one worker process; returns its id (it registers by itself)."""
+        wid = f"w{self._launched}"
+        self._launched += 1
+        self.launcher.launch(wid)
+        return wid
+
+    def relaunch(self, dead_worker: str) -> str | None:
+        """Starts a fresh process (a new worker id) in place of a dead one, once per dead worker, within limits."""
+        if dead_worker in self._relaunched:
+            return None
+        self._relaunched.add(dead_worker)
+        o = self.opts
+        if not may_relaunch(o.relaunch, self._launched, o.slices, o.spares, o.max_retries):
+            return None
+        wid = self.launch()
+        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid)
+        return wid
+
+    def wait_for_workers(self, n: int, timeout: float) -> list[WorkerInfo]:
+        """Blocks until ``n`` workers registered; adopts them. ``RegistrationTimeoutError`` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self.registry.cond:
+            while len(self.registry.workers) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegistrationTimeoutError(f"{len(self.registry.workers)} of {n} workers registered within "
+                                                   f"{timeout:.0f} s; see the worker logs")
+                self.registry.cond.wait(left)
+            workers = list(self.registry.workers.values())
+        for w in workers:
+            self._adopt(w)
+        return workers
+
+    def wait_for_newcomer(self, timeout: float) -> None:
+        """Blocks up to ``timeout`` while no registered worker is waiting to be adopted."""
+        with self.registry.cond:
+            if not self.has_newcomers():
+                self.registry.cond.wait(timeout)
+
+    def has_newcomers(self) -> bool:
+        """A worker registered that the group has not adopted yet."""
+        return any(w not in self._stubs for w in list(self.registry.workers))
+
+    def warmed(self) -> bool:
+        """A newcomer finished loading (successfully or not)."""
+        return any(f.done() for f in list(self._warming.values()))
+
+    def _adopt(self, w: WorkerInfo) -> None:
+        self._stubs[w.worker_id] = pb_grpc.WorkerStub(self._channel(w.address))
+        self.monitor.watch(w.worker_id, w.address)
+
+    def _why_fenced(self, worker_id: str) -> str:
+        if worker_id in self.dead:
+            return (f"worker {worker_id} was declared dead ({self.dead[worker_id]}) and is fenced; the run is at "
+                    f"epoch {self.epoch}: a fresh process joins as a new worker")
+        return ""
+
+    def declare_dead(self, worker_id: str, reason: str, cause: str = "unresponsive") -> None:
+        """Thread-safe, idempotent. Records the death, fails the worker's calls in flight, queues a :class:`Death`.
+
+        The process is not killed: on a real cluster a partitioned host cannot
+        be reached either. Fencing keeps it harmless (older epoch; refused on
+        rejoin) and it fences itself when its lease on the controller lapses.
+        """
+        with self._lock:
+            if worker_id in self.dead:
+                return
+            self.dead[worker_id] = reason
+            futs = self._inflight.pop(worker_id, [])
+        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
+        self._deaths.put(Death(worker_id, reason, cause))
+        for f in futs:
+            f.cancel()
+
+    def drain_deaths(self) -> list[Death]:
+        """The deaths declared since the last drain, oldest first (the owner's queue)."""
+        out = []
+        while True:
+            try:
+                out.append(self._deaths.get_nowait())
+            except queue.Empty:
+                return out
+
+    def forget(self, worker_id: str) -> None:
+        """Stops watching a worker that left the placement (dead or sent home)."""
+        self.monitor.unwatch(worker_id)
+
+    def shutdown(self, worker_id: str) -> None:
+        """Sends a worker that left the placement home (best effort; it is fenced either way)."""
+        self.forget(worker_id)
+        self._shutdown_call(worker_id)
+        self.launcher.kill(worker_id)
+
+    def _shutdown_call(self, worker_id: str) -> None:
+        try:
+            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence()), timeout=2.0)
+        except grpc.RpcError:
+            pass
+
+    # -- health --------------------------------------------------------------
+
+    def is_alive(self, worker_id: str) -> bool:
+        """A health probe with the bounded retry; False once the worker is confirmed (or declared) dead."""
+        return self.monitor.is_alive(worker_id)
+
+    def probe(self, workers) -> dict[str, bool]:
+        """Probes ``workers`` in parallel; ``{worker: alive}``."""
+        workers = list(workers)
+        with futures.ThreadPoolExecutor(max_workers=max(len(workers), 1)) as pool:
+            return dict(zip(workers, pool.map(self.is_alive, workers)))
+
+    def progress(self, worker_id: str) -> tuple[int, str, float] | None:
+        """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer."""
+        try:
+            r = self._call(worker_id, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=2.0)
+        except Exception:   # noqa: BLE001 -- any failure means "no answer"; the caller probes it next
+            return None
+        return r.step, r.phase, r.seconds
+
+    # -- calls -----------------------------------------------------------------
+
+    def _call(self, worker_id: str, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self._stubs[worker_id], method)(request, timeout=timeout or self.opts.rpc_timeout_seconds)
+        except grpc.RpcError as e:
+            raise rpc.to_error(worker_id, e) from None
+
+    def _all(self, method: str, make_request, workers) -> dict[str, object]:
+        """Calls ``method`` on ``workers`` concurrently; see :func:`gather`."""
+        return gather({w: getattr(self._stubs[w], method).future(make_request(w), timeout=self.opts.rpc_timeout_seconds)
+                       for w in workers})
+
+    def _load_request(self) -> pb.LoadRequest:
+        progs = [pb.Program(name=k, serialized=v) for k, v in self.programs.programs().items()]
+        return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
+                              layout=self.programs.layout_json(), lease_seconds=self.opts.worker_lease_seconds,
+                              chunk_bytes=self.opts.chunk_bytes)
+
+    def program_bytes(self) -> int:
+        return sum(len(v) for v in self.programs.programs().values())
+
+    def load(self, workers) -> dict[str, LoadResult]:
+        """Ships programs and the data source to ``workers``; each compiles them and probes its devices."""
+        request = self._load_request()
+        replies = self._all("Load", lambda w: request, workers)
+        return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds) for w, r in replies.items()}
+
+    def init(self, workers, seed: int) -> int:
+        """Every worker initializes its replica from ``seed``; returns the state's size in bytes."""
+        replies = self._all("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed), workers)
+        return max(r.state_bytes for r in replies.values())
+
+    def warm_newcomers(self, block_until: float | None = None) -> list[str]:
+        """Adopts newly registered workers and loads programs on them; returns those warmed since the last call.
+
+        A newcomer that fails to load or probe its devices is declared dead.
+        With ``block_until`` (monotonic), waits that long for the loads.
+        """
+        for w in list(self.registry.workers.values()):
+            if w.worker_id not in self._stubs:
+                self._adopt(w)
+                self._warming[w.worker_id] = self._stubs[w.worker_id].Load.future(
+                    self._load_request(), timeout=self.opts.rpc_timeout_seconds)
+        warmed = []
+        for wid, fut in list(self._warming.items()):
+            if block_until is not None:
+                try:
+                    fut.result(timeout=max(block_until - time.monotonic(), 0.001))
+                except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+                    pass
+            if not fut.done():
+                continue
+            del self._warming[wid]
+            try:
+                reply = fut.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                self.events.emit("device_probe", worker=wid, ok=False, devices=0, seconds=0.0,
+                                 error=str(getattr(e, "details", lambda: e)())[:300])
+                self.declare_dead(wid, "failed to load programs or probe its devices", cause="load_failed")
+                continue
+            self.events.emit("device_probe", worker=wid, ok=True, devices=reply.devices_probed,
+                             seconds=reply.probe_seconds)
+            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
+            warmed.append(wid)
+        return warmed
+
+    # -- steps -----------------------------------------------------------------
+
+    def dispatch(self, plan: StepPlan) -> dict[str, grpc.Future]:
+        """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once."""
+        peers = [pb.Peer(rank=r, address=self.registry.workers[w].address) for r, w in enumerate(plan.workers)]
+        all_nodes, owners = [], []
+        for r, nodes in enumerate(plan.nodes):
+            all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
+            owners += [r] * len(nodes)
+        futs = {}
+        with self._lock:
+            for r, w in enumerate(plan.workers):
+                req = pb.StepRequest(fence=self._fence(), step=plan.step, rank=r, peers=peers,
+                                     nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
+                                     all_nodes=all_nodes, node_owner=owners)
+                futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
+                self._inflight.setdefault(w, []).append(futs[w])
+                if w in self.dead:
+                    futs[w].cancel()
+        return futs
+
+    def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
+        """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
+        try:
+            replies = gather(futs, deadline)
+        except Exception:
+            self._settle(futs)
+            raise
+        if isinstance(replies, Stalled):
+            return replies
+        self._settle(futs)
+        return {w: StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent)
+                for w, r in replies.items()}
+
+    def _settle(self, futs: dict[str, grpc.Future]) -> None:
+        with self._lock:
+            for w, f in futs.items():
+                if f in self._inflight.get(w, []):
+                    self._inflight[w].remove(f)
+
+    def cancel_inflight(self) -> None:
+        """Abandons every step in flight (a recovery starts)."""
+        with self._lock:
+            futs = [f for fs in self._inflight.values() for f in fs]
+            self._inflight.clear()
+        for f in futs:
+            f.cancel()
+
+    # -- recovery --------------------------------------------------------------
+
+    def abort(self, workers) -> dict[str, WorkerStatus]:
+        """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
+        replies = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers)
+        return {w: WorkerStatus(r.applied_steps, {l.step: l.loss_sum for l in r.recent}) for w, r in replies.items()}
+
+    def rollback(self, worker_id: str, to_applied_steps: int) -> None:
+        """Undoes a replica's last applied step (it keeps one step of history)."""
+        self._call(worker_id, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=to_applied_steps))
+
+    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
+        reply = self._call(dest, "PullState", pb.PullStateRequest(
+            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied))
+        return reply.bytes, reply.sha256
+
+    def hashes(self, workers) -> dict[str, tuple[int, str]]:
+        """``{worker: (applied steps, sha256 of its state)}``."""
+        replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()), workers)
+        return {w: (r.step, r.sha256) for w, r in replies.items()}
+
+    # -- for observers (the chaos injector) ------------------------------------
+
+    def pid(self, worker_id: str) -> int:
+        return self.registry.workers[worker_id].pid
+
+    def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
+                     phase: str = "") -> None:
+        self._call(worker_id, "Chaos", pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
+                                                       phase=phase), timeout=5.0)

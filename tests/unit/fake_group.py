@@ -1,0 +1,245 @@
+"""An in-process stand-in for ``runtime.worker_group.WorkerGroup``: the controller's state machine without processes.
+
+Each fake worker holds a replica as a hash chain over the steps it applied,
+so two replicas agree exactly when they applied the same steps. A step's
+loss sum is a fixed function of the step. Faults are scheduled per step:
+
+- ``kill``: the worker crashes as the step runs; the "health monitor" finds
+  it at once (``declare_dead`` with cause crash) and the step fails;
+- ``kill_after_apply``: the worker crashes after the first survivor applied
+  the step (survivors end one step apart: realignment rolls one back);
+- ``hang``: the worker stops answering; only the step watchdog finds it
+  (``wait`` answers ``Stalled`` at its deadline, without sleeping).
+
+``crash(worker)`` kills a worker at any moment (a test's observer uses it to
+kill during a state transfer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+
+from runtime.errors import RegistrationTimeoutError, WorkerLostError
+from runtime.policy import WorkerInfo, may_relaunch
+from runtime.worker_group import Death, LoadResult, Stalled, StepResult, WorkerStatus
+
+
+def loss_sum(step: int) -> float:
+    return 64.0 / (step + 1)
+
+
+class _Replica:
+    def __init__(self):
+        self.history = ["init"]      # state hash after 0, 1, 2, ... applied steps
+        self.losses: dict[int, float] = {}
+
+    @property
+    def applied(self) -> int:
+        return len(self.history) - 1
+
+    def apply(self, step: int) -> None:
+        assert step == self.applied, f"applied {self.applied} steps, asked to apply step {step}"
+        self.history.append(hashlib.sha256(f"{self.history[-1]}/{step}".encode()).hexdigest())
+        self.losses[step] = loss_sum(step)
+
+
+class FakeGroup:
+    address = "fake:0"
+
+    def __init__(self, opts, events, faults: dict[int, tuple[str, str]] | None = None, devices: int = 2):
+        self.opts, self.events, self.faults, self.devices = opts, events, dict(faults or {}), devices
+        self.epoch = 0
+        self.dead: dict[str, str] = {}
+        self.replicas: dict[str, _Replica | None] = {}   # registered workers; None until initialized
+        self.crashed: set[str] = set()
+        self.hung: set[str] = set()
+        self.adopted: set[str] = set()
+        self.calls: list[str] = []
+        self._deaths: queue.Queue = queue.Queue()
+        self._launched = 0
+        self._relaunched: set[str] = set()
+
+    # -- lifecycle and membership ---------------------------------------------
+
+    def start(self):
+        pass
+
+    def close(self):
+        pass
+
+    def fence_at(self, epoch):
+        assert epoch >= self.epoch, f"epoch went back from {self.epoch} to {epoch}"
+        self.epoch = epoch
+
+    def launch(self):
+        wid = f"w{self._launched}"
+        self._launched += 1
+        self.replicas[wid] = None
+        return wid
+
+    def relaunch(self, dead_worker):
+        if dead_worker in self._relaunched:
+            return None
+        self._relaunched.add(dead_worker)
+        o = self.opts
+        if not may_relaunch(o.relaunch, self._launched, o.slices, o.spares, o.max_retries):
+            return None
+        wid = self.launch()
+        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid)
+        return wid
+
+    def wait_for_workers(self, n, timeout):
+        if len(self.replicas) < n:
+            raise RegistrationTimeoutError(f"{len(self.replicas)} of {n}")
+        self.adopted |= set(self.replicas)
+        return [WorkerInfo(w, f"fake:{w}", self.devices) for w in self.replicas]
+
+    def wait_for_newcomer(self, timeout):
+        pass
+
+    def has_newcomers(self):
+        return any(w not in self.adopted for w in self.replicas)
+
+    def warmed(self):
+        return False
+
+    def warm_newcomers(self, block_until=None):
+        new = [w for w in self.replicas if w not in self.adopted]
+        self.adopted |= set(new)
+        for w in new:
+            self.events.emit("worker_warmed", worker=w, compile_seconds=0.0)
+        return new
+
+    def declare_dead(self, worker_id, reason, cause="unresponsive"):
+        if worker_id in self.dead:
+            return
+        self.dead[worker_id] = reason
+        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
+        self._deaths.put(Death(worker_id, reason, cause))
+
+    def drain_deaths(self):
+        out = []
+        while not self._deaths.empty():
+            out.append(self._deaths.get_nowait())
+        return out
+
+    def forget(self, worker_id):
+        self.calls.append(f"forget {worker_id}")
+
+    def shutdown(self, worker_id):
+        self.calls.append(f"shutdown {worker_id}")
+
+    def crash(self, worker_id):
+        self.crashed.add(worker_id)
+
+    # -- health ---------------------------------------------------------------
+
+    def _reachable(self, w) -> bool:
+        return w not in self.dead and w not in self.crashed and w not in self.hung
+
+    def is_alive(self, w):
+        return self._reachable(w)
+
+    def probe(self, workers):
+        return {w: self._reachable(w) for w in workers}
+
+    def progress(self, w):
+        if not self._reachable(w):
+            return None
+        r = self.replicas[w]
+        return (r.applied if r else -1), "reduce", 0.0
+
+    def _touch(self, w):
+        """A call to ``w``: a crashed worker is found (as the health monitor would) and the call fails."""
+        if w in self.crashed:
+            self.declare_dead(w, "connection refused", cause="crash")
+        if w in self.dead:
+            raise WorkerLostError(w, "declared dead; its call was cancelled")
+        if w in self.hung:
+            raise WorkerLostError(w, "DEADLINE_EXCEEDED")
+
+    # -- calls ------------------------------------------------------------------
+
+    def program_bytes(self):
+        return 0
+
+    def load(self, workers):
+        for w in workers:
+            self._touch(w)
+        return {w: LoadResult(0.0, self.devices, 0.0) for w in workers}
+
+    def init(self, workers, seed):
+        for w in workers:
+            self._touch(w)
+            self.replicas[w] = _Replica()
+        return 1024
+
+    def dispatch(self, plan):
+        self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
+        return plan
+
+    def wait(self, plan, deadline=None):
+        assert plan.epoch == self.epoch, f"step {plan.step} of epoch {plan.epoch} waited on in epoch {self.epoch}"
+        kind, target = self.faults.pop(plan.step, (None, None))
+        if kind == "kill":
+            self.crashed.add(target)
+        elif kind == "hang":
+            self.hung.add(target)
+        for w in plan.workers:
+            if w in self.crashed or w in self.dead:
+                self._touch(w)
+        if self.hung & set(plan.workers):
+            if deadline is None:
+                raise AssertionError("the fake would block forever: nothing declared the hung worker dead")
+            return Stalled(tuple(sorted(self.hung & set(plan.workers))))
+        survivors = [w for w in plan.workers if w != target]
+        if kind == "kill_after_apply":
+            self.replicas[survivors[0]].apply(plan.step)
+            self.crashed.add(target)
+            self._touch(target)
+        for w in plan.workers:
+            self.replicas[w].apply(plan.step)
+        return {w: StepResult(loss_sum(plan.step), grad_seconds=0.01) for w in plan.workers}
+
+    def cancel_inflight(self):
+        self.calls.append("cancel_inflight")
+
+    def abort(self, workers):
+        out = {}
+        for w in workers:
+            self._touch(w)
+            r = self.replicas[w]
+            out[w] = WorkerStatus(r.applied if r else 0, dict(r.losses) if r else {})
+        return out
+
+    def rollback(self, w, to_applied_steps):
+        self._touch(w)
+        r = self.replicas[w]
+        assert r.applied == to_applied_steps + 1
+        r.history.pop()
+        r.losses.pop(to_applied_steps, None)
+
+    def transfer(self, source, dest, applied):
+        self._touch(source)
+        self._touch(dest)
+        src = self.replicas[source]
+        assert src.applied == applied
+        copy = _Replica()
+        copy.history, copy.losses = list(src.history), dict(src.losses)
+        self.replicas[dest] = copy
+        return 1024, src.history[-1]
+
+    def hashes(self, workers):
+        out = {}
+        for w in workers:
+            self._touch(w)
+            r = self.replicas[w]
+            out[w] = (r.applied, r.history[-1])
+        return out
+
+    def pid(self, w):
+        return 0
+
+    def inject_fault(self, *a, **k):
+        raise NotImplementedError

@@ -1,0 +1,160 @@
+"""The controller's state machine stepped against a fake worker group: recoveries in milliseconds, no processes."""
+
+import types
+
+import numpy as np
+import pytest
+
+from runtime import ControllerObserver, ElasticTrainingFailedError, EventLog, read_events
+from runtime.controller import Controller, ControllerOptions, Phase
+from tests.unit.fake_group import FakeGroup, loss_sum
+
+M = 4   # microbatches per step
+
+
+def run(tmp_path, steps=8, faults=None, observer=None, stepwise=False, **opts):
+    options = ControllerOptions(**{"slices": 2, "devices_per_slice": 2, "run_dir": str(tmp_path), "spares": 1,
+                                   "watchdog_min_seconds": 0.0, **opts})
+    events = EventLog(tmp_path / "events.jsonl")
+    group = FakeGroup(options, events, faults)
+    ctl = Controller(types.SimpleNamespace(num_microbatches=M), b"", options, events, group=group)
+    if observer is not None:
+        observer.group = group
+        ctl.observer = observer
+    phases = []
+    with ctl:
+        if stepwise:
+            ctl.begin(steps, seed=0)
+            while ctl.phase is not Phase.DONE:
+                phases.append(ctl.advance())
+            result = ctl.result
+        else:
+            result = ctl.train(steps, seed=0)
+    events.close()
+    return result, read_events(tmp_path / "events.jsonl"), group, phases
+
+
+def expected_losses(steps):
+    return [float(np.float32(loss_sum(s)) / np.float32(M)) for s in range(steps)]
+
+
+def committed_steps(events):
+    return [e["step"] for e in events if e["kind"] == "step_committed"]
+
+
+def kinds(events, kind):
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.fixture
+def fault_free(tmp_path_factory):
+    result, *_ = run(tmp_path_factory.mktemp("ref"))
+    return result
+
+
+def test_a_fault_free_run_commits_every_step_once_in_order(tmp_path):
+    result, events, group, phases = run(tmp_path, stepwise=True)
+    assert result.losses == expected_losses(8)
+    assert committed_steps(events) == list(range(8))
+    assert phases[0] is Phase.RUNNING and phases[-1] is Phase.DONE
+    assert Phase.RECOVERING not in phases and result.recoveries == 0
+    assert len(set(result.replica_hashes.values())) == 1
+
+
+def test_a_kill_is_replaced_by_the_spare_with_no_step_lost(tmp_path, fault_free):
+    result, events, group, phases = run(tmp_path, faults={3: ("kill", "w1")}, stepwise=True)
+    assert result.losses == fault_free.losses
+    assert result.final_state_sha256 == fault_free.final_state_sha256
+    assert committed_steps(events) == list(range(8))
+    [decision] = kinds(events, "recovery_decision")
+    assert decision["action"] == "replace" and decision["dead"] == ["w1"] and decision["active"] == ["w0", "w2"]
+    [recovered] = kinds(events, "recovered")
+    assert recovered["path"] == "replace" and recovered["resume_step"] == 3 and recovered["bytes_moved"] == 1024
+    [transfer] = kinds(events, "state_transferred")
+    assert (transfer["source"], transfer["dest"]) == ("w0", "w2")
+    assert phases.count(Phase.RECOVERING) == 1
+    assert [e["worker"] for e in kinds(events, "worker_relaunched")] == ["w3"]
+
+
+def test_a_kill_without_a_spare_shrinks_onto_the_survivor(tmp_path, fault_free):
+    result, events, group, _ = run(tmp_path, faults={2: ("kill", "w0")}, spares=0, relaunch=False)
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    [recovered] = kinds(events, "recovered")
+    assert recovered["path"] == "shrink" and recovered["bytes_moved"] == 0
+    assert list(result.replica_hashes) == ["w1"]
+
+
+def test_a_hang_is_found_by_the_step_watchdog_and_replaced(tmp_path, fault_free):
+    result, events, group, _ = run(tmp_path, faults={5: ("hang", "w0")})
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    [alarm] = kinds(events, "step_watchdog")
+    assert alarm["step"] == 5 and alarm["suspects"] == ["w0"] and alarm["pending"] == ["w0"]
+    [dead] = kinds(events, "worker_dead")
+    assert dead["worker"] == "w0" and dead["cause"] == "hang"
+    assert kinds(events, "recovered")[0]["path"] == "replace"
+
+
+def test_survivors_one_step_apart_are_realigned_by_a_rollback(tmp_path, fault_free):
+    result, events, group, _ = run(tmp_path, slices=3, spares=0, relaunch=False,
+                                   faults={4: ("kill_after_apply", "w2")})
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    [rolled] = kinds(events, "rolled_back")
+    assert rolled == {**rolled, "worker": "w0", "to_step": 4}
+    assert committed_steps(events) == list(range(8))
+
+
+class KillDuringTransfer(ControllerObserver):
+    def __init__(self, role):
+        self.role, self.fired = role, False
+
+    def before_transfer(self, source, dest):
+        if not self.fired:
+            self.fired = True
+            self.group.crash(source if self.role == "source" else dest)
+
+
+def test_a_kill_of_the_receiving_spare_mid_transfer_is_recovered_by_another_attempt(tmp_path, fault_free):
+    result, events, group, phases = run(tmp_path, spares=2, faults={3: ("kill", "w1")},
+                                        observer=KillDuringTransfer("dest"), stepwise=True)
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert [d["action"] for d in kinds(events, "recovery_decision")] == ["replace", "replace"]
+    assert [d["active"] for d in kinds(events, "recovery_decision")] == [["w0", "w2"], ["w0", "w3"]]
+    epochs = [d["epoch"] for d in kinds(events, "recovery_decision")]
+    assert epochs == sorted(set(epochs)), "every attempt fences in a new epoch"
+    assert phases.count(Phase.RECOVERING) == 2 and result.recoveries == 2
+
+
+def test_a_kill_of_the_only_source_mid_transfer_fails_with_no_replica_left(tmp_path):
+    with pytest.raises(ElasticTrainingFailedError, match="no live replica"):
+        run(tmp_path, faults={3: ("kill", "w1")}, observer=KillDuringTransfer("source"))
+
+
+def test_losing_every_active_slice_fails_with_a_clear_reason(tmp_path):
+    with pytest.raises(ElasticTrainingFailedError, match="every active slice is gone"):
+        run(tmp_path, slices=1, faults={2: ("kill", "w0")})
+
+
+def test_recovery_gives_up_after_max_retries(tmp_path):
+    with pytest.raises(ElasticTrainingFailedError, match="gave up after 0 recoveries"):
+        run(tmp_path, faults={2: ("kill", "w1")}, max_retries=0)
+
+
+def test_a_relaunched_worker_grows_the_run_back_at_a_step_boundary(tmp_path, fault_free):
+    result, events, group, phases = run(tmp_path, spares=0, faults={2: ("kill", "w1")}, stepwise=True)
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert kinds(events, "recovered")[0]["path"] == "shrink"
+    [grown] = kinds(events, "grown")
+    assert grown["promoted"] == ["w2"] and grown["active"] == ["w0", "w2"]
+    assert Phase.BOUNDARY in phases
+    assert sorted(result.replica_hashes) == ["w0", "w2"]
+
+
+def test_a_dead_spare_is_dropped_at_the_next_boundary_without_a_recovery(tmp_path, fault_free):
+    class KillSpare(ControllerObserver):
+        def step_committed(self, step):
+            if step == 2:
+                self.group.declare_dead("w2", "test", cause="crash")
+
+    result, events, group, phases = run(tmp_path, observer=KillSpare(), stepwise=True)
+    assert result.losses == fault_free.losses and result.recoveries == 0
+    assert Phase.BOUNDARY in phases and Phase.RECOVERING not in phases

@@ -1,0 +1,181 @@
+import pytest
+
+from runtime.microbatch import Node
+from runtime.policy import WorkerInfo, place, plan_step
+
+
+def workers(*devices):
+    return [WorkerInfo(f"w{i}", f"127.0.0.1:{1000 + i}", d) for i, d in enumerate(devices)]
+
+
+def test_place_uses_fitting_workers_and_keeps_the_rest_as_spares():
+    p = place(2, 2, workers(2, 2, 2))
+    assert p.active == ("w0", "w1") and p.spares == ("w2",) and p.epoch == 1
+
+
+def test_place_skips_workers_with_another_mesh_and_says_why():
+    with pytest.raises(ValueError, match=r"need 2 workers with 2 devices, have 1 .*\[4\]"):
+        place(2, 2, workers(2, 4))
+
+
+def test_plan_step_assigns_subtrees_in_vslice_order():
+    plan = plan_step(place(3, 1, workers(1, 1, 1)), step=7, num_microbatches=4)
+    assert plan.step == 7 and plan.workers == ("w0", "w1", "w2")
+    assert plan.nodes == ((Node(1, 0),), (Node(0, 2),), (Node(0, 3),))
+
+
+def test_holding_up_singles_out_the_worker_computing_while_peers_wait():
+    from runtime.policy import holding_up
+
+    waiting = {"w0": (7, "reduce", 3.0), "w1": (7, "grad", 3.1), "w2": (7, "reduce", 2.9)}
+    assert holding_up(waiting, 7) == ["w1"]
+    behind = {"w0": (7, "reduce", 3.0), "w1": (6, "idle", 3.0), "w2": (7, "idle", 0.1)}
+    assert holding_up(behind, 7) == ["w1"]
+    stuck_in_apply = {"w0": (7, "idle", 2.0), "w1": (7, "apply", 2.0)}
+    assert holding_up(stuck_in_apply, 7) == ["w1"]
+    everyone_slow = {"w0": (7, "grad", 3.0), "w1": (7, "grad", 3.0)}
+    assert holding_up(everyone_slow, 7) == []
+
+
+def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
+    from runtime.policy import StragglerDetector, StragglerPolicy
+
+    d = StragglerDetector(StragglerPolicy(factor=3.0, patience=2, min_seconds=0.0))
+    slow = {"w0": 0.01, "w1": 0.05, "w2": 0.01}
+    assert d.observe(slow) == []
+    [(w, seconds, median)] = d.observe(slow)
+    assert (w, seconds, median) == ("w1", 0.05, 0.01)
+    assert d.observe(slow) == []          # the streak restarted
+    assert d.observe({"w0": 0.01, "w1": 0.01, "w2": 0.01}) == []
+
+
+# -- table-driven tests of every decision ----------------------------------------
+
+from runtime.policy import (Action, Placement, capacity_timed_out, decide_grow, decide_recovery, decide_swap,  # noqa: E402
+                            is_suspect, may_relaunch, membership_change_due, plan_realign, reprobe_wait,
+                            watchdog_limit)
+
+P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
+ALL = set(P.members)
+
+RECOVERY_CASES = [
+    # dead, replicas, min_slices, recoveries, max_retries, may_wait -> action, active, spares, reason fragment
+    ((), ALL, 1, 1, 5, False, Action.RETRY, ("a", "b", "c"), ("s", "t"), "no worker was lost"),
+    (("b",), ALL, 1, 1, 5, False, Action.REPLACE, ("a", "s", "c"), ("t",), "spares replace"),
+    (("a", "c"), ALL, 1, 1, 5, False, Action.REPLACE, ("s", "b", "t"), (), "spares replace"),
+    (("b", "s"), ALL, 1, 1, 5, False, Action.REPLACE, ("a", "t", "c"), (), "spares replace"),
+    (("a", "b", "s", "t"), ALL, 1, 1, 5, False, Action.SHRINK, ("c",), (), "no spare for 2 slice(s)"),
+    (("a", "s", "t"), ALL, 2, 1, 5, False, Action.SHRINK, ("b", "c"), (), "2 survivors take over"),
+    (("a", "b", "s", "t"), ALL, 2, 1, 5, False, Action.FAIL, ("c",), (), "elastic_min_slice_count is 2"),
+    (("a", "b", "s", "t"), ALL, 2, 1, 5, True, Action.WAIT, ("a", "b", "c"), ("s", "t"), "waiting for capacity"),
+    (("a", "b", "c"), ALL, 1, 1, 5, False, Action.FAIL, ("s", "t"), (), "every active slice is gone"),
+    (("a", "b", "c"), ALL, 1, 1, 5, True, Action.FAIL, ("s", "t"), (), "no live replica"),
+    (("b",), ALL, 1, 6, 5, False, Action.FAIL, ("a", "b", "c"), ("s", "t"), "gave up after 5 recoveries"),
+    # a promoted spare that never received the state is alive but no replica: with the only replica dead, fail
+    (("a",), {"a"}, 1, 1, 5, False, Action.FAIL, ("s", "b", "c"), ("t",), "hold no copy of the state"),
+    (("a",), {"a", "c"}, 1, 1, 5, False, Action.REPLACE, ("s", "b", "c"), ("t",), "spares replace"),
+]
+
+
+@pytest.mark.parametrize("dead,replicas,min_slices,recoveries,max_retries,may_wait,action,active,spares,why",
+                         RECOVERY_CASES)
+def test_decide_recovery(dead, replicas, min_slices, recoveries, max_retries, may_wait, action, active, spares, why):
+    d = decide_recovery(P, dead, replicas, min_slices=min_slices, recoveries=recoveries, max_retries=max_retries,
+                        may_wait=may_wait)
+    assert d.action is action and why in d.reason
+    assert (d.placement.active, d.placement.spares) == (active, spares)
+    moved = action in (Action.REPLACE, Action.SHRINK, Action.RETRY)
+    assert d.placement.epoch == (P.epoch + 1 if moved else d.placement.epoch)
+    if action is Action.WAIT:
+        assert d.placement == P, "a wait keeps the placement until capacity arrives"
+
+
+def test_a_capacity_wait_that_times_out_fails_naming_the_key():
+    wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
+    failed = capacity_timed_out(wait, 7.0)
+    assert failed.action is Action.FAIL
+    assert failed.reason == "1 slices left, elastic_min_slice_count is 2: no capacity arrived within " \
+                            "elastic_timeout_seconds=7"
+
+
+@pytest.mark.parametrize("placement,slices,expected", [
+    (Placement(2, ("a",), ("s", "t")), 3, Placement(3, ("a", "s", "t"), ())),
+    (Placement(2, ("a",), ("s", "t")), 2, Placement(3, ("a", "s"), ("t",))),
+    (Placement(2, ("a", "b"), ("s",)), 2, None),
+    (Placement(2, ("a",), ()), 2, None),
+])
+def test_decide_grow(placement, slices, expected):
+    assert decide_grow(placement, slices) == expected
+
+
+@pytest.mark.parametrize("slow,expected", [
+    ("b", Placement(4, ("a", "s", "c"), ("t",))),
+    ("x", None),
+])
+def test_decide_swap(slow, expected):
+    assert decide_swap(P, slow) == expected
+    assert decide_swap(Placement(1, ("a", "b")), "a") is None
+
+
+@pytest.mark.parametrize("applied,losses,committed,target,commits,rollbacks,error", [
+    ({"a": 5, "b": 5}, {"a": {}, "b": {}}, 5, 5, (), (), ""),
+    ({"a": 6, "b": 5}, {"a": {5: 2.0}, "b": {}}, 5, 5, (), ("a",), ""),
+    ({"a": 6, "b": 6}, {"a": {5: 2.0}, "b": {5: 2.0}}, 5, 6, ((5, 2.0),), (), ""),
+    ({"a": 7, "b": 6}, {"a": {5: 2.0, 6: 1.0}, "b": {5: 2.0}}, 5, 6, ((5, 2.0),), ("a",), ""),
+    ({"a": 6, "b": 6}, {"a": {5: 2.0}, "b": {5: 2.5}}, 5, 6, (), (), "no agreed loss for applied step 5"),
+    ({"a": 6, "b": 6}, {"a": {5: 2.0}, "b": {}}, 5, 6, (), (), "no agreed loss for applied step 5"),
+    ({"a": 8, "b": 6}, {"a": {}, "b": {}}, 6, 6, (), (), "out of step"),
+    ({"a": 4, "b": 4}, {"a": {}, "b": {}}, 5, 4, (), (), "out of step"),
+])
+def test_plan_realign(applied, losses, committed, target, commits, rollbacks, error):
+    plan = plan_realign(applied, losses, committed)
+    assert error in plan.error and bool(plan.error) == bool(error)
+    if not error:
+        assert (plan.target, plan.commits, plan.rollbacks) == (target, commits, rollbacks)
+
+
+@pytest.mark.parametrize("now,last_ok,failure,suspect", [
+    (10.0, 10.0, "refused", True),
+    (10.0, 10.0, "not_serving", True),
+    (10.0, 9.5, "silent", False),
+    (10.0, 9.25, "silent", True),
+    (10.0, 8.0, "silent", True),
+])
+def test_is_suspect(now, last_ok, failure, suspect):
+    assert is_suspect(now, last_ok, lease=1.5, failure=failure) is suspect
+
+
+def test_reprobes_spread_over_the_second_half_of_the_lease():
+    assert reprobe_wait(lease=1.5, retries=2, probe_timeout=0.1) == pytest.approx((0.75 - 0.3) / 2)
+    assert reprobe_wait(lease=0.2, retries=2, probe_timeout=0.25) == 0.0
+    assert reprobe_wait(lease=1.0, retries=0, probe_timeout=0.1) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("samples,expected", [
+    ([], None),
+    ([0.1, 0.2], None),
+    ([0.1, 0.3, 0.2], (10.0, 0.2)),
+    ([2.0, 1.0, 3.0, 5.0], (30.0, 3.0)),
+])
+def test_watchdog_limit(samples, expected):
+    assert watchdog_limit(samples, factor=10.0, min_seconds=10.0) == expected
+
+
+@pytest.mark.parametrize("placement,dead,flags,due", [
+    (Placement(1, ("a", "b"), ("s",)), (), {}, False),
+    (Placement(1, ("a", "b"), ("s",)), ("s",), {}, True),
+    (Placement(1, ("a", "b"), ("s",)), ("a",), {}, False),
+    (Placement(1, ("a",), ("s",)), (), {}, True),
+    (Placement(1, ("a",), ()), (), {}, False),
+    (Placement(1, ("a", "b"), ()), (), {"unadopted": True}, True),
+    (Placement(1, ("a", "b"), ()), (), {"warmed": True}, True),
+    (Placement(1, ("a", "b"), ()), (), {"swaps": True}, True),
+])
+def test_membership_change_due(placement, dead, flags, due):
+    facts = {"unadopted": False, "warmed": False, "swaps": False, **flags}
+    assert membership_change_due(placement, 2, dead, **facts) is due
+
+
+@pytest.mark.parametrize("relaunch,launched,expected", [(True, 4, True), (True, 5, False), (False, 0, False)])
+def test_may_relaunch_at_most_max_retries_beyond_the_initial_set(relaunch, launched, expected):
+    assert may_relaunch(relaunch, launched, slices=2, spares=1, max_retries=2) is expected
