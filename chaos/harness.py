@@ -24,8 +24,7 @@ from chaos.spec import Fault, validate
 from chaos.verdict import judge
 from elastic.config import Config
 from elastic.report import build_report, render_run
-from runtime import ElasticError
-from runtime.events import EventLog, read_events
+from runtime import ElasticError, EventLog, read_events
 
 __all__ = ["ChaosOptions", "run_chaos", "reference_report"]
 

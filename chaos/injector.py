@@ -1,14 +1,19 @@
 """The fault injector: fires a schedule of faults at a live run, from outside it.
 
-A :class:`FaultInjector` is a :class:`runtime.controller.ControllerObserver`:
-the controller tells it when steps commit and when a state transfer starts;
-a thread of its own fires the time-based faults. Each fault is resolved to
+A :class:`FaultInjector` is a :class:`runtime.ControllerObserver`: the
+controller tells it when steps commit and when a state transfer starts; a
+thread of its own fires the time-based faults. Each fault is resolved to
 worker ids (:func:`chaos.schedule.resolve_target`, with a seeded RNG, so a
 schedule replays the same way) and injected by a signal to the worker
-process (kill, hang) or by the worker's fault-injection RPC (straggle,
-partition, corrupt, a kill inside a given phase, a kill mid-transfer). Every
-injection is an event (``fault_injected``; ``fault_skipped`` when its target
-does not exist at that moment), so the report can match faults to failures.
+process (kill, hang) or by arming a worker-side action through the
+controller (straggle, partition, corrupt, a kill inside a given phase, a kill
+mid-transfer). Every injection is an event (``fault_injected``;
+``fault_skipped`` when its target does not exist at that moment), so the
+report can match faults to failures.
+
+It uses only the controller's observer surface: ``placement``,
+``live_spares()``, ``pid(worker)``, ``inject_fault(worker, action, ...)`` and
+``events.emit``.
 """
 
 from __future__ import annotations
@@ -19,16 +24,40 @@ import signal
 import threading
 import time
 
-import grpc
-
 from chaos.schedule import TargetError, resolve_target
-from chaos.spec import Fault
-from runtime import ControllerObserver, ElasticError
+from chaos.spec import INJECTABLE_KINDS, Fault
+from runtime import FAULT_ACTIONS, ControllerObserver, ElasticError
 
 __all__ = ["FaultInjector"]
 
-_TRANSFER_ACTIONS = {("kill", "source"): "kill_on_send_state", ("hang", "source"): "hang_on_send_state",
-                     ("kill", "dest"): "kill_on_receive_state"}
+# How each fault kind is injected, keyed by (kind, variant): a signal to the
+# worker process, or a worker-side action of runtime.FAULT_ACTIONS. The
+# variant is the transfer end ("source"/"dest") of an @transfer fault,
+# "phase" for kill(phase=...), else None.
+_HOW: dict[tuple[str, str | None], signal.Signals | str] = {
+    ("kill", None): signal.SIGKILL,
+    ("kill", "phase"): "kill_in_phase",
+    ("kill", "source"): "kill_on_send_state",
+    ("kill", "dest"): "kill_on_receive_state",
+    ("hang", None): signal.SIGSTOP,
+    ("hang", "source"): "hang_on_send_state",
+    ("straggle", None): "straggle",
+    ("partition", None): "partition",
+    ("corrupt", None): "corrupt",
+}
+
+
+def _check_how() -> None:
+    """At import: every action is one the runtime offers, and every injectable kind (and no other) has a way."""
+    unknown = sorted(a for a in _HOW.values() if isinstance(a, str) and a not in FAULT_ACTIONS)
+    if unknown:
+        raise RuntimeError(f"chaos.injector: actions {unknown} are not in runtime.FAULT_ACTIONS {FAULT_ACTIONS}")
+    kinds = {kind for kind, _ in _HOW}
+    if kinds != set(INJECTABLE_KINDS):
+        raise RuntimeError(f"chaos.injector: injects {sorted(kinds)}, the grammar offers {sorted(INJECTABLE_KINDS)}")
+
+
+_check_how()
 
 
 class FaultInjector(ControllerObserver):
@@ -96,10 +125,9 @@ class FaultInjector(ControllerObserver):
 
     def _inject(self, index: int, fault: Fault, source: str | None, dest: str | None) -> None:
         ctl = self.ctl
-        placement = ctl.placement
-        spares = ctl.live_spares()
         try:
-            workers = resolve_target(fault.target, placement.active, spares, self.rng, source=source, dest=dest)
+            workers = resolve_target(fault.target, ctl.placement.active, ctl.live_spares(), self.rng,
+                                     source=source, dest=dest)
         except TargetError as e:
             ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), fault_kind=fault.kind, reason=str(e),
                             step=self.committed)
@@ -109,42 +137,39 @@ class FaultInjector(ControllerObserver):
             try:
                 self._hit(fault, w)
             except (OSError, ElasticError, KeyError) as e:
-                errors[w] = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"
+                errors[w] = f"{type(e).__name__}: {e}"
         ctl.events.emit("fault_injected", index=index, fault=fault.spec(), fault_kind=fault.kind,
                         workers=list(workers), step=self.committed, errors=errors,
                         seconds=time.monotonic() - self.t0)
 
     def _hit(self, fault: Fault, worker: str) -> None:
-        kind = fault.kind
+        """Injects ``fault`` into ``worker``; raises OSError, ElasticError or KeyError when it cannot."""
         if fault.when.transfer:
-            self._chaos(worker, _TRANSFER_ACTIONS[(kind, fault.target.value)])
-        elif kind == "kill" and fault.option("phase"):
-            self._chaos(worker, "kill_in_phase", phase=str(fault.option("phase")))
-        elif kind == "kill":
-            os.kill(self._pid(worker), signal.SIGKILL)
-        elif kind == "hang":
-            pid = self._pid(worker)
-            os.kill(pid, signal.SIGSTOP)
-            resume = fault.option("resume")
+            variant = fault.target.value
+        elif fault.kind == "kill" and fault.option("phase"):
+            variant = "phase"
+        else:
+            variant = None
+        how = _HOW.get((fault.kind, variant))
+        if how is None:
+            raise KeyError(f"the injector cannot do {fault.kind!r}" + (f" ({variant})" if variant else ""))
+        if isinstance(how, signal.Signals):
+            pid = self.ctl.pid(worker)
+            os.kill(pid, how)
+            resume = fault.option("resume") if fault.kind == "hang" else None
             if resume:
                 timer = threading.Timer(resume, _resume, args=(pid,))
                 timer.daemon = True
                 timer.start()
                 self._timers.append(timer)
-        elif kind == "straggle":
-            self._chaos(worker, "straggle", factor=fault.option("factor"), seconds=fault.option("for"))
-        elif kind == "partition":
-            self._chaos(worker, "partition", seconds=fault.option("for"))
-        elif kind == "corrupt":
-            self._chaos(worker, "corrupt")
+        elif how == "kill_in_phase":
+            self.ctl.inject_fault(worker, how, phase=str(fault.option("phase")))
+        elif how == "straggle":
+            self.ctl.inject_fault(worker, how, factor=fault.option("factor"), seconds=fault.option("for"))
+        elif how == "partition":
+            self.ctl.inject_fault(worker, how, seconds=fault.option("for"))
         else:
-            raise KeyError(f"the injector cannot do {kind!r}")
-
-    def _pid(self, worker: str) -> int:
-        return self.ctl.pid(worker)
-
-    def _chaos(self, worker: str, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "") -> None:
-        self.ctl.inject_fault(worker, action, factor=factor, seconds=seconds, phase=phase)
+            self.ctl.inject_fault(worker, how)
 
 
 def _resume(pid: int) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import random
 
-from chaos.spec import Fault, FaultSpecError, Target, When, validate
+from chaos.spec import INJECTABLE_KINDS, Fault, FaultSpecError, Target, When, validate
 
-__all__ = ["TargetError", "random_faults", "resolve_target"]
+__all__ = ["DEFAULT_KINDS", "TargetError", "random_faults", "resolve_target"]
 
-DEFAULT_KINDS = ("kill", "hang", "straggle", "partition", "corrupt")
+#: The kinds a random schedule draws from unless told otherwise: every kind the runtime can inject.
+DEFAULT_KINDS = INJECTABLE_KINDS
 _HANG_RESUME_SECONDS = 2.0
 _FOR_RANGE_SECONDS = {"straggle": (2.0, 6.0), "partition": (2.0, 5.0)}
 

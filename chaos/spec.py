@@ -1,4 +1,4 @@
-"""The fault grammar and chaos scenarios: pure parsing, no side effects.
+"""The fault grammar: pure parsing and checking of fault specs, no side effects.
 
 A fault list reads ``KIND[(OPTIONS)][:TARGET]@WHEN``, comma separated, e.g.::
 
@@ -13,10 +13,12 @@ Contract:
   ``role=source``/``role=dest`` only with ``@transfer``).
 * :func:`validate` re-checks faults built any way and also rejects what the
   runtime cannot do yet (``kill_save``). The caller (the chaos runner) calls it
-  before starting a run; :func:`load_scenario` calls it for you.
+  before starting a run; :func:`chaos.scenario.load_scenario` calls it for you.
 * ``parse_faults(f.spec()) == [f]`` for every valid fault ``f``.
-* :func:`load_scenario` reads one YAML scenario file; unknown keys, bad types
-  and bad faults raise :class:`FaultSpecError` naming the key and the file.
+
+This module is the one place the user-facing fault kinds are spelled
+(:data:`KINDS`); the injector maps them to the runtime's worker-side actions
+and the report folds the ``fault_kind`` each injection recorded.
 
 The full reference is ``docs/chaos-guide.md``.
 """
@@ -25,31 +27,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import pathlib
 import re
-from collections.abc import Mapping
-from typing import Any
 
-import yaml
+from runtime import FAULT_PHASES
 
 __all__ = [
+    "INJECTABLE_KINDS",
     "KINDS",
     "ROLES",
     "TARGET_KINDS",
+    "TRANSFER_KINDS",
+    "TRANSFER_ROLES",
     "Fault",
     "FaultSpecError",
-    "Scenario",
     "Target",
     "When",
     "format_duration",
-    "load_scenario",
     "parse_duration",
     "parse_faults",
+    "split_faults",
     "validate",
 ]
 
+#: Every fault kind the grammar knows: the one list of user-facing fault kinds.
 KINDS = ("kill", "hang", "straggle", "partition", "corrupt", "kill_save")
+# Kinds the grammar reads but the runtime cannot inject yet, with the reason validate() gives.
+_NOT_INJECTABLE = {"kill_save": "kill_save needs checkpoints, which this version does not write"}
+#: The kinds a run can be faulted with today (random schedules draw from these).
+INJECTABLE_KINDS = tuple(k for k in KINDS if k not in _NOT_INJECTABLE)
 TARGET_KINDS = ("slice", "worker", "role", "random", "all", "everything")
 ROLES = ("active", "spare", "source", "dest")
 TRANSFER_KINDS = ("kill", "hang")
@@ -64,9 +69,11 @@ _OPTIONS: dict[str, dict[str, float | None]] = {
     "corrupt": {},
     "kill_save": {},
 }
+if set(_OPTIONS) != set(KINDS) or not set(_NOT_INJECTABLE) <= set(KINDS) or not set(TRANSFER_KINDS) <= set(KINDS):
+    raise RuntimeError("chaos.spec: the fault kinds of _OPTIONS, _NOT_INJECTABLE and TRANSFER_KINDS must be KINDS")
 _DURATION_OPTIONS = frozenset({"resume", "for"})
 # Options whose value is a word from a fixed list (kept as text).
-_CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {"phase": ("grad", "reduce", "apply")}
+_CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {"phase": FAULT_PHASES}
 _INT = re.compile(r"[0-9]+")
 _WORKER_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _DURATION = re.compile(r"(?P<num>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?P<unit>ms|s|m)?")
@@ -136,26 +143,6 @@ class Fault:
         return f"{text}@{self.when.spec()}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """A named chaos experiment: a config, overrides and the faults to inject.
-
-    ``mtbf_seconds``/``duration_seconds`` ask the runner for extra random faults
-    (``chaos.schedule.random_faults(seed, mtbf_seconds, duration_seconds)``).
-    ``expect`` is the verdict the scenario should get: "pass" or "fail".
-    """
-
-    name: str
-    config: str = "tiny"
-    overrides: tuple[str, ...] = ()
-    faults: tuple[Fault, ...] = ()
-    seed: int = 0
-    mtbf_seconds: float | None = None
-    duration_seconds: float | None = None
-    description: str = ""
-    expect: str = "pass"
-
-
 # --------------------------------------------------------------------------- parsing
 
 
@@ -179,7 +166,7 @@ def parse_faults(text: str) -> list[Fault]:
     """Parse a comma-separated fault list; raises FaultSpecError naming the bad fault and piece."""
     if not text or not text.strip():
         raise FaultSpecError("empty fault spec (expected e.g. kill@step=10)")
-    pieces = _split_top_level(text)
+    pieces = split_faults(text)
     faults = []
     for i, piece in enumerate(pieces, 1):
         where = f"fault {i} {piece.strip()!r}"
@@ -200,13 +187,17 @@ def validate(faults: list[Fault] | tuple[Fault, ...]) -> None:
     for i, fault in enumerate(faults, 1):
         try:
             _check(fault)
-            if fault.kind == "kill_save":
-                raise FaultSpecError("kill_save needs checkpoints, which this version does not write")
+            if fault.kind in _NOT_INJECTABLE:
+                raise FaultSpecError(_NOT_INJECTABLE[fault.kind])
         except FaultSpecError as e:
             raise FaultSpecError(f"fault {i} {_safe_spec(fault)!r}: {e}") from None
 
 
-def _split_top_level(text: str) -> list[str]:
+def split_faults(text: str) -> list[str]:
+    """The pieces of a fault list between top-level commas (commas inside ``(...)`` do not split).
+
+    Pieces are not stripped or checked; raises FaultSpecError for unbalanced parentheses.
+    """
     pieces, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         if ch == "(":
@@ -370,137 +361,3 @@ def _safe_spec(f: Fault) -> str:
 
 def _names(items) -> str:
     return ", ".join(items) if items else "none"
-
-
-# --------------------------------------------------------------------------- scenarios
-
-_SCENARIO_KEYS = ("name", "description", "config", "overrides", "seed", "faults", "mtbf_seconds",
-                  "duration_seconds", "expect")
-_FAULT_KEYS = ("kind", "target", "at", "options")
-
-
-def load_scenario(path: str | os.PathLike) -> Scenario:
-    """Read a scenario YAML file (format in ``docs/chaos-guide.md``) and validate its faults.
-
-    ``name`` defaults to the file's stem. Raises FaultSpecError naming the file
-    and the key for unknown keys, wrong types and bad faults.
-    """
-    path = pathlib.Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise FaultSpecError(f"cannot read scenario file {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise FaultSpecError(f"invalid YAML in scenario file {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise FaultSpecError(f"{path}: a scenario must be a YAML mapping, got {type(data).__name__}")
-    for key in data:
-        if key not in _SCENARIO_KEYS:
-            raise FaultSpecError(f"{path}: unknown scenario key {key!r} (keys: {_names(_SCENARIO_KEYS)})")
-
-    def get(key: str, types: tuple[type, ...], default: Any) -> Any:
-        value = data.get(key)
-        if value is None:  # absent, or present and empty
-            return default
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise FaultSpecError(f"{path}: scenario key {key!r} has the wrong type ({type(value).__name__})")
-        return value
-
-    faults_data = get("faults", (list,), [])
-    faults = []
-    for i, item in enumerate(faults_data, 1):
-        try:
-            text = item if isinstance(item, str) else _fault_text(item)
-            if not text.strip() or len(_split_top_level(text)) != 1:
-                raise FaultSpecError(f"expected exactly one fault, got {text!r}")
-            faults.extend(parse_faults(text))
-        except FaultSpecError as e:
-            raise FaultSpecError(f"{path}: faults[{i}]: {e}") from None
-    try:
-        validate(faults)
-    except FaultSpecError as e:
-        raise FaultSpecError(f"{path}: {e}") from None
-    mtbf = _seconds(path, "mtbf_seconds", data.get("mtbf_seconds"))
-    duration = _seconds(path, "duration_seconds", data.get("duration_seconds"))
-    if mtbf is not None and duration is None:
-        raise FaultSpecError(f"{path}: mtbf_seconds needs duration_seconds (how long to draw random faults for)")
-    expect = get("expect", (str,), "pass")
-    if expect not in ("pass", "fail"):
-        raise FaultSpecError(f"{path}: scenario key 'expect' must be 'pass' or 'fail', got {expect!r}")
-    return Scenario(
-        name=str(get("name", (str,), path.stem)),
-        description=str(get("description", (str,), "")).strip(),
-        config=str(get("config", (str,), "tiny")),
-        overrides=_overrides(path, data.get("overrides") or {}),
-        faults=tuple(faults),
-        seed=get("seed", (int,), 0),
-        mtbf_seconds=mtbf,
-        duration_seconds=duration,
-        expect=expect,
-    )
-
-
-def _fault_text(item: Any) -> str:
-    """The grammar text of a fault written as a mapping {kind, target, at, options}."""
-    if not isinstance(item, Mapping):
-        raise FaultSpecError(f"a fault must be a string or a mapping, got {type(item).__name__}")
-    for key in item:
-        if key not in _FAULT_KEYS:
-            raise FaultSpecError(f"unknown fault key {key!r} (keys: {_names(_FAULT_KEYS)})")
-    if "kind" not in item or "at" not in item:
-        raise FaultSpecError("a fault mapping needs 'kind' and 'at'")
-    text = _scalar("kind", item["kind"])
-    options = item.get("options") or {}
-    if not isinstance(options, Mapping):
-        raise FaultSpecError(f"fault 'options' must be a mapping, got {type(options).__name__}")
-    if options:
-        text += "(" + ",".join(f"{_scalar('options', k)}={_scalar('options', v)}" for k, v in options.items()) + ")"
-    if "target" in item:
-        text += ":" + _pair("target", item["target"])
-    return f"{text}@{_pair('at', item['at'])}"
-
-
-def _pair(key: str, value: Any) -> str:
-    """``{slice: 2}`` -> ``slice=2``; ``{transfer: true}`` and strings pass through."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and len(value) == 1:
-        (name, inner), = value.items()
-        if inner is True or inner is None:
-            return _scalar(key, name)
-        return f"{_scalar(key, name)}={_scalar(key, inner)}"
-    raise FaultSpecError(f"fault {key!r} must be a string or a one-key mapping, got {value!r}")
-
-
-def _scalar(key: str, value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise FaultSpecError(f"fault {key!r} value must be a string or a number, got {value!r}")
-    text = str(value)
-    if any(ch in text for ch in ",()@:="):
-        raise FaultSpecError(f"fault {key!r} value {text!r} may not contain , ( ) @ : =")
-    return text
-
-
-def _overrides(path: pathlib.Path, value: Any) -> tuple[str, ...]:
-    if isinstance(value, Mapping):
-        items = []
-        for k, v in value.items():
-            if isinstance(v, (Mapping, list)):
-                raise FaultSpecError(f"{path}: override {k!r} must be a scalar, got {v!r}")
-            items.append(f"{k}={'true' if v is True else 'false' if v is False else '' if v is None else v}")
-        return tuple(items)
-    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
-        return tuple(value)
-    raise FaultSpecError(f"{path}: scenario key 'overrides' must be a mapping (or a list of key=value), got {value!r}")
-
-
-def _seconds(path: pathlib.Path, key: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = parse_duration(str(value)) if not isinstance(value, bool) else -1.0
-    except FaultSpecError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise FaultSpecError(f"{path}: scenario key {key!r} must be a positive number of seconds, got {value!r}")
-    return seconds

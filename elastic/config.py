@@ -14,6 +14,9 @@ Contract:
   ``overrides`` it came from. Nothing is read from the environment.
 * The launcher calls :func:`load_config` once; anything that receives
   ``Config.to_dict()`` rebuilds the same config with :func:`config_from_dict`.
+* Where each key goes (controller options, the trainer, the bundled model) is
+  declared in one place, :mod:`elastic.options`; a key added here without a
+  place there fails that module's import.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import operator
 import pathlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
+
+from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 __all__ = [
     "Config",
@@ -44,8 +50,16 @@ class ConfigError(ValueError):
     """A config file, dict or override is invalid; the message names the key and source."""
 
 
-def _key(default: Any, *, ge: float | None = None, gt: float | None = None) -> Any:
-    return field(default=default, metadata={"ge": ge, "gt": gt})
+def _key(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+         unit: str = "") -> Any:
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "unit": unit})
+
+
+# A chunk is one gRPC message and the runtime caps messages at 64 MiB; below 4 KiB the
+# per-message overhead dominates a transfer. Workers refuse chunk sizes outside these
+# bounds (runtime.collective), so the config refuses them first, naming the key.
+
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,8 @@ class Config:
     elastic_dispatch_depth: int = _key(2, ge=1)  # steps in flight
     elastic_rpc_timeout_seconds: float = _key(120.0, gt=0)
     elastic_register_timeout_seconds: float = _key(120.0, gt=0)
-    elastic_chunk_bytes: int = _key(4194304, ge=1024)
-    elastic_enabled: bool = _key(True)
+    elastic_chunk_bytes: int = _key(DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, unit=" bytes")
+    elastic_enabled: bool = _key(True)  # false: no recovery, a lost worker fails the run (plain SPMD)
     elastic_spares: int = _key(0, ge=0)  # warmed spare slices launched beside the active ones
     elastic_min_slice_count: int = _key(1, ge=1)  # shrink no further than this
     elastic_timeout_seconds: float = _key(60.0, gt=0)  # wait for capacity below the minimum
@@ -247,12 +261,13 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
         return f"{key!r} ({values[key]!r}{', in ' + sources[key] if key in sources else ''})"
 
     for name, f in _FIELDS.items():
-        ge, gt = f.metadata["ge"], f.metadata["gt"]
         value = values[name]
-        if (ge is not None and not value >= ge) or (gt is not None and not value > gt):
-            bound = f">= {ge}" if ge is not None else f"> {gt}"
+        bounds = [(op, f.metadata[k]) for op, k in ((">=", "ge"), (">", "gt"), ("<=", "le"))
+                  if f.metadata[k] is not None]
+        if not all(_COMPARE[op](value, limit) for op, limit in bounds):
+            limits = " and ".join(f"{op} {limit}{f.metadata['unit']}" for op, limit in bounds)
             where = f" (in {sources[name]})" if name in sources else ""
-            raise ConfigError(f"config key {name!r} must be {bound}, got {value!r}{where}")
+            raise ConfigError(f"config key {name!r} must be {limits}, got {value!r}{where}")
     if values["base_emb_dim"] % values["base_num_query_heads"]:
         raise ConfigError(
             f"config keys {at('base_emb_dim')} and {at('base_num_query_heads')} contradict: "
@@ -279,6 +294,23 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
             f"config keys {at('elastic_min_slice_count')} and {at('dcn_data_parallelism')} contradict: "
             "the minimum slice count cannot exceed the slice count"
         )
+    if not values["elastic_enabled"]:
+        for key in _RECOVERY_KEYS:
+            if values[key] != _DEFAULTS[key] and values[key] != _no_recovery_value(key, values):
+                raise ConfigError(f"config keys {at('elastic_enabled')} and {at(key)} contradict: "
+                                  f"{key} steers recovery and elastic_enabled=false turns recovery off "
+                                  f"(a lost worker fails the run); drop {key} or enable elastic training")
+
+
+# Keys that only steer recovery. With elastic_enabled=false each keeps its default
+# (ignored) or the value that already means "no recovery"; anything else is a contradiction.
+_RECOVERY_KEYS = ("elastic_spares", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
+                  "elastic_relaunch", "elastic_replace_stragglers")
+
+
+def _no_recovery_value(key: str, values: Mapping[str, Any]) -> Any:
+    return {"elastic_spares": 0, "elastic_min_slice_count": values["dcn_data_parallelism"],
+            "elastic_max_retries": 0, "elastic_relaunch": False, "elastic_replace_stragglers": False}.get(key)
 
 
 def _next_power_of_two(n: int) -> int:

@@ -1,9 +1,11 @@
 """The user API: ``Trainer`` (loss + optax optimizer) and ``wrap`` (a fused step).
 
 Both turn user code into the runtime's three programs (see
-:mod:`elastic._programs`) and run them with :class:`runtime.controller.Controller`
+:mod:`elastic._programs`) and run them with :class:`runtime.Controller`
 on local workers, or in one process with ``reference=True``. Each run writes a
-run directory: ``events.jsonl`` and ``report.json``.
+run directory: ``events.jsonl`` and ``report.json``. What the run takes from
+the Config comes from :mod:`elastic.options` only: ``controller_options`` for
+the controller, ``run_settings`` for the trainer itself.
 """
 
 from __future__ import annotations
@@ -19,12 +21,9 @@ import optax
 
 from elastic import _programs, marker
 from elastic.config import Config
+from elastic.options import RunSettings, controller_options, run_settings
 from elastic.report import render_run
-from runtime import ElasticError, ProgramExportError, ProgramSet
-from runtime.controller import Controller, ControllerOptions, peak_rss_bytes
-from runtime.auth import TlsFiles
-from runtime.events import EventLog
-from runtime.reference import run_reference
+from runtime import Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, peak_rss_bytes, run_reference
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
 
@@ -38,6 +37,11 @@ class _Job:
     def _build(self) -> ProgramSet:
         raise NotImplementedError
 
+    @property
+    def settings(self) -> RunSettings:
+        """What this job reads from ``config`` for itself (steps, seed, microbatches, mesh, run directory)."""
+        return run_settings(self.config)
+
     def programs(self) -> ProgramSet:
         if getattr(self, "_programs", None) is None:
             self._programs = self._build()
@@ -46,8 +50,9 @@ class _Job:
     def run_dir(self) -> pathlib.Path:
         """``<base_output_directory>/<run_name>``; an unnamed run is named by its start time, once."""
         if getattr(self, "_run_dir", None) is None:
-            name = self.config.run_name or time.strftime("run-%Y%m%d-%H%M%S")
-            self._run_dir = pathlib.Path(self.config.base_output_directory) / name
+            settings = self.settings
+            name = settings.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+            self._run_dir = pathlib.Path(settings.base_output_directory) / name
         return self._run_dir
 
     def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None,
@@ -56,7 +61,7 @@ class _Job:
 
         ``reference=True`` runs the canonical math in this process (it needs
         ``devices_per_slice`` local devices) instead of on workers.
-        ``observer``: a :class:`runtime.controller.ControllerObserver` (the chaos
+        ``observer``: a :class:`runtime.ControllerObserver` (the chaos
         harness) told about commits and transfers. ``max_seconds``: stop
         dispatching after this long of training and finish at the last
         committed step (soak runs).
@@ -65,7 +70,7 @@ class _Job:
         ``report.html`` whether the run finishes or fails; a failed run
         records ``run_failed`` and the error propagates.
         """
-        cfg = self.config
+        cfg, settings = self.config, self.settings
         run_dir = self.run_dir()
         run_dir.mkdir(parents=True, exist_ok=True)
         events_path = run_dir / "events.jsonl"
@@ -75,7 +80,7 @@ class _Job:
         try:
             t0 = time.time()
             events.emit("job_started", mode="reference" if reference else "distributed", config=cfg.to_dict(),
-                        global_batch_size=cfg.global_batch_size, microbatches=cfg.microbatches)
+                        global_batch_size=cfg.global_batch_size, microbatches=settings.microbatches)
             programs = self.programs()
             events.emit("programs_built", seconds=time.time() - t0,
                         program_bytes={k: len(v) for k, v in programs.programs().items()},
@@ -83,28 +88,11 @@ class _Job:
             if reference:
                 self._fit_reference(programs, events, on_step)
             else:
-                opts = ControllerOptions(slices=cfg.slices, devices_per_slice=cfg.devices_per_slice,
-                                         run_dir=str(run_dir), rpc_timeout_seconds=cfg.elastic_rpc_timeout_seconds,
-                                         register_timeout_seconds=cfg.elastic_register_timeout_seconds,
-                                         dispatch_depth=cfg.elastic_dispatch_depth, spares=cfg.elastic_spares,
-                                         min_slices=cfg.elastic_min_slice_count,
-                                         max_retries=cfg.elastic_max_retries,
-                                         heartbeat_seconds=cfg.elastic_heartbeat_seconds,
-                                         lease_seconds=cfg.elastic_lease_seconds,
-                                         probe_retries=cfg.elastic_probe_retries,
-                                         relaunch=cfg.elastic_relaunch,
-                                         worker_lease_seconds=cfg.elastic_worker_lease_seconds,
-                                         capacity_timeout_seconds=cfg.elastic_timeout_seconds,
-                                         straggler_factor=cfg.elastic_straggler_factor,
-                                         straggler_patience=cfg.elastic_straggler_patience,
-                                         replace_stragglers=cfg.elastic_replace_stragglers,
-                                         watchdog_factor=cfg.elastic_step_watchdog_factor,
-                                         watchdog_min_seconds=cfg.elastic_step_watchdog_min_seconds,
-                                         chaos=cfg.elastic_chaos, tls=_tls(cfg))
+                opts = controller_options(cfg, run_dir)
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     if observer is not None:
                         ctl.observer = observer
-                    ctl.train(cfg.steps, cfg.seed, on_step=on_step, max_seconds=max_seconds)
+                    ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
         except ElasticError as e:
             events.emit("run_failed", error=f"{type(e).__name__}: {e}")
             raise
@@ -114,18 +102,19 @@ class _Job:
         return report
 
     def _fit_reference(self, programs, events, on_step):
-        cfg = self.config
+        settings = self.settings
         t0 = time.time()
-        events.emit("run_started", run_id="reference", slices=0, devices_per_slice=cfg.devices_per_slice,
-                    microbatches=programs.num_microbatches, steps=cfg.steps)
+        events.emit("run_started", run_id="reference", slices=0, devices_per_slice=settings.devices_per_slice,
+                    microbatches=programs.num_microbatches, steps=settings.steps)
 
         def step_done(step, loss):
             events.emit("step_committed", step=step, epoch=0, loss=loss)
             if on_step is not None:
                 on_step(step, loss)
 
-        losses, digest = run_reference(programs, self.data, steps=cfg.steps, seed=cfg.seed, on_step=step_done)
-        events.emit("state_initialized", seed=cfg.seed, state_bytes=programs.state_bytes)
+        losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
+                                       on_step=step_done)
+        events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
         events.emit("run_finished", steps_completed=len(losses), final_state_sha256=digest,
                     replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
                     client_peak_rss_bytes=peak_rss_bytes())
@@ -158,8 +147,8 @@ class Trainer(_Job):
             return optax.apply_updates(params, updates), opt_state
 
         return _programs.build_programs(init_state=init_state, grad_fn=grad_fn, apply_fn=apply_fn,
-                                        batch_spec=_spec(self.data), devices_per_slice=self.config.devices_per_slice,
-                                        num_microbatches=self.config.microbatches)
+                                        batch_spec=_spec(self.data), devices_per_slice=self.settings.devices_per_slice,
+                                        num_microbatches=self.settings.microbatches)
 
 
 class WrappedStep(_Job):
@@ -193,20 +182,13 @@ class WrappedStep(_Job):
 
         _check_apply_ignores_batch(step, self.init_state, spec)
         return _programs.build_programs(init_state=self.init_state, grad_fn=grad_fn, apply_fn=apply_fn,
-                                        batch_spec=spec, devices_per_slice=self.config.devices_per_slice,
-                                        num_microbatches=self.config.microbatches)
+                                        batch_spec=spec, devices_per_slice=self.settings.devices_per_slice,
+                                        num_microbatches=self.settings.microbatches)
 
 
 def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:
     """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``."""
     return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key)
-
-
-def _tls(cfg: Config) -> TlsFiles | None:
-    if not cfg.elastic_tls_cert_file:
-        return None
-    files = (cfg.elastic_tls_cert_file, cfg.elastic_tls_key_file, cfg.elastic_tls_ca_file)
-    return TlsFiles(*(str(pathlib.Path(f).resolve()) for f in files))   # workers run elsewhere (cwd)
 
 
 def _spec(data) -> dict:

@@ -18,7 +18,8 @@ from runtime.errors import (
     WorkerLostError,
 )
 from runtime.events import EventLog, read_events
-from runtime.fault_injection import ACTIONS as FAULT_ACTIONS
+from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from runtime.fault_injection import ACTIONS as FAULT_ACTIONS, PHASES as FAULT_PHASES
 from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
 from runtime.programs import MESH_AXIS, ProgramSet
 
@@ -32,7 +33,7 @@ def run_reference(*args, **kwargs):
 
 def worker_main(argv=None) -> None:
     """The worker process's entry point (``elastic worker``); imports JAX, so set ``XLA_FLAGS`` first."""
-    from runtime.worker import main
+    from runtime.worker_process import main
 
     main(argv)
 
@@ -44,7 +45,11 @@ __all__ = [
     "ElasticError",
     "ElasticTrainingFailedError",
     "EventLog",
+    "DEFAULT_CHUNK_BYTES",
     "FAULT_ACTIONS",
+    "FAULT_PHASES",
+    "MAX_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
     "MESH_AXIS",
     "Node",
     "ProgramExportError",

@@ -1,6 +1,6 @@
-"""Deterministic cross-slice reduction, peer to peer over gRPC streams.
+"""Deterministic cross-slice reduction, peer to peer over message streams.
 
-Reduce-scatter then all-gather of the flat gradient:
+Reduce-scatter then all-gather of the flat gradient (:class:`AllReduce`):
 
 1. The flat vector of P elements is cut into one contiguous chunk per rank.
 2. Every rank streams, to each chunk owner, its subtree partials restricted to
@@ -10,9 +10,14 @@ Reduce-scatter then all-gather of the flat gradient:
    microbatch ids, not on who combines or how many ranks there are.
 4. Every owner streams its reduced chunk to every other rank.
 
+The transport is an argument: a blocking ``send(address, messages, deadline)``
+and the :class:`Mailbox` the receiving side drops complete streams into. The
+worker wires gRPC to both (``Push``); tests wire them in memory.
+
 Messages are checked: fence, sender, expected subtrees, sizes and a CRC32 per
-chunk. A bad message raises :class:`ProtocolError`; a missing one raises
-:class:`StepAbortedError` when the deadline passes.
+chunk. A bad message raises :class:`ProtocolError` where it is received; a
+missing one raises :class:`StepAbortedError` when the deadline passes; a
+well-formed piece of the wrong shape raises :class:`StepAbortedError`.
 """
 
 from __future__ import annotations
@@ -20,17 +25,44 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError, StepAbortedError
-from runtime.microbatch import Node
+from runtime.microbatch import Node, tree_reduce
 
-__all__ = ["Mailbox", "chunk_bounds", "pieces", "state_chunks", "assemble_state", "REDUCE_SCATTER", "ALL_GATHER"]
+__all__ = ["AllReduce", "Mailbox", "Send", "chunk_bounds", "checked_chunk_bytes", "pieces", "state_chunks",
+           "assemble_state", "REDUCE_SCATTER", "ALL_GATHER", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES",
+           "MAX_CHUNK_BYTES"]
 
 REDUCE_SCATTER, ALL_GATHER = 0, 1
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES = 4 << 10    # smaller chunks only multiply per-message overhead
+MAX_CHUNK_BYTES = 32 << 20   # half of rpc.MAX_MESSAGE: a chunk and its header always fit in one message
+
+Send = Callable[[str, Iterator[pb.TensorChunk], float], None]
+"""``send(address, messages, deadline)``: streams ``messages`` to the peer at
+``address`` and returns once it accepted them all; blocks at most until the
+``time.monotonic()`` deadline; raises :class:`StepAbortedError` on failure."""
+
+
+def checked_chunk_bytes(requested: int) -> int:
+    """The chunk size to stream with: ``requested`` bytes, or the default for 0.
+
+    Called by the worker's ``Load``. Raises :class:`ProtocolError` (the
+    caller sees INVALID_ARGUMENT) naming ``chunk_bytes`` when it is negative
+    or outside ``[MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]``.
+    """
+    if requested == 0:
+        return DEFAULT_CHUNK_BYTES
+    if not MIN_CHUNK_BYTES <= requested <= MAX_CHUNK_BYTES:
+        raise ProtocolError(f"chunk_bytes={requested} is out of range: use 0 for the default "
+                            f"({DEFAULT_CHUNK_BYTES} bytes) or a value in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+    return requested
 
 
 def chunk_bounds(size: int, ranks: int) -> list[tuple[int, int]]:
@@ -137,6 +169,110 @@ class Mailbox:
                     raise StepAbortedError(step, f"no {('reduce-scatter', 'all-gather')[phase]} data "
                                                  f"from ranks {missing} before the deadline")
                 self._cond.wait(left)
+
+
+def _nothing() -> None:
+    return None
+
+
+class AllReduce:
+    """One worker's side of the reduce-scatter + all-gather, over a transport it is given.
+
+    Built once per worker with the transport: ``send`` (a blocking push to a
+    peer) and the ``mailbox`` its own receiving side fills. Called by the
+    worker's step thread, one step at a time. Pushes to the peers overlap on a
+    small thread pool of blocking calls: a future per call inside the
+    transport (gRPC futures) cost about 5 ms a step.
+
+    To abort a step from another thread, the owner sets a newer epoch on the
+    mailbox (its waits raise at once) and makes pushes in flight fail (the
+    worker closes their channels); :meth:`run` then raises
+    :class:`StepAbortedError`.
+    """
+
+    def __init__(self, send: Send, mailbox: Mailbox, add: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                 max_pushes: int = 16):
+        """``add`` is the one float32 addition every rank uses (:func:`runtime.executor.add_f32`)."""
+        self.mailbox = mailbox
+        self._send = send
+        self._add = add
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_pushes, thread_name_prefix="push")
+
+    def close(self) -> None:
+        """Stops the push threads once the pushes in flight returned."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def run(self, partials: Mapping[Node, np.ndarray], *, fence: pb.Fence, step: int, rank: int,
+            peers: Mapping[int, str], owners: Mapping[Node, int], top: Node, chunk_bytes: int,
+            deadline: float, between_phases: Callable[[], None] = _nothing) -> tuple[np.ndarray, int]:
+        """Returns (the canonical tree sum over ``top`` of every rank's partials, bytes this rank sent).
+
+        ``partials``: this rank's subtree sums, equal-length float32 vectors.
+        ``peers``: rank -> address for every rank of the step (0..n-1, this one
+        included); ``owners``: every subtree of the step -> the rank that
+        contributes it. ``between_phases`` runs after this rank's chunk is
+        reduced and before the all-gather (chaos: a kill mid-reduction).
+
+        Raises :class:`StepAbortedError` when a peer's data is missing at
+        ``deadline``, has the wrong subtrees or sizes, a push fails, or the
+        mailbox moved past ``fence.epoch`` (abort). The result is bit-identical
+        to ``tree_reduce`` of all partials in one place, whatever ``n``.
+        """
+        n = len(peers)
+        if n == 1:
+            return tree_reduce(partials, top, self._add), 0
+        size = next(iter(partials.values())).size
+        bounds = chunk_bounds(size, n)
+        others = [(r, address) for r, address in peers.items() if r != rank]
+        senders = {r for r, _ in others}
+        expected = {r: {node for node, o in owners.items() if o == r} for r in range(n)}
+
+        def stream(phase, to_rank, items):
+            lo, hi = bounds[to_rank]
+            for node, vec in items:
+                yield from pieces(fence, step, phase, rank, node, vec[lo:hi] if phase == REDUCE_SCATTER else vec,
+                                  chunk_bytes)
+
+        # Reduce-scatter: every peer gets our partials cut to its chunk; we get theirs for ours.
+        sent = 0
+        sends = []
+        for r, address in others:
+            lo, hi = bounds[r]
+            sent += 4 * (hi - lo) * len(partials)
+            sends.append(self._pool.submit(self._send, address, stream(REDUCE_SCATTER, r, partials.items()),
+                                           deadline))
+        got = self.mailbox.wait(fence.epoch, step, REDUCE_SCATTER, senders, deadline)
+        lo, hi = bounds[rank]
+        mine = {node: vec[lo:hi] for node, vec in partials.items()}
+        for r, nodes in got.items():
+            if set(nodes) != expected[r]:
+                raise StepAbortedError(step, f"rank {r} sent subtrees {sorted(nodes)}, expected {sorted(expected[r])}")
+            for node, vec in nodes.items():
+                if vec.size != hi - lo:
+                    raise StepAbortedError(step, f"rank {r} sent {vec.size} elements for a chunk of {hi - lo}")
+            mine.update(nodes)
+        reduced = tree_reduce(mine, top, self._add)
+        for f in sends:
+            f.result()
+        between_phases()
+
+        # All-gather: our reduced chunk to every peer; theirs into the full vector.
+        sends = []
+        for r, address in others:
+            sent += 4 * reduced.size
+            sends.append(self._pool.submit(self._send, address, stream(ALL_GATHER, r, [(top, reduced)]), deadline))
+        gathered = self.mailbox.wait(fence.epoch, step, ALL_GATHER, senders, deadline)
+        out = np.empty(size, dtype=np.float32)
+        out[lo:hi] = reduced
+        for r, nodes in gathered.items():
+            rlo, rhi = bounds[r]
+            vec = nodes.get(top)
+            if vec is None or vec.size != rhi - rlo:
+                raise StepAbortedError(step, f"rank {r} sent a malformed all-gather chunk")
+            out[rlo:rhi] = vec
+        for f in sends:
+            f.result()
+        return out, sent
 
 
 def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int) -> Iterator[pb.StateChunk]:

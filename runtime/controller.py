@@ -219,8 +219,7 @@ class Controller:
     def begin(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> None:
         """Sets up a run without starting it; :meth:`advance` then moves it one transition at a time."""
         self._run = dict(steps=steps, seed=seed, on_step=on_step, max_seconds=max_seconds, t0=time.time(),
-                         deadline=time.monotonic() + max_seconds if max_seconds else None, next_step=0,
-                         state_bytes=0)
+                         deadline=None, next_step=0, state_bytes=0)
         self.phase = Phase.STARTING
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
                          devices_per_slice=self.opts.devices_per_slice, spares=self.opts.spares,
@@ -274,6 +273,8 @@ class Controller:
         self.replicas = set(self.placement.active)
         self.events.emit("state_initialized", seed=seed, state_bytes=self._run["state_bytes"])
         self.last_commit = time.monotonic()
+        if self._run["max_seconds"]:   # counted from the first step, not from launch
+            self._run["deadline"] = self.last_commit + self._run["max_seconds"]
         return Phase.RUNNING
 
     # -- RUNNING ---------------------------------------------------------------

@@ -22,15 +22,22 @@ import grpc
 
 from runtime.auth import handler_like
 
-__all__ = ["FaultInjector", "PartitionInterceptor", "ACTIONS"]
+__all__ = ["WorkerFaults", "PartitionInterceptor", "ACTIONS", "PHASES"]
 
+# The worker-side action vocabulary, exported as ``runtime.FAULT_ACTIONS``: the
+# chaos harness maps its fault kinds onto these; ``Chaos`` refuses anything else.
 ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_receive_state",
            "hang_on_send_state", "kill_in_phase", "clear")
-PHASES = ("grad", "reduce", "apply")
+PHASES = ("grad", "reduce", "apply")   # where ``kill_in_phase`` may strike, in step order
 
 
-class FaultInjector:
-    """The faults armed on one worker. Thread-safe; every method is cheap when nothing is armed."""
+class WorkerFaults:
+    """The faults armed on one worker. Thread-safe; every method is cheap when nothing is armed.
+
+    Armed by the worker's ``Chaos`` handler (:meth:`arm`); consulted by the
+    worker at fixed points of its paths (the other methods). When to arm
+    what is the chaos harness's decision, not this class's.
+    """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -47,7 +54,12 @@ class FaultInjector:
         self._kill_in_phase: str | None = None
 
     def arm(self, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "") -> None:
-        """Arms one fault; ``ValueError`` for an unknown action or bad numbers."""
+        """Arms one fault (one of :data:`ACTIONS`; ``clear`` disarms all).
+
+        Raises ``PermissionError`` when chaos is off on this worker, and
+        ``ValueError`` for an unknown action, a phase not in :data:`PHASES`
+        or bad numbers.
+        """
         if not self.enabled:
             raise PermissionError("fault injection is off on this worker (start it with chaos enabled)")
         if action not in ACTIONS:
@@ -126,22 +138,22 @@ class PartitionInterceptor(grpc.ServerInterceptor):
     every call that gets through (the worker's lease on its controller).
     """
 
-    def __init__(self, injector: FaultInjector, on_call=None):
-        self._injector = injector
+    def __init__(self, faults: WorkerFaults, on_call=None):
+        self._faults = faults
         self._on_call = on_call
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        if not self._injector.partitioned():
+        if not self._faults.partitioned():
             if self._on_call is not None:
                 self._on_call(handler_call_details.method)
             return handler
-        injector = self._injector
+        faults = self._faults
 
         def drop(_request, context):
-            left = injector.partitioned()
+            left = faults.partitioned()
             remaining = context.time_remaining()
             time.sleep(min(left, remaining if remaining is not None else left, 5.0))
             context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (chaos)")

@@ -14,7 +14,7 @@ __all__ = ["LocalLauncher"]
 
 
 class LocalLauncher:
-    """Launches ``python -m runtime.worker`` children with N simulated devices each."""
+    """Launches ``python -m runtime.worker_process`` children with N simulated devices each."""
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None):
@@ -45,7 +45,7 @@ class LocalLauncher:
         paths = [root] + [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         log = open(os.path.join(self.log_dir, f"worker-{worker_id}.log"), "ab")
-        cmd = [sys.executable, "-m", "runtime.worker", "--controller", self.controller_address,
+        cmd = [sys.executable, "-m", "runtime.worker_process", "--controller", self.controller_address,
                "--run-id", self.run_id, "--worker-id", worker_id, "--exit-with-parent"]
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
@@ -57,10 +57,6 @@ class LocalLauncher:
         p = self.procs.get(worker_id)
         if p is not None and p.poll() is None:
             p.kill()
-
-    def alive(self, worker_id: str) -> bool:
-        p = self.procs.get(worker_id)
-        return p is not None and p.poll() is None
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """Terminates every child, then kills what is left after ``timeout``."""

@@ -241,6 +241,9 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     """
     dead, replicas = frozenset(dead), frozenset(replicas)
     if recoveries > max_retries:
+        if max_retries == 0:
+            return RecoveryDecision(Action.FAIL, placement, "recovery is off (elastic_max_retries=0, or "
+                                                            "elastic_enabled=false): a lost worker ends the run")
         return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries")
     spares = [s for s in placement.spares if s not in dead]
     active, replaced, dropped = [], 0, 0

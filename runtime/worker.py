@@ -1,9 +1,11 @@
-"""The worker: one process per host, serving gRPC, owning its JAX devices.
+"""The worker's gRPC service: one per process, owning its JAX devices.
 
-Started by a launcher (or by hand with ``elastic worker``). It registers with
-the controller, then receives programs and a data source, initializes its
-replica of the state, and runs steps: local gradients over its subtrees of
-microbatches, the peer-to-peer reduction, then the optimizer update.
+Started by :mod:`runtime.worker_process` (the process entry point), which
+registers it with the controller. It receives programs and a data source,
+initializes its replica of the state, and runs steps: local gradients over
+its subtrees of microbatches, the peer-to-peer reduction
+(:class:`runtime.collective.AllReduce` over ``Push`` streams), then the
+optimizer update.
 
 Contract: steps run strictly in order; a ``Step`` request for step ``s+1``
 that arrives early waits (bounded) for step ``s`` to finish, so the controller
@@ -14,39 +16,82 @@ Set ``XLA_FLAGS`` (device count) before this module is imported.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import logging
-import os
 import pickle
-import socket
-import sys
 import threading
 import time
-import uuid
-from concurrent import futures
 
 import grpc
 import jax
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime import auth, rpc
+from runtime import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import ALL_GATHER, REDUCE_SCATTER, Mailbox, assemble_state, chunk_bounds, pieces, state_chunks
+from runtime.collective import (DEFAULT_CHUNK_BYTES, AllReduce, Mailbox, assemble_state, checked_chunk_bytes,
+                                state_chunks)
 from runtime.errors import StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32
-from runtime.fault_injection import FaultInjector, PartitionInterceptor
-from runtime.microbatch import Node, root, tree_reduce
+from runtime.fault_injection import WorkerFaults
+from runtime.microbatch import Node, root
 from runtime.programs import ProgramSet
 
-__all__ = ["WorkerService", "serve", "main"]
+__all__ = ["WorkerService", "probe_devices"]
 
 log = logging.getLogger("jax_elastic.worker")
 
 
 def _node(n: pb.Node) -> Node:
     return Node(n.level, n.index)
+
+
+class _PeerChannels:
+    """Channels to peer workers, one per address, opened on first use. Thread-safe.
+
+    Counts the pushes in flight per address, so that an abort closes exactly
+    the channels a step may be blocked on: closing a channel cancels its calls
+    at once (a blocking push to a hung peer would otherwise wait until the
+    step deadline); the next call to that address opens a new channel.
+    """
+
+    def __init__(self, secret: str, tls):
+        self._secret = secret
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
+        self._pushing: dict[str, int] = {}   # address -> pushes in flight to it
+
+    def stub(self, address: str) -> pb_grpc.WorkerStub:
+        with self._lock:
+            return self._stub(address)
+
+    @contextlib.contextmanager
+    def pushing(self, address: str):
+        """The stub for ``address``, with a push to it counted in flight while the block runs."""
+        with self._lock:
+            stub = self._stub(address)
+            self._pushing[address] = self._pushing.get(address, 0) + 1
+        try:
+            yield stub
+        finally:
+            with self._lock:
+                self._pushing[address] -= 1
+
+    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+        entry = self._open.get(address)
+        if entry is None:
+            ch = rpc.channel(address, self._secret, self._tls)
+            entry = self._open[address] = (ch, pb_grpc.WorkerStub(ch))
+        return entry[1]
+
+    def close_pushing(self) -> None:
+        """Closes the channels with pushes in flight; those pushes raise ``ValueError`` or CANCELLED."""
+        with self._lock:
+            for address in [a for a, n in self._pushing.items() if n]:
+                entry = self._open.pop(address, None)
+                if entry is not None:
+                    entry[0].close()
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -67,20 +112,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.step_timeout = step_timeout
         self.executor: SliceExecutor | None = None
         self.mailbox = Mailbox()
-        self.chunk_bytes = 4 << 20
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES  # set by Load
         self.next_step = 0
         self._running = False
         self._recent: dict[int, float] = {}   # step -> loss sum, last few applied
         self._cond = threading.Condition()
-        self._peers: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
-        self._send_pool = futures.ThreadPoolExecutor(max_workers=16)
+        self._peers = _PeerChannels(secret, tls)
+        self.collective = AllReduce(self._push, self.mailbox, add_f32)
         self.stopped = threading.Event()
-        self.faults = FaultInjector(chaos)
+        self.faults = WorkerFaults(chaos)
         self.tls = tls
         self.lease = 0.0                      # seconds without the controller before fencing; 0: off
         self.last_contact = time.monotonic()
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
-        self._outgoing: dict[str, int] = {}   # peer address -> pushes in flight to it
         self.progress = (-1, "idle", time.monotonic())
 
     # -- fencing -------------------------------------------------------------
@@ -108,7 +152,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- the worker's lease on its controller ---------------------------------
 
     CONTROLLER_METHODS = ("Load", "Init", "Step", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
-                          "Chaos", "/grpc.health.v1.Health/Check")
+                          "Chaos", "Progress", "/grpc.health.v1.Health/Check")
 
     def heard(self, method: str) -> None:
         """Any call from the controller (not from a peer) renews the lease."""
@@ -118,8 +162,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     def lease_lapsed(self) -> bool:
         """Fences this worker when the controller has been silent longer than the lease.
 
-        Called periodically by :func:`serve`. A fenced worker refuses all work
-        and wakes a step waiting on peers; it never serves this run again.
+        Called periodically by :func:`runtime.worker_process.serve`. A fenced
+        worker refuses all work and wakes a step waiting on peers; it never
+        serves this run again.
         """
         if not self.lease or self.fenced:
             return bool(self.fenced)
@@ -135,20 +180,22 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _abort_step(self, epoch: int) -> None:
         """With ``_cond`` held: a step waiting on peers or on a push gives up now."""
         self.mailbox.set_epoch(epoch)
-        # A push to a hung peer would block until the step deadline: closing
-        # the channel cancels its calls (the next push opens a new channel).
-        # Blocking calls, not futures, on the hot path: futures cost ~5 ms a step.
-        for address in [a for a, n in self._outgoing.items() if n]:
-            entry = self._peers.pop(address, None)
-            if entry is not None:
-                entry[0].close()
+        # Pushes are blocking calls, not futures (futures cost ~5 ms a step):
+        # to stop one, close its channel.
+        self._peers.close_pushing()
         self._cond.notify_all()
 
     # -- control RPCs --------------------------------------------------------
 
     def Load(self, request, context):
+        """Controller: programs, data source, lease and chunk size for this run; probes the devices.
+
+        Refuses (INVALID_ARGUMENT) a ``chunk_bytes`` out of range before any
+        work; a failed compile or probe leaves the previous load in place.
+        """
         def load():
             self.check_fence(request.fence)
+            chunk_bytes = checked_chunk_bytes(request.chunk_bytes)
             programs = ProgramSet.from_parts({p.name: p.serialized for p in request.programs}, request.layout)
             source = pickle.loads(request.data_source)
             executor = SliceExecutor(programs, source)
@@ -157,6 +204,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             probe_seconds = time.perf_counter() - t0
             compile_seconds = executor.load()
             self.executor = executor
+            self.chunk_bytes = chunk_bytes
             self.lease = max(request.lease_seconds, 0.0)
             self.last_contact = time.monotonic()
             return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
@@ -253,7 +301,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             self._need_executor()
             t0 = time.perf_counter()
-            stream = self._stub(request.source_address).GetState(
+            stream = self._peers.stub(request.source_address).GetState(
                 pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
                 timeout=self.step_timeout)
             try:
@@ -299,14 +347,6 @@ class WorkerService(pb_grpc.WorkerServicer):
                               sha256=ex.state_sha256() if has else "",
                               recent=[pb.StepLoss(step=k, loss_sum=v) for k, v in sorted(self._recent.items())])
 
-    def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        with self._cond:
-            entry = self._peers.get(address)
-            if entry is None:
-                ch = rpc.channel(address, self.secret, self.tls)
-                entry = self._peers[address] = (ch, pb_grpc.WorkerStub(ch))
-            return entry[1]
-
     # -- the step ------------------------------------------------------------
 
     def _step(self, req: pb.StepRequest) -> pb.StepReply:
@@ -350,7 +390,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
         t1 = time.perf_counter()
         self._phase(req.step, "reduce")
-        total, sent = self._all_reduce(req, vecs, epoch, deadline)
+        total, sent = self.collective.run(
+            vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p.address for p in req.peers},
+            owners={_node(nd): o for nd, o in zip(req.all_nodes, req.node_owner)},
+            top=root(ex.programs.num_microbatches), chunk_bytes=self.chunk_bytes, deadline=deadline,
+            between_phases=lambda: self.faults.in_phase("reduce"))
         t2 = time.perf_counter()
         self._phase(req.step, "apply")
         with self._cond:
@@ -366,80 +410,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent)
 
-    def _send(self, address: str, messages, deadline: float) -> None:
+    def _push(self, address: str, messages, deadline: float) -> None:
+        """The collective's transport: one blocking ``Push`` stream to a peer (with the chaos faults)."""
         if self.faults.partitioned():
             raise StepAbortedError(-1, f"push to {address} failed: partitioned (chaos)")
         if self.faults.take_corruption():
             messages = _corrupt_first(messages)
-        with self._cond:
-            stub = self._stub(address)
-            self._outgoing[address] = self._outgoing.get(address, 0) + 1
-        try:
-            stub.Push(messages, timeout=max(deadline - time.monotonic(), 0.001))
-        except grpc.RpcError as e:
-            raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
-        except ValueError as e:   # the channel was closed by an abort
-            raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None
-        finally:
-            with self._cond:
-                self._outgoing[address] -= 1
-
-    def _all_reduce(self, req: pb.StepRequest, partials: dict[Node, np.ndarray], epoch: int, deadline: float):
-        """Reduce-scatter + all-gather; returns (canonical sum, bytes sent)."""
-        n = len(req.peers)
-        size = self.executor.programs.grad_size + 1
-        top = root(self.executor.programs.num_microbatches)
-        if n == 1:
-            return tree_reduce(partials, top, add_f32), 0
-        bounds = chunk_bounds(size, n)
-        me = req.rank
-        others = [p for p in req.peers if p.rank != me]
-        expected = {r: {_node(nd) for nd, o in zip(req.all_nodes, req.node_owner) if o == r} for r in range(n)}
-
-        def stream(phase, rank, items):
-            lo, hi = bounds[rank]
-            for node, vec in items:
-                yield from pieces(req.fence, req.step, phase, me, node, vec[lo:hi] if phase == REDUCE_SCATTER
-                                  else vec, self.chunk_bytes)
-
-        sent = 0
-        sends = []
-        for p in others:
-            lo, hi = bounds[p.rank]
-            sent += 4 * (hi - lo) * len(partials)
-            sends.append(self._send_pool.submit(self._send, p.address,
-                                                stream(REDUCE_SCATTER, p.rank, partials.items()), deadline))
-        got = self.mailbox.wait(epoch, req.step, REDUCE_SCATTER, {p.rank for p in others}, deadline)
-        lo, hi = bounds[me]
-        mine = {node: vec[lo:hi] for node, vec in partials.items()}
-        for r, nodes in got.items():
-            if set(nodes) != expected[r]:
-                raise StepAbortedError(req.step, f"rank {r} sent subtrees {sorted(nodes)}, expected {sorted(expected[r])}")
-            for node, vec in nodes.items():
-                if vec.size != hi - lo:
-                    raise StepAbortedError(req.step, f"rank {r} sent {vec.size} elements for a chunk of {hi - lo}")
-            mine.update(nodes)
-        reduced = tree_reduce(mine, top, add_f32)
-        for f in sends:
-            f.result()
-        self.faults.in_phase("reduce")
-        sends = []
-        for p in others:
-            sent += 4 * reduced.size
-            sends.append(self._send_pool.submit(self._send, p.address,
-                                                stream(ALL_GATHER, p.rank, [(top, reduced)]), deadline))
-        gathered = self.mailbox.wait(epoch, req.step, ALL_GATHER, {p.rank for p in others}, deadline)
-        out = np.empty(size, dtype=np.float32)
-        out[lo:hi] = reduced
-        for r, nodes in gathered.items():
-            rlo, rhi = bounds[r]
-            vec = nodes.get(top)
-            if vec is None or vec.size != rhi - rlo:
-                raise StepAbortedError(req.step, f"rank {r} sent a malformed all-gather chunk")
-            out[rlo:rhi] = vec
-        for f in sends:
-            f.result()
-        return out, sent
+        with self._peers.pushing(address) as stub:
+            try:
+                stub.Push(messages, timeout=max(deadline - time.monotonic(), 0.001))
+            except grpc.RpcError as e:
+                raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
+            except ValueError as e:   # the channel was closed by an abort
+                raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None
 
 
 def _mid_stream(chunks, hook):
@@ -472,93 +455,3 @@ def probe_devices() -> int:
             raise RuntimeError(f"device probe failed on {d}: computed {got}, expected 240.0")
         n += 1
     return n
-
-
-def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
-          register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "",
-          chaos: bool = False, tls=None) -> int:
-    """Runs a worker until told to shut down, its parent dies, or it fences itself.
-
-    Returns the process exit status: 0 after a shutdown, 3 after fencing
-    itself (it lost the controller's lease and was refused when it asked to
-    come back: the run has moved on without it).
-    """
-    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls)
-    server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
-                                    interceptors=[PartitionInterceptor(service.faults, service.heard)])
-    pb_grpc.add_WorkerServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    server.start()
-    address = f"{host}:{bound}"
-    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
-    devices = jax.devices()
-
-    def register(rejoin: bool) -> pb.RegisterReply:
-        return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
-                                                num_devices=len(devices), platform=devices[0].platform,
-                                                pid=os.getpid(), rejoin=rejoin),
-                             timeout=register_timeout, wait_for_ready=True)
-
-    reply = register(False)
-    if not reply.accepted:
-        server.stop(0)
-        raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
-    log.info("worker %s serving on %s with %d %s devices", worker_id, address, len(devices), devices[0].platform)
-    status = 0
-    while not service.stopped.wait(0.2):
-        if parent_pid is not None and os.getppid() != parent_pid:
-            log.warning("parent process %d is gone; exiting", parent_pid)
-            break
-        if service.lease_lapsed():
-            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            status = 3
-            reply = _rejoin(service, register, register_timeout)
-            log.warning("asked to rejoin after fencing: %s", reply)
-            if reply is None or not reply.accepted:
-                break
-    server.stop(grace=1.0)
-    return status
-
-
-def _rejoin(service: WorkerService, register, timeout: float):
-    """A fenced worker asks the controller to take it back (it will be refused while the run lives)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not service.faults.partitioned():
-            try:
-                return register(True)
-            except grpc.RpcError as e:
-                log.warning("rejoin failed: %s", e.code().name)
-        time.sleep(0.5)
-    return None
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="elastic worker", description="Run a jax-elastic worker.")
-    ap.add_argument("--controller", required=True, help="HOST:PORT of the controller")
-    ap.add_argument("--run-id", required=True)
-    ap.add_argument("--worker-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
-    ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
-                    help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
-    for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
-        ap.add_argument(f"--tls-{name}", default=os.environ.get(env, ""),
-                        help=f"PEM {name} file for mutual TLS (default: ${env})")
-    ap.add_argument("--secret", default=None,
-                    help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
-    args = ap.parse_args(argv)
-    secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
-                   parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret, chaos=args.chaos,
-                   tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
-    sys.exit(status)
-
-
-if __name__ == "__main__":
-    main()

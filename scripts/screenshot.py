@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from elastic.report_html import ChromiumError, chromium_screenshot, write_html  # noqa: E402
+from elastic.report import ChromiumError, build_report, chromium_screenshot, write_html  # noqa: E402
+from runtime import read_events  # noqa: E402
 
 
 def ensure_html(run_dir: pathlib.Path) -> pathlib.Path:
@@ -25,9 +26,6 @@ def ensure_html(run_dir: pathlib.Path) -> pathlib.Path:
     html_path = run_dir / "report.html"
     if html_path.exists():
         return html_path
-    from elastic.report import build_report
-    from runtime.events import read_events
-
     events = read_events(run_dir / "events.jsonl")
     report_path = run_dir / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else build_report(events)

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
+from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
-from chaos.spec import (Fault, FaultSpecError, Scenario, Target, When, load_scenario, parse_duration,
-                        parse_faults, validate)
+from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate
 from elastic.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -113,6 +113,21 @@ def test_validate_rejects_kill_save_and_hand_built_nonsense():
         validate([Fault("kill", Target("random"), When(step=1, time=2.0))])
     with pytest.raises(FaultSpecError, match="target slice needs an integer >= 0, got -1"):
         validate([Fault("kill", Target("slice", -1), When(step=1))])
+
+
+def test_one_fault_vocabulary_from_the_grammar_to_the_report():
+    """Every kind a run can be faulted with is drawn by random schedules, injected (the injector checks
+    its table against the grammar and runtime.FAULT_ACTIONS at import) and folded into a failure kind."""
+    import chaos.injector  # noqa: F401  (its import-time check is part of this test)
+    from chaos.schedule import DEFAULT_KINDS
+    from chaos.spec import INJECTABLE_KINDS, KINDS
+    from elastic.report.fold import FAILURE_KIND_OF_FAULT
+
+    assert set(INJECTABLE_KINDS) <= set(KINDS) and DEFAULT_KINDS == INJECTABLE_KINDS
+    assert set(FAILURE_KIND_OF_FAULT) == set(INJECTABLE_KINDS)
+    for kind in set(KINDS) - set(INJECTABLE_KINDS):
+        with pytest.raises(FaultSpecError, match=kind):
+            validate(parse_faults(f"{kind}@step=1"))
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)

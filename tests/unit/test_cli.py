@@ -18,3 +18,35 @@ def test_bad_input_is_one_line_naming_the_problem(cli, args, needle):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("elastic: error:") and needle in lines[0], lines[0]
+
+
+def test_chaos_is_a_plugged_in_command(cli):
+    """`elastic` finds `chaos` through the `elastic.commands` entry points; elastic never imports chaos."""
+    from importlib.metadata import entry_points
+
+    assert [ep.value for ep in entry_points(group="elastic.commands") if ep.name == "chaos"] == ["chaos.cli:register"]
+    proc, _ = cli("--help")
+    assert proc.returncode == 0 and "chaos" in proc.stdout and "run a config under injected faults" in proc.stdout
+    proc, _ = cli("chaos", "tiny", "--faults", "kill:slise=1@step=3", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "elastic: error: fault 1 'kill:slise=1@step=3': unknown target 'slise' "
+        "(expected slice, worker, role, random, all, everything)"]
+
+
+def test_a_broken_plugin_is_one_warning_and_the_builtin_commands_still_work(monkeypatch, capsys):
+    from importlib.metadata import EntryPoint
+
+    import elastic.cli
+
+    broken = [EntryPoint(name="broken", value="no_such_module_for_elastic:register", group="elastic.commands"),
+              EntryPoint(name="chaos", value="chaos.cli:register", group="elastic.commands")]
+    monkeypatch.setattr(elastic.cli, "entry_points", lambda group: broken if group == "elastic.commands" else [])
+    assert elastic.cli.main(["run", "tiny", "stpes=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("elastic: warning: command 'broken'") and "ModuleNotFoundError" in err[0]
+    assert err[1].startswith("elastic: error: unknown config key 'stpes'")
+    with pytest.raises(SystemExit):
+        elastic.cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "chaos" in out and "broken" not in out

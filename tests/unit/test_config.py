@@ -193,7 +193,10 @@ def test_str_key_accepts_scalars(tmp_path):
         ("steps=0", r"^config key 'steps' must be >= 1, got 0 \(in overrides\)$"),
         ("warmup_steps=-1", r"'warmup_steps' must be >= 0, got -1"),
         ("learning_rate=0", r"'learning_rate' must be > 0, got 0.0"),
-        ("elastic_chunk_bytes=1023", r"'elastic_chunk_bytes' must be >= 1024"),
+        ("elastic_chunk_bytes=4095", r"^config key 'elastic_chunk_bytes' must be >= 4096 bytes and <= 33554432 "
+                                     r"bytes, got 4095 \(in overrides\)$"),
+        ("elastic_chunk_bytes=0", r"'elastic_chunk_bytes' must be >= 4096 bytes"),
+        ("elastic_chunk_bytes=33554433", r"'elastic_chunk_bytes' must be >= 4096 bytes and <= 33554432 bytes"),
         ("elastic_rpc_timeout_seconds=0", r"'elastic_rpc_timeout_seconds' must be > 0"),
         ("elastic_microbatches=-2", r"'elastic_microbatches' must be >= 0"),
     ],
@@ -210,6 +213,49 @@ def test_contradictory_heads_and_width_names_both_keys():
     msg = assert_one_line(err)
     assert "'base_emb_dim' (33, in overrides)" in msg
     assert "'base_num_query_heads' (2, in " in msg and "tiny.yml" in msg
+
+
+def test_chunk_bytes_bounds_are_inclusive():
+    assert load_config("base", ["elastic_chunk_bytes=4096"]).elastic_chunk_bytes == 4096
+    assert load_config("base", ["elastic_chunk_bytes=33554432"]).elastic_chunk_bytes == 33554432
+
+
+# --------------------------------------------------------------------------- elastic_enabled
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["elastic_spares=1", "elastic_max_retries=3", "elastic_min_slice_count=2", "elastic_timeout_seconds=5",
+     "elastic_replace_stragglers=true"],
+)
+def test_recovery_keys_contradict_elastic_disabled(override):
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["elastic_enabled=false", override])
+    msg = assert_one_line(err)
+    assert msg.startswith(f"config keys 'elastic_enabled' (False, in overrides) and '{key}' (")
+    assert "contradict" in msg and "turns recovery off" in msg
+
+
+def test_contradiction_with_elastic_disabled_names_the_file(tmp_path):
+    path = write(tmp_path, "c.yml", "base_config: " + str(builtin_config_path("tiny")) + "\nelastic_spares: 2\n")
+    with pytest.raises(ConfigError, match=r"'elastic_spares' \(2, in .*c\.yml\)"):
+        load_config(path, ["elastic_enabled=false"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["elastic_max_retries=0"], ["elastic_relaunch=false"], ["elastic_min_slice_count=4"],
+     ["elastic_max_retries=0", "elastic_relaunch=false", "elastic_min_slice_count=4", "elastic_spares=0"]],
+)
+def test_defaults_and_no_recovery_values_agree_with_elastic_disabled(overrides):
+    assert load_config("tiny", ["elastic_enabled=false", *overrides]).elastic_enabled is False
+
+
+def test_replace_checks_the_contradiction_too():
+    cfg = load_config("tiny", ["elastic_spares=1"])
+    with pytest.raises(ConfigError, match="'elastic_enabled' .* and 'elastic_spares' .* contradict"):
+        cfg.replace(elastic_enabled=False)
 
 
 # --------------------------------------------------------------------------- microbatches

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from elastic.goodput import BADPUT_LABELS, LABELS, goodput, intervals
+from elastic.report import BADPUT_LABELS, LABELS, goodput, intervals
 
 
 def ev(t, kind, **fields):

@@ -1,4 +1,13 @@
-"""Package layering and generated code stay as documented."""
+"""Package layering and generated code stay as documented (DESIGN.md, "Layout").
+
+Imports flow one way, with no exceptions: ``runtime`` imports none of the
+others; ``elastic -> runtime``; ``chaos -> elastic, runtime``;
+``integrations -> elastic, runtime``; the report package ``elastic/report/``
+sits below its users and imports only ``runtime`` and itself. Outside
+``runtime/``, code uses ``runtime`` only through what its ``__init__`` exports
+(``from runtime import X``), never ``runtime.<module>``; tests are exempt.
+Every import counts, including the ones inside functions.
+"""
 
 import ast
 import filecmp
@@ -13,31 +22,94 @@ ALLOWED = {
     "chaos": {"runtime", "elastic"},
     "integrations": {"elastic", "runtime"},
 }
+REPORT = "elastic.report"
+# Code outside runtime/ that must use only runtime's public surface (tests are exempt).
+PUBLIC_USERS = ("elastic", "chaos", "integrations", "benchmarks", "scripts")
 
 
-def imported_packages(path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+def package_of(path: pathlib.Path) -> str:
+    """The package a file's relative imports start from."""
+    parts = path.relative_to(ROOT).parts[:-1]
+    return ".".join(parts)
+
+
+def imports(source: str, package: str):
+    """``(module, names)`` for every import in ``source`` (a file of ``package``): the absolute module
+    imported and, for ``from M import a, b``, the names taken from it (None for ``import M``)."""
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            yield from (a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module.split(".")[0]
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:
+                parts = package.split(".")
+                module = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            yield module, tuple(a.name for a in node.names)
 
 
-# The command line is the top of the stack: `elastic chaos` drives the chaos package.
-EXCEPTIONS = {("elastic/cli.py", "chaos")}
+def file_imports(path: pathlib.Path):
+    return imports(path.read_text(), package_of(path))
+
+
+def py_files(*dirs):
+    for d in dirs:
+        yield from sorted((ROOT / d).rglob("*.py"))
+
+
+def rel(f):
+    return str(f.relative_to(ROOT))
 
 
 def test_imports_flow_one_way():
     bad = []
     for pkg, allowed in ALLOWED.items():
-        for f in (ROOT / pkg).rglob("*.py"):
-            for mod in imported_packages(f):
-                if (str(f.relative_to(ROOT)), mod) in EXCEPTIONS:
-                    continue
-                if mod in ALLOWED and mod != pkg and mod not in allowed:
-                    bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+        for f in py_files(pkg):
+            for module, _ in file_imports(f):
+                top = module.split(".")[0]
+                if top in ALLOWED and top != pkg and top not in allowed:
+                    bad.append(f"{rel(f)} imports {module}")
     assert not bad, bad
+
+
+def test_the_report_package_imports_only_runtime_and_itself():
+    bad = []
+    for f in py_files("elastic/report"):
+        for module, names in file_imports(f):
+            if module.split(".")[0] not in ALLOWED:
+                continue   # the standard library, third-party packages
+            if module in ("runtime", REPORT) or module.startswith(REPORT + "."):
+                continue
+            if module == "elastic" and names is not None and set(names) <= {"report"}:
+                continue
+            bad.append(f"{rel(f)} imports {module}" + (f" ({', '.join(names)})" if names else ""))
+    assert not bad, bad
+
+
+def test_nothing_outside_runtime_reaches_into_its_modules():
+    tree = ast.parse((ROOT / "runtime/__init__.py").read_text())
+    [exported] = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)]
+    bad = []
+    for f in py_files(*PUBLIC_USERS):
+        for module, names in file_imports(f):
+            if module.startswith("runtime."):
+                bad.append(f"{rel(f)} imports {module}")
+            elif module == "runtime":
+                bad += [f"{rel(f)} imports runtime.{n} (not in runtime.__all__)" for n in names or () if n not in exported]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "runtime"
+                    and node.attr not in exported):
+                bad.append(f"{rel(f)} uses runtime.{node.attr} (not in runtime.__all__)")
+    assert not bad, bad
+
+
+def test_imports_are_resolved_wherever_they_are_written():
+    src = ("import runtime.controller\nfrom runtime import worker\nfrom ..config import X\nfrom . import fold\n"
+           "def f():\n    from chaos.spec import KINDS\n")
+    assert list(imports(src, "elastic.report")) == [
+        ("runtime.controller", None), ("runtime", ("worker",)), ("elastic.config", ("X",)),
+        ("elastic.report", ("fold",)), ("chaos.spec", ("KINDS",))]
 
 
 def test_generated_protos_match_the_proto_file(tmp_path):
@@ -47,13 +119,3 @@ def test_generated_protos_match_the_proto_file(tmp_path):
     for name in ("elastic_pb2.py", "elastic_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / name, ROOT / "runtime/_proto" / name, shallow=False), (
             f"runtime/_proto/{name} is stale: run scripts/gen_protos.sh")
-
-
-def test_report_counts_a_recommitted_step_as_lost():
-    from elastic.report import build_report
-
-    events = [{"t": 0.0, "kind": "step_committed", "step": 0, "loss": 2.0},
-              {"t": 1.0, "kind": "step_committed", "step": 1, "loss": 1.5},
-              {"t": 2.0, "kind": "step_committed", "step": 1, "loss": 1.5}]
-    report = build_report(events)
-    assert report["steps_completed"] == 2 and report["steps_lost"] == 1 and report["losses"] == [2.0, 1.5]

@@ -71,6 +71,7 @@ RECOVERY_CASES = [
     (("a", "b", "c"), ALL, 1, 1, 5, False, Action.FAIL, ("s", "t"), (), "every active slice is gone"),
     (("a", "b", "c"), ALL, 1, 1, 5, True, Action.FAIL, ("s", "t"), (), "no live replica"),
     (("b",), ALL, 1, 6, 5, False, Action.FAIL, ("a", "b", "c"), ("s", "t"), "gave up after 5 recoveries"),
+    (("b",), ALL, 1, 1, 0, False, Action.FAIL, ("a", "b", "c"), ("s", "t"), "recovery is off"),
     # a promoted spare that never received the state is alive but no replica: with the only replica dead, fail
     (("a",), {"a"}, 1, 1, 5, False, Action.FAIL, ("s", "b", "c"), ("t",), "hold no copy of the state"),
     (("a",), {"a", "c"}, 1, 1, 5, False, Action.REPLACE, ("s", "b", "c"), ("t",), "spares replace"),

@@ -9,9 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from elastic.goodput import goodput
-from elastic.report_html import CHROMIUM, chromium_dom, chromium_screenshot, render_html, write_html
-from elastic.summary import summary_text
+from elastic.report import CHROMIUM, chromium_dom, chromium_screenshot, goodput, render_html, summary_text, write_html
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())

@@ -2,20 +2,19 @@
 
 :func:`build_report` is a pure function of the event log, so a report can
 always be re-rendered from the log alone. Field meanings are documented in
-``docs/report.md``.
+``docs/report.md``. Injected faults are folded by the ``fault_kind`` their
+``fault_injected``/``fault_skipped`` events recorded; this module knows
+nothing of the chaos package that emits them.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 
-from elastic.goodput import goodput
-from elastic.report_html import write_html
-from runtime.events import read_events
+from elastic.report.goodput import goodput
+from runtime import read_events
 
-__all__ = ["build_report", "write_report", "render_run", "REPORT_VERSION"]
+__all__ = ["FAILURE_KIND_OF_FAULT", "REPORT_VERSION", "build_report"]
 
 REPORT_VERSION = 1
 
@@ -104,6 +103,8 @@ def build_report(events_or_path) -> dict:
             failure["path"] = e["action"]
             if e["action"] != "wait":
                 report["slices_at_end"] = len(e["active"])
+        elif kind == "checkpoint_restored":
+            report["checkpoint_restores"] += 1
         elif kind == "recovered" and report["failures"]:
             # A failure during a recovery (say, the transfer source died) is
             # recovered by the same, final recovery.
@@ -145,8 +146,10 @@ def build_report(events_or_path) -> dict:
     return report
 
 
-_FAILURE_KINDS = {"kill": "crash", "hang": "hang", "partition": "partition", "corrupt": "corrupt",
-                  "straggle": "straggler"}
+# The failure kind a fault causes, by the ``fault_kind`` its event recorded. A
+# kind missing here leaves the failure's kind as the worker deaths said.
+FAILURE_KIND_OF_FAULT = {"kill": "crash", "hang": "hang", "partition": "partition", "corrupt": "corrupt",
+                         "straggle": "straggler"}
 
 
 def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_first: float) -> None:
@@ -183,28 +186,6 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
                          bytes_moved=f["bytes_moved"])
             if f["recovered_after_s"] is not None:
                 fault["recovered_after_s"] = f["detected_at"] + f["recovered_after_s"] - fault["injected_at"]
-            f["kind"] = _FAILURE_KINDS.get(fault["kind"], f["kind"])
+            f["kind"] = FAILURE_KIND_OF_FAULT.get(fault["kind"], f["kind"])
             f["detected_after_s"] = fault["detected_after_s"]
             break
-
-
-def render_run(run_dir) -> dict:
-    """Folds ``run_dir/events.jsonl`` into ``report.json`` and ``report.html``; returns the report.
-
-    Every writer of a run's reports goes through here (the trainer at the end
-    of a run, the chaos harness after its verdict, ``elastic report``).
-    """
-    events = read_events(pathlib.Path(run_dir) / "events.jsonl")
-    report = build_report(events)
-    write_report(run_dir, report)
-    write_html(run_dir, report, events)
-    return report
-
-
-def write_report(run_dir, report: dict) -> pathlib.Path:
-    """Writes ``report.json`` atomically (temp file + rename)."""
-    path = pathlib.Path(run_dir) / "report.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path

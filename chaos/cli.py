@@ -1,0 +1,69 @@
+"""``elastic chaos``: run a config under injected faults and judge it against a fault-free run.
+
+Plugged into the ``elastic`` command through the ``elastic.commands`` entry
+point (``chaos = "chaos.cli:register"`` in ``pyproject.toml``); the
+contract is in :mod:`elastic.cli`. Exit status: 0 when the verdict is
+"pass", 1 when it is "fail" (so it can gate CI), 2 for bad input (one line,
+``elastic: error: ...``). Loading this module imports neither JAX nor the
+runtime: the handler sets the device count first.
+"""
+
+from __future__ import annotations
+
+from elastic.cli_support import bundled_trainer, finish, progress, set_device_count, usage_error
+from elastic.config import load_config
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    """Adds the ``chaos`` subcommand to the ``elastic`` command's subparsers."""
+    ch = subparsers.add_parser("chaos", help="run a config under injected faults and judge it against a fault-free run")
+    ch.add_argument("config", nargs="?", help="YAML config file or bundled name (or take it from --scenario)")
+    ch.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    ch.add_argument("--faults", help="fault list, e.g. 'kill@step=10,hang(resume=3s):slice=2@step=20'")
+    ch.add_argument("--scenario", help="scenario YAML file (e.g. chaos/scenarios/kill-three.yml)")
+    ch.add_argument("--mtbf", help="soak mode: mean time between random faults (e.g. 20s)")
+    ch.add_argument("--duration", help="soak mode: stop training after this long (e.g. 5m)")
+    ch.add_argument("--seed", type=int, default=None, help="seed of random targets and schedules")
+    ch.add_argument("--quiet", action="store_true", help="no progress bar")
+    ch.set_defaults(handler=_cmd_chaos, takes_overrides=True)
+
+
+def _cmd_chaos(args) -> int:
+    from chaos.harness import ChaosOptions, run_chaos
+    from chaos.scenario import load_scenario
+    from chaos.spec import FaultSpecError, parse_duration, parse_faults
+
+    if args.config and "=" in args.config:
+        args.overrides.insert(0, args.config)   # `elastic chaos --scenario F steps=9`
+        args.config = None
+    try:
+        scenario = load_scenario(args.scenario) if args.scenario else None
+        config = args.config or (scenario.config if scenario else None)
+        if config is None:
+            raise FaultSpecError("give a CONFIG or --scenario FILE")
+        overrides = list(scenario.overrides if scenario else ()) + args.overrides
+        faults = list(scenario.faults if scenario else ()) + (parse_faults(args.faults) if args.faults else [])
+        mtbf = parse_duration(args.mtbf) if args.mtbf else (scenario.mtbf_seconds if scenario else None)
+        duration = parse_duration(args.duration) if args.duration else (scenario.duration_seconds if scenario else None)
+        if duration and not mtbf:
+            raise FaultSpecError("--duration needs --mtbf (soak mode draws random faults)")
+        if not faults and not mtbf:
+            raise FaultSpecError("no faults: give --faults SPEC, --scenario FILE or --mtbf/--duration")
+    except ValueError as e:   # FaultSpecError, bad durations
+        return usage_error(str(e))
+    cfg = load_config(config, overrides)
+    set_device_count(cfg.devices_per_slice)   # the reference runs in this process
+    seed = args.seed if args.seed is not None else (scenario.seed if scenario else 0)
+    options = ChaosOptions(faults=tuple(faults), seed=seed, mtbf_seconds=mtbf, duration_seconds=duration,
+                           scenario=scenario.name if scenario else None)
+    with progress(cfg.steps, args.quiet) as on_step:
+        try:
+            report, run_dir = run_chaos(bundled_trainer, cfg, options, on_step=on_step)
+        except ValueError as e:
+            return usage_error(str(e))
+    finish(report, run_dir, args.quiet)
+    if scenario is not None and scenario.expect != "pass":
+        print(f"scenario {scenario.name!r} expects the verdict {scenario.expect!r}: got {report['verdict']!r}")
+    return 0 if report["verdict"] == "pass" else 1   # the exit status is the verdict, so it can gate CI

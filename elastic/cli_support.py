@@ -1,0 +1,80 @@
+"""Helpers shared by the ``elastic`` subcommands: the built-in ones (:mod:`elastic.cli`) and the
+ones other packages plug in through the ``elastic.commands`` entry points (``chaos``).
+
+The conventions they keep: bad input prints one line, ``elastic: error: ...``,
+and exits with status 2; simulated CPU devices are set before JAX starts;
+a finished run prints its summary and the path of its ``report.html``.
+Nothing here imports JAX at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+__all__ = ["OneLineParser", "bundled_trainer", "finish", "progress", "set_device_count", "usage_error"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, ``elastic: error: ...``, and exit status 2."""
+
+    def error(self, message):
+        print(f"elastic: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def usage_error(message: str) -> int:
+    """Prints ``elastic: error: MESSAGE`` to stderr; returns 2, the exit status of bad input."""
+    print(f"elastic: error: {message}", file=sys.stderr)
+    return 2
+
+
+def set_device_count(n: int) -> None:
+    """Simulated host devices for this process; must run before JAX starts."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def bundled_trainer(cfg):
+    """A :class:`elastic.Trainer` for the bundled model of ``cfg`` (Adam, linear warm-up). Imports JAX."""
+    import optax
+
+    from elastic.models import make_model
+    from elastic.trainer import Trainer
+
+    init, loss, data = make_model(cfg)
+    schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps) if cfg.warmup_steps else cfg.learning_rate
+    return Trainer(init=init, loss=loss, optimizer=optax.adam(schedule), data=data, config=cfg)
+
+
+def progress(steps: int, quiet: bool):
+    """A context giving an ``on_step`` callback that drives a rich progress bar (or nothing when quiet)."""
+    if quiet:
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                      TimeElapsedColumn(), transient=False) as progress:
+            task = progress.add_task("train", total=steps, loss="-")
+
+            def on_step(step, loss):
+                progress.update(task, completed=step + 1, loss=f"{loss:.4f}")
+            yield on_step
+    return bar()
+
+
+def finish(report: dict, run_dir, quiet: bool) -> None:
+    """Prints the run's summary (plain text when ``quiet``) and the path of its ``report.html``."""
+    from elastic.report import print_summary, summary_text
+
+    if quiet:
+        print(summary_text(report))
+    else:
+        print_summary(report)
+    print(f"report: {run_dir / 'report.html'}")

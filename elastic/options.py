@@ -1,0 +1,135 @@
+"""Config keys to runtime settings: the one place a :class:`Config` becomes ``ControllerOptions``.
+
+Contract:
+
+* Every key of the :class:`~elastic.config.Config` schema has a place here
+  saying where it goes: copied to a ``ControllerOptions`` field
+  (``_TO_CONTROLLER``), folded with others into one (``_TLS_KEYS`` -> ``tls``;
+  ``elastic_enabled`` -> the recovery fields), or read elsewhere by name
+  (``READ_ELSEWHERE``, which says who reads it). A key may go to the
+  controller and be read elsewhere too. Importing this module checks that the
+  schema and these tables agree and raises ``ImportError`` naming any key
+  without a place, so a key cannot be added and silently dropped.
+* No key is refused today; a key without an effect is removed from the schema.
+* The trainer (client side) calls :func:`controller_options` and
+  :func:`run_settings` once per run and builds its options from nothing
+  else. Both are pure apart from resolving the TLS paths against the current
+  directory (workers run with another one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from elastic.config import Config
+from runtime import ControllerOptions, TlsFiles
+
+__all__ = ["NOT_FROM_CONFIG", "READ_ELSEWHERE", "RunSettings", "controller_options", "run_settings"]
+
+# Config key -> ControllerOptions field, copied as is.
+_TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
+    "dcn_data_parallelism": "slices",
+    "ici_fsdp_parallelism": "devices_per_slice",
+    "elastic_rpc_timeout_seconds": "rpc_timeout_seconds",
+    "elastic_register_timeout_seconds": "register_timeout_seconds",
+    "elastic_dispatch_depth": "dispatch_depth",
+    "elastic_chunk_bytes": "chunk_bytes",
+    "elastic_spares": "spares",
+    "elastic_min_slice_count": "min_slices",
+    "elastic_timeout_seconds": "capacity_timeout_seconds",
+    "elastic_max_retries": "max_retries",
+    "elastic_heartbeat_seconds": "heartbeat_seconds",
+    "elastic_lease_seconds": "lease_seconds",
+    "elastic_probe_retries": "probe_retries",
+    "elastic_relaunch": "relaunch",
+    "elastic_worker_lease_seconds": "worker_lease_seconds",
+    "elastic_straggler_factor": "straggler_factor",
+    "elastic_straggler_patience": "straggler_patience",
+    "elastic_replace_stragglers": "replace_stragglers",
+    "elastic_step_watchdog_factor": "watchdog_factor",
+    "elastic_step_watchdog_min_seconds": "watchdog_min_seconds",
+    "elastic_chaos": "chaos",
+})
+
+_TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
+_ENABLED_KEY = "elastic_enabled"  # false -> the recovery fields below take their "no recovery" values
+
+# Config key -> who reads it, for keys that do not (only) configure the controller.
+READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
+    "run_name": "RunSettings.run_name: the trainer's run directory <base_output_directory>/<run_name>",
+    "base_output_directory": "RunSettings.base_output_directory: the trainer's run directory",
+    "steps": "RunSettings.steps: steps the trainer trains",
+    "seed": "RunSettings.seed: the init program's key; the bundled data (elastic.models.make_model)",
+    "elastic_microbatches": "RunSettings.microbatches: microbatches per step of the trainer's programs",
+    "ici_fsdp_parallelism": "RunSettings.devices_per_slice: the mesh of the trainer's programs",
+    "per_device_batch_size": "Config.microbatch_size: the bundled data (elastic.models.make_model)",
+    "learning_rate": "the bundled model's optimizer (elastic.cli)",
+    "warmup_steps": "the bundled model's optimizer (elastic.cli)",
+    "vocab_size": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "max_target_length": "the bundled model and data (elastic.models)",
+    "base_emb_dim": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "base_num_decoder_layers": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "base_num_query_heads": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "base_mlp_dim": "the bundled model (elastic.models.TransformerConfig.from_config)",
+})
+
+# ControllerOptions fields that no config key sets: the caller's or the launcher's.
+NOT_FROM_CONFIG = frozenset({"run_dir", "run_id", "host", "secret"})
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the trainer reads from a Config for itself (the controller gets :func:`controller_options`)."""
+
+    steps: int
+    seed: int
+    microbatches: int          # M, with elastic_microbatches=0 resolved
+    devices_per_slice: int
+    run_name: str              # empty: the trainer names the run by its start time
+    base_output_directory: str
+
+
+def run_settings(cfg: Config) -> RunSettings:
+    """The trainer's own settings of ``cfg``."""
+    return RunSettings(steps=cfg.steps, seed=cfg.seed, microbatches=cfg.microbatches,
+                       devices_per_slice=cfg.devices_per_slice, run_name=cfg.run_name,
+                       base_output_directory=cfg.base_output_directory)
+
+
+def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOptions:
+    """The ``ControllerOptions`` of ``cfg`` for a run writing to ``run_dir``.
+
+    ``elastic_enabled=false`` means no recovery: a lost worker fails the run
+    as plain SPMD would (no retries, no spares, no relaunch, no shrinking, no
+    waiting for capacity, no straggler replacement). The Config has already
+    refused recovery keys that contradict it, so this only replaces defaults.
+    """
+    opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg),
+                             **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
+    if getattr(cfg, _ENABLED_KEY):
+        return opts
+    return dataclasses.replace(opts, max_retries=0, spares=0, relaunch=False, min_slices=opts.slices,
+                               capacity_timeout_seconds=0.0, replace_stragglers=False)
+
+
+def _tls(cfg: Config) -> TlsFiles | None:
+    files = [getattr(cfg, k) for k in _TLS_KEYS]
+    if not files[0]:
+        return None  # the Config allows all three or none
+    return TlsFiles(*(str(pathlib.Path(f).resolve()) for f in files))  # workers run elsewhere (cwd)
+
+
+def _check_every_key_has_a_place() -> None:
+    schema = {f.name for f in dataclasses.fields(Config)}
+    placed = set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY} | set(READ_ELSEWHERE)
+    if placed != schema:
+        raise ImportError(f"elastic.options and the Config schema disagree: keys without a place here: "
+                          f"{sorted(schema - placed)}; keys here that are not in the schema: "
+                          f"{sorted(placed - schema)}")
+
+
+_check_every_key_has_a_place()

@@ -1,0 +1,238 @@
+"""The SVG pieces of ``report.html``: the timeline, the loss curve and the goodput bar.
+
+Pure functions from events, intervals and numbers to SVG text (inline, no
+scripts); every piece of text is escaped. :mod:`elastic.report.html` lays
+them out on the page.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+__all__ = ["COLORS", "bar_svg", "esc", "first_time", "fmt_seconds", "loss_svg", "timeline_svg"]
+
+
+def esc(x: object) -> str:
+    """``x`` as text safe inside HTML or SVG (``None`` is empty)."""
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def first_time(events: list[dict]) -> float:
+    """When the first event happened (unix seconds); 0.0 for no events."""
+    return min(float(e["t"]) for e in events) if events else 0.0
+
+
+#: Fill colour of each goodput label (bands, bar, legend).
+COLORS = {"productive": "#43a047", "startup": "#1e88e5", "compile": "#8e24aa", "data": "#00897b",
+          "checkpoint_save": "#6d4c41", "checkpoint_restore": "#a1887f", "detection": "#fb8c00",
+          "recovery": "#fdd835", "wasted_progress": "#e53935", "other": "#9e9e9e"}
+_MARKERS = {"fault_injected": "#d32f2f", "failure_detected": "#ef6c00", "recovered": "#2e7d32", "grown": "#2e7d32"}
+
+
+def fmt_seconds(x: float | None) -> str:
+    """Seconds for people: ``—`` for None, ms below one second."""
+    if x is None:
+        return "—"
+    return f"{1000 * x:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
+
+
+def _ticks(lo: float, hi: float, n: int = 8, integer: bool = False) -> list[float]:
+    """Round tick values covering [lo, hi], about ``n`` of them (whole numbers only if ``integer``)."""
+    if hi <= lo:
+        return [lo]
+    raw = max((hi - lo) / n, 1.0) if integer else (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in ((1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _tick_label(v: float) -> str:
+    return f"{v:.0f}" if abs(v - round(v)) < 1e-9 else f"{v:g}"
+
+
+def _text(x: float, y: float, s: object, size: int = 11, anchor: str = "start", fill: str = "#444",
+          extra: str = "") -> str:
+    return (f"<text x='{x:.1f}' y='{y:.1f}' font-size='{size}' text-anchor='{anchor}' fill='{fill}' {extra}>"
+            f"{esc(s)}</text>")
+
+
+def _marker_label(e: dict) -> str:
+    kind = e["kind"]
+    if kind == "fault_injected":
+        what = str(e.get("fault_kind") or e.get("fault") or "")
+        return f"fault #{e.get('index', '?')} {what[:28]}".strip()
+    if kind == "failure_detected":
+        return f"detected: {e.get('worker') or e.get('error', '')}"
+    if kind == "recovered":
+        return f"recovered: {e.get('path', '')}"
+    return f"grown to {len(e.get('active') or [])}"
+
+
+def timeline_svg(events: list[dict], ivs: list, lo: float, hi: float, *, svg_id: str, max_slices: int) -> str:
+    """Steps committed over wall time in [lo, hi] s, goodput bands, fault markers and a slices lane."""
+    t0 = first_time(events)
+    labelled = any(e["kind"] in _MARKERS and lo <= float(e["t"]) - t0 <= hi for e in events)
+    W, L, R, top, ph, rib, gap, sh, bot = 1200, 58, 18, 50 if labelled else 16, 170, 10, 14, 50, 30
+    H = top + ph + rib + gap + sh + bot
+    span = max(hi - lo, 1e-9)
+
+    def x(t: float) -> float:
+        return L + (min(max(t, lo), hi) - lo) / span * (W - L - R)
+
+    commits, seen = [], 0
+    for e in events:
+        if e["kind"] == "step_committed" and int(e.get("step", seen)) >= seen:
+            seen = int(e.get("step", seen)) + 1
+            commits.append((float(e["t"]) - t0, seen, bool(e.get("recovered"))))
+    ymax = max(seen, 1)
+
+    def y(n: float) -> float:
+        return top + ph - n / ymax * ph
+
+    out = [f"<svg id='{svg_id}' viewBox='0 0 {W} {H}' width='100%' role='img' "
+           f"aria-label='committed steps over wall time'>"]
+    for s, e, lab in ivs:
+        if e <= lo or s >= hi:
+            continue
+        out.append(f"<rect x='{x(s):.1f}' y='{top}' width='{max(x(e) - x(s), 0.5):.1f}' height='{ph}' "
+                   f"fill='{COLORS[lab]}' fill-opacity='0.13'><title>{esc(lab)} {esc(fmt_seconds(e - s))}</title></rect>")
+        out.append(f"<rect x='{x(s):.1f}' y='{top + ph}' width='{max(x(e) - x(s), 0.5):.1f}' height='{rib}' "
+                   f"fill='{COLORS[lab]}'/>")
+    for v in _ticks(0, ymax, 5, integer=True):
+        out.append(f"<line x1='{L}' x2='{W - R}' y1='{y(v):.1f}' y2='{y(v):.1f}' stroke='#e3e6ea'/>")
+        out.append(_text(L - 6, y(v) + 4, _tick_label(v), anchor="end"))
+    ybase = top + ph + rib + gap + sh
+    for v in _ticks(lo, hi, 10):
+        out.append(f"<line x1='{x(v):.1f}' x2='{x(v):.1f}' y1='{ybase}' y2='{ybase + 4}' stroke='#888'/>")
+        out.append(_text(x(v), ybase + 17, _tick_label(v), anchor="middle"))
+    out.append(_text(W - R, H - 2, "seconds since run start", anchor="end", fill="#777"))
+    out.append(_text(14, top + ph / 2, "steps committed", anchor="middle",
+                     extra=f"transform='rotate(-90 14 {top + ph / 2})'"))
+    # the committed-steps staircase
+    before = [c for c in commits if c[0] < lo]
+    n = before[-1][1] if before else 0
+    path = [f"M{x(lo):.1f},{y(n):.1f}"]
+    for t, count, _ in commits:
+        if lo <= t <= hi:
+            path.append(f"H{x(t):.1f}V{y(count):.1f}")
+    path.append(f"H{x(min(hi, ivs[-1][1] if ivs else hi)):.1f}")
+    out.append(f"<path d='{''.join(path)}' fill='none' stroke='#1a237e' stroke-width='2'/>")
+    shown = [c for c in commits if lo <= c[0] <= hi]
+    if len(shown) <= 300:
+        out += [f"<circle cx='{x(t):.1f}' cy='{y(c):.1f}' r='{3.2 if rec else 2.2}' "
+                f"fill='{'#2e7d32' if rec else '#1a237e'}'/>" for t, c, rec in shown]
+    # the active-slices lane
+    lane_top = top + ph + rib + gap
+    smax = max(max_slices, *(len(e.get("active") or []) for e in events
+                             if e["kind"] in ("placement", "recovery_decision", "grown")), 1)
+    out.append(f"<rect x='{L}' y='{lane_top}' width='{W - L - R}' height='{sh}' fill='#f7f9fb' stroke='#e3e6ea'/>")
+    out.append(_text(L - 6, lane_top + sh / 2 + 4, "slices", anchor="end"))
+    changes = [(float(e["t"]) - t0, len(e.get("active") or [])) for e in events
+               if e["kind"] in ("placement", "recovery_decision", "grown")]
+    if changes:
+        ys = lambda k: lane_top + sh - 4 - k / smax * (sh - 14)  # noqa: E731
+        cur = 0
+        pts = [f"{x(lo):.1f},{ys(0):.1f}"]
+        for t, k in changes:
+            if t > lo:
+                pts.append(f"{x(t):.1f},{ys(cur):.1f}")
+            pts.append(f"{x(t):.1f},{ys(k):.1f}")
+            if lo <= t <= hi:
+                out.append(_text(x(t) + 3, ys(k) - 3, k, size=10, fill="#0d47a1"))
+            cur = k
+        end = x(ivs[-1][1] if ivs else hi)
+        pts += [f"{end:.1f},{ys(cur):.1f}", f"{end:.1f},{ys(0):.1f}"]
+        out.append(f"<polygon points='{' '.join(pts)}' fill='#90caf9' fill-opacity='0.6' stroke='#1565c0'/>")
+    else:
+        out.append(_text(L + 8, lane_top + sh / 2 + 4, "no slices (reference mode: one process)", fill="#777"))
+    # markers: faults, detections, recoveries; labels in three rows, dropped where they would overlap
+    row_end = [-1e9, -1e9, -1e9]
+    for e in events:
+        color = _MARKERS.get(e["kind"])
+        t = float(e["t"]) - t0
+        if color is None or not lo <= t <= hi:
+            continue
+        xm = x(t)
+        out.append(f"<line x1='{xm:.1f}' x2='{xm:.1f}' y1='{top - 6}' y2='{lane_top + sh}' stroke='{color}' "
+                   f"stroke-width='1.6' stroke-dasharray='5 3'><title>{esc(_marker_label(e))}</title></line>")
+        label = _marker_label(e)
+        width = 6.2 * len(label)
+        row = next((r for r in range(3) if row_end[r] < xm - 2), None)
+        if row is not None:
+            anchor, lx = ("end", xm - 3) if xm + width > W - R else ("start", xm + 3)
+            out.append(_text(lx, 14 + 14 * row, label, size=11, anchor=anchor, fill=color,
+                             extra="font-weight='bold'"))
+            row_end[row] = xm + width + 6 if anchor == "start" else xm + 3
+    out.append("</svg>")
+    return "".join(out)
+
+
+def loss_svg(losses: list[float], ref: list[float] | None, fail_steps: list[int], diverge: int | None, *,
+             svg_id: str) -> str:
+    """Loss per committed step, with the reference run's losses dashed when present."""
+    W, H, L, R, T, B = 580, 270, 52, 12, 12, 40
+    series = [v for v in list(losses) + list(ref or []) if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not series:
+        return f"<svg id='{svg_id}' viewBox='0 0 {W} 60' width='100%'>{_text(10, 30, 'no committed steps')}</svg>"
+    n = max(len(losses), len(ref or []), 2)
+    lo, hi = min(series), max(series)
+    pad = (hi - lo) * 0.08 or 0.5
+    lo, hi = lo - pad, hi + pad
+
+    def x(i: float) -> float:
+        return L + i / (n - 1) * (W - L - R)
+
+    def y(v: float) -> float:
+        return T + (hi - v) / (hi - lo) * (H - T - B)
+
+    out = [f"<svg id='{svg_id}' viewBox='0 0 {W} {H}' width='100%' role='img' aria-label='loss per step'>"]
+    for v in _ticks(lo, hi, 5):
+        out.append(f"<line x1='{L}' x2='{W - R}' y1='{y(v):.1f}' y2='{y(v):.1f}' stroke='#e3e6ea'/>")
+        out.append(_text(L - 6, y(v) + 4, f"{v:.3g}", anchor="end"))
+    for v in _ticks(0, n - 1, 8, integer=True):
+        out.append(_text(x(v), H - B + 16, _tick_label(v), anchor="middle"))
+    out.append(_text(W - R, H - 4, "step", anchor="end", fill="#777"))
+    for s in fail_steps:
+        out.append(f"<line x1='{x(s):.1f}' x2='{x(s):.1f}' y1='{T}' y2='{H - B}' stroke='#ef6c00' "
+                   f"stroke-dasharray='4 3'><title>failure at step {esc(s)}</title></line>")
+    if diverge is not None:
+        out.append(f"<line x1='{x(diverge):.1f}' x2='{x(diverge):.1f}' y1='{T}' y2='{H - B}' stroke='#c62828' "
+                   f"stroke-width='2'/>" + _text(x(diverge) + 4, T + 12, f"diverged at {diverge}", fill="#c62828"))
+
+    def line(vals: list[float], style: str) -> str:
+        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(vals)
+                       if isinstance(v, (int, float)) and math.isfinite(v))
+        return f"<polyline points='{pts}' fill='none' {style}/>"
+
+    if ref:
+        out.append(line(ref, "stroke='#9e9e9e' stroke-width='4' stroke-opacity='0.6'"))
+    out.append(line(losses, "stroke='#1a237e' stroke-width='1.6'"))
+    legend = ([("#1a237e", "this run")] + ([("#9e9e9e", "reference")] if ref else [])
+              + ([("#ef6c00", "failure")] if fail_steps else []))
+    for i, (c, name) in enumerate(legend):
+        lx = W - R - 90 * len(legend) + i * 90
+        out.append(f"<rect x='{lx}' y='{T + 2}' width='14' height='4' fill='{c}'/>" + _text(lx + 18, T + 8, name))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def bar_svg(parts: list[tuple[str, float]], wall: float) -> str:
+    """One horizontal bar split by goodput label, widths proportional to seconds."""
+    W, H = 580, 34
+    out = [f"<svg viewBox='0 0 {W} {H + 6}' width='100%' role='img' aria-label='goodput breakdown'>",
+           f"<rect x='0' y='3' width='{W}' height='{H}' fill='#eceef1' rx='4'/>"]
+    xpos = 0.0
+    for lab, v in parts:
+        w = v / wall * W if wall > 0 else 0.0
+        if w <= 0:
+            continue
+        out.append(f"<rect x='{xpos:.1f}' y='3' width='{w:.1f}' height='{H}' fill='{COLORS[lab]}'>"
+                   f"<title>{esc(lab)} {v:.2f} s</title></rect>")
+        if w > 42:
+            out.append(_text(xpos + w / 2, H / 2 + 7, f"{100 * v / wall:.0f}%", size=12, anchor="middle",
+                             fill="#fff" if lab not in ("recovery", "other") else "#222"))
+        xpos += w
+    out.append("</svg>")
+    return "".join(out)

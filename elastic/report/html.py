@@ -1,0 +1,227 @@
+"""``report.html``: one self-contained page showing a run at a glance.
+
+:func:`render_html` is a pure function of ``report.json`` and
+``events.jsonl``: inline CSS and inline SVG (drawn by
+:mod:`elastic.report.charts`), no JavaScript, no network, no external fonts or
+images, every piece of text escaped. It tolerates fields missing from older
+reports (``.get`` with defaults), runs with no failures, reference-mode runs
+(0 slices) and unfinished runs. :func:`write_html` writes it atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+from elastic.report.charts import COLORS, bar_svg, esc, first_time, fmt_seconds, loss_svg, timeline_svg
+from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, intervals
+
+__all__ = ["render_html", "write_html"]
+
+_CSS = """
+*{box-sizing:border-box}
+body{margin:0;background:#f4f5f7;color:#1f2329;font:14px/1.45 "DejaVu Sans","Liberation Sans",Arial,sans-serif}
+main{max-width:1240px;margin:0 auto;padding:18px 20px 40px}
+h1{font-size:22px;margin:0 0 2px} h2{font-size:16px;margin:0 0 10px}
+.sub{color:#59606b;font-size:13px}
+.card{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:14px 16px;margin-top:14px}
+.row{display:flex;gap:14px} .row>.card{flex:1;min-width:0}
+.banner{border-radius:8px;padding:10px 16px;margin-top:14px;color:#fff;font-weight:bold;font-size:16px}
+.banner ul{margin:4px 0 0;padding-left:20px;font-weight:normal;font-size:13px}
+.pass{background:#2e7d32} .fail{background:#c62828} .warn{background:#8d6e00}
+table{border-collapse:collapse;width:100%;font-size:13px}
+th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eceef1;vertical-align:top}
+th{color:#59606b;font-weight:normal;background:#fafbfc}
+td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
+table.facts td:nth-child(odd){color:#59606b;width:16%} table.facts td:nth-child(even){font-weight:bold}
+code{font:12px "DejaVu Sans Mono",monospace;word-break:break-all}
+.legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12px;color:#444;margin-top:6px}
+.sw{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:4px;vertical-align:-2px}
+.big{font-size:28px;font-weight:bold} .muted{color:#8a919c}
+svg text{font-family:"DejaVu Sans","Liberation Sans",Arial,sans-serif}
+"""
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# -- sections -----------------------------------------------------------------
+
+def _header(report: dict, events: list[dict]) -> str:
+    cfg = report.get("config") or {}
+    mode = report.get("mode") or "unknown"
+    slices = report.get("slices")
+    dps = report.get("devices_per_slice")
+    where = "one process (reference)" if mode == "reference" or slices == 0 else f"{slices} slices × {dps} devices"
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(first_time(events))) if events else "no events"
+    parts = [f"mode <b>{esc(mode)}</b>", f"config <b>{esc(cfg.get('run_name', '?'))}</b>", esc(where),
+             f"{esc(report.get('steps_completed', 0))}/{esc(report.get('steps_requested'))} steps",
+             esc(started)]
+    if report.get("seed") is not None:
+        parts.insert(3, f"seed {esc(report['seed'])}")
+    return (f"<h1>jax-elastic run <code style='font-size:20px'>{esc(report.get('run_id') or '?')}</code></h1>"
+            f"<div class='sub'>{' · '.join(parts)}</div>")
+
+
+def _banner(report: dict) -> str:
+    verdict = report.get("verdict")
+    reasons = report.get("verdict_reasons") or []
+    if verdict in ("pass", "fail"):
+        cls, title = verdict, ("PASS" if verdict == "pass" else "FAIL")
+    elif not report.get("finished", False):
+        cls, title = "fail", "Run did not finish"
+        reasons = [report["failure_reason"]] if report.get("failure_reason") else reasons
+    else:
+        return ""
+    items = "".join(f"<li>{esc(r)}</li>" for r in reasons)
+    return f"<div class='banner {cls}' id='verdict'>{title}{f'<ul>{items}</ul>' if items else ''}</div>"
+
+
+def _facts(report: dict, gp: dict) -> str:
+    exactly = report.get("exactly_once")
+    restores = report.get("checkpoint_restores", 0)
+    rows = [
+        ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
+        ("wall time", fmt_seconds(report.get("wall_seconds") if report.get("wall_seconds") is not None
+                            else gp["wall_seconds"])),
+        ("goodput", f"{100 * gp['goodput_fraction']:.1f} %"),
+        ("failures", str(len(report.get("failures") or []))),
+        ("steps lost", str(report.get("steps_lost", 0))),
+        ("checkpoint restores", str(restores)),
+        ("exactly once", "—" if exactly is None else ("yes" if exactly else "NO")),
+        ("trajectory", report.get("trajectory") or "—"),
+        ("slices at end", "—" if report.get("slices_at_end") is None else str(report["slices_at_end"])),
+        ("state bytes", _fmt_bytes(report.get("state_bytes"))),
+        ("compile (slowest worker)", fmt_seconds(report.get("compile_seconds"))),
+        ("step time (median)", fmt_seconds(report.get("step_seconds_median"))),
+    ]
+    cells = [f"<td>{esc(k)}</td><td>{esc(v)}</td>" for k, v in rows]
+    body = "".join("<tr>" + "".join(cells[i:i + 3]) + "</tr>" for i in range(0, len(cells), 3))
+    sha = report.get("final_state_sha256")
+    body += (f"<tr><td>final state sha256</td><td colspan='5'><code>{esc(sha or '— (not finished)')}</code>"
+             "</td></tr>")
+    return f"<div class='card'><h2>Key facts</h2><table class='facts'>{body}</table></div>"
+
+
+def _legend(labels: list[str]) -> str:
+    items = "".join(f"<span><span class='sw' style='background:{COLORS[lab]}'></span>{esc(lab)}</span>"
+                    for lab in labels)
+    marks = ("<span><span class='sw' style='background:#d32f2f'></span>fault injected</span>"
+             "<span><span class='sw' style='background:#ef6c00'></span>failure detected</span>"
+             "<span><span class='sw' style='background:#2e7d32'></span>recovered / grown</span>")
+    return f"<div class='legend'>{items}{marks}</div>"
+
+
+def _timelines(report: dict, events: list[dict], ivs: list) -> str:
+    if not events:
+        return "<div class='card'><h2>Timeline</h2><p class='muted'>No events.</p></div>"
+    wall = ivs[-1][1] if ivs else 0.0
+    max_slices = max(int(report.get("slices") or 0), 1)
+    out = ["<div class='card'><h2>Timeline: committed steps over wall time</h2>",
+           timeline_svg(events, ivs, 0.0, wall, svg_id="timeline", max_slices=max_slices)]
+    # Start-up and compile often dominate a short run: also show the training window alone.
+    t0 = first_time(events)
+    commits = [float(e["t"]) - t0 for e in events if e["kind"] == "step_committed"]
+    if commits and wall > 0 and (wall - commits[0]) < 0.5 * wall:
+        lo = max(0.0, commits[0] - 0.05 * (wall - commits[0]))
+        out.append("<h2 style='margin-top:12px'>Training window</h2>")
+        out.append(timeline_svg(events, ivs, lo, wall, svg_id="timeline-training", max_slices=max_slices))
+    present = [lab for lab in ("productive",) + BADPUT_LABELS if any(i[2] == lab for i in ivs)]
+    out.append(_legend(present) + "</div>")
+    return "".join(out)
+
+
+def _loss(report: dict) -> str:
+    ref = (report.get("reference") or {}).get("losses")
+    fail_steps = [f.get("step") for f in report.get("failures") or [] if f.get("step") is not None]
+    svg = loss_svg(report.get("losses") or [], ref, fail_steps, report.get("first_diverging_step"), svg_id="loss")
+    return f"<div class='card'><h2>Loss</h2>{svg}</div>"
+
+
+def _goodput(gp: dict) -> str:
+    parts = [("productive", gp["productive_seconds"])] + [(k, v) for k, v in gp["badput_seconds"].items()]
+    wall = gp["wall_seconds"]
+    rows = "".join(
+        f"<tr><td><span class='sw' style='background:{COLORS[k]}'></span>{esc(k)}</td>"
+        f"<td class='num'>{v:.2f}</td><td class='num'>{(100 * v / wall if wall > 0 else 0):.1f}</td></tr>"
+        for k, v in parts if v > 0)
+    zero = [k for k, v in parts if v <= 0]
+    if zero:
+        rows += (f"<tr class='muted'><td colspan='3'>0 s: {esc(', '.join(zero))}</td></tr>")
+    return (f"<div class='card'><h2>Goodput</h2><div><span class='big'>{100 * gp['goodput_fraction']:.1f}%</span>"
+            f" <span class='muted'>productive of {wall:.2f} s wall</span></div>{bar_svg(parts, wall)}"
+            f"<table><tr><th>label</th><th class='num'>seconds</th><th class='num'>%</th></tr>{rows}</table></div>")
+
+
+def _table(title: str, headers: list[str], rows: list[list[object]], empty: str) -> str:
+    if not rows:
+        return f"<div class='card'><h2>{esc(title)}</h2><p class='muted'>{esc(empty)}</p></div>"
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<div class='card'><h2>{esc(title)}</h2><table><tr>{head}</tr>{body}</table></div>"
+
+
+def _failures(report: dict) -> str:
+    rows = [[i, f.get("kind", "—"), f.get("error", ""), ", ".join(f.get("workers") or []) or "—", f.get("step"),
+             fmt_seconds(f.get("detected_at")), fmt_seconds(f.get("detected_after_s")), fmt_seconds(f.get("recovered_after_s")),
+             f.get("path") or "—", _fmt_bytes(f.get("bytes_moved")), f.get("resume_step", "—")]
+            for i, f in enumerate(report.get("failures") or [])]
+    return _table("Failures", ["#", "kind", "error", "workers", "at step", "detected at", "detected after",
+                               "recovered after", "path", "bytes moved", "resumed at"], rows, "No failures.")
+
+
+def _faults(report: dict) -> str:
+    faults = report.get("faults") or []
+    rows = [[f.get("index"), f.get("spec"), f.get("kind"), ", ".join(f.get("workers") or []) or "—",
+             fmt_seconds(f.get("injected_at")), f.get("step", "—"), fmt_seconds(f.get("detected_after_s")),
+             fmt_seconds(f.get("recovered_after_s")), f.get("path") or "—", _fmt_bytes(f.get("bytes_moved")),
+             f.get("skipped") or "—"] for f in faults]
+    chaos = report.get("chaos")
+    title = "Injected faults" + (f" (chaos seed {chaos.get('seed')})" if chaos else "")
+    return _table(title, ["#", "spec", "kind", "workers", "injected at", "at step", "detected after",
+                          "recovered after", "path", "bytes moved", "skipped"], rows, "No faults injected.")
+
+
+def _stragglers(report: dict) -> str:
+    rows = [[s.get("worker"), s.get("step"), fmt_seconds(s.get("seconds")), fmt_seconds(s.get("median_seconds")),
+             s.get("action")] for s in report.get("stragglers") or []]
+    return _table("Stragglers", ["worker", "step", "step time", "median", "action"], rows, "No stragglers.") \
+        if rows else ""
+
+
+# -- public -------------------------------------------------------------------
+
+def render_html(report: dict, events: list[dict]) -> str:
+    """The whole page for one run, as a string; pure (no I/O, no clock).
+
+    ``report`` is ``report.json`` as a dict, ``events`` the parsed
+    ``events.jsonl``. Goodput comes from ``report["goodput"]`` when present,
+    else it is computed from ``events``.
+    """
+    events = sorted(events, key=lambda e: e["t"])
+    ivs = intervals(events)
+    gp = report.get("goodput") or compute_goodput(events)
+    body = "".join([
+        _header(report, events), _banner(report), _facts(report, gp), _timelines(report, events, ivs),
+        f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>",
+        _failures(report), _faults(report), _stragglers(report),
+    ])
+    title = f"jax-elastic run {report.get('run_id') or ''}"
+    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
+            f"<style>{_CSS}</style></head><body><main>{body}</main></body></html>\n")
+
+
+def write_html(run_dir: str | os.PathLike, report: dict, events: list[dict]) -> pathlib.Path:
+    """Writes ``run_dir/report.html`` atomically (temp file + ``os.replace``); returns its path."""
+    path = pathlib.Path(run_dir) / "report.html"
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(render_html(report, events), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,128 @@
+"""The worker process: serves a :class:`runtime.worker.WorkerService` until the run lets it go.
+
+``python -m runtime.worker_process --controller HOST:PORT --run-id RUN`` (what
+:class:`runtime.launcher.LocalLauncher` starts) or ``elastic worker``. Binds
+port 0 unless told otherwise, registers its address with the controller, and
+exits when told to shut down, when its launching parent dies, or when it
+fenced itself and the controller refused to take it back.
+
+Set ``XLA_FLAGS`` (device count) before this module is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+
+import grpc
+import jax
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from runtime import auth, rpc
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.fault_injection import PartitionInterceptor
+from runtime.worker import WorkerService
+
+__all__ = ["serve", "main"]
+
+log = logging.getLogger("jax_elastic.worker")
+
+
+def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
+          register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "",
+          chaos: bool = False, tls=None) -> int:
+    """Runs a worker until told to shut down, its parent dies, or it fences itself.
+
+    Returns the process exit status: 0 after a shutdown, 3 after fencing
+    itself (it lost the controller's lease and was refused when it asked to
+    come back: the run has moved on without it). Raises ``SystemExit`` when
+    the controller refuses the first registration, and ``grpc.RpcError``
+    when it cannot be reached within ``register_timeout`` seconds.
+    """
+    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls)
+    server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
+                                    interceptors=[PartitionInterceptor(service.faults, service.heard)])
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.start()
+    address = f"{host}:{bound}"
+    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
+    devices = jax.devices()
+
+    def register(rejoin: bool) -> pb.RegisterReply:
+        return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
+                                                num_devices=len(devices), platform=devices[0].platform,
+                                                pid=os.getpid(), rejoin=rejoin),
+                             timeout=register_timeout, wait_for_ready=True)
+
+    reply = register(False)
+    if not reply.accepted:
+        server.stop(0)
+        raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
+    log.info("worker %s serving on %s with %d %s devices", worker_id, address, len(devices), devices[0].platform)
+    status = 0
+    while not service.stopped.wait(0.2):
+        if parent_pid is not None and os.getppid() != parent_pid:
+            log.warning("parent process %d is gone; exiting", parent_pid)
+            break
+        if service.lease_lapsed():
+            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            status = 3
+            reply = _rejoin(service, register, register_timeout)
+            log.warning("asked to rejoin after fencing: %s", reply)
+            if reply is None or not reply.accepted:
+                break
+    server.stop(grace=1.0)
+    service.collective.close()
+    return status
+
+
+def _rejoin(service: WorkerService, register, timeout: float):
+    """A fenced worker asks the controller to take it back (it will be refused while the run lives)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not service.faults.partitioned():
+            try:
+                return register(True)
+            except grpc.RpcError as e:
+                log.warning("rejoin failed: %s", e.code().name)
+        time.sleep(0.5)
+    return None
+
+
+def main(argv=None) -> None:
+    """Parses the command line, serves, and exits with :func:`serve`'s status."""
+    ap = argparse.ArgumentParser(prog="elastic worker", description="Run a jax-elastic worker.")
+    ap.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--worker-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
+                    help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
+    for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
+        ap.add_argument(f"--tls-{name}", default=os.environ.get(env, ""),
+                        help=f"PEM {name} file for mutual TLS (default: ${env})")
+    ap.add_argument("--secret", default=None,
+                    help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
+    args = ap.parse_args(argv)
+    secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
+                   parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret, chaos=args.chaos,
+                   tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

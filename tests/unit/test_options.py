@@ -1,0 +1,170 @@
+"""Unit tests for elastic.options: every config key reaches the runtime, or its declared reader."""
+
+import ast
+import dataclasses
+import pathlib
+
+import pytest
+
+from elastic import options
+from elastic.config import Config, load_config
+from elastic.models import TransformerConfig
+from elastic.options import NOT_FROM_CONFIG, READ_ELSEWHERE, controller_options, run_settings
+from runtime import ControllerOptions, TlsFiles
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCHEMA = [f.name for f in dataclasses.fields(Config)]
+ELASTIC_KEYS = [k for k in SCHEMA if k.startswith("elastic_")]
+TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")
+
+
+@pytest.fixture
+def base():
+    return load_config("tiny")  # 4 slices, so slice-count keys have room to move
+
+
+def changed(cfg: Config, key: str, tmp_path) -> dict:
+    """Valid non-default changes of ``cfg`` that move ``key`` (TLS keys move together: all or none)."""
+    if key in TLS_KEYS:
+        files = {k: tmp_path / f"{k}.pem" for k in TLS_KEYS}
+        for path in files.values():
+            path.write_text("-----BEGIN-----\n")
+        return {k: str(p) for k, p in files.items()}
+    value = getattr(cfg, key)
+    if key == "dcn_data_parallelism":
+        return {key: value // 2}  # fewer slices: tiny's elastic_microbatches stays >= slices
+    if isinstance(value, bool):
+        return {key: not value}
+    if isinstance(value, (int, float)):
+        return {key: value * 2 if value else 1}  # doubling keeps powers of two powers of two
+    raise AssertionError(f"no rule to change {key!r} ({value!r}); add one here")
+
+
+# --------------------------------------------------------------------------- every key has a place
+
+
+def test_every_schema_key_has_exactly_the_places_declared():
+    placed = set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY} | set(READ_ELSEWHERE)
+    assert placed == set(SCHEMA)
+
+
+def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
+    monkeypatch.setattr(options, "READ_ELSEWHERE", {k: v for k, v in READ_ELSEWHERE.items() if k != "steps"})
+    with pytest.raises(ImportError, match=r"keys without a place here: \['steps'\]"):
+        options._check_every_key_has_a_place()
+
+
+def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
+    fed = set(options._TO_CONTROLLER.values()) | {"tls"}
+    fields = {f.name for f in dataclasses.fields(ControllerOptions)}
+    assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
+    assert fields - fed == NOT_FROM_CONFIG, (
+        f"ControllerOptions fields no config key sets: {sorted(fields - fed - NOT_FROM_CONFIG)}")
+
+
+def test_only_elastic_options_builds_controller_options():
+    """The trainer (and anything else outside the runtime) gets its options from controller_options."""
+    builders = []
+    for pkg in ("elastic", "chaos", "integrations"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path == ROOT / "elastic/options.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == \
+                        "ControllerOptions":
+                    builders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not builders, builders
+
+
+# --------------------------------------------------------------------------- every elastic_ key has an effect
+
+
+@pytest.mark.parametrize("key", ELASTIC_KEYS)
+def test_every_elastic_key_changes_the_controller_options_or_its_declared_reader(key, base, tmp_path):
+    changes = changed(base, key, tmp_path)
+    cfg = base.replace(**changes)
+    opts_moved = controller_options(cfg, "run") != controller_options(base, "run")
+    settings_moved = run_settings(cfg) != run_settings(base)
+    if key in READ_ELSEWHERE:
+        assert settings_moved, f"{key} is declared read by {READ_ELSEWHERE[key]!r} but run settings ignore it"
+    else:
+        assert opts_moved, f"{key} changes nothing in ControllerOptions and is not declared read elsewhere"
+    assert opts_moved or settings_moved
+
+
+@pytest.mark.parametrize("key", sorted(options._TO_CONTROLLER))
+def test_mapped_keys_arrive_in_their_field(key, base, tmp_path):
+    changes = changed(base, key, tmp_path)
+    opts = controller_options(base.replace(**changes), "run")
+    assert getattr(opts, options._TO_CONTROLLER[key]) == changes[key]
+
+
+def test_chunk_bytes_reaches_the_controller(base):
+    assert controller_options(base, "run").chunk_bytes == 4 << 20
+    assert controller_options(base.replace(elastic_chunk_bytes=65536), "run").chunk_bytes == 65536
+
+
+def test_tls_paths_are_resolved_for_workers_that_run_elsewhere(base, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("c.pem", "k.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    cfg = base.replace(elastic_tls_cert_file="c.pem", elastic_tls_key_file="k.pem", elastic_tls_ca_file="ca.pem")
+    assert controller_options(cfg, "run").tls == TlsFiles(*(str(tmp_path.resolve() / n)
+                                                           for n in ("c.pem", "k.pem", "ca.pem")))
+    assert controller_options(base, "run").tls is None
+
+
+def test_run_dir_is_the_callers(base, tmp_path):
+    assert controller_options(base, tmp_path / "r").run_dir == str(tmp_path / "r")
+
+
+# --------------------------------------------------------------------------- elastic_enabled
+
+
+def test_elastic_disabled_means_no_recovery(base):
+    on = controller_options(base, "run")
+    off = controller_options(base.replace(elastic_enabled=False), "run")
+    assert (off.max_retries, off.spares, off.relaunch, off.min_slices, off.capacity_timeout_seconds,
+            off.replace_stragglers) == (0, 0, False, base.slices, 0.0, False)
+    recovery = {"max_retries", "spares", "relaunch", "min_slices", "capacity_timeout_seconds", "replace_stragglers"}
+    same = {f.name for f in dataclasses.fields(ControllerOptions)} - recovery
+    assert {k: getattr(off, k) for k in same} == {k: getattr(on, k) for k in same}  # detection stays on
+
+
+def test_elastic_disabled_keeps_what_already_means_no_recovery(base):
+    cfg = base.replace(elastic_enabled=False, elastic_max_retries=0, elastic_relaunch=False, elastic_min_slice_count=4)
+    assert controller_options(cfg, "run") == controller_options(base.replace(elastic_enabled=False), "run")
+
+
+# --------------------------------------------------------------------------- keys read elsewhere
+
+
+@pytest.mark.parametrize("key", sorted(k for k, who in READ_ELSEWHERE.items() if who.startswith("RunSettings.")))
+def test_run_settings_keys_reach_their_attribute(key, base, tmp_path):
+    changes = changed(base, key, tmp_path) if not isinstance(getattr(base, key), str) else {key: "other"}
+    attr = READ_ELSEWHERE[key].split(":")[0].removeprefix("RunSettings.")
+    assert getattr(run_settings(base.replace(**changes)), attr) != getattr(run_settings(base), attr)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, who in READ_ELSEWHERE.items() if "TransformerConfig" in who
+                                       or k == "max_target_length"))
+def test_model_keys_reach_the_bundled_model(key, base):
+    cfg = base.replace(**{key: getattr(base, key) * 2})
+    assert TransformerConfig.from_config(cfg) != TransformerConfig.from_config(base)
+
+
+def test_per_device_batch_size_reaches_the_microbatch_size(base):
+    assert base.replace(per_device_batch_size=3).microbatch_size == 3 * base.devices_per_slice
+
+
+def test_chunk_bytes_bounds_match_what_workers_accept():
+    """A value the config accepts must not be refused by a worker's Load (INVALID_ARGUMENT mid-setup)."""
+    import runtime
+    from elastic import ConfigError
+
+    assert Config().elastic_chunk_bytes == runtime.DEFAULT_CHUNK_BYTES
+    for ok in (runtime.MIN_CHUNK_BYTES, runtime.MAX_CHUNK_BYTES):
+        assert Config().replace(elastic_chunk_bytes=ok).elastic_chunk_bytes == ok
+    for bad in (runtime.MIN_CHUNK_BYTES - 1, runtime.MAX_CHUNK_BYTES + 1):
+        with pytest.raises(ConfigError, match="elastic_chunk_bytes"):
+            Config().replace(elastic_chunk_bytes=bad)
