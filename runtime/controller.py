@@ -35,8 +35,8 @@ import numpy as np
 from runtime import auth
 from runtime.errors import ElasticTrainingFailedError, StaleEpochError, StepAbortedError, WorkerLostError
 from runtime.events import EventLog
-from runtime.policy import (Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_swap,
-                            membership_change_due, place, plan_step, straggler_action, watchdog_limit)
+from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_swap,
+                            decide_start, membership_change_due, plan_step, straggler_action, watchdog_limit)
 from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
 from runtime.watchdog import investigate
@@ -250,32 +250,81 @@ class Controller:
     # -- STARTING --------------------------------------------------------------
 
     def _starting(self) -> Phase:
-        """Launches, registers, places, loads programs everywhere and initializes the state on active slices."""
+        """Launches, registers, places, loads programs everywhere and initializes the state on active slices.
+
+        A worker lost while it registers, compiles or initializes is handled
+        as a death mid-step would be: replaced by a spare, or the run starts
+        narrower (down to ``min_slices``) and grows back later, or waits, or
+        fails. No state exists yet, so every replacement initializes from
+        the seed (same bits) instead of receiving a copy.
+        """
         t0 = time.time()
         o = self.opts
         for _ in range(o.slices + o.spares):
             self.group.launch()
         workers = self.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
-        try:
-            self._adopt(place(o.slices, o.devices_per_slice, workers))
-        except ValueError as e:
-            raise ElasticTrainingFailedError("cannot place the virtual slices", cause=str(e)) from None
+        lost = sorted(self.dead)      # died before registering
+        decision = decide_start(o.slices, o.devices_per_slice, workers, lost=lost, min_slices=o.min_slices)
+        if lost:
+            self.recoveries += 1
+            self.group.drain_deaths()
+            self.events.emit("failure_detected", error="WorkerLostError", worker=lost[0], committed=0,
+                             detail=f"{', '.join(lost)} died before registering: {self.dead[lost[0]]}")
+            self.events.emit("recovery_decision", action=decision.action.value, reason=decision.reason, dead=lost,
+                             epoch=decision.placement.epoch, active=list(decision.placement.active),
+                             spares=list(decision.placement.spares))
+        if decision.action is Action.FAIL:
+            raise ElasticTrainingFailedError("cannot place the virtual slices", cause=decision.reason)
+        self._adopt(decision.placement)
         self.events.emit("placement", epoch=self.placement.epoch, active=list(self.placement.active),
                          spares=list(self.placement.spares), seconds=time.time() - t0)
+        if lost:
+            self.events.emit("recovered", path=decision.action.value, epoch=self.placement.epoch, resume_step=0,
+                             dead=lost, bytes_moved=0, seconds=time.time() - t0)
         loaded = self.group.load(self.placement.members)
         for w, r in loaded.items():
             self.events.emit("device_probe", worker=w, ok=True, devices=r.devices_probed, seconds=r.probe_seconds)
         self.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in loaded.items()},
                          program_bytes=self.group.program_bytes())
+        self._recover_before_state("loading programs")
         self.observer.attach(self)
-        seed = self._run["seed"]
-        self._run["state_bytes"] = self.group.init(self.placement.active, seed)
+        seed, sizes = self._run["seed"], {}
+        while True:
+            sizes.update(self.group.init([w for w in self.placement.active if w not in sizes], seed))
+            sizes = {w: b for w, b in sizes.items() if w not in self.dead}
+            if all(w in sizes for w in self.placement.active):
+                break
+            self._recover_before_state("initializing the state")
+        self._run["state_bytes"] = max(sizes.values())
         self.replicas = set(self.placement.active)
         self.events.emit("state_initialized", seed=seed, state_bytes=self._run["state_bytes"])
         self.last_commit = time.monotonic()
         if self._run["max_seconds"]:   # counted from the first step, not from launch
             self._run["deadline"] = self.last_commit + self._run["max_seconds"]
         return Phase.RUNNING
+
+    def _recover_before_state(self, during: str) -> None:
+        """Startup lost members (or started narrower): the policy decides; every live member counts as a replica.
+
+        Records the failure like any other (``failure_detected``,
+        ``recovery_decision``, ``recovered`` with ``resume_step`` 0).
+        """
+        dead = [w for w in self.placement.members if w in self.dead]
+        if not dead:
+            return
+        self.recoveries += 1
+        self.group.drain_deaths()
+        err = WorkerLostError(dead[0], f"lost while {during}: {self.dead[dead[0]]}")
+        decision, started = self.recovery.decide(err, self.placement, frozenset(self.placement.members), 0,
+                                                 self.recoveries)
+        old = self.placement
+        self._adopt(decision.placement)
+        dead = sorted(w for w in old.members if w in self.dead)
+        for w in dead:
+            self.group.forget(w)
+            self.group.relaunch(w)
+        self.events.emit("recovered", path=decision.action.value, epoch=self.placement.epoch, resume_step=0,
+                         dead=dead, bytes_moved=0, seconds=time.time() - started)
 
     # -- RUNNING ---------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from runtime.microbatch import Node, assign_microbatches
 
-__all__ = ["Action", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out",
+__all__ = ["Action", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out", "decide_start",
            "StragglerPolicy", "WorkerInfo", "cause_of", "decide_grow", "decide_recovery", "decide_swap",
            "holding_up", "is_suspect", "may_relaunch", "membership_change_due", "place", "plan_realign", "plan_step",
            "reprobe_wait", "straggler_action", "watchdog_limit"]
@@ -78,19 +78,24 @@ class StepPlan:
         return {w: [i for n in nodes for i in n.ids] for w, nodes in zip(self.workers, self.nodes)}
 
 
-def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], epoch: int = 1) -> Placement:
+def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], epoch: int = 1,
+          min_slices: int | None = None) -> Placement:
     """Initial placement: the first ``num_vslices`` fitting workers (by id) are active.
 
     A worker fits when it has exactly ``devices_per_slice`` devices (same
     program shapes on every slice keep the math identical). The rest become
-    spares. Raises ``ValueError`` naming the shortfall when too few fit.
+    spares. With ``min_slices``, fewer fitting workers (some died during
+    startup) still give a placement of at least that many slices (the run
+    grows back when capacity returns). Raises ``ValueError`` naming the
+    shortfall when too few fit.
     """
     workers = list(workers)
     fitting = sorted((w for w in workers if w.num_devices == devices_per_slice), key=lambda w: w.worker_id)
-    if len(fitting) < num_vslices:
+    need = num_vslices if min_slices is None else min(min_slices, num_vslices)
+    if len(fitting) < need:
         others = sorted({w.num_devices for w in workers if w.num_devices != devices_per_slice})
         extra = f" (also registered: workers with {others} devices)" if others else ""
-        raise ValueError(f"need {num_vslices} workers with {devices_per_slice} devices, "
+        raise ValueError(f"need {need} workers with {devices_per_slice} devices, "
                          f"have {len(fitting)}{extra}")
     ids = tuple(w.worker_id for w in fitting)
     return Placement(epoch=epoch, active=ids[:num_vslices], spares=ids[num_vslices:])
@@ -273,6 +278,29 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     if replaced:
         return RecoveryDecision(Action.REPLACE, new, "spares replace the lost slices")
     return RecoveryDecision(Action.RETRY, new, "no worker was lost; re-run the step")
+
+
+def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *,
+                 lost: Iterable[str], min_slices: int) -> RecoveryDecision:
+    """The first placement, from the workers that registered; ``lost``: launched workers that died first.
+
+    ``REPLACE`` when every slice has a worker (nothing lost, or the others
+    covered the lost ones), ``SHRINK`` when fewer fit but at least
+    ``min_slices`` (the run grows back when capacity returns), ``FAIL``
+    (with the shortfall) otherwise.
+    """
+    lost = sorted(lost)
+    try:
+        placement = place(num_vslices, devices_per_slice, workers, min_slices=min_slices)
+    except ValueError as e:
+        why = f"; {len(lost)} worker(s) died before registering" if lost else ""
+        return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}")
+    if len(placement.active) < num_vslices:
+        return RecoveryDecision(Action.SHRINK, placement, f"{len(lost)} worker(s) died before registering: "
+                                                          f"starting with {len(placement.active)} of "
+                                                          f"{num_vslices} slices")
+    return RecoveryDecision(Action.REPLACE, placement, "every slice has a worker" + (
+        f" ({len(lost)} that died before registering were replaced)" if lost else ""))
 
 
 def capacity_timed_out(decision: RecoveryDecision, timeout_seconds: float) -> RecoveryDecision:

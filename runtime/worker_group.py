@@ -217,19 +217,37 @@ class WorkerGroup:
         return wid
 
     def wait_for_workers(self, n: int, timeout: float) -> list[WorkerInfo]:
-        """Blocks until ``n`` workers registered; adopts them. ``RegistrationTimeoutError`` after ``timeout``."""
+        """Blocks until ``n`` live workers registered, or no launched process is left to register; adopts them.
+
+        A process that exits before it registers is declared dead (cause
+        crash) and relaunched within the limits. Returns the live registered
+        workers (possibly fewer than ``n``: the caller decides whether that
+        is enough). ``RegistrationTimeoutError`` when none registered within
+        ``timeout``, or when some that are still running did not.
+        """
         deadline = time.monotonic() + timeout
-        with self.registry.cond:
-            while len(self.registry.workers) < n:
+        while True:
+            for wid, proc in list(self.launcher.procs.items()):
+                code = proc.poll()
+                if code is not None and wid not in self.registry.workers and wid not in self.dead:
+                    self.declare_dead(wid, f"exited with status {code} before registering", cause="crash")
+                    self.relaunch(wid)
+            with self.registry.cond:
+                live = [w for w in self.registry.workers.values() if w.worker_id not in self.dead]
+                waiting = [w for w, p in self.launcher.procs.items()
+                           if w not in self.registry.workers and w not in self.dead]
+                if len(live) >= n or not waiting:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RegistrationTimeoutError(f"{len(self.registry.workers)} of {n} workers registered within "
+                    raise RegistrationTimeoutError(f"{len(live)} of {n} workers registered within "
                                                    f"{timeout:.0f} s; see the worker logs")
-                self.registry.cond.wait(left)
-            workers = list(self.registry.workers.values())
-        for w in workers:
+                self.registry.cond.wait(min(left, 0.2))
+        if not live:
+            raise RegistrationTimeoutError(f"no worker registered: {len(self.dead)} exited first; see the worker logs")
+        for w in live:
             self._adopt(w)
-        return workers
+        return live
 
     def wait_for_newcomer(self, timeout: float) -> None:
         """Blocks up to ``timeout`` while no registered worker is waiting to be adopted."""
@@ -340,15 +358,58 @@ class WorkerGroup:
         return sum(len(v) for v in self.programs.programs().values())
 
     def load(self, workers) -> dict[str, LoadResult]:
-        """Ships programs and the data source to ``workers``; each compiles them and probes its devices."""
-        request = self._load_request()
-        replies = self._all("Load", lambda w: request, workers)
-        return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds) for w, r in replies.items()}
+        """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
 
-    def init(self, workers, seed: int) -> int:
-        """Every worker initializes its replica from ``seed``; returns the state's size in bytes."""
-        replies = self._all("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed), workers)
-        return max(r.state_bytes for r in replies.values())
+        Returns the workers that loaded. One that fails (or dies: its call is
+        cancelled when it is declared dead) is declared dead and left out.
+        """
+        request = self._load_request()
+        return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds)
+                for w, r in self._each("Load", lambda w: request, workers, "failed to load programs").items()}
+
+    def init(self, workers, seed: int) -> dict[str, int]:
+        """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.
+
+        One that fails is declared dead and left out. Every replica initializes
+        from the same seed, so any worker can (re)initialize to the same bits.
+        """
+        replies = self._each("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed), workers,
+                             "failed to initialize its state")
+        return {w: r.state_bytes for w, r in replies.items()}
+
+    def _each(self, method: str, make_request, workers, what: str) -> dict[str, object]:
+        """Calls ``method`` on ``workers`` concurrently; returns the replies of those that succeeded.
+
+        A worker lost during the call (``WorkerLostError``) is declared dead
+        (``what`` says why); a declared-dead worker's call is cancelled, so a
+        hung one does not hold the others up. Any other failure (the worker
+        answered with an error: user code, a bad program) is raised after all
+        calls ended.
+        """
+        futs = {}
+        with self._lock:
+            for w in workers:
+                futs[w] = getattr(self._stubs[w], method).future(make_request(w),
+                                                                  timeout=self.opts.rpc_timeout_seconds)
+                self._inflight.setdefault(w, []).append(futs[w])
+                if w in self.dead:
+                    futs[w].cancel()
+        out, raised = {}, None
+        for w, f in futs.items():
+            try:
+                out[w] = f.result()
+            except grpc.FutureCancelledError:
+                pass   # declared dead meanwhile
+            except grpc.RpcError as e:
+                error = rpc.to_error(w, e)
+                if isinstance(error, WorkerLostError):
+                    self.declare_dead(w, f"{what}: {error}"[:300], cause="crash")
+                else:
+                    raised = raised or error
+        self._settle(futs)
+        if raised is not None:
+            raise raised
+        return out
 
     def warm_newcomers(self, block_until: float | None = None) -> list[str]:
         """Adopts newly registered workers and loads programs on them; returns those warmed since the last call.

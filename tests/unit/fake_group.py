@@ -2,7 +2,8 @@
 
 Each fake worker holds a replica as a hash chain over the steps it applied,
 so two replicas agree exactly when they applied the same steps. A step's
-loss sum is a fixed function of the step. Faults are scheduled per step:
+loss sum is a fixed function of the step. Faults are scheduled per step, or by a startup phase (``"register"``,
+``"load"``, ``"init"``: the worker is killed during it):
 
 - ``kill``: the worker crashes as the step runs; the "health monitor" finds
   it at once (``declare_dead`` with cause crash) and the step fails;
@@ -90,10 +91,15 @@ class FakeGroup:
         return wid
 
     def wait_for_workers(self, n, timeout):
-        if len(self.replicas) < n:
-            raise RegistrationTimeoutError(f"{len(self.replicas)} of {n}")
-        self.adopted |= set(self.replicas)
-        return [WorkerInfo(w, f"fake:{w}", self.devices) for w in self.replicas]
+        kind, target = self.faults.pop("register", (None, None))
+        if kind == "kill":
+            self.declare_dead(target, "exited with status -9 before registering", cause="crash")
+            self.relaunch(target)
+        live = [w for w in self.replicas if w not in self.dead]
+        if not live:
+            raise RegistrationTimeoutError(f"0 of {n}")
+        self.adopted |= set(live)
+        return [WorkerInfo(w, f"fake:{w}", self.devices) for w in live]
 
     def wait_for_newcomer(self, timeout):
         pass
@@ -164,16 +170,28 @@ class FakeGroup:
     def program_bytes(self):
         return 0
 
-    def load(self, workers):
+    def _each(self, phase, workers):
+        """The workers a startup call reaches; one killed in ``phase`` (a fault keyed by it) is declared dead."""
+        kind, target = self.faults.pop(phase, (None, None))
+        if kind == "kill":
+            self.crashed.add(target)
+        ok = []
         for w in workers:
-            self._touch(w)
-        return {w: LoadResult(0.0, self.devices, 0.0) for w in workers}
+            try:
+                self._touch(w)
+                ok.append(w)
+            except WorkerLostError:
+                pass
+        return ok
+
+    def load(self, workers):
+        return {w: LoadResult(0.0, self.devices, 0.0) for w in self._each("load", workers)}
 
     def init(self, workers, seed):
-        for w in workers:
-            self._touch(w)
+        ok = self._each("init", workers)
+        for w in ok:
             self.replicas[w] = _Replica()
-        return 1024
+        return {w: 1024 for w in ok}
 
     def dispatch(self, plan):
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")

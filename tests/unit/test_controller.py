@@ -178,3 +178,30 @@ def test_max_seconds_counts_from_the_first_step_not_from_launch(tmp_path):
     events.close()
     assert committed_steps(read_events(tmp_path / "events.jsonl")) == [0, 1]
     assert not kinds(read_events(tmp_path / "events.jsonl"), "run_truncated")
+
+
+@pytest.mark.parametrize("phase", ["register", "load", "init"])
+def test_a_kill_during_startup_is_replaced_and_recorded_like_any_failure(tmp_path, fault_free, phase):
+    result, events, group, phases = run(tmp_path, faults={phase: ("kill", "w1")}, stepwise=True)
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    [failure] = kinds(events, "failure_detected")
+    assert failure["worker"] == "w1" and failure["committed"] == 0
+    [decision] = kinds(events, "recovery_decision")
+    assert decision["dead"] == ["w1"] and decision["action"] == "replace"
+    [recovered] = kinds(events, "recovered")
+    assert recovered["resume_step"] == 0 and recovered["bytes_moved"] == 0
+    assert len(result.replica_hashes) == 2 and "w1" not in result.replica_hashes
+    assert kinds(events, "worker_relaunched")[0]["replaces"] == "w1"
+
+
+def test_a_kill_during_load_without_a_spare_starts_narrower_and_grows_back(tmp_path, fault_free):
+    result, events, group, phases = run(tmp_path, spares=0, faults={"load": ("kill", "w0")}, stepwise=True)
+    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert [d["action"] for d in kinds(events, "recovery_decision")] == ["shrink"]
+    [grown] = kinds(events, "grown")
+    assert grown["promoted"] == ["w2"] and sorted(result.replica_hashes) == ["w1", "w2"]
+
+
+def test_a_kill_during_startup_below_the_minimum_fails_with_the_reason(tmp_path):
+    with pytest.raises(ElasticTrainingFailedError, match="elastic_min_slice_count is 2"):
+        run(tmp_path, spares=0, min_slices=2, relaunch=False, faults={"init": ("kill", "w0")})

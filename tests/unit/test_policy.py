@@ -180,3 +180,22 @@ def test_membership_change_due(placement, dead, flags, due):
 @pytest.mark.parametrize("relaunch,launched,expected", [(True, 4, True), (True, 5, False), (False, 0, False)])
 def test_may_relaunch_at_most_max_retries_beyond_the_initial_set(relaunch, launched, expected):
     assert may_relaunch(relaunch, launched, slices=2, spares=1, max_retries=2) is expected
+
+
+def _workers(*devices):
+    return [WorkerInfo(f"w{i}", f"h:{i}", d) for i, d in enumerate(devices)]
+
+
+@pytest.mark.parametrize("devices,lost,min_slices,action,active,spares,why", [
+    ((2, 2, 2), (), 1, Action.REPLACE, ("w0", "w1"), ("w2",), "every slice has a worker"),
+    ((2, 2), ("w9",), 1, Action.REPLACE, ("w0", "w1"), (), "1 that died before registering were replaced"),
+    ((2,), ("w1",), 1, Action.SHRINK, ("w0",), (), "starting with 1 of 2 slices"),
+    ((2,), ("w1",), 2, Action.FAIL, (), (), "need 2 workers with 2 devices, have 1; 1 worker(s) died"),
+    ((2, 4), (), 2, Action.FAIL, (), (), "also registered: workers with [4] devices"),
+])
+def test_decide_start(devices, lost, min_slices, action, active, spares, why):
+    from runtime.policy import decide_start
+
+    d = decide_start(2, 2, _workers(*devices), lost=lost, min_slices=min_slices)
+    assert d.action is action and why in d.reason
+    assert (d.placement.active, d.placement.spares) == (active, spares)
