@@ -3,6 +3,7 @@
 - :mod:`chaos.spec`: the fault grammar (``kill:slice=1@step=3``) and the fault kinds.
 - :mod:`chaos.scenario`: scenario YAML files.
 - :mod:`chaos.schedule`: random schedules and target resolution.
+- :mod:`chaos.reach`: can each fault ever fire in this run? (checked before a run starts)
 - :mod:`chaos.verdict`: did a faulted run train exactly like a fault-free one?
 - :mod:`chaos.injector`: fires faults at a live run (a ``runtime.ControllerObserver``).
 - :mod:`chaos.harness`: reference run, faulted run and verdict (``elastic chaos``).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 
+from chaos.reach import RunShape, check_reachable
 from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
 from chaos.spec import (INJECTABLE_KINDS, KINDS, Fault, FaultSpecError, Target, When, format_duration,
@@ -30,12 +32,15 @@ __all__ = [
     "Fault",
     "FaultInjector",
     "FaultSpecError",
+    "RunShape",
     "Scenario",
     "Target",
     "TargetError",
     "When",
+    "check_reachable",
     "compare_trajectory",
     "exactly_once",
+    "fault_plan",
     "format_duration",
     "judge",
     "load_scenario",
@@ -48,8 +53,8 @@ __all__ = [
     "validate",
 ]
 
-_LAZY = {"ChaosOptions": "chaos.harness", "run_chaos": "chaos.harness", "reference_report": "chaos.harness",
-         "FaultInjector": "chaos.injector"}
+_LAZY = {"ChaosOptions": "chaos.harness", "fault_plan": "chaos.harness", "run_chaos": "chaos.harness",
+         "reference_report": "chaos.harness", "FaultInjector": "chaos.injector"}
 
 
 def __getattr__(name: str):

@@ -4,8 +4,10 @@ Plugged into the ``elastic`` command through the ``elastic.commands`` entry
 point (``chaos = "chaos.cli:register"`` in ``pyproject.toml``); the
 contract is in :mod:`elastic.cli`. Exit status: 0 when the verdict is
 "pass", 1 when it is "fail" (so it can gate CI), 2 for bad input (one line,
-``elastic: error: ...``). Loading this module imports neither JAX nor the
-runtime: the handler sets the device count first.
+``elastic: error: ...``), including a fault that can never fire in this run
+(:func:`chaos.reach.check_reachable`), refused before anything starts.
+Loading this module imports neither JAX nor the runtime: the handler sets
+the device count first.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def register(subparsers) -> None:
 
 
 def _cmd_chaos(args) -> int:
-    from chaos.harness import ChaosOptions, run_chaos
+    from chaos.harness import ChaosOptions, fault_plan, run_chaos
     from chaos.scenario import load_scenario
     from chaos.spec import FaultSpecError, parse_duration, parse_faults
 
@@ -54,10 +56,14 @@ def _cmd_chaos(args) -> int:
     except ValueError as e:   # FaultSpecError, bad durations
         return usage_error(str(e))
     cfg = load_config(config, overrides)
-    set_device_count(cfg.devices_per_slice)   # the reference runs in this process
     seed = args.seed if args.seed is not None else (scenario.seed if scenario else 0)
     options = ChaosOptions(faults=tuple(faults), seed=seed, mtbf_seconds=mtbf, duration_seconds=duration,
                            scenario=scenario.name if scenario else None)
+    try:
+        fault_plan(cfg, options)   # a fault that can never fire is bad input: refuse it before anything starts
+    except ValueError as e:
+        return usage_error(str(e))
+    set_device_count(cfg.devices_per_slice)   # the reference runs in this process
     with progress(cfg.steps, args.quiet) as on_step:
         try:
             report, run_dir = run_chaos(bundled_trainer, cfg, options, on_step=on_step)

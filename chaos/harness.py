@@ -19,6 +19,7 @@ import json
 import pathlib
 
 from chaos.injector import FaultInjector
+from chaos.reach import RunShape, check_reachable
 from chaos.schedule import random_faults
 from chaos.spec import Fault, validate
 from chaos.verdict import judge
@@ -26,7 +27,7 @@ from elastic.config import Config
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, read_events
 
-__all__ = ["ChaosOptions", "run_chaos", "reference_report"]
+__all__ = ["ChaosOptions", "fault_plan", "run_chaos", "reference_report"]
 
 # Keys that change how a run is executed or observed, not its math.
 _NOT_MATH = ("run_name", "base_output_directory", "dcn_data_parallelism")
@@ -65,17 +66,32 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
     return trainer.fit(reference=True), run_dir
 
 
-def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) -> tuple[dict, pathlib.Path]:
-    """Reference, faulted run, verdict; returns the faulted run's final report and its run directory.
+def fault_plan(cfg: Config, options: ChaosOptions) -> list[Fault]:
+    """The faults a chaos run of ``cfg`` injects: ``options.faults``, then a soak's random ones.
 
-    A faulted run that fails (the runtime gave up) still gets a report and a
-    verdict ("fail", with the error among the reasons); only bad input
-    raises.
+    Raises FaultSpecError for a fault the grammar forbids, the runtime cannot
+    inject, or that can never fire in this run (:func:`chaos.reach.check_reachable`).
+    Pure; ``elastic chaos`` calls it before starting anything, :func:`run_chaos` again.
     """
     faults = list(options.faults)
     if options.mtbf_seconds:
         faults += random_faults(options.seed, options.mtbf_seconds, options.duration_seconds or 60.0)
     validate(faults)
+    check_reachable(faults, RunShape.of(cfg, duration_seconds=options.duration_seconds,
+                                        mtbf_seconds=options.mtbf_seconds))
+    return faults
+
+
+def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) -> tuple[dict, pathlib.Path]:
+    """Reference, faulted run, verdict; returns the faulted run's final report and its run directory.
+
+    A faulted run that fails (the runtime gave up) still gets a report and a
+    verdict ("fail", with the error among the reasons); only bad input
+    raises (FaultSpecError from :func:`fault_plan`, before anything starts).
+    A fault that did not fire by the end of the run is recorded as skipped
+    by the injector, and the verdict fails.
+    """
+    faults = fault_plan(cfg, options)
     cfg = cfg.replace(elastic_chaos=True)
     soak = options.duration_seconds if options.mtbf_seconds else None
     reference = None

@@ -8,8 +8,9 @@ schedule replays the same way) and injected by a signal to the worker
 process (kill, hang) or by arming a worker-side action through the
 controller (straggle, partition, corrupt, a kill inside a given phase, a kill
 mid-transfer). Every injection is an event (``fault_injected``;
-``fault_skipped`` when its target does not exist at that moment), so the
-report can match faults to failures.
+``fault_skipped`` when its target does not exist at that moment, or when
+the run ended before it fired), so the report can match faults to failures
+and the verdict can fail a run that was not tested against every fault.
 
 It uses only the controller's observer surface: ``placement``,
 ``live_spares()``, ``pid(worker)``, ``inject_fault(worker, action, ...)`` and
@@ -65,8 +66,9 @@ class FaultInjector(ControllerObserver):
 
     Contract: each fault fires at most once, in schedule order for its
     trigger; a fault whose target cannot be resolved is skipped and logged,
-    never retried. Hooks run on the controller's thread and only send
-    signals or one short RPC.
+    never retried; a fault still waiting when the run ends (:meth:`close`) is
+    skipped and logged too, and nothing fires after that. Hooks run on the
+    controller's thread and only send signals or one short RPC.
     """
 
     def __init__(self, faults: list[Fault], seed: int = 0, info: dict | None = None):
@@ -76,6 +78,7 @@ class FaultInjector(ControllerObserver):
         self.ctl = None
         self.t0 = 0.0
         self.committed = 0
+        self.transfers = 0
         self.fired: set[int] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -97,12 +100,42 @@ class FaultInjector(ControllerObserver):
         self._fire(lambda f: f.when.step is not None and f.when.step <= self.committed)
 
     def before_transfer(self, source: str, dest: str) -> None:
+        self.transfers += 1
         self._fire(lambda f: f.when.transfer, source=source, dest=dest)
 
     def close(self) -> None:
+        """The run ended: nothing fires any more; each fault that never fired is logged as ``fault_skipped``.
+
+        A fault that did not fire was never tested, so it is recorded with the
+        reason (the report lists it, the verdict fails); ``close`` does this once.
+        """
         self._stop.set()
         for t in self._timers:
             t.cancel()
+        with self._lock:
+            unfired = [i for i in range(len(self.faults)) if i not in self.fired]
+            self.fired.update(unfired)
+            if self.ctl is None:
+                return   # the run ended before training started: no log to write to, and it failed anyway
+            elapsed = time.monotonic() - self.t0
+            for i in unfired:
+                fault = self.faults[i]
+                self.ctl.events.emit("fault_skipped", index=i, fault=fault.spec(), fault_kind=fault.kind,
+                                     reason=self._never_fired(fault, elapsed), step=self.committed)
+
+    def _never_fired(self, fault: Fault, elapsed: float) -> str:
+        when = fault.when
+        if when.step is not None:
+            n = self.committed
+            return f"never fired: the run ended with {n} step{'' if n == 1 else 's'} committed, before {when.spec()}"
+        if when.time is not None and when.time <= elapsed:   # came due between two ticks of the clock
+            return f"never fired: the run ended just as {when.spec()} came due ({elapsed:.1f} s after training started)"
+        if when.time is not None:
+            return f"never fired: the run ended {elapsed:.1f} s after training started, before {when.spec()}"
+        if self.transfers:
+            return (f"never fired: the run made {self.transfers} state transfer{'' if self.transfers == 1 else 's'}, "
+                    "and each carries one @transfer fault")
+        return "never fired: no state transfer happened"
 
     # -- firing --------------------------------------------------------------
 

@@ -55,11 +55,15 @@ def load_scenario(path: str | os.PathLike) -> Scenario:
     """
     path = pathlib.Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise FaultSpecError(f"cannot read scenario file {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise FaultSpecError(f"invalid YAML in scenario file {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise FaultSpecError(f"scenario file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    except (yaml.YAMLError, ValueError) as e:   # PyYAML raises ValueError for a date that cannot be (2001-02-30)
+        raise FaultSpecError(f"invalid YAML in scenario file {path}: {e}") from None
+    except RecursionError:
+        raise FaultSpecError(f"invalid YAML in scenario file {path}: nested too deeply") from None
     if not isinstance(data, dict):
         raise FaultSpecError(f"{path}: a scenario must be a YAML mapping, got {type(data).__name__}")
     for key in data:

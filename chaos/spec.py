@@ -227,7 +227,9 @@ def _parse_one(piece: str) -> Fault:
         raise FaultSpecError(f"unknown kind {kind!r} (expected {_names(KINDS)})")
     options: dict[str, float] = {}
     if rest.startswith("("):
-        close = rest.index(")")
+        close = rest.find(")")
+        if close < 0:   # the list was cut by '@' (balanced only across it): 'kill(phase=grad@step=1)'
+            raise FaultSpecError(f"unclosed '(' in {head.strip()!r} (close the option list before '@')")
         options = _parse_options(kind, rest[1:close])
         rest = rest[close + 1:].strip()
     if rest and not rest.startswith(":"):
@@ -299,25 +301,33 @@ def _parse_when(text: str) -> When:
 
 
 def _check(f: Fault) -> None:
-    """Structural rules shared by parse_faults and validate."""
-    if f.kind not in KINDS:
+    """Structural rules shared by parse_faults and validate; also types every field of a hand-built fault."""
+    if not isinstance(f, Fault):
+        raise FaultSpecError(f"not a Fault: {f!r}")
+    if not isinstance(f.kind, str) or f.kind not in KINDS:
         raise FaultSpecError(f"unknown kind {f.kind!r} (expected {_names(KINDS)})")
     t, w = f.target, f.when
-    if t.kind not in TARGET_KINDS:
+    if not isinstance(t, Target):
+        raise FaultSpecError(f"target must be a Target, got {t!r}")
+    if not isinstance(w, When):
+        raise FaultSpecError(f"when must be a When, got {w!r}")
+    if not isinstance(t.kind, str) or t.kind not in TARGET_KINDS:
         raise FaultSpecError(f"unknown target {t.kind!r} (expected {_names(TARGET_KINDS)})")
     if t.kind == "slice" and (not isinstance(t.value, int) or isinstance(t.value, bool) or t.value < 0):
         raise FaultSpecError(f"target slice needs an integer >= 0, got {t.value!r}")
     if t.kind == "worker" and not (isinstance(t.value, str) and _WORKER_ID.fullmatch(t.value)):
         raise FaultSpecError(f"target worker needs an id of letters, digits, '_', '.', '-', got {t.value!r}")
-    if t.kind == "role" and t.value not in ROLES:
+    if t.kind == "role" and not (isinstance(t.value, str) and t.value in ROLES):
         raise FaultSpecError(f"unknown role {t.value!r} (expected {_names(ROLES)})")
     if t.kind in ("random", "all", "everything") and t.value is not None:
         raise FaultSpecError(f"target {t.kind!r} takes no value, got {t.value!r}")
-    if sum((w.step is not None, w.time is not None, bool(w.transfer))) != 1:
+    if not isinstance(w.transfer, bool):
+        raise FaultSpecError(f"when.transfer must be True or False, got {w.transfer!r}")
+    if sum((w.step is not None, w.time is not None, w.transfer)) != 1:
         raise FaultSpecError(f"when must set exactly one of step, time, transfer, got {w}")
     if w.step is not None and (isinstance(w.step, bool) or not isinstance(w.step, int) or w.step < 0):
         raise FaultSpecError(f"step must be an integer >= 0, got {w.step!r}")
-    if w.time is not None and not (math.isfinite(w.time) and w.time >= 0):
+    if w.time is not None and not ((seconds := _real(w.time)) is not None and seconds >= 0):
         raise FaultSpecError(f"time must be a finite number of seconds >= 0, got {w.time!r}")
     is_transfer_role = t.kind == "role" and t.value in TRANSFER_ROLES
     if w.transfer and f.kind not in TRANSFER_KINDS:
@@ -327,6 +337,9 @@ def _check(f: Fault) -> None:
     if is_transfer_role and not w.transfer:
         raise FaultSpecError(f"target role={t.value} exists only during a transfer: use @transfer")
     allowed = _OPTIONS[f.kind]
+    if not (isinstance(f.options, tuple) and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
+                                                 for o in f.options)):
+        raise FaultSpecError(f"options must be (name, value) pairs sorted by name, got {f.options!r}")
     names = [k for k, _ in f.options]
     if names != sorted(set(names)):
         raise FaultSpecError(f"options must be sorted with unique names, got {names}")
@@ -338,10 +351,24 @@ def _check(f: Fault) -> None:
                 raise FaultSpecError(f"option {name!r} must be one of {', '.join(_CHOICE_OPTIONS[name])}, "
                                      f"got {value!r}")
             continue
-        low_ok = value >= 1.0 if name == "factor" else value > 0.0
-        if not (math.isfinite(value) and low_ok):
+        number = _real(value)
+        if number is None:
+            raise FaultSpecError(f"option {name!r} must be a number, got {value!r}")
+        if not (number >= 1.0 if name == "factor" else number > 0.0):
             bound = ">= 1" if name == "factor" else "> 0"
             raise FaultSpecError(f"option {name!r} must be {bound}, got {value!r}")
+
+
+def _real(x) -> float | None:
+    """``x`` as a finite float when it is an int or float that a float holds exactly (so its text reads back
+    as itself), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        value = float(x)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) and value == x else None
 
 
 def _format_option(name: str, value: float | str) -> str:

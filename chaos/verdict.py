@@ -7,8 +7,9 @@ Pure functions of a run's ``report.json`` dict, its ``events.jsonl`` events and
 A run passes when it finished every requested step, never recomputed a
 committed step (``steps_lost == 0``), never restored from a checkpoint
 (``checkpoint_restores == 0``), applied every microbatch of every committed step
-exactly once, and (given a reference) followed the reference's loss trajectory
-bit for bit or within ``rtol``.
+exactly once, was hit by every fault it was given (none ``skipped``), and
+(given a reference) followed the reference's loss trajectory bit for bit or
+within ``rtol``.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
         once, once_detail = exactly_once(events, report["microbatches"], requested)
     if once is False:
         reasons.append(_exactly_once_reason(once_detail, report["microbatches"]))
+
+    for fault in report.get("faults") or []:
+        if fault.get("skipped"):
+            reasons.append(f"fault {fault.get('spec')!r} was not injected ({fault['skipped']}), "
+                           "so the run was not tested against it.")
 
     trajectory, first = None, None
     if reference is not None:

@@ -33,7 +33,13 @@ COMMANDS_GROUP = "elastic.commands"
 
 
 def _cmd_run(args) -> int:
+    from elastic.preflight import check_config_capacity, check_output_directory
+
     cfg = load_config(args.config, args.overrides)
+    # Before JAX loads: the run fits this host and its directory is usable (fit checks again, for good).
+    if not args.reference:
+        check_config_capacity(cfg)
+    check_output_directory(cfg.base_output_directory, cfg.run_name)
     if args.reference:
         set_device_count(cfg.devices_per_slice)
     else:
@@ -54,15 +60,23 @@ def _cmd_run(args) -> int:
 
 def _cmd_report(args) -> int:
     from elastic.report import render_run
+    from runtime import read_events
 
     run_dir = pathlib.Path(args.run_dir)
     path = run_dir / "events.jsonl"
+    if not run_dir.is_dir():
+        return usage_error(f"nothing to report: {path} not found ({run_dir} is not a directory)")
     if not path.is_file():
-        return usage_error(f"{path} not found (is {run_dir} a run directory?)")
+        return usage_error(f"nothing to report: {path} not found (is {run_dir} a run directory?)")
     try:
+        if not read_events(path):
+            return usage_error(f"nothing to report: {path} has no events")
         report = render_run(run_dir)
     except (ValueError, KeyError, TypeError) as e:
         return usage_error(f"{path} is not a valid event log: {type(e).__name__}: {e}")
+    except OSError as e:
+        return usage_error(f"cannot re-render the report of {run_dir}: {e.strerror or e}"
+                           + (f" ({e.filename})" if e.filename else ""))
     finish(report, run_dir, args.quiet)
     return 0
 

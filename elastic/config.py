@@ -106,6 +106,7 @@ class Config:
     elastic_tls_cert_file: str = _key("")  # PEM certificate: mutual TLS on every link when set
     elastic_tls_key_file: str = _key("")  # its private key
     elastic_tls_ca_file: str = _key("")  # CA that signed every process's certificate
+    elastic_max_local_workers: int = _key(0, ge=0)  # 0: derived from this host's cores and memory
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -260,6 +261,10 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
     def at(key: str) -> str:
         return f"{key!r} ({values[key]!r}{', in ' + sources[key] if key in sources else ''})"
 
+    problem = _run_name_problem(values["run_name"])
+    if problem:
+        raise ConfigError(f"config key {at('run_name')} {problem}; a run name is a directory inside "
+                          "base_output_directory (e.g. 'exp1', or 'sweep/lr3' to nest)")
     for name, f in _FIELDS.items():
         value = values[name]
         bounds = [(op, f.metadata[k]) for op, k in ((">=", "ge"), (">", "gt"), ("<=", "le"))
@@ -300,6 +305,31 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
                 raise ConfigError(f"config keys {at('elastic_enabled')} and {at(key)} contradict: "
                                   f"{key} steers recovery and elastic_enabled=false turns recovery off "
                                   f"(a lost worker fails the run); drop {key} or enable elastic training")
+
+
+def _run_name_problem(name: str) -> str:
+    """Why ``name`` cannot be a run directory under base_output_directory ("" if it can; "" is "unnamed").
+
+    '/' nests a run (the chaos harness keeps its references in 'references/<digest>'), but no part
+    may climb out ('..'), be empty or '.', and the name may not be absolute: the run directory is
+    always inside base_output_directory.
+    """
+    if not name:
+        return ""
+    if not name.strip():
+        return "is blank"
+    if "\x00" in name:
+        return "contains a NUL character"
+    if "\\" in name:
+        return "contains a backslash"
+    if name.startswith("/"):
+        return "is an absolute path"
+    parts = name.split("/")
+    if ".." in parts:
+        return "contains '..' and would escape base_output_directory"
+    if "" in parts or "." in parts:
+        return "has an empty or '.' path component"
+    return ""
 
 
 # Keys that only steer recovery. With elastic_enabled=false each keeps its default

@@ -75,6 +75,8 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "base_num_decoder_layers": "the bundled model (elastic.models.TransformerConfig.from_config)",
     "base_num_query_heads": "the bundled model (elastic.models.TransformerConfig.from_config)",
     "base_mlp_dim": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "elastic_max_local_workers": "RunSettings.max_local_workers: the most worker processes the local launcher "
+                                 "may start, checked before any starts (elastic.preflight)",
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's.
@@ -91,13 +93,15 @@ class RunSettings:
     devices_per_slice: int
     run_name: str              # empty: the trainer names the run by its start time
     base_output_directory: str
+    max_local_workers: int     # 0: derived from this host (elastic.preflight.check_local_capacity)
 
 
 def run_settings(cfg: Config) -> RunSettings:
     """The trainer's own settings of ``cfg``."""
     return RunSettings(steps=cfg.steps, seed=cfg.seed, microbatches=cfg.microbatches,
                        devices_per_slice=cfg.devices_per_slice, run_name=cfg.run_name,
-                       base_output_directory=cfg.base_output_directory)
+                       base_output_directory=cfg.base_output_directory,
+                       max_local_workers=cfg.elastic_max_local_workers)
 
 
 def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOptions:

@@ -5,12 +5,15 @@ Both turn user code into the runtime's three programs (see
 on local workers, or in one process with ``reference=True``. Each run writes a
 run directory: ``events.jsonl`` and ``report.json``. What the run takes from
 the Config comes from :mod:`elastic.options` only: ``controller_options`` for
-the controller, ``run_settings`` for the trainer itself.
+the controller, ``run_settings`` for the trainer itself. Before anything
+starts, :mod:`elastic.preflight` checks the host's capacity and claims (locks)
+the run directory.
 """
 
 from __future__ import annotations
 
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 
@@ -20,10 +23,12 @@ import jax.numpy as jnp
 import optax
 
 from elastic import _programs, marker
-from elastic.config import Config
+from elastic.config import Config, ConfigError
 from elastic.options import RunSettings, controller_options, run_settings
-from elastic.report import render_run
-from runtime import Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, peak_rss_bytes, run_reference
+from elastic.preflight import RunDirectory, check_config_capacity, claim_run_directory
+from elastic.report import build_report, render_run
+from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, peak_rss_bytes, read_events,
+                     run_reference)
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
 
@@ -48,7 +53,11 @@ class _Job:
         return self._programs
 
     def run_dir(self) -> pathlib.Path:
-        """``<base_output_directory>/<run_name>``; an unnamed run is named by its start time, once."""
+        """``<base_output_directory>/<run_name>``; an unnamed run is named by its start time, once.
+
+        ``fit`` fixes the name of an unnamed run when it claims the directory
+        (another unnamed run started in the same second gets ``-1``, ``-2``...).
+        """
         if getattr(self, "_run_dir", None) is None:
             settings = self.settings
             name = settings.run_name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -66,17 +75,29 @@ class _Job:
         dispatching after this long of training and finish at the last
         committed step (soak runs).
 
+        Before anything starts (programs, workers) the run is checked
+        (:mod:`elastic.preflight`): the workers it asks for must fit this
+        host, and the run directory must be writable and not held by another
+        run; it is locked until ``fit`` returns. Each refusal is a
+        ``ConfigError`` naming the key to change. A previous run's
+        ``events.jsonl`` and worker logs under the same name are removed.
+
         The run directory gets ``events.jsonl``, ``report.json`` and
         ``report.html`` whether the run finishes or fails; a failed run
-        records ``run_failed`` and the error propagates.
+        records ``run_failed`` and the error propagates. An event log that
+        cannot be written (a full disk) does not stop training: the report
+        says how many events were dropped (``events_dropped``).
         """
         cfg, settings = self.config, self.settings
-        run_dir = self.run_dir()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        events_path = run_dir / "events.jsonl"
-        if events_path.exists():
-            events_path.unlink()  # a new run under the same name starts a new log
-        events = EventLog(events_path)
+        if not reference:
+            check_config_capacity(cfg)
+        claim = self._claim()
+        try:
+            events = _fresh_log(claim.path)
+        except BaseException:
+            claim.release()
+            raise
+        run_dir = claim.path
         try:
             t0 = time.time()
             events.emit("job_started", mode="reference" if reference else "distributed", config=cfg.to_dict(),
@@ -98,8 +119,21 @@ class _Job:
             raise
         finally:
             events.close()
-            report = render_run(run_dir)
+            try:
+                report = _render(run_dir, events.dropped)
+            finally:
+                claim.release()
         return report
+
+    def _claim(self) -> RunDirectory:
+        """Claims this run's directory (see :func:`elastic.preflight.claim_run_directory`)."""
+        settings = self.settings
+        name = settings.run_name
+        if not name and getattr(self, "_run_dir", None) is not None:
+            name = self._run_dir.name   # run_dir() was asked before fit: keep the name it gave
+        claim = claim_run_directory(settings.base_output_directory, name)
+        self._run_dir = claim.path
+        return claim
 
     def _fit_reference(self, programs, events, on_step):
         settings = self.settings
@@ -189,6 +223,33 @@ class WrappedStep(_Job):
 def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:
     """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``."""
     return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key)
+
+
+def _fresh_log(run_dir: pathlib.Path) -> EventLog:
+    """The run's new event log; a previous run's log and worker logs under the same name go first."""
+    try:
+        (run_dir / "events.jsonl").unlink(missing_ok=True)
+        for old in (run_dir / "logs").glob("worker-*.log"):
+            old.unlink(missing_ok=True)
+        return EventLog(run_dir / "events.jsonl")
+    except OSError as e:
+        raise ConfigError(f"cannot write run files to {run_dir}: {e.strerror or e}; choose a writable "
+                          "directory (config key 'base_output_directory')") from None
+
+
+def _render(run_dir: pathlib.Path, events_dropped: int) -> dict:
+    """The run's report, written by render_run; if the files cannot be written, built in memory (one warning)."""
+    try:
+        return render_run(run_dir, events_dropped=events_dropped)
+    except OSError as e:
+        print(f"elastic: warning: cannot write the report files of {run_dir}: {e.strerror or e}", file=sys.stderr)
+    try:
+        events = read_events(run_dir / "events.jsonl")
+    except OSError:
+        events = []
+    report = build_report(events)
+    report["events_dropped"] = max(report["events_dropped"], events_dropped)
+    return report
 
 
 def _spec(data) -> dict:

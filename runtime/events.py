@@ -1,41 +1,146 @@
 """The run's append-only event log (``events.jsonl``).
 
 One JSON object per line: ``{"t": wall seconds, "kind": ..., **fields}``.
-Written by the controller only; flushed per line so a crash loses nothing
-already recorded. Readers tolerate a torn last line.
+Written by the controller (client side) only. Readers tolerate a torn last
+line.
+
+Contract of :class:`EventLog`:
+
+* Each line is one ``os.write`` of the whole line on an ``O_APPEND`` file
+  descriptor, so a crash loses nothing already recorded and lines of two
+  writers never interleave.
+* ``emit`` never raises on a write failure (``OSError``: a full disk, an I/O
+  error). The first failure prints one warning on stderr naming the file and
+  the error; from then on the log stops (later events are counted in
+  :attr:`EventLog.dropped`, not written) so the log stays a faithful prefix
+  of the run, never a log with a hole in the middle. Training goes on.
+* A partial write is never continued: the torn tail is truncated back to the
+  last complete line; where even that fails the log has stopped, so the torn
+  line stays the last one (which readers skip).
+* Opening a log whose last line is torn (a writer crashed mid-line) cuts that
+  line off first, so later lines never follow a torn one.
+* :meth:`EventLog.close` of a log that dropped events tries to append one
+  last ``events_dropped`` event (``count``, ``error``), for the case where the
+  disk recovered; whoever renders the report at the end of the run should
+  pass :attr:`EventLog.dropped` too, since that line may not make it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
 __all__ = ["EventLog", "read_events"]
 
+_TAIL_CHUNK = 1 << 16
+
 
 class EventLog:
+    """The event log of one run; thread-safe. ``path=None`` records nothing (tests, dry runs)."""
+
     def __init__(self, path: str | os.PathLike | None):
         self.path = path
         self._lock = threading.Lock()
-        self._file = open(path, "a", encoding="utf-8") if path is not None else None
+        self._fd: int | None = None
+        #: Events not written because the log stopped after a write failure.
+        self.dropped = 0
+        #: The write failure that stopped the log, or None.
+        self.error: OSError | None = None
+        self._torn = False    # a torn tail could not be cut off: write nothing more
+        if path is not None:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._cut_torn_tail()
         self.t0 = time.time()
 
     def emit(self, kind: str, **fields) -> dict:
+        """Appends one event (unless the log stopped); returns it. Never raises ``OSError``."""
         event = {"t": time.time(), "kind": kind, **fields}
-        line = json.dumps(event, sort_keys=False, default=_jsonable)
+        line = (json.dumps(event, sort_keys=False, default=_jsonable) + "\n").encode("utf-8")
         with self._lock:
-            if self._file is not None:
-                self._file.write(line + "\n")
-                self._file.flush()
+            if self._fd is not None:
+                if self.error is not None:
+                    self.dropped += 1
+                else:
+                    self._write(line)
         return event
 
     def close(self) -> None:
+        """Closes the file; a log that dropped events first tries to say so in a last line."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is None:
+                return
+            if self.dropped and not self._torn:
+                line = json.dumps({"t": time.time(), "kind": "events_dropped", "count": self.dropped,
+                                   "error": _describe(self.error)}) + "\n"
+                try:
+                    data = line.encode("utf-8")
+                    if os.write(self._fd, data) != len(data):
+                        self._cut(len(data))
+                except OSError:
+                    pass   # the disk is still full: the run's report gets the count from ``dropped``
+            os.close(self._fd)
+            self._fd = None
+
+    # -- private ---------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        try:
+            n = os.write(self._fd, data)
+        except OSError as e:   # nothing was written
+            self._stop(e)
+            return
+        if n != len(data):
+            self._stop(OSError(f"short write ({n} of {len(data)} bytes)"))
+            self._cut(n)
+
+    def _stop(self, error: OSError, lost: int = 1) -> None:
+        self.error = error
+        self.dropped += lost
+        try:
+            print(f"jax-elastic: warning: cannot write the event log {os.fspath(self.path)}: {_describe(error)}; "
+                  "training continues, later events are not recorded", file=sys.stderr)
+        except (OSError, ValueError):
+            pass   # stderr itself is gone; the count in ``dropped`` still reaches the report
+
+    def _cut(self, n: int) -> None:
+        """Truncates the ``n`` bytes of a partial last write; if that fails, nothing is written again."""
+        try:
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - n)
+        except OSError:
+            self._torn = True
+
+    def _cut_torn_tail(self) -> None:
+        """Cuts an incomplete last line (a writer died mid-line) so new lines do not follow it."""
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return
+        with open(os.fspath(self.path), "rb") as f:
+            end = size
+            while end > 0:
+                start = max(0, end - _TAIL_CHUNK)
+                f.seek(start)
+                chunk = f.read(end - start)
+                if end == size and chunk.endswith(b"\n"):
+                    return
+                newline = chunk.rfind(b"\n")
+                if newline >= 0:
+                    end = start + newline + 1
+                    break
+                end = start
+        try:
+            os.ftruncate(self._fd, end)
+        except OSError as e:
+            self._torn = True
+            self._stop(e, lost=0)
+
+
+def _describe(error: OSError | None) -> str:
+    if error is None:
+        return ""
+    return f"{error.strerror} (errno {error.errno})" if error.strerror else str(error)
 
 
 def _jsonable(x):

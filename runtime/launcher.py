@@ -2,6 +2,12 @@
 
 A worker binds port 0 and registers its address with the controller, so no
 ports are chosen here. Each worker writes its log to ``log_dir``.
+
+Starts are paced by a token bucket: the first ``LAUNCH_BURST`` starts go at
+once, later ones at ``LAUNCH_RATE`` per second (each start forks a Python
+process that imports JAX; a burst of hundreds would stall the host). A
+normal run of a few workers is never slowed; how many workers a run may ask
+for at all is checked before anything starts (``elastic.preflight``).
 """
 
 from __future__ import annotations
@@ -9,15 +15,47 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 
-__all__ = ["LocalLauncher"]
+__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "LocalLauncher"]
+
+#: Worker starts allowed back to back before pacing begins.
+LAUNCH_BURST = 8
+#: Worker starts per second once the burst is spent.
+LAUNCH_RATE = 4.0
+
+
+class _TokenBucket:
+    """``burst`` tokens refilled at ``rate`` per second; :meth:`take` waits (at most ``1/rate`` s) for one."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.rate, self.burst, self.clock, self.sleep = rate, burst, clock, sleep
+        self.tokens = float(burst)
+        self.updated = clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """Takes one token, sleeping until one is there; returns the seconds slept."""
+        with self._lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+            self.updated = now
+            wait = 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+            self.tokens -= 1   # may go negative: the token is ours once the wait is over
+            if wait > 0:
+                self.sleep(wait)
+            return wait
 
 
 class LocalLauncher:
     """Launches ``python -m runtime.worker_process`` children with N simulated devices each."""
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
-                 secret: str = "", chaos: bool = False, tls=None):
+                 secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
+                 launch_burst: int = LAUNCH_BURST):
         self.secret = secret
         self.chaos = chaos
         self.tls = tls
@@ -26,9 +64,12 @@ class LocalLauncher:
         self.devices_per_worker = devices_per_worker
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        self._pace = _TokenBucket(launch_rate, launch_burst)
         os.makedirs(log_dir, exist_ok=True)
 
     def launch(self, worker_id: str) -> subprocess.Popen:
+        """Starts one worker; past the first ``LAUNCH_BURST`` starts, waits its turn (at most ``1/LAUNCH_RATE`` s)."""
+        self._pace.take()
         env = dict(os.environ)
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_worker}"])

@@ -61,6 +61,8 @@ def build_report(events_or_path) -> dict:
         "exactly_once": None,
         "exactly_once_detail": {},
         "failure_reason": None,
+        "security": {"refused_calls": 0, "by_method": {}, "refused_registrations": 0},
+        "events_dropped": 0,
     }
     dead_at: dict[str, float] = {}   # worker -> when it was declared dead (s since start)
     step_seconds = []
@@ -127,6 +129,17 @@ def build_report(events_or_path) -> dict:
             report["chaos"] = {k: e[k] for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}
         elif kind == "run_truncated":
             report["steps_requested"] = e["steps"]
+        elif kind == "security_refused":
+            # ``count``: refusals this event stands for (a worker may batch them); 1 if absent.
+            count = int(e.get("count", 1))
+            security = report["security"]
+            security["refused_calls"] += count
+            method = str(e.get("method") or "?")
+            security["by_method"][method] = security["by_method"].get(method, 0) + count
+        elif kind == "register_refused":
+            report["security"]["refused_registrations"] += 1
+        elif kind == "events_dropped":
+            report["events_dropped"] += int(e.get("count", 0))
         elif kind == "run_failed":
             report["failure_reason"] = e["error"]
         elif kind == "verdict":

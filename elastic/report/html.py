@@ -84,6 +84,26 @@ def _banner(report: dict) -> str:
     return f"<div class='banner {cls}' id='verdict'>{title}{f'<ul>{items}</ul>' if items else ''}</div>"
 
 
+def _dropped(report: dict) -> str:
+    n = report.get("events_dropped") or 0
+    if not n:
+        return ""
+    return (f"<div class='banner warn' id='events-dropped'>{esc(n)} events dropped<ul><li>the event log could not "
+            "be written (see the run's stderr); this report is incomplete</li></ul></div>")
+
+
+def _security(report: dict) -> str:
+    security = report.get("security") or {}
+    calls, registrations = security.get("refused_calls") or 0, security.get("refused_registrations") or 0
+    if not calls and not registrations:
+        return ""
+    rows = sorted((security.get("by_method") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+    body = "".join(f"<tr><td><code>{esc(m)}</code></td><td class='num'>{esc(n)}</td></tr>" for m, n in rows)
+    table = f"<table><tr><th>method</th><th class='num'>refused calls</th></tr>{body}</table>" if rows else ""
+    return (f"<div class='card' id='security'><h2>Security</h2><p>{esc(calls)} unauthenticated calls refused by "
+            f"workers; {esc(registrations)} registrations refused by the controller.</p>{table}</div>")
+
+
 def _facts(report: dict, gp: dict) -> str:
     exactly = report.get("exactly_once")
     restores = report.get("checkpoint_restores", 0)
@@ -209,9 +229,9 @@ def render_html(report: dict, events: list[dict]) -> str:
     ivs = intervals(events)
     gp = report.get("goodput") or compute_goodput(events)
     body = "".join([
-        _header(report, events), _banner(report), _facts(report, gp), _timelines(report, events, ivs),
-        f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>",
-        _failures(report), _faults(report), _stragglers(report),
+        _header(report, events), _banner(report), _dropped(report), _facts(report, gp),
+        _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>",
+        _failures(report), _faults(report), _stragglers(report), _security(report),
     ])
     title = f"jax-elastic run {report.get('run_id') or ''}"
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
@@ -222,6 +242,10 @@ def write_html(run_dir: str | os.PathLike, report: dict, events: list[dict]) -> 
     """Writes ``run_dir/report.html`` atomically (temp file + ``os.replace``); returns its path."""
     path = pathlib.Path(run_dir) / "report.html"
     tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(render_html(report, events), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(render_html(report, events), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)   # a full disk leaves no half-written temp file behind
+        raise
     return path

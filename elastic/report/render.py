@@ -19,14 +19,19 @@ from runtime import read_events
 __all__ = ["render_run", "write_report"]
 
 
-def render_run(run_dir) -> dict:
+def render_run(run_dir, *, events_dropped: int = 0) -> dict:
     """Folds ``run_dir/events.jsonl`` into ``report.json`` and ``report.html``; returns the report.
 
     Every writer of a run's reports goes through here (the trainer at the end
     of a run, the chaos harness after its verdict, ``elastic report``).
+    ``events_dropped``: events the writer's log could not record (its
+    ``EventLog.dropped``); the log's own ``events_dropped`` line says the same
+    when the disk allowed it, and the report keeps the larger count. Raises
+    ``OSError`` when the files cannot be read or written.
     """
     events = read_events(pathlib.Path(run_dir) / "events.jsonl")
     report = build_report(events)
+    report["events_dropped"] = max(report["events_dropped"], events_dropped)
     write_report(run_dir, report)
     write_html(run_dir, report, events)
     return report
@@ -36,6 +41,10 @@ def write_report(run_dir, report: dict) -> pathlib.Path:
     """Writes ``report.json`` atomically (temp file + rename)."""
     path = pathlib.Path(run_dir) / "report.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)   # a full disk leaves no half-written temp file behind
+        raise
     return path

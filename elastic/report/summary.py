@@ -58,6 +58,16 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("trajectory", str(report["trajectory"])))
     if report.get("exactly_once") is not None:
         rows.append(("exactly once", "yes" if report["exactly_once"] else "NO"))
+    security = report.get("security") or {}
+    if security.get("refused_calls"):
+        methods = sorted((security.get("by_method") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        rows.append(("refused calls", f"{security['refused_calls']} unauthenticated ("
+                     + ", ".join(f"{m}: {n}" for m, n in methods[:4]) + (", ..." if len(methods) > 4 else "") + ")"))
+    if security.get("refused_registrations"):
+        rows.append(("refused registrations", str(security["refused_registrations"])))
+    if report.get("events_dropped"):
+        rows.append(("events dropped", f"{report['events_dropped']} (the event log could not be written; "
+                                       "this report is incomplete)"))
     if not report.get("finished", True) and report.get("failure_reason"):
         rows.append(("failed", str(report["failure_reason"])[:200]))
     return rows

@@ -201,3 +201,17 @@ def test_the_step_watchdog_finds_the_worker_holding_a_step_up_and_replaces_it(tm
     assert [s["action"] for s in report["stragglers"] if s["worker"] == "w1"] == ["replaced"]
     [failure] = report["failures"]
     assert failure["workers"] == ["w1"] and failure["path"] == "replace" and failure["kind"] == "straggler"
+
+
+def test_a_fault_that_cannot_fire_is_refused_and_one_that_did_not_fire_fails_the_verdict(tmp_path):
+    proc, _ = run_cli(["chaos", "tiny", "steps=4", "run_name=never", "--faults", "kill@step=500"], tmp_path,
+                      check=False)
+    assert proc.returncode == 2 and "step=500 is never reached" in proc.stderr
+    assert not (pathlib.Path(tmp_path) / "never").exists(), "nothing may start for a fault that can never fire"
+    proc, report, events = chaos(tmp_path, "kill@time=10m", check=False, steps=4)   # no duration: known at the end
+    assert proc.returncode == 1 and report["verdict"] == "fail" and report["steps_completed"] == 4
+    [fault] = report["faults"]
+    assert fault["spec"] == "kill@time=600s" and fault["injected_at"] is None
+    assert fault["skipped"].startswith("never fired: the run ended") and "before time=600s" in fault["skipped"]
+    assert report["verdict_reasons"] == [f"fault 'kill@time=600s' was not injected ({fault['skipped']}), "
+                                         "so the run was not tested against it."]

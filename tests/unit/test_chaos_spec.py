@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from chaos import ChaosOptions, FaultInjector, RunShape, check_reachable, fault_plan
 from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
 from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate
@@ -134,7 +135,9 @@ def test_one_fault_vocabulary_from_the_grammar_to_the_report():
 def test_shipped_scenarios_load_and_their_configs_are_valid(path):
     scenario = load_scenario(path)
     assert scenario.name == path.stem and scenario.faults and scenario.expect in ("pass", "fail")
-    load_config(scenario.config, scenario.overrides)  # every override names a real config key
+    cfg = load_config(scenario.config, scenario.overrides)  # every override names a real config key
+    fault_plan(cfg, ChaosOptions(faults=scenario.faults, seed=scenario.seed, mtbf_seconds=scenario.mtbf_seconds,
+                                 duration_seconds=scenario.duration_seconds))   # every fault can fire
 
 
 def test_shipped_scenarios_cover_the_demo_and_a_negative_control():
@@ -252,3 +255,110 @@ def test_resolve_errors(target, active, spares, message):
     with pytest.raises(TargetError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         resolve_target(target, active, spares, random.Random(0))
     assert isinstance(info.value, ValueError)
+
+
+# --------------------------------------------------------------------------- faults that can never fire (or did not)
+
+def shape(*overrides, duration=None, mtbf=None):
+    return RunShape.of(load_config("tiny", list(overrides)), duration_seconds=duration, mtbf_seconds=mtbf)
+
+
+@pytest.mark.parametrize("spec,overrides,soak,message", [
+    ("kill@step=500", ["steps=20"], {}, "fault 1 'kill@step=500': step=500 is never reached: the run commits "
+                                        "20 steps"),
+    ("kill@step=3,hang@step=20", ["steps=20"], {}, "fault 2 'hang@step=20': step=20 is never reached"),
+    ("kill@time=90s", ["steps=100000"], {"mtbf": 20.0, "duration": 60.0},
+     "fault 1 'kill@time=90s': time=90s is at or after the soak duration (60s)"),
+    ("kill:slice=4@step=1", ["dcn_data_parallelism=4"], {}, "fault 1 'kill:slice=4@step=1': slice 4 does not "
+                                                           "exist: the run has 4 slices (dcn_data_parallelism=4, "
+                                                           "slices 0..3)"),
+    ("kill:role=spare@step=1", ["elastic_spares=0"], {}, "role=spare names nobody: the run has no spares "
+                                                        "(elastic_spares=0)"),
+    ("kill:role=source@transfer", ["elastic_spares=1"], {}, "no state transfer can happen: a transfer follows "
+                                                           "a lost worker, and no other fault"),
+    ("kill@step=2,hang:role=dest@transfer", ["elastic_spares=0", "elastic_relaunch=false"], {},
+     "no state transfer can happen: no worker can ever join the run (elastic_spares=0 and elastic_relaunch=false)"),
+    ("kill@step=2,kill@transfer", ["elastic_enabled=false"], {}, "no state transfer can happen: no worker can ever "
+                                                                "join the run (elastic_enabled=false)"),
+])
+def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, overrides, soak, message):
+    with pytest.raises(FaultSpecError) as info:
+        check_reachable(parse_faults(spec), shape(*overrides, **soak))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("spec,overrides,soak", [
+    ("kill@step=19,kill@step=0", ["steps=20"], {}),
+    ("kill@time=10m", ["steps=20"], {}),                          # no duration: cannot be known up front
+    ("kill@time=59s", ["steps=100000"], {"mtbf": 20.0, "duration": 60.0}),
+    ("kill:slice=3@step=1,kill:worker=w9@step=2", ["dcn_data_parallelism=4"], {}),
+    ("kill:role=spare@step=1", ["elastic_spares=1"], {}),
+    ("kill@step=2,kill:role=source@transfer", ["elastic_spares=0"], {}),   # relaunched workers join
+    ("kill:role=dest@transfer", ["elastic_spares=1", "steps=100000"], {"mtbf": 20.0, "duration": 60.0}),
+])
+def test_a_fault_that_can_fire_is_accepted(spec, overrides, soak):
+    check_reachable(parse_faults(spec), shape(*overrides, **soak))
+
+
+def test_elastic_chaos_refuses_a_fault_that_can_never_fire_before_anything_starts(monkeypatch, capsys):
+    import chaos.cli
+    import elastic.cli
+
+    def no_run(cfg):
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(chaos.cli, "bundled_trainer", no_run)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert elastic.cli.main(["chaos", "tiny", "steps=20", "--faults", "kill@step=500", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["elastic: error: fault 1 'kill@step=500': step=500 is never reached: the run commits 20 steps "
+                   "(a fault @step=N fires once N steps are committed, so N must be below 20)"]
+
+
+class _Events:
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, kind, **fields):
+        self.emitted.append({"kind": kind, **fields})
+
+
+class _Controller:
+    """The observer surface the injector may use; faults are armed, nothing is signalled."""
+
+    def __init__(self):
+        self.placement = type("P", (), {"active": ("w0", "w1"), "spares": ()})()
+        self.events = _Events()
+        self.armed = []
+
+    def live_spares(self):
+        return ()
+
+    def pid(self, worker_id):
+        raise KeyError(worker_id)
+
+    def inject_fault(self, worker_id, action, **kw):
+        self.armed.append((worker_id, action))
+
+
+def test_faults_that_never_fired_are_recorded_as_skipped_when_the_run_ends():
+    ctl = _Controller()
+    injector = FaultInjector(parse_faults("corrupt:slice=1@step=1,corrupt@step=500,partition@time=10m,kill@transfer"))
+    injector.attach(ctl)
+    injector.step_committed(0)
+    injector.step_committed(1)
+    injector.close()
+    injector.close()   # at most once
+    injector.step_committed(600)   # too late: nothing fires after the end
+    assert ctl.armed == [("w1", "corrupt")]
+    done = [e for e in ctl.events.emitted if e["kind"] in ("fault_injected", "fault_skipped")]
+    assert [(e["kind"], e["index"], e["fault"]) for e in done] == [
+        ("fault_injected", 0, "corrupt:slice=1@step=1"), ("fault_skipped", 1, "corrupt@step=500"),
+        ("fault_skipped", 2, "partition@time=600s"), ("fault_skipped", 3, "kill:role=source@transfer")]
+    step, time_, transfer = (e["reason"] for e in done[1:])
+    assert step == "never fired: the run ended with 2 steps committed, before step=500"
+    assert time_.startswith("never fired: the run ended") and "before time=600s" in time_
+    assert transfer == "never fired: no state transfer happened"
+    assert [e["fault_kind"] for e in done[1:]] == ["corrupt", "partition", "kill"]
+    assert all(e["step"] == 2 for e in done[1:])

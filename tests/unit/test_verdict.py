@@ -147,3 +147,15 @@ def test_compare_trajectory_rtol_is_relative_to_the_reference():
     assert compare_trajectory([101.0], [100.0], final_sha=None, reference_sha=None, rtol=0.02) == \
         ("within_tolerance", None)
     assert compare_trajectory([101.0], [100.0], final_sha=None, reference_sha=None, rtol=0.005) == ("diverged", 0)
+
+
+def test_a_fault_that_was_never_injected_fails_the_verdict():
+    faults = [{"index": 0, "spec": "kill:slice=1@step=1", "kind": "kill", "workers": ["w1"], "skipped": None},
+              {"index": 1, "spec": "kill@time=600s", "kind": "kill", "workers": [],
+               "skipped": "never fired: the run ended 3.2 s after training started, before time=600s"}]
+    result = judge(clean_report(faults=faults), REFERENCE, clean_events())
+    assert result["verdict"] == "fail"
+    assert result["verdict_reasons"] == [
+        "fault 'kill@time=600s' was not injected (never fired: the run ended 3.2 s after training started, "
+        "before time=600s), so the run was not tested against it."]
+    assert judge(clean_report(faults=faults[:1]), REFERENCE, clean_events())["verdict"] == "pass"

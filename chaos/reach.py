@@ -1,0 +1,90 @@
+"""Can a fault ever fire in this run? Pure checks of a fault list against the run's shape.
+
+A fault that can never fire is bad input: the run would pass without having
+been tested against it. The chaos runner calls :func:`check_reachable` before
+anything starts (``elastic chaos`` exits 2). What cannot be known up front
+(a random target, a time fault without a soak duration, a transfer that
+depends on how recovery goes) is left to the run: the injector records a
+fault that did not fire by the end as ``fault_skipped``, and the verdict
+fails (``chaos.verdict.judge``).
+
+The rules, with the reason each error gives (``docs/chaos-guide.md``):
+
+* ``@step=N`` needs ``N < steps``: a step fault fires once N steps are
+  committed, and the run commits ``steps``.
+* ``@time=T`` in a soak run needs ``T < duration``: training stops
+  dispatching at the duration.
+* ``slice=N`` needs ``N < dcn_data_parallelism``: the active slices never
+  outnumber the configured ones.
+* ``role=spare`` needs ``elastic_spares > 0``: without warmed spares, a
+  relaunched worker is promoted as soon as it is ready, so no spare is ever
+  there to hit.
+* ``@transfer`` needs a worker that can join (recovery enabled, and a spare or
+  ``elastic_relaunch``) and something that can lose a worker first: another
+  fault that is not itself ``@transfer``, or a soak's random faults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from chaos.spec import Fault, FaultSpecError, format_duration
+
+__all__ = ["RunShape", "check_reachable", "unreachable_reason"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """The facts about a run that decide whether a fault can fire in it."""
+
+    steps: int                              # steps the run commits (``steps``)
+    slices: int                             # active slices at most (``dcn_data_parallelism``)
+    spares: int                             # warmed spares at the start (``elastic_spares``)
+    recovery: bool = True                   # ``elastic_enabled``: a lost worker is replaced, not fatal
+    relaunch: bool = True                   # ``elastic_relaunch``: dead workers come back as newcomers
+    duration_seconds: float | None = None   # soak runs: training stops dispatching after this long
+    random_faults: bool = False             # soak runs: random faults are drawn besides the listed ones
+
+    @classmethod
+    def of(cls, cfg, *, duration_seconds: float | None = None, mtbf_seconds: float | None = None) -> RunShape:
+        """The shape of a chaos run of ``cfg`` (an ``elastic.Config``); a duration counts only with an MTBF
+        (soak mode), as in :func:`chaos.harness.run_chaos`."""
+        soak = bool(mtbf_seconds)
+        return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism, spares=cfg.elastic_spares,
+                   recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
+                   duration_seconds=duration_seconds if soak else None, random_faults=soak)
+
+
+def check_reachable(faults: Sequence[Fault], shape: RunShape) -> None:
+    """Raise FaultSpecError naming the first fault (1-based, with its text) that can never fire, and why."""
+    for i, fault in enumerate(faults, 1):
+        reason = unreachable_reason(fault, shape, faults)
+        if reason:
+            raise FaultSpecError(f"fault {i} {fault.spec()!r}: {reason}")
+
+
+def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = ()) -> str | None:
+    """Why ``fault`` (one of ``faults``) can never fire in a run of ``shape``; None when it may."""
+    when, target = fault.when, fault.target
+    if when.step is not None and when.step >= shape.steps:
+        return (f"step={when.step} is never reached: the run commits {shape.steps} steps "
+                f"(a fault @step=N fires once N steps are committed, so N must be below {shape.steps})")
+    if when.time is not None and shape.duration_seconds is not None and when.time >= shape.duration_seconds:
+        return (f"time={format_duration(when.time)} is at or after the soak duration "
+                f"({format_duration(shape.duration_seconds)}): training stops dispatching then")
+    if target.kind == "slice" and target.value >= shape.slices:
+        return (f"slice {target.value} does not exist: the run has {shape.slices} slices "
+                f"(dcn_data_parallelism={shape.slices}, slices 0..{shape.slices - 1})")
+    if target.kind == "role" and target.value == "spare" and shape.spares == 0:
+        return "role=spare names nobody: the run has no spares (elastic_spares=0)"
+    if when.transfer:
+        if not shape.recovery:
+            return "no state transfer can happen: no worker can ever join the run (elastic_enabled=false)"
+        if shape.spares == 0 and not shape.relaunch:
+            return ("no state transfer can happen: no worker can ever join the run "
+                    "(elastic_spares=0 and elastic_relaunch=false)")
+        if not shape.random_faults and all(f.when.transfer for f in (faults or (fault,))):
+            return ("no state transfer can happen: a transfer follows a lost worker, and no other fault "
+                    "in the list can lose one (add e.g. kill:slice=1@step=3 before it)")
+    return None

@@ -1,0 +1,256 @@
+"""Checks a run makes before it starts anything: its run directory and what the local host can run.
+
+Called on the client side by the trainer (``fit``, before it builds programs or
+starts a worker) and by ``elastic run`` (before it imports JAX, so bad input
+fails fast). Every refusal is a :class:`~elastic.config.ConfigError` whose one
+line names the config key to change. Nothing here imports JAX.
+
+* :func:`claim_run_directory`: creates ``<base_output_directory>/<run_name>``,
+  proves it writable (a probe file written and removed) and locks it
+  (``fcntl.flock`` on ``.lock`` inside it) until :meth:`RunDirectory.release`,
+  so two runs never share a directory. The lock dies with the process.
+* :func:`check_local_capacity`: refuses more worker processes (slices +
+  spares) or simulated devices than this host can hold: a pure function of the
+  counts and a :class:`HostCapacity`; :func:`check_config_capacity` applies it
+  to a Config and this host.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import pathlib
+import time
+from dataclasses import dataclass
+
+from elastic.config import Config, ConfigError
+from elastic.options import controller_options, run_settings
+
+__all__ = [
+    "PER_WORKER_BYTES",
+    "HostCapacity",
+    "RunDirectory",
+    "check_config_capacity",
+    "check_local_capacity",
+    "check_output_directory",
+    "claim_run_directory",
+    "host_capacity",
+]
+
+#: A conservative estimate of one worker process's memory (Python + JAX + the bundled model).
+PER_WORKER_BYTES = 300_000_000
+#: Simulated devices allowed per worker process, on average.
+_DEVICES_PER_WORKER = 4
+_LOCK_NAME = ".lock"
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+@dataclass(frozen=True)
+class HostCapacity:
+    """What the local launcher can use: CPU cores this process may run on, physical memory (None: unknown)."""
+
+    cpu_count: int
+    memory_bytes: int | None
+
+
+def host_capacity() -> HostCapacity:
+    """This host's :class:`HostCapacity` (cores in this process's affinity mask, total physical memory)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = None
+    return HostCapacity(cpu_count=max(cores, 1), memory_bytes=memory if memory and memory > 0 else None)
+
+
+def check_local_capacity(slices: int, spares: int, devices_per_slice: int, max_local_workers: int,
+                         host: HostCapacity) -> None:
+    """Refuses a run the local launcher cannot hold; pure.
+
+    Worker processes (``slices + spares``) may number at most
+    ``max_local_workers`` when it is positive, else the smaller of
+    ``max(64, 4 x cores)`` and what the host's memory holds at
+    :data:`PER_WORKER_BYTES` each. Simulated devices (workers x devices per
+    slice) may number at most 4 x that limit.
+    """
+    workers = slices + spares
+    keys = f"config keys 'dcn_data_parallelism' ({slices}) and 'elastic_spares' ({spares})"
+    override = "set elastic_max_local_workers to the most worker processes this host should run"
+    if max_local_workers > 0:
+        limit, why = max_local_workers, f"elastic_max_local_workers={max_local_workers}"
+        override = "raise elastic_max_local_workers"
+    else:
+        limit = max(64, 4 * host.cpu_count)
+        why = f"max(64, 4 x {host.cpu_count} CPU cores)"
+        if host.memory_bytes is not None and host.memory_bytes // PER_WORKER_BYTES < limit:
+            limit = max(host.memory_bytes // PER_WORKER_BYTES, 1)
+            why = (f"{host.memory_bytes / 1e9:.1f} GB of memory at an estimated "
+                   f"{PER_WORKER_BYTES / 1e6:.0f} MB per worker")
+    if workers > limit:
+        raise ConfigError(f"{keys} ask for {workers} local worker processes; this host allows {limit} ({why}); "
+                          f"ask for fewer, or {override}")
+    devices = workers * devices_per_slice
+    if devices > _DEVICES_PER_WORKER * limit:
+        raise ConfigError(f"config keys 'dcn_data_parallelism' ({slices}), 'elastic_spares' ({spares}) and "
+                          f"'ici_fsdp_parallelism' ({devices_per_slice}) ask for {devices} simulated "
+                          f"devices on this host; it allows {_DEVICES_PER_WORKER * limit} "
+                          f"({_DEVICES_PER_WORKER} x {limit} workers, {why}); ask for fewer, or {override}")
+
+
+def check_config_capacity(cfg: Config, host: HostCapacity | None = None) -> None:
+    """:func:`check_local_capacity` for the workers ``cfg`` starts (spares after ``elastic_enabled``)."""
+    opts = controller_options(cfg, "")
+    check_local_capacity(opts.slices, opts.spares, opts.devices_per_slice, run_settings(cfg).max_local_workers,
+                         host or host_capacity())
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+class RunDirectory:
+    """A run directory this process owns: created, writable and locked until :meth:`release`."""
+
+    def __init__(self, path: pathlib.Path, lock_fd: int):
+        self.path = path
+        self._fd: int | None = lock_fd
+
+    def release(self) -> None:
+        """Drops the lock (idempotent); another run may take the directory from now on."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunDirectory:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def claim_run_directory(base_output_directory: str, run_name: str) -> RunDirectory:
+    """Creates, probes and locks ``<base_output_directory>/<run_name>``; ConfigError if it cannot be used.
+
+    An empty ``run_name`` names the run by its start time (``run-YYYYmmdd-HHMMSS``,
+    with ``-1``, ``-2``... for runs started in the same second). A directory
+    another live run holds is refused, naming it and suggesting another
+    ``run_name``. The run name is already validated by the Config (it stays
+    inside ``base_output_directory``).
+    """
+    base = pathlib.Path(base_output_directory)
+    _make_base(base)
+    if run_name:
+        path = base / run_name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _unusable(path, e, "run_name") from None
+    else:
+        path = _fresh_dir(base, time.strftime("run-%Y%m%d-%H%M%S"))
+    fd = _lock(path)
+    try:
+        _probe(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunDirectory(path, fd)
+
+
+def check_output_directory(base_output_directory: str, run_name: str) -> None:
+    """``elastic run``'s early check: the directory a run would claim is usable now (claimed, then released).
+
+    An unnamed run only checks that ``base_output_directory`` is a writable
+    directory (its name is picked when the run claims it).
+    """
+    if run_name:
+        claim_run_directory(base_output_directory, run_name).release()
+        return
+    base = pathlib.Path(base_output_directory)
+    _make_base(base)
+    _probe(base)
+
+
+def _make_base(base: pathlib.Path) -> None:
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"config key 'base_output_directory' ({str(base)!r}): {base} is not a directory")
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unusable(base, e, "base_output_directory") from None
+
+
+def _fresh_dir(base: pathlib.Path, stem: str) -> pathlib.Path:
+    for i in range(1000):
+        path = base / (stem if i == 0 else f"{stem}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise _unusable(path, e, "base_output_directory") from None
+    raise ConfigError(f"config key 'run_name' is empty and {base} already holds 1000 runs named {stem}*; "
+                      "set run_name")
+
+
+def _lock(path: pathlib.Path) -> int:
+    lock = path / _LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise _unusable(path, e, "base_output_directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise ConfigError(f"run directory {path} is in use by another run{holder}; wait for it to finish or "
+                          f"choose another run_name (config key 'run_name')") from None
+    except OSError as e:
+        os.close(fd)
+        raise _unusable(path, e, "base_output_directory") from None
+    try:   # who holds it, for the message another run gets
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise _unusable(path, e, "base_output_directory") from None
+    return fd
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def _probe(path: pathlib.Path) -> None:
+    """Writes and removes a small file: a directory that refuses it would fail the run later."""
+    probe = path / f".write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            if os.write(fd, b"probe\n") != 6:
+                raise OSError(errno.ENOSPC, "short write (is the disk full?)")
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass   # never created, or the directory refuses even that: the error below says why
+        raise _unusable(path, e, "base_output_directory") from None
+
+
+def _unusable(path: pathlib.Path, error: OSError, key: str) -> ConfigError:
+    why = error.strerror or str(error)
+    return ConfigError(f"cannot write run files to {path}: {why}; choose a writable directory "
+                       f"(config key {key!r})")
