@@ -319,10 +319,7 @@ class Controller:
                                                  self.recoveries)
         old = self.placement
         self._adopt(decision.placement)
-        dead = sorted(w for w in old.members if w in self.dead)
-        for w in dead:
-            self.group.forget(w)
-            self.group.relaunch(w)
+        dead = self.recovery.retire_dead(old)
         self.events.emit("recovered", path=decision.action.value, epoch=self.placement.epoch, resume_step=0,
                          dead=dead, bytes_moved=0, seconds=time.time() - started)
 

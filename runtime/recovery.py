@@ -74,10 +74,7 @@ class Recovery:
         the survivors' recorded losses (the caller records them).
         """
         group = self.group
-        for w in old.members:
-            if w in group.dead:
-                group.forget(w)
-                group.relaunch(w)
+        self.retire_dead(old)
         survivors = [w for w in new.active if w in replicas]
         statuses = group.abort(new.members)
         plan = plan_realign({w: statuses[w].applied_steps for w in survivors},
@@ -88,6 +85,14 @@ class Recovery:
             group.rollback(w, plan.target)
             self.events.emit("rolled_back", worker=w, to_step=plan.target)
         return plan
+
+    def retire_dead(self, old: Placement) -> list[str]:
+        """Stops watching the dead members of ``old`` and relaunches each once (within limits); returns them sorted."""
+        dead = sorted(w for w in old.members if w in self.group.dead)
+        for w in dead:
+            self.group.forget(w)
+            self.group.relaunch(w)
+        return dead
 
     def _decide(self, placement: Placement, replicas, recoveries: int, may_wait: bool) -> RecoveryDecision:
         dead = sorted(w for w in placement.members if w in self.group.dead)
