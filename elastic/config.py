@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
 
 __all__ = [
     "Config",
@@ -83,7 +83,7 @@ class Config:
     base_num_query_heads: int = _key(2, ge=1)
     base_mlp_dim: int = _key(64, ge=1)
     elastic_microbatches: int = _key(0, ge=0)  # 0: next power of two >= slices
-    elastic_dispatch_depth: int = _key(2, ge=1)  # steps in flight
+    elastic_dispatch_depth: int = _key(2, ge=1, le=MAX_STEPS_AHEAD)  # steps in flight (workers refuse more)
     elastic_rpc_timeout_seconds: float = _key(120.0, gt=0)
     elastic_register_timeout_seconds: float = _key(120.0, gt=0)
     elastic_chunk_bytes: int = _key(DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, unit=" bytes")
@@ -107,6 +107,9 @@ class Config:
     elastic_tls_key_file: str = _key("")  # its private key
     elastic_tls_ca_file: str = _key("")  # CA that signed every process's certificate
     elastic_max_local_workers: int = _key(0, ge=0)  # 0: derived from this host's cores and memory
+    # JAX's persistent compilation cache, shared by the workers and the reference run (MaxText's key).
+    # "": $JAX_COMPILATION_CACHE_DIR if set, else <base_output_directory>/jax_cache; "off": none.
+    jax_cache_dir: str = _key("")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -182,6 +185,10 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
             value = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not a YAML scalar") from e
+        except ValueError as e:   # PyYAML's constructors: a date that cannot be (2001-02-30)
+            raise ConfigError(f"override {item!r}: value is not a valid YAML scalar ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"override {item!r}: value is not a YAML scalar (nested too deeply)") from None
         out[key] = _coerce(key, value, "overrides")
     return out
 
@@ -249,6 +256,8 @@ def _coerce(key: str, value: Any, source: str = "") -> Any:
             number = float(value)
         except ValueError:
             raise fail("a number") from None
+        except OverflowError:   # an int beyond the float range (10**400)
+            raise fail("a finite number") from None
         if not math.isfinite(number):
             raise fail("a finite number")
         return number
@@ -359,6 +368,8 @@ def _locate(path: str | pathlib.Path) -> pathlib.Path:
 
 def _read_chain(path: pathlib.Path, chain: tuple[pathlib.Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
     """``[(source, layer), ...]`` for ``path`` and its base_config chain, base first."""
+    if "\x00" in str(path):   # the OS refuses the name (ValueError: embedded null byte)
+        raise ConfigError(f"config file name {str(path)!r} contains a NUL character")
     real = path.resolve()
     if real in chain:
         raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*chain, real))}")
@@ -366,7 +377,7 @@ def _read_chain(path: pathlib.Path, chain: tuple[pathlib.Path, ...] = ()) -> lis
     base = layer.pop("base_config", None)
     if base is None:
         return [(str(path), layer)]
-    if not isinstance(base, str) or not base:
+    if not isinstance(base, str) or not base or "\x00" in base:
         raise ConfigError(f"base_config in {path} must be a file name, got {base!r}")
     return [*_read_chain(path.parent / base, (*chain, real)), (str(path), layer)]
 
@@ -374,11 +385,13 @@ def _read_chain(path: pathlib.Path, chain: tuple[pathlib.Path, ...] = ()) -> lis
 def _read_yaml(path: pathlib.Path, referrer: pathlib.Path | None) -> dict[str, Any]:
     named_by = f" (base_config of {referrer})" if referrer else ""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}{named_by}") from e
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}{named_by}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}{named_by} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -386,6 +399,10 @@ def _read_yaml(path: pathlib.Path, referrer: pathlib.Path | None) -> dict[str, A
         line = f" line {mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or "syntax error"
         raise ConfigError(f"invalid YAML in {path}{line}: {problem}") from e
+    except ValueError as e:   # PyYAML's constructors: a date that cannot be (2001-02-30)
+        raise ConfigError(f"invalid YAML in {path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"invalid YAML in {path}: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

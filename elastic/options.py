@@ -5,7 +5,8 @@ Contract:
 * Every key of the :class:`~elastic.config.Config` schema has a place here
   saying where it goes: copied to a ``ControllerOptions`` field
   (``_TO_CONTROLLER``), folded with others into one (``_TLS_KEYS`` -> ``tls``;
-  ``elastic_enabled`` -> the recovery fields), or read elsewhere by name
+  ``elastic_enabled`` -> the recovery fields; ``jax_cache_dir`` with
+  ``base_output_directory`` -> ``compilation_cache_dir``), or read elsewhere by name
   (``READ_ELSEWHERE``, which says who reads it). A key may go to the
   controller and be read elsewhere too. Importing this module checks that the
   schema and these tables agree and raises ``ImportError`` naming any key
@@ -20,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +30,8 @@ from types import MappingProxyType
 from elastic.config import Config
 from runtime import ControllerOptions, TlsFiles
 
-__all__ = ["NOT_FROM_CONFIG", "READ_ELSEWHERE", "RunSettings", "controller_options", "run_settings"]
+__all__ = ["NOT_FROM_CONFIG", "READ_ELSEWHERE", "RunSettings", "compilation_cache_dir", "controller_options",
+           "run_settings"]
 
 # Config key -> ControllerOptions field, copied as is.
 _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
@@ -57,6 +60,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
 _ENABLED_KEY = "elastic_enabled"  # false -> the recovery fields below take their "no recovery" values
+_CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.compilation_cache_dir)
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
@@ -94,6 +98,7 @@ class RunSettings:
     run_name: str              # empty: the trainer names the run by its start time
     base_output_directory: str
     max_local_workers: int     # 0: derived from this host (elastic.preflight.check_local_capacity)
+    compilation_cache_dir: str  # absolute; "": no persistent compilation cache (the reference run's)
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -101,7 +106,24 @@ def run_settings(cfg: Config) -> RunSettings:
     return RunSettings(steps=cfg.steps, seed=cfg.seed, microbatches=cfg.microbatches,
                        devices_per_slice=cfg.devices_per_slice, run_name=cfg.run_name,
                        base_output_directory=cfg.base_output_directory,
-                       max_local_workers=cfg.elastic_max_local_workers)
+                       max_local_workers=cfg.elastic_max_local_workers,
+                       compilation_cache_dir=compilation_cache_dir(cfg))
+
+
+def compilation_cache_dir(cfg: Config) -> str:
+    """Where the run's processes share compiled programs: an absolute path, or "" for none.
+
+    ``jax_cache_dir``: "off" for none; "" for ``$JAX_COMPILATION_CACHE_DIR``
+    when set (JAX's own variable), else ``<base_output_directory>/jax_cache``
+    (so every run writing there, and its reference, compiles a program once);
+    any other value is the directory (``~`` expanded).
+    """
+    value = getattr(cfg, _CACHE_KEY)
+    if value == "off":
+        return ""
+    if not value:
+        value = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cfg.base_output_directory, "jax_cache")
+    return str(pathlib.Path(value).expanduser().resolve())   # workers run elsewhere (cwd)
 
 
 def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOptions:
@@ -112,7 +134,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     waiting for capacity, no straggler replacement). The Config has already
     refused recovery keys that contradict it, so this only replaces defaults.
     """
-    opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg),
+    opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg), compilation_cache_dir=compilation_cache_dir(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts
@@ -129,7 +151,7 @@ def _tls(cfg: Config) -> TlsFiles | None:
 
 def _check_every_key_has_a_place() -> None:
     schema = {f.name for f in dataclasses.fields(Config)}
-    placed = set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY} | set(READ_ELSEWHERE)
+    placed = set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY} | set(READ_ELSEWHERE)
     if placed != schema:
         raise ImportError(f"elastic.options and the Config schema disagree: keys without a place here: "
                           f"{sorted(schema - placed)}; keys here that are not in the schema: "

@@ -27,8 +27,8 @@ from elastic.config import Config, ConfigError
 from elastic.options import RunSettings, controller_options, run_settings
 from elastic.preflight import RunDirectory, check_config_capacity, claim_run_directory
 from elastic.report import build_report, render_run
-from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, peak_rss_bytes, read_events,
-                     run_reference)
+from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, enable_compilation_cache,
+                     peak_rss_bytes, read_events, run_reference)
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
 
@@ -146,6 +146,7 @@ class _Job:
             if on_step is not None:
                 on_step(step, loss)
 
+        enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
         losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
                                        on_step=step_done)
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)

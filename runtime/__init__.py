@@ -18,7 +18,7 @@ from runtime.errors import (
     WorkerLostError,
 )
 from runtime.events import EventLog, read_events
-from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
 from runtime.fault_injection import ACTIONS as FAULT_ACTIONS, PHASES as FAULT_PHASES
 from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
 from runtime.programs import MESH_AXIS, ProgramSet
@@ -29,6 +29,13 @@ def run_reference(*args, **kwargs):
     from runtime.reference import run_reference as run
 
     return run(*args, **kwargs)
+
+
+def enable_compilation_cache(path: str) -> str:
+    """JAX's persistent compilation cache at ``path`` for this process ("": off); see :mod:`runtime.compile_cache`."""
+    from runtime.compile_cache import enable
+
+    return enable(path)
 
 
 def worker_main(argv=None) -> None:
@@ -49,6 +56,7 @@ __all__ = [
     "FAULT_ACTIONS",
     "FAULT_PHASES",
     "MAX_CHUNK_BYTES",
+    "MAX_STEPS_AHEAD",
     "MIN_CHUNK_BYTES",
     "MESH_AXIS",
     "Node",
@@ -63,6 +71,7 @@ __all__ = [
     "WorkerError",
     "WorkerLostError",
     "assign_microbatches",
+    "enable_compilation_cache",
     "peak_rss_bytes",
     "read_events",
     "run_reference",

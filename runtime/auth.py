@@ -9,9 +9,12 @@ Contract:
 * A server installs ``SecretServerInterceptor(secret)``. A call whose metadata
   lacks the key, or carries any other value, fails with ``UNAUTHENTICATED``
   ("missing or wrong run secret for <method>") before the real handler runs,
-  whatever the method's arity. Methods named in ``exempt`` (full names such as
+  whatever the method's arity, and is told to ``on_refused(method, peer,
+  reason)``. Methods named in ``exempt`` (full names such as
   ``"/grpc.health.v1.Health/Check"``) need no secret. Unknown methods still get
   ``UNIMPLEMENTED``.
+* :class:`Refusals` counts refused calls per (method, peer host, reason) for
+  whoever reports them (security events), and logs them rate-limited.
 * The secret guards against stray or stale clients, not eavesdroppers: for that,
   also use TLS (``server_credentials`` / ``channel_credentials``).
 """
@@ -24,12 +27,14 @@ import hmac
 import logging
 import os
 import secrets
+import threading
+import time
 from typing import Callable
 
 import grpc
 
 __all__ = [
-    "METADATA_KEY", "new_secret", "SecretServerInterceptor",
+    "METADATA_KEY", "new_secret", "SecretServerInterceptor", "Refusals", "peer_host",
     "secure_channel", "server_credentials", "channel_credentials", "handler_like", "TlsFiles",
 ]
 
@@ -43,13 +48,83 @@ def new_secret() -> str:
     return secrets.token_hex(16)
 
 
+def peer_host(peer: str) -> str:
+    """The caller's host from a gRPC peer string (``ipv4:10.0.0.1:5123`` -> ``ipv4:10.0.0.1``).
+
+    Refusals are counted per host: a caller opens a new port per connection.
+    """
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host, sep, port = peer.rpartition(":")
+        if sep and port.isdigit():
+            return host
+    return peer
+
+
+class Refusals:
+    """Counts of refused calls per ``(method, peer host, reason)``. Thread-safe.
+
+    Filled by the server's ``on_refused`` hook (:meth:`record`), drained by
+    whoever reports them (:meth:`drain`: the worker's ``Refusals`` RPC, the
+    controller's registry). At most ``max_keys`` distinct keys are kept
+    between two drains; calls beyond go to one ``(*, *, "overflow")`` key, so
+    a caller hammering from many hosts cannot grow it without bound. Logs
+    the first refusal of a key at once, then at most one line per key every
+    ``log_seconds`` with the count since the last line.
+    """
+
+    OVERFLOW = ("*", "*", "overflow")
+
+    def __init__(self, log: logging.Logger | None = None, max_keys: int = 256, log_seconds: float = 60.0):
+        self._log = log or _log
+        self._max_keys = max_keys
+        self._log_seconds = log_seconds
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, str], int] = {}
+        self._lines: dict[tuple[str, str, str], list] = {}   # key -> [time of its last log line, calls since]
+
+    def record(self, method: str, peer: str, reason: str) -> None:
+        """One refused call (the ``on_refused`` hook of :class:`SecretServerInterceptor`)."""
+        key = (method, peer_host(peer), reason)
+        now = time.monotonic()
+        with self._lock:
+            if key not in self._counts and len(self._counts) >= self._max_keys:
+                key = self.OVERFLOW
+            self._counts[key] = self._counts.get(key, 0) + 1
+            line = self._lines.get(key)
+            if line is None:
+                if len(self._lines) >= self._max_keys:
+                    self._lines.clear()
+                line = self._lines[key] = [-float("inf"), 0]
+            line[1] += 1
+            if now - line[0] < self._log_seconds:
+                return
+            first, since, line[0], line[1] = line[0] < 0, line[1], now, 0
+        if first:
+            self._log.warning("refused %s from %s: %s (more from there are counted and logged at most every "
+                              "%.0f s)", key[0], key[1], key[2], self._log_seconds)
+        else:
+            self._log.warning("refused %s from %s: %s (%d such calls since the last line)", *key, since)
+
+    def drain(self) -> list[tuple[str, str, str, int]]:
+        """``[(method, peer host, reason, count)]`` since the last drain, most frequent first; resets."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        return sorted(((m, p, r, n) for (m, p, r), n in counts.items()), key=lambda x: (-x[3], x[:3]))
+
+
 class SecretServerInterceptor(grpc.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED, every call that does not carry the run secret."""
+    """Refuses, with UNAUTHENTICATED, every call that does not carry the run secret.
+
+    ``on_refused(method, peer, reason)`` is called for each refused call
+    (``reason``: "missing run secret" or "wrong run secret"; ``peer``: gRPC's
+    peer string); an exception it raises is logged and does not change the
+    status.
+    """
 
     def __init__(
         self,
         secret: str,
-        on_refused: Callable[[str, str], None] | None = None,
+        on_refused: Callable[[str, str, str], None] | None = None,
         exempt: frozenset[str] = frozenset(),
     ):
         if not secret:
@@ -85,7 +160,7 @@ class SecretServerInterceptor(grpc.ServerInterceptor):
         def refuse(_request_or_iterator, context):
             if self._on_refused is not None:
                 try:
-                    self._on_refused(method, f"{reason} from {context.peer()}")
+                    self._on_refused(method, context.peer(), reason)
                 except Exception:  # a logging hook must not change the status
                     _log.exception("on_refused hook failed for %s", method)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong run secret for {method}")

@@ -22,6 +22,8 @@ well-formed piece of the wrong shape raises :class:`StepAbortedError`.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import threading
 import time
 import zlib
@@ -34,8 +36,8 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node, tree_reduce
 
-__all__ = ["AllReduce", "Mailbox", "Send", "chunk_bounds", "checked_chunk_bytes", "pieces", "state_chunks",
-           "assemble_state", "REDUCE_SCATTER", "ALL_GATHER", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES",
+__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Send", "chunk_bounds", "checked_chunk_bytes", "pieces", "state_chunks",
+           "assemble_state", "state_sha256", "REDUCE_SCATTER", "ALL_GATHER", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES",
            "MAX_CHUNK_BYTES"]
 
 REDUCE_SCATTER, ALL_GATHER = 0, 1
@@ -43,6 +45,8 @@ REDUCE_SCATTER, ALL_GATHER = 0, 1
 DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 4 << 10    # smaller chunks only multiply per-message overhead
 MAX_CHUNK_BYTES = 32 << 20   # half of rpc.MAX_MESSAGE: a chunk and its header always fit in one message
+#: How far ahead of a worker a ``Step`` (or a peer's ``Push``) may be; further is refused.
+MAX_STEPS_AHEAD = 16
 
 Send = Callable[[str, Iterator[pb.TensorChunk], float], None]
 """``send(address, messages, deadline)``: streams ``messages`` to the peer at
@@ -95,15 +99,35 @@ class Mailbox:
     Keyed by ``(epoch, step, phase)``, then sender rank, then subtree, so a
     step re-run in a new epoch never sees pieces of its aborted attempt.
     Thread-safe.
+
+    Bounded once the worker knows its programs (:meth:`limit`): a piece of
+    more elements than a gradient, a subtree outside the microbatch tree (or
+    other than the whole tree in the all-gather), a stream of more subtrees
+    than there are microbatches, or a deposit that would hold more than
+    ``max_buffered`` elements in all is refused with :class:`ProtocolError`,
+    so a faulty peer cannot make the worker allocate without bound.
     """
 
     def __init__(self):
         self._cond = threading.Condition()
         self._box: dict[tuple[int, int, int], dict[int, dict[Node, np.ndarray]]] = {}
+        self._held = 0   # elements in _box
         self.epoch = 0
+        self.max_piece = 1 << 34
+        self.top: Node | None = None
+        self.max_buffered: int | None = None
 
-    def receive(self, chunks: Iterator[pb.TensorChunk], check_fence) -> None:
-        """Assembles one Push stream; deposits it when the stream ends cleanly."""
+    def limit(self, max_piece: int, top: Node, max_buffered: int) -> None:
+        """Bounds what :meth:`receive` accepts (called by the worker's ``Load``): pieces of at most
+        ``max_piece`` elements, subtrees of ``top``, ``max_buffered`` elements held in all."""
+        self.max_piece, self.top, self.max_buffered = max_piece, top, max_buffered
+
+    def receive(self, chunks: Iterator[pb.TensorChunk], check_fence, admit=None) -> None:
+        """Assembles one Push stream; deposits it when the stream ends cleanly.
+
+        ``check_fence(fence)`` runs on every chunk, ``admit(step, phase,
+        src_rank)`` once on the first (both raise to refuse the stream).
+        """
         bufs: dict[Node, np.ndarray] = {}
         filled: dict[Node, int] = {}
         key = src = None
@@ -111,6 +135,10 @@ class Mailbox:
             check_fence(c.fence)
             if key is None:
                 key, src = (c.fence.epoch, c.step, c.phase), c.src_rank
+                if c.phase not in (REDUCE_SCATTER, ALL_GATHER) or c.src_rank < 0:
+                    raise ProtocolError(f"chunk of phase {c.phase} from rank {c.src_rank}: no such phase or rank")
+                if admit is not None:
+                    admit(c.step, c.phase, c.src_rank)
             elif (c.fence.epoch, c.step, c.phase) != key or c.src_rank != src:
                 raise ProtocolError("one Push stream mixed steps, phases or senders")
             if zlib.crc32(c.data) != c.crc32:
@@ -120,8 +148,12 @@ class Mailbox:
             node = Node(c.node.level, c.node.index)
             buf = bufs.get(node)
             if buf is None:
-                if not 0 <= c.total <= 1 << 34:
-                    raise ProtocolError(f"implausible piece size {c.total}")
+                if not 0 <= c.total <= self.max_piece:
+                    raise ProtocolError(f"implausible piece size {c.total} (at most {self.max_piece} elements)")
+                top = self.top
+                if top is not None and not (node == top or (c.phase == REDUCE_SCATTER and 0 <= node.level < top.level
+                                                            and 0 <= node.index < 1 << (top.level - node.level))):
+                    raise ProtocolError(f"piece for subtree {node}: not a subtree of {top} in phase {c.phase}")
                 buf = bufs[node] = np.empty(c.total, dtype=np.float32)
                 filled[node] = 0
             n = len(c.data) // 4
@@ -134,18 +166,37 @@ class Mailbox:
                 raise ProtocolError(f"piece {node} from rank {src} incomplete ({filled[node]}/{buf.size})")
         if key is None:
             return
+        size = sum(b.size for b in bufs.values())
         with self._cond:
-            if key[0] >= self.epoch:
-                self._box.setdefault(key, {})[src] = bufs
-                self._cond.notify_all()
+            if key[0] < self.epoch:
+                return
+            old = self._box.get(key, {}).get(src)
+            held = self._held + size - (sum(b.size for b in old.values()) if old else 0)
+            if self.max_buffered is not None and held > self.max_buffered:
+                raise ProtocolError(f"mailbox full: {held} elements would be held, at most {self.max_buffered}")
+            self._box.setdefault(key, {})[src] = bufs
+            self._held = held
+            self._cond.notify_all()
+
+    def _drop(self, key) -> dict[int, dict[Node, np.ndarray]]:
+        """With ``_cond`` held: removes one key's pieces."""
+        got = self._box.pop(key, {})
+        self._held -= sum(b.size for nodes in got.values() for b in nodes.values())
+        return got
 
     def set_epoch(self, epoch: int) -> None:
         """A new membership epoch: waiters of older epochs abort, their pieces go."""
         with self._cond:
             self.epoch = max(self.epoch, epoch)
             for key in [k for k in self._box if k[0] < self.epoch]:
-                del self._box[key]
+                self._drop(key)
             self._cond.notify_all()
+
+    def discard_before(self, step: int) -> None:
+        """Drops pieces of steps before ``step`` (they can no longer be used: the worker moved past them)."""
+        with self._cond:
+            for key in [k for k in self._box if k[1] < step]:
+                self._drop(key)
 
     def wait(self, epoch: int, step: int, phase: int, senders: set[int],
              deadline: float) -> dict[int, dict[Node, np.ndarray]]:
@@ -161,7 +212,7 @@ class Mailbox:
                     raise StepAbortedError(step, f"aborted: membership moved to epoch {self.epoch}")
                 got = self._box.get(key, {})
                 if senders <= got.keys():
-                    self._box.pop(key, None)
+                    self._drop(key)
                     return {r: got[r] for r in senders}
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -275,38 +326,90 @@ class AllReduce:
         return out, sent
 
 
-def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int) -> Iterator[pb.StateChunk]:
-    """Cuts state leaves into checksummed messages for a peer-to-peer transfer."""
+def state_sha256(leaves) -> str:
+    """Hash of state leaves as host arrays: each leaf's ``(shape, dtype.str)`` then its bytes, in order.
+
+    The same digest as :meth:`runtime.executor.SliceExecutor.state_sha256` of
+    the state these leaves hold (a unit test checks they agree).
+    """
+    h = hashlib.sha256()
+    for leaf in leaves:
+        arr = np.asarray(leaf)
+        h.update(str((arr.shape, arr.dtype.str)).encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int,
+                 sha256: str = "") -> Iterator[pb.StateChunk]:
+    """Cuts state leaves into checksummed messages for a peer-to-peer transfer.
+
+    ``sha256``: :func:`state_sha256` of ``leaves``, sent along in every chunk
+    so the receiver can check what it assembled before adopting it.
+    """
     for i, leaf in enumerate(leaves):
         raw = np.ascontiguousarray(leaf).view(np.uint8).reshape(-1)
         for off in range(0, max(len(raw), 1), chunk_bytes):
             blob = raw[off:off + chunk_bytes].tobytes()
             yield pb.StateChunk(leaf=i, num_leaves=len(leaves), shape=leaf.shape, dtype=leaf.dtype.str,
                                 total_bytes=leaf.nbytes, offset=off, data=blob, crc32=zlib.crc32(blob),
-                                applied_steps=applied_steps)
+                                applied_steps=applied_steps, sha256=sha256)
 
 
-def assemble_state(chunks: Iterator[pb.StateChunk]) -> tuple[list[np.ndarray], int]:
-    """Rebuilds the leaves of :func:`state_chunks`; ``ProtocolError`` on any inconsistency."""
+_PLAIN_KINDS = "biufcV"   # raw bytes may be viewed as these (never as Python objects)
+
+
+def _leaf_layout(c: pb.StateChunk, expect) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a state chunk announces for its leaf, checked; ``ProtocolError`` if not plausible.
+
+    With ``expect``, the announced layout must be the expected one, and the
+    expected dtype is used (``dtype.str`` does not name extension types
+    such as bfloat16, which travel as ``<V2``).
+    """
+    shape = tuple(int(n) for n in c.shape)
+    if expect is not None:
+        want_shape, want_dtype = tuple(expect[c.leaf][0]), np.dtype(expect[c.leaf][1])
+        if (shape, c.dtype) != (want_shape, want_dtype.str):
+            raise ProtocolError(f"state leaf {c.leaf}: got {list(shape)} {c.dtype}, this worker's programs expect "
+                                f"{list(want_shape)} {want_dtype.str}")
+        dtype = want_dtype
+    else:
+        try:
+            dtype = np.dtype(c.dtype)
+        except (TypeError, ValueError):
+            raise ProtocolError(f"state leaf {c.leaf}: {c.dtype!r} is not a dtype") from None
+        if dtype.kind not in _PLAIN_KINDS or dtype.itemsize == 0 or any(n < 0 for n in shape):
+            raise ProtocolError(f"state leaf {c.leaf}: shape {list(shape)} x {dtype} is not a plain array")
+    if math.prod(shape) * dtype.itemsize != c.total_bytes:
+        raise ProtocolError(f"state leaf {c.leaf}: shape {list(shape)} x {dtype} is not {c.total_bytes} bytes")
+    return shape, dtype
+
+
+def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[np.ndarray], int]:
+    """Rebuilds the leaves of :func:`state_chunks`; ``ProtocolError`` on any inconsistency.
+
+    ``expect``: ``[(shape, dtype)]`` of every leaf; when given, a stream of
+    another layout is refused before anything is allocated. When the stream
+    carries the source's ``sha256``, the assembled leaves must hash to it.
+    """
     bufs: dict[int, np.ndarray] = {}
     meta: dict[int, tuple] = {}
     filled: dict[int, int] = {}
-    num = applied = None
+    num = applied = claimed = None
     for c in chunks:
         if zlib.crc32(c.data) != c.crc32:
             raise ProtocolError(f"checksum mismatch in state leaf {c.leaf}")
         if num is None:
-            num, applied = c.num_leaves, c.applied_steps
-        elif (c.num_leaves, c.applied_steps) != (num, applied):
-            raise ProtocolError("state stream changed leaf count or step midway")
+            num, applied, claimed = c.num_leaves, c.applied_steps, c.sha256
+            if expect is not None and num != len(expect):
+                raise ProtocolError(f"state of {num} leaves, this worker's programs expect {len(expect)}")
+        elif (c.num_leaves, c.applied_steps, c.sha256) != (num, applied, claimed):
+            raise ProtocolError("state stream changed leaf count, step or hash midway")
         if not 0 <= c.leaf < num:
             raise ProtocolError(f"state leaf {c.leaf} out of range [0, {num})")
         if c.leaf not in bufs:
-            dtype = np.dtype(c.dtype)
-            if int(np.prod(c.shape, dtype=np.int64)) * dtype.itemsize != c.total_bytes:
-                raise ProtocolError(f"state leaf {c.leaf}: shape {list(c.shape)} x {dtype} is not {c.total_bytes} bytes")
+            meta[c.leaf] = _leaf_layout(c, expect)
             bufs[c.leaf] = np.empty(c.total_bytes, dtype=np.uint8)
-            meta[c.leaf] = (tuple(c.shape), dtype)
             filled[c.leaf] = 0
         buf = bufs[c.leaf]
         if c.offset < 0 or c.offset + len(c.data) > buf.size:
@@ -316,4 +419,6 @@ def assemble_state(chunks: Iterator[pb.StateChunk]) -> tuple[list[np.ndarray], i
     if num is None or len(bufs) != num or any(filled[i] != bufs[i].size for i in bufs):
         raise ProtocolError("state stream ended before every leaf arrived")
     leaves = [bufs[i].view(meta[i][1]).reshape(meta[i][0]) for i in range(num)]
+    if claimed and state_sha256(leaves) != claimed:
+        raise ProtocolError("the state received does not hash to what its source announced")
     return leaves, applied

@@ -83,6 +83,7 @@ class ControllerOptions:
     chaos: bool = False                    # workers serve fault-injection calls
     tls: auth.TlsFiles | None = None       # mutual TLS on every link
     chunk_bytes: int = 0                   # tensor chunk size of peer streams (0: the worker's default, 4 MiB)
+    compilation_cache_dir: str = ""        # JAX's persistent compilation cache of the workers ("": none)
 
 
 class ControllerObserver:

@@ -152,17 +152,34 @@ def _jsonable(x):
 
 
 def read_events(path: str | os.PathLike) -> list[dict]:
-    """All complete events of a log; a torn final line (crash mid-write) is skipped."""
+    """All complete events of a log; a torn final line (crash mid-write) is skipped.
+
+    Every event is written with its newline in one write, so a torn line is
+    the last one, cut short before its newline; it is skipped when it is not
+    UTF-8 (cut inside a character) or not JSON. Any other line that is not one
+    JSON object in UTF-8 raises ``ValueError`` naming the file and the line
+    (1-based); blank lines are skipped.
+    """
     out = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    for i, line in enumerate(lines):
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for i, raw in enumerate(lines):
+        torn = i == len(lines) - 1   # no newline after it (a complete log ends with one, then b"")
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if torn:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not UTF-8 ({e.reason} at byte {e.start})") from None
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i >= len(lines) - 2:
+            event = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            if torn:
                 break
             raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+        if not isinstance(event, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object (a {type(event).__name__})")
+        out.append(event)
     return out

@@ -13,6 +13,7 @@ of a state transfer. Nothing here changes what a healthy step computes.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -21,6 +22,7 @@ import time
 import grpc
 
 from runtime.auth import handler_like
+from runtime.errors import ProtocolError
 
 __all__ = ["WorkerFaults", "PartitionInterceptor", "ACTIONS", "PHASES"]
 
@@ -57,17 +59,18 @@ class WorkerFaults:
         """Arms one fault (one of :data:`ACTIONS`; ``clear`` disarms all).
 
         Raises ``PermissionError`` when chaos is off on this worker, and
-        ``ValueError`` for an unknown action, a phase not in :data:`PHASES`
-        or bad numbers.
+        :class:`ProtocolError` (a ``ValueError``) for an unknown action, a
+        phase not in :data:`PHASES` or bad numbers (negative, not finite).
         """
         if not self.enabled:
             raise PermissionError("fault injection is off on this worker (start it with chaos enabled)")
         if action not in ACTIONS:
-            raise ValueError(f"unknown chaos action {action!r}; expected one of {', '.join(ACTIONS)}")
-        if seconds < 0 or (action == "straggle" and factor < 1):
-            raise ValueError(f"chaos {action}: factor must be >= 1 and seconds >= 0 (got {factor}, {seconds})")
+            raise ProtocolError(f"unknown chaos action {action!r}; expected one of {', '.join(ACTIONS)}")
+        if (not (math.isfinite(seconds) and math.isfinite(factor)) or seconds < 0
+                or (action == "straggle" and factor < 1)):
+            raise ProtocolError(f"chaos {action}: factor must be >= 1 and seconds >= 0 (got {factor}, {seconds})")
         if action == "kill_in_phase" and phase not in PHASES:
-            raise ValueError(f"chaos kill_in_phase: phase must be one of {', '.join(PHASES)}, got {phase!r}")
+            raise ProtocolError(f"chaos kill_in_phase: phase must be one of {', '.join(PHASES)}, got {phase!r}")
         now = time.monotonic()
         with self._lock:
             if action == "straggle":
@@ -134,21 +137,20 @@ class PartitionInterceptor(grpc.ServerInterceptor):
 
     A dropped call waits until the partition heals or its deadline passes,
     then fails with UNAVAILABLE: to the caller it looks like an unreachable
-    host, not like a refused connection. ``on_call(method)`` is told about
-    every call that gets through (the worker's lease on its controller).
+    host, not like a refused connection. Install it first (outermost), so a
+    dropped call reaches nothing else: not the secret check, not the
+    worker's lease (which only calls that reach their handler renew, see
+    ``runtime.rpc.make_server``'s ``on_authenticated``).
     """
 
-    def __init__(self, faults: WorkerFaults, on_call=None):
+    def __init__(self, faults: WorkerFaults):
         self._faults = faults
-        self._on_call = on_call
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         if not self._faults.partitioned():
-            if self._on_call is not None:
-                self._on_call(handler_call_details.method)
             return handler
         faults = self._faults
 

@@ -55,8 +55,9 @@ class LocalLauncher:
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
-                 launch_burst: int = LAUNCH_BURST):
+                 launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = ""):
         self.secret = secret
+        self.compilation_cache_dir = compilation_cache_dir
         self.chaos = chaos
         self.tls = tls
         self.run_id = run_id
@@ -76,6 +77,9 @@ class LocalLauncher:
         env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
+        # The controller decides where compiled programs are shared ("": nowhere), not an inherited variable.
+        env["ELASTIC_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
         if self.tls is not None:
             env.update(self.tls.environ())
         # Keep each worker's XLA/Eigen pools from oversubscribing a small host.

@@ -284,14 +284,16 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
                  lost: Iterable[str], min_slices: int) -> RecoveryDecision:
     """The first placement, from the workers that registered; ``lost``: launched workers that died first.
 
-    ``REPLACE`` when every slice has a worker (nothing lost, or the others
+    A worker that registered and then died is in both: it is lost, never
+    placed. ``REPLACE`` when every slice has a worker (nothing lost, or the others
     covered the lost ones), ``SHRINK`` when fewer fit but at least
     ``min_slices`` (the run grows back when capacity returns), ``FAIL``
     (with the shortfall) otherwise.
     """
     lost = sorted(lost)
+    alive = [w for w in workers if w.worker_id not in lost]
     try:
-        placement = place(num_vslices, devices_per_slice, workers, min_slices=min_slices)
+        placement = place(num_vslices, devices_per_slice, alive, min_slices=min_slices)
     except ValueError as e:
         why = f"; {len(lost)} worker(s) died before registering" if lost else ""
         return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}")

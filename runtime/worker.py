@@ -9,7 +9,16 @@ optimizer update.
 
 Contract: steps run strictly in order; a ``Step`` request for step ``s+1``
 that arrives early waits (bounded) for step ``s`` to finish, so the controller
-may dispatch ahead. Messages of another run are refused (fencing).
+may dispatch ahead (at most :data:`MAX_STEPS_AHEAD` steps). Messages of another
+run are refused (fencing).
+
+Every request is checked before it touches the state: a malformed one (a
+layout that does not parse, a step plan that does not cover the microbatches,
+a piece larger than a gradient, a state of another layout or hash) is refused
+with :class:`ProtocolError` (INVALID_ARGUMENT), a well-formed one that does not
+apply now (another run, an older epoch, a step already applied, no state yet)
+with :class:`StaleEpochError` (FAILED_PRECONDITION). Either way the state and
+the applied step are unchanged.
 
 Set ``XLA_FLAGS`` (device count) before this module is imported.
 """
@@ -17,7 +26,9 @@ Set ``XLA_FLAGS`` (device count) before this module is imported.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import math
 import pickle
 import threading
 import time
@@ -26,20 +37,23 @@ import grpc
 import jax
 import numpy as np
 
-from runtime import rpc
+from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import (DEFAULT_CHUNK_BYTES, AllReduce, Mailbox, assemble_state, checked_chunk_bytes,
-                                state_chunks)
-from runtime.errors import StaleEpochError, StepAbortedError
+from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, assemble_state, checked_chunk_bytes,
+                                state_chunks, state_sha256)
+from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32
 from runtime.fault_injection import WorkerFaults
-from runtime.microbatch import Node, root
+from runtime.microbatch import Node, is_power_of_two, root
 from runtime.programs import ProgramSet
 
-__all__ = ["WorkerService", "probe_devices"]
+__all__ = ["WorkerService", "probe_devices", "MAX_STEPS_AHEAD"]
 
 log = logging.getLogger("jax_elastic.worker")
+
+_MAX_MICROBATCHES = 1 << 20
+_INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
 def _node(n: pb.Node) -> Node:
@@ -126,6 +140,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.last_contact = time.monotonic()
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
         self.progress = (-1, "idle", time.monotonic())
+        self.refusals = auth.Refusals(log)    # calls refused for their secret, until the controller asks
+        self._state_layout: list | None = None   # [(shape, dtype)] of the state leaves, from the programs
 
     # -- fencing -------------------------------------------------------------
 
@@ -152,10 +168,16 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- the worker's lease on its controller ---------------------------------
 
     CONTROLLER_METHODS = ("Load", "Init", "Step", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
-                          "Chaos", "Progress", "/grpc.health.v1.Health/Check")
+                          "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
 
     def heard(self, method: str) -> None:
-        """Any call from the controller (not from a peer) renews the lease."""
+        """An authenticated call from the controller (not from a peer) renews the lease.
+
+        The server calls it only for calls that reach their handler
+        (``rpc.make_server``'s ``on_authenticated``): a caller without the
+        run secret (or mTLS certificate) never renews it, nor does a call
+        dropped by a chaos partition.
+        """
         if method.endswith(self.CONTROLLER_METHODS):
             self.last_contact = time.monotonic()
 
@@ -190,25 +212,51 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Load(self, request, context):
         """Controller: programs, data source, lease and chunk size for this run; probes the devices.
 
-        Refuses (INVALID_ARGUMENT) a ``chunk_bytes`` out of range before any
-        work; a failed compile or probe leaves the previous load in place.
+        Refuses (INVALID_ARGUMENT) a ``chunk_bytes`` out of range, a lease
+        that is not a finite number of seconds >= 0, programs that do not
+        match their ``sha256`` or do not parse, a layout that does not fit
+        them or this host, and a data source that does not unpickle, before
+        any compile; a failed compile or probe leaves the previous load in
+        place.
         """
         def load():
             self.check_fence(request.fence)
             chunk_bytes = checked_chunk_bytes(request.chunk_bytes)
-            programs = ProgramSet.from_parts({p.name: p.serialized for p in request.programs}, request.layout)
-            source = pickle.loads(request.data_source)
+            if not (math.isfinite(request.lease_seconds) and request.lease_seconds >= 0):
+                raise ProtocolError(f"lease_seconds={request.lease_seconds} is not a number of seconds >= 0")
+            programs, state_layout = _decode_programs(request)
+            source = _unpickle_source(request.data_source)
+            log.info("loading %d programs (%d bytes) for %d devices", len(request.programs),
+                     sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
             executor = SliceExecutor(programs, source)
             t0 = time.perf_counter()
             probed = probe_devices()
             probe_seconds = time.perf_counter() - t0
             compile_seconds = executor.load()
-            self.executor = executor
-            self.chunk_bytes = chunk_bytes
-            self.lease = max(request.lease_seconds, 0.0)
+            with self._cond:
+                if self._running:
+                    raise StaleEpochError("a step is running; cannot load new programs now")
+                self.executor = executor
+                self._state_layout = state_layout
+                self.chunk_bytes = chunk_bytes
+                m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
+                self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
+            self.lease = request.lease_seconds
             self.last_contact = time.monotonic()
             return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
         return self._guard(context, load)
+
+    def Refusals(self, request, context):
+        """Controller (its health monitor): calls refused for their secret since the last report, then resets.
+
+        Counts per (method, peer host, reason); a report lost on the way is
+        not sent again (at most once). Not fenced: only a caller with the run
+        secret gets here, and a fenced worker's refusals are worth reading too.
+        """
+        def report():
+            return pb.RefusalsReply(refusals=[pb.Refusal(method=m, peer=p, reason=r, count=n)
+                                              for m, p, r, n in self.refusals.drain()])
+        return self._guard(context, report)
 
     def Progress(self, request, context):
         def progress():
@@ -231,9 +279,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         def init():
             self.check_fence(request.fence)
             self._need_executor()
-            nbytes = self.executor.init(request.seed)
+            if not _INT32[0] <= request.seed <= _INT32[1]:
+                raise ProtocolError(f"seed {request.seed} is not an int32")
             with self._cond:
+                if self._running:
+                    raise StaleEpochError("a step is running; abort it before initializing")
+                nbytes = self.executor.init(request.seed)
                 self.next_step = 0
+                self._recent.clear()
             return pb.InitReply(state_bytes=nbytes)
         return self._guard(context, init)
 
@@ -272,17 +325,20 @@ class WorkerService(pb_grpc.WorkerServicer):
                     raise StaleEpochError("cannot roll back while a step runs; abort first")
                 ex = self.executor
                 if ex.steps_applied == request.to_applied_steps + 1:
+                    if ex.prev_state is None:
+                        raise ProtocolError(f"cannot roll back from {ex.steps_applied} applied steps: no step of "
+                                            "history (the state was just initialized or copied)")
                     ex.rollback()
                     self._recent.pop(ex.steps_applied, None)
                 elif ex.steps_applied != request.to_applied_steps:
-                    raise ValueError(f"cannot roll back from {ex.steps_applied} to {request.to_applied_steps} "
-                                     "applied steps (one step of history is kept)")
+                    raise ProtocolError(f"cannot roll back from {ex.steps_applied} to {request.to_applied_steps} "
+                                        "applied steps (one step of history is kept)")
                 self.next_step = ex.steps_applied
                 return self._status()
         return self._guard(context, rollback)
 
     def GetState(self, request, context):
-        """Streams this replica's state to a peer (checksummed chunks)."""
+        """Streams this replica's state to a peer (checksummed chunks, each naming the state's sha256)."""
         try:
             self.check_fence(request.fence)
             self._need_state()
@@ -294,21 +350,37 @@ class WorkerService(pb_grpc.WorkerServicer):
                 applied = self.executor.steps_applied
         except Exception as e:  # noqa: BLE001
             rpc.abort_with(context, e)
-        yield from _mid_stream(state_chunks(leaves, applied, self.chunk_bytes), self.faults.sending_state)
+        chunks = state_chunks(leaves, applied, self.chunk_bytes, state_sha256(leaves))
+        yield from _mid_stream(chunks, self.faults.sending_state)
 
     def PullState(self, request, context):
+        """Controller: replace this replica's state with a copy pulled from ``source_address``.
+
+        The copy is adopted only if it has this worker's state layout, the
+        step asked for, the hash its source announced and, when given,
+        ``expected_sha256``; otherwise (INVALID_ARGUMENT) the state is unchanged.
+        """
         def pull():
             self.check_fence(request.fence)
             self._need_executor()
+            if not request.source_address:
+                raise ProtocolError("PullState without a source address")
             t0 = time.perf_counter()
             stream = self._peers.stub(request.source_address).GetState(
                 pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
                 timeout=self.step_timeout)
             try:
-                leaves, applied = assemble_state(_mid_stream(stream, self.faults.receiving_state))
+                leaves, applied = assemble_state(_mid_stream(stream, self.faults.receiving_state),
+                                                 expect=self._state_layout)
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                            f"{e.code().name}") from e
+            if applied != request.applied_steps:
+                raise ProtocolError(f"{request.source_address} sent a state at {applied} applied steps, "
+                                    f"asked for {request.applied_steps}")
+            if request.expected_sha256 and state_sha256(leaves) != request.expected_sha256:
+                raise ProtocolError(f"the state from {request.source_address} does not hash to the expected "
+                                    f"{request.expected_sha256[:12]}...")
             with self._cond:
                 if self._running:
                     raise StaleEpochError("a step is running; cannot replace the state")
@@ -321,13 +393,27 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._guard(context, pull)
 
     def Push(self, request_iterator, context):
+        """Peer: the pieces one sender has for this worker in one phase of one step."""
         def push():
-            self.mailbox.receive(request_iterator, self.check_fence)
+            self._need_executor()
+            self.mailbox.receive(request_iterator, self.check_fence, admit=self._admit_push)
             return pb.Empty()
         return self._guard(context, push)
 
+    def _admit_push(self, step: int, phase: int, src_rank: int) -> None:
+        """Refuses a stream for a step this worker is past, or for one too far ahead to be real."""
+        num_microbatches = self.executor.programs.num_microbatches
+        if src_rank >= num_microbatches:
+            raise ProtocolError(f"push from rank {src_rank}: a step has at most {num_microbatches} ranks")
+        with self._cond:
+            next_step = self.next_step
+        if step < next_step:
+            raise StaleEpochError(f"push for step {step}: this worker is at step {next_step}")
+        if step > next_step + MAX_STEPS_AHEAD:
+            raise ProtocolError(f"push for step {step}: more than {MAX_STEPS_AHEAD} steps ahead of {next_step}")
+
     def Step(self, request, context):
-        return self._guard(context, lambda: self._step(request))
+        return self._guard(context, lambda: self._step(request, context))
 
     # -- helpers -------------------------------------------------------------
 
@@ -349,19 +435,29 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # -- the step ------------------------------------------------------------
 
-    def _step(self, req: pb.StepRequest) -> pb.StepReply:
+    def _step(self, req: pb.StepRequest, context=None) -> pb.StepReply:
         self.check_fence(req.fence)
         self._need_state()
+        check_step_request(req, self.executor.programs.num_microbatches)
         deadline = time.monotonic() + self.step_timeout
         epoch = req.fence.epoch
         with self._cond:
             while self.next_step != req.step or self._running:
+                if self.fenced:
+                    raise StaleEpochError(f"worker {self.worker_id} fenced itself: {self.fenced}")
                 if self.epoch != epoch:
                     raise StaleEpochError(f"step {req.step} of epoch {epoch} superseded by epoch {self.epoch}")
                 if self.next_step > req.step:
                     raise StaleEpochError(f"step {req.step} already applied (worker at {self.next_step})")
-                if not self._cond.wait(max(deadline - time.monotonic(), 0)) and time.monotonic() >= deadline:
+                if req.step > self.next_step + MAX_STEPS_AHEAD:
+                    raise ProtocolError(f"step {req.step} is more than {MAX_STEPS_AHEAD} steps ahead of this worker "
+                                        f"(at step {self.next_step}); dispatch fewer steps ahead")
+                if context is not None and not context.is_active():
+                    raise StepAbortedError(req.step, "the caller gave up while the step waited for its turn")
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise StepAbortedError(req.step, f"still waiting for step {self.next_step}")
+                self._cond.wait(min(left, 1.0))   # wakes on every step's end, or to look at the caller
             self._running = True
         try:
             return self._run_step(req, epoch, deadline)
@@ -406,6 +502,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._recent[req.step] = float(total[-1])
             for old in [k for k in self._recent if k < req.step - 4]:
                 del self._recent[old]
+        self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent)
@@ -423,6 +520,114 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
             except ValueError as e:   # the channel was closed by an abort
                 raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None
+
+
+# -- request checks (pure) ------------------------------------------------------
+
+
+def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
+    """Refuses (:class:`ProtocolError`) a step plan that this worker could not run to the end.
+
+    The ranks must be ``0..n-1`` with an address each; ``all_nodes`` must cut
+    the microbatches ``0..M-1`` into aligned subtrees, each owned by a rank,
+    every rank owning at least one; ``nodes`` must be this rank's share.
+    """
+    n, m = len(req.peers), num_microbatches
+    if req.step < 0:
+        raise ProtocolError(f"step {req.step} is negative")
+    if not 1 <= n <= m or sorted(p.rank for p in req.peers) != list(range(n)):
+        raise ProtocolError(f"step {req.step}: peer ranks {sorted(p.rank for p in req.peers)[:8]} are not 0..n-1 "
+                            f"with 1 <= n <= {m} microbatches")
+    if any(not p.address for p in req.peers if p.rank != req.rank):
+        raise ProtocolError(f"step {req.step}: a peer has no address")
+    if not 0 <= req.rank < n:
+        raise ProtocolError(f"step {req.step}: rank {req.rank} is not among the {n} ranks")
+    if len(req.all_nodes) != len(req.node_owner) or not 1 <= len(req.all_nodes) <= m:
+        raise ProtocolError(f"step {req.step}: {len(req.all_nodes)} subtrees and {len(req.node_owner)} owners "
+                            f"for {m} microbatches")
+    top = root(m).level
+    nodes = [_node(x) for x in req.all_nodes]
+    if any(not (0 <= x.level <= top and 0 <= x.index < m >> x.level) for x in nodes):
+        raise ProtocolError(f"step {req.step}: a subtree lies outside microbatches 0..{m - 1}")
+    covered = 0
+    for x in sorted(nodes, key=lambda x: x.start):
+        if x.start != covered:
+            raise ProtocolError(f"step {req.step}: the subtrees do not cut microbatches 0..{m - 1} into pieces")
+        covered += x.size
+    if covered != m:
+        raise ProtocolError(f"step {req.step}: the subtrees cover {covered} of {m} microbatches")
+    if any(not 0 <= o < n for o in req.node_owner) or set(req.node_owner) != set(range(n)):
+        raise ProtocolError(f"step {req.step}: every one of the {n} ranks must own a subtree, and only they")
+    mine = sorted(x for x, o in zip(nodes, req.node_owner) if o == req.rank)
+    if sorted(_node(x) for x in req.nodes) != mine:
+        raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
+
+
+def _decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:
+    """The program set of a ``Load`` and the ``[(shape, dtype)]`` of the state, checked before any compile.
+
+    Raises :class:`ProtocolError` naming what does not fit: a program whose
+    bytes do not match its ``sha256`` (checked first: a corrupted program
+    must not reach the deserializer), that does not parse, or that does not
+    agree with the layout; a layout that does not parse or asks for more
+    devices than this host has.
+    """
+    by_name = {}
+    for p in request.programs:
+        if p.sha256 and hashlib.sha256(p.serialized).hexdigest() != p.sha256:
+            raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
+        by_name[p.name] = p.serialized
+    try:
+        programs = ProgramSet.from_parts(by_name, request.layout)
+    except Exception as e:  # noqa: BLE001 - JSON, unknown keys, missing programs: a malformed message
+        raise ProtocolError(f"the program set does not parse: {type(e).__name__}: {e}") from None
+    _check_layout(programs)
+    exported = {}
+    for name, blob in programs.programs().items():
+        try:
+            exp = jax.export.deserialize(bytearray(blob))
+            avals, out_avals, devices = exp.in_avals, exp.out_avals, exp.nr_devices
+            exp.mlir_module()
+        except Exception as e:  # noqa: BLE001 - the serialization format raises many kinds
+            raise ProtocolError(f"program {name!r} does not parse: {type(e).__name__}: {e}") from None
+        if devices != programs.devices_per_slice:
+            raise ProtocolError(f"program {name!r} is for {devices} devices, the layout says "
+                                f"{programs.devices_per_slice}")
+        specs = programs.in_specs[name]
+        if len(specs) != len(avals) or any(d is not None and not 0 <= d < len(a.shape) for d, a in zip(specs, avals)):
+            raise ProtocolError(f"program {name!r}: the layout's input placements {specs} do not fit its "
+                                f"{len(avals)} inputs")
+        exported[name] = (avals, out_avals)
+    grad_out = exported["grad"][1]
+    if len(grad_out) != 2 or tuple(grad_out[1].shape) != (programs.grad_size,):
+        raise ProtocolError(f"the grad program does not return (loss, float32[{programs.grad_size}])")
+    return programs, [(tuple(a.shape), np.dtype(a.dtype)) for a in exported["apply"][0][:-1]]
+
+
+def _check_layout(programs: ProgramSet) -> None:
+    def count(x, lo, hi):
+        return type(x) is int and lo <= x <= hi
+
+    if not count(programs.devices_per_slice, 1, len(jax.devices())):
+        raise ProtocolError(f"the layout asks for {programs.devices_per_slice!r} devices; this worker has "
+                            f"{len(jax.devices())}")
+    m = programs.num_microbatches
+    if not (count(m, 1, _MAX_MICROBATCHES) and is_power_of_two(m)):
+        raise ProtocolError(f"the layout's microbatch count {m!r} is not a power of two <= {_MAX_MICROBATCHES}")
+    if not count(programs.grad_size, 1, 1 << 40):
+        raise ProtocolError(f"the layout's gradient size {programs.grad_size!r} is not a positive count")
+    specs = programs.in_specs
+    if (not isinstance(specs, dict) or any(not isinstance(specs.get(k), list) for k in ("init", "grad", "apply"))
+            or any(d is not None and type(d) is not int for k in ("init", "grad", "apply") for d in specs[k])):
+        raise ProtocolError("the layout's input placements are not lists of dimensions (or null) per program")
+
+
+def _unpickle_source(blob: bytes):
+    """The data source of a ``Load``; :class:`ProtocolError` when it does not unpickle here."""
+    try:
+        return pickle.loads(blob)
+    except Exception as e:  # noqa: BLE001 - truncated bytes, a module missing on this host, ...
+        raise ProtocolError(f"the data source does not unpickle on this worker: {type(e).__name__}: {e}") from None
 
 
 def _mid_stream(chunks, hook):

@@ -19,6 +19,8 @@ A test drives the controller with a fake group offering the same methods.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import queue
 import threading
 import time
@@ -35,6 +37,8 @@ from runtime.health import HealthMonitor
 from runtime.launcher import LocalLauncher
 from runtime.policy import StepPlan, WorkerInfo, may_relaunch
 from runtime.programs import ProgramSet
+
+log = logging.getLogger("jax_elastic.worker_group")
 
 __all__ = ["Death", "LoadResult", "Stalled", "StepResult", "WorkerGroup", "WorkerStatus", "gather"]
 
@@ -108,7 +112,16 @@ def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[
 
 
 class _Registry(pb_grpc.ControllerServicer):
-    """Receives worker registrations (the controller's gRPC service)."""
+    """Receives worker registrations (the controller's gRPC service).
+
+    A registration that cannot describe a worker (no id, an address that is
+    not ``host:port``, no devices, a pid that is not a process's) ends with
+    INVALID_ARGUMENT and is not recorded; one that may not join (another
+    run, an id already in use or fenced) is answered ``accepted=False`` and
+    recorded as ``register_refused``. ``refusals`` counts the calls the
+    controller's server refused for their run secret (pass it to
+    ``rpc.make_server``), drained by :meth:`WorkerGroup.collect_security_events`.
+    """
 
     def __init__(self, run_id: str, events: EventLog, refuse):
         self.run_id = run_id
@@ -116,8 +129,12 @@ class _Registry(pb_grpc.ControllerServicer):
         self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
         self.workers: dict[str, WorkerInfo] = {}
         self.cond = threading.Condition()
+        self.refusals = auth.Refusals()
 
     def Register(self, request, context):
+        malformed = self.malformed(request)
+        if malformed:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"registration refused: {malformed}")
         reason = ""
         if request.run_id != self.run_id:
             reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
@@ -134,6 +151,21 @@ class _Registry(pb_grpc.ControllerServicer):
                          devices=info.num_devices, platform=info.platform, pid=info.pid)
         return pb.RegisterReply(accepted=True)
 
+    @staticmethod
+    def malformed(r: pb.RegisterRequest) -> str:
+        """Why a registration cannot describe a worker ("" when it can). Pure."""
+        host, _, port = r.address.rpartition(":")
+        if not r.worker_id or len(r.worker_id) > 128 or not r.worker_id.isprintable():
+            return f"worker id {r.worker_id[:40]!r} is not 1..128 printable characters"
+        if (not host or len(r.address) > 300 or not r.address.isprintable()
+                or not (port.isdigit() and 0 < int(port) < 65536)):
+            return f"address {r.address[:60]!r} is not host:port"
+        if not 1 <= r.num_devices <= 1 << 16 or not r.platform or len(r.platform) > 32:
+            return f"{r.num_devices} devices of platform {r.platform[:40]!r}"
+        if not 1 < r.pid < 1 << 32:
+            return f"pid {r.pid} is not a process id"   # a chaos fault signals this pid: never 0, 1 or negative
+        return ""
+
 
 class WorkerGroup:
     """The workers of one run, reached over gRPC. Thread-safe where noted; otherwise called by the controller.
@@ -148,11 +180,13 @@ class WorkerGroup:
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
         self.registry = _Registry(run_id, events, refuse=self._why_fenced)
-        self.server, port = rpc.make_server(opts.host, 0, max_workers=8, secret=secret, tls=opts.tls)
+        self.server, port = rpc.make_server(opts.host, 0, max_workers=8, secret=secret, tls=opts.tls,
+                                           refusals=self.registry.refusals, max_message=1 << 20)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{opts.host}:{port}"
         self.launcher = LocalLauncher(run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs",
-                                      secret=secret, chaos=opts.chaos, tls=opts.tls)
+                                      secret=secret, chaos=opts.chaos, tls=opts.tls,
+                                      compilation_cache_dir=opts.compilation_cache_dir)
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
@@ -172,7 +206,12 @@ class WorkerGroup:
         self.monitor.start()
 
     def close(self) -> None:
-        """Sends live workers home, kills declared-dead processes (a hung one may be stopped), stops the server."""
+        """Reports refused calls, sends live workers home, kills declared-dead processes (a hung one may be
+        stopped), stops the server."""
+        try:
+            self.collect_security_events()
+        except Exception:  # noqa: BLE001 - reporting must not keep workers from going home
+            log.exception("could not collect the refused calls at close")
         self.monitor.stop()
         for wid in list(self._stubs):
             if wid not in self.dead:
@@ -327,6 +366,21 @@ class WorkerGroup:
         with futures.ThreadPoolExecutor(max_workers=max(len(workers), 1)) as pool:
             return dict(zip(workers, pool.map(self.is_alive, workers)))
 
+    def collect_security_events(self, timeout: float = 2.0) -> list[dict]:
+        """Records the calls refused for their run secret since the last report, as ``security_refused`` events.
+
+        Thread-safe. Asks every watched worker now (the health monitor also
+        asks every ``refusals_seconds`` on its own), waiting at most
+        ``timeout`` seconds, and drains the controller server's own count
+        (``worker="controller"``). Each event: ``worker``, ``method``,
+        ``peer`` (host, no port), ``count`` and ``reason``; returns them.
+        """
+        events = self.monitor.collect_refusals(timeout)
+        for method, peer, reason, count in self.registry.refusals.drain():
+            events.append(self.events.emit("security_refused", worker="controller", method=method, peer=peer,
+                                           count=count, reason=reason))
+        return events
+
     def progress(self, worker_id: str) -> tuple[int, str, float] | None:
         """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer."""
         try:
@@ -349,7 +403,8 @@ class WorkerGroup:
                        for w in workers})
 
     def _load_request(self) -> pb.LoadRequest:
-        progs = [pb.Program(name=k, serialized=v) for k, v in self.programs.programs().items()]
+        progs = [pb.Program(name=k, serialized=v, sha256=hashlib.sha256(v).hexdigest())
+                 for k, v in self.programs.programs().items()]
         return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
                               layout=self.programs.layout_json(), lease_seconds=self.opts.worker_lease_seconds,
                               chunk_bytes=self.opts.chunk_bytes)
@@ -362,10 +417,21 @@ class WorkerGroup:
 
         Returns the workers that loaded. One that fails (or dies: its call is
         cancelled when it is declared dead) is declared dead and left out.
+
+        With a shared compilation cache, the first worker loads alone, then
+        the others at once: it compiles each program and writes it to the
+        cache, the others read it instead of compiling the same programs side
+        by side (on a host shared by several workers, that is several times
+        the CPU for nothing). The cost, when the cache is already warm, is one
+        extra load's latency.
         """
         request = self._load_request()
-        return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds)
-                for w, r in self._each("Load", lambda w: request, workers, "failed to load programs").items()}
+        workers = list(workers)
+        leader = workers[:1] if self.opts.compilation_cache_dir and len(workers) > 1 else []
+        replies = self._each("Load", lambda w: request, leader, "failed to load programs")
+        rest = [w for w in workers if w not in leader and w not in self.dead]
+        replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
+        return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds) for w, r in replies.items()}
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.

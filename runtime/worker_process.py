@@ -6,6 +6,15 @@ port 0 unless told otherwise, registers its address with the controller, and
 exits when told to shut down, when its launching parent dies, or when it
 fenced itself and the controller refused to take it back.
 
+A worker that must go goes at once, whatever its other threads do: an XLA
+compile or a step cannot be interrupted, so :func:`main` ends the process
+with ``os._exit`` after a bounded cleanup instead of waiting for them (a
+normal interpreter exit joins every thread of the gRPC server's pool).
+
+Exit status: 0 told to shut down; 1 failed to start (the first registration
+was refused, the controller unreachable); 3 fenced itself and was refused
+(or could not ask) when it asked to come back; 4 its launching parent died.
+
 Set ``XLA_FLAGS`` (device count) before this module is imported.
 """
 
@@ -23,15 +32,18 @@ import grpc
 import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime import auth, rpc
+from runtime import auth, compile_cache, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.fault_injection import PartitionInterceptor
 from runtime.worker import WorkerService
 
-__all__ = ["serve", "main"]
+__all__ = ["serve", "main", "EXIT_SHUTDOWN", "EXIT_FAILED", "EXIT_FENCED", "EXIT_ORPHANED"]
 
 log = logging.getLogger("jax_elastic.worker")
+
+EXIT_SHUTDOWN, EXIT_FAILED, EXIT_FENCED, EXIT_ORPHANED = 0, 1, 3, 4
+STOP_GRACE_SECONDS = 0.5   # calls in flight get this long to finish when the worker goes
 
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
@@ -39,15 +51,23 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
           chaos: bool = False, tls=None) -> int:
     """Runs a worker until told to shut down, its parent dies, or it fences itself.
 
-    Returns the process exit status: 0 after a shutdown, 3 after fencing
-    itself (it lost the controller's lease and was refused when it asked to
-    come back: the run has moved on without it). Raises ``SystemExit`` when
-    the controller refuses the first registration, and ``grpc.RpcError``
-    when it cannot be reached within ``register_timeout`` seconds.
+    Returns the process exit status once the server stopped (a bounded
+    wait; handlers still running, such as a compile, are left behind):
+    ``EXIT_SHUTDOWN`` after a shutdown, ``EXIT_FENCED`` after fencing itself
+    (it lost the controller's lease and was refused when it asked to come
+    back: the run has moved on without it), ``EXIT_ORPHANED`` when its
+    parent died. Raises ``SystemExit`` when the controller refuses the first
+    registration, and ``grpc.RpcError`` when it cannot be reached within
+    ``register_timeout`` seconds.
+
+    Only calls that passed the transport and the run secret renew the
+    worker's lease on its controller; a chaos partition drops calls before
+    either (see :func:`runtime.rpc.make_server`).
     """
     service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls)
     server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
-                                    interceptors=[PartitionInterceptor(service.faults, service.heard)])
+                                    interceptors=[PartitionInterceptor(service.faults)],
+                                    refusals=service.refusals, on_authenticated=service.heard)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -57,41 +77,54 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
     devices = jax.devices()
 
-    def register(rejoin: bool) -> pb.RegisterReply:
+    def register(rejoin: bool, timeout: float = register_timeout) -> pb.RegisterReply:
         return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
                                                 num_devices=len(devices), platform=devices[0].platform,
                                                 pid=os.getpid(), rejoin=rejoin),
-                             timeout=register_timeout, wait_for_ready=True)
+                             timeout=timeout, wait_for_ready=True)
 
-    reply = register(False)
+    try:
+        reply = register(False)
+    except BaseException:
+        server.stop(0)
+        raise
     if not reply.accepted:
         server.stop(0)
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
     log.info("worker %s serving on %s with %d %s devices", worker_id, address, len(devices), devices[0].platform)
-    status = 0
+    status = EXIT_SHUTDOWN
     while not service.stopped.wait(0.2):
         if parent_pid is not None and os.getppid() != parent_pid:
             log.warning("parent process %d is gone; exiting", parent_pid)
+            status = EXIT_ORPHANED
             break
         if service.lease_lapsed():
             health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            status = 3
-            reply = _rejoin(service, register, register_timeout)
-            log.warning("asked to rejoin after fencing: %s", reply)
+            status = EXIT_FENCED
+            reply = _rejoin(service, register, register_timeout, parent_pid)
+            log.warning("asked to rejoin after fencing: %s", "no answer" if reply is None else
+                        f"accepted={reply.accepted} {reply.reason}")
             if reply is None or not reply.accepted:
                 break
-    server.stop(grace=1.0)
+    health_servicer.enter_graceful_shutdown()
+    # Bounded: a handler stuck in a compile is cancelled for its caller and left behind.
+    server.stop(grace=STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
     service.collective.close()
     return status
 
 
-def _rejoin(service: WorkerService, register, timeout: float):
-    """A fenced worker asks the controller to take it back (it will be refused while the run lives)."""
+def _rejoin(service: WorkerService, register, timeout: float, parent_pid: int | None):
+    """A fenced worker asks the controller to take it back (it will be refused while the run lives).
+
+    None when there is no answer within ``timeout`` seconds, or the parent died meanwhile.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            return None
         if not service.faults.partitioned():
             try:
-                return register(True)
+                return register(True, min(max(deadline - time.monotonic(), 0.1), 5.0))
             except grpc.RpcError as e:
                 log.warning("rejoin failed: %s", e.code().name)
         time.sleep(0.5)
@@ -99,7 +132,11 @@ def _rejoin(service: WorkerService, register, timeout: float):
 
 
 def main(argv=None) -> None:
-    """Parses the command line, serves, and exits with :func:`serve`'s status."""
+    """Parses the command line, serves, and ends the process with :func:`serve`'s status (never returns).
+
+    Ends it with ``os._exit`` once :func:`serve` returned or raised, so no
+    thread still compiling or stepping keeps it alive.
+    """
     ap = argparse.ArgumentParser(prog="elastic worker", description="Run a jax-elastic worker.")
     ap.add_argument("--controller", required=True, help="HOST:PORT of the controller")
     ap.add_argument("--run-id", required=True)
@@ -112,16 +149,39 @@ def main(argv=None) -> None:
     for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
         ap.add_argument(f"--tls-{name}", default=os.environ.get(env, ""),
                         help=f"PEM {name} file for mutual TLS (default: ${env})")
+    ap.add_argument("--compilation-cache-dir", default=os.environ.get("ELASTIC_COMPILATION_CACHE_DIR", ""),
+                    help="JAX's persistent compilation cache, shared with the run's other processes "
+                         "(default: $ELASTIC_COMPILATION_CACHE_DIR; empty: none)")
     ap.add_argument("--secret", default=None,
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
     args = ap.parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
                         stream=sys.stderr)
-    status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
-                   parent_pid=os.getppid() if args.exit_with_parent else None, secret=secret, chaos=args.chaos,
-                   tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
-    sys.exit(status)
+    parent_pid = os.getppid() if args.exit_with_parent else None
+    try:
+        compile_cache.enable(args.compilation_cache_dir)
+        status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, parent_pid=parent_pid,
+                       secret=secret, chaos=args.chaos,
+                       tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
+    except SystemExit as e:
+        log.error("%s", e.code)
+        status = e.code if isinstance(e.code, int) else EXIT_FAILED
+    except BaseException:   # noqa: BLE001 - reported here, then the process ends
+        log.exception("worker %s failed", args.worker_id)
+        status = EXIT_FAILED
+    _exit_now(status)
+
+
+def _exit_now(status: int) -> None:
+    """Ends the process at once: flushes the logs, then ``os._exit`` (threads are not joined)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,29 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """One JAX compilation cache for the whole session (every xdist worker, every run, every worker process).
+
+    Runs configured with the default ``jax_cache_dir`` use ``$JAX_COMPILATION_CACHE_DIR``
+    when set, so a program is compiled once per session instead of once per
+    process. Set in the controlling process before xdist starts its workers,
+    which inherit it; a cache the caller set already is kept.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    cache = tempfile.mkdtemp(prefix="jax-elastic-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 def run_cli(args, tmp_path, *, check=True, timeout=300):

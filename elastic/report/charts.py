@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import html
 import math
+import sys
 
-__all__ = ["COLORS", "bar_svg", "esc", "first_time", "fmt_seconds", "loss_svg", "timeline_svg"]
+__all__ = ["COLORS", "bar_svg", "esc", "finite", "first_time", "fmt_seconds", "loss_svg", "timeline_svg"]
 
 
 def esc(x: object) -> str:
@@ -37,15 +38,42 @@ def fmt_seconds(x: float | None) -> str:
     return f"{1000 * x:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
 
 
+def finite(v: object) -> bool:
+    """Whether ``v`` is a number (not a bool) with a finite float value, something a chart can place."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:   # an int beyond the float range
+        return False
+
+
+def _half_span(lo: float, hi: float) -> float:
+    """``(hi - lo) / 2`` without overflowing when both are near the float maximum."""
+    return hi / 2 - lo / 2
+
+
 def _ticks(lo: float, hi: float, n: int = 8, integer: bool = False) -> list[float]:
-    """Round tick values covering [lo, hi], about ``n`` of them (whole numbers only if ``integer``)."""
-    if hi <= lo:
+    """Round tick values covering [lo, hi], about ``n`` of them (whole numbers only if ``integer``).
+
+    Any finite ``lo`` and ``hi`` work, up to the float maximum; a range that is empty, not finite or too
+    narrow to divide gives ``[lo]`` (``[]`` when ``lo`` is not finite either).
+    """
+    lo, hi = float(lo), float(hi)
+    if not math.isfinite(lo):
+        return []
+    half = _half_span(lo, hi)
+    raw = half / n * 2   # (hi - lo) / n
+    if integer:
+        raw = max(raw, 1.0)
+    if not (hi > lo and raw > 0 and math.isfinite(raw)):
         return [lo]
-    raw = max((hi - lo) / n, 1.0) if integer else (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in ((1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)) if m * mag >= raw)
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next((m * mag for m in ((1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)) if m * mag >= raw), math.inf)
+    if not math.isfinite(step):
+        return [lo, hi]
     first = math.ceil(lo / step - 1e-9) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    return [first + i * step for i in range(int(_half_span(first, hi) / step * 2 + 1e-9) + 1)]
 
 
 def _tick_label(v: float) -> str:
@@ -171,21 +199,29 @@ def timeline_svg(events: list[dict], ivs: list, lo: float, hi: float, *, svg_id:
 
 def loss_svg(losses: list[float], ref: list[float] | None, fail_steps: list[int], diverge: int | None, *,
              svg_id: str) -> str:
-    """Loss per committed step, with the reference run's losses dashed when present."""
+    """Loss per committed step, with the reference run's losses dashed when present.
+
+    Values that are not finite numbers (a diverged loss, a step that is not a number) are left out.
+    """
     W, H, L, R, T, B = 580, 270, 52, 12, 12, 40
-    series = [v for v in list(losses) + list(ref or []) if isinstance(v, (int, float)) and math.isfinite(v)]
+    fail_steps = [s for s in fail_steps if finite(s)]
+    diverge = diverge if finite(diverge) else None
+    series = [float(v) for v in list(losses) + list(ref or []) if finite(v)]
     if not series:
         return f"<svg id='{svg_id}' viewBox='0 0 {W} 60' width='100%'>{_text(10, 30, 'no committed steps')}</svg>"
     n = max(len(losses), len(ref or []), 2)
     lo, hi = min(series), max(series)
-    pad = (hi - lo) * 0.08 or 0.5
-    lo, hi = lo - pad, hi + pad
+    # 8 % of the range on each side; a single value gets 5 % of its size (at least 0.5), so the range never
+    # has zero width, and it stays inside the floats however close to the maximum the losses come.
+    pad = _half_span(lo, hi) * 0.16 or max(abs(lo) * 0.05, 0.5)
+    lo, hi = max(lo - pad, -sys.float_info.max), min(hi + pad, sys.float_info.max)
+    half = _half_span(lo, hi)
 
     def x(i: float) -> float:
         return L + i / (n - 1) * (W - L - R)
 
     def y(v: float) -> float:
-        return T + (hi - v) / (hi - lo) * (H - T - B)
+        return T + (hi / 2 - v / 2) / half * (H - T - B)
 
     out = [f"<svg id='{svg_id}' viewBox='0 0 {W} {H}' width='100%' role='img' aria-label='loss per step'>"]
     for v in _ticks(lo, hi, 5):
@@ -202,8 +238,7 @@ def loss_svg(losses: list[float], ref: list[float] | None, fail_steps: list[int]
                    f"stroke-width='2'/>" + _text(x(diverge) + 4, T + 12, f"diverged at {diverge}", fill="#c62828"))
 
     def line(vals: list[float], style: str) -> str:
-        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(vals)
-                       if isinstance(v, (int, float)) and math.isfinite(v))
+        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(vals) if finite(v))
         return f"<polyline points='{pts}' fill='none' {style}/>"
 
     if ref:

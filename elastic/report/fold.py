@@ -5,24 +5,135 @@ always be re-rendered from the log alone. Field meanings are documented in
 ``docs/report.md``. Injected faults are folded by the ``fault_kind`` their
 ``fault_injected``/``fault_skipped`` events recorded; this module knows
 nothing of the chaos package that emits them.
+
+Every event is checked once, before the fold, against :data:`EVENT_FIELDS`
+(each kind's fields that the fold, goodput or the renderers read, and the
+type they rely on): a malformed event (not an object, a missing field, a
+field of the wrong type, a time that is not a finite number) raises
+``ValueError`` naming the event (1-based) and the field. Fields declared
+"anything" are copied into the report verbatim: schema validation judges
+their values, and the renderers show whatever they hold. Kinds not listed
+are only checked for ``t`` and ``kind`` (the fold ignores them).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import reprlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from elastic.report.goodput import goodput
 from runtime import read_events
 
-__all__ = ["FAILURE_KIND_OF_FAULT", "REPORT_VERSION", "build_report"]
+__all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "REPORT_VERSION", "FieldType", "build_report"]
 
 REPORT_VERSION = 1
 
 
+class FieldType(NamedTuple):
+    """What an event field must hold: ``what`` names it in errors, ``ok`` tests a value."""
+
+    what: str
+    ok: Callable[[Any], bool]
+
+
+def _is_number(v: Any) -> bool:
+    """A number (not a bool) a float can hold: inf and nan are, an int beyond the float range is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def _is_finite(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v)
+
+
+_ANY = FieldType("anything", lambda v: True)
+_TEXT = FieldType("a string", lambda v: isinstance(v, str))
+_TEXT_OR_NULL = FieldType("a string or null", lambda v: v is None or isinstance(v, str))
+_NUMBER = FieldType("a number", _is_number)
+_FINITE = FieldType("a finite number", _is_finite)
+_FINITE_OR_NULL = FieldType("a finite number or null", lambda v: v is None or _is_finite(v))
+_COUNT = FieldType("a whole number >= 0", lambda v: isinstance(v, int) and _is_number(v) and v >= 0)
+_LIST = FieldType("a list", lambda v: isinstance(v, list))
+_NAMES = FieldType("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+_OBJECT_OR_NULL = FieldType("an object or null", lambda v: v is None or isinstance(v, dict))
+_NUMBERS_BY_NAME = FieldType("an object of numbers",
+                             lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()))
+
+# Fields of every event: when (unix seconds) and what.
+_COMMON_FIELDS: dict[str, FieldType] = {"t": _FINITE, "kind": _TEXT}
+
+#: kind -> (required fields, optional fields): each field the fold, goodput or the renderers read, and its type
+#: (besides ``t``, a finite number, and ``kind``, a string, which every event has).
+EVENT_FIELDS: dict[str, tuple[dict[str, FieldType], dict[str, FieldType]]] = {
+    "job_started": ({"mode": _ANY, "config": _OBJECT_OR_NULL, "global_batch_size": _ANY, "microbatches": _ANY}, {}),
+    "programs_built": ({"program_bytes": _ANY, "state_bytes": _ANY}, {}),
+    "run_started": ({"run_id": _ANY, "slices": _ANY, "devices_per_slice": _ANY, "steps": _ANY}, {}),
+    "programs_loaded": ({"compile_seconds": _NUMBERS_BY_NAME}, {}),
+    "state_initialized": ({"state_bytes": _ANY}, {}),
+    "step_committed": ({"step": _COUNT, "loss": _NUMBER}, {"seconds": _NUMBER, "recovered": _ANY}),
+    "placement": ({"active": _NAMES}, {}),
+    "failure_detected": ({"error": _ANY, "detail": _ANY, "committed": _ANY}, {"worker": _ANY}),
+    "worker_dead": ({"worker": _TEXT}, {"cause": _TEXT_OR_NULL}),
+    "recovery_decision": ({"action": _TEXT, "dead": _NAMES, "active": _NAMES}, {}),
+    "recovered": ({"resume_step": _ANY, "bytes_moved": _ANY}, {"path": _ANY}),
+    "grown": ({"active": _NAMES}, {}),
+    "straggler_replaced": ({"active": _NAMES}, {}),
+    "straggler": ({"worker": _TEXT, "step": _ANY, "seconds": _NUMBER, "median_seconds": _NUMBER, "action": _ANY},
+                  {}),
+    "fault_injected": ({"index": _ANY, "fault": _ANY, "fault_kind": _TEXT, "workers": _NAMES, "step": _ANY}, {}),
+    "fault_skipped": ({"index": _ANY, "fault": _ANY, "fault_kind": _TEXT, "reason": _ANY, "step": _ANY}, {}),
+    "chaos_started": ({k: _ANY for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}, {}),
+    "capacity_wait": ({}, {"seconds": _FINITE_OR_NULL}),
+    "capacity_wait_ended": ({}, {"seconds": _FINITE_OR_NULL}),
+    "run_truncated": ({"steps": _ANY}, {}),
+    "security_refused": ({}, {"count": _COUNT, "method": _ANY}),
+    "events_dropped": ({}, {"count": _COUNT}),
+    "run_failed": ({"error": _ANY}, {}),
+    "verdict": ({"verdict": _TEXT_OR_NULL, "verdict_reasons": _LIST, "trajectory": _ANY,
+                 "first_diverging_step": _ANY, "exactly_once": _ANY, "exactly_once_detail": _ANY,
+                 "reference": _ANY}, {}),
+    "run_finished": ({"final_state_sha256": _ANY, "replica_hashes": _ANY, "client_peak_rss_bytes": _ANY}, {}),
+}
+
+
+def _check_event(n: int, e: Any) -> None:
+    """Raises ValueError naming event ``n`` (1-based) unless ``e`` has the fields its kind declares."""
+    if not isinstance(e, dict):
+        raise ValueError(f"event {n} is not an object: {reprlib.repr(e)}")
+    for name, field in _COMMON_FIELDS.items():
+        if name not in e:
+            raise ValueError(f"event {n} has no {name!r} (every event has 't' and 'kind')")
+        if not field.ok(e[name]):
+            raise ValueError(f"event {n}: {name!r} must be {field.what}, got {reprlib.repr(e[name])}")
+    required, optional = EVENT_FIELDS.get(e["kind"], ({}, {}))
+    for name, field in {**required, **optional}.items():
+        if name not in e:
+            if name in required:
+                raise ValueError(f"event {n} ({e['kind']!r}) has no {name!r}")
+        elif not field.ok(e[name]):
+            raise ValueError(f"event {n} ({e['kind']!r}): {name!r} must be {field.what}, "
+                             f"got {reprlib.repr(e[name])}")
+
+
 def build_report(events_or_path) -> dict:
+    """``report.json`` (a dict, ``docs/report.schema.json``) folded from a list of events or an events file.
+
+    Raises ValueError naming the event (or, from a file, the line) for a
+    malformed one; an empty log gives a report of nothing, goodput all zeros.
+    """
     events = events_or_path
     if isinstance(events_or_path, (str, os.PathLike)):
         events = read_events(events_or_path)
+    for n, e in enumerate(events, 1):
+        _check_event(n, e)
     report = {
         "report_version": REPORT_VERSION,
         "mode": None,
@@ -131,7 +242,7 @@ def build_report(events_or_path) -> dict:
             report["steps_requested"] = e["steps"]
         elif kind == "security_refused":
             # ``count``: refusals this event stands for (a worker may batch them); 1 if absent.
-            count = int(e.get("count", 1))
+            count = e.get("count", 1)
             security = report["security"]
             security["refused_calls"] += count
             method = str(e.get("method") or "?")
@@ -139,7 +250,7 @@ def build_report(events_or_path) -> dict:
         elif kind == "register_refused":
             report["security"]["refused_registrations"] += 1
         elif kind == "events_dropped":
-            report["events_dropped"] += int(e.get("count", 0))
+            report["events_dropped"] += e.get("count", 0)
         elif kind == "run_failed":
             report["failure_reason"] = e["error"]
         elif kind == "verdict":
@@ -153,7 +264,7 @@ def build_report(events_or_path) -> dict:
     if step_seconds:
         report["step_seconds_median"] = sorted(step_seconds)[len(step_seconds) // 2]
     _attribute(report, events, dead_at, t_first)
-    report["goodput"] = goodput(events) if events else None
+    report["goodput"] = goodput(events)   # an empty log: all zeros
     if report["mode"] == "reference":
         report["slices"] = 0
     return report

@@ -14,7 +14,7 @@ import os
 import pathlib
 import time
 
-from elastic.report.charts import COLORS, bar_svg, esc, first_time, fmt_seconds, loss_svg, timeline_svg
+from elastic.report.charts import COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg, timeline_svg
 from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, intervals
 
 __all__ = ["render_html", "write_html"]
@@ -43,13 +43,23 @@ svg text{font-family:"DejaVu Sans","Liberation Sans",Arial,sans-serif}
 """
 
 
-def _fmt_bytes(n: int | None) -> str:
+def _fmt_bytes(n: object) -> str:
     if n is None:
         return "—"
+    if not finite(n):
+        return str(n)   # a value the fold copied verbatim: shown as it is
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def _date(t: float) -> str:
+    """Unix seconds as a UTC date; a time the C library cannot convert is shown as it is."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):
+        return f"t={t!r} (not a date)"
 
 
 # -- sections -----------------------------------------------------------------
@@ -60,7 +70,7 @@ def _header(report: dict, events: list[dict]) -> str:
     slices = report.get("slices")
     dps = report.get("devices_per_slice")
     where = "one process (reference)" if mode == "reference" or slices == 0 else f"{slices} slices × {dps} devices"
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(first_time(events))) if events else "no events"
+    started = _date(first_time(events)) if events else "no events"
     parts = [f"mode <b>{esc(mode)}</b>", f"config <b>{esc(cfg.get('run_name', '?'))}</b>", esc(where),
              f"{esc(report.get('steps_completed', 0))}/{esc(report.get('steps_requested'))} steps",
              esc(started)]
@@ -143,7 +153,8 @@ def _timelines(report: dict, events: list[dict], ivs: list) -> str:
     if not events:
         return "<div class='card'><h2>Timeline</h2><p class='muted'>No events.</p></div>"
     wall = ivs[-1][1] if ivs else 0.0
-    max_slices = max(int(report.get("slices") or 0), 1)
+    slices = report.get("slices")
+    max_slices = max(slices if finite(slices) else 0, 1)
     out = ["<div class='card'><h2>Timeline: committed steps over wall time</h2>",
            timeline_svg(events, ivs, 0.0, wall, svg_id="timeline", max_slices=max_slices)]
     # Start-up and compile often dominate a short run: also show the training window alone.
@@ -159,7 +170,9 @@ def _timelines(report: dict, events: list[dict], ivs: list) -> str:
 
 
 def _loss(report: dict) -> str:
-    ref = (report.get("reference") or {}).get("losses")
+    reference = report.get("reference")
+    ref = reference.get("losses") if isinstance(reference, dict) else None
+    ref = ref if isinstance(ref, list) else None   # the fold copies the verdict's reference verbatim
     fail_steps = [f.get("step") for f in report.get("failures") or [] if f.get("step") is not None]
     svg = loss_svg(report.get("losses") or [], ref, fail_steps, report.get("first_diverging_step"), svg_id="loss")
     return f"<div class='card'><h2>Loss</h2>{svg}</div>"

@@ -166,6 +166,11 @@ class WorkerStub:
                 request_serializer=elastic__pb2.ProgressRequest.SerializeToString,
                 response_deserializer=elastic__pb2.ProgressReply.FromString,
                 _registered_method=True)
+        self.Refusals = channel.unary_unary(
+                '/jax_elastic.Worker/Refusals',
+                request_serializer=elastic__pb2.RefusalsRequest.SerializeToString,
+                response_deserializer=elastic__pb2.RefusalsReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -246,6 +251,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Refusals(self, request, context):
+        """controller -> worker: refused calls since the last report (the health monitor asks)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -308,6 +320,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Progress,
                     request_deserializer=elastic__pb2.ProgressRequest.FromString,
                     response_serializer=elastic__pb2.ProgressReply.SerializeToString,
+            ),
+            'Refusals': grpc.unary_unary_rpc_method_handler(
+                    servicer.Refusals,
+                    request_deserializer=elastic__pb2.RefusalsRequest.FromString,
+                    response_serializer=elastic__pb2.RefusalsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -634,6 +651,33 @@ class Worker:
             '/jax_elastic.Worker/Progress',
             elastic__pb2.ProgressRequest.SerializeToString,
             elastic__pb2.ProgressReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Refusals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Refusals',
+            elastic__pb2.RefusalsRequest.SerializeToString,
+            elastic__pb2.RefusalsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,9 +10,11 @@ import pytest
 
 from runtime.auth import (
     METADATA_KEY,
+    Refusals,
     SecretServerInterceptor,
     channel_credentials,
     new_secret,
+    peer_host,
     secure_channel,
     server_credentials,
 )
@@ -56,12 +58,13 @@ class _Stubs:
 
 @pytest.fixture
 def served():
-    """(secret, address, refusals): a server that wants ``secret``; refusals lists on_refused calls."""
+    """(secret, address, refusals): a server that wants ``secret``; refusals lists on_refused calls
+    as ``(method, "reason from peer")``."""
     secret, refusals, lock = new_secret(), [], threading.Lock()
 
-    def on_refused(method, reason):
+    def on_refused(method, peer, reason):
         with lock:
-            refusals.append((method, reason))
+            refusals.append((method, f"{reason} from {peer}"))
 
     server, address = _start(SecretServerInterceptor(secret, on_refused=on_refused, exempt=frozenset({PING})))
     yield secret, address, refusals
@@ -229,5 +232,66 @@ def test_mutual_tls_with_secret(tmp_path):
         finally:
             good.close()
             no_client_cert.close()
+    finally:
+        server.stop(None)
+
+
+# -- Refusals: counts of refused calls, for the security events -------------------------------
+
+
+def test_peer_host_drops_the_port():
+    assert peer_host("ipv4:10.0.0.1:5123") == "ipv4:10.0.0.1"
+    assert peer_host("ipv6:[::1]:5123") == "ipv6:[::1]"
+    assert peer_host("unix:/tmp/sock") == "unix:/tmp/sock"
+
+
+def test_refusals_count_per_method_host_and_reason_and_drain_once():
+    refusals = Refusals()
+    for port in range(50, 60):   # one caller, a new port per connection
+        refusals.record(ECHO, f"ipv4:10.0.0.1:{port}", "missing run secret")
+    refusals.record(ECHO, "ipv4:10.0.0.2:1", "wrong run secret")
+    refusals.record(JOIN, "ipv4:10.0.0.1:9", "missing run secret")
+    assert refusals.drain() == [(ECHO, "ipv4:10.0.0.1", "missing run secret", 10),
+                                (ECHO, "ipv4:10.0.0.2", "wrong run secret", 1),
+                                (JOIN, "ipv4:10.0.0.1", "missing run secret", 1)]
+    assert refusals.drain() == []
+
+
+def test_refusals_keep_a_bounded_number_of_keys():
+    refusals = Refusals(max_keys=3)
+    for host in range(10):
+        refusals.record(ECHO, f"ipv4:10.0.0.{host}:1", "missing run secret")
+    drained = refusals.drain()
+    assert len(drained) == 4 and drained[0] == ("*", "*", "overflow", 7)
+    assert sum(n for *_, n in drained) == 10
+
+
+def test_refusals_log_the_first_of_a_key_then_at_most_once_per_period(caplog):
+    refusals = Refusals(log_seconds=3600)
+    with caplog.at_level("WARNING", logger="runtime.auth"):
+        for _ in range(100):
+            refusals.record(ECHO, "ipv4:10.0.0.1:5", "missing run secret")
+        refusals.record(ECHO, "ipv4:10.0.0.9:5", "wrong run secret")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "10.0.0.1" in lines[0] and "10.0.0.9" in lines[1]
+    every = Refusals(log_seconds=0)
+    with caplog.at_level("WARNING", logger="runtime.auth"):
+        caplog.clear()
+        for _ in range(3):
+            every.record(ECHO, "ipv4:10.0.0.1:5", "missing run secret")
+    since = [r.getMessage().endswith("(1 such calls since the last line)") for r in caplog.records]
+    assert since == [False, True, True]
+
+
+def test_a_server_counts_the_calls_it_refuses(client):
+    secret, refusals = new_secret(), Refusals()
+    server, address = _start(SecretServerInterceptor(secret, on_refused=refusals.record))
+    try:
+        for _ in range(3):
+            _assert_refused(lambda: client(address).echo(b"hi", timeout=TIMEOUT), ECHO)
+        _assert_refused(lambda: client(address, "nope").join(iter([b"a"]), timeout=TIMEOUT), JOIN)
+        assert client(address, secret).echo(b"hi", timeout=TIMEOUT) == b"echo:hi"
+        assert refusals.drain() == [(ECHO, "ipv4:127.0.0.1", "missing run secret", 3),
+                                    (JOIN, "ipv4:127.0.0.1", "wrong run secret", 1)]
     finally:
         server.stop(None)

@@ -5,21 +5,17 @@ Contract under test (``elastic/config.py``): overrides, dicts, YAML files and
 :class:`elastic.ConfigError` naming the key or the file, never another
 exception. A valid Config survives ``config_from_dict(cfg.to_dict())``.
 
-Known bugs (``KNOWN_BUGS``) are pinned by the exact examples in
-``test_known_config_bugs`` (``xfail(strict=True)``); the properties skip
-inputs that fail with exactly those signatures and catch everything else.
-When a bug is fixed its example passes, the strict xfail fails, and its row
-here goes away.
+``test_inputs_the_fuzzers_found_are_a_config_error`` keeps the exact inputs the
+fuzzers once found raising something else.
 """
 
 import pathlib
 import re
 import tempfile
-import traceback
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -35,24 +31,6 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, max_examples=80,
 KEYS = sorted(Config().to_dict())
 
 
-def _raised_in(e: BaseException, filename: str) -> bool:
-    frames = traceback.extract_tb(e.__traceback__)
-    return bool(frames) and frames[-1].filename.replace("\\", "/").endswith(filename)
-
-
-# (what, predicate on the exception). Each has its exact example in test_known_config_bugs.
-KNOWN_BUGS = [
-    ("an int too large for a float key: OverflowError",
-     lambda e: isinstance(e, OverflowError) and _raised_in(e, "elastic/config.py")),
-    ("an impossible date: PyYAML's ValueError escapes",
-     lambda e: type(e) is ValueError and _raised_in(e, "yaml/constructor.py")),
-    ("a NUL in base_config: ValueError('embedded null byte')",
-     lambda e: type(e) is ValueError and str(e) == "embedded null byte"),
-    ("a config file that is not UTF-8: UnicodeDecodeError", lambda e: isinstance(e, UnicodeDecodeError)),
-    ("YAML nested too deeply: RecursionError", lambda e: isinstance(e, RecursionError)),
-]
-
-
 def config_or_config_error(make):
     """Calls ``make()``; returns the Config, or None for a ConfigError; anything else fails the test."""
     try:
@@ -60,10 +38,6 @@ def config_or_config_error(make):
     except ConfigError as e:
         assert str(e)
         return None
-    except Exception as e:
-        if any(known(e) for _, known in KNOWN_BUGS):
-            reject()
-        raise
     assert isinstance(cfg, Config)
     assert config_from_dict(cfg.to_dict()) == cfg
     return cfg
@@ -161,27 +135,26 @@ def test_yaml_files_and_base_config_chains_give_a_config_or_a_config_error(scrat
     config_or_config_error(lambda: load_config(scratch / "a.yml"))
 
 
-@pytest.mark.parametrize("source,overrides", [
-    pytest.param(None, ["learning_rate=1" + "0" * 400], id="override-int-too-large-for-a-float-key",
-                 marks=pytest.mark.xfail(strict=True, raises=OverflowError, reason=KNOWN_BUGS[0][0])),
-    pytest.param("learning_rate: 1" + "0" * 400 + "\n", [], id="yaml-int-too-large-for-a-float-key",
-                 marks=pytest.mark.xfail(strict=True, raises=OverflowError, reason=KNOWN_BUGS[0][0])),
-    pytest.param(None, ["steps=2001-02-30"], id="override-impossible-date",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=KNOWN_BUGS[1][0])),
-    pytest.param("steps: 2001-02-30\n", [], id="yaml-impossible-date",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=KNOWN_BUGS[1][0])),
-    pytest.param('base_config: "x\\0y"\n', [], id="base-config-with-nul",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=KNOWN_BUGS[2][0])),
-    pytest.param(b"\xff\xfe", [], id="config-file-not-utf8",
-                 marks=pytest.mark.xfail(strict=True, raises=UnicodeDecodeError, reason=KNOWN_BUGS[3][0])),
-    pytest.param("x: " + "[" * 800 + "]" * 800 + "\n", [], id="yaml-nested-too-deeply",
-                 marks=pytest.mark.xfail(strict=True, raises=RecursionError, reason=KNOWN_BUGS[4][0])),
+@pytest.mark.parametrize("source,overrides,message", [
+    pytest.param(None, ["learning_rate=1" + "0" * 400], r"'learning_rate' must be a finite number",
+                 id="override-int-too-large-for-a-float-key"),
+    pytest.param("learning_rate: 1" + "0" * 400 + "\n", [], r"'learning_rate' must be a finite number.*c\.yml",
+                 id="yaml-int-too-large-for-a-float-key"),
+    pytest.param(None, ["steps=2001-02-30"], r"override 'steps=2001-02-30'", id="override-impossible-date"),
+    pytest.param("steps: 2001-02-30\n", [], r"invalid YAML in .*c\.yml", id="yaml-impossible-date"),
+    pytest.param('base_config: "x\\0y"\n', [], r"base_config in .*c\.yml must be a file name",
+                 id="base-config-with-nul"),
+    pytest.param(b"\xff\xfe", [], r"c\.yml is not UTF-8", id="config-file-not-utf8"),
+    pytest.param("x: " + "[" * 800 + "]" * 800 + "\n", [], r"invalid YAML in .*c\.yml: nested too deeply",
+                 id="yaml-nested-too-deeply"),
 ])
-def test_known_config_bugs(tmp_path, source, overrides):
-    """Exact inputs the fuzzers found that raise something other than ConfigError (elastic/config.py)."""
+def test_inputs_the_fuzzers_found_are_a_config_error(tmp_path, source, overrides, message):
+    """Exact inputs the fuzzers found raising something other than ConfigError (OverflowError, PyYAML's
+    ValueError for an impossible date, ValueError('embedded null byte'), UnicodeDecodeError, RecursionError):
+    each is a ConfigError naming the key or the file."""
     path = "tiny"
     if source is not None:
         path = tmp_path / "c.yml"
         path.write_bytes(source if isinstance(source, bytes) else source.encode())
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=message):
         load_config(path, overrides)

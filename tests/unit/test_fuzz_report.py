@@ -9,26 +9,23 @@ Contracts under test:
 * over anything else (random JSON), it gives a report or raises one of the
   errors ``elastic report`` turns into one line, "not a valid event log"
   (``ValueError``, ``KeyError``, ``TypeError``), never another traceback;
-* ``runtime.read_events`` over arbitrary bytes gives a list of events or a
-  ``ValueError``.
+  the renderers render whatever report the fold gives;
+* ``runtime.read_events`` over arbitrary bytes gives a list of events (dicts)
+  or a ``ValueError``.
 
-The stronger contract the hardening issue asks for (a ``ValueError`` naming
-the bad line or event, and only dicts out of ``read_events``) does not hold
-yet, nor does the second one everywhere: the ``test_known_*`` tests pin the
-exact examples (``xfail(strict=True)``), and ``KNOWN_BUGS`` lets the
-properties skip inputs that fail with exactly those signatures. When a bug
-is fixed, its example passes, the strict xfail fails, and its rows go.
+The ``test_*_found_by_the_fuzzers`` tests keep the exact examples the
+fuzzers once found breaking these, with the stronger contract they now
+hold: a malformed event or line is a ``ValueError`` naming it.
 """
 
 import json
 import math
 import pathlib
 import tempfile
-import traceback
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, Phase, find, given, reject, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -131,29 +128,6 @@ def event_logs(draw):
     return events
 
 
-def _raised_in(e: BaseException, filename: str) -> bool:
-    frames = traceback.extract_tb(e.__traceback__)
-    return bool(frames) and frames[-1].filename.replace("\\", "/").endswith(filename)
-
-
-# (what, predicate on the exception): known failures of well-formed logs, each pinned by an exact example below.
-KNOWN_BUGS = [
-    ("the loss chart overflows on a loss near the float maximum (OverflowError, ZeroDivisionError)",
-     lambda e: isinstance(e, (OverflowError, ZeroDivisionError)) and _raised_in(e, "elastic/report/charts.py")),
-    ("the page header formats an event time beyond the C library's range (OverflowError, OSError)",
-     lambda e: isinstance(e, (OverflowError, OSError)) and _raised_in(e, "elastic/report/html.py")),
-    ("a field read as a JSON object holds another value (AttributeError)",
-     lambda e: isinstance(e, AttributeError) and (_raised_in(e, "elastic/report/fold.py")
-                                                 or _raised_in(e, "elastic/report/html.py"))),
-    ("an infinite count (OverflowError from int())",
-     lambda e: isinstance(e, OverflowError) and _raised_in(e, "elastic/report/fold.py")),
-]
-
-
-def _known(e: BaseException) -> bool:
-    return any(known(e) for _, known in KNOWN_BUGS)
-
-
 def check_report(report: dict, events: list) -> None:
     VALIDATOR.validate(report)
     json.dumps(report)   # report.json can be written
@@ -164,16 +138,11 @@ def check_report(report: dict, events: list) -> None:
 @FUZZ
 @given(event_logs())
 def test_the_fold_of_a_well_formed_log_validates_against_the_schema_and_renders(events):
-    try:
-        report = build_report(events)
-        check_report(report, events)
-    except Exception as e:
-        if _known(e):
-            reject()
-        raise
+    report = build_report(events)
+    check_report(report, events)
     assert report["steps_completed"] + report["steps_lost"] == sum(e["kind"] == "step_committed" for e in events)
     gp = report["goodput"]
-    if gp is not None and gp["wall_seconds"] > 0:
+    if gp["wall_seconds"] > 0:
         total = gp["productive_seconds"] + sum(gp["badput_seconds"].values())
         assert math.isclose(total, gp["wall_seconds"], rel_tol=1e-6, abs_tol=1e-6)
 
@@ -222,10 +191,6 @@ def test_the_fold_of_anything_gives_a_report_or_an_error_elastic_report_can_name
         return
     except jsonschema.ValidationError:
         return   # random values that the fold copies verbatim; it promises nothing about those
-    except Exception as e:
-        if _known(e):
-            reject()
-        raise
 
 
 # Every field of every kind, in turn, given each of these (or dropped): exhaustive where random draws would
@@ -274,9 +239,7 @@ def test_every_field_of_every_kind_with_a_wrong_value_gives_a_report_or_an_error
         except REPORTED:
             pass
         except Exception as e:
-            if not _known(e):
-                unexpected.append(f"{name}={'<dropped>' if value is _DROP else repr(value)}: "
-                                  f"{type(e).__name__}: {e}")
+            unexpected.append(f"{name}={'<dropped>' if value is _DROP else repr(value)}: {type(e).__name__}: {e}")
     assert not unexpected, f"{kind}: " + "; ".join(unexpected)
 
 
@@ -301,79 +264,73 @@ def test_read_events_gives_events_or_a_value_error(scratch, data):
     assert isinstance(events, list)
 
 
-# --------------------------------------------------------------------------- known bugs, exact examples
+# --------------------------------------------------------------------------- found by the fuzzers, exact examples
 
-def _xfail(reason, *raises):
-    return pytest.mark.xfail(strict=True, raises=raises, reason=reason)
-
-
-_FOLD = ("elastic/report/fold.py indexes and converts event fields without checking them: a malformed event "
-         "raises {} naming no event, not a ValueError naming it")
 _VERDICT = {"verdict": "pass", "verdict_reasons": [], "trajectory": None, "first_diverging_step": None,
             "exactly_once": None, "exactly_once_detail": {}}
 
 
 @pytest.mark.parametrize("events", [
-    pytest.param([{}], id="an-empty-event", marks=_xfail(_FOLD.format("KeyError"), KeyError)),
-    pytest.param([1], id="an-event-that-is-not-an-object", marks=_xfail(_FOLD.format("TypeError"), TypeError)),
-    pytest.param([{"t": 0.0, "kind": "step_committed"}], id="an-event-missing-its-fields",
-                 marks=_xfail(_FOLD.format("KeyError"), KeyError)),
-    pytest.param([{"t": "noon", "kind": "run_failed", "error": "x"}], id="a-time-that-is-not-a-number",
-                 marks=_xfail(_FOLD.format("ValueError(\"could not convert string to float: 'noon'\")"),
-                              AssertionError)),   # pytest.raises: the ValueError does not match the regex
+    pytest.param([{}], id="an-empty-event"),
+    pytest.param([1], id="an-event-that-is-not-an-object"),
+    pytest.param([{"t": 0.0, "kind": "step_committed"}], id="an-event-missing-its-fields"),
+    pytest.param([{"t": "noon", "kind": "run_failed", "error": "x"}], id="a-time-that-is-not-a-number"),
     pytest.param([{"t": 0.0, "kind": "job_started", "mode": "distributed", "config": [1], "global_batch_size": 0,
-                   "microbatches": 0}], id="a-config-that-is-not-an-object",
-                 marks=_xfail(_FOLD.format("AttributeError (a traceback from `elastic report`)"), AttributeError)),
+                   "microbatches": 0}], id="a-config-that-is-not-an-object"),
     pytest.param([{"t": 0.0, "kind": "programs_loaded", "compile_seconds": [1], "program_bytes": 0}],
-                 id="compile-seconds-that-are-not-an-object",
-                 marks=_xfail(_FOLD.format("AttributeError (a traceback from `elastic report`)"), AttributeError)),
-    pytest.param([{"t": 0.0, "kind": "security_refused", "count": float("inf")}], id="an-infinite-refusal-count",
-                 marks=_xfail(_FOLD.format("OverflowError (a traceback from `elastic report`)"), OverflowError)),
-    pytest.param([{"t": 0.0, "kind": "events_dropped", "count": float("inf")}], id="an-infinite-dropped-count",
-                 marks=_xfail(_FOLD.format("OverflowError (a traceback from `elastic report`)"), OverflowError)),
+                 id="compile-seconds-that-are-not-an-object"),
+    pytest.param([{"t": 0.0, "kind": "security_refused", "count": float("inf")}], id="an-infinite-refusal-count"),
+    pytest.param([{"t": 0.0, "kind": "events_dropped", "count": float("inf")}], id="an-infinite-dropped-count"),
 ])
-def test_known_fold_bugs(events):
+def test_malformed_events_found_by_the_fuzzers_are_a_value_error_naming_the_event(events):
+    """The fold once indexed and converted fields unchecked: KeyError, TypeError, AttributeError,
+    OverflowError, or a ValueError naming no event."""
     with pytest.raises(ValueError, match=r"(event|line) 1\b"):
         build_report(events)
 
 
 @pytest.mark.parametrize("events", [
     pytest.param([{"t": 0.0, "kind": "step_committed", "step": 0, "loss": 0.0},
-                  {"t": 1.0, "kind": "step_committed", "step": 1, "loss": 1.6e308}], id="a-loss-near-the-float-max",
-                 marks=_xfail("elastic/report/charts.py _ticks: the loss range overflows to inf", OverflowError)),
-    pytest.param([{"t": 0.0, "kind": "step_committed", "step": 0, "loss": 1e308}], id="one-loss-near-the-float-max",
-                 marks=_xfail("elastic/report/charts.py loss_svg: the padded range rounds to zero width",
-                              ZeroDivisionError)),
-    pytest.param([{"t": 1e20, "kind": "run_failed", "error": "x"}], id="a-time-beyond-time-t",
-                 marks=_xfail("elastic/report/html.py _header: time.gmtime of the first event's time",
-                              OverflowError, OSError)),
-    pytest.param([{"t": 0.0, "kind": "verdict", **_VERDICT, "reference": [1]}], id="a-reference-that-is-not-an-object",
-                 marks=_xfail("elastic/report/html.py _loss: (report.get('reference') or {}).get", AttributeError)),
+                  {"t": 1.0, "kind": "step_committed", "step": 1, "loss": 1.6e308}], id="a-loss-near-the-float-max"),
+    pytest.param([{"t": 0.0, "kind": "step_committed", "step": 0, "loss": 1e308}], id="one-loss-near-the-float-max"),
+    pytest.param([{"t": 1e20, "kind": "run_failed", "error": "x"}], id="a-time-beyond-time-t"),
+    pytest.param([{"t": 0.0, "kind": "verdict", **_VERDICT, "reference": [1]}], id="a-reference-that-is-not-an-object"),
 ])
-def test_known_render_bugs(events):
+def test_reports_found_by_the_fuzzers_render(events):
+    """Once: the loss range overflowed in charts._ticks (OverflowError) or padded to zero width
+    (ZeroDivisionError); time.gmtime of the first event's time raised; a reference that is not an object
+    raised AttributeError in html._loss."""
     report = build_report(events)
     assert render_html(report, events).startswith("<!DOCTYPE html>")
     assert summary_text(report)
 
 
-@pytest.mark.xfail(strict=True, raises=jsonschema.ValidationError,
-                   reason="elastic/report/fold.py: an empty log folds to goodput=None; docs/report.schema.json "
-                          "requires an object")
-def test_known_bug_the_fold_of_an_empty_log_validates_against_the_schema():
-    VALIDATOR.validate(build_report([]))
+def test_the_fold_of_an_empty_log_validates_against_the_schema():
+    """Once goodput=None, which the schema refuses: a report of nothing is still a report (goodput all zeros)."""
+    report = build_report([])
+    VALIDATOR.validate(report)
+    assert report["goodput"]["wall_seconds"] == 0.0 and report["steps_completed"] == 0
 
 
 @pytest.mark.parametrize("data", [
-    pytest.param(b"\xff\n", id="bytes-that-are-not-utf8",
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                         reason="runtime/events.py: UnicodeDecodeError, naming no line")),
-    pytest.param(b"1\n", id="a-line-that-is-not-an-object",
-                 marks=pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                                         reason="runtime/events.py: read_events returns [1], not a ValueError")),
+    pytest.param(b"\xff\n", id="bytes-that-are-not-utf8"),
+    pytest.param(b"1\n", id="a-line-that-is-not-an-object"),
 ])
-def test_known_read_events_bugs(tmp_path, data):
+def test_lines_found_by_the_fuzzers_are_a_value_error_naming_the_line(tmp_path, data):
+    """Once: UnicodeDecodeError naming no line; [1] returned as an event."""
     path = tmp_path / "events.jsonl"
     path.write_bytes(data)
     with pytest.raises(ValueError) as info:
         read_events(path)
     assert "line 1" in str(info.value)
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(b'{"t": 1, "kind": "a"}\n{"t": 2, "kind": "b", "x": "\xe2\x82', id="cut-inside-a-character"),
+    pytest.param(b'{"t": 1, "kind": "a"}\n{"t": 2, "ki', id="cut-inside-the-json"),
+])
+def test_a_torn_last_line_is_skipped(tmp_path, data):
+    """A line without its newline is a write cut short (each event is written with its newline at once)."""
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(data)
+    assert read_events(path) == [{"t": 1, "kind": "a"}]

@@ -44,7 +44,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
 
 
 def test_every_schema_key_has_exactly_the_places_declared():
-    placed = set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY} | set(READ_ELSEWHERE)
+    placed = (set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY, options._CACHE_KEY}
+              | set(READ_ELSEWHERE))
     assert placed == set(SCHEMA)
 
 
@@ -55,7 +56,7 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 
 
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
-    fed = set(options._TO_CONTROLLER.values()) | {"tls"}
+    fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (
@@ -112,6 +113,20 @@ def test_tls_paths_are_resolved_for_workers_that_run_elsewhere(base, tmp_path, m
     assert controller_options(cfg, "run").tls == TlsFiles(*(str(tmp_path.resolve() / n)
                                                            for n in ("c.pem", "k.pem", "ca.pem")))
     assert controller_options(base, "run").tls is None
+
+
+def test_the_compilation_cache_is_shared_under_the_output_directory_unless_told(base, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    cfg = base.replace(base_output_directory="out")
+    assert controller_options(cfg, "run").compilation_cache_dir == str(tmp_path.resolve() / "out" / "jax_cache")
+    assert run_settings(cfg).compilation_cache_dir == controller_options(cfg, "run").compilation_cache_dir
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "envcache")   # JAX's own variable, when set
+    assert controller_options(cfg, "run").compilation_cache_dir == str(tmp_path.resolve() / "envcache")
+    assert controller_options(cfg.replace(jax_cache_dir="mine"), "run").compilation_cache_dir == str(
+        tmp_path.resolve() / "mine")
+    assert controller_options(cfg.replace(jax_cache_dir="off"), "run").compilation_cache_dir == ""
+    assert run_settings(cfg.replace(jax_cache_dir="off")).compilation_cache_dir == ""
 
 
 def test_run_dir_is_the_callers(base, tmp_path):

@@ -190,6 +190,9 @@ def _workers(*devices):
     ((2, 2, 2), (), 1, Action.REPLACE, ("w0", "w1"), ("w2",), "every slice has a worker"),
     ((2, 2), ("w9",), 1, Action.REPLACE, ("w0", "w1"), (), "1 that died before registering were replaced"),
     ((2,), ("w1",), 1, Action.SHRINK, ("w0",), (), "starting with 1 of 2 slices"),
+    # registered, then died before the placement: lost, never placed
+    ((2, 2, 2), ("w0",), 1, Action.REPLACE, ("w1", "w2"), (), "1 that died before registering were replaced"),
+    ((2, 2), ("w0",), 1, Action.SHRINK, ("w1",), (), "starting with 1 of 2 slices"),
     ((2,), ("w1",), 2, Action.FAIL, (), (), "need 2 workers with 2 devices, have 1; 1 worker(s) died"),
     ((2, 4), (), 2, Action.FAIL, (), (), "also registered: workers with [4] devices"),
 ])

@@ -1,13 +1,21 @@
-"""The worker's gRPC service on a real in-process server (no programs loaded) and its fault switchboard."""
+"""The worker's gRPC service on a real in-process server (no programs loaded) and its fault switchboard;
+the checks every request passes before it touches anything (the step plan check is pure)."""
+
+import zlib
 
 import grpc
+import ml_dtypes
+import numpy as np
 import pytest
 
-from runtime import FAULT_ACTIONS, rpc
+from runtime import FAULT_ACTIONS, auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.fault_injection import PHASES, WorkerFaults
-from runtime.worker import WorkerService
+from runtime.collective import assemble_state, state_chunks, state_sha256
+from runtime.errors import ProtocolError
+from runtime.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
+from runtime.microbatch import assign_microbatches
+from runtime.worker import WorkerService, check_step_request
 
 FENCE = pb.Fence(run_id="run", epoch=1)
 
@@ -73,3 +81,186 @@ def test_worker_faults_refuse_unknown_actions_naming_the_vocabulary():
     assert faults.partitioned() > 0
     faults.arm("clear")
     assert faults.partitioned() == 0.0
+
+
+# -- hardening: every request checked before it touches anything -------------------------------
+
+SECRET = "s3cret"
+
+
+def _push(fence=FENCE, **fields):
+    data = fields.pop("data", b"\0" * 8)
+    return pb.TensorChunk(fence=fence, step=0, phase=0, src_rank=1, node=pb.Node(level=0, index=0),
+                          total=len(data) // 4, offset=0, data=data, crc32=zlib.crc32(data), **fields)
+
+
+@pytest.mark.parametrize("call", ["Init", "Step", "StateHash", "Rollback", "GetState", "PullState", "Push"])
+def test_calls_before_load_are_refused_as_out_of_order(worker, call):
+    _, stub = worker
+    requests = {
+        "Init": lambda: stub.Init(pb.InitRequest(fence=FENCE, seed=1), timeout=10),
+        "Step": lambda: stub.Step(pb.StepRequest(fence=FENCE, step=0), timeout=10),
+        "StateHash": lambda: stub.StateHash(pb.HashRequest(fence=FENCE), timeout=10),
+        "Rollback": lambda: stub.Rollback(pb.RollbackRequest(fence=FENCE), timeout=10),
+        "GetState": lambda: list(stub.GetState(pb.GetStateRequest(fence=FENCE), timeout=10)),
+        "PullState": lambda: stub.PullState(pb.PullStateRequest(fence=FENCE, source_address="127.0.0.1:1"), timeout=10),
+        "Push": lambda: stub.Push(iter([_push()]), timeout=10),
+    }
+    with pytest.raises(grpc.RpcError) as info:
+        requests[call]()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+
+
+@pytest.mark.parametrize("method", ["Load", "Step", "Progress", "Abort"])
+def test_a_request_that_does_not_parse_is_invalid_argument_not_internal(armed_worker, method):
+    _, address = armed_worker
+    raw = auth.secure_channel(grpc.insecure_channel(address), SECRET)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            raw.unary_unary(f"/jax_elastic.Worker/{method}")(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not parse" in info.value.details() and "Traceback" not in info.value.details()
+    finally:
+        raw.close()
+
+
+@pytest.fixture
+def armed_worker():
+    """A worker with chaos enabled, behind the secret."""
+    service = WorkerService("run", "w", secret=SECRET, chaos=True)
+    server, port = rpc.make_server(secret=SECRET, refusals=service.refusals, on_authenticated=service.heard,
+                                   interceptors=[PartitionInterceptor(service.faults)])
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    server.start()
+    try:
+        yield service, f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+        service.collective.close()
+
+
+@pytest.mark.parametrize("request_", [pb.ChaosRequest(action="explode"), pb.ChaosRequest(action="straggle", factor=0.5),
+                                      pb.ChaosRequest(action="partition", seconds=float("nan")),
+                                      pb.ChaosRequest(action="kill_in_phase", phase="compile")])
+def test_a_bad_chaos_request_is_invalid_argument(armed_worker, request_):
+    _, address = armed_worker
+    stub = pb_grpc.WorkerStub(rpc.channel(address, SECRET))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Chaos(request_, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+def test_only_calls_that_pass_the_secret_and_the_partition_renew_the_lease(armed_worker):
+    service, address = armed_worker
+    stranger = pb_grpc.WorkerStub(grpc.insecure_channel(address))
+    liar = pb_grpc.WorkerStub(rpc.channel(address, "not-the-secret"))
+    controller = pb_grpc.WorkerStub(rpc.channel(address, SECRET))
+    for stub in (stranger, liar):
+        service.last_contact = 0.0
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Progress(pb.ProgressRequest(fence=FENCE), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert service.last_contact == 0.0
+    controller.Progress(pb.ProgressRequest(fence=FENCE), timeout=10)
+    assert service.last_contact > 0.0
+    controller.Chaos(pb.ChaosRequest(action="partition", seconds=30.0), timeout=10)
+    service.last_contact = 0.0
+    with pytest.raises(grpc.RpcError) as info:
+        controller.Progress(pb.ProgressRequest(fence=FENCE), timeout=0.5)
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert service.last_contact == 0.0   # dropped by the partition before anything saw it
+    service.faults.arm("clear")
+    refusals = {(m, r): n for m, _, r, n in service.refusals.drain()}
+    assert refusals == {("/jax_elastic.Worker/Progress", "missing run secret"): 1,
+                        ("/jax_elastic.Worker/Progress", "wrong run secret"): 1}
+
+
+def test_the_refusals_rpc_reports_counts_since_the_last_report(armed_worker):
+    _, address = armed_worker
+    stranger = pb_grpc.WorkerStub(grpc.insecure_channel(address))
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError):
+            stranger.StateHash(pb.HashRequest(fence=FENCE), timeout=10)
+    controller = pb_grpc.WorkerStub(rpc.channel(address, SECRET))
+    [r] = controller.Refusals(pb.RefusalsRequest(), timeout=10).refusals
+    assert (r.method, r.peer, r.reason, r.count) == ("/jax_elastic.Worker/StateHash", "ipv4:127.0.0.1",
+                                                     "missing run secret", 5)
+    assert list(controller.Refusals(pb.RefusalsRequest(), timeout=10).refusals) == []
+
+
+# -- the step plan check (pure) ---------------------------------------------------------------
+
+
+def _plan(num_microbatches, ranks, me, **changes):
+    """The step plan rank ``me`` gets from the scheduler, with ``changes`` to its fields."""
+    shares = assign_microbatches(num_microbatches, ranks)
+    all_nodes = [pb.Node(level=n.level, index=n.index) for nodes in shares for n in nodes]
+    owners = [r for r, nodes in enumerate(shares) for _ in nodes]
+    req = pb.StepRequest(fence=FENCE, step=3, rank=me,
+                         peers=[pb.Peer(rank=r, address=f"h:{r + 1}") for r in range(ranks)], nodes=[pb.Node(level=n.level, index=n.index) for n in shares[me]], all_nodes=all_nodes,
+                         node_owner=owners)
+    for field, value in changes.items():
+        if isinstance(value, list):
+            req.ClearField(field)
+            getattr(req, field).extend(value)
+        else:
+            setattr(req, field, value)
+    return req
+
+
+@pytest.mark.parametrize("m,ranks", [(1, 1), (2, 1), (2, 2), (8, 3), (16, 4), (16, 16)])
+def test_every_plan_the_scheduler_makes_passes_the_step_check(m, ranks):
+    for rank in range(ranks):
+        check_step_request(_plan(m, ranks, rank), m)
+
+
+N = pb.Node
+BAD_PLANS = {
+    "negative step": dict(step=-1),
+    "rank out of range": dict(rank=3),
+    "ranks not 0..n-1": dict(peers=[pb.Peer(rank=r, address="a") for r in (0, 2, 3)]),
+    "more ranks than microbatches": dict(peers=[pb.Peer(rank=r, address="a") for r in range(9)]),
+    "a peer without address": dict(peers=[pb.Peer(rank=0, address="a"), pb.Peer(rank=1, address="b"),
+                                          pb.Peer(rank=2, address="")]),
+    "owners and nodes differ in length": dict(node_owner=[0, 1]),
+    "a subtree outside the tree": dict(all_nodes=[N(level=4, index=0), N(level=0, index=0)], node_owner=[0, 1]),
+    "a gap": dict(all_nodes=[N(level=2, index=0), N(level=1, index=3)], node_owner=[0, 1]),
+    "an overlap": dict(all_nodes=[N(level=3, index=0), N(level=2, index=0)], node_owner=[0, 1]),
+    "a rank owning nothing": dict(all_nodes=[N(level=3, index=0)], node_owner=[0]),
+    "an owner out of range": dict(node_owner=[0, 0, 7]),
+    "not this rank's share": dict(nodes=[N(level=0, index=0)]),
+    "a negative level": dict(all_nodes=[N(level=-1, index=0)], node_owner=[0]),
+    "huge repeated": dict(all_nodes=[N(level=0, index=0)] * 10_000, node_owner=[0] * 10_000),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(BAD_PLANS))
+def test_a_plan_that_could_not_run_to_the_end_is_refused(defect):
+    with pytest.raises(ProtocolError):
+        check_step_request(_plan(8, 3, 1, **BAD_PLANS[defect]), 8)
+
+
+# -- state transfers ---------------------------------------------------------------------------
+
+
+def test_a_bfloat16_state_crosses_a_transfer_as_bfloat16():
+    leaf = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3)
+    other = np.ones(3, dtype=np.float32)
+    chunks = list(state_chunks([leaf, other], 4, 5))
+    leaves, applied = assemble_state(iter(chunks), expect=[((2, 3), leaf.dtype), ((3,), np.float32)])
+    assert applied == 4 and leaves[0].dtype == leaf.dtype and (leaves[0] == leaf).all() and (leaves[1] == other).all()
+
+
+def test_a_state_of_another_layout_or_hash_is_refused_before_it_is_adopted():
+    leaf = np.arange(8, dtype=np.float32)
+    good = list(state_chunks([leaf], 2, 16, state_sha256([leaf])))
+    assert (assemble_state(iter(good), expect=[((8,), np.float32)])[0][0] == leaf).all()
+    with pytest.raises(ProtocolError, match="expect"):
+        assemble_state(iter(good), expect=[((4, 2), np.float32)])
+    lying = list(state_chunks([leaf], 2, 16, state_sha256([leaf + 1])))
+    with pytest.raises(ProtocolError, match="hash"):
+        assemble_state(iter(lying), expect=[((8,), np.float32)])
+    huge = [pb.StateChunk.FromString(c.SerializeToString()) for c in good]
+    huge[0].total_bytes = 1 << 60
+    with pytest.raises(ProtocolError):
+        assemble_state(iter(huge))   # refused by its shape, without allocating 2**60 bytes
