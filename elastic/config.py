@@ -107,6 +107,7 @@ class Config:
     elastic_tls_key_file: str = _key("")  # its private key
     elastic_tls_ca_file: str = _key("")  # CA that signed every process's certificate
     elastic_max_local_workers: int = _key(0, ge=0)  # 0: derived from this host's cores and memory
+    elastic_standby_workers: int = _key(1, ge=0, le=64)  # processes started ahead of need for relaunches
     # JAX's persistent compilation cache, shared by the workers and the reference run (MaxText's key).
     # "": $JAX_COMPILATION_CACHE_DIR if set, else <base_output_directory>/jax_cache; "off": none.
     jax_cache_dir: str = _key("")

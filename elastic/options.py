@@ -56,6 +56,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_step_watchdog_factor": "watchdog_factor",
     "elastic_step_watchdog_min_seconds": "watchdog_min_seconds",
     "elastic_chaos": "chaos",
+    "elastic_standby_workers": "standby_workers",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -139,7 +140,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     if getattr(cfg, _ENABLED_KEY):
         return opts
     return dataclasses.replace(opts, max_retries=0, spares=0, relaunch=False, min_slices=opts.slices,
-                               capacity_timeout_seconds=0.0, replace_stragglers=False)
+                               capacity_timeout_seconds=0.0, replace_stragglers=False, standby_workers=0)
 
 
 def _tls(cfg: Config) -> TlsFiles | None:

@@ -84,6 +84,7 @@ class ControllerOptions:
     tls: auth.TlsFiles | None = None       # mutual TLS on every link
     chunk_bytes: int = 0                   # tensor chunk size of peer streams (0: the worker's default, 4 MiB)
     compilation_cache_dir: str = ""        # JAX's persistent compilation cache of the workers ("": none)
+    standby_workers: int = 0               # processes started ahead of need, for relaunches (local launcher)
 
 
 class ControllerObserver:
@@ -341,6 +342,7 @@ class Controller:
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
                                  warmed=self.group.warmed(), swaps=bool(self.swap_pending)):
             if self.pending:      # drain, so the change happens at a step boundary
+                self.group.start_warming()   # a newcomer loads its programs meanwhile
                 self._commit(*self.pending.popleft())
                 return Phase.RUNNING
             return Phase.BOUNDARY

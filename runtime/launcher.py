@@ -51,11 +51,20 @@ class _TokenBucket:
 
 
 class LocalLauncher:
-    """Launches ``python -m runtime.worker_process`` children with N simulated devices each."""
+    """Launches ``python -m runtime.worker_process`` children with N simulated devices each.
+
+    With ``standby`` > 0, that many extra processes are kept started ahead of
+    need (:meth:`prepare_standby`): each has imported JAX, created its devices
+    and opened the compilation cache, and waits on its stdin for the worker id
+    it is to serve as. :meth:`launch` hands a waiting one its id instead of
+    starting a process, so a relaunched worker registers at once rather than
+    after a Python and JAX start (seconds), and then starts a new standby. A
+    standby whose launcher goes away reads end-of-file and exits.
+    """
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
-                 launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = ""):
+                 launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0):
         self.secret = secret
         self.compilation_cache_dir = compilation_cache_dir
         self.chaos = chaos
@@ -64,13 +73,60 @@ class LocalLauncher:
         self.controller_address = controller_address
         self.devices_per_worker = devices_per_worker
         self.log_dir = log_dir
+        self.standby = standby
         self.procs: dict[str, subprocess.Popen] = {}
+        self._standbys: list[tuple[subprocess.Popen, str]] = []   # (process, its log file) waiting for an id
+        self._standby_seq = 0
         self._pace = _TokenBucket(launch_rate, launch_burst)
+        self._lock = threading.Lock()
         os.makedirs(log_dir, exist_ok=True)
 
     def launch(self, worker_id: str) -> subprocess.Popen:
-        """Starts one worker; past the first ``LAUNCH_BURST`` starts, waits its turn (at most ``1/LAUNCH_RATE`` s)."""
+        """Starts worker ``worker_id``: a standby takes the id if one waits, else a new process starts.
+
+        A new process waits its turn past the first ``LAUNCH_BURST`` starts
+        (at most ``1/LAUNCH_RATE`` s). Handing a standby its id also starts
+        its successor.
+        """
+        proc = self._take_standby(worker_id)
+        if proc is not None:
+            self.procs[worker_id] = proc
+            self.prepare_standby()
+            return proc
         self._pace.take()
+        proc = self.procs[worker_id] = self._start(["--worker-id", worker_id], f"worker-{worker_id}.log",
+                                                   stdin=subprocess.DEVNULL)
+        return proc
+
+    def prepare_standby(self) -> None:
+        """Starts standby processes until ``standby`` of them wait (none when ``standby`` is 0)."""
+        with self._lock:
+            self._standbys = [(p, log) for p, log in self._standbys if p.poll() is None]
+            while len(self._standbys) < self.standby:
+                self._standby_seq += 1
+                log = f"worker-standby-{self._standby_seq}.log"
+                self._standbys.append((self._start(["--standby"], log, stdin=subprocess.PIPE), log))
+
+    def _take_standby(self, worker_id: str) -> subprocess.Popen | None:
+        """A waiting standby, told to serve as ``worker_id`` (its log renamed to match); None if none waits."""
+        with self._lock:
+            while self._standbys:
+                proc, log = self._standbys.pop(0)
+                if proc.poll() is not None:
+                    continue
+                try:
+                    proc.stdin.write(f"{worker_id}\n".encode())
+                    proc.stdin.close()
+                except OSError:   # it died between the poll and the write
+                    continue
+                try:
+                    os.replace(os.path.join(self.log_dir, log), os.path.join(self.log_dir, f"worker-{worker_id}.log"))
+                except OSError:
+                    pass   # the log keeps its standby name
+                return proc
+        return None
+
+    def _start(self, identity: list[str], log_name: str, stdin) -> subprocess.Popen:
         env = dict(os.environ)
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_worker}"])
@@ -89,13 +145,13 @@ class LocalLauncher:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         paths = [root] + [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        log = open(os.path.join(self.log_dir, f"worker-{worker_id}.log"), "ab")
+        log = open(os.path.join(self.log_dir, log_name), "ab")
         cmd = [sys.executable, "-m", "runtime.worker_process", "--controller", self.controller_address,
-               "--run-id", self.run_id, "--worker-id", worker_id, "--exit-with-parent"]
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        self.procs[worker_id] = proc
-        return proc
+               "--run-id", self.run_id, *identity, "--exit-with-parent"]
+        try:
+            return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=stdin)
+        finally:
+            log.close()
 
     def kill(self, worker_id: str) -> None:
         """SIGKILLs a worker declared dead (works on a stopped process too)."""
@@ -104,11 +160,19 @@ class LocalLauncher:
             p.kill()
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        """Terminates every child, then kills what is left after ``timeout``."""
-        for p in self.procs.values():
+        """Terminates every child (standbys read end-of-file and exit), then kills what is left after ``timeout``."""
+        with self._lock:
+            standbys, self._standbys = [p for p, _ in self._standbys], []
+        for p in standbys:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        every = list(self.procs.values()) + standbys
+        for p in every:
             if p.poll() is None:
                 p.terminate()
-        for p in self.procs.values():
+        for p in every:
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:

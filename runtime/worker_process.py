@@ -144,6 +144,8 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    ap.add_argument("--standby", action="store_true",
+                    help="start JAX, then wait for the worker id on stdin (the launcher's standby processes)")
     ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
                     help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
     for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
@@ -161,6 +163,8 @@ def main(argv=None) -> None:
     parent_pid = os.getppid() if args.exit_with_parent else None
     try:
         compile_cache.enable(args.compilation_cache_dir)
+        if args.standby:
+            args.worker_id = _wait_for_identity()
         status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, parent_pid=parent_pid,
                        secret=secret, chaos=args.chaos,
                        tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
@@ -171,6 +175,26 @@ def main(argv=None) -> None:
         log.exception("worker %s failed", args.worker_id)
         status = EXIT_FAILED
     _exit_now(status)
+
+
+def _start_backend() -> None:
+    """Pays JAX's one-time costs of a first load now: the backend, and what calling an exported program sets up."""
+    x = jax.numpy.zeros((), jax.numpy.float32)
+    exported = jax.export.deserialize(jax.export.export(jax.jit(lambda v: v + 1))(x).serialize())
+    jax.block_until_ready(jax.jit(exported.call)(x))
+
+
+def _wait_for_identity() -> str:
+    """A standby: starts the devices, then waits for the worker id on stdin; exits 0 at end-of-file (not needed)."""
+    _start_backend()
+    log.info("standby process %d waiting for its worker id", os.getpid())
+    worker_id = sys.stdin.readline().strip()
+    if not worker_id:
+        _exit_now(EXIT_SHUTDOWN)
+    logging.getLogger().handlers[0].setFormatter(
+        logging.Formatter(f"%(asctime)s {worker_id} %(levelname)s %(message)s"))
+    log.info("standby process %d serves as worker %s", os.getpid(), worker_id)
+    return worker_id
 
 
 def _exit_now(status: int) -> None:

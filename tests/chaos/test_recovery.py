@@ -6,6 +6,9 @@ a process without the run secret refused. The per-fault-kind scenarios are in
 """
 
 import json
+import pathlib
+import re
+import time
 
 import grpc
 import pytest
@@ -22,13 +25,14 @@ def kinds(events, kind):
 def test_shrink_then_grow_back_when_the_relaunched_worker_joins(tmp_path):
     """No spare: 4 -> 3 slices; the relaunched worker warms up and is promoted: 3 -> 4.
 
-    Every original worker is slowed 20x (about 0.25 s a step here) for the whole run (a straggle fault
+    Every original worker is slowed 10x (about 0.15 s a step here) for the whole run (a straggle fault
     on all of them, so none is slower than its peers), which leaves the
-    relaunched worker ample time to start and compile before the last step.
+    relaunched worker (a standby process, started beside the run) time to
+    take over and load the programs before the last step.
     """
-    steps = 80
+    steps = 40
     proc, _ = run_cli(["chaos", "tiny", f"steps={steps}", "run_name=faulted", "--faults",
-                       "straggle(factor=20,for=600s):all@step=0,kill:slice=1@step=2"], tmp_path)
+                       "straggle(factor=10,for=600s):all@step=0,kill:slice=1@step=2"], tmp_path)
     report = json.loads((tmp_path / "faulted" / "report.json").read_text())
     events = [json.loads(line) for line in (tmp_path / "faulted" / "events.jsonl").read_text().splitlines()]
     assert report["verdict"] == "pass", report["verdict_reasons"]
@@ -38,6 +42,16 @@ def test_shrink_then_grow_back_when_the_relaunched_worker_joins(tmp_path):
     assert grown["promoted"] == ["w4"] and len(grown["active"]) == 4
     assert report["slices_at_end"] == 4
     assert report["stragglers"] == []
+    # The relaunch took over the standby process started beside the run, and a new standby replaced it;
+    # the run's end sent the new one home.
+    logs = tmp_path / "faulted" / "logs"
+    assert "serves as worker w4" in (logs / "worker-w4.log").read_text()
+    [standby] = logs.glob("worker-standby-*.log")
+    pid = int(re.search(r"standby process (\d+) waiting", standby.read_text()).group(1))
+    deadline = time.monotonic() + 10
+    while pathlib.Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pathlib.Path(f"/proc/{pid}").exists(), f"standby process {pid} outlived its run"
 
 
 def test_a_process_without_the_run_secret_is_refused(tmp_path):

@@ -110,6 +110,9 @@ class FakeGroup:
     def warmed(self):
         return False
 
+    def start_warming(self):
+        self.calls.append("start_warming")
+
     def warm_newcomers(self, block_until=None):
         new = [w for w in self.replicas if w not in self.adopted]
         self.adopted |= set(new)
