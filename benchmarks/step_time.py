@@ -1,15 +1,20 @@
-"""Steady-state step time: jax-elastic runtime vs plain single-process JAX.
+"""Steady-state step time: jax-elastic runtime vs the JAX a user would run instead.
 
-Both sides train the bundled transformer with the same global batch on the
+All three train the bundled transformer with the same global batch on the
 same total number of devices, in the same invocation:
 
 - runtime: `slices` worker processes x `devices` devices, via elastic.Trainer;
   step time = median interval between consecutive step commits (after warm-up).
-- baseline: one process with slices*devices devices, one `jax.jit` of the whole
-  step, batch sharded over all devices; step time = median wall time per step.
+- one process: slices*devices devices, one `jax.jit` of the whole step, batch
+  sharded over all devices; step time = median wall time per step (the limit
+  on one machine);
+- multi-controller JAX: `slices` processes of `devices` devices joined by
+  `jax.distributed.initialize` with CPU collectives (gloo), one `jax.jit` over
+  the global mesh, each process feeding its share of the batch: the SPMD setup
+  the runtime replaces, so the fair yardstick.
 
 Usage: .venv/bin/python benchmarks/step_time.py [--slices 4] [--devices 2] [--steps 30] [key=value ...]
-Prints both medians and the ratio runtime/baseline.
+Prints the three medians and the ratios runtime/multi-controller and runtime/one-process (last).
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ def _overrides(args) -> list[str]:
 
 
 def baseline(args) -> None:
-    """Runs in a child process with slices*devices host devices; prints JSON."""
+    """Runs in a child process (one of ``--processes`` with ``--process-id``); prints JSON from process 0.
+
+    One process: slices*devices host devices. Several: each has ``devices``
+    host devices, joined by ``jax.distributed`` (gloo) into one global mesh.
+    """
     import jax
     import numpy as np
     import optax
@@ -43,6 +52,10 @@ def baseline(args) -> None:
     from elastic.config import load_config
     from elastic.models import make_model
 
+    if args.processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
+                                   process_id=args.process_id, initialization_timeout=300)
     cfg = load_config("tiny", _overrides(args))
     init, loss, data = make_model(cfg)
     opt = optax.adam(cfg.learning_rate)
@@ -59,17 +72,21 @@ def baseline(args) -> None:
         updates, opt_state = opt.update(g, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), l
 
+    # This process's rows of the global batch (all of them with one process).
+    mine = [m for m in range(cfg.microbatches) if m * args.processes // cfg.microbatches == args.process_id]
     times = []
     for s in range(cfg.steps):
-        parts = [data.batch(s, m) for m in range(cfg.microbatches)]
-        batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        parts = [data.batch(s, m) for m in mine]
+        local = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         t0 = time.perf_counter()
-        batch = jax.device_put(batch, batch_sharding)
+        batch = jax.make_array_from_process_local_data(batch_sharding, local) if args.processes > 1 else \
+            jax.device_put(local, batch_sharding)
         state, l = step(state, batch)
         l.block_until_ready()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"median_step_seconds": statistics.median(times[WARMUP:]), "devices": len(jax.devices()),
-                      "global_batch": cfg.global_batch_size}))
+    if args.process_id == 0:
+        print(json.dumps({"median_step_seconds": statistics.median(times[WARMUP:]), "devices": len(jax.devices()),
+                          "global_batch": cfg.global_batch_size}))
 
 
 def runtime(args) -> dict:
@@ -96,6 +113,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--microbatches", type=int, default=0)
     ap.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.steps <= WARMUP + 2:
@@ -103,19 +123,38 @@ def main() -> None:
     if args.baseline_child:
         baseline(args)
         return
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={args.slices * args.devices}")
-    cmd = [sys.executable, __file__, "--baseline-child", *sys.argv[1:]]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, check=True)
-    base = json.loads(child.stdout.strip().splitlines()[-1])
+    base = _baseline(args, processes=1, devices=args.slices * args.devices)
+    multi = _baseline(args, processes=args.slices, devices=args.devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     rt = runtime(args)
-    assert rt["global_batch"] == base["global_batch"], (rt, base)
+    assert rt["global_batch"] == base["global_batch"] == multi["global_batch"], (rt, base, multi)
     print(f"config: {args.slices} slices x {args.devices} devices, global batch {base['global_batch']}, "
           f"overrides {args.overrides}")
-    print(f"baseline (one jit over {base['devices']} devices): {base['median_step_seconds'] * 1e3:.1f} ms/step")
-    print(f"jax-elastic runtime:                        {rt['median_step_seconds'] * 1e3:.1f} ms/step")
-    print(f"ratio runtime/baseline: {rt['median_step_seconds'] / base['median_step_seconds']:.2f}")
+    print(f"one process (one jit over {base['devices']} devices):      {base['median_step_seconds'] * 1e3:7.1f} ms/step")
+    print(f"multi-controller JAX ({args.slices} processes, gloo):       {multi['median_step_seconds'] * 1e3:7.1f} ms/step")
+    print(f"jax-elastic runtime ({args.slices} workers):                {rt['median_step_seconds'] * 1e3:7.1f} ms/step")
+    print(f"ratio runtime/multi-controller: {rt['median_step_seconds'] / multi['median_step_seconds']:.2f}   "
+          f"ratio runtime/one-process: {rt['median_step_seconds'] / base['median_step_seconds']:.2f}")
+
+
+def _baseline(args, processes: int, devices: int) -> dict:
+    """Runs the plain-JAX baseline in ``processes`` child processes of ``devices`` devices; process 0's JSON."""
+    import socket
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = [subprocess.Popen([sys.executable, __file__, "--baseline-child", "--processes", str(processes),
+                               "--process-id", str(i), "--coordinator", coordinator, *sys.argv[1:]],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for i in range(processes)]
+    outs = [p.communicate(timeout=1800) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise SystemExit(f"baseline with {processes} process(es) failed:\n{err[-3000:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
