@@ -100,10 +100,13 @@ def runtime(args) -> dict:
         init, loss, data = make_model(cfg)
         report = Trainer(init=init, loss=loss, optimizer=optax.adam(cfg.learning_rate), data=data, config=cfg).fit()
         events = [json.loads(line) for line in open(pathlib.Path(out) / "bench" / "events.jsonl")]
-    commits = [e["t"] for e in events if e["kind"] == "step_committed"]
+    committed = [e for e in events if e["kind"] == "step_committed"]
+    commits = [e["t"] for e in committed]
     gaps = [b - a for a, b in zip(commits, commits[1:])][WARMUP:]
+    # Where a step goes, from the workers' own timings (the slowest worker's, per step).
+    phases = {k: statistics.median(e[f"{k}_seconds"] for e in committed[WARMUP + 1:]) for k in ("grad", "reduce", "apply")}
     return {"median_step_seconds": statistics.median(gaps), "global_batch": report["global_batch_size"],
-            "client_peak_rss_bytes": report["client_peak_rss_bytes"]}
+            "client_peak_rss_bytes": report["client_peak_rss_bytes"], "phases": phases}
 
 
 def main() -> None:
@@ -133,6 +136,9 @@ def main() -> None:
     print(f"one process (one jit over {base['devices']} devices):      {base['median_step_seconds'] * 1e3:7.1f} ms/step")
     print(f"multi-controller JAX ({args.slices} processes, gloo):       {multi['median_step_seconds'] * 1e3:7.1f} ms/step")
     print(f"jax-elastic runtime ({args.slices} workers):                {rt['median_step_seconds'] * 1e3:7.1f} ms/step")
+    ph = rt["phases"]
+    print(f"  runtime phases (median over steps of the slowest worker's): grad {ph['grad'] * 1e3:.1f} ms   "
+          f"reduce, waiting for peers included {ph['reduce'] * 1e3:.1f} ms   apply {ph['apply'] * 1e3:.1f} ms")
     print(f"ratio runtime/multi-controller: {rt['median_step_seconds'] / multi['median_step_seconds']:.2f}   "
           f"ratio runtime/one-process: {rt['median_step_seconds'] / base['median_step_seconds']:.2f}")
 
