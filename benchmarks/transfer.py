@@ -1,0 +1,68 @@
+"""State transfer worker -> worker on loopback against this machine's memory-copy bandwidth, in one invocation.
+
+Runs `elastic chaos` on a ~10 M parameter transformer (2 slices x 1 device +
+1 spare) with one kill, so the spare pulls the whole training state
+(parameters and Adam moments) from a live replica (`PullState`: chunked,
+checksummed, hash-checked), and reads `state_transferred` (bytes, seconds)
+from the event log. Measures `numpy.copyto` of a buffer of the same size in
+this process (median of 5) as the memory-copy bandwidth. Prints both and the
+ratio transfer / memcpy last.
+Usage: .venv/bin/python benchmarks/transfer.py [key=value ...]
+"""
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = ["base_emb_dim=384", "base_num_decoder_layers=4", "base_mlp_dim=1536", "vocab_size=4096",
+         "max_target_length=128", "base_num_query_heads=6"]
+
+
+def transfer(overrides: list[str]) -> tuple[int, float]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=8", "dcn_data_parallelism=2",
+               "ici_fsdp_parallelism=1", "elastic_spares=1", *MODEL, *overrides, f"base_output_directory={tmp}",
+               "run_name=t", "--quiet", "--faults", "kill:slice=1@step=3"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"chaos run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        events = [json.loads(line) for line in (pathlib.Path(tmp) / "t" / "events.jsonl").read_text().splitlines()]
+    moved = [e for e in events if e["kind"] == "state_transferred"]
+    if not moved:
+        raise SystemExit("no state was transferred")
+    return moved[0]["bytes"], moved[0]["seconds"]
+
+
+def memcpy_bytes_per_second(nbytes: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def main():
+    nbytes, seconds = transfer(sys.argv[1:])
+    copy = memcpy_bytes_per_second(nbytes)
+    rate = nbytes / seconds
+    print(f"state transfer: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.0f} ms = {rate / 1e6:.0f} MB/s "
+          f"(PullState over loopback, chunked, CRC32 per chunk, sha256 of the state checked)")
+    print(f"memory copy (numpy.copyto, same size, this process): {copy / 1e6:.0f} MB/s")
+    print(f"transfer / memcpy: {rate / copy:.3f}")
+
+
+if __name__ == "__main__":
+    main()
