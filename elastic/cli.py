@@ -88,6 +88,8 @@ def _cmd_worker(args) -> int:
     rest = ["--controller", args.controller, "--run-id", args.run_id, "--host", args.host, "--port", str(args.port)]
     if args.worker_id:
         rest += ["--worker-id", args.worker_id]
+    if args.compilation_cache_dir:
+        rest += ["--compilation-cache-dir", args.compilation_cache_dir]
     worker_main(rest)
     return 0
 
@@ -110,6 +112,9 @@ def _add_builtins(sub) -> None:
     w.add_argument("--devices", type=int, default=1, help="simulated CPU devices (XLA host platform)")
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=0)
+    w.add_argument("--compilation-cache-dir", default="",
+                   help="JAX's persistent compilation cache on this host (shared with the run's other workers "
+                        "when the file system is; default: $ELASTIC_COMPILATION_CACHE_DIR, else none)")
     w.set_defaults(handler=_cmd_worker)
 
 
