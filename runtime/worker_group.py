@@ -28,7 +28,7 @@ from concurrent import futures
 
 import grpc
 
-from runtime import auth, rpc
+from runtime import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.errors import RegistrationTimeoutError, WorkerLostError
@@ -37,6 +37,7 @@ from runtime.health import HealthMonitor
 from runtime.launcher import LocalLauncher
 from runtime.policy import StepPlan, WorkerInfo, may_relaunch
 from runtime.programs import ProgramSet
+from runtime.registry import Registry
 
 log = logging.getLogger("jax_elastic.worker_group")
 
@@ -111,62 +112,6 @@ def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[
     return out
 
 
-class _Registry(pb_grpc.ControllerServicer):
-    """Receives worker registrations (the controller's gRPC service).
-
-    A registration that cannot describe a worker (no id, an address that is
-    not ``host:port``, no devices, a pid that is not a process's) ends with
-    INVALID_ARGUMENT and is not recorded; one that may not join (another
-    run, an id already in use or fenced) is answered ``accepted=False`` and
-    recorded as ``register_refused``. ``refusals`` counts the calls the
-    controller's server refused for their run secret (pass it to
-    ``rpc.make_server``), drained by :meth:`WorkerGroup.collect_security_events`.
-    """
-
-    def __init__(self, run_id: str, events: EventLog, refuse):
-        self.run_id = run_id
-        self.events = events
-        self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
-        self.workers: dict[str, WorkerInfo] = {}
-        self.cond = threading.Condition()
-        self.refusals = auth.Refusals()
-
-    def Register(self, request, context):
-        malformed = self.malformed(request)
-        if malformed:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"registration refused: {malformed}")
-        reason = ""
-        if request.run_id != self.run_id:
-            reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
-        elif request.worker_id in self.workers:
-            reason = self.refuse(request.worker_id) or f"worker id {request.worker_id!r} is already a member"
-        if reason:
-            self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
-            return pb.RegisterReply(accepted=False, reason=reason)
-        info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid)
-        with self.cond:
-            self.workers[info.worker_id] = info
-            self.cond.notify_all()
-        self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
-                         devices=info.num_devices, platform=info.platform, pid=info.pid)
-        return pb.RegisterReply(accepted=True)
-
-    @staticmethod
-    def malformed(r: pb.RegisterRequest) -> str:
-        """Why a registration cannot describe a worker ("" when it can). Pure."""
-        host, _, port = r.address.rpartition(":")
-        if not r.worker_id or len(r.worker_id) > 128 or not r.worker_id.isprintable():
-            return f"worker id {r.worker_id[:40]!r} is not 1..128 printable characters"
-        if (not host or len(r.address) > 300 or not r.address.isprintable()
-                or not (port.isdigit() and 0 < int(port) < 65536)):
-            return f"address {r.address[:60]!r} is not host:port"
-        if not 1 <= r.num_devices <= 1 << 16 or not r.platform or len(r.platform) > 32:
-            return f"{r.num_devices} devices of platform {r.platform[:40]!r}"
-        if not 1 < r.pid < 1 << 32:
-            return f"pid {r.pid} is not a process id"   # a chaos fault signals this pid: never 0, 1 or negative
-        return ""
-
-
 class WorkerGroup:
     """The workers of one run, reached over gRPC. Thread-safe where noted; otherwise called by the controller.
 
@@ -179,7 +124,7 @@ class WorkerGroup:
         self.run_id, self.secret, self.opts, self.events = run_id, secret, opts, events
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
-        self.registry = _Registry(run_id, events, refuse=self._why_fenced)
+        self.registry = Registry(run_id, events, refuse=self._why_fenced)
         self.server, port = rpc.make_server(opts.host, 0, max_workers=8, secret=secret, tls=opts.tls,
                                            refusals=self.registry.refusals, max_message=1 << 20)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)

@@ -1,6 +1,6 @@
 """Worker hardening on real worker processes over real gRPC: the lease, prompt exits, security events.
 
-The controller is the real registration service (``runtime.worker_group._Registry``) on a real server, and
+The controller is the real registration service (``runtime.registry.Registry``) on a real server, and
 the test drives the worker with the controller's calls itself, so each test decides exactly who talks to the
 worker and when. Each worker's log is kept in the test's ``tmp_path``.
 """
@@ -27,7 +27,7 @@ from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.events import EventLog, read_events
-from runtime.worker_group import _Registry
+from runtime.registry import Registry
 from tests.conftest import ROOT
 
 RUN = "run-hardening"
@@ -45,7 +45,7 @@ class Controller:
     def __init__(self, tmp_path, refuse=lambda worker_id: "", secret=SECRET, **server_options):
         self.events_path = pathlib.Path(tmp_path) / "events.jsonl"
         self.events = EventLog(self.events_path)
-        self.registry = _Registry(RUN, self.events, refuse)
+        self.registry = Registry(RUN, self.events, refuse)
         self.server, port = rpc.make_server(secret=secret, **server_options)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.server.start()
