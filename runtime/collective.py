@@ -329,8 +329,8 @@ class AllReduce:
 def state_sha256(leaves) -> str:
     """Hash of state leaves as host arrays: each leaf's ``(shape, dtype.str)`` then its bytes, in order.
 
-    The same digest as :meth:`runtime.executor.SliceExecutor.state_sha256` of
-    the state these leaves hold (a unit test checks they agree).
+    :meth:`runtime.executor.SliceExecutor.state_sha256` is this function of
+    its state's leaves, so a replica's hash and a copy's agree.
     """
     h = hashlib.sha256()
     for leaf in leaves:
@@ -385,12 +385,14 @@ def _leaf_layout(c: pb.StateChunk, expect) -> tuple[tuple[int, ...], np.dtype]:
     return shape, dtype
 
 
-def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[np.ndarray], int]:
-    """Rebuilds the leaves of :func:`state_chunks`; ``ProtocolError`` on any inconsistency.
+def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[np.ndarray], int, str]:
+    """Rebuilds the leaves of :func:`state_chunks`: ``(leaves, applied steps, their sha256)``.
 
-    ``expect``: ``[(shape, dtype)]`` of every leaf; when given, a stream of
-    another layout is refused before anything is allocated. When the stream
-    carries the source's ``sha256``, the assembled leaves must hash to it.
+    ``ProtocolError`` on any inconsistency. ``expect``: ``[(shape, dtype)]``
+    of every leaf; when given, a stream of another layout is refused before
+    anything is allocated. When the stream carries the source's ``sha256``,
+    the assembled leaves must hash to it. The leaves are hashed once, here:
+    callers compare with the digest returned.
     """
     bufs: dict[int, np.ndarray] = {}
     meta: dict[int, tuple] = {}
@@ -419,6 +421,7 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[n
     if num is None or len(bufs) != num or any(filled[i] != bufs[i].size for i in bufs):
         raise ProtocolError("state stream ended before every leaf arrived")
     leaves = [bufs[i].view(meta[i][1]).reshape(meta[i][0]) for i in range(num)]
-    if claimed and state_sha256(leaves) != claimed:
+    digest = state_sha256(leaves)
+    if claimed and digest != claimed:
         raise ProtocolError("the state received does not hash to what its source announced")
-    return leaves, applied
+    return leaves, applied, digest

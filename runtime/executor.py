@@ -7,13 +7,13 @@ owner serializes calls.
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from runtime.collective import state_sha256
 from runtime.microbatch import Node, tree_reduce
 from runtime.programs import MESH_AXIS, ProgramSet
 
@@ -145,10 +145,5 @@ class SliceExecutor:
         return int(sum(x.nbytes for x in jax.tree.leaves(self.state)))
 
     def state_sha256(self) -> str:
-        """Hash of every state leaf's bytes, in pytree order (same on every replica)."""
-        h = hashlib.sha256()
-        for leaf in jax.tree.leaves(self.state):
-            arr = np.asarray(leaf)
-            h.update(str((arr.shape, arr.dtype.str)).encode())
-            h.update(np.ascontiguousarray(arr).tobytes())
-        return h.hexdigest()
+        """Hash of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_sha256`."""
+        return state_sha256(jax.tree.leaves(self.state))

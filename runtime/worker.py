@@ -370,15 +370,15 @@ class WorkerService(pb_grpc.WorkerServicer):
                 pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
                 timeout=self.step_timeout)
             try:
-                leaves, applied = assemble_state(_mid_stream(stream, self.faults.receiving_state),
-                                                 expect=self._state_layout)
+                leaves, applied, digest = assemble_state(_mid_stream(stream, self.faults.receiving_state),
+                                                         expect=self._state_layout)
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                            f"{e.code().name}") from e
             if applied != request.applied_steps:
                 raise ProtocolError(f"{request.source_address} sent a state at {applied} applied steps, "
                                     f"asked for {request.applied_steps}")
-            if request.expected_sha256 and state_sha256(leaves) != request.expected_sha256:
+            if request.expected_sha256 and digest != request.expected_sha256:
                 raise ProtocolError(f"the state from {request.source_address} does not hash to the expected "
                                     f"{request.expected_sha256[:12]}...")
             with self._cond:
@@ -387,7 +387,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.executor.set_state(leaves, applied)
                 self.next_step = applied
                 self._recent.clear()
-                digest = self.executor.state_sha256()
+            # The digest of the leaves now in place (the controller then checks every replica's own hash).
             return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
                                      seconds=time.perf_counter() - t0)
         return self._guard(context, pull)

@@ -247,8 +247,9 @@ def test_a_bfloat16_state_crosses_a_transfer_as_bfloat16():
     leaf = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3)
     other = np.ones(3, dtype=np.float32)
     chunks = list(state_chunks([leaf, other], 4, 5))
-    leaves, applied = assemble_state(iter(chunks), expect=[((2, 3), leaf.dtype), ((3,), np.float32)])
+    leaves, applied, digest = assemble_state(iter(chunks), expect=[((2, 3), leaf.dtype), ((3,), np.float32)])
     assert applied == 4 and leaves[0].dtype == leaf.dtype and (leaves[0] == leaf).all() and (leaves[1] == other).all()
+    assert digest == state_sha256([leaf, other])
 
 
 def test_a_state_of_another_layout_or_hash_is_refused_before_it_is_adopted():
