@@ -40,15 +40,15 @@ import numpy as np
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, assemble_state, checked_chunk_bytes,
-                                state_chunks, state_sha256)
+from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, assemble_state,
+                                checked_chunk_bytes, state_chunks, state_sha256)
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32
 from runtime.fault_injection import WorkerFaults
 from runtime.microbatch import Node, is_power_of_two, root
 from runtime.programs import ProgramSet
 
-__all__ = ["WorkerService", "probe_devices", "MAX_STEPS_AHEAD"]
+__all__ = ["WorkerService", "probe_devices"]
 
 log = logging.getLogger("jax_elastic.worker")
 

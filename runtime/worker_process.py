@@ -158,8 +158,7 @@ def main(argv=None) -> None:
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
     args = ap.parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=_log_format(args.worker_id), stream=sys.stderr)
     parent_pid = os.getppid() if args.exit_with_parent else None
     try:
         compile_cache.enable(args.compilation_cache_dir)
@@ -177,6 +176,10 @@ def main(argv=None) -> None:
     _exit_now(status)
 
 
+def _log_format(worker_id: str) -> str:
+    return f"%(asctime)s {worker_id} %(levelname)s %(message)s"
+
+
 def _start_backend() -> None:
     """Pays JAX's one-time costs of a first load now: the backend, and what calling an exported program sets up."""
     x = jax.numpy.zeros((), jax.numpy.float32)
@@ -191,8 +194,7 @@ def _wait_for_identity() -> str:
     worker_id = sys.stdin.readline().strip()
     if not worker_id:
         _exit_now(EXIT_SHUTDOWN)
-    logging.getLogger().handlers[0].setFormatter(
-        logging.Formatter(f"%(asctime)s {worker_id} %(levelname)s %(message)s"))
+    logging.getLogger().handlers[0].setFormatter(logging.Formatter(_log_format(worker_id)))
     log.info("standby process %d serves as worker %s", os.getpid(), worker_id)
     return worker_id
 
