@@ -15,28 +15,18 @@ Usage: .venv/bin/python benchmarks/compile_cache.py [--repeats 1]
 """
 
 import argparse
-import json
-import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _cli import run_elastic
 
 
 def one(base: pathlib.Path, name: str, cache: str) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    cmd = [sys.executable, "-m", "elastic.cli", "run", "tiny", "steps=5", "elastic_spares=1", f"jax_cache_dir={cache}",
-           f"base_output_directory={base}", f"run_name={name}", "--quiet"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=base, timeout=900, check=True)
+    _, events = run_elastic(base, name, ["run", "tiny", "steps=5", "elastic_spares=1", f"jax_cache_dir={cache}"])
     wall = time.perf_counter() - t0
-    events = [json.loads(line) for line in (base / name / "events.jsonl").read_text().splitlines()]
     started = next(e["t"] for e in events if e["kind"] == "run_started")
     first = next(e["t"] for e in events if e["kind"] == "step_committed")
     compile_s = next(e["compile_seconds"] for e in events if e["kind"] == "programs_loaded")

@@ -16,29 +16,16 @@ Usage: .venv/bin/python benchmarks/full_strength.py [--repeats 3] [--steps 150]
 """
 
 import argparse
-import json
-import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _cli import run_elastic
 
 
 def one(base: pathlib.Path, name: str, standby: int, steps: int) -> tuple[float, float]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # the runs share <base>/jax_cache
-    cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", f"steps={steps}", "elastic_spares=1",
-           f"elastic_standby_workers={standby}", f"base_output_directory={base}", f"run_name={name}", "--quiet",
-           "--faults", "kill:slice=1@step=5"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=base, timeout=900)
-    report = json.loads((base / name / "report.json").read_text())
-    if proc.returncode != 0:
-        raise SystemExit(f"{name}: verdict {report['verdict']}: {report['verdict_reasons']}\n{proc.stderr[-2000:]}")
-    events = [json.loads(line) for line in (base / name / "events.jsonl").read_text().splitlines()]
+    _, events = run_elastic(base, name, ["chaos", "tiny", f"steps={steps}", "elastic_spares=1",
+                                         f"elastic_standby_workers={standby}", "--faults", "kill:slice=1@step=5"])
     t_fault = next(e["t"] for e in events if e["kind"] == "fault_injected")
     t_spare = next(e["t"] for e in events if e["kind"] == "recovered" and e["t"] > t_fault)
     relaunched = next(e["worker"] for e in events if e["kind"] == "worker_relaunched" and e["t"] > t_fault)

@@ -17,15 +17,13 @@ Usage: .venv/bin/python benchmarks/recovery_latency.py [--repeats 5]
 """
 
 import argparse
-import json
 import math
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _cli import ROOT, run_elastic
+
 sys.path.insert(0, str(ROOT))
 
 from elastic.config import load_config  # noqa: E402
@@ -38,15 +36,8 @@ FAULTS = {
 
 
 def one(base: pathlib.Path, name: str, spec: str) -> tuple[float, float]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=20", "elastic_spares=1",
-           f"base_output_directory={base}", f"run_name={name}", "--quiet", "--faults", spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=base, timeout=600)
-    report = json.loads((base / name / "report.json").read_text())
-    if proc.returncode != 0:
-        raise SystemExit(f"{spec}: verdict {report['verdict']}: {report['verdict_reasons']}\n{proc.stderr[-2000:]}")
-    events = [json.loads(line) for line in (base / name / "events.jsonl").read_text().splitlines()]
+    report, events = run_elastic(base, name, ["chaos", "tiny", "steps=20", "elastic_spares=1", "--faults", spec],
+                                 timeout=600)
     t_fault = next(e["t"] for e in events if e["kind"] == "fault_injected")
     t_recovered = next(e["t"] for e in events if e["kind"] == "recovered" and e["t"] > t_fault)
     t_next = next(e["t"] for e in events if e["kind"] == "step_committed" and e["t"] > t_recovered)

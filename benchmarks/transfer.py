@@ -10,33 +10,23 @@ ratio transfer / memcpy last.
 Usage: .venv/bin/python benchmarks/transfer.py [key=value ...]
 """
 
-import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _cli import run_elastic
 MODEL = ["base_emb_dim=384", "base_num_decoder_layers=4", "base_mlp_dim=1536", "vocab_size=4096",
          "max_target_length=128", "base_num_query_heads=6"]
 
 
 def transfer(overrides: list[str]) -> tuple[int, float]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=8", "dcn_data_parallelism=2",
-               "ici_fsdp_parallelism=1", "elastic_spares=1", *MODEL, *overrides, f"base_output_directory={tmp}",
-               "run_name=t", "--quiet", "--faults", "kill:slice=1@step=3"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"chaos run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        events = [json.loads(line) for line in (pathlib.Path(tmp) / "t" / "events.jsonl").read_text().splitlines()]
+        _, events = run_elastic(pathlib.Path(tmp), "t", ["chaos", "tiny", "steps=8", "dcn_data_parallelism=2",
+                                                         "ici_fsdp_parallelism=1", "elastic_spares=1", *MODEL,
+                                                         *overrides, "--faults", "kill:slice=1@step=3"], timeout=1800)
     moved = [e for e in events if e["kind"] == "state_transferred"]
     if not moved:
         raise SystemExit("no state was transferred")
