@@ -51,8 +51,8 @@ class ConfigError(ValueError):
 
 
 def _key(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-         unit: str = "") -> Any:
-    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "unit": unit})
+         unit: str = "", choices: tuple = ()) -> Any:
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "unit": unit, "choices": choices})
 
 
 # A chunk is one gRPC message and the runtime caps messages at 64 MiB; below 4 KiB the
@@ -108,6 +108,9 @@ class Config:
     elastic_tls_ca_file: str = _key("")  # CA that signed every process's certificate
     elastic_max_local_workers: int = _key(0, ge=0)  # 0: derived from this host's cores and memory
     elastic_standby_workers: int = _key(1, ge=0, le=64)  # processes started ahead of need for relaunches
+    # How gradients and states travel between workers: "tcp" (the data plane: sockets, no copies)
+    # or "grpc" (Push/GetState streams; for networks that let only the gRPC port through).
+    elastic_data_plane: str = _key("tcp", choices=("tcp", "grpc"))
     # JAX's persistent compilation cache, shared by the workers and the reference run (MaxText's key).
     # "": $JAX_COMPILATION_CACHE_DIR if set, else <base_output_directory>/jax_cache; "off": none.
     jax_cache_dir: str = _key("")
@@ -283,6 +286,10 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
             limits = " and ".join(f"{op} {limit}{f.metadata['unit']}" for op, limit in bounds)
             where = f" (in {sources[name]})" if name in sources else ""
             raise ConfigError(f"config key {name!r} must be {limits}, got {value!r}{where}")
+        if f.metadata["choices"] and value not in f.metadata["choices"]:
+            where = f" (in {sources[name]})" if name in sources else ""
+            raise ConfigError(f"config key {name!r} must be one of {', '.join(f.metadata['choices'])}, "
+                              f"got {value!r}{where}")
     if values["base_emb_dim"] % values["base_num_query_heads"]:
         raise ConfigError(
             f"config keys {at('base_emb_dim')} and {at('base_num_query_heads')} contradict: "

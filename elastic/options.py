@@ -57,6 +57,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_step_watchdog_min_seconds": "watchdog_min_seconds",
     "elastic_chaos": "chaos",
     "elastic_standby_workers": "standby_workers",
+    "elastic_data_plane": "data_plane",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none

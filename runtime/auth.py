@@ -27,6 +27,7 @@ import hmac
 import logging
 import os
 import secrets
+import ssl
 import threading
 import time
 from typing import Callable
@@ -243,6 +244,23 @@ class TlsFiles:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca_file, self.cert_file, self.key_file)
+
+    def ssl_server_context(self) -> ssl.SSLContext:
+        """The same mutual TLS for a plain socket (the data plane): clients must present a certificate."""
+        for path, what in ((self.cert_file, "certificate"), (self.key_file, "key"), (self.ca_file, "CA")):
+            _read(path, what)
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def ssl_client_context(self) -> ssl.SSLContext:
+        """Mutual TLS for a plain socket's client: checks the server's certificate and name, presents ours."""
+        for path, what in ((self.cert_file, "certificate"), (self.key_file, "key"), (self.ca_file, "CA")):
+            _read(path, what)
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
 
     def environ(self) -> dict[str, str]:
         """For a launched worker (paths, not secrets)."""

@@ -10,9 +10,13 @@ Reduce-scatter then all-gather of the flat gradient (:class:`AllReduce`):
    microbatch ids, not on who combines or how many ranks there are.
 4. Every owner streams its reduced chunk to every other rank.
 
-The transport is an argument: a blocking ``send(address, messages, deadline)``
+The transport is an argument: a blocking ``send(address, parts, deadline)``
 and the :class:`Mailbox` the receiving side drops complete streams into. The
-worker wires gRPC to both (``Push``); tests wire them in memory.
+worker wires its data plane (:mod:`runtime.dataplane`) or gRPC (``Push``) to
+both; tests wire them in memory. What travels is a stream of :class:`Part`:
+a protobuf header and a payload that stays a view of the sender's buffer
+until the transport writes it (:func:`inline` copies it into the message's
+``data`` for gRPC).
 
 Messages are checked: fence, sender, expected subtrees, sizes and a CRC32 per
 chunk. A bad message raises :class:`ProtocolError` where it is received; a
@@ -22,6 +26,7 @@ well-formed piece of the wrong shape raises :class:`StepAbortedError`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import threading
@@ -36,7 +41,8 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node, tree_reduce
 
-__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Send", "chunk_bounds", "checked_chunk_bytes", "pieces", "state_chunks",
+__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "chunk_bounds", "checked_chunk_bytes", "inline",
+           "pieces", "state_chunks",
            "assemble_state", "state_sha256", "REDUCE_SCATTER", "ALL_GATHER", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES",
            "MAX_CHUNK_BYTES"]
 
@@ -48,10 +54,46 @@ MAX_CHUNK_BYTES = 32 << 20   # half of rpc.MAX_MESSAGE: a chunk and its header a
 #: How far ahead of a worker a ``Step`` (or a peer's ``Push``) may be; further is refused.
 MAX_STEPS_AHEAD = 16
 
-Send = Callable[[str, Iterator[pb.TensorChunk], float], None]
-"""``send(address, messages, deadline)``: streams ``messages`` to the peer at
-``address`` and returns once it accepted them all; blocks at most until the
-``time.monotonic()`` deadline; raises :class:`StepAbortedError` on failure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One message on its way out: a header (``TensorChunk`` or ``StateChunk``, ``crc32`` set, ``data``
+    empty) and its payload, a view of the sender's buffer (nothing is copied until a transport writes it)."""
+
+    header: pb.TensorChunk | pb.StateChunk
+    payload: memoryview
+
+
+def inline(parts: Iterator[Part]) -> Iterator[pb.TensorChunk | pb.StateChunk]:
+    """Whole protobuf messages, the payload copied into ``data``: what the gRPC transport sends."""
+    for part in parts:
+        part.header.data = bytes(part.payload)
+        yield part.header
+
+
+def _payload(chunk) -> tuple[int, Callable[[np.ndarray], None]]:
+    """``(bytes, fill)`` of a received chunk: ``fill(dest)`` writes its payload into the uint8 array ``dest``.
+
+    A protobuf message carries its payload in ``data`` (gRPC); a data-plane
+    chunk (:class:`runtime.dataplane.Incoming`) still has it on the socket
+    and reads it straight into ``dest``.
+    """
+    fill = getattr(chunk, "fill", None)
+    if fill is not None:
+        return chunk.nbytes, fill
+    data = chunk.data
+
+    def copy(dest: np.ndarray) -> None:
+        dest[:] = np.frombuffer(data, dtype=np.uint8)
+    return len(data), copy
+
+
+Send = Callable[[object, Iterator[Part], float], None]
+"""``send(peer, parts, deadline)``: streams ``parts`` to ``peer`` (whatever the
+transport needs to reach it) and returns once it accepted them all; blocks at
+most until the ``time.monotonic()`` deadline; raises :class:`StepAbortedError`
+on failure."""
 
 
 def checked_chunk_bytes(requested: int) -> int:
@@ -81,16 +123,16 @@ def chunk_bounds(size: int, ranks: int) -> list[tuple[int, int]]:
 
 
 def pieces(fence: pb.Fence, step: int, phase: int, src_rank: int, node: Node, data: np.ndarray,
-           chunk_bytes: int) -> Iterator[pb.TensorChunk]:
-    """Cuts one float32 piece into checksummed messages of at most ``chunk_bytes``."""
-    raw = np.ascontiguousarray(data, dtype="<f4").view(np.uint8).reshape(-1)
+           chunk_bytes: int) -> Iterator[Part]:
+    """Cuts one float32 piece into checksummed parts of at most ``chunk_bytes`` (views of ``data``)."""
+    raw = memoryview(np.ascontiguousarray(data, dtype="<f4").view(np.uint8).reshape(-1))
     per = max(4, chunk_bytes - chunk_bytes % 4)
     total = data.size
     for off in range(0, max(len(raw), 1), per):
-        blob = raw[off:off + per].tobytes()
-        yield pb.TensorChunk(fence=fence, step=step, phase=phase, src_rank=src_rank,
-                             node=pb.Node(level=node.level, index=node.index), total=total,
-                             offset=off // 4, data=blob, crc32=zlib.crc32(blob))
+        blob = raw[off:off + per]
+        yield Part(pb.TensorChunk(fence=fence, step=step, phase=phase, src_rank=src_rank,
+                                  node=pb.Node(level=node.level, index=node.index), total=total,
+                                  offset=off // 4, crc32=zlib.crc32(blob)), blob)
 
 
 class Mailbox:
@@ -141,10 +183,9 @@ class Mailbox:
                     admit(c.step, c.phase, c.src_rank)
             elif (c.fence.epoch, c.step, c.phase) != key or c.src_rank != src:
                 raise ProtocolError("one Push stream mixed steps, phases or senders")
-            if zlib.crc32(c.data) != c.crc32:
-                raise ProtocolError(f"checksum mismatch in step {c.step} from rank {c.src_rank}")
-            if len(c.data) % 4:
-                raise ProtocolError(f"chunk of {len(c.data)} bytes is not whole float32s")
+            nbytes, fill = _payload(c)
+            if nbytes % 4:
+                raise ProtocolError(f"chunk of {nbytes} bytes is not whole float32s")
             node = Node(c.node.level, c.node.index)
             buf = bufs.get(node)
             if buf is None:
@@ -156,10 +197,13 @@ class Mailbox:
                     raise ProtocolError(f"piece for subtree {node}: not a subtree of {top} in phase {c.phase}")
                 buf = bufs[node] = np.empty(c.total, dtype=np.float32)
                 filled[node] = 0
-            n = len(c.data) // 4
+            n = nbytes // 4
             if c.total != buf.size or c.offset < 0 or c.offset + n > buf.size:
                 raise ProtocolError(f"chunk [{c.offset}, {c.offset + n}) outside a piece of {buf.size}")
-            buf[c.offset:c.offset + n] = np.frombuffer(c.data, dtype="<f4")
+            dest = buf[c.offset:c.offset + n].view(np.uint8)
+            fill(dest)   # into the piece itself; a bad checksum drops the whole stream, never deposited
+            if zlib.crc32(dest) != c.crc32:
+                raise ProtocolError(f"checksum mismatch in step {c.step} from rank {c.src_rank}")
             filled[node] += n
         for node, buf in bufs.items():
             if filled[node] != buf.size:
@@ -335,25 +379,30 @@ def state_sha256(leaves) -> str:
     h = hashlib.sha256()
     for leaf in leaves:
         arr = np.asarray(leaf)
-        h.update(str((arr.shape, arr.dtype.str)).encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
+        h.update(_layout_text(arr.shape, arr.dtype))
+        h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))   # no copy; any dtype
     return h.hexdigest()
 
 
+def _layout_text(shape, dtype) -> bytes:
+    """What :func:`state_sha256` hashes before a leaf's bytes."""
+    return str((tuple(shape), np.dtype(dtype).str)).encode()
+
+
 def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int,
-                 sha256: str = "") -> Iterator[pb.StateChunk]:
-    """Cuts state leaves into checksummed messages for a peer-to-peer transfer.
+                 sha256: str = "") -> Iterator[Part]:
+    """Cuts state leaves into checksummed parts (views of the leaves) for a peer-to-peer transfer.
 
     ``sha256``: :func:`state_sha256` of ``leaves``, sent along in every chunk
     so the receiver can check what it assembled before adopting it.
     """
     for i, leaf in enumerate(leaves):
-        raw = np.ascontiguousarray(leaf).view(np.uint8).reshape(-1)
+        raw = memoryview(np.ascontiguousarray(leaf).view(np.uint8).reshape(-1))
         for off in range(0, max(len(raw), 1), chunk_bytes):
-            blob = raw[off:off + chunk_bytes].tobytes()
-            yield pb.StateChunk(leaf=i, num_leaves=len(leaves), shape=leaf.shape, dtype=leaf.dtype.str,
-                                total_bytes=leaf.nbytes, offset=off, data=blob, crc32=zlib.crc32(blob),
-                                applied_steps=applied_steps, sha256=sha256)
+            blob = raw[off:off + chunk_bytes]
+            yield Part(pb.StateChunk(leaf=i, num_leaves=len(leaves), shape=leaf.shape, dtype=leaf.dtype.str,
+                                     total_bytes=leaf.nbytes, offset=off, crc32=zlib.crc32(blob),
+                                     applied_steps=applied_steps, sha256=sha256), blob)
 
 
 _PLAIN_KINDS = "biufcV"   # raw bytes may be viewed as these (never as Python objects)
@@ -398,9 +447,10 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[n
     meta: dict[int, tuple] = {}
     filled: dict[int, int] = {}
     num = applied = claimed = None
+    # Hashed as it arrives while chunks come in order (state_chunks sends them so): the hash then
+    # overlaps the network instead of following it. Out of order, the leaves are hashed at the end.
+    h, at = hashlib.sha256(), (0, 0)   # the next (leaf, byte offset) in order; None once out of order
     for c in chunks:
-        if zlib.crc32(c.data) != c.crc32:
-            raise ProtocolError(f"checksum mismatch in state leaf {c.leaf}")
         if num is None:
             num, applied, claimed = c.num_leaves, c.applied_steps, c.sha256
             if expect is not None and num != len(expect):
@@ -414,14 +464,25 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[n
             bufs[c.leaf] = np.empty(c.total_bytes, dtype=np.uint8)
             filled[c.leaf] = 0
         buf = bufs[c.leaf]
-        if c.offset < 0 or c.offset + len(c.data) > buf.size:
+        nbytes, fill = _payload(c)
+        if c.offset < 0 or c.offset + nbytes > buf.size:
             raise ProtocolError(f"state leaf {c.leaf}: chunk outside its {buf.size} bytes")
-        buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
-        filled[c.leaf] += len(c.data)
+        dest = buf[c.offset:c.offset + nbytes]
+        fill(dest)
+        if zlib.crc32(dest) != c.crc32:
+            raise ProtocolError(f"checksum mismatch in state leaf {c.leaf}")
+        filled[c.leaf] += nbytes
+        if at == (c.leaf, c.offset):
+            if c.offset == 0:
+                h.update(_layout_text(*meta[c.leaf]))
+            h.update(dest)
+            at = (c.leaf, c.offset + nbytes) if c.offset + nbytes < buf.size else (c.leaf + 1, 0)
+        else:
+            at = None
     if num is None or len(bufs) != num or any(filled[i] != bufs[i].size for i in bufs):
         raise ProtocolError("state stream ended before every leaf arrived")
     leaves = [bufs[i].view(meta[i][1]).reshape(meta[i][0]) for i in range(num)]
-    digest = state_sha256(leaves)
+    digest = h.hexdigest() if at == (num, 0) else state_sha256(leaves)
     if claimed and digest != claimed:
         raise ProtocolError("the state received does not hash to what its source announced")
     return leaves, applied, digest

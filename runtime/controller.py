@@ -85,6 +85,7 @@ class ControllerOptions:
     chunk_bytes: int = 0                   # tensor chunk size of peer streams (0: the worker's default, 4 MiB)
     compilation_cache_dir: str = ""        # JAX's persistent compilation cache of the workers ("": none)
     standby_workers: int = 0               # processes started ahead of need, for relaunches (local launcher)
+    data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.dataplane) or "grpc" (Push)
 
 
 class ControllerObserver:

@@ -46,6 +46,7 @@ class SliceExecutor:
         self._fns: dict[str, object] = {}
         self._exported: dict[str, object] = {}
         self._shardings: dict[str, list[NamedSharding]] = {}
+        self._digest: tuple[object, str] = (None, "")   # (the state it is of, its sha256)
 
     # -- setup ---------------------------------------------------------------
 
@@ -126,8 +127,12 @@ class SliceExecutor:
         """The state leaves as host arrays (for a peer-to-peer transfer)."""
         return [np.asarray(x) for x in self.state]
 
-    def set_state(self, leaves: list[np.ndarray], steps_applied: int) -> None:
-        """Adopts a state copied from another replica, placed on this slice's mesh."""
+    def set_state(self, leaves: list[np.ndarray], steps_applied: int, sha256: str = "") -> None:
+        """Adopts a state copied from another replica, placed on this slice's mesh.
+
+        ``sha256``: :func:`state_sha256` of ``leaves`` when the caller already
+        computed it (a transfer verifies it), so it is not computed again.
+        """
         shardings = self._shardings["apply"][:-1]
         exp = self._exported["apply"]
         if len(leaves) != len(shardings):
@@ -138,6 +143,8 @@ class SliceExecutor:
         self.state = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
         self.prev_state = None
         self.steps_applied = steps_applied
+        if sha256:
+            self._digest = (self.state, sha256)
 
     # -- inspection ----------------------------------------------------------
 
@@ -145,5 +152,13 @@ class SliceExecutor:
         return int(sum(x.nbytes for x in jax.tree.leaves(self.state)))
 
     def state_sha256(self) -> str:
-        """Hash of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_sha256`."""
-        return state_sha256(jax.tree.leaves(self.state))
+        """Hash of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_sha256`.
+
+        Computed once per state: a recovery asks for it several times (abort,
+        transfer, the check after it), and a state never changes in place.
+        """
+        state, digest = self._digest
+        if state is not self.state:
+            digest = state_sha256(jax.tree.leaves(self.state))
+            self._digest = (self.state, digest)
+        return digest

@@ -45,6 +45,7 @@ class WorkerInfo:
     num_devices: int
     platform: str = "cpu"
     pid: int = 0
+    data_address: str = ""   # its data plane (runtime.dataplane); "" when it serves none
 
 
 @dataclasses.dataclass(frozen=True)

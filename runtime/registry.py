@@ -56,7 +56,8 @@ class Registry(pb_grpc.ControllerServicer):
         if reason:
             self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
             return pb.RegisterReply(accepted=False, reason=reason)
-        info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid)
+        info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
+                          request.data_address)
         with self.cond:
             self.workers[info.worker_id] = info
             self.cond.notify_all()
@@ -67,14 +68,19 @@ class Registry(pb_grpc.ControllerServicer):
     @staticmethod
     def malformed(r: pb.RegisterRequest) -> str:
         """Why a registration cannot describe a worker ("" when it can). Pure."""
-        host, _, port = r.address.rpartition(":")
         if not r.worker_id or len(r.worker_id) > 128 or not r.worker_id.isprintable():
             return f"worker id {r.worker_id[:40]!r} is not 1..128 printable characters"
-        if (not host or len(r.address) > 300 or not r.address.isprintable()
-                or not (port.isdigit() and 0 < int(port) < 65536)):
+        if not _host_port(r.address):
             return f"address {r.address[:60]!r} is not host:port"
+        if r.data_address and not _host_port(r.data_address):
+            return f"data address {r.data_address[:60]!r} is not host:port"
         if not 1 <= r.num_devices <= 1 << 16 or not r.platform or len(r.platform) > 32:
             return f"{r.num_devices} devices of platform {r.platform[:40]!r}"
         if not 1 < r.pid < 1 << 32:
             return f"pid {r.pid} is not a process id"   # a chaos fault signals this pid: never 0, 1 or negative
         return ""
+
+
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and len(address) <= 300 and address.isprintable() and port.isdigit() and 0 < int(port) < 65536

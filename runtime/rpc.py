@@ -36,7 +36,7 @@ from runtime.errors import (AuthenticationError, ProtocolError, StaleEpochError,
 
 log = logging.getLogger("jax_elastic.rpc")
 
-__all__ = ["CHANNEL_OPTIONS", "make_server", "channel", "abort_with", "to_error"]
+__all__ = ["CHANNEL_OPTIONS", "make_server", "channel", "abort_with", "status_of", "status_name", "to_error"]
 
 MAX_MESSAGE = 64 * 1024 * 1024   # a Load (programs, data source) or a state chunk and its header
 MAX_METADATA = 16 * 1024         # the run secret and gRPC's own headers
@@ -149,11 +149,24 @@ def channel(address: str, secret: str = "", tls: auth.TlsFiles | None = None) ->
     return auth.secure_channel(ch, secret) if secret else ch
 
 
-def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
-    """Server side: ends the RPC with the status code that names ``exc``'s kind."""
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code that names ``exc``'s kind (INTERNAL for anything not ours: user code raised)."""
     for kind, code in _CODES.items():
         if isinstance(exc, kind):
-            context.abort(code, str(exc))
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def status_name(exc: BaseException) -> str:
+    """``status_of(exc)`` by name, as the data plane's replies carry it."""
+    return status_of(exc).name
+
+
+def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
+    """Server side: ends the RPC with the status code that names ``exc``'s kind."""
+    code = status_of(exc)
+    if code != grpc.StatusCode.INTERNAL:
+        context.abort(code, str(exc))
     text = "".join(traceback.format_exception(exc))
     context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}\n{text}")
 

@@ -4,7 +4,8 @@ Started by :mod:`runtime.worker_process` (the process entry point), which
 registers it with the controller. It receives programs and a data source,
 initializes its replica of the state, and runs steps: local gradients over
 its subtrees of microbatches, the peer-to-peer reduction
-(:class:`runtime.collective.AllReduce` over ``Push`` streams), then the
+(:class:`runtime.collective.AllReduce` over the data plane,
+:mod:`runtime.dataplane`, or ``Push`` streams to a peer without one), then the
 optimizer update.
 
 Contract: steps run strictly in order; a ``Step`` request for step ``s+1``
@@ -32,6 +33,7 @@ import math
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import jax
@@ -40,8 +42,9 @@ import numpy as np
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, assemble_state,
-                                checked_chunk_bytes, state_chunks, state_sha256)
+from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, Part, assemble_state,
+                                checked_chunk_bytes, inline, state_chunks, state_sha256)
+from runtime.dataplane import DataClient, RemoteError
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32
 from runtime.fault_injection import WorkerFaults
@@ -132,6 +135,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._recent: dict[int, float] = {}   # step -> loss sum, last few applied
         self._cond = threading.Condition()
         self._peers = _PeerChannels(secret, tls)
+        self.data = DataClient(secret, tls)   # to peers' data planes (runtime.dataplane)
         self.collective = AllReduce(self._push, self.mailbox, add_f32)
         self.stopped = threading.Event()
         self.faults = WorkerFaults(chaos)
@@ -203,8 +207,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         """With ``_cond`` held: a step waiting on peers or on a push gives up now."""
         self.mailbox.set_epoch(epoch)
         # Pushes are blocking calls, not futures (futures cost ~5 ms a step):
-        # to stop one, close its channel.
+        # to stop one, close its channel or its socket.
         self._peers.close_pushing()
+        self.data.abort_pushes()
         self._cond.notify_all()
 
     # -- control RPCs --------------------------------------------------------
@@ -338,20 +343,29 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._guard(context, rollback)
 
     def GetState(self, request, context):
-        """Streams this replica's state to a peer (checksummed chunks, each naming the state's sha256)."""
+        """Peer (over gRPC): streams this replica's state (checksummed chunks, each naming the state's sha256)."""
         try:
-            self.check_fence(request.fence)
-            self._need_state()
-            with self._cond:
-                if self.executor.steps_applied != request.applied_steps or self._running:
-                    raise StaleEpochError(f"state is at {self.executor.steps_applied} applied steps, "
-                                          f"asked for {request.applied_steps}")
-                leaves = self.executor.host_state()
-                applied = self.executor.steps_applied
+            parts = self.state_parts(request)
         except Exception as e:  # noqa: BLE001
             rpc.abort_with(context, e)
-        chunks = state_chunks(leaves, applied, self.chunk_bytes, state_sha256(leaves))
-        yield from _mid_stream(chunks, self.faults.sending_state)
+        yield from inline(parts)
+
+    def state_parts(self, request: pb.GetStateRequest) -> Iterator[Part]:
+        """The parts of this replica's state at ``request.applied_steps`` (for ``GetState`` and the data plane).
+
+        Raises, before anything is sent, when the request is fenced off or
+        the state is not at that step.
+        """
+        self.check_fence(request.fence)
+        self._need_state()
+        with self._cond:
+            if self.executor.steps_applied != request.applied_steps or self._running:
+                raise StaleEpochError(f"state is at {self.executor.steps_applied} applied steps, "
+                                      f"asked for {request.applied_steps}")
+            leaves = self.executor.host_state()
+            applied = self.executor.steps_applied
+            digest = self.executor.state_sha256()   # cached: the controller's Abort usually computed it
+        return _mid_stream(state_chunks(leaves, applied, self.chunk_bytes, digest), self.faults.sending_state)
 
     def PullState(self, request, context):
         """Controller: replace this replica's state with a copy pulled from ``source_address``.
@@ -366,15 +380,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             if not request.source_address:
                 raise ProtocolError("PullState without a source address")
             t0 = time.perf_counter()
-            stream = self._peers.stub(request.source_address).GetState(
-                pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps),
-                timeout=self.step_timeout)
+            ask = pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps)
+            if request.source_data_address:
+                stream = self.data.get_state(request.source_data_address, ask, time.monotonic() + self.step_timeout)
+            else:
+                stream = self._peers.stub(request.source_address).GetState(ask, timeout=self.step_timeout)
             try:
                 leaves, applied, digest = assemble_state(_mid_stream(stream, self.faults.receiving_state),
                                                          expect=self._state_layout)
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                            f"{e.code().name}") from e
+            except (RemoteError, OSError) as e:
+                raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: {e}") from e
             if applied != request.applied_steps:
                 raise ProtocolError(f"{request.source_address} sent a state at {applied} applied steps, "
                                     f"asked for {request.applied_steps}")
@@ -384,7 +402,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             with self._cond:
                 if self._running:
                     raise StaleEpochError("a step is running; cannot replace the state")
-                self.executor.set_state(leaves, applied)
+                self.executor.set_state(leaves, applied, sha256=digest)
                 self.next_step = applied
                 self._recent.clear()
             # The digest of the leaves now in place (the controller then checks every replica's own hash).
@@ -395,10 +413,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Push(self, request_iterator, context):
         """Peer: the pieces one sender has for this worker in one phase of one step."""
         def push():
-            self._need_executor()
-            self.mailbox.receive(request_iterator, self.check_fence, admit=self._admit_push)
+            self.receive_push(request_iterator)
             return pb.Empty()
         return self._guard(context, push)
+
+    def receive_push(self, chunks) -> None:
+        """One peer's push stream (``Push``, or the data plane's ``Incoming`` chunks) into the mailbox."""
+        self._need_executor()
+        self.mailbox.receive(chunks, self.check_fence, admit=self._admit_push)
 
     def _admit_push(self, step: int, phase: int, src_rank: int) -> None:
         """Refuses a stream for a step this worker is past, or for one too far ahead to be real."""
@@ -487,7 +509,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         t1 = time.perf_counter()
         self._phase(req.step, "reduce")
         total, sent = self.collective.run(
-            vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p.address for p in req.peers},
+            vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p for p in req.peers},
             owners={_node(nd): o for nd, o in zip(req.all_nodes, req.node_owner)},
             top=root(ex.programs.num_microbatches), chunk_bytes=self.chunk_bytes, deadline=deadline,
             between_phases=lambda: self.faults.in_phase("reduce"))
@@ -507,15 +529,25 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent)
 
-    def _push(self, address: str, messages, deadline: float) -> None:
-        """The collective's transport: one blocking ``Push`` stream to a peer (with the chaos faults)."""
+    def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:
+        """The collective's transport: one blocking push to a peer, over its data plane when it has one,
+        else a gRPC ``Push`` stream (with the chaos faults)."""
+        address = peer.address
         if self.faults.partitioned():
             raise StepAbortedError(-1, f"push to {address} failed: partitioned (chaos)")
         if self.faults.take_corruption():
-            messages = _corrupt_first(messages)
+            parts = _corrupt_first(parts)
+        if peer.data_address:
+            try:
+                self.data.push(peer.data_address, parts, deadline)
+            except RemoteError as e:
+                raise StepAbortedError(-1, f"push to {address} refused: {e}") from e
+            except (OSError, ProtocolError) as e:   # reset, timed out, or closed by an abort
+                raise StepAbortedError(-1, f"push to {address} failed: {type(e).__name__}: {e}") from e
+            return
         with self._peers.pushing(address) as stub:
             try:
-                stub.Push(messages, timeout=max(deadline - time.monotonic(), 0.001))
+                stub.Push(inline(parts), timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
             except ValueError as e:   # the channel was closed by an abort
@@ -638,12 +670,14 @@ def _mid_stream(chunks, hook):
         yield chunk
 
 
-def _corrupt_first(messages):
-    """Chaos: flips one byte of the first message after its checksum was computed."""
-    for i, m in enumerate(messages):
-        if i == 0 and m.data:
-            m.data = bytes([m.data[0] ^ 0xFF]) + m.data[1:]
-        yield m
+def _corrupt_first(parts: Iterator[Part]) -> Iterator[Part]:
+    """Chaos: flips one byte of the first part after its checksum was computed."""
+    for i, part in enumerate(parts):
+        if i == 0 and len(part.payload):
+            flipped = bytearray(part.payload)
+            flipped[0] ^= 0xFF
+            part = Part(part.header, memoryview(flipped))
+        yield part
 
 
 def probe_devices() -> int:

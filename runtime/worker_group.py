@@ -467,7 +467,8 @@ class WorkerGroup:
 
     def dispatch(self, plan: StepPlan) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once."""
-        peers = [pb.Peer(rank=r, address=self.registry.workers[w].address) for r, w in enumerate(plan.workers)]
+        peers = [pb.Peer(rank=r, address=self.registry.workers[w].address, data_address=self._data_address(w))
+                 for r, w in enumerate(plan.workers)]
         all_nodes, owners = [], []
         for r, nodes in enumerate(plan.nodes):
             all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
@@ -525,8 +526,14 @@ class WorkerGroup:
     def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
         """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
         reply = self._call(dest, "PullState", pb.PullStateRequest(
-            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied))
+            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
+            source_data_address=self._data_address(source)))
         return reply.bytes, reply.sha256
+
+    def _data_address(self, worker_id: str) -> str:
+        """Where peers send ``worker_id`` tensors: its data plane, or "" (gRPC) when it has none or the run
+        asked for gRPC (``data_plane``)."""
+        return self.registry.workers[worker_id].data_address if self.opts.data_plane == "tcp" else ""
 
     def hashes(self, workers) -> dict[str, tuple[int, str]]:
         """``{worker: (applied steps, sha256 of its state)}``."""

@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from runtime import auth, compile_cache, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.dataplane import DataServer
 from runtime.fault_injection import PartitionInterceptor
 from runtime.worker import WorkerService
 
@@ -74,11 +75,14 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     server.start()
     address = f"{host}:{bound}"
+    data = DataServer(host, secret=secret, tls=tls, on_push=service.receive_push, on_state=service.state_parts,
+                      status_name=rpc.status_name, refusals=service.refusals, dropped=service.faults.partitioned)
     stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
     devices = jax.devices()
 
     def register(rejoin: bool, timeout: float = register_timeout) -> pb.RegisterReply:
         return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
+                                                data_address=data.address,
                                                 num_devices=len(devices), platform=devices[0].platform,
                                                 pid=os.getpid(), rejoin=rejoin),
                              timeout=timeout, wait_for_ready=True)
@@ -87,9 +91,11 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         reply = register(False)
     except BaseException:
         server.stop(0)
+        data.close()
         raise
     if not reply.accepted:
         server.stop(0)
+        data.close()
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
     log.info("worker %s serving on %s with %d %s devices", worker_id, address, len(devices), devices[0].platform)
     status = EXIT_SHUTDOWN
@@ -109,6 +115,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     health_servicer.enter_graceful_shutdown()
     # Bounded: a handler stuck in a compile is cancelled for its caller and left behind.
     server.stop(grace=STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
+    data.close()
+    service.data.close()
     service.collective.close()
     return status
 

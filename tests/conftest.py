@@ -45,3 +45,17 @@ def run_cli(args, tmp_path, *, check=True, timeout=300):
 @pytest.fixture
 def cli(tmp_path):
     return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)
+
+
+@pytest.fixture(scope="session")
+def pem(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl command is needed to make a test certificate (Debian package openssl)")
+    from runtime import auth
+
+    d = tmp_path_factory.mktemp("pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    return auth.TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))

@@ -1,26 +1,11 @@
 """Mutual TLS from config keys: a run over TLS, a plaintext caller refused, half a TLS config refused."""
 
-import shutil
-import subprocess
-
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime import auth, rpc
 from tests.conftest import run_cli
-
-
-@pytest.fixture(scope="module")
-def pem(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl command."""
-    if shutil.which("openssl") is None:
-        pytest.fail("the openssl command is needed to make a test certificate (Debian package openssl)")
-    d = tmp_path_factory.mktemp("pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
-    return auth.TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))
 
 
 def test_a_run_over_mutual_tls_matches_the_plaintext_run(tmp_path, pem):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import REDUCE_SCATTER, Mailbox, chunk_bounds, pieces
+from runtime.collective import REDUCE_SCATTER, Mailbox, chunk_bounds, inline, pieces
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node
 
@@ -20,7 +20,7 @@ def test_chunk_bounds_cover_and_balance():
 
 def test_pieces_round_trip_through_the_mailbox_in_small_chunks():
     data = np.arange(1000, dtype=np.float32) / 7
-    msgs = list(pieces(FENCE, 3, REDUCE_SCATTER, 1, Node(1, 0), data, chunk_bytes=1024))
+    msgs = list(inline(pieces(FENCE, 3, REDUCE_SCATTER, 1, Node(1, 0), data, chunk_bytes=1024)))
     assert len(msgs) == 4
     box = Mailbox()
     box.receive(iter(msgs), ok)
@@ -29,7 +29,7 @@ def test_pieces_round_trip_through_the_mailbox_in_small_chunks():
 
 
 def test_a_corrupted_chunk_is_refused():
-    msgs = list(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(64, np.float32), chunk_bytes=64))
+    msgs = list(inline(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(64, np.float32), chunk_bytes=64)))
     msgs[1].data = b"\x00" * len(msgs[1].data)
     box = Mailbox()
     with pytest.raises(ProtocolError, match="checksum"):
@@ -39,17 +39,17 @@ def test_a_corrupted_chunk_is_refused():
 
 
 def test_out_of_range_and_incomplete_pieces_are_refused():
-    msgs = list(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(64, np.float32), chunk_bytes=64))
+    msgs = list(inline(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(64, np.float32), chunk_bytes=64)))
     msgs[0].offset = 60
     with pytest.raises(ProtocolError, match="outside"):
         Mailbox().receive(iter(msgs), ok)
-    msgs = list(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(64, np.float32), chunk_bytes=64))
+    msgs = list(inline(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(64, np.float32), chunk_bytes=64)))
     with pytest.raises(ProtocolError, match="incomplete"):
         Mailbox().receive(iter(msgs[:-1]), ok)
 
 
 def test_the_fence_check_runs_on_every_chunk():
-    msgs = list(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(8, np.float32), chunk_bytes=64))
+    msgs = list(inline(pieces(FENCE, 0, REDUCE_SCATTER, 0, Node(0, 0), np.ones(8, np.float32), chunk_bytes=64)))
 
     def refuse(fence):
         raise ProtocolError(f"epoch {fence.epoch}")

@@ -9,7 +9,7 @@ import pytest
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, AllReduce, Mailbox,
-                                chunk_bounds, checked_chunk_bytes)
+                                checked_chunk_bytes, chunk_bounds, inline)
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.executor import add_f32
 from runtime.microbatch import Node, assign_microbatches, root, tree_reduce
@@ -52,8 +52,9 @@ class Loopback:
 
     def sender(self, src):
         def send(address, messages, deadline):
+            messages = list(inline(messages))   # as the gRPC transport sends them
             if self.tamper is not None:
-                messages = self.tamper(src, address, list(messages))
+                messages = self.tamper(src, address, messages)
             try:
                 self.boxes[address].receive(iter(messages), lambda fence: None)
             except ProtocolError as e:
@@ -209,7 +210,7 @@ def test_a_failed_push_fails_the_step_with_its_error():
         raise StepAbortedError(-1, f"push to {address} failed: UNAVAILABLE")
 
     # The peer's pieces are already here, so only the push can fail the step.
-    peer = AllReduce(lambda address, messages, deadline: box.receive(messages, lambda fence: None), Mailbox(),
+    peer = AllReduce(lambda address, parts, deadline: box.receive(inline(parts), lambda fence: None), Mailbox(),
                      add_f32)
     threading.Thread(target=lambda: _swallow(peer.run, parts[1], fence=FENCE, step=3, rank=1,
                                              peers={0: "me", 1: "peer"}, owners=owners, top=root(8),

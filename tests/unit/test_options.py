@@ -37,6 +37,9 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: not value}
     if isinstance(value, (int, float)):
         return {key: value * 2 if value else 1}  # doubling keeps powers of two powers of two
+    choices = Config.__dataclass_fields__[key].metadata["choices"]
+    if choices:
+        return {key: next(c for c in choices if c != value)}
     raise AssertionError(f"no rule to change {key!r} ({value!r}); add one here")
 
 

@@ -11,7 +11,7 @@ import pytest
 from runtime import FAULT_ACTIONS, auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import assemble_state, state_chunks, state_sha256
+from runtime.collective import assemble_state, inline, state_chunks, state_sha256
 from runtime.errors import ProtocolError
 from runtime.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
 from runtime.microbatch import assign_microbatches
@@ -246,7 +246,7 @@ def test_a_plan_that_could_not_run_to_the_end_is_refused(defect):
 def test_a_bfloat16_state_crosses_a_transfer_as_bfloat16():
     leaf = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3)
     other = np.ones(3, dtype=np.float32)
-    chunks = list(state_chunks([leaf, other], 4, 5))
+    chunks = list(inline(state_chunks([leaf, other], 4, 5)))
     leaves, applied, digest = assemble_state(iter(chunks), expect=[((2, 3), leaf.dtype), ((3,), np.float32)])
     assert applied == 4 and leaves[0].dtype == leaf.dtype and (leaves[0] == leaf).all() and (leaves[1] == other).all()
     assert digest == state_sha256([leaf, other])
@@ -254,11 +254,11 @@ def test_a_bfloat16_state_crosses_a_transfer_as_bfloat16():
 
 def test_a_state_of_another_layout_or_hash_is_refused_before_it_is_adopted():
     leaf = np.arange(8, dtype=np.float32)
-    good = list(state_chunks([leaf], 2, 16, state_sha256([leaf])))
+    good = list(inline(state_chunks([leaf], 2, 16, state_sha256([leaf]))))
     assert (assemble_state(iter(good), expect=[((8,), np.float32)])[0][0] == leaf).all()
     with pytest.raises(ProtocolError, match="expect"):
         assemble_state(iter(good), expect=[((4, 2), np.float32)])
-    lying = list(state_chunks([leaf], 2, 16, state_sha256([leaf + 1])))
+    lying = list(inline(state_chunks([leaf], 2, 16, state_sha256([leaf + 1]))))
     with pytest.raises(ProtocolError, match="hash"):
         assemble_state(iter(lying), expect=[((8,), np.float32)])
     huge = [pb.StateChunk.FromString(c.SerializeToString()) for c in good]
