@@ -105,8 +105,11 @@ def runtime(args) -> dict:
     gaps = [b - a for a, b in zip(commits, commits[1:])][WARMUP:]
     # Where a step goes, from the workers' own timings (the slowest worker's, per step).
     phases = {k: statistics.median(e[f"{k}_seconds"] for e in committed[WARMUP + 1:]) for k in ("grad", "reduce", "apply")}
+    # Finer (runtime.timing.Clock in the worker): median over steps of the slowest worker's time in each.
+    names = sorted({k for e in committed for k in e.get("phases", {})})
+    fine = {k: statistics.median(e.get("phases", {}).get(k, 0.0) for e in committed[WARMUP + 1:]) for k in names}
     return {"median_step_seconds": statistics.median(gaps), "global_batch": report["global_batch_size"],
-            "client_peak_rss_bytes": report["client_peak_rss_bytes"], "phases": phases}
+            "client_peak_rss_bytes": report["client_peak_rss_bytes"], "phases": phases, "fine": fine}
 
 
 def main() -> None:
@@ -139,6 +142,8 @@ def main() -> None:
     ph = rt["phases"]
     print(f"  runtime phases (median over steps of the slowest worker's): grad {ph['grad'] * 1e3:.1f} ms   "
           f"reduce, waiting for peers included {ph['reduce'] * 1e3:.1f} ms   apply {ph['apply'] * 1e3:.1f} ms")
+    print("  finer (median over steps of the slowest worker's time in each): " +
+          "   ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(rt["fine"].items(), key=lambda kv: -kv[1])))
     print(f"ratio runtime/multi-controller: {rt['median_step_seconds'] / multi['median_step_seconds']:.2f}   "
           f"ratio runtime/one-process: {rt['median_step_seconds'] / base['median_step_seconds']:.2f}")
 

@@ -40,6 +40,7 @@ import numpy as np
 from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node, tree_reduce
+from runtime.timing import Clock
 
 __all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "chunk_bounds", "checked_chunk_bytes", "inline",
            "pieces", "state_chunks",
@@ -299,7 +300,8 @@ class AllReduce:
 
     def run(self, partials: Mapping[Node, np.ndarray], *, fence: pb.Fence, step: int, rank: int,
             peers: Mapping[int, str], owners: Mapping[Node, int], top: Node, chunk_bytes: int,
-            deadline: float, between_phases: Callable[[], None] = _nothing) -> tuple[np.ndarray, int]:
+            deadline: float, between_phases: Callable[[], None] = _nothing,
+            clock: Clock | None = None) -> tuple[np.ndarray, int]:
         """Returns (the canonical tree sum over ``top`` of every rank's partials, bytes this rank sent).
 
         ``partials``: this rank's subtree sums, equal-length float32 vectors.
@@ -312,10 +314,17 @@ class AllReduce:
         ``deadline``, has the wrong subtrees or sizes, a push fails, or the
         mailbox moved past ``fence.epoch`` (abort). The result is bit-identical
         to ``tree_reduce`` of all partials in one place, whatever ``n``.
+
+        ``clock`` gets ``wait_for_peers`` (their pieces not here yet),
+        ``reduce_add`` (the canonical sums), ``send`` (our pushes still in
+        flight once we are done) and ``gather_copy`` (the result assembled).
         """
+        clock = clock if clock is not None else Clock()
         n = len(peers)
         if n == 1:
-            return tree_reduce(partials, top, self._add), 0
+            alone = tree_reduce(partials, top, self._add)
+            clock.lap("reduce_add")
+            return alone, 0
         size = next(iter(partials.values())).size
         bounds = chunk_bounds(size, n)
         others = [(r, address) for r, address in peers.items() if r != rank]
@@ -336,7 +345,9 @@ class AllReduce:
             sent += 4 * (hi - lo) * len(partials)
             sends.append(self._pool.submit(self._send, address, stream(REDUCE_SCATTER, r, partials.items()),
                                            deadline))
+        clock.lap("send")
         got = self.mailbox.wait(fence.epoch, step, REDUCE_SCATTER, senders, deadline)
+        clock.lap("wait_for_peers")
         lo, hi = bounds[rank]
         mine = {node: vec[lo:hi] for node, vec in partials.items()}
         for r, nodes in got.items():
@@ -347,8 +358,10 @@ class AllReduce:
                     raise StepAbortedError(step, f"rank {r} sent {vec.size} elements for a chunk of {hi - lo}")
             mine.update(nodes)
         reduced = tree_reduce(mine, top, self._add)
+        clock.lap("reduce_add")
         for f in sends:
             f.result()
+        clock.lap("send")
         between_phases()
 
         # All-gather: our reduced chunk to every peer; theirs into the full vector.
@@ -356,7 +369,9 @@ class AllReduce:
         for r, address in others:
             sent += 4 * reduced.size
             sends.append(self._pool.submit(self._send, address, stream(ALL_GATHER, r, [(top, reduced)]), deadline))
+        clock.lap("send")
         gathered = self.mailbox.wait(fence.epoch, step, ALL_GATHER, senders, deadline)
+        clock.lap("wait_for_peers")
         out = np.empty(size, dtype=np.float32)
         out[lo:hi] = reduced
         for r, nodes in gathered.items():
@@ -365,8 +380,10 @@ class AllReduce:
             if vec is None or vec.size != rhi - rlo:
                 raise StepAbortedError(step, f"rank {r} sent a malformed all-gather chunk")
             out[rlo:rhi] = vec
+        clock.lap("gather_copy")
         for f in sends:
             f.result()
+        clock.lap("send")
         return out, sent
 
 

@@ -39,6 +39,7 @@ from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, Stra
                             decide_start, membership_change_due, plan_step, straggler_action, watchdog_limit)
 from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
+from runtime.timing import slowest_phases
 from runtime.watchdog import investigate
 from runtime.worker_group import Stalled, WorkerGroup
 
@@ -376,7 +377,8 @@ class Controller:
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
                      apply_seconds=max(r.apply_seconds for r in results.values()),
-                     bytes_sent=sum(r.bytes_sent for r in results.values()))
+                     bytes_sent=sum(r.bytes_sent for r in results.values()),
+                     phases=slowest_phases([r.phases for r in results.values()]))
 
     def _record(self, step: int, epoch: int, loss_sum: float, *, t_dispatch=None, plan=None, **fields) -> None:
         """Commits one step: the only place that emits ``step_committed``, calls ``on_step`` and the observer."""

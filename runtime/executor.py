@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from runtime.collective import state_sha256
 from runtime.microbatch import Node, tree_reduce
 from runtime.programs import MESH_AXIS, ProgramSet
+from runtime.timing import Clock
 
 __all__ = ["SliceExecutor", "add_f32"]
 
@@ -93,26 +94,45 @@ class SliceExecutor:
         self.steps_applied = 0
         return self.state_nbytes()
 
-    def grad(self, step: int, microbatch: int) -> tuple[np.float32, np.ndarray]:
-        """Loss and flat float32 gradient of one microbatch, on the host."""
-        batch = self.data.batch(step, microbatch)
-        loss, grads = self._call("grad", self.state, batch)
-        return np.float32(loss), np.asarray(grads, dtype=np.float32)
+    def grad(self, step: int, microbatch: int, clock: Clock | None = None) -> tuple[np.float32, np.ndarray]:
+        """Loss and flat float32 gradient of one microbatch, on the host.
 
-    def partials(self, step: int, nodes) -> dict:
+        ``clock`` gets ``data`` (the batch), ``grad_compute`` (the program,
+        its inputs' host->device included) and ``device_to_host``.
+        """
+        clock = clock if clock is not None else Clock()
+        batch = self.data.batch(step, microbatch)
+        clock.lap("data")
+        loss, grads = self._call("grad", self.state, batch)
+        jax.block_until_ready(grads)
+        clock.lap("grad_compute")
+        out = np.float32(loss), np.asarray(grads, dtype=np.float32)
+        clock.lap("device_to_host")
+        return out
+
+    def partials(self, step: int, nodes, clock: Clock | None = None) -> dict:
         """Canonical sums over each subtree in ``nodes``: ``{node: (loss_sum, grad_sum)}``.
 
         Each microbatch's gradient is computed once, then summed in the
         canonical tree order (see :mod:`runtime.microbatch`).
         """
+        clock = clock if clock is not None else Clock()
         out = {}
         for node in nodes:
-            leaves = {Node(0, m): self.grad(step, m) for m in node.ids}
+            leaves = {Node(0, m): self.grad(step, m, clock) for m in node.ids}
             out[node] = tree_reduce(leaves, node, lambda a, b: (add_f32(a[0], b[0]), add_f32(a[1], b[1])))
+            clock.lap("local_sum")
         return out
 
-    def apply(self, grad_sum: np.ndarray) -> None:
+    def apply(self, grad_sum: np.ndarray, clock: Clock | None = None) -> None:
+        """The optimizer update with the reduced gradient; ``clock`` gets ``apply`` (host->device included).
+
+        Waits for the new state, so a reply after it means the state is there.
+        """
         new = self._call("apply", self.state, grad_sum)
+        jax.block_until_ready(new)
+        if clock is not None:
+            clock.lap("apply")
         self.prev_state, self.state = self.state, new
         self.steps_applied += 1
 

@@ -50,6 +50,7 @@ from runtime.executor import SliceExecutor, add_f32
 from runtime.fault_injection import WorkerFaults
 from runtime.microbatch import Node, is_power_of_two, root
 from runtime.programs import ProgramSet
+from runtime.timing import Clock
 
 __all__ = ["WorkerService", "probe_devices"]
 
@@ -499,26 +500,28 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _run_phases(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
         ex = self.executor
+        clock = Clock()
         t0 = time.perf_counter()
         self._phase(req.step, "grad")
-        mine = ex.partials(req.step, [_node(n) for n in req.nodes])
+        mine = ex.partials(req.step, [_node(n) for n in req.nodes], clock)
         self.faults.straggle(time.perf_counter() - t0)
         self.faults.in_phase("grad")
         # The loss rides along as one more element, reduced in the same tree order.
         vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
+        clock.lap("local_sum")
         t1 = time.perf_counter()
         self._phase(req.step, "reduce")
         total, sent = self.collective.run(
             vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p for p in req.peers},
             owners={_node(nd): o for nd, o in zip(req.all_nodes, req.node_owner)},
             top=root(ex.programs.num_microbatches), chunk_bytes=self.chunk_bytes, deadline=deadline,
-            between_phases=lambda: self.faults.in_phase("reduce"))
+            between_phases=lambda: self.faults.in_phase("reduce"), clock=clock)
         t2 = time.perf_counter()
         self._phase(req.step, "apply")
         with self._cond:
             if self.epoch != epoch:
                 raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
-            ex.apply(total[:-1])
+            ex.apply(total[:-1], clock)
             self.faults.in_phase("apply")
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
@@ -526,8 +529,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                 del self._recent[old]
         self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
+        clock.lap("bookkeeping")
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
-                            apply_seconds=t3 - t2, bytes_sent=sent)
+                            apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds)
 
     def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:
         """The collective's transport: one blocking push to a peer, over its data plane when it has one,

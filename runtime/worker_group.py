@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
@@ -62,6 +63,7 @@ class StepResult:
     reduce_seconds: float = 0.0
     apply_seconds: float = 0.0
     bytes_sent: int = 0
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)   # finer: runtime.timing.Clock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,7 +497,8 @@ class WorkerGroup:
         if isinstance(replies, Stalled):
             return replies
         self._settle(futs)
-        return {w: StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent)
+        return {w: StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent,
+                              dict(r.phases))
                 for w, r in replies.items()}
 
     def _settle(self, futs: dict[str, grpc.Future]) -> None:

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\relastic.proto\x12\x0bjax_elastic\"&\n\x05\x46\x65nce\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"\x9f\x01\n\x0fRegisterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x10\n\x08platform\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x0e\n\x06rejoin\x18\x07 \x01(\x08\x12\x14\n\x0c\x64\x61ta_address\x18\x08 \x01(\t\"1\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\x07Program\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nserialized\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa9\x01\n\x0bLoadRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12&\n\x08programs\x18\x02 \x03(\x0b\x32\x14.jax_elastic.Program\x12\x13\n\x0b\x64\x61ta_source\x18\x03 \x01(\x0c\x12\x0e\n\x06layout\x18\x04 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x03\"S\n\tLoadReply\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65vices_probed\x18\x02 \x01(\x05\x12\x15\n\rprobe_seconds\x18\x03 \x01(\x01\">\n\x0bInitRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04seed\x18\x02 \x01(\x03\" \n\tInitReply\x12\x13\n\x0bstate_bytes\x18\x01 \x01(\x03\"$\n\x04Node\x12\r\n\x05level\x18\x01 \x01(\x05\x12\r\n\x05index\x18\x02 \x01(\x05\";\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\"\xca\x01\n\x0bStepRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12 \n\x05peers\x18\x04 \x03(\x0b\x32\x11.jax_elastic.Peer\x12 \n\x05nodes\x18\x05 \x03(\x0b\x32\x11.jax_elastic.Node\x12$\n\tall_nodes\x18\x06 \x03(\x0b\x32\x11.jax_elastic.Node\x12\x12\n\nnode_owner\x18\x07 \x03(\x05\"\x84\x01\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\x12\x14\n\x0cgrad_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ereduce_seconds\x18\x04 \x01(\x01\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\"0\n\x0bHashRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\")\n\tHashReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"1\n\x0c\x41\x62ortRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"*\n\x08StepLoss\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\"[\n\x0bStatusReply\x12\x15\n\rapplied_steps\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12%\n\x06recent\x18\x03 \x03(\x0b\x32\x15.jax_elastic.StepLoss\"N\n\x0fRollbackRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x18\n\x10to_applied_steps\x18\x02 \x01(\x03\"\x9a\x01\n\x10PullStateRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x15\n\rapplied_steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x65xpected_sha256\x18\x04 \x01(\t\x12\x1b\n\x13source_data_address\x18\x05 \x01(\t\"@\n\x0ePullStateReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"K\n\x0fGetStateRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x15\n\rapplied_steps\x18\x02 \x01(\x03\"\xb5\x01\n\nStateChunk\x12\x0c\n\x04leaf\x18\x01 \x01(\x05\x12\x12\n\nnum_leaves\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x15\n\rapplied_steps\x18\t \x01(\x03\x12\x0e\n\x06sha256\x18\n \x01(\t\"4\n\x0fShutdownRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"\x07\n\x05\x45mpty\"4\n\x0fProgressRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"=\n\rProgressReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x11\n\x0fRefusalsRequest\"F\n\x07Refusal\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"7\n\rRefusalsReply\x12&\n\x08refusals\x18\x01 \x03(\x0b\x32\x14.jax_elastic.Refusal\"N\n\x0c\x43haosRequest\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61\x63tor\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05phase\x18\x04 \x01(\t\"\xbc\x01\n\x0bTensorChunk\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12\x10\n\x08src_rank\x18\x04 \x01(\x05\x12\x1f\n\x04node\x18\x05 \x01(\x0b\x32\x11.jax_elastic.Node\x12\r\n\x05total\x18\x06 \x01(\x03\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r2R\n\nController\x12\x44\n\x08Register\x12\x1c.jax_elastic.RegisterRequest\x1a\x1a.jax_elastic.RegisterReply2\xbf\x06\n\x06Worker\x12\x38\n\x04Load\x12\x18.jax_elastic.LoadRequest\x1a\x16.jax_elastic.LoadReply\x12\x38\n\x04Init\x12\x18.jax_elastic.InitRequest\x1a\x16.jax_elastic.InitReply\x12\x38\n\x04Step\x12\x18.jax_elastic.StepRequest\x1a\x16.jax_elastic.StepReply\x12=\n\tStateHash\x12\x18.jax_elastic.HashRequest\x1a\x16.jax_elastic.HashReply\x12<\n\x08Shutdown\x12\x1c.jax_elastic.ShutdownRequest\x1a\x12.jax_elastic.Empty\x12<\n\x05\x41\x62ort\x12\x19.jax_elastic.AbortRequest\x1a\x18.jax_elastic.StatusReply\x12\x42\n\x08Rollback\x12\x1c.jax_elastic.RollbackRequest\x1a\x18.jax_elastic.StatusReply\x12G\n\tPullState\x12\x1d.jax_elastic.PullStateRequest\x1a\x1b.jax_elastic.PullStateReply\x12\x36\n\x04Push\x12\x18.jax_elastic.TensorChunk\x1a\x12.jax_elastic.Empty(\x01\x12\x43\n\x08GetState\x12\x1c.jax_elastic.GetStateRequest\x1a\x17.jax_elastic.StateChunk0\x01\x12\x36\n\x05\x43haos\x12\x19.jax_elastic.ChaosRequest\x1a\x12.jax_elastic.Empty\x12\x44\n\x08Progress\x12\x1c.jax_elastic.ProgressRequest\x1a\x1a.jax_elastic.ProgressReply\x12\x44\n\x08Refusals\x12\x1c.jax_elastic.RefusalsRequest\x1a\x1a.jax_elastic.RefusalsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\relastic.proto\x12\x0bjax_elastic\"&\n\x05\x46\x65nce\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"\x9f\x01\n\x0fRegisterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x10\n\x08platform\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x0e\n\x06rejoin\x18\x07 \x01(\x08\x12\x14\n\x0c\x64\x61ta_address\x18\x08 \x01(\t\"1\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\x07Program\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nserialized\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa9\x01\n\x0bLoadRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12&\n\x08programs\x18\x02 \x03(\x0b\x32\x14.jax_elastic.Program\x12\x13\n\x0b\x64\x61ta_source\x18\x03 \x01(\x0c\x12\x0e\n\x06layout\x18\x04 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x03\"S\n\tLoadReply\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65vices_probed\x18\x02 \x01(\x05\x12\x15\n\rprobe_seconds\x18\x03 \x01(\x01\">\n\x0bInitRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04seed\x18\x02 \x01(\x03\" \n\tInitReply\x12\x13\n\x0bstate_bytes\x18\x01 \x01(\x03\"$\n\x04Node\x12\r\n\x05level\x18\x01 \x01(\x05\x12\r\n\x05index\x18\x02 \x01(\x05\";\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\"\xca\x01\n\x0bStepRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12 \n\x05peers\x18\x04 \x03(\x0b\x32\x11.jax_elastic.Peer\x12 \n\x05nodes\x18\x05 \x03(\x0b\x32\x11.jax_elastic.Node\x12$\n\tall_nodes\x18\x06 \x03(\x0b\x32\x11.jax_elastic.Node\x12\x12\n\nnode_owner\x18\x07 \x03(\x05\"\xe7\x01\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\x12\x14\n\x0cgrad_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ereduce_seconds\x18\x04 \x01(\x01\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x03\x12\x32\n\x06phases\x18\x07 \x03(\x0b\x32\".jax_elastic.StepReply.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"0\n\x0bHashRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\")\n\tHashReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"1\n\x0c\x41\x62ortRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"*\n\x08StepLoss\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08loss_sum\x18\x02 \x01(\x01\"[\n\x0bStatusReply\x12\x15\n\rapplied_steps\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12%\n\x06recent\x18\x03 \x03(\x0b\x32\x15.jax_elastic.StepLoss\"N\n\x0fRollbackRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x18\n\x10to_applied_steps\x18\x02 \x01(\x03\"\x9a\x01\n\x10PullStateRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x16\n\x0esource_address\x18\x02 \x01(\t\x12\x15\n\rapplied_steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x65xpected_sha256\x18\x04 \x01(\t\x12\x1b\n\x13source_data_address\x18\x05 \x01(\t\"@\n\x0ePullStateReply\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"K\n\x0fGetStateRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x15\n\rapplied_steps\x18\x02 \x01(\x03\"\xb5\x01\n\nStateChunk\x12\x0c\n\x04leaf\x18\x01 \x01(\x05\x12\x12\n\nnum_leaves\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x15\n\rapplied_steps\x18\t \x01(\x03\x12\x0e\n\x06sha256\x18\n \x01(\t\"4\n\x0fShutdownRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"\x07\n\x05\x45mpty\"4\n\x0fProgressRequest\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\"=\n\rProgressReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x11\n\x0fRefusalsRequest\"F\n\x07Refusal\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"7\n\rRefusalsReply\x12&\n\x08refusals\x18\x01 \x03(\x0b\x32\x14.jax_elastic.Refusal\"N\n\x0c\x43haosRequest\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61\x63tor\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05phase\x18\x04 \x01(\t\"\xbc\x01\n\x0bTensorChunk\x12!\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x12.jax_elastic.Fence\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\x05\x12\x10\n\x08src_rank\x18\x04 \x01(\x05\x12\x1f\n\x04node\x18\x05 \x01(\x0b\x32\x11.jax_elastic.Node\x12\r\n\x05total\x18\x06 \x01(\x03\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\r2R\n\nController\x12\x44\n\x08Register\x12\x1c.jax_elastic.RegisterRequest\x1a\x1a.jax_elastic.RegisterReply2\xbf\x06\n\x06Worker\x12\x38\n\x04Load\x12\x18.jax_elastic.LoadRequest\x1a\x16.jax_elastic.LoadReply\x12\x38\n\x04Init\x12\x18.jax_elastic.InitRequest\x1a\x16.jax_elastic.InitReply\x12\x38\n\x04Step\x12\x18.jax_elastic.StepRequest\x1a\x16.jax_elastic.StepReply\x12=\n\tStateHash\x12\x18.jax_elastic.HashRequest\x1a\x16.jax_elastic.HashReply\x12<\n\x08Shutdown\x12\x1c.jax_elastic.ShutdownRequest\x1a\x12.jax_elastic.Empty\x12<\n\x05\x41\x62ort\x12\x19.jax_elastic.AbortRequest\x1a\x18.jax_elastic.StatusReply\x12\x42\n\x08Rollback\x12\x1c.jax_elastic.RollbackRequest\x1a\x18.jax_elastic.StatusReply\x12G\n\tPullState\x12\x1d.jax_elastic.PullStateRequest\x1a\x1b.jax_elastic.PullStateReply\x12\x36\n\x04Push\x12\x18.jax_elastic.TensorChunk\x1a\x12.jax_elastic.Empty(\x01\x12\x43\n\x08GetState\x12\x1c.jax_elastic.GetStateRequest\x1a\x17.jax_elastic.StateChunk0\x01\x12\x36\n\x05\x43haos\x12\x19.jax_elastic.ChaosRequest\x1a\x12.jax_elastic.Empty\x12\x44\n\x08Progress\x12\x1c.jax_elastic.ProgressRequest\x1a\x1a.jax_elastic.ProgressReply\x12\x44\n\x08Refusals\x12\x1c.jax_elastic.RefusalsRequest\x1a\x1a.jax_elastic.RefusalsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'elastic_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STEPREPLY_PHASESENTRY']._loaded_options = None
+  _globals['_STEPREPLY_PHASESENTRY']._serialized_options = b'8\001'
   _globals['_FENCE']._serialized_start=30
   _globals['_FENCE']._serialized_end=68
   _globals['_REGISTERREQUEST']._serialized_start=71
@@ -54,47 +56,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREQUEST']._serialized_start=799
   _globals['_STEPREQUEST']._serialized_end=1001
   _globals['_STEPREPLY']._serialized_start=1004
-  _globals['_STEPREPLY']._serialized_end=1136
-  _globals['_HASHREQUEST']._serialized_start=1138
-  _globals['_HASHREQUEST']._serialized_end=1186
-  _globals['_HASHREPLY']._serialized_start=1188
-  _globals['_HASHREPLY']._serialized_end=1229
-  _globals['_ABORTREQUEST']._serialized_start=1231
-  _globals['_ABORTREQUEST']._serialized_end=1280
-  _globals['_STEPLOSS']._serialized_start=1282
-  _globals['_STEPLOSS']._serialized_end=1324
-  _globals['_STATUSREPLY']._serialized_start=1326
-  _globals['_STATUSREPLY']._serialized_end=1417
-  _globals['_ROLLBACKREQUEST']._serialized_start=1419
-  _globals['_ROLLBACKREQUEST']._serialized_end=1497
-  _globals['_PULLSTATEREQUEST']._serialized_start=1500
-  _globals['_PULLSTATEREQUEST']._serialized_end=1654
-  _globals['_PULLSTATEREPLY']._serialized_start=1656
-  _globals['_PULLSTATEREPLY']._serialized_end=1720
-  _globals['_GETSTATEREQUEST']._serialized_start=1722
-  _globals['_GETSTATEREQUEST']._serialized_end=1797
-  _globals['_STATECHUNK']._serialized_start=1800
-  _globals['_STATECHUNK']._serialized_end=1981
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1983
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2035
-  _globals['_EMPTY']._serialized_start=2037
-  _globals['_EMPTY']._serialized_end=2044
-  _globals['_PROGRESSREQUEST']._serialized_start=2046
-  _globals['_PROGRESSREQUEST']._serialized_end=2098
-  _globals['_PROGRESSREPLY']._serialized_start=2100
-  _globals['_PROGRESSREPLY']._serialized_end=2161
-  _globals['_REFUSALSREQUEST']._serialized_start=2163
-  _globals['_REFUSALSREQUEST']._serialized_end=2180
-  _globals['_REFUSAL']._serialized_start=2182
-  _globals['_REFUSAL']._serialized_end=2252
-  _globals['_REFUSALSREPLY']._serialized_start=2254
-  _globals['_REFUSALSREPLY']._serialized_end=2309
-  _globals['_CHAOSREQUEST']._serialized_start=2311
-  _globals['_CHAOSREQUEST']._serialized_end=2389
-  _globals['_TENSORCHUNK']._serialized_start=2392
-  _globals['_TENSORCHUNK']._serialized_end=2580
-  _globals['_CONTROLLER']._serialized_start=2582
-  _globals['_CONTROLLER']._serialized_end=2664
-  _globals['_WORKER']._serialized_start=2667
-  _globals['_WORKER']._serialized_end=3498
+  _globals['_STEPREPLY']._serialized_end=1235
+  _globals['_STEPREPLY_PHASESENTRY']._serialized_start=1190
+  _globals['_STEPREPLY_PHASESENTRY']._serialized_end=1235
+  _globals['_HASHREQUEST']._serialized_start=1237
+  _globals['_HASHREQUEST']._serialized_end=1285
+  _globals['_HASHREPLY']._serialized_start=1287
+  _globals['_HASHREPLY']._serialized_end=1328
+  _globals['_ABORTREQUEST']._serialized_start=1330
+  _globals['_ABORTREQUEST']._serialized_end=1379
+  _globals['_STEPLOSS']._serialized_start=1381
+  _globals['_STEPLOSS']._serialized_end=1423
+  _globals['_STATUSREPLY']._serialized_start=1425
+  _globals['_STATUSREPLY']._serialized_end=1516
+  _globals['_ROLLBACKREQUEST']._serialized_start=1518
+  _globals['_ROLLBACKREQUEST']._serialized_end=1596
+  _globals['_PULLSTATEREQUEST']._serialized_start=1599
+  _globals['_PULLSTATEREQUEST']._serialized_end=1753
+  _globals['_PULLSTATEREPLY']._serialized_start=1755
+  _globals['_PULLSTATEREPLY']._serialized_end=1819
+  _globals['_GETSTATEREQUEST']._serialized_start=1821
+  _globals['_GETSTATEREQUEST']._serialized_end=1896
+  _globals['_STATECHUNK']._serialized_start=1899
+  _globals['_STATECHUNK']._serialized_end=2080
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2082
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2134
+  _globals['_EMPTY']._serialized_start=2136
+  _globals['_EMPTY']._serialized_end=2143
+  _globals['_PROGRESSREQUEST']._serialized_start=2145
+  _globals['_PROGRESSREQUEST']._serialized_end=2197
+  _globals['_PROGRESSREPLY']._serialized_start=2199
+  _globals['_PROGRESSREPLY']._serialized_end=2260
+  _globals['_REFUSALSREQUEST']._serialized_start=2262
+  _globals['_REFUSALSREQUEST']._serialized_end=2279
+  _globals['_REFUSAL']._serialized_start=2281
+  _globals['_REFUSAL']._serialized_end=2351
+  _globals['_REFUSALSREPLY']._serialized_start=2353
+  _globals['_REFUSALSREPLY']._serialized_end=2408
+  _globals['_CHAOSREQUEST']._serialized_start=2410
+  _globals['_CHAOSREQUEST']._serialized_end=2488
+  _globals['_TENSORCHUNK']._serialized_start=2491
+  _globals['_TENSORCHUNK']._serialized_end=2679
+  _globals['_CONTROLLER']._serialized_start=2681
+  _globals['_CONTROLLER']._serialized_end=2763
+  _globals['_WORKER']._serialized_start=2766
+  _globals['_WORKER']._serialized_end=3597
 # @@protoc_insertion_point(module_scope)
