@@ -112,8 +112,9 @@ def build_programs(
     grad_size = sum(math.prod(g.shape) for g in jax.tree.leaves(grad_shapes))
 
     def grad(state, batch):
+        # One vector, the loss last: it is reduced with the gradient, and the host takes it as is (no copy).
         loss, grads = grad_tree(state, batch)
-        return jnp.asarray(loss, jnp.float32), _flatten_f32(grads)
+        return jnp.concatenate([_flatten_f32(grads), jnp.asarray(loss, jnp.float32)[None]])
 
     def apply(state, grad_sum):
         mean = _unflatten_like(grad_sum / np.float32(num_microbatches), grad_shapes)
@@ -123,7 +124,7 @@ def build_programs(
     programs = {
         "init": export_program("init", init, (seed_spec,), [None], state_dim_list, mesh),
         "grad": export_program("grad", grad, (state_shapes, batch_shapes), state_dim_list + batch_dims,
-                               (None, None), mesh),
+                               None, mesh),
         "apply": export_program("apply", apply, (state_shapes, flat_spec), state_dim_list + [None],
                                 state_dim_list, mesh),
     }

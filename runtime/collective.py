@@ -155,6 +155,7 @@ class Mailbox:
         self._cond = threading.Condition()
         self._box: dict[tuple[int, int, int], dict[int, dict[Node, np.ndarray]]] = {}
         self._held = 0   # elements in _box
+        self._into: dict[tuple[tuple[int, int, int], int], np.ndarray] = {}   # (key, sender) -> where its piece goes
         self.epoch = 0
         self.max_piece = 1 << 34
         self.top: Node | None = None
@@ -164,6 +165,23 @@ class Mailbox:
         """Bounds what :meth:`receive` accepts (called by the worker's ``Load``): pieces of at most
         ``max_piece`` elements, subtrees of ``top``, ``max_buffered`` elements held in all."""
         self.max_piece, self.top, self.max_buffered = max_piece, top, max_buffered
+
+    def deliver_into(self, epoch: int, step: int, phase: int, buffers: Mapping[int, np.ndarray]) -> None:
+        """Asks that the next piece each sender sends for ``(epoch, step, phase)`` be assembled in place,
+        in ``buffers[sender]`` (a float32 view of the caller's result), instead of a new buffer.
+
+        Used once per sender: a second stream from it gets a buffer of its own.
+        A piece that arrived before this call, or of another size, is
+        delivered as usual; :meth:`wait` returns whichever the piece is in.
+        """
+        with self._cond:
+            for src, buf in buffers.items():
+                self._into[((epoch, step, phase), src)] = buf
+
+    def _buffer(self, key, src: int, size: int) -> np.ndarray:
+        with self._cond:
+            buf = self._into.pop((key, src), None)
+        return buf if buf is not None and buf.size == size else np.empty(size, dtype=np.float32)
 
     def receive(self, chunks: Iterator[pb.TensorChunk], check_fence, admit=None) -> None:
         """Assembles one Push stream; deposits it when the stream ends cleanly.
@@ -196,7 +214,8 @@ class Mailbox:
                 if top is not None and not (node == top or (c.phase == REDUCE_SCATTER and 0 <= node.level < top.level
                                                             and 0 <= node.index < 1 << (top.level - node.level))):
                     raise ProtocolError(f"piece for subtree {node}: not a subtree of {top} in phase {c.phase}")
-                buf = bufs[node] = np.empty(c.total, dtype=np.float32)
+                buf = bufs[node] = (self._buffer(key, src, c.total) if c.phase == ALL_GATHER
+                                     else np.empty(c.total, dtype=np.float32))
                 filled[node] = 0
             n = nbytes // 4
             if c.total != buf.size or c.offset < 0 or c.offset + n > buf.size:
@@ -224,7 +243,9 @@ class Mailbox:
             self._cond.notify_all()
 
     def _drop(self, key) -> dict[int, dict[Node, np.ndarray]]:
-        """With ``_cond`` held: removes one key's pieces."""
+        """With ``_cond`` held: removes one key's pieces (and where they were to go)."""
+        for k in [k for k in self._into if k[0] == key]:
+            del self._into[k]
         got = self._box.pop(key, {})
         self._held -= sum(b.size for nodes in got.values() for b in nodes.values())
         return got
@@ -233,14 +254,14 @@ class Mailbox:
         """A new membership epoch: waiters of older epochs abort, their pieces go."""
         with self._cond:
             self.epoch = max(self.epoch, epoch)
-            for key in [k for k in self._box if k[0] < self.epoch]:
+            for key in {k for k in self._box if k[0] < self.epoch} | {k for k, _ in self._into if k[0] < self.epoch}:
                 self._drop(key)
             self._cond.notify_all()
 
     def discard_before(self, step: int) -> None:
         """Drops pieces of steps before ``step`` (they can no longer be used: the worker moved past them)."""
         with self._cond:
-            for key in [k for k in self._box if k[1] < step]:
+            for key in {k for k in self._box if k[1] < step} | {k for k, _ in self._into if k[1] < step}:
                 self._drop(key)
 
     def wait(self, epoch: int, step: int, phase: int, senders: set[int],
@@ -329,6 +350,9 @@ class AllReduce:
         bounds = chunk_bounds(size, n)
         others = [(r, address) for r, address in peers.items() if r != rank]
         senders = {r for r, _ in others}
+        # The all-gather lands in the result itself (registered now: a fast peer's chunk may come early).
+        out = np.empty(size, dtype=np.float32)
+        self.mailbox.deliver_into(fence.epoch, step, ALL_GATHER, {r: out[bounds[r][0]:bounds[r][1]] for r in senders})
         expected = {r: {node for node, o in owners.items() if o == r} for r in range(n)}
 
         def stream(phase, to_rank, items):
@@ -372,14 +396,14 @@ class AllReduce:
         clock.lap("send")
         gathered = self.mailbox.wait(fence.epoch, step, ALL_GATHER, senders, deadline)
         clock.lap("wait_for_peers")
-        out = np.empty(size, dtype=np.float32)
         out[lo:hi] = reduced
         for r, nodes in gathered.items():
             rlo, rhi = bounds[r]
             vec = nodes.get(top)
             if vec is None or vec.size != rhi - rlo:
                 raise StepAbortedError(step, f"rank {r} sent a malformed all-gather chunk")
-            out[rlo:rhi] = vec
+            if vec.base is not out:   # it came before deliver_into (or in a second stream): copy it in
+                out[rlo:rhi] = vec
         clock.lap("gather_copy")
         for f in sends:
             f.result()

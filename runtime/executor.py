@@ -94,8 +94,8 @@ class SliceExecutor:
         self.steps_applied = 0
         return self.state_nbytes()
 
-    def grad(self, step: int, microbatch: int, clock: Clock | None = None) -> tuple[np.float32, np.ndarray]:
-        """Loss and flat float32 gradient of one microbatch, on the host.
+    def grad(self, step: int, microbatch: int, clock: Clock | None = None) -> np.ndarray:
+        """The flat float32 gradient of one microbatch then its loss (``float32[P + 1]``), on the host.
 
         ``clock`` gets ``data`` (the batch), ``grad_compute`` (the program,
         its inputs' host->device included) and ``device_to_host``.
@@ -103,15 +103,15 @@ class SliceExecutor:
         clock = clock if clock is not None else Clock()
         batch = self.data.batch(step, microbatch)
         clock.lap("data")
-        loss, grads = self._call("grad", self.state, batch)
-        jax.block_until_ready(grads)
+        vec = self._call("grad", self.state, batch)
+        jax.block_until_ready(vec)
         clock.lap("grad_compute")
-        out = np.float32(loss), np.asarray(grads, dtype=np.float32)
+        out = np.asarray(vec, dtype=np.float32)
         clock.lap("device_to_host")
         return out
 
     def partials(self, step: int, nodes, clock: Clock | None = None) -> dict:
-        """Canonical sums over each subtree in ``nodes``: ``{node: (loss_sum, grad_sum)}``.
+        """Canonical sums over each subtree in ``nodes``: ``{node: float32[P + 1]}`` (gradient sum, then loss sum).
 
         Each microbatch's gradient is computed once, then summed in the
         canonical tree order (see :mod:`runtime.microbatch`).
@@ -120,7 +120,7 @@ class SliceExecutor:
         out = {}
         for node in nodes:
             leaves = {Node(0, m): self.grad(step, m, clock) for m in node.ids}
-            out[node] = tree_reduce(leaves, node, lambda a, b: (add_f32(a[0], b[0]), add_f32(a[1], b[1])))
+            out[node] = tree_reduce(leaves, node, add_f32)
             clock.lap("local_sum")
         return out
 

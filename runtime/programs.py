@@ -7,8 +7,9 @@ to move their inputs and outputs. The worker never imports the user's code.
 Program signatures (``state`` is an opaque pytree, e.g. ``(params, opt_state)``):
 
 - ``init(seed: int32[]) -> state``
-- ``grad(state, batch) -> (loss: float32[], grads: float32[P])`` for one microbatch;
-  ``grads`` is the flattened gradient, replicated on the slice's devices.
+- ``grad(state, batch) -> float32[P + 1]`` for one microbatch: the flattened
+  gradient, then the loss, replicated on the slice's devices (one vector, so
+  the loss is reduced with the gradient in the same tree order).
 - ``apply(state, grad_sum: float32[P]) -> state``: takes the canonical tree sum
   of the M microbatch gradients (it divides by M itself).
 """

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from runtime.executor import SliceExecutor
 from runtime.microbatch import root
 from runtime.programs import ProgramSet
@@ -25,9 +27,9 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
     top = root(programs.num_microbatches)
     losses = []
     for step in range(start_step, start_step + steps):
-        loss_sum, grad_sum = ex.partials(step, [top])[top]
-        ex.apply(grad_sum)
-        loss = float(loss_sum / programs.num_microbatches)
+        total = ex.partials(step, [top])[top]
+        ex.apply(total[:-1])
+        loss = float(total[-1] / np.float32(programs.num_microbatches))
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)

@@ -503,12 +503,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         clock = Clock()
         t0 = time.perf_counter()
         self._phase(req.step, "grad")
-        mine = ex.partials(req.step, [_node(n) for n in req.nodes], clock)
+        # Each vector is the gradient sum, then the loss sum: reduced together, in the same tree order.
+        vecs = ex.partials(req.step, [_node(n) for n in req.nodes], clock)
         self.faults.straggle(time.perf_counter() - t0)
         self.faults.in_phase("grad")
-        # The loss rides along as one more element, reduced in the same tree order.
-        vecs = {n: np.append(g, np.float32(loss)) for n, (loss, g) in mine.items()}
-        clock.lap("local_sum")
         t1 = time.perf_counter()
         self._phase(req.step, "reduce")
         total, sent = self.collective.run(
@@ -635,8 +633,9 @@ def _decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:
                                 f"{len(avals)} inputs")
         exported[name] = (avals, out_avals)
     grad_out = exported["grad"][1]
-    if len(grad_out) != 2 or tuple(grad_out[1].shape) != (programs.grad_size,):
-        raise ProtocolError(f"the grad program does not return (loss, float32[{programs.grad_size}])")
+    if len(grad_out) != 1 or tuple(grad_out[0].shape) != (programs.grad_size + 1,):
+        raise ProtocolError(f"the grad program does not return float32[{programs.grad_size + 1}] "
+                            "(the gradient, then the loss)")
     return programs, [(tuple(a.shape), np.dtype(a.dtype)) for a in exported["apply"][0][:-1]]
 
 

@@ -56,3 +56,33 @@ def test_the_fence_check_runs_on_every_chunk():
 
     with pytest.raises(ProtocolError, match="epoch 1"):
         Mailbox().receive(iter(msgs), refuse)
+
+
+def test_an_all_gather_piece_lands_in_the_buffer_it_was_asked_into_once():
+    from runtime.collective import ALL_GATHER
+    out = np.zeros(16, np.float32)
+    box = Mailbox()
+    box.deliver_into(1, 0, ALL_GATHER, {1: out[8:]})
+    data = np.arange(8, dtype=np.float32)
+    box.receive(iter(list(inline(pieces(FENCE, 0, ALL_GATHER, 1, Node(0, 0), data, chunk_bytes=16)))), ok)
+    got = box.wait(1, 0, ALL_GATHER, {1}, deadline=float("inf"))[1][Node(0, 0)]
+    assert got.base is out and (out[8:] == data).all() and (out[:8] == 0).all()
+    # Used once: a second stream from the same sender gets a buffer of its own, the first stays.
+    box.receive(iter(list(inline(pieces(FENCE, 0, ALL_GATHER, 1, Node(0, 0), data + 1, chunk_bytes=16)))), ok)
+    again = box.wait(1, 0, ALL_GATHER, {1}, deadline=float("inf"))[1][Node(0, 0)]
+    assert again.base is not out and (out[8:] == data).all()
+
+
+def test_a_piece_of_another_size_or_epoch_never_lands_in_the_asked_buffer():
+    from runtime.collective import ALL_GATHER
+    out = np.zeros(16, np.float32)
+    box = Mailbox()
+    box.deliver_into(1, 0, ALL_GATHER, {1: out[8:]})
+    box.receive(iter(list(inline(pieces(FENCE, 0, ALL_GATHER, 1, Node(0, 0), np.ones(4, np.float32), 16)))), ok)
+    assert box.wait(1, 0, ALL_GATHER, {1}, deadline=float("inf"))[1][Node(0, 0)].base is not out
+    box.deliver_into(1, 1, ALL_GATHER, {1: out[8:]})
+    box.set_epoch(2)   # the step was aborted: its registration goes with it
+    later = pb.Fence(run_id="r", epoch=2)
+    box.receive(iter(list(inline(pieces(later, 1, ALL_GATHER, 1, Node(0, 0), np.ones(8, np.float32), 16)))), ok)
+    assert box.wait(2, 1, ALL_GATHER, {1}, deadline=float("inf"))[1][Node(0, 0)].base is not out
+    assert (out == 0).all()
