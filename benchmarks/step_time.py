@@ -38,6 +38,63 @@ def _overrides(args) -> list[str]:
             f"elastic_microbatches={args.microbatches or 0}", *args.overrides]
 
 
+class SpmdJob:
+    """The plain-JAX job the runtime replaces: the bundled model, Adam, one ``jit`` of the whole step over
+    a mesh of every process's devices, each process feeding its rows of the global batch.
+
+    Built after ``jax.distributed.initialize`` when ``processes > 1``. Shared
+    by the baselines here and the checkpoint-restart baseline of
+    ``recovery_vs_restart.py``.
+    """
+
+    def __init__(self, cfg, processes: int, process_id: int):
+        import jax
+        import numpy as np
+        import optax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        from elastic.models import make_model
+
+        self.cfg, self.processes = cfg, processes
+        init, loss, self._data = make_model(cfg)
+        opt = optax.adam(cfg.learning_rate)
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        self.batch_sharding = NamedSharding(mesh, P("data"))
+        self.replicated = NamedSharding(mesh, P())
+        # This process's rows of the global batch (all of them with one process).
+        self._mine = [m for m in range(cfg.microbatches) if m * processes // cfg.microbatches == process_id]
+
+        def init_state(key):
+            params = init(key)
+            return params, opt.init(params)
+
+        def step(state, batch):
+            params, opt_state = state
+            l, g = jax.value_and_grad(loss)(params, batch)
+            updates, opt_state = opt.update(g, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), l
+
+        self.init_state, self.step = init_state, step
+
+    def rows(self, step: int) -> dict:
+        """This process's rows of a step's global batch, on the host."""
+        import numpy as np
+
+        parts = [self._data.batch(step, m) for m in self._mine]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def place(self, rows: dict):
+        """The global batch array from every process's :meth:`rows`."""
+        import jax
+
+        if self.processes > 1:
+            return jax.make_array_from_process_local_data(self.batch_sharding, rows)
+        return jax.device_put(rows, self.batch_sharding)
+
+    def batch(self, step: int):
+        return self.place(self.rows(step))
+
+
 def baseline(args) -> None:
     """Runs in a child process (one of ``--processes`` with ``--process-id``); prints JSON from process 0.
 
@@ -45,43 +102,22 @@ def baseline(args) -> None:
     host devices, joined by ``jax.distributed`` (gloo) into one global mesh.
     """
     import jax
-    import numpy as np
-    import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from elastic.config import load_config
-    from elastic.models import make_model
 
     if args.processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes,
                                    process_id=args.process_id, initialization_timeout=300)
     cfg = load_config("tiny", _overrides(args))
-    init, loss, data = make_model(cfg)
-    opt = optax.adam(cfg.learning_rate)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    batch_sharding = NamedSharding(mesh, P("data"))
-    replicated = NamedSharding(mesh, P())
-    params = jax.device_put(init(jax.random.key(cfg.seed)), replicated)
-    state = (params, jax.device_put(opt.init(params), replicated))
-
-    @jax.jit
-    def step(state, batch):
-        params, opt_state = state
-        l, g = jax.value_and_grad(loss)(params, batch)
-        updates, opt_state = opt.update(g, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), l
-
-    # This process's rows of the global batch (all of them with one process).
-    mine = [m for m in range(cfg.microbatches) if m * args.processes // cfg.microbatches == args.process_id]
+    job = SpmdJob(cfg, args.processes, args.process_id)
+    state = jax.jit(job.init_state, out_shardings=job.replicated)(jax.random.key(cfg.seed))
+    step = jax.jit(job.step)
     times = []
     for s in range(cfg.steps):
-        parts = [data.batch(s, m) for m in mine]
-        local = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        rows = job.rows(s)
         t0 = time.perf_counter()
-        batch = jax.make_array_from_process_local_data(batch_sharding, local) if args.processes > 1 else \
-            jax.device_put(local, batch_sharding)
-        state, l = step(state, batch)
+        state, l = step(state, job.place(rows))
         l.block_until_ready()
         times.append(time.perf_counter() - t0)
     if args.process_id == 0:
