@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import pickle
 
 from chaos.injector import FaultInjector
 from chaos.reach import RunShape, check_reachable
@@ -47,14 +48,23 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
     """The fault-free reference of ``cfg``'s math for ``steps`` steps, run in this process or reused.
 
     Cached under ``<base_output_directory>/references/<digest>``, keyed by
-    every config key that affects the math (slice count excluded: the result
-    is bit-identical for any slice count, as long as the microbatch count M
-    is the same). ``trainer_for(cfg)`` builds the trainer.
+    what determines the math: the exported programs (the model, the
+    optimizer, and this version of the runtime's program layout), the data
+    source as it is shipped to the workers (pickled), and every config key
+    that affects the math (slice count excluded: the result is bit-identical
+    for any slice count, as long as the microbatch count M is the same). So
+    an edited model or optimizer never reuses a stale reference.
+    ``trainer_for(cfg)`` builds the trainer.
     """
     math = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_MATH and not
             (k.startswith("elastic_") and k != "elastic_microbatches")}
     math.update(steps=steps, elastic_microbatches=cfg.microbatches)
-    digest = hashlib.sha256(json.dumps(math, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    h = hashlib.sha256(json.dumps(math, sort_keys=True, default=str).encode())
+    job = trainer_for(cfg)
+    for name, blob in sorted(job.programs().programs().items()):
+        h.update(name.encode() + hashlib.sha256(blob).digest())
+    h.update(hashlib.sha256(pickle.dumps(job.data)).digest())
+    digest = h.hexdigest()[:16]
     ref_cfg = cfg.replace(run_name=f"references/{digest}", steps=steps)
     trainer = trainer_for(ref_cfg)
     run_dir = trainer.run_dir()
