@@ -15,7 +15,8 @@ from runtime.collective import assemble_state, inline, state_chunks, state_sha25
 from runtime.errors import ProtocolError
 from runtime.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
 from runtime.microbatch import assign_microbatches
-from runtime.worker import WorkerService, check_step_request
+from runtime.requests import check_step_request
+from runtime.worker import WorkerService
 
 FENCE = pb.Fence(run_id="run", epoch=1)
 
