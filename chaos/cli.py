@@ -12,7 +12,7 @@ the device count first.
 
 from __future__ import annotations
 
-from elastic.cli_support import bundled_trainer, finish, progress, set_device_count, usage_error
+from elastic.cli_support import finish, make_trainer, progress, set_device_count, usage_error
 from elastic.config import load_config
 
 __all__ = ["register"]
@@ -28,45 +28,39 @@ def register(subparsers) -> None:
     ch.add_argument("--mtbf", help="soak mode: mean time between random faults (e.g. 20s)")
     ch.add_argument("--duration", help="soak mode: stop training after this long (e.g. 5m)")
     ch.add_argument("--seed", type=int, default=None, help="seed of random targets and schedules")
+    ch.add_argument("--trainer", metavar="MODULE:FACTORY",
+                    help="your own model: factory(config) -> elastic.Trainer or elastic.wrap job "
+                         "(config key elastic_trainer; default: the bundled model)")
     ch.add_argument("--quiet", action="store_true", help="no progress bar")
     ch.set_defaults(handler=_cmd_chaos, takes_overrides=True)
 
 
 def _cmd_chaos(args) -> int:
-    from chaos.harness import ChaosOptions, fault_plan, run_chaos
-    from chaos.scenario import load_scenario
-    from chaos.spec import FaultSpecError, parse_duration, parse_faults
+    from chaos.harness import fault_plan, plan, run_chaos
+    from chaos.spec import FaultSpecError
 
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)   # `elastic chaos --scenario F steps=9`
         args.config = None
     try:
-        scenario = load_scenario(args.scenario) if args.scenario else None
+        scenario, overrides, options = plan(scenario=args.scenario, faults=args.faults, mtbf=args.mtbf,
+                                            duration=args.duration, seed=args.seed)
         config = args.config or (scenario.config if scenario else None)
         if config is None:
             raise FaultSpecError("give a CONFIG or --scenario FILE")
-        overrides = list(scenario.overrides if scenario else ()) + args.overrides
-        faults = list(scenario.faults if scenario else ()) + (parse_faults(args.faults) if args.faults else [])
-        mtbf = parse_duration(args.mtbf) if args.mtbf else (scenario.mtbf_seconds if scenario else None)
-        duration = parse_duration(args.duration) if args.duration else (scenario.duration_seconds if scenario else None)
-        if duration and not mtbf:
-            raise FaultSpecError("--duration needs --mtbf (soak mode draws random faults)")
-        if not faults and not mtbf:
-            raise FaultSpecError("no faults: give --faults SPEC, --scenario FILE or --mtbf/--duration")
     except ValueError as e:   # FaultSpecError, bad durations
         return usage_error(str(e))
-    cfg = load_config(config, overrides)
-    seed = args.seed if args.seed is not None else (scenario.seed if scenario else 0)
-    options = ChaosOptions(faults=tuple(faults), seed=seed, mtbf_seconds=mtbf, duration_seconds=duration,
-                           scenario=scenario.name if scenario else None)
+    extra = [f"elastic_trainer={args.trainer}"] if args.trainer else []
+    cfg = load_config(config, overrides + args.overrides + extra)
     try:
         fault_plan(cfg, options)   # a fault that can never fire is bad input: refuse it before anything starts
     except ValueError as e:
         return usage_error(str(e))
     set_device_count(cfg.devices_per_slice)   # the reference runs in this process
+    job = make_trainer(cfg)
     with progress(cfg.steps, args.quiet) as on_step:
         try:
-            report, run_dir = run_chaos(bundled_trainer, cfg, options, on_step=on_step)
+            report, run_dir = run_chaos(job.with_config, cfg, options, on_step=on_step)
         except ValueError as e:
             return usage_error(str(e))
     finish(report, run_dir, args.quiet)

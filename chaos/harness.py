@@ -9,6 +9,11 @@ verdict goes into the faulted run's event log (a ``verdict`` event), so
 it. Soak mode (``mtbf_seconds``/``duration_seconds``) draws random faults
 from the seed and stops training at the duration; its reference is then run
 for exactly the steps the soak committed.
+
+:func:`run_job` is the Python entry point for any job (``elastic.Trainer``
+or ``elastic.wrap``): ``chaos.run_job(job, faults="kill@step=3").assert_passed()``.
+:func:`plan` turns a scenario file and explicit arguments into the run's
+options; the ``elastic chaos`` command and :func:`run_job` share it.
 """
 
 from __future__ import annotations
@@ -17,18 +22,20 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-import pickle
+
+import cloudpickle
 
 from chaos.injector import FaultInjector
 from chaos.reach import RunShape, check_reachable
+from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import random_faults
-from chaos.spec import Fault, validate
+from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
 from chaos.verdict import judge
-from elastic.config import Config
+from elastic.config import Config, parse_overrides
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, read_events
 
-__all__ = ["ChaosOptions", "fault_plan", "run_chaos", "reference_report"]
+__all__ = ["ChaosOptions", "ChaosResult", "fault_plan", "plan", "run_chaos", "run_job", "reference_report"]
 
 # Keys that change how a run is executed or observed, not its math.
 _NOT_MATH = ("run_name", "base_output_directory", "dcn_data_parallelism")
@@ -42,6 +49,89 @@ class ChaosOptions:
     duration_seconds: float | None = None
     scenario: str | None = None
     rtol: float = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class ChaosResult:
+    """What :func:`run_job` returns: the faulted run's final report (verdict included) and its directory."""
+
+    report: dict
+    run_dir: pathlib.Path
+
+    @property
+    def verdict(self) -> str:
+        """``"pass"`` or ``"fail"``."""
+        return self.report["verdict"]
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why the verdict failed (empty when it passed)."""
+        return list(self.report["verdict_reasons"])
+
+    def assert_passed(self) -> None:
+        """Raises AssertionError listing the verdict's reasons and the report's path unless the verdict is pass."""
+        if not self.passed:
+            raise AssertionError(f"chaos verdict {self.verdict!r}: " + "; ".join(self.reasons)
+                                 + f" (report: {self.run_dir / 'report.html'})")
+
+
+def plan(*, scenario: str | Scenario | None = None, faults: str | tuple | list | None = None,
+         mtbf: str | float | None = None, duration: str | float | None = None,
+         seed: int | None = None) -> tuple[Scenario | None, list[str], ChaosOptions]:
+    """A scenario (a file or a :class:`Scenario`) and explicit arguments as (scenario, overrides, options).
+
+    Explicit faults add to the scenario's; explicit ``mtbf``/``duration``/
+    ``seed`` replace the scenario's. Durations may be strings (``"20s"``).
+    Raises FaultSpecError for bad faults or durations, a duration without an
+    MTBF, and no faults at all. Reads only the scenario file.
+    """
+    sc = load_scenario(scenario) if isinstance(scenario, (str, pathlib.Path)) else scenario
+    listed = parse_faults(faults) if isinstance(faults, str) else list(faults or ())
+    all_faults = list(sc.faults if sc else ()) + listed
+
+    def seconds(value, own):
+        if value is None:
+            return own
+        return parse_duration(value) if isinstance(value, str) else float(value)
+
+    mtbf_s = seconds(mtbf, sc.mtbf_seconds if sc else None)
+    duration_s = seconds(duration, sc.duration_seconds if sc else None)
+    if duration_s and not mtbf_s:
+        raise FaultSpecError("a duration needs an MTBF (soak mode draws random faults): give --mtbf / mtbf=")
+    if not all_faults and not mtbf_s:
+        raise FaultSpecError("no faults: give faults (e.g. 'kill@step=3'), a scenario, or an MTBF and a duration")
+    options = ChaosOptions(faults=tuple(all_faults), seed=seed if seed is not None else (sc.seed if sc else 0),
+                           mtbf_seconds=mtbf_s, duration_seconds=duration_s, scenario=sc.name if sc else None)
+    return sc, list(sc.overrides if sc else ()), options
+
+
+def run_job(job, *, faults: str | tuple | list | None = None, scenario: str | Scenario | None = None,
+            seed: int | None = None, mtbf: str | float | None = None, duration: str | float | None = None,
+            overrides: tuple | list = (), rtol: float = 1e-5, on_step=None) -> ChaosResult:
+    """Runs ``job`` (an ``elastic.Trainer`` or ``elastic.wrap`` job) under faults and judges it; see :func:`run_chaos`.
+
+    ``faults``: the fault grammar (``"kill@step=3,hang:slice=1@step=5"``) or
+    parsed :class:`Fault` objects. ``scenario``: a scenario file whose faults,
+    overrides, seed and soak settings apply (its ``config`` is ignored: the
+    job has one). ``overrides``: more ``key=value`` config changes. The
+    reference runs in this process, or in a child process when this one has
+    fewer JAX devices than a slice. Bad input raises ``FaultSpecError`` /
+    ``ConfigError`` before anything starts; a run that fails is a "fail"
+    verdict, not an exception.
+    """
+    _, scenario_overrides, options = plan(scenario=scenario, faults=faults, mtbf=mtbf, duration=duration, seed=seed)
+    options = dataclasses.replace(options, rtol=rtol)
+    changes = parse_overrides([*scenario_overrides, *overrides])
+    cfg = job.config.replace(**changes) if changes else job.config
+    fault_plan(cfg, options)   # bad input is refused before programs are built
+    job = job.with_config(cfg)
+    job.programs()   # built once; the reference and the faulted run share them
+    report, run_dir = run_chaos(job.with_config, cfg, options, on_step=on_step)
+    return ChaosResult(report, run_dir)
 
 
 def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathlib.Path]:
@@ -63,7 +153,7 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
     job = trainer_for(cfg)
     for name, blob in sorted(job.programs().programs().items()):
         h.update(name.encode() + hashlib.sha256(blob).digest())
-    h.update(hashlib.sha256(pickle.dumps(job.data)).digest())
+    h.update(hashlib.sha256(cloudpickle.dumps(job.data)).digest())   # as shipped to the workers
     digest = h.hexdigest()[:16]
     ref_cfg = cfg.replace(run_name=f"references/{digest}", steps=steps)
     trainer = trainer_for(ref_cfg)

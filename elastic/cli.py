@@ -23,7 +23,7 @@ import pathlib
 import sys
 from importlib.metadata import entry_points
 
-from elastic.cli_support import OneLineParser, bundled_trainer, finish, progress, set_device_count, usage_error
+from elastic.cli_support import OneLineParser, finish, make_trainer, progress, set_device_count, usage_error
 from elastic.config import ConfigError, load_config
 
 __all__ = ["COMMANDS_GROUP", "main"]
@@ -35,7 +35,7 @@ COMMANDS_GROUP = "elastic.commands"
 def _cmd_run(args) -> int:
     from elastic.preflight import check_config_capacity, check_output_directory
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else []))
     # Before JAX loads: the run fits this host and its directory is usable (fit checks again, for good).
     if not args.reference:
         check_config_capacity(cfg)
@@ -46,7 +46,7 @@ def _cmd_run(args) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from runtime import ElasticError
 
-    trainer = bundled_trainer(cfg)
+    trainer = make_trainer(cfg)
     with progress(cfg.steps, args.quiet) as on_step:
         try:
             report = trainer.fit(reference=args.reference, on_step=on_step)
@@ -100,6 +100,9 @@ def _add_builtins(sub) -> None:
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     run.add_argument("--reference", action="store_true", help="the canonical math in this process, no workers")
     run.add_argument("--quiet", action="store_true", help="no per-step lines")
+    run.add_argument("--trainer", metavar="MODULE:FACTORY",
+                     help="your own model: factory(config) -> elastic.Trainer or elastic.wrap job "
+                          "(config key elastic_trainer; default: the bundled model)")
     run.set_defaults(handler=_cmd_run, takes_overrides=True)
     rp = sub.add_parser("report", help="re-render report.json and report.html from a run's events.jsonl")
     rp.add_argument("run_dir")

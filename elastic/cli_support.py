@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 
-__all__ = ["OneLineParser", "bundled_trainer", "finish", "progress", "set_device_count", "usage_error"]
+from elastic.config import ConfigError
+
+__all__ = ["OneLineParser", "bundled_trainer", "finish", "make_trainer", "progress", "set_device_count",
+           "usage_error"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -48,7 +52,49 @@ def bundled_trainer(cfg):
 
     init, loss, data = make_model(cfg)
     schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps) if cfg.warmup_steps else cfg.learning_rate
-    return Trainer(init=init, loss=loss, optimizer=optax.adam(schedule), data=data, config=cfg)
+    trainer = Trainer(init=init, loss=loss, optimizer=optax.adam(schedule), data=data, config=cfg)
+    trainer.reports_model_keys = True   # its config's model keys are its own: the report shows them
+    return trainer
+
+
+def make_trainer(cfg):
+    """The job the ``elastic`` command runs: ``factory(cfg)`` named by ``elastic_trainer``, else the bundled model.
+
+    ``elastic_trainer`` is ``"module:factory"``; the module is imported with
+    the current directory first on the import path (as ``python -m`` does),
+    and ``factory(cfg)`` must return an ``elastic.Trainer`` or ``elastic.wrap``
+    job built with ``cfg``. Anything else is a ``ConfigError`` naming the key.
+    Imports JAX (the caller sets the device count first).
+    """
+    spec = cfg.elastic_trainer
+    if not spec:
+        return bundled_trainer(cfg)
+    from elastic.trainer import Trainer, WrappedStep
+
+    where = f"config key 'elastic_trainer' ({spec!r})"
+    module_name, attr = spec.split(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import {module_name!r} ({e}); run from the directory that holds it, "
+                          "or install it") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a function of the config")
+    job = obj(cfg)
+    if not isinstance(job, (Trainer, WrappedStep)):
+        raise ConfigError(f"{where}: {attr}(config) returned a {type(job).__name__}; it must return "
+                          "elastic.Trainer(...) or elastic.wrap(...)")
+    if job.config != cfg:
+        changed = sorted(k for k, v in job.config.to_dict().items() if cfg.to_dict()[k] != v)
+        raise ConfigError(f"{where}: {attr}(config) built its job with another config (keys {changed} differ); "
+                          "build it with the config it is given (set keys in the config file or as overrides)")
+    return job
 
 
 def progress(steps: int, quiet: bool):

@@ -26,6 +26,7 @@ import difflib
 import math
 import operator
 import pathlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -35,6 +36,7 @@ import yaml
 from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
 
 __all__ = [
+    "MODEL_KEYS",
     "Config",
     "ConfigError",
     "builtin_config_path",
@@ -43,6 +45,7 @@ __all__ = [
     "parse_overrides",
 ]
 
+_FACTORY = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 _CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 
@@ -114,6 +117,9 @@ class Config:
     # JAX's persistent compilation cache, shared by the workers and the reference run (MaxText's key).
     # "": $JAX_COMPILATION_CACHE_DIR if set, else <base_output_directory>/jax_cache; "off": none.
     jax_cache_dir: str = _key("")
+    # The trainer to run, "module:factory" with factory(config) -> elastic.Trainer or elastic.wrap job
+    # (elastic run/chaos --trainer); "": the bundled model.
+    elastic_trainer: str = _key("")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -148,9 +154,18 @@ class Config:
             _field(key, "replace()")
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain JSON-able dict; ``config_from_dict`` inverts it."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_dict(self, *, model_keys: bool = True) -> dict[str, Any]:
+        """The fields as a plain JSON-able dict; ``config_from_dict`` inverts it.
+
+        ``model_keys=False`` leaves out the bundled model's keys (:data:`MODEL_KEYS`):
+        what a run of the user's own model records.
+        """
+        return {f.name: getattr(self, f.name) for f in fields(self) if model_keys or f.name not in MODEL_KEYS}
+
+
+#: Keys read only by the bundled model and its optimizer (elastic.models, elastic.cli_support.bundled_trainer).
+MODEL_KEYS = frozenset({"learning_rate", "warmup_steps", "vocab_size", "max_target_length", "base_emb_dim",
+                        "base_num_decoder_layers", "base_num_query_heads", "base_mlp_dim"})
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -278,6 +293,11 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
     if problem:
         raise ConfigError(f"config key {at('run_name')} {problem}; a run name is a directory inside "
                           "base_output_directory (e.g. 'exp1', or 'sweep/lr3' to nest)")
+    trainer = values["elastic_trainer"]
+    if trainer and not _FACTORY.fullmatch(trainer):
+        raise ConfigError(f"config key {at('elastic_trainer')} must name a factory as 'module:function' "
+                          "(e.g. 'mypkg.train:make_job', with make_job(config) -> elastic.Trainer or elastic.wrap "
+                          "job), or be empty for the bundled model")
     for name, f in _FIELDS.items():
         value = values[name]
         bounds = [(op, f.metadata[k]) for op, k in ((">=", "ge"), (">", "gt"), ("<=", "le"))

@@ -29,6 +29,7 @@ __all__ = [
     "FunctionSource",
     "GrainSource",
     "check_batch",
+    "normalize_spec",
 ]
 
 ElementSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -48,12 +49,22 @@ class DataSource(Protocol):
         ...
 
 
-def _normalize_spec(spec: Mapping[str, Any]) -> ElementSpec:
+def normalize_spec(spec: Mapping[str, Any]) -> ElementSpec:
+    """``{key: (shape, dtype)}`` with ints and numpy dtypes; ``ValueError`` saying what the spec must look like."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"element_spec must be a dict {{key: (per-microbatch shape, dtype)}}, got "
+                         f"{type(spec).__name__}; for one array use {{'x': (shape, dtype)}} and read batch['x']")
+    for key, value in spec.items():
+        if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], (tuple, list))):
+            raise ValueError(f"element_spec[{key!r}] must be (shape tuple, dtype) of one microbatch, got {value!r}")
     return {str(k): (tuple(int(d) for d in shape), np.dtype(dtype)) for k, (shape, dtype) in spec.items()}
 
 
 def check_batch(batch: Mapping[str, Any], spec: ElementSpec) -> dict[str, np.ndarray]:
     """Return ``batch`` as a dict of numpy arrays; ``ValueError`` if it does not match ``spec``."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"a data source's batch must be a dict of arrays, got {type(batch).__name__}; "
+                         "wrap one array as {'x': array} (and read batch['x'] in the step)")
     missing, extra = sorted(set(spec) - set(batch)), sorted(set(batch) - set(spec))
     if missing or extra:
         raise ValueError(f"batch keys do not match element_spec: missing {missing}, unexpected {extra}")
@@ -82,7 +93,7 @@ class FunctionSource:
 
     def __init__(self, fn: Callable[[int, int], Mapping[str, Any]], element_spec: Mapping[str, Any]):
         self.fn = fn
-        self._spec = _normalize_spec(element_spec)
+        self._spec = normalize_spec(element_spec)
 
     def element_spec(self) -> ElementSpec:
         return dict(self._spec)

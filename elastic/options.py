@@ -81,6 +81,7 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "base_num_decoder_layers": "the bundled model (elastic.models.TransformerConfig.from_config)",
     "base_num_query_heads": "the bundled model (elastic.models.TransformerConfig.from_config)",
     "base_mlp_dim": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "elastic_trainer": "RunSettings.trainer: the elastic command's trainer factory (elastic.cli_support.make_trainer)",
     "elastic_max_local_workers": "RunSettings.max_local_workers: the most worker processes the local launcher "
                                  "may start, checked before any starts (elastic.preflight)",
 })
@@ -101,6 +102,7 @@ class RunSettings:
     base_output_directory: str
     max_local_workers: int     # 0: derived from this host (elastic.preflight.check_local_capacity)
     compilation_cache_dir: str  # absolute; "": no persistent compilation cache (the reference run's)
+    trainer: str               # "module:factory" the elastic command builds the job with; "": the bundled model
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -109,7 +111,7 @@ def run_settings(cfg: Config) -> RunSettings:
                        devices_per_slice=cfg.devices_per_slice, run_name=cfg.run_name,
                        base_output_directory=cfg.base_output_directory,
                        max_local_workers=cfg.elastic_max_local_workers,
-                       compilation_cache_dir=compilation_cache_dir(cfg))
+                       compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer)
 
 
 def compilation_cache_dir(cfg: Config) -> str:

@@ -12,6 +12,7 @@ the run directory.
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import sys
 import time
@@ -24,11 +25,12 @@ import optax
 
 from elastic import _programs, marker
 from elastic.config import Config, ConfigError
+from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, run_settings
 from elastic.preflight import RunDirectory, check_config_capacity, claim_run_directory
 from elastic.report import build_report, render_run
 from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, enable_compilation_cache,
-                     peak_rss_bytes, read_events, run_reference)
+                     peak_rss_bytes, read_events, run_reference, run_reference_process)
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
 
@@ -38,9 +40,26 @@ class _Job:
 
     config: Config
     data: object
+    #: Whether the report lists the bundled model's config keys (only the bundled model reads them).
+    reports_model_keys: bool = False
 
     def _build(self) -> ProgramSet:
         raise NotImplementedError
+
+    def with_config(self, config: Config):
+        """This job with another config (its run name, steps, slices, recovery keys...).
+
+        The exported programs are kept when the mesh of a slice and the
+        microbatch count are unchanged (they are all the programs depend on
+        besides the user's code). For a different model, build a new job.
+        """
+        job = copy.copy(self)
+        job.config = config
+        job._run_dir = None
+        old, new = self.settings, job.settings
+        if (old.devices_per_slice, old.microbatches) != (new.devices_per_slice, new.microbatches):
+            job._programs = None
+        return job
 
     @property
     def settings(self) -> RunSettings:
@@ -68,8 +87,11 @@ class _Job:
             observer=None, max_seconds: float | None = None) -> dict:
         """Trains ``config.steps`` steps; writes the run directory; returns the report.
 
-        ``reference=True`` runs the canonical math in this process (it needs
-        ``devices_per_slice`` local devices) instead of on workers.
+        ``reference=True`` runs the canonical math without workers: in this
+        process when it has ``devices_per_slice`` JAX devices, else in a child
+        process given that many CPU devices (so it works from a notebook or a
+        test whose JAX started with one device). A distributed run of the
+        same job must match it bit for bit (losses and final state digest).
         ``observer``: a :class:`runtime.ControllerObserver` (the chaos
         harness) told about commits and transfers. ``max_seconds``: stop
         dispatching after this long of training and finish at the last
@@ -100,7 +122,8 @@ class _Job:
         run_dir = claim.path
         try:
             t0 = time.time()
-            events.emit("job_started", mode="reference" if reference else "distributed", config=cfg.to_dict(),
+            events.emit("job_started", mode="reference" if reference else "distributed",
+                        config=cfg.to_dict(model_keys=self.reports_model_keys),
                         global_batch_size=cfg.global_batch_size, microbatches=settings.microbatches)
             programs = self.programs()
             events.emit("programs_built", seconds=time.time() - t0,
@@ -146,9 +169,14 @@ class _Job:
             if on_step is not None:
                 on_step(step, loss)
 
-        enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
-        losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
-                                       on_step=step_done)
+        if jax.local_device_count() >= programs.devices_per_slice:
+            enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
+            losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
+                                           on_step=step_done)
+        else:   # this process's JAX started with fewer devices than a slice has: a child process gets them
+            losses, digest = run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
+                                                   seed=settings.seed, on_step=step_done,
+                                                   compilation_cache_dir=settings.compilation_cache_dir)
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
         events.emit("run_finished", steps_completed=len(losses), final_state_sha256=digest,
                     replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
@@ -201,12 +229,16 @@ class WrappedStep(_Job):
     def _build(self) -> ProgramSet:
         step, loss_key = self.train_step, self.loss_key
         spec = _spec(self.data)
+        state_shapes, batch_shapes = _abstract_inputs(self.init_state, spec)
+        grad_shapes = _probe(step, state_shapes, batch_shapes)
 
         def grad_fn(state, batch):
-            metrics, grads = _run_to_mark(step, state, batch)
-            if loss_key not in metrics:
+            metrics, grads = _run_to_mark(step, state, batch, grad_shapes)
+            if not hasattr(metrics, "keys") or loss_key not in metrics:
+                keys = sorted(metrics) if hasattr(metrics, "keys") else type(metrics).__name__
                 raise ProgramExportError(f"the wrapped train_step's metrics have no {loss_key!r} "
-                                         f"(keys: {sorted(metrics)}); pass loss_key=")
+                                         f"(it returned {keys}); return (state, {{{loss_key!r}: loss, ...}}) "
+                                         "or pass loss_key=")
             return metrics[loss_key], grads
 
         def apply_fn(state, grads):
@@ -215,7 +247,7 @@ class WrappedStep(_Job):
                 new_state, _ = step(state, zeros)
             return new_state
 
-        _check_apply_ignores_batch(step, self.init_state, spec)
+        _check_apply_ignores_batch(step, state_shapes, batch_shapes, grad_shapes)
         return _programs.build_programs(init_state=self.init_state, grad_fn=grad_fn, apply_fn=apply_fn,
                                         batch_spec=spec, devices_per_slice=self.settings.devices_per_slice,
                                         num_microbatches=self.settings.microbatches)
@@ -254,28 +286,59 @@ def _render(run_dir: pathlib.Path, events_dropped: int) -> dict:
 
 
 def _spec(data) -> dict:
-    return {k: (tuple(shape), dtype) for k, (shape, dtype) in data.element_spec().items()}
+    """The data source's per-microbatch spec, checked (a clear ProgramExportError if it is not one)."""
+    if not callable(getattr(data, "element_spec", None)) or not callable(getattr(data, "batch", None)):
+        raise ProgramExportError(f"data must be a data source with batch(step, microbatch) and element_spec(), "
+                                 f"got {type(data).__name__}; see elastic.FunctionSource")
+    try:
+        return normalize_spec(data.element_spec())
+    except ValueError as e:
+        raise ProgramExportError(f"the data source's {e}") from None
 
 
-def _run_to_mark(step, state, batch):
-    """Traces ``step``; returns (metrics, the gradients passed to the mark)."""
-    with marker.capture_gradients() as m:
+def _abstract_inputs(init_state, spec):
+    """The state and one microbatch as trees of ``jax.ShapeDtypeStruct`` (nothing materialized)."""
+    try:
+        state = jax.eval_shape(init_state, jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
+    except Exception as e:  # noqa: BLE001 - user code: one typed error naming the function
+        raise ProgramExportError(f"could not trace init_state(key): {type(e).__name__}: {e}") from e
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in spec.items()}
+    return state, batch
+
+
+def _probe(step, state, batch):
+    """The gradients at the mark, as a tree of ``jax.ShapeDtypeStruct`` (one abstract trace of the step)."""
+    try:
+        with marker.probe_gradients() as m:
+            jax.eval_shape(lambda s, b: step(s, b), state, batch)
+    except marker.MarkerError as e:
+        raise ProgramExportError(f"the wrapped train_step: {e}") from e
+    except Exception as e:  # noqa: BLE001
+        raise ProgramExportError(f"could not trace the wrapped train_step(state, batch) with the data source's "
+                                 f"element_spec: {type(e).__name__}: {e}") from e
+    if m.calls == 0:
+        raise ProgramExportError("the wrapped train_step never called elastic.cross_slice_mean(grads); mark the "
+                                 "gradients once, before the optimizer update")
+    return m.shapes
+
+
+def _run_to_mark(step, state, batch, grad_shapes):
+    """Traces ``step``; returns (metrics, the gradients passed to the mark, read back from refs)."""
+    leaves, treedef = jax.tree.flatten(grad_shapes)
+    refs = [jax.new_ref(jnp.zeros(s.shape, s.dtype)) for s in leaves]
+    with marker.capture_gradients(treedef, refs) as m:
         _, metrics = step(state, batch)
-    if len(m.seen) != 1:
+    if m.calls != 1:
         raise ProgramExportError("the wrapped train_step never called elastic.cross_slice_mean(grads)")
-    return metrics, m.seen[0]
+    return metrics, jax.tree.unflatten(treedef, [r[...] for r in refs])
 
 
-def _check_apply_ignores_batch(step, init_state, spec) -> None:
+def _check_apply_ignores_batch(step, state, batch, grads) -> None:
     """Refuses a step whose state update after the mark reads the batch.
 
     The apply program runs without the batch, so such a step would silently
     train on zeros. Checked by tracing: the new state must not depend on it.
     """
-    state = jax.eval_shape(init_state, jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in spec.items()}
-    grads = jax.eval_shape(lambda s, b: _run_to_mark(step, s, b)[1], state, batch)
-
     def after_mark(state, grads, batch):
         with marker.substitute_gradients(grads):
             return step(state, batch)[0]

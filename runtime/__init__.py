@@ -31,6 +31,13 @@ def run_reference(*args, **kwargs):
     return run(*args, **kwargs)
 
 
+def run_reference_process(*args, **kwargs):
+    """The same math in a child process with the slice's CPU devices; see :mod:`runtime.reference`."""
+    from runtime.reference import run_reference_process as run
+
+    return run(*args, **kwargs)
+
+
 def enable_compilation_cache(path: str) -> str:
     """JAX's persistent compilation cache at ``path`` for this process ("": off); see :mod:`runtime.compile_cache`."""
     from runtime.compile_cache import enable
@@ -75,6 +82,7 @@ __all__ = [
     "peak_rss_bytes",
     "read_events",
     "run_reference",
+    "run_reference_process",
     "tree_reduce",
     "tree_sum",
     "worker_main",

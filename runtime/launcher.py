@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "LocalLauncher"]
+__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "LocalLauncher", "jax_child_env"]
 
 #: Worker starts allowed back to back before pacing begins.
 LAUNCH_BURST = 8
@@ -127,10 +127,7 @@ class LocalLauncher:
         return None
 
     def _start(self, identity: list[str], log_name: str, stdin) -> subprocess.Popen:
-        env = dict(os.environ)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={self.devices_per_worker}"])
-        env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+        env = jax_child_env(self.devices_per_worker)
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
         # The controller decides where compiled programs are shared ("": nowhere), not an inherited variable.
@@ -138,13 +135,6 @@ class LocalLauncher:
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         if self.tls is not None:
             env.update(self.tls.environ())
-        # Keep each worker's XLA/Eigen pools from oversubscribing a small host.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        # Same import path as the client, so data sources pickled by reference
-        # (classes of the user's modules) load on the worker.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        paths = [root] + [p for p in sys.path if p and os.path.isdir(p)]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         log = open(os.path.join(self.log_dir, log_name), "ab")
         cmd = [sys.executable, "-m", "runtime.worker_process", "--controller", self.controller_address,
                "--run-id", self.run_id, *identity, "--exit-with-parent"]
@@ -178,3 +168,22 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout)
+
+
+def jax_child_env(devices: int) -> dict[str, str]:
+    """The environment of a JAX child process of this one (a worker, the reference run) with ``devices`` CPU devices.
+
+    Simulated host devices (``XLA_FLAGS``), the CPU platform unless one is
+    set, one OpenMP thread (so the XLA/Eigen pools of several processes do not
+    oversubscribe a small host), and this process's import path, so data
+    sources pickled by reference (classes of the user's modules) load there.
+    """
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [root] + [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env

@@ -3,10 +3,21 @@
 Runs the same exported programs through the same :class:`SliceExecutor` as a
 worker, sums all M microbatches in the canonical tree, and applies. A
 distributed run of the same programs must match it bit for bit.
+
+:func:`run_reference` runs in this process, which must have the slice's
+devices. :func:`run_reference_process` runs it in a fresh Python process with
+the right number of simulated CPU devices: for a caller whose JAX already
+started with fewer (a notebook, a test suite). The child speaks JSON lines on
+stdout (one per step, then the result); ``python -m runtime.reference`` is it.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -15,7 +26,7 @@ from runtime.executor import SliceExecutor
 from runtime.microbatch import root
 from runtime.programs import ProgramSet
 
-__all__ = ["run_reference"]
+__all__ = ["run_reference", "run_reference_process"]
 
 
 def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
@@ -34,3 +45,61 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
         if on_step is not None:
             on_step(step, loss)
     return losses, ex.state_sha256()
+
+
+def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int, seed: int,
+                          compilation_cache_dir: str = "",
+                          on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], str]:
+    """:func:`run_reference` in a child process with ``programs.devices_per_slice`` CPU devices.
+
+    ``data_blob``: the data source pickled as it is shipped to workers
+    (cloudpickle). Raises ``ElasticError`` with the child's last output lines
+    if it fails.
+    """
+    from runtime.errors import ElasticError
+    from runtime.launcher import jax_child_env
+
+    env = jax_child_env(programs.devices_per_slice)
+    request = pickle.dumps({"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
+                            "cache": compilation_cache_dir})
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
+        inp.write(request)
+        inp.seek(0)
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.reference"], stdin=inp, stdout=subprocess.PIPE,
+                                stderr=err, env=env)
+        result = None
+        try:
+            for line in proc.stdout:
+                msg = json.loads(line)
+                if "step" in msg and on_step is not None:
+                    on_step(msg["step"], msg["loss"])
+                elif "losses" in msg:
+                    result = msg["losses"], msg["sha256"]
+        finally:
+            proc.stdout.close()
+            rc = proc.wait()
+        if rc != 0 or result is None:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-8:]
+            raise ElasticError(f"the reference run's process failed (exit status {rc}): " + " | ".join(tail))
+    return result
+
+
+def _child() -> None:
+    import cloudpickle  # noqa: F401 - registers what cloudpickled data sources need to load
+
+    from runtime.compile_cache import enable
+
+    req = pickle.loads(sys.stdin.buffer.read())
+    enable(req["cache"])
+    data = pickle.loads(req["data"])
+
+    def step_done(step, loss):
+        print(json.dumps({"step": step, "loss": loss}), flush=True)
+
+    losses, digest = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"], on_step=step_done)
+    print(json.dumps({"losses": losses, "sha256": digest}), flush=True)
+
+
+if __name__ == "__main__":
+    _child()

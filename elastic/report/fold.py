@@ -154,6 +154,7 @@ def build_report(events_or_path) -> dict:
         "program_bytes": None,
         "compile_seconds": None,
         "step_seconds_median": None,
+        "step_latency_seconds_median": None,
         "finished": False,
         "failures": [],
         "checkpoint_restores": 0,
@@ -176,7 +177,8 @@ def build_report(events_or_path) -> dict:
         "events_dropped": 0,
     }
     dead_at: dict[str, float] = {}   # worker -> when it was declared dead (s since start)
-    step_seconds = []
+    step_seconds, latencies = [], []
+    last_commit_t = None   # None after a failure: the interval that spans it is recovery, not a step
     t_first = events[0]["t"] if events else None
     for e in events:
         kind = e["kind"]
@@ -200,7 +202,10 @@ def build_report(events_or_path) -> dict:
             report["losses"].append(e["loss"])
             report["steps_completed"] += 1
             if "seconds" in e:
-                step_seconds.append(e["seconds"])
+                latencies.append(e["seconds"])
+            if last_commit_t is not None and not e.get("recovered"):
+                step_seconds.append(e["t"] - last_commit_t)
+            last_commit_t = e["t"]
         elif kind == "placement":
             report["slices_at_end"] = len(e["active"])
         elif kind == "failure_detected":
@@ -208,6 +213,7 @@ def build_report(events_or_path) -> dict:
                        "step": e["committed"], "workers": [], "path": None, "recovered_after_s": None,
                        "bytes_moved": 0, "kind": "error", "detected_after_s": None}
             report["failures"].append(current)
+            last_commit_t = None
         elif kind == "worker_dead":
             dead_at[e["worker"]] = e["t"] - t_first
         elif kind == "recovery_decision" and report["failures"]:
@@ -263,6 +269,8 @@ def build_report(events_or_path) -> dict:
             report["wall_seconds"] = e["t"] - t_first
     if step_seconds:
         report["step_seconds_median"] = sorted(step_seconds)[len(step_seconds) // 2]
+    if latencies:
+        report["step_latency_seconds_median"] = sorted(latencies)[len(latencies) // 2]
     _attribute(report, events, dead_at, t_first)
     report["goodput"] = goodput(events)   # an empty log: all zeros
     if report["mode"] == "reference":

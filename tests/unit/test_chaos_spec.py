@@ -307,7 +307,7 @@ def test_elastic_chaos_refuses_a_fault_that_can_never_fire_before_anything_start
     def no_run(cfg):
         raise AssertionError("a run was started")
 
-    monkeypatch.setattr(chaos.cli, "bundled_trainer", no_run)
+    monkeypatch.setattr(chaos.cli, "make_trainer", no_run)
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert elastic.cli.main(["chaos", "tiny", "steps=20", "--faults", "kill@step=500", "--quiet"]) == 2

@@ -158,3 +158,18 @@ def test_same_bytes_in_another_process():
         [sys.executable, "-c", code], input=cloudpickle.dumps(srcs), capture_output=True, timeout=120, check=True, env=env
     )
     assert out.stdout.decode().split() == [_digest(s, 6, 3) for s in srcs]
+
+
+def test_a_batch_that_is_not_a_dict_says_how_to_wrap_it():
+    src = FunctionSource(lambda s, m: np.zeros((2, 3), np.float32), {"x": ((2, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"must be a dict of arrays, got ndarray; wrap one array as \{'x': array\}"):
+        src.batch(0, 0)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (((2, 3), np.float32), "element_spec must be a dict"),
+    ({"x": (2, 3)}, r"element_spec\['x'\] must be \(shape tuple, dtype\)"),
+])
+def test_a_malformed_element_spec_says_what_it_must_be(spec, message):
+    with pytest.raises(ValueError, match=message):
+        FunctionSource(lambda s, m: {}, spec)
