@@ -120,6 +120,10 @@ class Config:
     # The trainer to run, "module:factory" with factory(config) -> elastic.Trainer or elastic.wrap job
     # (elastic run/chaos --trainer); "": the bundled model.
     elastic_trainer: str = _key("")
+    # MaxText's key: the run's goodput as ml-goodput-measurement events in <run dir>/goodput_log.jsonl
+    # (needs jax-elastic[goodput]); with elastic_goodput_cloud_logging also to Cloud Logging, goodput_<run_name>.
+    enable_goodput_recording: bool = _key(False)
+    elastic_goodput_cloud_logging: bool = _key(False)
 
     def __post_init__(self) -> None:
         for f in fields(self):

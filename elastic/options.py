@@ -81,6 +81,9 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "base_num_decoder_layers": "the bundled model (elastic.models.TransformerConfig.from_config)",
     "base_num_query_heads": "the bundled model (elastic.models.TransformerConfig.from_config)",
     "base_mlp_dim": "the bundled model (elastic.models.TransformerConfig.from_config)",
+    "enable_goodput_recording": "RunSettings.goodput_recording: the trainer writes goodput_log.jsonl "
+                                "(elastic.report.goodput_log)",
+    "elastic_goodput_cloud_logging": "RunSettings.goodput_cloud_logging: ...and sends it to Cloud Logging",
     "elastic_trainer": "RunSettings.trainer: the elastic command's trainer factory (elastic.cli_support.make_trainer)",
     "elastic_max_local_workers": "RunSettings.max_local_workers: the most worker processes the local launcher "
                                  "may start, checked before any starts (elastic.preflight)",
@@ -103,6 +106,8 @@ class RunSettings:
     max_local_workers: int     # 0: derived from this host (elastic.preflight.check_local_capacity)
     compilation_cache_dir: str  # absolute; "": no persistent compilation cache (the reference run's)
     trainer: str               # "module:factory" the elastic command builds the job with; "": the bundled model
+    goodput_recording: bool    # write goodput_log.jsonl (ml-goodput-measurement events) at the end of the run
+    goodput_cloud_logging: bool  # ... and send them to Cloud Logging
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -111,7 +116,9 @@ def run_settings(cfg: Config) -> RunSettings:
                        devices_per_slice=cfg.devices_per_slice, run_name=cfg.run_name,
                        base_output_directory=cfg.base_output_directory,
                        max_local_workers=cfg.elastic_max_local_workers,
-                       compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer)
+                       compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer,
+                       goodput_recording=cfg.enable_goodput_recording,
+                       goodput_cloud_logging=cfg.elastic_goodput_cloud_logging)
 
 
 def compilation_cache_dir(cfg: Config) -> str:

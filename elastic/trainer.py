@@ -144,6 +144,8 @@ class _Job:
             events.close()
             try:
                 report = _render(run_dir, events.dropped)
+                if settings.goodput_recording:
+                    _record_goodput(run_dir, settings.goodput_cloud_logging)
             finally:
                 claim.release()
         return report
@@ -283,6 +285,17 @@ def _render(run_dir: pathlib.Path, events_dropped: int) -> dict:
     report = build_report(events)
     report["events_dropped"] = max(report["events_dropped"], events_dropped)
     return report
+
+
+def _record_goodput(run_dir: pathlib.Path, cloud_logging: bool) -> None:
+    """``goodput_log.jsonl`` (and Cloud Logging): the run as ml-goodput-measurement events; a failure is one warning."""
+    from elastic.report.goodput_log import write_goodput_log
+
+    try:
+        write_goodput_log(run_dir, read_events(run_dir / "events.jsonl"), run_dir.name, cloud_logging=cloud_logging)
+    except Exception as e:  # noqa: BLE001 - recording goodput must never fail a finished run
+        print(f"elastic: warning: goodput recording (enable_goodput_recording) failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
 
 
 def _spec(data) -> dict:
