@@ -6,7 +6,8 @@
 - :mod:`chaos.reach`: can each fault ever fire in this run? (checked before a run starts)
 - :mod:`chaos.verdict`: did a faulted run train exactly like a fault-free one?
 - :mod:`chaos.injector`: fires faults at a live run (a ``runtime.ControllerObserver``).
-- :mod:`chaos.harness`: reference run, faulted run and verdict (``elastic chaos``).
+- :mod:`chaos.harness`: reference run, faulted run and verdict (``elastic chaos``, :func:`run_job` for any job).
+- :mod:`chaos.pytest_plugin`: the ``elastic_chaos`` fixture (a ``pytest11`` entry point).
 - :mod:`chaos.cli`: the ``elastic chaos`` subcommand, found through the ``elastic.commands`` entry point.
 
 The pure modules load eagerly; the harness and the injector (which pull in the
@@ -29,6 +30,7 @@ __all__ = [
     "INJECTABLE_KINDS",
     "KINDS",
     "ChaosOptions",
+    "ChaosResult",
     "Fault",
     "FaultInjector",
     "FaultSpecError",
@@ -46,14 +48,17 @@ __all__ = [
     "load_scenario",
     "parse_duration",
     "parse_faults",
+    "plan",
     "random_faults",
     "reference_report",
     "resolve_target",
     "run_chaos",
+    "run_job",
     "validate",
 ]
 
-_LAZY = {"ChaosOptions": "chaos.harness", "fault_plan": "chaos.harness", "run_chaos": "chaos.harness",
+_LAZY = {"ChaosOptions": "chaos.harness", "ChaosResult": "chaos.harness", "fault_plan": "chaos.harness",
+         "plan": "chaos.harness", "run_chaos": "chaos.harness", "run_job": "chaos.harness",
          "reference_report": "chaos.harness", "FaultInjector": "chaos.injector"}
 
 

@@ -107,3 +107,10 @@ def test_step_time_is_the_commit_interval_and_latency_is_reported_apart():
     reference = build_report([_commit(0.5, 0), _commit(0.6, 1), _commit(0.7, 2)])
     assert reference["step_seconds_median"] == pytest.approx(0.1)
     assert reference["step_latency_seconds_median"] is None
+
+
+def test_the_python_chaos_api_is_on_the_package():
+    import chaos.harness
+
+    assert chaos.run_job is chaos.harness.run_job and chaos.ChaosResult is chaos.harness.ChaosResult
+    assert {"run_job", "ChaosResult", "plan"} <= set(chaos.__all__)

@@ -1,0 +1,1 @@
+"""Runnable examples: existing JAX training loops made elastic in a few lines (see examples/README.md)."""
