@@ -397,6 +397,8 @@ class Controller:
         if self._run.get("on_step") is not None:
             self._run["on_step"](step, loss)
         self.observer.step_committed(step)
+        if self.recovery.deferred and not fields.get("recovered"):
+            self.recovery.relaunch_deferred()   # the recovery's first step is done: replacements may start now
 
     def _investigate(self, plan: StepPlan, pending, median: float) -> None:
         """The step watchdog fired: record what it found and fence out whom it names."""

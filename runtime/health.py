@@ -99,10 +99,21 @@ def _answer(fut: grpc.Future) -> str | None:
     return failure_of(None, reply.status)
 
 
-def confirm_dead(stub, timeout: float, retries: int, wait: float = 0.0) -> bool:
-    """Probes a suspect up to ``retries + 1`` times, ``wait`` seconds apart; True if it never answers."""
-    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(retries + 1),
-                                 wait=tenacity.wait_fixed(wait),
+def confirm_dead(stub, timeout: float, retries: int, wait: float = 0.0, known_dead: Callable[[], bool] = bool) -> bool:
+    """Probes a suspect up to ``retries + 1`` times, ``wait`` seconds apart; True if it never answers.
+
+    ``known_dead()`` is asked while waiting and before each re-probe: once
+    another path has confirmed the death (the monitor's own re-probes), stop
+    waiting.
+    """
+    def sleep(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not known_dead() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.005))
+
+    retrying = tenacity.Retrying(stop=tenacity.stop_any(tenacity.stop_after_attempt(retries + 1),
+                                                        lambda _state: known_dead()),
+                                 wait=tenacity.wait_fixed(wait), sleep=sleep,
                                  retry=tenacity.retry_if_result(lambda ok: not ok), reraise=False,
                                  retry_error_callback=lambda state: False)
     return not retrying(probe, stub, timeout)
@@ -202,7 +213,12 @@ class HealthMonitor:
             stub = self._stubs.get(worker_id)
             if stub is None or worker_id in self._dead:
                 return False
-        return not confirm_dead(stub, timeout or self.lease, self.retries, wait=self.interval / 2)
+        def known_dead():
+            with self._lock:
+                return worker_id in self._dead
+
+        return not confirm_dead(stub, timeout or self.lease, self.retries, wait=self.interval / 2,
+                                known_dead=known_dead)
 
     # -- security events ---------------------------------------------------------
 

@@ -43,6 +43,7 @@ class Recovery:
 
     def __init__(self, group, opts, events):
         self.group, self.opts, self.events = group, opts, events
+        self.deferred: list[str] = []   # dead workers whose replacement starts after the next commit
 
     def decide(self, err: Exception, placement: Placement, replicas: frozenset[str], committed: int,
                recoveries: int) -> tuple[RecoveryDecision, float]:
@@ -74,7 +75,9 @@ class Recovery:
         the survivors' recorded losses (the caller records them).
         """
         group = self.group
-        self.retire_dead(old)
+        # Replacements start after the next commit: their start-up (program load) would compete for this
+        # host with the step that recovers, which is on the critical path; a spare is not.
+        self.deferred += self.retire_dead(old, relaunch=False)
         survivors = [w for w in new.active if w in replicas]
         statuses = group.abort(new.members)
         plan = plan_realign({w: statuses[w].applied_steps for w in survivors},
@@ -86,13 +89,23 @@ class Recovery:
             self.events.emit("rolled_back", worker=w, to_step=plan.target)
         return plan
 
-    def retire_dead(self, old: Placement) -> list[str]:
-        """Stops watching the dead members of ``old`` and relaunches each once (within limits); returns them sorted."""
+    def retire_dead(self, old: Placement, relaunch: bool = True) -> list[str]:
+        """Stops watching the dead members of ``old`` and relaunches each once (within limits); returns them sorted.
+
+        ``relaunch=False``: the caller relaunches them later (:meth:`relaunch_deferred`).
+        """
         dead = sorted(w for w in old.members if w in self.group.dead)
         for w in dead:
             self.group.forget(w)
-            self.group.relaunch(w)
+            if relaunch:
+                self.group.relaunch(w)
         return dead
+
+    def relaunch_deferred(self) -> None:
+        """Relaunches the dead workers :meth:`realign` left for after the first commit (each once, within limits)."""
+        deferred, self.deferred = self.deferred, []
+        for w in deferred:
+            self.group.relaunch(w)
 
     def _decide(self, placement: Placement, replicas, recoveries: int, may_wait: bool) -> RecoveryDecision:
         dead = sorted(w for w in placement.members if w in self.group.dead)
