@@ -123,6 +123,13 @@ class Config:
     # MaxText's key: the run's goodput as ml-goodput-measurement events in <run dir>/goodput_log.jsonl
     # (needs jax-elastic[goodput]); with elastic_goodput_cloud_logging also to Cloud Logging, goodput_<run_name>.
     enable_goodput_recording: bool = _key(False)
+    # Persistent checkpoints (MaxText's keys): one replica writes its state every checkpoint_period steps
+    # (and after the last), in the background; when every replica is lost the run restores the newest
+    # complete one instead of failing. elastic_checkpoint_directory: a local path or gs://bucket/path;
+    # "": <base_output_directory>/<run_name>/checkpoints.
+    enable_checkpointing: bool = _key(False)
+    checkpoint_period: int = _key(10, ge=1)
+    elastic_checkpoint_directory: str = _key("")
     elastic_goodput_cloud_logging: bool = _key(False)
 
     def __post_init__(self) -> None:

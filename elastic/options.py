@@ -30,8 +30,8 @@ from types import MappingProxyType
 from elastic.config import Config
 from runtime import ControllerOptions, TlsFiles
 
-__all__ = ["NOT_FROM_CONFIG", "READ_ELSEWHERE", "RunSettings", "compilation_cache_dir", "controller_options",
-           "run_settings"]
+__all__ = ["NOT_FROM_CONFIG", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory", "compilation_cache_dir",
+           "controller_options", "run_settings"]
 
 # Config key -> ControllerOptions field, copied as is.
 _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
@@ -63,6 +63,8 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
 _ENABLED_KEY = "elastic_enabled"  # false -> the recovery fields below take their "no recovery" values
 _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.compilation_cache_dir)
+# -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
+_CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory")
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
@@ -137,6 +139,17 @@ def compilation_cache_dir(cfg: Config) -> str:
     return str(pathlib.Path(value).expanduser().resolve())   # workers run elsewhere (cwd)
 
 
+def checkpoint_directory(cfg: Config, run_dir: str | pathlib.Path) -> str:
+    """Where the run's persistent checkpoints go: "" without ``enable_checkpointing``; a gs:// URL as is;
+    else an absolute path (``<run_dir>/checkpoints`` by default)."""
+    if not cfg.enable_checkpointing:
+        return ""
+    value = cfg.elastic_checkpoint_directory or os.path.join(str(run_dir), "checkpoints")
+    if value.startswith("gs://"):
+        return value
+    return str(pathlib.Path(value).expanduser().resolve())   # workers run elsewhere (cwd)
+
+
 def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOptions:
     """The ``ControllerOptions`` of ``cfg`` for a run writing to ``run_dir``.
 
@@ -146,6 +159,8 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     refused recovery keys that contradict it, so this only replaces defaults.
     """
     opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg), compilation_cache_dir=compilation_cache_dir(cfg),
+                             checkpoint_directory=checkpoint_directory(cfg, run_dir),
+                             checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts
@@ -162,7 +177,8 @@ def _tls(cfg: Config) -> TlsFiles | None:
 
 def _check_every_key_has_a_place() -> None:
     schema = {f.name for f in dataclasses.fields(Config)}
-    placed = set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY} | set(READ_ELSEWHERE)
+    placed = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY} | set(_CHECKPOINT_KEYS)
+              | set(READ_ELSEWHERE))
     if placed != schema:
         raise ImportError(f"elastic.options and the Config schema disagree: keys without a place here: "
                           f"{sorted(schema - placed)}; keys here that are not in the schema: "

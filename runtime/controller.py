@@ -41,7 +41,7 @@ from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
 from runtime.timing import slowest_phases
 from runtime.watchdog import investigate
-from runtime.worker_group import Stalled, WorkerGroup
+from runtime.worker_group import Stalled, StepResult, WorkerGroup
 
 __all__ = ["Controller", "ControllerObserver", "ControllerOptions", "Phase", "RunResult", "peak_rss_bytes"]
 
@@ -87,6 +87,8 @@ class ControllerOptions:
     compilation_cache_dir: str = ""        # JAX's persistent compilation cache of the workers ("": none)
     standby_workers: int = 0               # processes started ahead of need, for relaunches (local launcher)
     data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.dataplane) or "grpc" (Push)
+    checkpoint_directory: str = ""         # persistent checkpoints (runtime.checkpoint); "": none
+    checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none
 
 
 class ControllerObserver:
@@ -356,10 +358,26 @@ class Controller:
         return Phase.RUNNING
 
     def _dispatch(self, plan: StepPlan) -> None:
-        futs = self.group.dispatch(plan)
+        futs = self.group.dispatch(plan, self._checkpoint_for(plan))
         self.plans[plan.step] = plan
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
         self.pending.append((plan, futs, time.time()))
+
+    def _checkpoint_for(self, plan: StepPlan) -> tuple[str, str] | None:
+        """``(worker, directory)`` when this step ends a checkpoint period (or the run); the writer rotates."""
+        o, n = self.opts, plan.step + 1
+        if not o.checkpoint_directory or o.checkpoint_period <= 0:
+            return None
+        if n % o.checkpoint_period and n != self._run["steps"]:
+            return None
+        return plan.workers[(n // o.checkpoint_period) % len(plan.workers)], o.checkpoint_directory
+
+    def _note_checkpoints(self, results) -> None:
+        for w, r in results.items():
+            for step in r.checkpoints_saved:
+                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.opts.checkpoint_directory)
+            if r.checkpoint_error:
+                self.events.emit("checkpoint_failed", worker=w, error=r.checkpoint_error[:500])
 
     def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> None:
         """Waits for a step (the watchdog looks once if it runs far past the median), checks and records it."""
@@ -373,6 +391,7 @@ class Controller:
         if len(sums) != 1:
             raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
         self._watch_stragglers(plan, results)
+        self._note_checkpoints(results)
         self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
@@ -425,7 +444,11 @@ class Controller:
                 self.swap_pending.append(w)
 
     def _finish(self) -> Phase:
-        """Every step committed: check that the replicas agree and build the result."""
+        """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
+        if self.opts.checkpoint_directory and self.opts.checkpoint_period > 0:
+            for w, (saved, error) in self.group.flush_checkpoints(self.placement.active,
+                                                                  self.opts.rpc_timeout_seconds).items():
+                self._note_checkpoints({w: StepResult(0.0, checkpoints_saved=tuple(saved), checkpoint_error=error)})
         hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
         steps = self._run["steps"]
         if len(set(hashes.values())) != 1:
@@ -449,6 +472,8 @@ class Controller:
                                                  len(self.losses), self.recoveries)
         old, self.pending = self.placement, collections.deque()
         self._adopt(decision.placement)
+        if decision.action is Action.RESTORE:
+            return self._restore(old, self.recovery.checkpoint, started)
         plan = self.recovery.realign(old, decision.placement, frozenset(self.replicas), len(self.losses))
         for step, loss_sum in plan.commits:
             self._record(step, self.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
@@ -459,6 +484,23 @@ class Controller:
                          resume_step=plan.target, dead=sorted(w for w in old.members if w in self.dead),
                          bytes_moved=moved, seconds=time.time() - started)
         self._run["next_step"] = plan.target
+        self._error = None
+        return Phase.RUNNING
+
+    def _restore(self, old: Placement, step: int, started: float) -> Phase:
+        """No replica is left: every active slice loads the checkpoint of ``step``; training resumes there."""
+        step, moved = self.recovery.restore(old, self.placement, step)
+        committed = len(self.losses)
+        self.replicas = set(self.placement.active)
+        self._copy_to_newcomers(self.placement.active[0], step)   # copies nothing: checks every replica's hash
+        del self.losses[step:]
+        self.plans.clear()
+        self.events.emit("checkpoint_restored", step=step, directory=self.opts.checkpoint_directory, bytes=moved,
+                         steps_lost=committed - step)
+        self.events.emit("recovered", path=Action.RESTORE.value, epoch=self.placement.epoch, resume_step=step,
+                         dead=sorted(w for w in old.members if w in self.dead), bytes_moved=moved,
+                         seconds=time.time() - started, restore_tier="checkpoint")
+        self._run["next_step"] = step
         self._error = None
         return Phase.RUNNING
 

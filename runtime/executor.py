@@ -18,7 +18,7 @@ from runtime.microbatch import Node, tree_reduce
 from runtime.programs import MESH_AXIS, ProgramSet
 from runtime.timing import Clock
 
-__all__ = ["SliceExecutor", "add_f32"]
+__all__ = ["SliceExecutor", "add_f32", "probe_devices"]
 
 
 def add_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -182,3 +182,19 @@ class SliceExecutor:
             digest = state_sha256(jax.tree.leaves(self.state))
             self._digest = (self.state, digest)
         return digest
+
+
+def probe_devices() -> int:
+    """Runs a tiny program on every local device; returns how many gave the right answer.
+
+    Raises ``RuntimeError`` naming the first device that computed a wrong
+    result, so a worker with a bad device never joins the run.
+    """
+    n = 0
+    for d in jax.devices():
+        x = jax.device_put(np.arange(16, dtype=np.float32), d)
+        got = float(jax.jit(lambda v: (v * 2.0).sum())(x))
+        if got != 240.0:
+            raise RuntimeError(f"device probe failed on {d}: computed {got}, expected 240.0")
+        n += 1
+    return n

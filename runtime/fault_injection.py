@@ -24,7 +24,7 @@ import grpc
 from runtime.auth import handler_like
 from runtime.errors import ProtocolError
 
-__all__ = ["WorkerFaults", "PartitionInterceptor", "ACTIONS", "PHASES"]
+__all__ = ["WorkerFaults", "PartitionInterceptor", "ACTIONS", "PHASES", "corrupt_first", "mid_stream"]
 
 # The worker-side action vocabulary, exported as ``runtime.FAULT_ACTIONS``: the
 # chaos harness maps its fault kinds onto these; ``Chaos`` refuses anything else.
@@ -161,3 +161,21 @@ class PartitionInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (chaos)")
 
         return handler_like(handler, drop)
+
+
+def mid_stream(chunks, hook):
+    """Passes ``chunks`` through, calling ``hook()`` after the first (chaos: a fault mid-transfer)."""
+    for i, chunk in enumerate(chunks):
+        if i == 1:
+            hook()
+        yield chunk
+
+
+def corrupt_first(parts):
+    """Chaos: flips one byte of the first part after its checksum was computed."""
+    for i, part in enumerate(parts):
+        if i == 0 and len(part.payload):
+            flipped = bytearray(part.payload)
+            flipped[0] ^= 0xFF
+            part = type(part)(part.header, memoryview(flipped))
+        yield part

@@ -217,6 +217,7 @@ class Action(enum.Enum):
     SHRINK = "shrink"     # some slices were dropped; the survivors take their microbatches
     RETRY = "retry"       # no one died (a transient error): re-run the step in a new epoch
     WAIT = "wait"         # below the minimum, but capacity may still arrive
+    RESTORE = "restore"   # no replica is left: every active slice loads the newest complete checkpoint
     FAIL = "fail"         # nothing applies: the run ends with ElasticTrainingFailedError
 
 
@@ -229,17 +230,22 @@ class RecoveryDecision:
     reason: str
 
 
-NO_REPLICA = ("no live replica of the state is left (restore from a snapshot or checkpoint is not built yet)")
+NO_REPLICA = ("no live replica of the state is left and no complete checkpoint to restore "
+              "(enable_checkpointing=true with a checkpoint_period keeps one)")
 
 
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
-                    recoveries: int, max_retries: int, may_wait: bool = False) -> RecoveryDecision:
+                    recoveries: int, max_retries: int, may_wait: bool = False,
+                    checkpoint_step: int | None = None) -> RecoveryDecision:
     """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
 
     ``replicas``: the workers known to hold the state at the committed
     frontier. A survivor that is not one (a spare promoted in an earlier
     attempt whose copy never finished) keeps its slice but cannot supply
-    the state; with no live replica left the answer is ``FAIL``.
+    the state; with no live replica left the answer is ``RESTORE`` when a
+    complete checkpoint exists (``checkpoint_step``: its step, None when
+    there is none) and at least ``min_slices`` slices have a worker (else
+    ``WAIT`` for capacity, when it may come), otherwise ``FAIL``.
     ``recoveries``: attempts so far including this one; past
     ``max_retries`` the answer is ``FAIL``. ``may_wait``: capacity may still
     arrive (a relaunched or joining worker), so being below the minimum
@@ -263,10 +269,20 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
             dropped += 1
     new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
     survivors = [w for w in placement.active if w not in dead]
-    if not survivors:
-        return RecoveryDecision(Action.FAIL, new, f"every active slice is gone: {NO_REPLICA}")
-    if not any(w in replicas for w in survivors):
-        return RecoveryDecision(Action.FAIL, new, f"the surviving slices hold no copy of the state: {NO_REPLICA}")
+    lost_state = ("every active slice is gone" if not survivors else
+                  "the surviving slices hold no copy of the state" if not any(w in replicas for w in survivors) else "")
+    if lost_state and checkpoint_step is None:
+        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}")
+    if lost_state:
+        if len(active) >= min_slices:
+            return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "
+                                                         f"checkpoint of step {checkpoint_step}")
+        if may_wait:
+            return RecoveryDecision(Action.WAIT, placement, f"{lost_state} and {len(active)} slices have a worker "
+                                                            f"(elastic_min_slice_count {min_slices}): waiting for "
+                                                            f"capacity to restore step {checkpoint_step}")
+        return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a checkpoint of step {checkpoint_step} exists but "
+                                                  f"no worker is left to restore it")
     if len(active) < min_slices:
         if may_wait:
             return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, elastic_min_slice_count "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent import futures
 
 from runtime.errors import ElasticTrainingFailedError
 from runtime.policy import Action, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, decide_recovery, \
@@ -44,6 +45,7 @@ class Recovery:
     def __init__(self, group, opts, events):
         self.group, self.opts, self.events = group, opts, events
         self.deferred: list[str] = []   # dead workers whose replacement starts after the next commit
+        self.checkpoint: int | None = None   # the checkpoint step the last decision may restore (None: none)
 
     def decide(self, err: Exception, placement: Placement, replicas: frozenset[str], committed: int,
                recoveries: int) -> tuple[RecoveryDecision, float]:
@@ -61,6 +63,7 @@ class Recovery:
         for w, alive in group.probe(members).items():
             if not alive:
                 group.declare_dead(w, f"no answer after {type(err).__name__}")
+        self.checkpoint = self.newest_checkpoint(committed)
         decision = self._decide(placement, replicas, recoveries, may_wait=self.opts.capacity_timeout_seconds > 0)
         if decision.action is Action.WAIT:
             decision = self._wait_for_capacity(decision, replicas, recoveries)
@@ -101,6 +104,46 @@ class Recovery:
                 self.group.relaunch(w)
         return dead
 
+    def newest_checkpoint(self, committed: int) -> int | None:
+        """The newest complete checkpoint at or before the committed frontier; None without one (or checkpoints)."""
+        directory = self.opts.checkpoint_directory
+        if not directory:
+            return None
+        from runtime.checkpoint import CheckpointStore
+
+        try:
+            steps = [s for s in CheckpointStore(directory).steps() if s <= committed]
+        except Exception as e:  # noqa: BLE001 - an unreadable store is no backup; the decision says so
+            self.events.emit("checkpoint_unavailable", directory=directory, error=f"{type(e).__name__}: {e}"[:300])
+            return None
+        return max(steps) if steps else None
+
+    def restore(self, old: Placement, new: Placement, step: int) -> tuple[int, int]:
+        """Every active member of ``new`` loads the newest valid checkpoint at or before ``step`` (no replica is
+        left); returns ``(step restored, bytes read)``.
+
+        The dead are retired (relaunched after the next commit) and every
+        member is fenced into the new epoch first. A corrupt checkpoint is
+        passed over for an older one (``checkpoint_skipped`` events); members
+        that ended on different steps all load the oldest of them again.
+        """
+        self.deferred += self.retire_dead(old, relaunch=False)
+        self.group.abort(new.members)
+
+        def load_all(at_most):
+            with futures.ThreadPoolExecutor(max_workers=max(len(new.active), 1)) as pool:   # each reads its copy
+                return dict(zip(new.active, pool.map(
+                    lambda w: self.group.load_checkpoint(w, self.opts.checkpoint_directory, at_most), new.active)))
+
+        replies = load_all(step)
+        for w, r in replies.items():
+            for why in r.skipped:
+                self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
+        restored = min(r.applied_steps for r in replies.values())
+        if any(r.applied_steps != restored for r in replies.values()):
+            replies = load_all(restored)
+        return restored, sum(r.bytes for r in replies.values())
+
     def relaunch_deferred(self) -> None:
         """Relaunches the dead workers :meth:`realign` left for after the first commit (each once, within limits)."""
         deferred, self.deferred = self.deferred, []
@@ -110,7 +153,8 @@ class Recovery:
     def _decide(self, placement: Placement, replicas, recoveries: int, may_wait: bool) -> RecoveryDecision:
         dead = sorted(w for w in placement.members if w in self.group.dead)
         decision = decide_recovery(placement, dead, replicas, min_slices=self.opts.min_slices,
-                                   recoveries=recoveries, max_retries=self.opts.max_retries, may_wait=may_wait)
+                                   recoveries=recoveries, max_retries=self.opts.max_retries, may_wait=may_wait,
+                                   checkpoint_step=self.checkpoint)
         self.events.emit("recovery_decision", action=decision.action.value, reason=decision.reason, dead=dead,
                          epoch=decision.placement.epoch, active=list(decision.placement.active),
                          spares=list(decision.placement.spares))

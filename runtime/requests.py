@@ -19,7 +19,7 @@ from runtime.errors import ProtocolError
 from runtime.microbatch import Node, is_power_of_two, root
 from runtime.programs import ProgramSet
 
-__all__ = ["check_step_request", "decode_programs", "node_of", "unpickle_source"]
+__all__ = ["check_step_request", "decode_programs", "node_of", "programs_fingerprint", "unpickle_source"]
 
 _MAX_MICROBATCHES = 1 << 20
 
@@ -65,6 +65,14 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
     mine = sorted(x for x, o in zip(nodes, req.node_owner) if o == req.rank)
     if sorted(node_of(x) for x in req.nodes) != mine:
         raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
+
+
+def programs_fingerprint(programs) -> str:
+    """sha256 over a ``Load``'s programs (name and bytes, in name order): which math a checkpoint belongs to."""
+    h = hashlib.sha256()
+    for p in sorted(programs, key=lambda p: p.name):
+        h.update(p.name.encode() + b"\0" + hashlib.sha256(p.serialized).digest())
+    return h.hexdigest()
 
 
 def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:

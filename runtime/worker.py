@@ -26,7 +26,6 @@ Set ``XLA_FLAGS`` (device count) before this module is imported.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -34,8 +33,6 @@ import time
 from collections.abc import Iterator
 
 import grpc
-import jax
-import numpy as np
 
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
@@ -44,10 +41,12 @@ from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce,
                                 checked_chunk_bytes, inline, state_chunks)
 from runtime.dataplane import DataClient, RemoteError
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
-from runtime.executor import SliceExecutor, add_f32
-from runtime.fault_injection import WorkerFaults
+from runtime.executor import SliceExecutor, add_f32, probe_devices
+from runtime.fault_injection import WorkerFaults, corrupt_first, mid_stream
 from runtime.microbatch import root
-from runtime.requests import check_step_request, decode_programs, node_of, unpickle_source
+from runtime.peers import PeerChannels
+from runtime.requests import check_step_request, decode_programs, node_of, programs_fingerprint, unpickle_source
+from runtime.saver import CheckpointWriter
 from runtime.timing import Clock
 
 __all__ = ["WorkerService", "probe_devices"]
@@ -55,54 +54,6 @@ __all__ = ["WorkerService", "probe_devices"]
 log = logging.getLogger("jax_elastic.worker")
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
-
-
-class _PeerChannels:
-    """Channels to peer workers, one per address, opened on first use. Thread-safe.
-
-    Counts the pushes in flight per address, so that an abort closes exactly
-    the channels a step may be blocked on: closing a channel cancels its calls
-    at once (a blocking push to a hung peer would otherwise wait until the
-    step deadline); the next call to that address opens a new channel.
-    """
-
-    def __init__(self, secret: str, tls):
-        self._secret = secret
-        self._tls = tls
-        self._lock = threading.Lock()
-        self._open: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
-        self._pushing: dict[str, int] = {}   # address -> pushes in flight to it
-
-    def stub(self, address: str) -> pb_grpc.WorkerStub:
-        with self._lock:
-            return self._stub(address)
-
-    @contextlib.contextmanager
-    def pushing(self, address: str):
-        """The stub for ``address``, with a push to it counted in flight while the block runs."""
-        with self._lock:
-            stub = self._stub(address)
-            self._pushing[address] = self._pushing.get(address, 0) + 1
-        try:
-            yield stub
-        finally:
-            with self._lock:
-                self._pushing[address] -= 1
-
-    def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        entry = self._open.get(address)
-        if entry is None:
-            ch = rpc.channel(address, self._secret, self._tls)
-            entry = self._open[address] = (ch, pb_grpc.WorkerStub(ch))
-        return entry[1]
-
-    def close_pushing(self) -> None:
-        """Closes the channels with pushes in flight; those pushes raise ``ValueError`` or CANCELLED."""
-        with self._lock:
-            for address in [a for a, n in self._pushing.items() if n]:
-                entry = self._open.pop(address, None)
-                if entry is not None:
-                    entry[0].close()
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -128,7 +79,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._running = False
         self._recent: dict[int, float] = {}   # step -> loss sum, last few applied
         self._cond = threading.Condition()
-        self._peers = _PeerChannels(secret, tls)
+        self._peers = PeerChannels(secret, tls)
         self.data = DataClient(secret, tls)   # to peers' data planes (runtime.dataplane)
         self.collective = AllReduce(self._push, self.mailbox, add_f32)
         self.stopped = threading.Event()
@@ -140,6 +91,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.progress = (-1, "idle", time.monotonic())
         self.refusals = auth.Refusals(log)    # calls refused for their secret, until the controller asks
         self._state_layout: list | None = None   # [(shape, dtype)] of the state leaves, from the programs
+        self.fingerprint = ""                 # sha256 of the loaded programs: which math a checkpoint holds
+        self._writer: CheckpointWriter | None = None   # persistent checkpoints (runtime.saver), on first use
 
     # -- fencing -------------------------------------------------------------
 
@@ -166,6 +119,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     # -- the worker's lease on its controller ---------------------------------
 
     CONTROLLER_METHODS = ("Load", "Init", "Step", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
+                          "LoadCheckpoint", "Checkpoints",
                           "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
 
     def heard(self, method: str) -> None:
@@ -228,6 +182,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             log.info("loading %d programs (%d bytes) for %d devices", len(request.programs),
                      sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
             executor = SliceExecutor(programs, source)
+            if request.checkpointing:   # beside the compile: the first save would pay orbax's start-up (~2 s)
+                self.fingerprint = programs_fingerprint(request.programs)
+                self._checkpoints().warm()
             t0 = time.perf_counter()
             probed = probe_devices()
             probe_seconds = time.perf_counter() - t0
@@ -237,6 +194,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     raise StaleEpochError("a step is running; cannot load new programs now")
                 self.executor = executor
                 self._state_layout = state_layout
+                self.fingerprint = programs_fingerprint(request.programs)
                 self.chunk_bytes = chunk_bytes
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
@@ -359,7 +317,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             leaves = self.executor.host_state()
             applied = self.executor.steps_applied
             digest = self.executor.state_sha256()   # cached: the controller's Abort usually computed it
-        return _mid_stream(state_chunks(leaves, applied, self.chunk_bytes, digest), self.faults.sending_state)
+        return mid_stream(state_chunks(leaves, applied, self.chunk_bytes, digest), self.faults.sending_state)
 
     def PullState(self, request, context):
         """Controller: replace this replica's state with a copy pulled from ``source_address``.
@@ -380,7 +338,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             else:
                 stream = self._peers.stub(request.source_address).GetState(ask, timeout=self.step_timeout)
             try:
-                leaves, applied, digest = assemble_state(_mid_stream(stream, self.faults.receiving_state),
+                leaves, applied, digest = assemble_state(mid_stream(stream, self.faults.receiving_state),
                                                          expect=self._state_layout)
             except grpc.RpcError as e:
                 raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
@@ -393,16 +351,57 @@ class WorkerService(pb_grpc.WorkerServicer):
             if request.expected_sha256 and digest != request.expected_sha256:
                 raise ProtocolError(f"the state from {request.source_address} does not hash to the expected "
                                     f"{request.expected_sha256[:12]}...")
-            with self._cond:
-                if self._running:
-                    raise StaleEpochError("a step is running; cannot replace the state")
-                self.executor.set_state(leaves, applied, sha256=digest)
-                self.next_step = applied
-                self._recent.clear()
+            self._adopt_state(leaves, applied, digest)
             # The digest of the leaves now in place (the controller then checks every replica's own hash).
             return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
                                      seconds=time.perf_counter() - t0)
         return self._guard(context, pull)
+
+    def LoadCheckpoint(self, request, context):
+        """Controller: replace this replica's state with a persistent checkpoint (every replica was lost).
+
+        The newest complete checkpoint at or before the step asked for that
+        hashes to the digest it recorded (older ones are tried when newer ones
+        are corrupt; the reply says which were skipped) must hold this
+        worker's state layout and come from the same programs; otherwise the
+        state is unchanged and the error names the checkpoint.
+        """
+        def load():
+            self.check_fence(request.fence)
+            self._need_executor()
+            from runtime.checkpoint import CheckpointStore
+
+            t0 = time.perf_counter()
+            (step, leaves, digest, meta), skipped = CheckpointStore(request.directory).restore_newest_valid(
+                at_most=request.applied_steps)
+            if meta.get("fingerprint") not in ("", None, self.fingerprint):
+                raise ProtocolError(f"checkpoint {request.directory} step {step} was written by other programs "
+                                    "(another model or optimizer); it cannot resume this run")
+            self._adopt_state(leaves, step, digest)
+            return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
+                                     seconds=time.perf_counter() - t0, applied_steps=step,
+                                     skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped])
+        return self._guard(context, load)
+
+    def _adopt_state(self, leaves, applied: int, digest: str) -> None:
+        """Replaces this replica's state (a copy from a peer or a checkpoint); refused while a step runs."""
+        with self._cond:
+            if self._running:
+                raise StaleEpochError("a step is running; cannot replace the state")
+            self.executor.set_state(leaves, applied, sha256=digest)
+            self.next_step = applied
+            self._recent.clear()
+
+    def Checkpoints(self, request, context):
+        """Controller (at the end of a run): waits for the checkpoints in flight, then reports them."""
+        def flush():
+            self.check_fence(request.fence)
+            if self._writer is None:
+                return pb.CheckpointsReply(idle=True)
+            idle = self._writer.wait(max(0.0, min(request.wait_seconds, self.step_timeout)))
+            saved, error = self._writer.drain()
+            return pb.CheckpointsReply(saved=saved, error=error, idle=idle)
+        return self._guard(context, flush)
 
     def Push(self, request_iterator, context):
         """Peer: the pieces one sender has for this worker in one phase of one step."""
@@ -514,6 +513,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
             ex.apply(total[:-1], clock)
             self.faults.in_phase("apply")
+            if req.checkpoint_directory:   # written in the background from the (immutable) new state
+                self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state)
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
             for old in [k for k in self._recent if k < req.step - 4]:
@@ -521,8 +522,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")
+        saved, error = self._writer.drain() if self._writer is not None else ([], "")
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
-                            apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds)
+                            apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
+                            checkpoints_saved=saved, checkpoint_error=error)
+
+    def _checkpoints(self) -> CheckpointWriter:
+        if self._writer is None:
+            self._writer = CheckpointWriter(self.fingerprint)
+        return self._writer
 
     def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:
         """The collective's transport: one blocking push to a peer, over its data plane when it has one,
@@ -531,7 +539,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if self.faults.partitioned():
             raise StepAbortedError(-1, f"push to {address} failed: partitioned (chaos)")
         if self.faults.take_corruption():
-            parts = _corrupt_first(parts)
+            parts = corrupt_first(parts)
         if peer.data_address:
             try:
                 self.data.push(peer.data_address, parts, deadline)
@@ -547,37 +555,3 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
             except ValueError as e:   # the channel was closed by an abort
                 raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None
-
-
-def _mid_stream(chunks, hook):
-    """Passes ``chunks`` through, calling ``hook()`` after the first (chaos: a fault mid-transfer)."""
-    for i, chunk in enumerate(chunks):
-        if i == 1:
-            hook()
-        yield chunk
-
-
-def _corrupt_first(parts: Iterator[Part]) -> Iterator[Part]:
-    """Chaos: flips one byte of the first part after its checksum was computed."""
-    for i, part in enumerate(parts):
-        if i == 0 and len(part.payload):
-            flipped = bytearray(part.payload)
-            flipped[0] ^= 0xFF
-            part = Part(part.header, memoryview(flipped))
-        yield part
-
-
-def probe_devices() -> int:
-    """Runs a tiny program on every local device; returns how many gave the right answer.
-
-    Raises ``RuntimeError`` naming the first device that computed a wrong
-    result, so a worker with a bad device never joins the run.
-    """
-    n = 0
-    for d in jax.devices():
-        x = jax.device_put(np.arange(16, dtype=np.float32), d)
-        got = float(jax.jit(lambda v: (v * 2.0).sum())(x))
-        if got != 240.0:
-            raise RuntimeError(f"device probe failed on {d}: computed {got}, expected 240.0")
-        n += 1
-    return n

@@ -64,6 +64,8 @@ class StepResult:
     apply_seconds: float = 0.0
     bytes_sent: int = 0
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)   # finer: runtime.timing.Clock
+    checkpoints_saved: tuple[int, ...] = ()   # steps whose checkpoints this worker finished since its last reply
+    checkpoint_error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +358,8 @@ class WorkerGroup:
                  for k, v in self.programs.programs().items()]
         return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
                               layout=self.programs.layout_json(), lease_seconds=self.opts.worker_lease_seconds,
-                              chunk_bytes=self.opts.chunk_bytes)
+                              chunk_bytes=self.opts.chunk_bytes,
+                              checkpointing=bool(self.opts.checkpoint_directory and self.opts.checkpoint_period))
 
     def program_bytes(self) -> int:
         return sum(len(v) for v in self.programs.programs().values())
@@ -467,8 +470,11 @@ class WorkerGroup:
 
     # -- steps -----------------------------------------------------------------
 
-    def dispatch(self, plan: StepPlan) -> dict[str, grpc.Future]:
-        """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once."""
+    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str] | None = None) -> dict[str, grpc.Future]:
+        """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
+
+        ``checkpoint``: ``(worker, directory)``: that worker writes a checkpoint after this step.
+        """
         peers = [pb.Peer(rank=r, address=self.registry.workers[w].address, data_address=self._data_address(w))
                  for r, w in enumerate(plan.workers)]
         all_nodes, owners = [], []
@@ -480,7 +486,8 @@ class WorkerGroup:
             for r, w in enumerate(plan.workers):
                 req = pb.StepRequest(fence=self._fence(), step=plan.step, rank=r, peers=peers,
                                      nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
-                                     all_nodes=all_nodes, node_owner=owners)
+                                     all_nodes=all_nodes, node_owner=owners,
+                                     checkpoint_directory=checkpoint[1] if checkpoint and checkpoint[0] == w else "")
                 futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
                 self._inflight.setdefault(w, []).append(futs[w])
                 if w in self.dead:
@@ -498,7 +505,7 @@ class WorkerGroup:
             return replies
         self._settle(futs)
         return {w: StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent,
-                              dict(r.phases))
+                              dict(r.phases), tuple(r.checkpoints_saved), r.checkpoint_error)
                 for w, r in replies.items()}
 
     def _settle(self, futs: dict[str, grpc.Future]) -> None:
@@ -532,6 +539,18 @@ class WorkerGroup:
             fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
             source_data_address=self._data_address(source)))
         return reply.bytes, reply.sha256
+
+    def load_checkpoint(self, worker_id: str, directory: str, applied: int) -> pb.PullStateReply:
+        """``worker_id`` loads the newest valid checkpoint at or before ``applied`` (its reply says which)."""
+        return self._call(worker_id, "LoadCheckpoint", pb.LoadCheckpointRequest(
+            fence=self._fence(), directory=directory, applied_steps=applied))
+
+    def flush_checkpoints(self, workers, wait_seconds: float) -> dict[str, tuple[list[int], str]]:
+        """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved, error)}``."""
+        replies = self._all("Checkpoints", lambda w: pb.CheckpointsRequest(fence=self._fence(),
+                                                                           wait_seconds=wait_seconds), workers)
+        return {w: (list(r.saved), r.error or ("" if r.idle else f"still writing after {wait_seconds:g} s"))
+                for w, r in replies.items()}
 
     def _data_address(self, worker_id: str) -> str:
         """Where peers send ``worker_id`` tensors: its data plane, or "" (gRPC) when it has none or the run

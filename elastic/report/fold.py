@@ -229,7 +229,8 @@ def build_report(events_or_path) -> dict:
             # recovered by the same, final recovery.
             for f in report["failures"]:
                 if f["recovered_after_s"] is None:
-                    f.update(recovered_after_s=e["t"] - t_first - f["detected_at"], resume_step=e["resume_step"])
+                    f.update(recovered_after_s=e["t"] - t_first - f["detected_at"], resume_step=e["resume_step"],
+                             restore_tier=e.get("restore_tier", "replica"))
             report["failures"][-1].update(bytes_moved=e["bytes_moved"])
         elif kind in ("grown", "straggler_replaced"):
             report["slices_at_end"] = len(e["active"])

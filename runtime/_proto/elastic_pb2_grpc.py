@@ -146,6 +146,16 @@ class WorkerStub:
                 request_serializer=elastic__pb2.PullStateRequest.SerializeToString,
                 response_deserializer=elastic__pb2.PullStateReply.FromString,
                 _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/jax_elastic.Worker/LoadCheckpoint',
+                request_serializer=elastic__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=elastic__pb2.PullStateReply.FromString,
+                _registered_method=True)
+        self.Checkpoints = channel.unary_unary(
+                '/jax_elastic.Worker/Checkpoints',
+                request_serializer=elastic__pb2.CheckpointsRequest.SerializeToString,
+                response_deserializer=elastic__pb2.CheckpointsReply.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/jax_elastic.Worker/Push',
                 request_serializer=elastic__pb2.TensorChunk.SerializeToString,
@@ -219,6 +229,18 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoints(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -300,6 +322,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PullState,
                     request_deserializer=elastic__pb2.PullStateRequest.FromString,
                     response_serializer=elastic__pb2.PullStateReply.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=elastic__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=elastic__pb2.PullStateReply.SerializeToString,
+            ),
+            'Checkpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoints,
+                    request_deserializer=elastic__pb2.CheckpointsRequest.FromString,
+                    response_serializer=elastic__pb2.CheckpointsReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
@@ -543,6 +575,60 @@ class Worker:
             '/jax_elastic.Worker/PullState',
             elastic__pb2.PullStateRequest.SerializeToString,
             elastic__pb2.PullStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/LoadCheckpoint',
+            elastic__pb2.LoadCheckpointRequest.SerializeToString,
+            elastic__pb2.PullStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Checkpoints',
+            elastic__pb2.CheckpointsRequest.SerializeToString,
+            elastic__pb2.CheckpointsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,7 +34,9 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
     if key == "dcn_data_parallelism":
         return {key: value // 2}
     if key == "elastic_trainer":
-        return {key: "mypkg.train:make_job"}  # fewer slices: tiny's elastic_microbatches stays >= slices
+        return {key: "mypkg.train:make_job"}
+    if key == "elastic_checkpoint_directory":
+        return {key: str(tmp_path / "checkpoints")}  # fewer slices: tiny's elastic_microbatches stays >= slices
     if isinstance(value, bool):
         return {key: not value}
     if isinstance(value, (int, float)):
@@ -50,7 +52,7 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
 
 def test_every_schema_key_has_exactly_the_places_declared():
     placed = (set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY, options._CACHE_KEY}
-              | set(READ_ELSEWHERE))
+              | set(options._CHECKPOINT_KEYS) | set(READ_ELSEWHERE))
     assert placed == set(SCHEMA)
 
 
@@ -61,7 +63,8 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 
 
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
-    fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir"}
+    fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir", "checkpoint_directory",
+                                                  "checkpoint_period"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (
@@ -87,6 +90,8 @@ def test_only_elastic_options_builds_controller_options():
 
 @pytest.mark.parametrize("key", ELASTIC_KEYS)
 def test_every_elastic_key_changes_the_controller_options_or_its_declared_reader(key, base, tmp_path):
+    if key in options._CHECKPOINT_KEYS:
+        base = base.replace(enable_checkpointing=True)   # the checkpoint keys act only with checkpoints on
     changes = changed(base, key, tmp_path)
     cfg = base.replace(**changes)
     opts_moved = controller_options(cfg, "run") != controller_options(base, "run")
@@ -190,3 +195,12 @@ def test_chunk_bytes_bounds_match_what_workers_accept():
     for bad in (runtime.MIN_CHUNK_BYTES - 1, runtime.MAX_CHUNK_BYTES + 1):
         with pytest.raises(ConfigError, match="elastic_chunk_bytes"):
             Config().replace(elastic_chunk_bytes=bad)
+
+
+def test_checkpoint_keys_reach_the_controller_only_when_checkpointing(base, tmp_path):
+    assert (controller_options(base, tmp_path).checkpoint_directory, controller_options(base, tmp_path).checkpoint_period) \
+        == ("", 0)
+    on = controller_options(base.replace(enable_checkpointing=True, checkpoint_period=7), tmp_path)
+    assert (on.checkpoint_directory, on.checkpoint_period) == (str(tmp_path.resolve() / "checkpoints"), 7)
+    gcs = controller_options(base.replace(enable_checkpointing=True, elastic_checkpoint_directory="gs://b/run"), tmp_path)
+    assert gcs.checkpoint_directory == "gs://b/run"

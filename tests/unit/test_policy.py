@@ -202,3 +202,23 @@ def test_decide_start(devices, lost, min_slices, action, active, spares, why):
     d = decide_start(2, 2, _workers(*devices), lost=lost, min_slices=min_slices)
     assert d.action is action and why in d.reason
     assert (d.placement.active, d.placement.spares) == (active, spares)
+
+
+RESTORE_CASES = [
+    # dead, replicas, min_slices, may_wait, checkpoint step -> action, active, reason fragment
+    (("a", "b", "c"), ALL, 1, False, 40, Action.RESTORE, ("s", "t"), "restore the checkpoint of step 40"),
+    (("a",), {"a"}, 1, False, 40, Action.RESTORE, ("s", "b", "c"), "hold no copy of the state"),
+    (("a", "b", "c", "s", "t"), ALL, 1, True, 40, Action.WAIT, ("a", "b", "c"), "waiting for capacity"),
+    (("a", "b", "c", "s", "t"), ALL, 1, False, 40, Action.FAIL, (), "no worker is left to restore it"),
+    (("a", "b", "c"), ALL, 3, True, 40, Action.WAIT, ("a", "b", "c"), "elastic_min_slice_count 3"),
+    (("a", "b", "c"), ALL, 1, False, None, Action.FAIL, ("s", "t"), "no complete checkpoint"),
+    (("b",), ALL, 1, False, 40, Action.REPLACE, ("a", "s", "c"), "spares replace"),   # a replica lives: no restore
+]
+
+
+@pytest.mark.parametrize("dead,replicas,min_slices,may_wait,step,action,active,why", RESTORE_CASES)
+def test_without_a_replica_a_checkpoint_is_restored(dead, replicas, min_slices, may_wait, step, action, active, why):
+    d = decide_recovery(P, dead, replicas, min_slices=min_slices, recoveries=1, max_retries=5, may_wait=may_wait,
+                        checkpoint_step=step)
+    assert d.action is action and why in d.reason
+    assert d.placement.active == active
