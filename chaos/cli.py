@@ -12,8 +12,8 @@ the device count first.
 
 from __future__ import annotations
 
-from elastic.cli_support import finish, make_trainer, progress, set_device_count, usage_error
-from elastic.config import load_config
+from elastic.cli_support import config_loader, finish, make_job, progress, usage_error
+from elastic.config import ConfigError, load_config
 
 __all__ = ["register"]
 
@@ -21,7 +21,8 @@ __all__ = ["register"]
 def register(subparsers) -> None:
     """Adds the ``chaos`` subcommand to the ``elastic`` command's subparsers."""
     ch = subparsers.add_parser("chaos", help="run a config under injected faults and judge it against a fault-free run")
-    ch.add_argument("config", nargs="?", help="YAML config file or bundled name (or take it from --scenario)")
+    ch.add_argument("config", nargs="?", help="YAML config file (jax-elastic's, or MaxText's with MaxText "
+                                               "installed) or bundled name (or take it from --scenario)")
     ch.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     ch.add_argument("--faults", help="fault list, e.g. 'kill@step=10,hang(resume=3s):slice=2@step=20'")
     ch.add_argument("--scenario", help="scenario YAML file (e.g. chaos/scenarios/kill-three.yml)")
@@ -50,14 +51,16 @@ def _cmd_chaos(args) -> int:
             raise FaultSpecError("give a CONFIG or --scenario FILE")
     except ValueError as e:   # FaultSpecError, bad durations
         return usage_error(str(e))
-    extra = [f"elastic_trainer={args.trainer}"] if args.trainer else []
-    cfg = load_config(config, overrides + args.overrides + extra)
+    overrides = overrides + args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
     try:
-        fault_plan(cfg, options)   # a fault that can never fire is bad input: refuse it before anything starts
-    except ValueError as e:
+        if config_loader(config) is None:   # a fault that can never fire is bad input: refused before JAX starts
+            fault_plan(load_config(config, overrides), options)
+        cfg, job = make_job(config, overrides, reference=True)   # the reference runs in this process
+        fault_plan(cfg, options)
+    except ValueError as e:   # FaultSpecError (ConfigError goes to the caller: one line, exit 2)
+        if isinstance(e, ConfigError):
+            raise
         return usage_error(str(e))
-    set_device_count(cfg.devices_per_slice)   # the reference runs in this process
-    job = make_trainer(cfg)
     with progress(cfg.steps, args.quiet) as on_step:
         try:
             report, run_dir = run_chaos(job.with_config, cfg, options, on_step=on_step)

@@ -18,12 +18,12 @@ Shared helpers for subcommands live in :mod:`elastic.cli_support`.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 from importlib.metadata import entry_points
 
-from elastic.cli_support import OneLineParser, finish, make_trainer, progress, set_device_count, usage_error
+from elastic.cli_support import (OneLineParser, config_loader, finish, make_job, progress, set_device_count,
+                                 usage_error)
 from elastic.config import ConfigError, load_config
 
 __all__ = ["COMMANDS_GROUP", "main"]
@@ -35,18 +35,16 @@ COMMANDS_GROUP = "elastic.commands"
 def _cmd_run(args) -> int:
     from elastic.preflight import check_config_capacity, check_output_directory
 
-    cfg = load_config(args.config, args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else []))
-    # Before JAX loads: the run fits this host and its directory is usable (fit checks again, for good).
-    if not args.reference:
-        check_config_capacity(cfg)
-    check_output_directory(cfg.base_output_directory, cfg.run_name)
-    if args.reference:
-        set_device_count(cfg.devices_per_slice)
-    else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    overrides = args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
+    if config_loader(args.config) is None:
+        cfg = load_config(args.config, overrides)
+        # Before JAX loads: the run fits this host and its directory is usable (fit checks again, for good).
+        if not args.reference:
+            check_config_capacity(cfg)
+        check_output_directory(cfg.base_output_directory, cfg.run_name)
+    cfg, trainer = make_job(args.config, overrides, reference=args.reference)
     from runtime import ElasticError
 
-    trainer = make_trainer(cfg)
     with progress(cfg.steps, args.quiet) as on_step:
         try:
             report = trainer.fit(reference=args.reference, on_step=on_step)
@@ -96,7 +94,8 @@ def _cmd_worker(args) -> int:
 
 def _add_builtins(sub) -> None:
     run = sub.add_parser("run", help="train a config on local workers")
-    run.add_argument("config", help="YAML config file, or a bundled name (tiny, base)")
+    run.add_argument("config", help="YAML config file (jax-elastic's, or MaxText's with MaxText installed), "
+                                    "or a bundled name (tiny, base)")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     run.add_argument("--reference", action="store_true", help="the canonical math in this process, no workers")
     run.add_argument("--quiet", action="store_true", help="no per-step lines")

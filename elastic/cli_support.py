@@ -17,8 +17,11 @@ import sys
 
 from elastic.config import ConfigError
 
-__all__ = ["OneLineParser", "bundled_trainer", "finish", "make_trainer", "progress", "set_device_count",
-           "usage_error"]
+__all__ = ["CONFIGS_GROUP", "OneLineParser", "bundled_trainer", "config_loader", "finish", "make_job",
+           "make_trainer", "progress", "set_device_count", "usage_error"]
+
+#: The entry-point group of loaders of other config formats (MaxText's: ``integrations.maxtext.cli``).
+CONFIGS_GROUP = "elastic.configs"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -95,6 +98,49 @@ def make_trainer(cfg):
         raise ConfigError(f"{where}: {attr}(config) built its job with another config (keys {changed} differ); "
                           "build it with the config it is given (set keys in the config file or as overrides)")
     return job
+
+
+def config_loader(path: str):
+    """The ``elastic.configs`` loader that claims the config file ``path``, or None (jax-elastic's own format).
+
+    Loader contract: an object with ``name``; ``claims(path) -> bool``
+    (cheap, must not start JAX); ``devices_per_slice(path, overrides) -> int``
+    (without JAX); ``make_job(path, overrides)`` -> an ``elastic.Trainer`` or
+    ``elastic.wrap`` job whose ``config`` is the run's (starts JAX). A loader
+    that fails to load or to answer is one warning line and is skipped.
+    """
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=CONFIGS_GROUP), key=lambda ep: ep.name):
+        try:
+            loader = ep.load()
+            if loader.claims(path):
+                return loader
+        except Exception as e:  # noqa: BLE001 - a broken plug-in must not take the built-in formats down
+            print(f"elastic: warning: config loader {ep.name!r} ({ep.value}) is unavailable: {type(e).__name__}: "
+                  f"{e}", file=sys.stderr)
+    return None
+
+
+def make_job(config: str, overrides: list[str], *, reference: bool):
+    """``(config, job)`` for a config file (or bundled name) and overrides, whatever its format.
+
+    Sets this process's simulated CPU devices first (for ``reference``, and
+    for a loader whose client builds on a real mesh); JAX starts here.
+    """
+    from elastic.config import load_config
+
+    loader = config_loader(config)
+    if loader is not None:
+        set_device_count(loader.devices_per_slice(config, overrides))
+        job = loader.make_job(config, overrides)
+        return job.config, job
+    cfg = load_config(config, overrides)
+    if reference:
+        set_device_count(cfg.devices_per_slice)
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return cfg, make_trainer(cfg)
 
 
 def progress(steps: int, quiet: bool):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (Python 3.12) and installs jax-elastic with its dev extras.
-# Idempotent: re-installs only when pyproject.toml changed. Usage: scripts/bootstrap.sh
+# Creates .venv (Python 3.12) and installs jax-elastic with its dev extras and the MaxText integration's
+# requirements.
+# Idempotent: re-installs only when pyproject.toml or those requirements changed. Usage: scripts/bootstrap.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +20,7 @@ find_python() {
 }
 
 stamp=.venv/.jax-elastic-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml integrations/maxtext/requirements.txt | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -27,4 +28,6 @@ py=$(find_python)
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[dev]'
+# MaxText 0.2.5 and exactly what it imports on CPU (docs/maxtext.md; its wheel declares no dependencies).
+.venv/bin/python -m pip install --quiet --no-deps -r integrations/maxtext/requirements.txt
 echo "$want" > "$stamp"

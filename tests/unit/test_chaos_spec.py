@@ -304,10 +304,10 @@ def test_elastic_chaos_refuses_a_fault_that_can_never_fire_before_anything_start
     import chaos.cli
     import elastic.cli
 
-    def no_run(cfg):
+    def no_run(*args, **kwargs):
         raise AssertionError("a run was started")
 
-    monkeypatch.setattr(chaos.cli, "make_trainer", no_run)
+    monkeypatch.setattr(chaos.cli, "make_job", no_run)
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert elastic.cli.main(["chaos", "tiny", "steps=20", "--faults", "kill@step=500", "--quiet"]) == 2

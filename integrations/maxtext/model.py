@@ -1,0 +1,198 @@
+"""MaxText's model, loss, optimizer and train state as a jax-elastic job.
+
+:func:`make_job` returns an :func:`elastic.wrap` job whose train step is
+MaxText 0.2.5's pre-training ``train_step`` (``maxtext.trainers.pre_train.
+train``) for the features :mod:`integrations.maxtext.config` accepts, with
+the cross-slice mark where MaxText has its raw gradients:
+
+    loss, raw_grads = value_and_grad(MaxText's loss_fn)        # per microbatch (grad program)
+    raw_grads = elastic.cross_slice_mean(raw_grads)            # the runtime's canonical tree sum / M
+    grads = clip_by_global_norm(raw_grads)                     # MaxText's clipping, after the reduction
+    state.apply_gradients(grads)                               # MaxText's optimizer (apply program)
+
+The pieces are MaxText's own: the model (``create_nnx_abstract_model``'s
+factory), ``loss_fn``, ``create_training_optimizer``, ``TrainStateNNX``,
+``apply_gradient_clipping``. Initialisation is MaxText's: its trainer sets the
+``unsafe_rbg`` PRNG and seeds the model with ``PRNGKey(init_weights_seed)``;
+the init program derives that key from jax-elastic's seed (which
+:func:`~integrations.maxtext.config.load_maxtext_config` sets to
+``init_weights_seed``) and uses the same PRNG explicitly.
+
+The runtime's state is a pytree of arrays: MaxText's NNX train state with its
+PRNG keys stored as key data (``uint32``), wrapped back inside each program.
+Each program is built for one virtual slice: MaxText's mesh there has
+``fsdp`` = devices per slice and every other axis 1; jax-elastic places the
+state FSDP-style by its own rule, and MaxText's sharding constraints inside
+the model stay hints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import elastic
+from integrations.maxtext.config import check_supported
+from integrations.maxtext.data import MAXTEXT_PRNG_IMPL, SyntheticSource
+
+__all__ = ["make_job"]
+
+
+def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> elastic.WrappedStep:
+    """An ``elastic.wrap`` job training MaxText's model; ``.fit()`` runs it.
+
+    ``data``: a jax-elastic data source whose microbatches have MaxText's batch
+    keys (``integrations.maxtext.data.KEYS``) with ``microbatch_size`` rows of
+    ``max_target_length`` tokens; default MaxText's synthetic data
+    (:class:`~integrations.maxtext.data.SyntheticSource`), the only dataset
+    built in. Called in the client, which needs ``devices_per_slice`` local
+    JAX devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
+    JAX starts; ``python -m integrations.maxtext`` sets it). The programs are
+    traced and exported here, under MaxText's JAX settings, so ``fit`` only
+    runs them (``job.with_config`` keeps them for the same slice shape and
+    microbatch count, as the chaos harness uses it). Raises
+    ``elastic.ConfigError`` when the two configs were not made for each other,
+    ``ProgramExportError`` when MaxText's step cannot be exported.
+    """
+    _check_pair(elastic_config, maxtext_config)
+    if data is None:
+        if maxtext_config.dataset_type != "synthetic":
+            raise elastic.ConfigError(
+                f"config key 'dataset_type' is {maxtext_config.dataset_type!r}: only MaxText's synthetic data is "
+                "built in under jax-elastic; set dataset_type=synthetic or pass make_job(..., data=SOURCE)")
+        data = SyntheticSource.from_configs(elastic_config, maxtext_config)
+    pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice)
+    job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config)
+    with _maxtext_jax(maxtext_config):
+        job.programs()   # trace and export now, under MaxText's PRNG and mesh-typing settings
+    return job
+
+
+class _Pieces:
+    """MaxText's train state factory and step for one virtual slice of ``devices`` devices."""
+
+    def __init__(self, config, devices: int):
+        import jax
+        from flax import nnx
+        from jax.sharding import AxisType, Mesh
+
+        local = jax.local_devices()
+        if len(local) < devices:
+            raise elastic.ConfigError(
+                f"this process has {len(local)} JAX device(s) but a slice has {devices} (ici_fsdp_parallelism): "
+                f"MaxText's model is built on a slice's mesh; start Python with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} (before JAX starts)")
+        self.config = config
+        shape = tuple(config.ici_parallelism)   # fsdp = devices, every other axis 1 (load_maxtext_config)
+        self.mesh = Mesh(np.array(local[:devices]).reshape(shape), tuple(config.mesh_axes),
+                         axis_types=(AxisType.Auto,) * len(shape))
+        abstract = nnx.eval_shape(lambda: self._create(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
+        self.graphdef, shapes = nnx.split(abstract)
+        self.is_key = jax.tree.map(lambda s: bool(jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)), shapes)
+
+    def _create(self, rng_key):
+        """MaxText's ``create_train_state_fn`` (train_utils.setup_train_loop) seeded with ``rng_key``."""
+        from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.common import train_state_nnx
+        from maxtext.utils import model_creation_utils, train_utils
+
+        config = self.config
+        with logical_axis_rules(config.logical_axis_rules):
+            model = model_creation_utils.get_nnx_create_model_fn(config, self.mesh, rng_key=rng_key)()
+            _, tx = train_utils.create_training_optimizer(config, model, mesh=self.mesh)
+            return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+    def init_state(self, key):
+        """The init program: MaxText's initial train state from ``PRNGKey(seed)`` under ``unsafe_rbg``."""
+        from flax import nnx
+
+        return self._to_arrays(nnx.state(self._create(_maxtext_key(key))))
+
+    def train_step(self, state, batch):
+        """MaxText's NNX ``train_step`` (dense path), marked where its raw gradients are complete."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.trainers.pre_train import train as maxtext_train
+        from maxtext.utils import maxtext_utils
+
+        config = self.config
+        ts = nnx.merge(self.graphdef, self._from_arrays(state))
+        nnx.pop(ts.model, nnx.Intermediate)
+        model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+
+        def loss_of(params, rest, data):
+            local = nnx.merge(model_graphdef, params, rest, copy=True)
+            loss, aux = maxtext_train.loss_fn(local, config, dict(data), None, None, is_train=True)
+            return loss, (aux, nnx.state(local, nnx.Not(nnx.Any(nnx.Param, nnx.Intermediate))))
+
+        with logical_axis_rules(config.logical_axis_rules):
+            (loss, (_, non_param)), raw_grads = jax.value_and_grad(loss_of, has_aux=True)(params, rest, batch)
+        nnx.update(ts.model, non_param)   # e.g. RNG stream counts: they never depend on the batch
+        raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
+        raw_grads = elastic.cross_slice_mean(raw_grads)
+        grads = raw_grads
+        if config.gradient_clipping_threshold > 0:
+            grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
+        ts.apply_gradients(grads)
+        return self._to_arrays(nnx.state(ts, nnx.Not(nnx.Intermediate))), {"loss": loss}
+
+    def _to_arrays(self, state):
+        import jax
+
+        return jax.tree.map(lambda x, k: jax.random.key_data(x) if k else x, state, self.is_key)
+
+    def _from_arrays(self, state):
+        import jax
+
+        return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x, impl=MAXTEXT_PRNG_IMPL) if k else x,
+                            state, self.is_key)
+
+
+def _maxtext_key(key):
+    """``PRNGKey(seed)`` of MaxText's ``unsafe_rbg`` from the runtime's ``key(seed)`` (any threefry or rbg impl).
+
+    Both seed their key data from ``threefry_seed(seed)``: threefry's data is
+    that pair; rbg's and unsafe_rbg's are the pair twice.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    data = jax.random.key_data(key)
+    if data.shape[-1] not in (2, 4):
+        raise elastic.ConfigError(f"cannot derive MaxText's key from a {jax.random.key_impl(key)} key; leave "
+                                  "jax_default_prng_impl at threefry2x32 or unsafe_rbg")
+    half = data[..., :2]
+    return jax.random.wrap_key_data(jnp.concatenate([half, half], axis=-1), impl=MAXTEXT_PRNG_IMPL)
+
+
+@contextlib.contextmanager
+def _maxtext_jax(config):
+    """The JAX settings MaxText's trainer makes process-wide (train.initialize), for this block only."""
+    import jax
+
+    if bool(config.shardy) != bool(jax.config.jax_use_shardy_partitioner):
+        raise elastic.ConfigError(f"config key 'shardy' ({config.shardy}) differs from this process's "
+                                  f"jax_use_shardy_partitioner ({jax.config.jax_use_shardy_partitioner}); "
+                                  "drop the override")
+    with jax.default_prng_impl(MAXTEXT_PRNG_IMPL), \
+            jax.remove_size_one_mesh_axis_from_type(bool(config.remove_size_one_mesh_axis_from_type)):
+        yield
+
+
+def _check_pair(ec: elastic.Config, mt) -> None:
+    """The MaxText config must be the one load_maxtext_config built for ``ec``'s slices."""
+    want = {"num_slices": 1, "gradient_accumulation_steps": 1, "micro_batch_size_to_train_on": ec.microbatch_size,
+            "steps": ec.steps}
+    got = {k: getattr(mt, k, None) for k in want}
+    fsdp = dict(zip(mt.mesh_axes, mt.ici_parallelism)).get("fsdp")
+    others = [n for a, n in zip(mt.mesh_axes, mt.ici_parallelism) if a != "fsdp" and n != 1]
+    if got != want or fsdp != ec.devices_per_slice or others or any(n != 1 for n in mt.dcn_parallelism):
+        raise elastic.ConfigError(
+            f"the MaxText config was not built for this jax-elastic config (want {want} and an fsdp-only mesh of "
+            f"{ec.devices_per_slice} device(s); got {got}, ici {list(mt.ici_parallelism)}, dcn "
+            f"{list(mt.dcn_parallelism)}); make both with integrations.maxtext.load_maxtext_config")
+    check_supported(mt)

@@ -1,0 +1,135 @@
+"""integrations.maxtext.config: one MaxText file, two configs, every key accounted for."""
+
+import dataclasses
+import os
+import pathlib
+
+import pytest
+
+pytest.importorskip("maxtext")   # the MaxText integration's requirements (integrations/maxtext/requirements.txt)
+
+import elastic  # noqa: E402
+from integrations.maxtext import config as mtc  # noqa: E402
+from integrations.maxtext import load_maxtext_config  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ROOT / "integrations" / "maxtext" / "configs" / "tiny.yml"
+
+
+def load(*overrides, path=TINY):
+    return load_maxtext_config(path, list(overrides))
+
+
+def error(*overrides, path=TINY) -> str:
+    with pytest.raises(elastic.ConfigError) as e:
+        load(*overrides, path=path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_keys_are_split_and_maxtext_is_built_for_one_slice():
+    ec, mt = load("steps=7", "dcn_data_parallelism=2", "elastic_spares=1", "elastic_microbatches=4",
+                  "learning_rate=0.01", "run_name=split")
+    assert (ec.steps, ec.slices, ec.devices_per_slice, ec.microbatches) == (7, 2, 1, 4)
+    assert (ec.elastic_spares, ec.per_device_batch_size, ec.run_name) == (1, 2, "split")
+    assert ec.microbatch_size == mt.micro_batch_size_to_train_on == 2
+    # Inside a virtual slice MaxText sees one slice, no accumulation, its own (Pathways) elasticity off.
+    assert (mt.num_slices, mt.gradient_accumulation_steps, mt.steps, mt.elastic_enabled) == (1, 1, 7, False)
+    assert set(mt.dcn_parallelism) == {1}
+    assert mt.learning_rate == 0.01 and ec.learning_rate == elastic.Config().learning_rate   # a model key
+    assert not mt.jax_cache_dir   # MaxText would set JAX's compilation cache process-wide
+
+
+def test_devices_per_slice_are_maxtext_fsdp_devices():
+    ec, mt = load("ici_fsdp_parallelism=2")
+    assert ec.devices_per_slice == 2
+    assert dict(zip(mt.mesh_axes, mt.ici_parallelism))["fsdp"] == 2
+    assert mt.micro_batch_size_to_train_on == ec.microbatch_size == 4   # counted for a slice, not this process
+
+
+def test_jax_elastic_keys_in_the_yaml_file_and_base_config_chain(tmp_path):
+    user = tmp_path / "mine.yml"
+    user.write_text(f"base_config: {TINY}\nelastic_spares: 2\ndcn_data_parallelism: 4\nseed: 3\n"
+                    "elastic_min_slice_count: -1\nelastic_timeout_seconds: 5\n")
+    ec, mt = load(path=user)
+    assert (ec.elastic_spares, ec.slices, ec.seed, mt.init_weights_seed) == (2, 4, 3, 3)
+    assert (ec.elastic_min_slice_count, ec.elastic_timeout_seconds) == (4, 5.0)   # -1 is MaxText's "all slices"
+    assert mt.elastic_timeout_seconds != 5   # MaxText keeps its own default
+    assert mt.max_target_length == 16   # from tiny.yml, through the chain
+
+
+def test_runtime_keys_maxtext_also_defines_go_to_jax_elastic():
+    ec, mt = load("jax_cache_dir=off", "elastic_enabled=false", "elastic_max_retries=0",
+                  "enable_checkpointing=true", "checkpoint_period=3")
+    assert (ec.jax_cache_dir, ec.elastic_enabled, ec.elastic_max_retries) == ("off", False, 0)
+    assert not mt.jax_cache_dir and not mt.elastic_enabled and not mt.enable_checkpointing
+    if "checkpoint_period" in {f.name for f in dataclasses.fields(elastic.Config)}:   # jax-elastic's checkpoints
+        assert (ec.enable_checkpointing, ec.checkpoint_period) == (True, 3)
+
+
+def test_unknown_keys_are_named_with_where_they_were_set(tmp_path):
+    assert "'stpes' (in overrides)" in error("stpes=3") and "did you mean 'steps'" in error("stpes=3")
+    bad = tmp_path / "bad.yml"
+    bad.write_text(f"base_config: {TINY}\nelastic_sparez: 1\n")
+    msg = error(path=bad)
+    assert "'elastic_sparez'" in msg and str(bad) in msg and "'elastic_spares'" in msg
+
+
+def test_maxtext_validates_its_part():
+    msg = error("vocab_size=abc")
+    assert "MaxText 0.2.5 rejected" in msg and "vocab_size" in msg
+
+
+def test_gradient_accumulation_is_microbatches():
+    ec, mt = load("dcn_data_parallelism=2", "gradient_accumulation_steps=2")
+    assert ec.microbatches == 4 and mt.gradient_accumulation_steps == 1
+    assert "contradict" in error("gradient_accumulation_steps=2", "elastic_microbatches=4")
+    assert "not a power of two" in error("gradient_accumulation_steps=3")
+
+
+@pytest.mark.parametrize("override, words", [
+    ("ici_tensor_parallelism=2", "1-D FSDP mesh"),
+    ("dcn_fsdp_parallelism=2", "1-D FSDP mesh"),
+    ("num_slices=4", "'num_slices'"),
+    ("per_device_batch_size=0.5", "whole number"),
+    ("skip_step_on_spikes=true", "not supported under jax-elastic"),
+    ("seed=1", None),
+])
+def test_what_jax_elastic_cannot_do_is_refused(override, words):
+    if words is None:   # seed and init_weights_seed are one key: both set, they must agree
+        assert "contradict" in error(override, "init_weights_seed=2")
+        return
+    assert words in error(override)
+
+
+def test_environment_is_not_read_and_xla_flags_are_kept(monkeypatch):
+    monkeypatch.setenv("M_STEPS", "9")
+    assert "M_STEPS" in error()
+    monkeypatch.delenv("M_STEPS")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    load()
+    assert "XLA_FLAGS" not in os.environ   # MaxText's config would set it to dump HLO into /tmp
+
+
+def test_model_name_loads_maxtext_model_file():
+    _, mt = load("model_name=llama2-7b", "override_model_config=true", "base_num_decoder_layers=1")
+    assert (mt.base_emb_dim, mt.base_num_decoder_layers) == (4096, 1)
+
+
+def test_every_key_both_schemas_define_has_a_decision():
+    from maxtext.configs import types
+
+    shared = {f.name for f in dataclasses.fields(elastic.Config)} & mtc._maxtext_keys(types.MaxTextConfig)
+    assert shared <= set(mtc.SHARED_KEYS) | mtc.MODEL_KEYS, sorted(shared - set(mtc.SHARED_KEYS) - mtc.MODEL_KEYS)
+
+
+
+def test_command_line_refuses_bad_keys_in_one_line(capsys, monkeypatch):
+    from integrations.maxtext.__main__ import main
+
+    monkeypatch.setenv("XLA_FLAGS", "")   # main sets a slice's device count; restored after the test
+    assert main([str(TINY), "stpes=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'stpes'" in err and "did you mean 'steps'" in err
+    assert main([str(TINY / "missing.yml")]) == 2
