@@ -53,9 +53,11 @@ def _cmd_chaos(args) -> int:
         return usage_error(str(e))
     overrides = overrides + args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
     try:
-        if config_loader(config) is None:   # a fault that can never fire is bad input: refused before JAX starts
-            fault_plan(load_config(config, overrides), options)
-        cfg, job = make_job(config, overrides, reference=True)   # the reference runs in this process
+        loader, cfg = config_loader(config), None
+        if loader is None:   # a fault that can never fire is bad input: refused before JAX starts
+            cfg = load_config(config, overrides)
+            fault_plan(cfg, options)
+        cfg, job = make_job(config, overrides, reference=True, loader=loader, cfg=cfg)   # the reference: in process
         fault_plan(cfg, options)
     except ValueError as e:   # FaultSpecError (ConfigError goes to the caller: one line, exit 2)
         if isinstance(e, ConfigError):

@@ -36,13 +36,14 @@ def _cmd_run(args) -> int:
     from elastic.preflight import check_config_capacity, check_output_directory
 
     overrides = args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
-    if config_loader(args.config) is None:
+    loader, cfg = config_loader(args.config), None
+    if loader is None:
         cfg = load_config(args.config, overrides)
         # Before JAX loads: the run fits this host and its directory is usable (fit checks again, for good).
         if not args.reference:
             check_config_capacity(cfg)
         check_output_directory(cfg.base_output_directory, cfg.run_name)
-    cfg, trainer = make_job(args.config, overrides, reference=args.reference)
+    cfg, trainer = make_job(args.config, overrides, reference=args.reference, loader=loader, cfg=cfg)
     from runtime import ElasticError
 
     with progress(cfg.steps, args.quiet) as on_step:

@@ -122,20 +122,21 @@ def config_loader(path: str):
     return None
 
 
-def make_job(config: str, overrides: list[str], *, reference: bool):
+def make_job(config: str, overrides: list[str], *, reference: bool, loader=None, cfg=None):
     """``(config, job)`` for a config file (or bundled name) and overrides, whatever its format.
 
-    Sets this process's simulated CPU devices first (for ``reference``, and
-    for a loader whose client builds on a real mesh); JAX starts here.
+    ``loader``: the file's :func:`config_loader` (None: jax-elastic's own
+    format, already loaded as ``cfg`` when given). Sets this process's
+    simulated CPU devices first (for ``reference``, and for a loader whose
+    client builds on a real mesh); JAX starts here.
     """
     from elastic.config import load_config
 
-    loader = config_loader(config)
     if loader is not None:
         set_device_count(loader.devices_per_slice(config, overrides))
         job = loader.make_job(config, overrides)
         return job.config, job
-    cfg = load_config(config, overrides)
+    cfg = cfg if cfg is not None else load_config(config, overrides)
     if reference:
         set_device_count(cfg.devices_per_slice)
     else:

@@ -397,8 +397,8 @@ def _next_power_of_two(n: int) -> int:
 
 def _locate(path: str | pathlib.Path) -> pathlib.Path:
     p = pathlib.Path(path)
-    if p.exists() or len(p.parts) != 1:
-        return p
+    if p.is_file() or len(p.parts) != 1 or (p.exists() and not p.is_dir()):
+        return p   # a directory named like a builtin (a run directory "tiny" in the cwd) is not a config
     try:
         return builtin_config_path(str(path))
     except ConfigError:

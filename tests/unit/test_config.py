@@ -354,3 +354,9 @@ def test_config_error_is_a_value_error_and_picklable():
     err = ConfigError("unknown config key 'x'")
     assert isinstance(err, ValueError)
     assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
+def test_a_directory_named_like_a_builtin_does_not_shadow_it(tmp_path, monkeypatch):
+    (tmp_path / "tiny").mkdir()   # a run directory of a run named "tiny", in the current directory
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny").run_name == "tiny"
