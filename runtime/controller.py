@@ -35,8 +35,9 @@ import numpy as np
 from runtime import auth
 from runtime.errors import ElasticTrainingFailedError, StaleEpochError, StepAbortedError, WorkerLostError
 from runtime.events import EventLog
-from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_swap,
-                            decide_start, membership_change_due, plan_step, straggler_action, watchdog_limit)
+from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, checkpoint_writer,
+                            decide_grow, decide_start, decide_swap, membership_change_due, plan_step, straggler_action,
+                            watchdog_limit)
 from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
 from runtime.timing import slowest_phases
@@ -364,13 +365,11 @@ class Controller:
         self.pending.append((plan, futs, time.time()))
 
     def _checkpoint_for(self, plan: StepPlan) -> tuple[str, str] | None:
-        """``(worker, directory)`` when this step ends a checkpoint period (or the run); the writer rotates."""
-        o, n = self.opts, plan.step + 1
-        if not o.checkpoint_directory or o.checkpoint_period <= 0:
-            return None
-        if n % o.checkpoint_period and n != self._run["steps"]:
-            return None
-        return plan.workers[(n // o.checkpoint_period) % len(plan.workers)], o.checkpoint_directory
+        """``(worker, directory)`` when this step ends a checkpoint period (or the run); see checkpoint_writer."""
+        o = self.opts
+        writer = checkpoint_writer(plan.step, self._run["steps"], o.checkpoint_period if o.checkpoint_directory else 0,
+                                   plan.workers)
+        return (writer, o.checkpoint_directory) if writer else None
 
     def _note_checkpoints(self, results) -> None:
         for w, r in results.items():

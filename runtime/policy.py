@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from runtime.microbatch import Node, assign_microbatches
 
 __all__ = ["Action", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out", "decide_start",
-           "StragglerPolicy", "WorkerInfo", "cause_of", "decide_grow", "decide_recovery", "decide_swap",
+           "StragglerPolicy", "WorkerInfo", "cause_of", "checkpoint_writer", "decide_grow", "decide_recovery", "decide_swap",
            "holding_up", "is_suspect", "may_relaunch", "membership_change_due", "place", "plan_realign", "plan_step",
            "reprobe_wait", "straggler_action", "watchdog_limit"]
 
@@ -411,3 +411,17 @@ def decide_swap(placement: Placement, slow: str) -> Placement | None:
         return None
     active = tuple(placement.spares[0] if w == slow else w for w in placement.active)
     return Placement(epoch=placement.epoch + 1, active=active, spares=placement.spares[1:])
+
+
+def checkpoint_writer(step: int, steps: int, period: int, workers) -> str | None:
+    """Which worker writes a persistent checkpoint after step ``step`` (0-based), or None.
+
+    A checkpoint follows every ``period``-th step and the last of ``steps``
+    (``period`` 0: never); the writer rotates over ``workers`` (the step's
+    slices, in rank order) from one checkpoint to the next, so no one
+    replica carries every write.
+    """
+    n = step + 1
+    if period <= 0 or not workers or (n % period and n != steps):
+        return None
+    return workers[(n // period) % len(workers)]

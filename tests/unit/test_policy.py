@@ -1,7 +1,7 @@
 import pytest
 
 from runtime.microbatch import Node
-from runtime.policy import WorkerInfo, place, plan_step
+from runtime.policy import WorkerInfo, checkpoint_writer, place, plan_step
 
 
 def workers(*devices):
@@ -222,3 +222,15 @@ def test_without_a_replica_a_checkpoint_is_restored(dead, replicas, min_slices, 
                         checkpoint_step=step)
     assert d.action is action and why in d.reason
     assert d.placement.active == active
+
+
+@pytest.mark.parametrize("step, steps, period, want", [
+    (3, 30, 4, "b"),        # the 4th step ends the first period: 4 // 4 = 1 -> the second worker
+    (7, 30, 4, "c"),
+    (11, 30, 4, "a"),       # rotates
+    (4, 30, 4, None),       # mid-period
+    (29, 30, 4, "b"),       # the last step always: 30 // 4 = 7, 7 % 3 = 1
+    (3, 30, 0, None),       # period 0: never
+])
+def test_checkpoints_follow_each_period_and_the_last_step_and_rotate(step, steps, period, want):
+    assert checkpoint_writer(step, steps, period, ("a", "b", "c")) == want
