@@ -42,7 +42,7 @@ from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
 from runtime.timing import slowest_phases
 from runtime.watchdog import investigate
-from runtime.worker_group import Stalled, StepResult, WorkerGroup
+from runtime.worker_group import Stalled, WorkerGroup
 
 __all__ = ["Controller", "ControllerObserver", "ControllerOptions", "Phase", "RunResult", "peak_rss_bytes"]
 
@@ -371,12 +371,13 @@ class Controller:
                                    plan.workers)
         return (writer, o.checkpoint_directory) if writer else None
 
-    def _note_checkpoints(self, results) -> None:
-        for w, r in results.items():
-            for step in r.checkpoints_saved:
+    def _note_checkpoints(self, reports) -> None:
+        """Events for ``{worker: (steps whose checkpoints it finished, error or "")}``."""
+        for w, (saved, error) in reports.items():
+            for step in saved:
                 self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.opts.checkpoint_directory)
-            if r.checkpoint_error:
-                self.events.emit("checkpoint_failed", worker=w, error=r.checkpoint_error[:500])
+            if error:
+                self.events.emit("checkpoint_failed", worker=w, error=error[:500])
 
     def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> None:
         """Waits for a step (the watchdog looks once if it runs far past the median), checks and records it."""
@@ -390,7 +391,7 @@ class Controller:
         if len(sums) != 1:
             raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
         self._watch_stragglers(plan, results)
-        self._note_checkpoints(results)
+        self._note_checkpoints({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
         self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
@@ -445,9 +446,7 @@ class Controller:
     def _finish(self) -> Phase:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
         if self.opts.checkpoint_directory and self.opts.checkpoint_period > 0:
-            for w, (saved, error) in self.group.flush_checkpoints(self.placement.active,
-                                                                  self.opts.rpc_timeout_seconds).items():
-                self._note_checkpoints({w: StepResult(0.0, checkpoints_saved=tuple(saved), checkpoint_error=error)})
+            self._note_checkpoints(self.group.flush_checkpoints(self.placement.active, self.opts.rpc_timeout_seconds))
         hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
         steps = self._run["steps"]
         if len(set(hashes.values())) != 1:

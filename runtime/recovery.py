@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent import futures
 
 from runtime.errors import ElasticTrainingFailedError
 from runtime.policy import Action, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, decide_recovery, \
@@ -63,7 +62,10 @@ class Recovery:
         for w, alive in group.probe(members).items():
             if not alive:
                 group.declare_dead(w, f"no answer after {type(err).__name__}")
-        self.checkpoint = self.newest_checkpoint(committed)
+        # The store is listed only when it may be needed (no live replica left): a gs:// listing is a network
+        # round trip, kept off the ordinary recoveries.
+        live_replica = any(w in replicas and w not in group.dead for w in placement.active)
+        self.checkpoint = None if live_replica else self.newest_checkpoint(committed)
         decision = self._decide(placement, replicas, recoveries, may_wait=self.opts.capacity_timeout_seconds > 0)
         if decision.action is Action.WAIT:
             decision = self._wait_for_capacity(decision, replicas, recoveries)
@@ -130,18 +132,14 @@ class Recovery:
         self.deferred += self.retire_dead(old, relaunch=False)
         self.group.abort(new.members)
 
-        def load_all(at_most):
-            with futures.ThreadPoolExecutor(max_workers=max(len(new.active), 1)) as pool:   # each reads its copy
-                return dict(zip(new.active, pool.map(
-                    lambda w: self.group.load_checkpoint(w, self.opts.checkpoint_directory, at_most), new.active)))
-
-        replies = load_all(step)
+        directory = self.opts.checkpoint_directory
+        replies = self.group.load_checkpoints(new.active, directory, step)   # concurrently: each reads its copy
         for w, r in replies.items():
             for why in r.skipped:
                 self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
         restored = min(r.applied_steps for r in replies.values())
         if any(r.applied_steps != restored for r in replies.values()):
-            replies = load_all(restored)
+            replies = self.group.load_checkpoints(new.active, directory, restored)
         return restored, sum(r.bytes for r in replies.values())
 
     def relaunch_deferred(self) -> None:

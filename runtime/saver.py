@@ -37,8 +37,7 @@ def _store(directory: str):
 class CheckpointWriter:
     """Writes checkpoints of one worker's states in a background thread. Thread-safe."""
 
-    def __init__(self, fingerprint: str, store_for=None):
-        self.fingerprint = fingerprint
+    def __init__(self, store_for=None):
         self._store_for = store_for or _store
         self._stores: dict[str, object] = {}
         self._cond = threading.Condition()
@@ -48,10 +47,11 @@ class CheckpointWriter:
         self._error = ""
         self._thread: threading.Thread | None = None
 
-    def submit(self, directory: str, step: int, device_leaves: list) -> None:
-        """Queues a checkpoint of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``."""
+    def submit(self, directory: str, step: int, device_leaves: list, metadata: dict) -> None:
+        """Queues a checkpoint of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``,
+        with ``metadata`` (the programs' fingerprint) recorded beside it."""
         with self._cond:
-            self._waiting = (directory, step, list(device_leaves))
+            self._waiting = (directory, step, list(device_leaves), dict(metadata))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 self._thread.start()
@@ -90,14 +90,14 @@ class CheckpointWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._waiting is not None)
-                directory, step, leaves = self._waiting
+                directory, step, leaves, metadata = self._waiting
                 self._waiting, self._busy = None, True
             try:
                 host = [np.asarray(x) for x in leaves]
                 store = self._stores.get(directory)
                 if store is None:
                     store = self._stores[directory] = self._store_for(directory)
-                store.save(step, host, sha256=state_sha256(host), metadata={"fingerprint": self.fingerprint})
+                store.save(step, host, sha256=state_sha256(host), metadata=metadata)
                 store.wait()
                 with self._cond:
                     self._saved.append(step)

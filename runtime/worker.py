@@ -183,7 +183,6 @@ class WorkerService(pb_grpc.WorkerServicer):
                      sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
             executor = SliceExecutor(programs, source)
             if request.checkpointing:   # beside the compile: the first save would pay orbax's start-up (~2 s)
-                self.fingerprint = programs_fingerprint(request.programs)
                 self._checkpoints().warm()
             t0 = time.perf_counter()
             probed = probe_devices()
@@ -514,7 +513,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             ex.apply(total[:-1], clock)
             self.faults.in_phase("apply")
             if req.checkpoint_directory:   # written in the background from the (immutable) new state
-                self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state)
+                self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state,
+                                           {"fingerprint": self.fingerprint})
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
             for old in [k for k in self._recent if k < req.step - 4]:
@@ -529,7 +529,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _checkpoints(self) -> CheckpointWriter:
         if self._writer is None:
-            self._writer = CheckpointWriter(self.fingerprint)
+            self._writer = CheckpointWriter()
         return self._writer
 
     def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:

@@ -540,10 +540,10 @@ class WorkerGroup:
             source_data_address=self._data_address(source)))
         return reply.bytes, reply.sha256
 
-    def load_checkpoint(self, worker_id: str, directory: str, applied: int) -> pb.PullStateReply:
-        """``worker_id`` loads the newest valid checkpoint at or before ``applied`` (its reply says which)."""
-        return self._call(worker_id, "LoadCheckpoint", pb.LoadCheckpointRequest(
-            fence=self._fence(), directory=directory, applied_steps=applied))
+    def load_checkpoints(self, workers, directory: str, applied: int) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which)."""
+        return self._all("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
+            fence=self._fence(), directory=directory, applied_steps=applied), workers)
 
     def flush_checkpoints(self, workers, wait_seconds: float) -> dict[str, tuple[list[int], str]]:
         """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved, error)}``."""

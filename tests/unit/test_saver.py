@@ -28,9 +28,9 @@ class Store:
 
 def test_a_checkpoint_is_written_in_the_background_with_its_digest():
     stores = {}
-    writer = CheckpointWriter("fp", store_for=lambda d: stores.setdefault(d, Store(d)))
+    writer = CheckpointWriter(store_for=lambda d: stores.setdefault(d, Store(d)))
     leaves = [np.arange(6, dtype=np.float32).reshape(2, 3), np.int32(7)]
-    writer.submit("/ck", 4, leaves)
+    writer.submit("/ck", 4, leaves, {"fingerprint": "fp"})
     assert writer.wait(5)
     (step, got, digest, meta), = stores["/ck"].saved
     assert step == 4 and digest == state_sha256(got) == state_sha256([np.asarray(x) for x in leaves])
@@ -41,16 +41,16 @@ def test_a_checkpoint_is_written_in_the_background_with_its_digest():
 def test_a_newer_request_replaces_a_waiting_one_and_errors_are_reported_once():
     gate = threading.Event()
     store = Store("/ck", gate=gate)
-    writer = CheckpointWriter("fp", store_for=lambda d: store)
-    writer.submit("/ck", 1, [np.zeros(2)])        # being written (blocked on the gate)
+    writer = CheckpointWriter(store_for=lambda d: store)
+    writer.submit("/ck", 1, [np.zeros(2)], {"fingerprint": "fp"})        # being written (blocked on the gate)
     assert store.entered.wait(5)
-    writer.submit("/ck", 2, [np.ones(2)])         # waits...
-    writer.submit("/ck", 3, [np.full(2, 3.0)])    # ...and is replaced by the newest
+    writer.submit("/ck", 2, [np.ones(2)], {"fingerprint": "fp"})         # waits...
+    writer.submit("/ck", 3, [np.full(2, 3.0)], {"fingerprint": "fp"})    # ...and is replaced by the newest
     gate.set()
     assert writer.wait(5)
     assert [s for s, *_ in store.saved] == [1, 3]
     store.fail = True
-    writer.submit("/ck", 4, [np.zeros(2)])
+    writer.submit("/ck", 4, [np.zeros(2)], {"fingerprint": "fp"})
     assert writer.wait(5)
     saved, error = writer.drain()
     assert 4 not in saved and "checkpoint of step 4 in /ck: OSError: disk full" in error
@@ -59,8 +59,8 @@ def test_a_newer_request_replaces_a_waiting_one_and_errors_are_reported_once():
 
 def test_wait_times_out_while_a_write_is_stuck():
     gate = threading.Event()
-    writer = CheckpointWriter("fp", store_for=lambda d: Store(d, gate=gate))
-    writer.submit("/ck", 1, [np.zeros(2)])
+    writer = CheckpointWriter(store_for=lambda d: Store(d, gate=gate))
+    writer.submit("/ck", 1, [np.zeros(2)], {"fingerprint": "fp"})
     assert writer.wait(0.05) is False
     gate.set()
     assert writer.wait(5) is True
