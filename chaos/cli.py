@@ -58,7 +58,8 @@ def _cmd_chaos(args) -> int:
             cfg = load_config(config, overrides)
             fault_plan(cfg, options)
         cfg, job = make_job(config, overrides, reference=True, loader=loader, cfg=cfg)   # the reference: in process
-        fault_plan(cfg, options)
+        if loader is not None:
+            fault_plan(cfg, options)
     except ValueError as e:   # FaultSpecError (ConfigError goes to the caller: one line, exit 2)
         if isinstance(e, ConfigError):
             raise
