@@ -13,8 +13,8 @@ the run ended before it fired), so the report can match faults to failures
 and the verdict can fail a run that was not tested against every fault.
 
 It uses only the controller's observer surface: ``placement``,
-``live_spares()``, ``pid(worker)``, ``inject_fault(worker, action, ...)`` and
-``events.emit``.
+``live_spares()``, ``next_checkpoint_writer()``, ``pid(worker)``,
+``inject_fault(worker, action, ...)`` and ``events.emit``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ _HOW: dict[tuple[str, str | None], signal.Signals | str] = {
     ("straggle", None): "straggle",
     ("partition", None): "partition",
     ("corrupt", None): "corrupt",
+    ("kill_save", None): "kill_in_phase",   # phase "save": mid-write of the next checkpoint it writes
 }
 
 
@@ -79,6 +80,7 @@ class FaultInjector(ControllerObserver):
         self.t0 = 0.0
         self.committed = 0
         self.transfers = 0
+        self.checkpointed = -1   # the newest step whose checkpoint was saved (-1: none yet)
         self.fired: set[int] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -98,6 +100,10 @@ class FaultInjector(ControllerObserver):
     def step_committed(self, step: int) -> None:
         self.committed = max(self.committed, step + 1)
         self._fire(lambda f: f.when.step is not None and f.when.step <= self.committed)
+
+    def checkpoint_saved(self, step: int) -> None:
+        self.checkpointed = max(self.checkpointed, step)
+        self._fire(lambda f: f.when.checkpoint is not None and f.when.checkpoint <= self.checkpointed)
 
     def before_transfer(self, source: str, dest: str) -> None:
         self.transfers += 1
@@ -128,6 +134,9 @@ class FaultInjector(ControllerObserver):
         if when.step is not None:
             n = self.committed
             return f"never fired: the run ended with {n} step{'' if n == 1 else 's'} committed, before {when.spec()}"
+        if when.checkpoint is not None:
+            saved = f"the newest saved was of step {self.checkpointed}" if self.checkpointed >= 0 else "none was saved"
+            return f"never fired: the run ended before a checkpoint of step {when.checkpoint} or later ({saved})"
         if when.time is not None and when.time <= elapsed:   # came due between two ticks of the clock
             return f"never fired: the run ended just as {when.spec()} came due ({elapsed:.1f} s after training started)"
         if when.time is not None:
@@ -159,8 +168,9 @@ class FaultInjector(ControllerObserver):
     def _inject(self, index: int, fault: Fault, source: str | None, dest: str | None) -> None:
         ctl = self.ctl
         try:
+            writer = ctl.next_checkpoint_writer() if fault.target.spec() == "role=writer" else None
             workers = resolve_target(fault.target, ctl.placement.active, ctl.live_spares(), self.rng,
-                                     source=source, dest=dest)
+                                     source=source, dest=dest, writer=writer)
         except TargetError as e:
             ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), fault_kind=fault.kind, reason=str(e),
                             step=self.committed)
@@ -196,7 +206,8 @@ class FaultInjector(ControllerObserver):
                 timer.start()
                 self._timers.append(timer)
         elif how == "kill_in_phase":
-            self.ctl.inject_fault(worker, how, phase=str(fault.option("phase")))
+            phase = "save" if fault.kind == "kill_save" else str(fault.option("phase"))
+            self.ctl.inject_fault(worker, how, phase=phase)
         elif how == "straggle":
             self.ctl.inject_fault(worker, how, factor=fault.option("factor"), seconds=fault.option("for"))
         elif how == "partition":

@@ -19,6 +19,8 @@ The rules, with the reason each error gives (``docs/chaos-guide.md``):
 * ``role=spare`` needs ``elastic_spares > 0``: without warmed spares, a
   relaunched worker is promoted as soon as it is ready, so no spare is ever
   there to hit.
+* ``kill_save`` and ``@checkpoint=N`` need checkpoints (``enable_checkpointing``);
+  ``@checkpoint=N`` needs ``N <= steps`` (checkpoints hold 1..steps applied steps).
 * ``@transfer`` needs a worker that can join (recovery enabled, and a spare or
   ``elastic_relaunch``) and something that can lose a worker first: another
   fault that is not itself ``@transfer``, or a soak's random faults.
@@ -45,6 +47,7 @@ class RunShape:
     relaunch: bool = True                   # ``elastic_relaunch``: dead workers come back as newcomers
     duration_seconds: float | None = None   # soak runs: training stops dispatching after this long
     random_faults: bool = False             # soak runs: random faults are drawn besides the listed ones
+    checkpoints: bool = False               # ``enable_checkpointing``: the run writes persistent checkpoints
 
     @classmethod
     def of(cls, cfg, *, duration_seconds: float | None = None, mtbf_seconds: float | None = None) -> RunShape:
@@ -53,7 +56,8 @@ class RunShape:
         soak = bool(mtbf_seconds)
         return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism, spares=cfg.elastic_spares,
                    recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
-                   duration_seconds=duration_seconds if soak else None, random_faults=soak)
+                   duration_seconds=duration_seconds if soak else None, random_faults=soak,
+                   checkpoints=cfg.enable_checkpointing)
 
 
 def check_reachable(faults: Sequence[Fault], shape: RunShape) -> None:
@@ -73,6 +77,13 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
     if when.time is not None and shape.duration_seconds is not None and when.time >= shape.duration_seconds:
         return (f"time={format_duration(when.time)} is at or after the soak duration "
                 f"({format_duration(shape.duration_seconds)}): training stops dispatching then")
+    if (fault.kind == "kill_save" or when.checkpoint is not None) and not shape.checkpoints:
+        what = "kill_save hits a checkpoint being written" if fault.kind == "kill_save" else \
+            f"checkpoint={when.checkpoint} waits for a checkpoint"
+        return f"{what}, and the run writes none (set enable_checkpointing=true, with a checkpoint_period)"
+    if when.checkpoint is not None and when.checkpoint > shape.steps:
+        return (f"checkpoint={when.checkpoint} is never reached: the run's newest checkpoint holds at most "
+                f"{shape.steps} steps")
     if target.kind == "slice" and target.value >= shape.slices:
         return (f"slice {target.value} does not exist: the run has {shape.slices} slices "
                 f"(dcn_data_parallelism={shape.slices}, slices 0..{shape.slices - 1})")

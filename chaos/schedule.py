@@ -19,7 +19,8 @@ from chaos.spec import INJECTABLE_KINDS, Fault, FaultSpecError, Target, When, va
 __all__ = ["DEFAULT_KINDS", "TargetError", "random_faults", "resolve_target"]
 
 #: The kinds a random schedule draws from unless told otherwise: every kind the runtime can inject.
-DEFAULT_KINDS = INJECTABLE_KINDS
+#: What a soak draws from unless told: every injectable kind but kill_save (it needs a run that checkpoints).
+DEFAULT_KINDS = tuple(k for k in INJECTABLE_KINDS if k != "kill_save")
 _HANG_RESUME_SECONDS = 2.0
 _FOR_RANGE_SECONDS = {"straggle": (2.0, 6.0), "partition": (2.0, 5.0)}
 
@@ -31,12 +32,13 @@ class TargetError(ValueError):
 def random_faults(seed: int, mtbf_seconds: float, duration_seconds: float,
                   kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[Fault]:
     """Faults at exponentially distributed times (mean gap ``mtbf_seconds``) before
-    ``duration_seconds``, each of a kind drawn from ``kinds``, aimed at ``random``.
+    ``duration_seconds``, each of a kind drawn from ``kinds``, aimed at ``random``
+    (``kill_save``: at the checkpoint's writer).
 
     Deterministic in ``seed``. ``hang`` resumes after 2 s; ``straggle`` and
     ``partition`` last a few seconds (drawn, rounded to 0.1 s); times are rounded
     to milliseconds. Raises FaultSpecError for bad arguments or a kind the runtime
-    cannot inject (``kill_save``) or that needs a transfer.
+    cannot inject or that needs a transfer.
     """
     if not mtbf_seconds > 0:
         raise FaultSpecError(f"mtbf_seconds must be > 0, got {mtbf_seconds!r}")
@@ -45,7 +47,7 @@ def random_faults(seed: int, mtbf_seconds: float, duration_seconds: float,
     if not kinds:
         raise FaultSpecError("random_faults needs at least one fault kind")
     # Check every kind up front, not only those a short schedule happens to draw.
-    validate([Fault(kind, Target("random"), When(time=0.0)) for kind in kinds])
+    validate([Fault(kind, _random_target(kind), When(time=0.0)) for kind in kinds])
     rng = random.Random(seed)
     faults: list[Fault] = []
     t = 0.0
@@ -59,15 +61,20 @@ def random_faults(seed: int, mtbf_seconds: float, duration_seconds: float,
             options = (("resume", _HANG_RESUME_SECONDS),)
         elif kind in _FOR_RANGE_SECONDS:
             options = (("for", round(rng.uniform(*_FOR_RANGE_SECONDS[kind]), 1)),)
-        faults.append(Fault(kind, Target("random"), When(time=round(t, 3)), options))
+        faults.append(Fault(kind, _random_target(kind), When(time=round(t, 3)), options))
     return faults
 
 
+def _random_target(kind: str) -> Target:
+    return Target("role", "writer") if kind == "kill_save" else Target("random")
+
+
 def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, ...], rng: random.Random, *,
-                   source: str | None = None, dest: str | None = None) -> tuple[str, ...]:
+                   source: str | None = None, dest: str | None = None, writer: str | None = None) -> tuple[str, ...]:
     """The worker ids ``target`` names now; ``active[v]`` runs virtual slice ``v``.
 
-    ``source``/``dest`` are the two ends of the state transfer in progress, if any.
+    ``source``/``dest`` are the two ends of the state transfer in progress, if any;
+    ``writer`` the worker that writes the run's next checkpoint (None: the run writes none).
     Random choices use ``rng`` only. Raises TargetError when nobody matches.
     """
     kind, value = target.kind, target.value
@@ -92,6 +99,11 @@ def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, .
         if who is None:
             raise TargetError(f"role={value} names nobody: no state transfer is in progress")
         return (who,)
+    if kind == "role" and value == "writer":
+        if writer is None:
+            raise TargetError("role=writer names nobody: the run writes no more checkpoints "
+                              "(enable_checkpointing=true with a checkpoint_period writes them)")
+        return (writer,)
     if kind == "all":
         if not active:
             raise TargetError("no active slice to hit")

@@ -2,7 +2,8 @@
 
 A fault list reads ``KIND[(OPTIONS)][:TARGET]@WHEN``, comma separated, e.g.::
 
-    kill@step=10,hang(resume=3s):slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40
+    kill@step=10,hang(resume=3s):slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40,
+    kill_save@step=5,kill:everything@checkpoint=12
 
 Contract:
 
@@ -10,10 +11,12 @@ Contract:
   :class:`FaultSpecError` whose message names the fault (1-based index and its
   text) and the offending piece. It checks grammar and combinations
   (``@transfer`` only with ``kill``/``hang`` and ``role=source``/``role=dest``;
-  ``role=source``/``role=dest`` only with ``@transfer``).
+  ``role=source``/``role=dest`` only with ``@transfer``; ``role=writer`` only
+  with ``kill_save``, whose default target it is).
 * :func:`validate` re-checks faults built any way and also rejects what the
-  runtime cannot do yet (``kill_save``). The caller (the chaos runner) calls it
-  before starting a run; :func:`chaos.scenario.load_scenario` calls it for you.
+  runtime cannot do (none today: every kind is injectable). The caller (the
+  chaos runner) calls it before starting a run;
+  :func:`chaos.scenario.load_scenario` calls it for you.
 * ``parse_faults(f.spec()) == [f]`` for every valid fault ``f``.
 
 This module is the one place the user-facing fault kinds are spelled
@@ -52,11 +55,11 @@ __all__ = [
 #: Every fault kind the grammar knows: the one list of user-facing fault kinds.
 KINDS = ("kill", "hang", "straggle", "partition", "corrupt", "kill_save")
 # Kinds the grammar reads but the runtime cannot inject yet, with the reason validate() gives.
-_NOT_INJECTABLE = {"kill_save": "kill_save needs checkpoints, which this version does not write"}
+_NOT_INJECTABLE: dict[str, str] = {}
 #: The kinds a run can be faulted with today (random schedules draw from these).
 INJECTABLE_KINDS = tuple(k for k in KINDS if k not in _NOT_INJECTABLE)
 TARGET_KINDS = ("slice", "worker", "role", "random", "all", "everything")
-ROLES = ("active", "spare", "source", "dest")
+ROLES = ("active", "spare", "source", "dest", "writer")
 TRANSFER_KINDS = ("kill", "hang")
 TRANSFER_ROLES = ("source", "dest")
 
@@ -67,7 +70,7 @@ _OPTIONS: dict[str, dict[str, float | None]] = {
     "straggle": {"factor": 3.0, "for": 10.0},
     "partition": {"for": 5.0},
     "corrupt": {},
-    "kill_save": {},
+    "kill_save": {},  # dies while it writes a checkpoint: the next one it writes after WHEN
 }
 if set(_OPTIONS) != set(KINDS) or not set(_NOT_INJECTABLE) <= set(KINDS) or not set(TRANSFER_KINDS) <= set(KINDS):
     raise RuntimeError("chaos.spec: the fault kinds of _OPTIONS, _NOT_INJECTABLE and TRANSFER_KINDS must be KINDS")
@@ -97,17 +100,20 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class When:
-    """When a fault fires; exactly one of the three is set."""
+    """When a fault fires; exactly one of the four is set."""
 
     step: int | None = None  # inject once this many steps are committed
     time: float | None = None  # seconds since training started
     transfer: bool = False  # during the next state transfer
+    checkpoint: int | None = None  # once a checkpoint of at least this step is saved (complete)
 
     def spec(self) -> str:
         if self.transfer:
             return "transfer"
         if self.step is not None:
             return f"step={self.step}"
+        if self.checkpoint is not None:
+            return f"checkpoint={self.checkpoint}"
         return f"time={format_duration(self.time if self.time is not None else 0.0)}"
 
 
@@ -218,7 +224,7 @@ def split_faults(text: str) -> list[str]:
 def _parse_one(piece: str) -> Fault:
     head, at, when_text = piece.partition("@")
     if not at:
-        raise FaultSpecError("missing '@WHEN' (e.g. @step=10, @time=30s, @transfer)")
+        raise FaultSpecError("missing '@WHEN' (e.g. @step=10, @time=30s, @transfer, @checkpoint=8)")
     if "@" in when_text:
         raise FaultSpecError("more than one '@'")
     m = re.match(r"\s*(\w*)\s*", head)
@@ -238,7 +244,8 @@ def _parse_one(piece: str) -> Fault:
     if rest:
         target = _parse_target(rest[1:].strip())
     else:
-        target = Target("role", "source") if when.transfer else Target("random")
+        target = Target("role", "source") if when.transfer else Target("role", "writer") if kind == "kill_save" \
+            else Target("random")
     return Fault(kind, target, when, tuple(sorted(options.items())))
 
 
@@ -292,12 +299,16 @@ def _parse_when(text: str) -> When:
         if not _INT.fullmatch(value):
             raise FaultSpecError(f"bad when {text!r}: step needs an integer >= 0")
         return When(step=int(value))
+    if name == "checkpoint" and value:
+        if not _INT.fullmatch(value):
+            raise FaultSpecError(f"bad when {text!r}: checkpoint needs an integer >= 0 (a step)")
+        return When(checkpoint=int(value))
     if name == "time" and value:
         try:
             return When(time=parse_duration(value))
         except FaultSpecError as e:
             raise FaultSpecError(f"bad when {text!r}: {e}") from None
-    raise FaultSpecError(f"bad when {text!r} (expected step=N, time=DURATION or transfer)")
+    raise FaultSpecError(f"bad when {text!r} (expected step=N, time=DURATION, transfer or checkpoint=STEP)")
 
 
 def _check(f: Fault) -> None:
@@ -323,10 +334,12 @@ def _check(f: Fault) -> None:
         raise FaultSpecError(f"target {t.kind!r} takes no value, got {t.value!r}")
     if not isinstance(w.transfer, bool):
         raise FaultSpecError(f"when.transfer must be True or False, got {w.transfer!r}")
-    if sum((w.step is not None, w.time is not None, w.transfer)) != 1:
-        raise FaultSpecError(f"when must set exactly one of step, time, transfer, got {w}")
-    if w.step is not None and (isinstance(w.step, bool) or not isinstance(w.step, int) or w.step < 0):
-        raise FaultSpecError(f"step must be an integer >= 0, got {w.step!r}")
+    if sum((w.step is not None, w.time is not None, w.transfer, w.checkpoint is not None)) != 1:
+        raise FaultSpecError(f"when must set exactly one of step, time, transfer, checkpoint, got {w}")
+    for name in ("step", "checkpoint"):
+        n = getattr(w, name)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise FaultSpecError(f"{name} must be an integer >= 0, got {n!r}")
     if w.time is not None and not ((seconds := _real(w.time)) is not None and seconds >= 0):
         raise FaultSpecError(f"time must be a finite number of seconds >= 0, got {w.time!r}")
     is_transfer_role = t.kind == "role" and t.value in TRANSFER_ROLES
@@ -336,6 +349,15 @@ def _check(f: Fault) -> None:
         raise FaultSpecError(f"@transfer needs target role=source or role=dest, got {t.spec()!r}")
     if is_transfer_role and not w.transfer:
         raise FaultSpecError(f"target role={t.value} exists only during a transfer: use @transfer")
+    if (t.kind == "role" and t.value == "writer") != (f.kind == "kill_save" and t.kind == "role"):
+        if f.kind == "kill_save":
+            raise FaultSpecError(f"kill_save hits the worker writing a checkpoint: target role=writer (the default),"
+                                 f" a slice or a worker, not {t.spec()!r}")
+        raise FaultSpecError("target role=writer works only with kill_save (the worker that writes the next "
+                             "checkpoint)")
+    if f.kind == "kill_save" and t.kind in ("random", "all", "everything"):
+        raise FaultSpecError(f"kill_save hits the worker writing a checkpoint: target role=writer (the default), "
+                             f"a slice or a worker, not {t.spec()!r}")
     allowed = _OPTIONS[f.kind]
     if not (isinstance(f.options, tuple) and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
                                                  for o in f.options)):

@@ -3,7 +3,8 @@
 The client traces with abstract values only (``jax.ShapeDtypeStruct`` on an
 ``AbstractMesh``), so it never materializes the training state whatever the
 model size. Each program is exported with ``jax.export`` for one virtual slice
-of ``D`` devices and shipped as bytes.
+of ``D`` devices of one platform (the config key ``hardware``) and shipped as
+bytes.
 
 What cannot be exported: host callbacks (``jax.pure_callback``,
 ``jax.debug.callback``) and anything that needs concrete values at trace time
@@ -47,13 +48,17 @@ def _named(mesh, dim):
     return NamedSharding(mesh, PartitionSpec(*([None] * dim), MESH_AXIS))
 
 
-def export_program(name: str, fn: Callable, args: tuple, in_dims: list, out_dims, mesh) -> bytes:
-    """Exports ``fn(*args)`` with the given per-leaf placements; returns its bytes."""
+def export_program(name: str, fn: Callable, args: tuple, in_dims: list, out_dims, mesh, platform: str = "cpu") -> bytes:
+    """Exports ``fn(*args)`` for JAX platform ``platform`` with the given per-leaf placements; returns its bytes.
+
+    Any platform can be exported for from any client (a CPU-only one
+    included): lowering needs no device of that platform.
+    """
     in_shardings = jax.tree.unflatten(jax.tree.structure(args), [_named(mesh, d) for d in in_dims])
     out_shardings = jax.tree.map(lambda d: _named(mesh, d), out_dims, is_leaf=lambda x: x is None)
     try:
         jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
-        return bytes(jax.export.export(jitted, platforms=["cpu"])(*args).serialize())
+        return bytes(jax.export.export(jitted, platforms=[platform])(*args).serialize())
     except Exception as e:  # noqa: BLE001 - any tracing/lowering failure is reported as one typed error
         raise ProgramExportError(f"could not export the {name!r} program with jax.export: "
                                  f"{type(e).__name__}: {e}") from e
@@ -81,8 +86,9 @@ def build_programs(
     batch_spec: dict,            # key -> (shape, dtype) of one microbatch
     devices_per_slice: int,
     num_microbatches: int,
+    platform: str = "cpu",       # jax.export's name: cpu, cuda, rocm, tpu
 ) -> ProgramSet:
-    """Traces and exports init / grad / apply for a slice of ``devices_per_slice``."""
+    """Traces and exports init / grad / apply for a slice of ``devices_per_slice`` devices of ``platform``."""
     d = devices_per_slice
     mesh = AbstractMesh((d,), (MESH_AXIS,))
     seed_spec = jax.ShapeDtypeStruct((), jnp.int32)
@@ -122,11 +128,11 @@ def build_programs(
 
     flat_spec = jax.ShapeDtypeStruct((grad_size,), jnp.float32)
     programs = {
-        "init": export_program("init", init, (seed_spec,), [None], state_dim_list, mesh),
+        "init": export_program("init", init, (seed_spec,), [None], state_dim_list, mesh, platform),
         "grad": export_program("grad", grad, (state_shapes, batch_shapes), state_dim_list + batch_dims,
-                               None, mesh),
+                               None, mesh, platform),
         "apply": export_program("apply", apply, (state_shapes, flat_spec), state_dim_list + [None],
-                                state_dim_list, mesh),
+                                state_dim_list, mesh, platform),
     }
     state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in state_shapes)
     return ProgramSet(

@@ -2,7 +2,8 @@
 ones other packages plug in through the ``elastic.commands`` entry points (``chaos``).
 
 The conventions they keep: bad input prints one line, ``elastic: error: ...``,
-and exits with status 2; simulated CPU devices are set before JAX starts;
+and exits with status 2; the platform (``hardware``) and simulated CPU devices
+are set before JAX starts;
 a finished run prints its summary and the path of its ``report.html``.
 Nothing here imports JAX at import time.
 """
@@ -18,7 +19,7 @@ import sys
 from elastic.config import ConfigError
 
 __all__ = ["CONFIGS_GROUP", "OneLineParser", "bundled_trainer", "config_loader", "finish", "make_job",
-           "make_trainer", "progress", "set_device_count", "usage_error"]
+           "make_trainer", "progress", "set_device_count", "set_platform", "usage_error"]
 
 #: The entry-point group of loaders of other config formats (MaxText's: ``integrations.maxtext.cli``).
 CONFIGS_GROUP = "elastic.configs"
@@ -44,6 +45,25 @@ def set_device_count(n: int) -> None:
              if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def set_platform(hardware: str) -> None:
+    """This process's JAX platform for a run on ``hardware`` (the config key); must run before JAX starts.
+
+    ``JAX_PLATFORMS`` set by the user is kept (a worker that cannot run the
+    programs then says so when it loads them). Otherwise ``cpu`` and ``""``
+    mean the CPU (``JAX_PLATFORMS=cpu``: simulated devices, as before), and
+    ``gpu`` and ``tpu`` mean JAX's own choice (``JAX_PLATFORMS=""``): the
+    host's accelerator. The local launcher's workers inherit it, and so does
+    a reference run. On a GPU the workers and this process share the device,
+    so each allocates memory as it needs it (``XLA_PYTHON_CLIENT_PREALLOCATE=false``)
+    unless one of JAX's allocator variables is set.
+    """
+    accelerator = hardware in ("gpu", "tpu")
+    os.environ.setdefault("JAX_PLATFORMS", "" if accelerator else "cpu")
+    allocator = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
+    if accelerator and not any(k in os.environ for k in allocator):
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
 def bundled_trainer(cfg):
@@ -127,6 +147,7 @@ def make_job(config: str, overrides: list[str], *, reference: bool, loader=None,
 
     ``loader``: the file's :func:`config_loader` (None: jax-elastic's own
     format, already loaded as ``cfg`` when given). Sets this process's
+    platform (:func:`set_platform`; a loader's client stays on the CPU) and
     simulated CPU devices first (for ``reference``, and for a loader whose
     client builds on a real mesh); JAX starts here.
     """
@@ -137,10 +158,9 @@ def make_job(config: str, overrides: list[str], *, reference: bool, loader=None,
         job = loader.make_job(config, overrides)
         return job.config, job
     cfg = cfg if cfg is not None else load_config(config, overrides)
+    set_platform(cfg.hardware)
     if reference:
         set_device_count(cfg.devices_per_slice)
-    else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     return cfg, make_trainer(cfg)
 
 

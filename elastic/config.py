@@ -33,9 +33,10 @@ from typing import Any
 
 import yaml
 
-from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
+from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES, checkpoint_directory_problem
 
 __all__ = [
+    "HARDWARE",
     "MODEL_KEYS",
     "Config",
     "ConfigError",
@@ -92,6 +93,10 @@ class Config:
     elastic_chunk_bytes: int = _key(DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, unit=" bytes")
     elastic_enabled: bool = _key(True)  # false: no recovery, a lost worker fails the run (plain SPMD)
     elastic_spares: int = _key(0, ge=0)  # warmed spare slices launched beside the active ones
+    # Spares shadow the state: every step's reduced gradient also goes to each spare, which
+    # applies it, so a spare holds the committed state and replaces even every active slice at once with no
+    # step lost and no transfer. Costs each rank one more push of its reduced chunk per spare per step.
+    elastic_shadow_spares: bool = _key(False)
     elastic_min_slice_count: int = _key(1, ge=1)  # shrink no further than this
     elastic_timeout_seconds: float = _key(60.0, gt=0)  # wait for capacity below the minimum
     elastic_max_retries: int = _key(10, ge=0)  # recoveries before the run fails
@@ -114,6 +119,9 @@ class Config:
     # How gradients and states travel between workers: "tcp" (the data plane: sockets, no copies)
     # or "grpc" (Push/GetState streams; for networks that let only the gRPC port through).
     elastic_data_plane: str = _key("tcp", choices=("tcp", "grpc"))
+    # MaxText's key: the platform the programs are exported for and the workers run on: cpu, gpu (CUDA) or tpu.
+    # "": the platform the workers get from the environment (JAX_PLATFORMS, else cpu). See HARDWARE.
+    hardware: str = _key("")
     # JAX's persistent compilation cache, shared by the workers and the reference run (MaxText's key).
     # "": $JAX_COMPILATION_CACHE_DIR if set, else <base_output_directory>/jax_cache; "off": none.
     jax_cache_dir: str = _key("")
@@ -178,6 +186,9 @@ class Config:
 MODEL_KEYS = frozenset({"learning_rate", "warmup_steps", "vocab_size", "max_target_length", "base_emb_dim",
                         "base_num_decoder_layers", "base_num_query_heads", "base_mlp_dim"})
 
+
+#: Values of the key ``hardware`` besides "" (MaxText's names; elastic.options maps them to JAX's platforms).
+HARDWARE = ("cpu", "gpu", "tpu")
 
 _FIELDS = {f.name: f for f in fields(Config)}
 
@@ -309,6 +320,13 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
         raise ConfigError(f"config key {at('elastic_trainer')} must name a factory as 'module:function' "
                           "(e.g. 'mypkg.train:make_job', with make_job(config) -> elastic.Trainer or elastic.wrap "
                           "job), or be empty for the bundled model")
+    hardware = values["hardware"]
+    if hardware and hardware not in HARDWARE:
+        why = ("; MaxText's gpu_multiprocess (one JAX process per GPU, joined by jax.distributed) is not how "
+               "jax-elastic runs: a slice is one worker process owning its GPUs, so use gpu"
+               if hardware == "gpu_multiprocess" else "")
+        raise ConfigError(f"config key {at('hardware')} must be cpu, gpu or tpu, or empty for the platform the "
+                          f"workers get from the environment{why}")
     for name, f in _FIELDS.items():
         value = values[name]
         bounds = [(op, f.metadata[k]) for op, k in ((">=", "ge"), (">", "gt"), ("<=", "le"))
@@ -334,6 +352,9 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
             f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
             "every slice needs at least one microbatch per step"
         )
+    directory = values["elastic_checkpoint_directory"]
+    if directory and (problem := checkpoint_directory_problem(directory)):
+        raise ConfigError(f"config key {at('elastic_checkpoint_directory')} {problem}")
     tls = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if values[k]]
     if tls and len(tls) != 3:
         missing = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if k not in tls]
@@ -383,12 +404,13 @@ def _run_name_problem(name: str) -> str:
 # Keys that only steer recovery. With elastic_enabled=false each keeps its default
 # (ignored) or the value that already means "no recovery"; anything else is a contradiction.
 _RECOVERY_KEYS = ("elastic_spares", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
-                  "elastic_relaunch", "elastic_replace_stragglers")
+                  "elastic_relaunch", "elastic_replace_stragglers", "elastic_shadow_spares")
 
 
 def _no_recovery_value(key: str, values: Mapping[str, Any]) -> Any:
     return {"elastic_spares": 0, "elastic_min_slice_count": values["dcn_data_parallelism"],
-            "elastic_max_retries": 0, "elastic_relaunch": False, "elastic_replace_stragglers": False}.get(key)
+            "elastic_max_retries": 0, "elastic_relaunch": False, "elastic_replace_stragglers": False,
+            "elastic_shadow_spares": False}.get(key)
 
 
 def _next_power_of_two(n: int) -> int:

@@ -15,7 +15,9 @@ Contract:
 * The trainer (client side) calls :func:`controller_options` and
   :func:`run_settings` once per run and builds its options from nothing
   else. Both are pure apart from resolving the TLS paths against the current
-  directory (workers run with another one).
+  directory (workers run with another one) and reading JAX's variables
+  (``JAX_COMPILATION_CACHE_DIR``; ``JAX_PLATFORMS`` when ``hardware`` is
+  empty, see :func:`export_platform`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from elastic.config import Config
-from runtime import ControllerOptions, TlsFiles
+from elastic.config import HARDWARE, Config, ConfigError
+from runtime import ControllerOptions, TlsFiles, default_worker_platform
 
-__all__ = ["NOT_FROM_CONFIG", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory", "compilation_cache_dir",
-           "controller_options", "run_settings"]
+__all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",
+           "compilation_cache_dir", "controller_options", "export_platform", "run_settings"]
 
 # Config key -> ControllerOptions field, copied as is.
 _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
@@ -58,6 +60,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_chaos": "chaos",
     "elastic_standby_workers": "standby_workers",
     "elastic_data_plane": "data_plane",
+    "elastic_shadow_spares": "shadow_spares",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -89,6 +92,7 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "elastic_trainer": "RunSettings.trainer: the elastic command's trainer factory (elastic.cli_support.make_trainer)",
     "elastic_max_local_workers": "RunSettings.max_local_workers: the most worker processes the local launcher "
                                  "may start, checked before any starts (elastic.preflight)",
+    "hardware": "RunSettings.platform: the JAX platform the trainer exports the programs for (export_platform)",
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's.
@@ -110,6 +114,7 @@ class RunSettings:
     trainer: str               # "module:factory" the elastic command builds the job with; "": the bundled model
     goodput_recording: bool    # write goodput_log.jsonl (ml-goodput-measurement events) at the end of the run
     goodput_cloud_logging: bool  # ... and send them to Cloud Logging
+    platform: str              # JAX platform of the programs (cpu, cuda, tpu); "": JAX's choice in this process
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -120,7 +125,32 @@ def run_settings(cfg: Config) -> RunSettings:
                        max_local_workers=cfg.elastic_max_local_workers,
                        compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer,
                        goodput_recording=cfg.enable_goodput_recording,
-                       goodput_cloud_logging=cfg.elastic_goodput_cloud_logging)
+                       goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg))
+
+
+#: The config key ``hardware`` (MaxText's names) -> the JAX platform programs are exported for.
+PLATFORM_OF_HARDWARE: Mapping[str, str] = MappingProxyType({"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"})
+
+
+def export_platform(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
+    """The JAX platform the programs of ``cfg`` are exported for: ``hardware`` mapped (gpu is ``cuda``).
+
+    ``hardware: ""``: the platform the local launcher's workers get from the
+    environment ``environ`` (default ``os.environ``): the first of
+    ``JAX_PLATFORMS``, else ``cpu``; ``""`` when ``JAX_PLATFORMS`` is set
+    but empty (JAX chooses: the trainer then takes its own JAX's platform,
+    as workers on this host would). ``ConfigError`` when ``JAX_PLATFORMS``
+    names no platform programs can be exported for.
+    """
+    if cfg.hardware:
+        return PLATFORM_OF_HARDWARE[cfg.hardware]
+    environ = os.environ if environ is None else environ
+    try:
+        return default_worker_platform(environ)
+    except ValueError:
+        raise ConfigError(f"config key 'hardware' is empty, so the programs are for the workers' platform, which "
+                          f"JAX_PLATFORMS={environ['JAX_PLATFORMS']!r} does not name (cpu, cuda, rocm, tpu); set "
+                          "hardware to cpu, gpu or tpu") from None
 
 
 def compilation_cache_dir(cfg: Config) -> str:
@@ -161,11 +191,13 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg), compilation_cache_dir=compilation_cache_dir(cfg),
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
+                             platform=export_platform(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts
     return dataclasses.replace(opts, max_retries=0, spares=0, relaunch=False, min_slices=opts.slices,
-                               capacity_timeout_seconds=0.0, replace_stragglers=False, standby_workers=0)
+                               capacity_timeout_seconds=0.0, replace_stragglers=False, standby_workers=0,
+                               shadow_spares=False)
 
 
 def _tls(cfg: Config) -> TlsFiles | None:
@@ -179,6 +211,9 @@ def _check_every_key_has_a_place() -> None:
     schema = {f.name for f in dataclasses.fields(Config)}
     placed = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY} | set(_CHECKPOINT_KEYS)
               | set(READ_ELSEWHERE))
+    if set(PLATFORM_OF_HARDWARE) != set(HARDWARE):
+        raise ImportError(f"elastic.options maps hardware {sorted(PLATFORM_OF_HARDWARE)}, the Config allows "
+                          f"{sorted(HARDWARE)}")
     if placed != schema:
         raise ImportError(f"elastic.options and the Config schema disagree: keys without a place here: "
                           f"{sorted(schema - placed)}; keys here that are not in the schema: "

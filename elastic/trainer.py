@@ -30,7 +30,8 @@ from elastic.options import RunSettings, controller_options, run_settings
 from elastic.preflight import RunDirectory, check_config_capacity, claim_run_directory
 from elastic.report import build_report, render_run
 from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, enable_compilation_cache,
-                     peak_rss_bytes, read_events, run_reference, run_reference_process)
+                     local_platform, peak_rss_bytes, program_platforms, read_events, run_reference,
+                     run_reference_process)
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
 
@@ -46,18 +47,24 @@ class _Job:
     def _build(self) -> ProgramSet:
         raise NotImplementedError
 
+    def _platform(self) -> str:
+        """The JAX platform to export for: ``hardware``'s, or (JAX chooses) this process's own, as a worker here gets."""
+        return self.settings.platform or local_platform()
+
     def with_config(self, config: Config):
         """This job with another config (its run name, steps, slices, recovery keys...).
 
-        The exported programs are kept when the mesh of a slice and the
-        microbatch count are unchanged (they are all the programs depend on
-        besides the user's code). For a different model, build a new job.
+        The exported programs are kept when the mesh of a slice, the
+        microbatch count and the platform are unchanged (they are all the
+        programs depend on besides the user's code). For a different model,
+        build a new job.
         """
         job = copy.copy(self)
         job.config = config
         job._run_dir = None
         old, new = self.settings, job.settings
-        if (old.devices_per_slice, old.microbatches) != (new.devices_per_slice, new.microbatches):
+        if (old.devices_per_slice, old.microbatches, old.platform) != (new.devices_per_slice, new.microbatches,
+                                                                        new.platform):
             job._programs = None
         return job
 
@@ -88,10 +95,12 @@ class _Job:
         """Trains ``config.steps`` steps; writes the run directory; returns the report.
 
         ``reference=True`` runs the canonical math without workers: in this
-        process when it has ``devices_per_slice`` JAX devices, else in a child
-        process given that many CPU devices (so it works from a notebook or a
-        test whose JAX started with one device). A distributed run of the
-        same job must match it bit for bit (losses and final state digest).
+        process when it has ``devices_per_slice`` JAX devices of the programs'
+        platform (``hardware``), else in a child process given that many
+        (simulated CPU devices for CPU programs; so it works from a notebook
+        or a test whose JAX started with one device). A distributed run of
+        the same job must match it bit for bit (losses and final state
+        digest).
         ``observer``: a :class:`runtime.ControllerObserver` (the chaos
         harness) told about commits and transfers. ``max_seconds``: stop
         dispatching after this long of training and finish at the last
@@ -171,11 +180,12 @@ class _Job:
             if on_step is not None:
                 on_step(step, loss)
 
-        if jax.local_device_count() >= programs.devices_per_slice:
+        if (jax.local_device_count() >= programs.devices_per_slice
+                and local_platform() in program_platforms(programs.init)):
             enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
             losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
                                            on_step=step_done)
-        else:   # this process's JAX started with fewer devices than a slice has: a child process gets them
+        else:   # this process's JAX has fewer devices than a slice, or another platform: a child process gets them
             losses, digest = run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
                                                    seed=settings.seed, on_step=step_done,
                                                    compilation_cache_dir=settings.compilation_cache_dir)
@@ -213,7 +223,7 @@ class Trainer(_Job):
 
         return _programs.build_programs(init_state=init_state, grad_fn=grad_fn, apply_fn=apply_fn,
                                         batch_spec=_spec(self.data), devices_per_slice=self.settings.devices_per_slice,
-                                        num_microbatches=self.settings.microbatches)
+                                        num_microbatches=self.settings.microbatches, platform=self._platform())
 
 
 class WrappedStep(_Job):
@@ -252,7 +262,7 @@ class WrappedStep(_Job):
         _check_apply_ignores_batch(step, state_shapes, batch_shapes, grad_shapes)
         return _programs.build_programs(init_state=self.init_state, grad_fn=grad_fn, apply_fn=apply_fn,
                                         batch_spec=spec, devices_per_slice=self.settings.devices_per_slice,
-                                        num_microbatches=self.settings.microbatches)
+                                        num_microbatches=self.settings.microbatches, platform=self._platform())
 
 
 def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:

@@ -9,6 +9,7 @@ from runtime.controller import Controller, ControllerObserver, ControllerOptions
 from runtime.errors import (
     ElasticError,
     ElasticTrainingFailedError,
+    PlatformMismatchError,
     ProgramExportError,
     ProtocolError,
     RegistrationTimeoutError,
@@ -17,10 +18,12 @@ from runtime.errors import (
     WorkerError,
     WorkerLostError,
 )
+from runtime.checkpoint import directory_problem as checkpoint_directory_problem
 from runtime.events import EventLog, read_events
 from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
 from runtime.fault_injection import ACTIONS as FAULT_ACTIONS, PHASES as FAULT_PHASES
 from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
+from runtime.platforms import default_worker_platform, local_platform, program_platforms
 from runtime.programs import MESH_AXIS, ProgramSet
 
 
@@ -54,6 +57,7 @@ def worker_main(argv=None) -> None:
 
 __all__ = [
     "Controller",
+    "checkpoint_directory_problem",
     "ControllerObserver",
     "ControllerOptions",
     "ElasticError",
@@ -67,6 +71,7 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "MESH_AXIS",
     "Node",
+    "PlatformMismatchError",
     "ProgramExportError",
     "ProgramSet",
     "ProtocolError",
@@ -78,8 +83,11 @@ __all__ = [
     "WorkerError",
     "WorkerLostError",
     "assign_microbatches",
+    "default_worker_platform",
     "enable_compilation_cache",
+    "local_platform",
     "peak_rss_bytes",
+    "program_platforms",
     "read_events",
     "run_reference",
     "run_reference_process",

@@ -77,6 +77,7 @@ __all__ = [
     "GCS_ENDPOINT_ENV",
     "Restored",
     "Skipped",
+    "directory_problem",
     "use_gcs_endpoint",
 ]
 
@@ -238,13 +239,10 @@ class CheckpointStore:
         from etils import epath
 
         directory = str(directory)
-        if not directory:
-            raise ValueError("checkpoint directory is empty")
+        if problem := directory_problem(directory):
+            raise ValueError(f"checkpoint directory {directory!r} {problem}")
         self._gcs = directory.startswith("gs://")
         if self._gcs:
-            if not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/.*)?", directory):
-                raise ValueError(f"checkpoint directory {directory!r} is not gs://bucket/path with a valid "
-                                 "bucket name (3-63 of a-z 0-9 . _ -)")
             endpoint = gcs_endpoint or os.environ.get(GCS_ENDPOINT_ENV, "")
             if endpoint and endpoint != "default":   # "default": the real GCS, as google-cloud-storage reads it
                 use_gcs_endpoint(endpoint if "://" in endpoint else f"http://{endpoint}")
@@ -525,20 +523,42 @@ class CheckpointStore:
 # -- helpers -------------------------------------------------------------------
 
 
+def directory_problem(directory: str) -> str:
+    """Why ``directory`` cannot hold checkpoints ("" if it can): it is empty, or a gs:// URL without a valid
+    bucket name. A pure check of the text (nothing is reached)."""
+    if not directory:
+        return "is empty"
+    if directory.startswith("gs://") and not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/.*)?", directory):
+        return "is not gs://bucket/path with a valid bucket name (3-63 of a-z 0-9 . _ -)"
+    return ""
+
+
 def _ocp():
     import orbax.checkpoint as ocp
 
     return ocp
 
 
+# orbax keeps process-wide state for a save in flight (its signaling client and operation ids): two saves in one
+# process at once (a warm-up beside the first real save, two stores) fail each other with missing files. Every
+# use of a checkpointer holds this lock, so a process reads or writes one checkpoint at a time.
+_ORBAX_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _checkpointer():
-    """A synchronous orbax checkpointer of the two items (``state``: the leaves, ``meta``: the record).
+    """A synchronous orbax checkpointer of the two items (``state``: the leaves, ``meta``: the record), used by
+    one thread of the process at a time (:data:`_ORBAX_LOCK`).
 
     Numpy leaves are written without orbax's defensive copy: the store's
     contract is that they do not change until the save is done. Handlers
     keep state between calls, so each use gets its own.
     """
+    with _ORBAX_LOCK:
+        yield from _new_checkpointer()
+
+
+def _new_checkpointer():
     ocp = _ocp()
     import jax
 

@@ -8,7 +8,9 @@ Reduce-scatter then all-gather of the flat gradient (:class:`AllReduce`):
 3. The owner combines every partial of its chunk in canonical tree order
    (:func:`runtime.microbatch.tree_reduce`), so the bits depend only on the
    microbatch ids, not on who combines or how many ranks there are.
-4. Every owner streams its reduced chunk to every other rank.
+4. Every owner streams its reduced chunk to every other rank, and to every
+   shadow (a spare that only receives the reduced vector and applies it, so
+   it holds the state without computing a gradient: :meth:`AllReduce.receive`).
 
 The transport is an argument: a blocking ``send(address, parts, deadline)``
 and the :class:`Mailbox` the receiving side drops complete streams into. The
@@ -32,7 +34,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 
 import numpy as np
@@ -288,6 +290,14 @@ class Mailbox:
                 self._cond.wait(left)
 
 
+def _quietly(send, *args) -> None:
+    """A push whose failure is nobody's business (to a shadow: it falls behind and is caught up later)."""
+    try:
+        send(*args)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
 def _nothing() -> None:
     return None
 
@@ -314,15 +324,43 @@ class AllReduce:
         self._send = send
         self._add = add
         self._pool = futures.ThreadPoolExecutor(max_workers=max_pushes, thread_name_prefix="push")
+        # Pushes to shadows on threads of their own: a stalled shadow never holds up a push to a peer.
+        self._shadow_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-push")
+
+    def receive(self, *, fence: pb.Fence, step: int, ranks: int, size: int, deadline: float,
+                clock: Clock | None = None) -> np.ndarray:
+        """A shadow's side of a step: the full reduced vector (``size`` float32), as the ``ranks`` ranks'
+        all-gather sends it, bit for bit what each rank assembles.
+
+        Raises :class:`StepAbortedError` when a chunk is missing at
+        ``deadline`` (a rank died mid-step: the shadow falls behind) or
+        malformed, or the mailbox moved past ``fence.epoch``.
+        """
+        clock = clock if clock is not None else Clock()
+        bounds = chunk_bounds(size, ranks)
+        out = np.empty(size, dtype=np.float32)
+        self.mailbox.deliver_into(fence.epoch, step, ALL_GATHER, {r: out[lo:hi] for r, (lo, hi) in enumerate(bounds)})
+        gathered = self.mailbox.wait(fence.epoch, step, ALL_GATHER, set(range(ranks)), deadline)
+        clock.lap("wait_for_peers")
+        for r, nodes in gathered.items():
+            lo, hi = bounds[r]
+            vec = next(iter(nodes.values()), None) if len(nodes) == 1 else None
+            if vec is None or vec.size != hi - lo:
+                raise StepAbortedError(step, f"rank {r} sent a malformed all-gather chunk to the shadow")
+            if vec.base is not out:
+                out[lo:hi] = vec
+        clock.lap("gather_copy")
+        return out
 
     def close(self) -> None:
         """Stops the push threads once the pushes in flight returned."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._shadow_pool.shutdown(wait=False, cancel_futures=True)
 
     def run(self, partials: Mapping[Node, np.ndarray], *, fence: pb.Fence, step: int, rank: int,
             peers: Mapping[int, str], owners: Mapping[Node, int], top: Node, chunk_bytes: int,
             deadline: float, between_phases: Callable[[], None] = _nothing,
-            clock: Clock | None = None) -> tuple[np.ndarray, int]:
+            clock: Clock | None = None, shadows: Sequence = ()) -> tuple[np.ndarray, int]:
         """Returns (the canonical tree sum over ``top`` of every rank's partials, bytes this rank sent).
 
         ``partials``: this rank's subtree sums, equal-length float32 vectors.
@@ -336,6 +374,11 @@ class AllReduce:
         mailbox moved past ``fence.epoch`` (abort). The result is bit-identical
         to ``tree_reduce`` of all partials in one place, whatever ``n``.
 
+        ``shadows``: addresses that also get this rank's reduced chunk in the
+        all-gather. Those pushes are not waited for and their failures are
+        ignored: a shadow that misses a piece falls behind, it never delays or
+        fails the step.
+
         ``clock`` gets ``wait_for_peers`` (their pieces not here yet),
         ``reduce_add`` (the canonical sums), ``send`` (our pushes still in
         flight once we are done) and ``gather_copy`` (the result assembled).
@@ -345,7 +388,10 @@ class AllReduce:
         if n == 1:
             alone = tree_reduce(partials, top, self._add)
             clock.lap("reduce_add")
-            return alone, 0
+            for address in shadows:   # the whole vector is this rank's chunk
+                self._shadow_pool.submit(_quietly, self._send, address,
+                                         pieces(fence, step, ALL_GATHER, rank, top, alone, chunk_bytes), deadline)
+            return alone, 4 * alone.size * len(shadows)
         size = next(iter(partials.values())).size
         bounds = chunk_bounds(size, n)
         others = [(r, address) for r, address in peers.items() if r != rank]
@@ -388,7 +434,11 @@ class AllReduce:
         clock.lap("send")
         between_phases()
 
-        # All-gather: our reduced chunk to every peer; theirs into the full vector.
+        # All-gather: our reduced chunk to every peer and shadow; theirs into the full vector.
+        for address in shadows:   # first, so a shadow is served as early as a peer; not waited for
+            sent += 4 * reduced.size
+            self._shadow_pool.submit(_quietly, self._send, address, stream(ALL_GATHER, rank, [(top, reduced)]),
+                                     deadline)
         sends = []
         for r, address in others:
             sent += 4 * reduced.size

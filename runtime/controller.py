@@ -35,11 +35,12 @@ import numpy as np
 from runtime import auth
 from runtime.errors import ElasticTrainingFailedError, StaleEpochError, StepAbortedError, WorkerLostError
 from runtime.events import EventLog
-from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, checkpoint_writer,
-                            decide_grow, decide_start, decide_swap, membership_change_due, plan_step, straggler_action,
+from runtime.checkpointing import Checkpointing
+from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_start, decide_swap, membership_change_due, plan_step, straggler_action,
                             watchdog_limit)
 from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
+from runtime.shadows import Shadows
 from runtime.timing import slowest_phases
 from runtime.watchdog import investigate
 from runtime.worker_group import Stalled, WorkerGroup
@@ -90,6 +91,8 @@ class ControllerOptions:
     data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.dataplane) or "grpc" (Push)
     checkpoint_directory: str = ""         # persistent checkpoints (runtime.checkpoint); "": none
     checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none
+    shadow_spares: bool = False            # spares shadow the state (runtime.shadows)
+    platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
 
 
 class ControllerObserver:
@@ -107,6 +110,9 @@ class ControllerObserver:
 
     def before_transfer(self, source: str, dest: str) -> None:
         """A peer-to-peer state transfer from ``source`` to ``dest`` is about to start."""
+
+    def checkpoint_saved(self, step: int) -> None:
+        """A worker reported the checkpoint of ``step`` complete (in the order the reports arrive)."""
 
     def close(self) -> None:
         """The run ended (in any way)."""
@@ -147,12 +153,15 @@ class Controller:
         self.events = events
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
                                           options, events)
-        self.recovery = Recovery(self.group, options, events)
         self.observer = ControllerObserver()
+        self.checkpoints = Checkpointing(self.group, options, events, notify=lambda s: self.observer.checkpoint_saved(s))
+        self.recovery = Recovery(self.group, options, events, self.checkpoints)
+        self.shadows = Shadows(self.group, events, options.shadow_spares)
         self.placement: Placement | None = None
         self.phase = Phase.STARTING
         self.replicas: set[str] = set()          # workers known to hold the state at the committed frontier
         self.losses: list[float] = []
+        self.loss_sums: list[float] = []         # what the workers answered, per committed step (checkpoints keep them)
         self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
         self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
         self.swap_pending: list[str] = []        # stragglers to move onto spares at the next boundary
@@ -191,6 +200,13 @@ class Controller:
     def live_spares(self) -> tuple[str, ...]:
         """Spares of the current placement not declared dead."""
         return tuple(s for s in self.placement.spares if s not in self.dead) if self.placement else ()
+
+    def next_checkpoint_writer(self) -> str | None:
+        """The worker that writes the next checkpoint not yet dispatched, if the placement stays; None when
+        the run writes no more (see ``runtime.policy.checkpoint_writer``)."""
+        if self.placement is None:
+            return None
+        return self.checkpoints.next_writer(self._run["next_step"], self._run["steps"], self.placement.active)
 
     def pid(self, worker_id: str) -> int:
         """The process id a worker registered with; ``KeyError`` for an unknown worker."""
@@ -296,19 +312,59 @@ class Controller:
         self._recover_before_state("loading programs")
         self.observer.attach(self)
         seed, sizes = self._run["seed"], {}
+        resume = self._resume_step()
         while True:
-            sizes.update(self.group.init([w for w in self.placement.active if w not in sizes], seed))
+            todo = [w for w in self.placement.active if w not in sizes]
+            if resume is None:
+                sizes.update(self.group.init(todo, seed))
+            else:
+                loaded = self.checkpoints.load(todo, resume)
+                sizes.update(loaded.bytes)
             sizes = {w: b for w, b in sizes.items() if w not in self.dead}
             if all(w in sizes for w in self.placement.active):
                 break
-            self._recover_before_state("initializing the state")
+            self._recover_before_state("restoring the checkpoint" if resume is not None else "initializing the state")
         self._run["state_bytes"] = max(sizes.values())
         self.replicas = set(self.placement.active)
-        self.events.emit("state_initialized", seed=seed, state_bytes=self._run["state_bytes"])
+        if resume is None:
+            self.events.emit("state_initialized", seed=seed, state_bytes=self._run["state_bytes"])
+        else:
+            self._resumed(loaded)
+        if self.shadows.enabled:   # the spares start with the same state: from the seed, or the same checkpoint
+            spares = [w for w in self.placement.spares if w not in self.dead]
+            if resume is None:
+                started = self.group.init(spares, seed)
+            else:
+                got = self.checkpoints.load(spares, loaded.step)
+                started = got.bytes if got.step == loaded.step else {}
+            for w in started:
+                self.shadows.synced(w, self._run["next_step"])
         self.last_commit = time.monotonic()
         if self._run["max_seconds"]:   # counted from the first step, not from launch
             self._run["deadline"] = self.last_commit + self._run["max_seconds"]
         return Phase.RUNNING
+
+    def _resume_step(self) -> int | None:
+        """The step of the newest complete checkpoint this run resumes from (MaxText's auto-resume: the run's
+        checkpoint directory already holds some); None for a fresh start."""
+        return self.checkpoints.newest(self._run["steps"])
+
+    def _resumed(self, loaded) -> None:
+        """The active slices loaded checkpoint ``loaded``: the run continues after its step, with its losses.
+
+        Every replica must hold the same step and bits (checked); the losses
+        of the steps before come from the checkpoint (NaN where it recorded
+        none, and the event says so).
+        """
+        step = loaded.step
+        self._copy_to_newcomers(self.placement.active[0], step)   # copies nothing: checks every replica's hash
+        sums = loaded.loss_sums if len(loaded.loss_sums) == step else [float("nan")] * step
+        self.loss_sums = list(sums)
+        self.losses = [self._loss(x) for x in sums]
+        self._run["next_step"] = step
+        self.events.emit("run_resumed", step=step, directory=self.opts.checkpoint_directory, tier="checkpoint",
+                         bytes=sum(loaded.bytes.values()), state_bytes=self._run["state_bytes"],
+                         losses=[x if x == x else None for x in self.losses], losses_recorded=len(loaded.loss_sums) == step)
 
     def _recover_before_state(self, during: str) -> None:
         """Startup lost members (or started narrower): the policy decides; every live member counts as a replica.
@@ -345,7 +401,8 @@ class Controller:
             self.events.emit("run_truncated", steps=run["steps"],
                              reason=f"max_seconds={run['max_seconds']:g} reached")
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
-                                 warmed=self.group.warmed(), swaps=bool(self.swap_pending)):
+                                 warmed=self.group.warmed(), swaps=bool(self.swap_pending)) or \
+                self.shadows.behind(self.placement.spares, self.dead):
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile
                 self._commit(*self.pending.popleft())
@@ -359,25 +416,13 @@ class Controller:
         return Phase.RUNNING
 
     def _dispatch(self, plan: StepPlan) -> None:
-        futs = self.group.dispatch(plan, self._checkpoint_for(plan))
+        shadows = self.shadows.feeding(self.placement.spares, self.dead)
+        futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, self._run["steps"], plan.workers,
+                                                                    self.loss_sums), shadows)
+        self.shadows.dispatched(plan.step, {w: futs.pop(w) for w in shadows})
         self.plans[plan.step] = plan
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
         self.pending.append((plan, futs, time.time()))
-
-    def _checkpoint_for(self, plan: StepPlan) -> tuple[str, str] | None:
-        """``(worker, directory)`` when this step ends a checkpoint period (or the run); see checkpoint_writer."""
-        o = self.opts
-        writer = checkpoint_writer(plan.step, self._run["steps"], o.checkpoint_period if o.checkpoint_directory else 0,
-                                   plan.workers)
-        return (writer, o.checkpoint_directory) if writer else None
-
-    def _note_checkpoints(self, reports) -> None:
-        """Events for ``{worker: (steps whose checkpoints it finished, error or "")}``."""
-        for w, (saved, error) in reports.items():
-            for step in saved:
-                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.opts.checkpoint_directory)
-            if error:
-                self.events.emit("checkpoint_failed", worker=w, error=error[:500])
 
     def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> None:
         """Waits for a step (the watchdog looks once if it runs far past the median), checks and records it."""
@@ -391,7 +436,8 @@ class Controller:
         if len(sums) != 1:
             raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
         self._watch_stragglers(plan, results)
-        self._note_checkpoints({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
+        self.checkpoints.note({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
+        self.shadows.poll()
         self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
@@ -401,7 +447,7 @@ class Controller:
 
     def _record(self, step: int, epoch: int, loss_sum: float, *, t_dispatch=None, plan=None, **fields) -> None:
         """Commits one step: the only place that emits ``step_committed``, calls ``on_step`` and the observer."""
-        loss = float(np.float32(loss_sum) / np.float32(self.programs.num_microbatches))
+        loss = self._loss(loss_sum)
         if plan is not None:
             fields["microbatches"] = plan.microbatches()
         if t_dispatch is not None:
@@ -413,11 +459,16 @@ class Controller:
         self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, **fields)
         self.plans.pop(step, None)
         self.losses.append(loss)
+        self.loss_sums.append(float(loss_sum))
         if self._run.get("on_step") is not None:
             self._run["on_step"](step, loss)
         self.observer.step_committed(step)
         if self.recovery.deferred and not fields.get("recovered"):
             self.recovery.relaunch_deferred()   # the recovery's first step is done: replacements may start now
+
+    def _loss(self, loss_sum: float) -> float:
+        """The step's loss: the workers' canonical sum over microbatches, averaged in float32 as a plain loop would."""
+        return float(np.float32(loss_sum) / np.float32(self.programs.num_microbatches))
 
     def _investigate(self, plan: StepPlan, pending, median: float) -> None:
         """The step watchdog fired: record what it found and fence out whom it names."""
@@ -445,8 +496,7 @@ class Controller:
 
     def _finish(self) -> Phase:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
-        if self.opts.checkpoint_directory and self.opts.checkpoint_period > 0:
-            self._note_checkpoints(self.group.flush_checkpoints(self.placement.active, self.opts.rpc_timeout_seconds))
+        self.checkpoints.finish(self.placement.active)
         hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
         steps = self._run["steps"]
         if len(set(hashes.values())) != 1:
@@ -466,32 +516,42 @@ class Controller:
         """One recovery attempt: decide and adopt the new placement, realign, record, copy state to newcomers."""
         self.recoveries += 1
         self.group.drain_deaths()   # the group's ledger has them; the probe below finds the rest
-        decision, started = self.recovery.decide(self._error, self.placement, frozenset(self.replicas),
-                                                 len(self.losses), self.recoveries)
+        committed = len(self.losses)
+        # Spares that shadow the committed state are replicas too (promoted first, no transfer).
+        shadows = self.shadows.holding(committed, self.dead, min(2.0, self.opts.rpc_timeout_seconds))
+        self.shadows.abandon()
+        replicas = frozenset(self.replicas | shadows)
+        decision, started = self.recovery.decide(self._error, self.placement, replicas, committed, self.recoveries)
         old, self.pending = self.placement, collections.deque()
         self._adopt(decision.placement)
         if decision.action is Action.RESTORE:
             return self._restore(old, self.recovery.checkpoint, started)
-        plan = self.recovery.realign(old, decision.placement, frozenset(self.replicas), len(self.losses))
+        plan = self.recovery.realign(old, decision.placement, replicas, committed)
         for step, loss_sum in plan.commits:
             self._record(step, self.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
         self.plans.clear()
-        holders = [w for w in self.placement.active if w in self.replicas]
-        moved = self._copy_to_newcomers(holders[0], plan.target)
+        holders = [w for w in self.placement.active if w in replicas]
+        survived = [w for w in holders if w in old.active]
+        source = (survived or holders)[0]
+        self.replicas = set(holders)
+        moved = self._copy_to_newcomers(source, plan.target)
+        self._recheck_shadows(source)
         self.events.emit("recovered", path=decision.action.value, epoch=self.placement.epoch,
                          resume_step=plan.target, dead=sorted(w for w in old.members if w in self.dead),
-                         bytes_moved=moved, seconds=time.time() - started)
+                         bytes_moved=moved, seconds=time.time() - started,
+                         restore_tier="replica" if survived else "shadow")
         self._run["next_step"] = plan.target
         self._error = None
         return Phase.RUNNING
 
     def _restore(self, old: Placement, step: int, started: float) -> Phase:
         """No replica is left: every active slice loads the checkpoint of ``step``; training resumes there."""
-        step, moved = self.recovery.restore(old, self.placement, step)
+        step, moved, _ = self.recovery.restore(old, self.placement, step)
         committed = len(self.losses)
         self.replicas = set(self.placement.active)
         self._copy_to_newcomers(self.placement.active[0], step)   # copies nothing: checks every replica's hash
-        del self.losses[step:]
+        del self.losses[step:], self.loss_sums[step:]
+        self.shadows.forget(list(self.shadows.at))   # caught up by a copy at the next boundary
         self.plans.clear()
         self.events.emit("checkpoint_restored", step=step, directory=self.opts.checkpoint_directory, bytes=moved,
                          steps_lost=committed - step)
@@ -526,6 +586,16 @@ class Controller:
         self.last_commit = time.monotonic()   # the watchdog times the next step from here
         return moved
 
+    def _recheck_shadows(self, source: str) -> None:
+        """After a recovery: the promoted shadows are active now; a spare that still shadows keeps doing so only
+        when it holds the same step and bits as ``source`` (else a copy catches it up at the next boundary)."""
+        self.shadows.forget(self.placement.active)
+        spares = self.shadows.feeding(self.placement.spares, self.dead)
+        if not spares:
+            return
+        hashes = self.group.hashes([source, *spares])
+        self.shadows.forget([w for w in spares if hashes[w] != hashes[source]])
+
     # -- BOUNDARY --------------------------------------------------------------
 
     def _boundary(self) -> Phase:
@@ -543,7 +613,22 @@ class Controller:
         grown = decide_grow(self.placement, self.opts.slices)
         if grown is not None:
             self._remap(grown, "grown")
+        self._sync_shadows()
         return Phase.RUNNING
+
+    def _sync_shadows(self) -> None:
+        """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state."""
+        behind = self.shadows.behind(self.placement.spares, self.dead)
+        if not behind:
+            return
+        committed = len(self.losses)
+        source = next(w for w in self.placement.active if w in self.replicas)
+        for dest in behind:
+            t0 = time.time()
+            nbytes, sha = self.group.transfer(source, dest, committed)
+            self.shadows.synced(dest, committed)
+            self.events.emit("shadow_synced", source=source, dest=dest, step=committed, bytes=nbytes,
+                             seconds=time.time() - t0, sha256=sha)
 
     def _remap(self, placement: Placement, kind: str, **fields) -> None:
         """A planned membership change at a step boundary: fence, copy state to the newcomers, check."""
@@ -551,6 +636,7 @@ class Controller:
         promoted = [w for w in placement.active if w not in self.placement.active]
         source = next(w for w in self.placement.active if w in self.replicas and w in placement.active)
         self._adopt(placement)
+        self.shadows.forget(placement.active)
         self.group.abort(placement.members)
         moved = self._copy_to_newcomers(source, committed)
         self.events.emit(kind, epoch=placement.epoch, promoted=promoted, active=list(placement.active),

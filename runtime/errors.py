@@ -17,6 +17,7 @@ __all__ = [
     "StaleEpochError",
     "ElasticTrainingFailedError",
     "ProtocolError",
+    "PlatformMismatchError",
 ]
 
 
@@ -77,6 +78,16 @@ class AuthenticationError(ElasticError, PermissionError):
 
 class ProtocolError(ElasticError, ValueError):
     """A malformed RPC message or tensor chunk (bad size, bad checksum, ...)."""
+
+
+class PlatformMismatchError(ProtocolError):
+    """Programs exported for a platform this process's JAX does not run on (config key ``hardware``).
+
+    A worker refuses them when it loads them, before any compile; the
+    controller sees a ``ProtocolError`` (INVALID_ARGUMENT) carrying this
+    message, and the run ends: another worker of the same kind would refuse
+    them too.
+    """
 
 
 class ProgramExportError(ElasticError):

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.collective import state_sha256
 from runtime.microbatch import Node, tree_reduce
+from runtime.platforms import check_runnable, local_platform
 from runtime.programs import MESH_AXIS, ProgramSet
 from runtime.timing import Clock
 
@@ -52,10 +53,16 @@ class SliceExecutor:
     # -- setup ---------------------------------------------------------------
 
     def load(self) -> float:
-        """Deserializes and compiles every program; returns seconds spent."""
+        """Deserializes and compiles every program; returns seconds spent.
+
+        Programs for a platform other than this slice's devices' are refused
+        before any compile (:class:`~runtime.errors.PlatformMismatchError`).
+        """
         t0 = time.perf_counter()
+        local = local_platform(self.mesh.devices.flat)
         for name, blob in self.programs.programs().items():
             exp = jax.export.deserialize(bytearray(blob))
+            check_runnable(tuple(exp.platforms), local, f"the {name!r} program")
             if exp.nr_devices != self.programs.devices_per_slice:
                 raise ValueError(f"program {name!r} is for {exp.nr_devices} devices, slice has "
                                  f"{self.programs.devices_per_slice}")

@@ -30,7 +30,9 @@ __all__ = ["WorkerFaults", "PartitionInterceptor", "ACTIONS", "PHASES", "corrupt
 # chaos harness maps its fault kinds onto these; ``Chaos`` refuses anything else.
 ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_receive_state",
            "hang_on_send_state", "kill_in_phase", "clear")
-PHASES = ("grad", "reduce", "apply")   # where ``kill_in_phase`` may strike, in step order
+# Where ``kill_in_phase`` may strike: the phases of a step, in order, and "save" (mid-write of the next
+# persistent checkpoint this worker writes, once its temporary directory exists).
+PHASES = ("grad", "reduce", "apply", "save")
 
 
 class WorkerFaults:
@@ -108,9 +110,13 @@ class WorkerFaults:
             return hit
 
     def in_phase(self, phase: str) -> None:
-        """Called inside each phase of a step (after grad, mid-reduction, after apply)."""
+        """Called inside each phase of a step (after grad, mid-reduction, after apply) and mid-save."""
         if self._kill_in_phase == phase:
             _signal_self("kill")
+
+    def armed_in(self, phase: str) -> bool:
+        """True when a kill waits in ``phase`` (the caller may first bring about the moment it strikes)."""
+        return self._kill_in_phase == phase
 
     def sending_state(self) -> None:
         """Called between two chunks of an outgoing state transfer."""

@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from runtime.platforms import canonical_platform, default_worker_platform
+
 __all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "LocalLauncher", "jax_child_env"]
 
 #: Worker starts allowed back to back before pacing begins.
@@ -51,7 +53,9 @@ class _TokenBucket:
 
 
 class LocalLauncher:
-    """Launches ``python -m runtime.worker_process`` children with N simulated devices each.
+    """Launches ``python -m runtime.worker_process`` children with N devices each (simulated ones on the CPU).
+
+    ``platform``: the JAX platform of the workers (see :func:`jax_child_env`).
 
     With ``standby`` > 0, that many extra processes are kept started ahead of
     need (:meth:`prepare_standby`): each has imported JAX, created its devices
@@ -64,7 +68,9 @@ class LocalLauncher:
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
-                 launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0):
+                 launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0,
+                 platform: str = ""):
+        self.platform = platform   # the workers' JAX platform; "": as this process's JAX_PLATFORMS says (jax_child_env)
         self.secret = secret
         self.compilation_cache_dir = compilation_cache_dir
         self.chaos = chaos
@@ -127,7 +133,7 @@ class LocalLauncher:
         return None
 
     def _start(self, identity: list[str], log_name: str, stdin) -> subprocess.Popen:
-        env = jax_child_env(self.devices_per_worker)
+        env = jax_child_env(self.devices_per_worker, self.platform)
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
         # The controller decides where compiled programs are shared ("": nowhere), not an inherited variable.
@@ -170,20 +176,51 @@ class LocalLauncher:
                 p.wait(timeout)
 
 
-def jax_child_env(devices: int) -> dict[str, str]:
-    """The environment of a JAX child process of this one (a worker, the reference run) with ``devices`` CPU devices.
+def jax_child_env(devices: int, platform: str = "") -> dict[str, str]:
+    """The environment of a JAX child process of this one (a worker, the reference run) with ``devices`` devices.
 
-    Simulated host devices (``XLA_FLAGS``), the CPU platform unless one is
-    set, one OpenMP thread (so the XLA/Eigen pools of several processes do not
-    oversubscribe a small host), and this process's import path, so data
+    ``platform`` (``jax.export``'s name, see :mod:`runtime.platforms`) is the
+    platform the child is to run programs on:
+
+    * ``cpu``: ``JAX_PLATFORMS=cpu``.
+    * ``cuda``, ``rocm``, ``tpu``: ``JAX_PLATFORMS`` unset, so JAX takes the
+      best platform it finds: the accelerator on a host that has one. A host
+      without one gives a CPU worker, which refuses the programs by name when
+      it loads them (``runtime.platforms.check_runnable``) rather than failing
+      to start with JAX's own error in its log.
+    * ``""``: ``JAX_PLATFORMS`` as this process has it (an empty value: JAX's
+      own choice, as for an accelerator), else ``cpu``; see
+      ``runtime.platforms.default_worker_platform``.
+
+    Always ``devices`` simulated host devices (``XLA_FLAGS``): the CPU
+    platform's devices; on an accelerator a slice's devices are real ones and
+    the flag changes nothing. Unless the platform is the CPU, several processes
+    may share one GPU, so each allocates memory as it needs it
+    (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) instead of taking 75% of it at
+    start, unless this process set one of JAX's allocator variables itself.
+    Always one OpenMP thread (so the XLA/Eigen pools of several processes do
+    not oversubscribe a small host), and this process's import path, so data
     sources pickled by reference (classes of the user's modules) load there.
     """
     env = dict(os.environ)
+    if platform:
+        canonical_platform(platform)   # ValueError for a name programs cannot be exported for
+        env.pop("JAX_PLATFORMS", None)
+        if platform == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        platform = default_worker_platform(env)   # "" when JAX chooses
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+    if platform != "cpu" and not any(k in env for k in _ALLOCATOR_VARIABLES):
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env.setdefault("OMP_NUM_THREADS", "1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [root] + [p for p in sys.path if p and os.path.isdir(p)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
+
+
+# JAX's GPU memory settings: a user who set one chose how the processes share the device.
+_ALLOCATOR_VARIABLES = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")

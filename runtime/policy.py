@@ -240,9 +240,10 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
 
     ``replicas``: the workers known to hold the state at the committed
-    frontier. A survivor that is not one (a spare promoted in an earlier
+    frontier: active ones, and spares that shadow it (these are promoted
+    first). A survivor that is not one (a spare promoted in an earlier
     attempt whose copy never finished) keeps its slice but cannot supply
-    the state; with no live replica left the answer is ``RESTORE`` when a
+    the state; with no replica in the new placement the answer is ``RESTORE`` when a
     complete checkpoint exists (``checkpoint_step``: its step, None when
     there is none) and at least ``min_slices`` slices have a worker (else
     ``WAIT`` for capacity, when it may come), otherwise ``FAIL``.
@@ -257,7 +258,7 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
             return RecoveryDecision(Action.FAIL, placement, "recovery is off (elastic_max_retries=0, or "
                                                             "elastic_enabled=false): a lost worker ends the run")
         return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries")
-    spares = [s for s in placement.spares if s not in dead]
+    spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
     active, replaced, dropped = [], 0, 0
     for w in placement.active:
         if w not in dead:
@@ -269,8 +270,8 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
             dropped += 1
     new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
     survivors = [w for w in placement.active if w not in dead]
-    lost_state = ("every active slice is gone" if not survivors else
-                  "the surviving slices hold no copy of the state" if not any(w in replicas for w in survivors) else "")
+    lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
+                  "the surviving slices hold no copy of the state")
     if lost_state and checkpoint_step is None:
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}")
     if lost_state:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from runtime.errors import ElasticTrainingFailedError
+from runtime.errors import ElasticTrainingFailedError, WorkerLostError
 from runtime.policy import Action, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, decide_recovery, \
     plan_realign
 
@@ -38,11 +38,13 @@ class Recovery:
     The controller calls :meth:`decide`, adopts the placement it answers
     (so a retry after a failed attempt starts from it, in a newer epoch),
     then calls :meth:`realign`. ``opts``: the run's ``ControllerOptions``
-    (``min_slices``, ``max_retries``, ``capacity_timeout_seconds``).
+    (``min_slices``, ``max_retries``, ``capacity_timeout_seconds``);
+    ``checkpoints``: the run's :class:`runtime.checkpointing.Checkpointing`
+    (the persistent tier, used when no replica is left).
     """
 
-    def __init__(self, group, opts, events):
-        self.group, self.opts, self.events = group, opts, events
+    def __init__(self, group, opts, events, checkpoints):
+        self.group, self.opts, self.events, self.checkpoints = group, opts, events, checkpoints
         self.deferred: list[str] = []   # dead workers whose replacement starts after the next commit
         self.checkpoint: int | None = None   # the checkpoint step the last decision may restore (None: none)
 
@@ -65,8 +67,11 @@ class Recovery:
         # The store is listed only when it may be needed (no live replica left): a gs:// listing is a network
         # round trip, kept off the ordinary recoveries.
         live_replica = any(w in replicas and w not in group.dead for w in placement.active)
-        self.checkpoint = None if live_replica else self.newest_checkpoint(committed)
-        decision = self._decide(placement, replicas, recoveries, may_wait=self.opts.capacity_timeout_seconds > 0)
+        self.checkpoint = None if live_replica else self.checkpoints.newest(committed)
+        # Capacity may come: a worker may join within capacity_timeout_seconds, and with every copy in memory lost
+        # the relaunched workers are waited for (they restore the checkpoint) rather than the run given up.
+        may_wait = self.opts.capacity_timeout_seconds > 0 or (self.checkpoint is not None and self.opts.relaunch)
+        decision = self._decide(placement, replicas, recoveries, may_wait=may_wait)
         if decision.action is Action.WAIT:
             decision = self._wait_for_capacity(decision, replicas, recoveries)
         if decision.action is Action.FAIL:
@@ -106,41 +111,20 @@ class Recovery:
                 self.group.relaunch(w)
         return dead
 
-    def newest_checkpoint(self, committed: int) -> int | None:
-        """The newest complete checkpoint at or before the committed frontier; None without one (or checkpoints)."""
-        directory = self.opts.checkpoint_directory
-        if not directory:
-            return None
-        from runtime.checkpoint import CheckpointStore
-
-        try:
-            steps = [s for s in CheckpointStore(directory).steps() if s <= committed]
-        except Exception as e:  # noqa: BLE001 - an unreadable store is no backup; the decision says so
-            self.events.emit("checkpoint_unavailable", directory=directory, error=f"{type(e).__name__}: {e}"[:300])
-            return None
-        return max(steps) if steps else None
-
-    def restore(self, old: Placement, new: Placement, step: int) -> tuple[int, int]:
+    def restore(self, old: Placement, new: Placement, step: int) -> tuple[int, int, list[float]]:
         """Every active member of ``new`` loads the newest valid checkpoint at or before ``step`` (no replica is
-        left); returns ``(step restored, bytes read)``.
+        left); returns ``(step restored, bytes read, loss sums recorded with it)``.
 
         The dead are retired (relaunched after the next commit) and every
-        member is fenced into the new epoch first. A corrupt checkpoint is
-        passed over for an older one (``checkpoint_skipped`` events); members
-        that ended on different steps all load the oldest of them again.
+        member is fenced into the new epoch first. A member lost meanwhile
+        raises ``WorkerLostError`` (the controller starts another attempt).
         """
         self.deferred += self.retire_dead(old, relaunch=False)
         self.group.abort(new.members)
-
-        directory = self.opts.checkpoint_directory
-        replies = self.group.load_checkpoints(new.active, directory, step)   # concurrently: each reads its copy
-        for w, r in replies.items():
-            for why in r.skipped:
-                self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
-        restored = min(r.applied_steps for r in replies.values())
-        if any(r.applied_steps != restored for r in replies.values()):
-            replies = self.group.load_checkpoints(new.active, directory, restored)
-        return restored, sum(r.bytes for r in replies.values())
+        loaded = self.checkpoints.load(new.active, step)
+        if lost := [w for w in new.active if w not in loaded.bytes]:
+            raise WorkerLostError(lost[0], "lost while loading a checkpoint")
+        return loaded.step, sum(loaded.bytes.values()), loaded.loss_sums
 
     def relaunch_deferred(self) -> None:
         """Relaunches the dead workers :meth:`realign` left for after the first commit (each once, within limits)."""
@@ -159,8 +143,10 @@ class Recovery:
         return decision
 
     def _wait_for_capacity(self, decision: RecoveryDecision, replicas, recoveries: int) -> RecoveryDecision:
-        """Below ``min_slices``: waits up to ``capacity_timeout_seconds`` for workers to join and warm as spares."""
-        group, timeout = self.group, self.opts.capacity_timeout_seconds
+        """Below ``min_slices``: waits up to ``capacity_timeout_seconds`` (else ``register_timeout_seconds``, for
+        relaunched workers) for workers to join and warm as spares."""
+        group = self.group
+        timeout = self.opts.capacity_timeout_seconds or self.opts.register_timeout_seconds
         t0, deadline = time.time(), time.monotonic() + timeout
         for w in decision.placement.members:
             if w in group.dead:

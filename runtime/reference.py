@@ -6,9 +6,11 @@ distributed run of the same programs must match it bit for bit.
 
 :func:`run_reference` runs in this process, which must have the slice's
 devices. :func:`run_reference_process` runs it in a fresh Python process with
-the right number of simulated CPU devices: for a caller whose JAX already
-started with fewer (a notebook, a test suite). The child speaks JSON lines on
-stdout (one per step, then the result); ``python -m runtime.reference`` is it.
+the right number of simulated CPU devices (or the accelerator the programs
+are for): for a caller whose JAX already started with fewer devices, or on
+another platform (a notebook, a test suite, a CPU client of GPU programs).
+The child speaks JSON lines on stdout (one per step, then the result);
+``python -m runtime.reference`` is it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
 def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int, seed: int,
                           compilation_cache_dir: str = "",
                           on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], str]:
-    """:func:`run_reference` in a child process with ``programs.devices_per_slice`` CPU devices.
+    """:func:`run_reference` in a child process with ``programs.devices_per_slice`` devices of the programs' platform.
+
+    CPU programs get that many simulated CPU devices; programs for an
+    accelerator get JAX's own choice of platform (see
+    :func:`runtime.launcher.jax_child_env`): the child refuses them by name
+    when this host has no such device.
 
     ``data_blob``: the data source pickled as it is shipped to workers
     (cloudpickle). Raises ``ElasticError`` with the child's last output lines
@@ -58,8 +65,10 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     """
     from runtime.errors import ElasticError
     from runtime.launcher import jax_child_env
+    from runtime.platforms import program_platforms
 
-    env = jax_child_env(programs.devices_per_slice)
+    platforms = program_platforms(programs.init)
+    env = jax_child_env(programs.devices_per_slice, platforms[0] if len(platforms) == 1 else "")
     request = pickle.dumps({"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
                             "cache": compilation_cache_dir})
     with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
@@ -89,6 +98,7 @@ def _child() -> None:
     import cloudpickle  # noqa: F401 - registers what cloudpickled data sources need to load
 
     from runtime.compile_cache import enable
+    from runtime.errors import PlatformMismatchError
 
     req = pickle.loads(sys.stdin.buffer.read())
     enable(req["cache"])
@@ -97,7 +107,12 @@ def _child() -> None:
     def step_done(step, loss):
         print(json.dumps({"step": step, "loss": loss}), flush=True)
 
-    losses, digest = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"], on_step=step_done)
+    try:
+        losses, digest = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
+                                       on_step=step_done)
+    except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
     print(json.dumps({"losses": losses, "sha256": digest}), flush=True)
 
 

@@ -1,8 +1,9 @@
 """The worker's checks of what the controller sends it, before anything touches its state. Pure.
 
 A step plan that does not cover the microbatches, programs that do not match
-their sha256 or do not parse, a layout that does not fit them or this host,
-and a data source that does not unpickle are refused with
+their sha256 or do not parse, programs for a platform this worker's JAX does
+not run on (:class:`PlatformMismatchError`), a layout that does not fit them
+or this host, and a data source that does not unpickle are refused with
 :class:`ProtocolError` (the caller sees INVALID_ARGUMENT).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 
 import jax
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError
 from runtime.microbatch import Node, is_power_of_two, root
+from runtime.platforms import check_runnable, local_platform
 from runtime.programs import ProgramSet
 
 __all__ = ["check_step_request", "decode_programs", "node_of", "programs_fingerprint", "unpickle_source"]
@@ -34,7 +37,8 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
 
     The ranks must be ``0..n-1`` with an address each; ``all_nodes`` must cut
     the microbatches ``0..M-1`` into aligned subtrees, each owned by a rank,
-    every rank owning at least one; ``nodes`` must be this rank's share.
+    every rank owning at least one; ``nodes`` must be this rank's share (a
+    shadow has no rank and no share: it only receives the all-gather).
     """
     n, m = len(req.peers), num_microbatches
     if req.step < 0:
@@ -42,9 +46,14 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
     if not 1 <= n <= m or sorted(p.rank for p in req.peers) != list(range(n)):
         raise ProtocolError(f"step {req.step}: peer ranks {sorted(p.rank for p in req.peers)[:8]} are not 0..n-1 "
                             f"with 1 <= n <= {m} microbatches")
-    if any(not p.address for p in req.peers if p.rank != req.rank):
+    if any(not p.address for p in req.peers if p.rank != req.rank or req.shadow):
         raise ProtocolError(f"step {req.step}: a peer has no address")
-    if not 0 <= req.rank < n:
+    if any(not p.address for p in req.shadows):
+        raise ProtocolError(f"step {req.step}: a shadow has no address")
+    if req.shadow and (req.nodes or req.shadows or req.checkpoint_directory):
+        raise ProtocolError(f"step {req.step}: a shadow computes no subtree, feeds no shadow and writes no "
+                            "checkpoint")
+    if not req.shadow and not 0 <= req.rank < n:
         raise ProtocolError(f"step {req.step}: rank {req.rank} is not among the {n} ranks")
     if len(req.all_nodes) != len(req.node_owner) or not 1 <= len(req.all_nodes) <= m:
         raise ProtocolError(f"step {req.step}: {len(req.all_nodes)} subtrees and {len(req.node_owner)} owners "
@@ -63,15 +72,25 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
     if any(not 0 <= o < n for o in req.node_owner) or set(req.node_owner) != set(range(n)):
         raise ProtocolError(f"step {req.step}: every one of the {n} ranks must own a subtree, and only they")
     mine = sorted(x for x, o in zip(nodes, req.node_owner) if o == req.rank)
-    if sorted(node_of(x) for x in req.nodes) != mine:
+    if not req.shadow and sorted(node_of(x) for x in req.nodes) != mine:
         raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
 
 
+# Source locations and the module's name in a program's StableHLO text: they change when the code moves or the
+# step function is renamed, never the math.
+_LOCATION = re.compile(r'^#loc[0-9]* = .*$|\s*loc\((?:"[^"]*"|#loc[0-9]*|unknown)\)', re.MULTILINE)
+_MODULE_NAME = re.compile(r"^module @[^ ]+", re.MULTILINE)
+
+
 def programs_fingerprint(programs) -> str:
-    """sha256 over a ``Load``'s programs (name and bytes, in name order): which math a checkpoint belongs to."""
+    """sha256 over a ``Load``'s programs (name and StableHLO text without source locations or module name, in
+    name order): which math a checkpoint belongs to. The same model and optimizer give the same fingerprint
+    after the code around them changed (a checkpoint still resumes); another model or optimizer does not."""
     h = hashlib.sha256()
     for p in sorted(programs, key=lambda p: p.name):
-        h.update(p.name.encode() + b"\0" + hashlib.sha256(p.serialized).digest())
+        text = jax.export.deserialize(bytearray(p.serialized)).mlir_module()
+        text = _MODULE_NAME.sub("module", _LOCATION.sub("", text))
+        h.update(p.name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
     return h.hexdigest()
 
 
@@ -93,15 +112,22 @@ def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:
         programs = ProgramSet.from_parts(by_name, request.layout)
     except Exception as e:  # noqa: BLE001 - JSON, unknown keys, missing programs: a malformed message
         raise ProtocolError(f"the program set does not parse: {type(e).__name__}: {e}") from None
-    _check_layout(programs)
-    exported = {}
+    parsed = {}
     for name, blob in programs.programs().items():
         try:
             exp = jax.export.deserialize(bytearray(blob))
-            avals, out_avals, devices = exp.in_avals, exp.out_avals, exp.nr_devices
+            parsed[name] = (exp, exp.in_avals, exp.out_avals, exp.nr_devices, tuple(exp.platforms))
             exp.mlir_module()
         except Exception as e:  # noqa: BLE001 - the serialization format raises many kinds
             raise ProtocolError(f"program {name!r} does not parse: {type(e).__name__}: {e}") from None
+    # First, as it says the most: programs for a GPU on a worker without one would otherwise fail on the
+    # device count (a worker whose JAX fell back to the CPU has one CPU device).
+    local = local_platform()
+    for name, (*_, platforms) in parsed.items():
+        check_runnable(platforms, local, f"the {name!r} program")
+    _check_layout(programs)
+    exported = {}
+    for name, (exp, avals, out_avals, devices, _) in parsed.items():
         if devices != programs.devices_per_slice:
             raise ProtocolError(f"program {name!r} is for {devices} devices, the layout says "
                                 f"{programs.devices_per_slice}")

@@ -37,8 +37,9 @@ def _store(directory: str):
 class CheckpointWriter:
     """Writes checkpoints of one worker's states in a background thread. Thread-safe."""
 
-    def __init__(self, store_for=None):
+    def __init__(self, store_for=None, while_saving=None):
         self._store_for = store_for or _store
+        self._while_saving = while_saving   # called as while_saving(store, step) once a save started (chaos)
         self._stores: dict[str, object] = {}
         self._cond = threading.Condition()
         self._waiting: tuple | None = None
@@ -98,6 +99,8 @@ class CheckpointWriter:
                 if store is None:
                     store = self._stores[directory] = self._store_for(directory)
                 store.save(step, host, sha256=state_sha256(host), metadata=metadata)
+                if self._while_saving is not None:
+                    self._while_saving(store, step)
                 store.wait()
                 with self._cond:
                     self._saved.append(step)

@@ -375,11 +375,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                 at_most=request.applied_steps)
             if meta.get("fingerprint") not in ("", None, self.fingerprint):
                 raise ProtocolError(f"checkpoint {request.directory} step {step} was written by other programs "
-                                    "(another model or optimizer); it cannot resume this run")
+                                    "(another model or optimizer); it cannot resume this run (to start afresh, "
+                                    "use another run_name or remove that directory)")
             self._adopt_state(leaves, step, digest)
             return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
                                      seconds=time.perf_counter() - t0, applied_steps=step,
-                                     skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped])
+                                     skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped],
+                                     loss_sums=_loss_sums_of(meta, step))
         return self._guard(context, load)
 
     def _adopt_state(self, leaves, applied: int, digest: str) -> None:
@@ -493,18 +495,24 @@ class WorkerService(pb_grpc.WorkerServicer):
         ex = self.executor
         clock = Clock()
         t0 = time.perf_counter()
-        self._phase(req.step, "grad")
-        # Each vector is the gradient sum, then the loss sum: reduced together, in the same tree order.
-        vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
-        self.faults.straggle(time.perf_counter() - t0)
-        self.faults.in_phase("grad")
-        t1 = time.perf_counter()
-        self._phase(req.step, "reduce")
-        total, sent = self.collective.run(
-            vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p for p in req.peers},
-            owners={node_of(nd): o for nd, o in zip(req.all_nodes, req.node_owner)},
-            top=root(ex.programs.num_microbatches), chunk_bytes=self.chunk_bytes, deadline=deadline,
-            between_phases=lambda: self.faults.in_phase("reduce"), clock=clock)
+        if req.shadow:   # a shadow spare: the ranks' reduced vector, applied as they apply it
+            t1 = t0
+            self._phase(req.step, "reduce")
+            total, sent = self.collective.receive(fence=req.fence, step=req.step, ranks=len(req.peers),
+                                                  size=ex.programs.grad_size + 1, deadline=deadline, clock=clock), 0
+        else:
+            self._phase(req.step, "grad")
+            # Each vector is the gradient sum, then the loss sum: reduced together, in the same tree order.
+            vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
+            self.faults.straggle(time.perf_counter() - t0)
+            self.faults.in_phase("grad")
+            t1 = time.perf_counter()
+            self._phase(req.step, "reduce")
+            total, sent = self.collective.run(
+                vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p for p in req.peers},
+                owners={node_of(nd): o for nd, o in zip(req.all_nodes, req.node_owner)},
+                top=root(ex.programs.num_microbatches), chunk_bytes=self.chunk_bytes, deadline=deadline,
+                between_phases=lambda: self.faults.in_phase("reduce"), clock=clock, shadows=list(req.shadows))
         t2 = time.perf_counter()
         self._phase(req.step, "apply")
         with self._cond:
@@ -512,11 +520,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
             ex.apply(total[:-1], clock)
             self.faults.in_phase("apply")
-            if req.checkpoint_directory:   # written in the background from the (immutable) new state
-                self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state,
-                                           {"fingerprint": self.fingerprint})
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
+            if req.checkpoint_directory:   # written in the background from the (immutable) new state
+                self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state,
+                                           {"fingerprint": self.fingerprint,
+                                            "loss_sums": self._loss_sums(req.committed_loss_sums, req.step)})
             for old in [k for k in self._recent if k < req.step - 4]:
                 del self._recent[old]
         self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
@@ -527,10 +536,31 @@ class WorkerService(pb_grpc.WorkerServicer):
                             apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
                             checkpoints_saved=saved, checkpoint_error=error)
 
+    def _loss_sums(self, committed, step: int) -> list[float]:
+        """The loss sums of steps 0..``step``: the committed ones the controller sent, then this worker's own
+        recent ones; [] when a step between is unknown here (a resumed run then reports those losses as NaN)."""
+        sums = list(committed)
+        for k in range(len(sums), step + 1):
+            if k not in self._recent:
+                return []
+            sums.append(self._recent[k])
+        return sums
+
     def _checkpoints(self) -> CheckpointWriter:
         if self._writer is None:
-            self._writer = CheckpointWriter()
+            self._writer = CheckpointWriter(while_saving=self._while_saving if self.faults.enabled else None)
         return self._writer
+
+    def _while_saving(self, store, step: int) -> None:
+        """Chaos (``kill_save``): with a kill armed for the save phase, dies once this save's temporary
+        directory exists (up to 2 s), so the save is cut off half written."""
+        if not self.faults.armed_in("save"):
+            return
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not any(
+                p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{step}.") for p in store.leftovers()):
+            time.sleep(0.002)
+        self.faults.in_phase("save")
 
     def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:
         """The collective's transport: one blocking push to a peer, over its data plane when it has one,
@@ -555,3 +585,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
             except ValueError as e:   # the channel was closed by an abort
                 raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None
+
+
+def _loss_sums_of(metadata: dict, applied: int) -> list[float]:
+    """The loss sums a checkpoint of ``applied`` steps recorded: one float per step, else [] (not recorded,
+    or not of that length: the checkpoint's file is the truth about the state, not about the losses)."""
+    sums = metadata.get("loss_sums")
+    if (isinstance(sums, list) and len(sums) == applied
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in sums)):
+        return [float(x) for x in sums]
+    return []

@@ -116,6 +116,23 @@ def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[
     return out
 
 
+def gather_by(futs: dict[str, grpc.Future], deadline: float) -> None:
+    """Waits until every future of ``futs`` is done or ``deadline`` (monotonic) passed; raises nothing."""
+    for f in futs.values():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            f.result(timeout=left)
+        except Exception:  # noqa: BLE001 - only waiting: the caller reads each outcome
+            pass
+
+
+def _step_result(r: pb.StepReply) -> StepResult:
+    return StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent, dict(r.phases),
+                      tuple(r.checkpoints_saved), r.checkpoint_error)
+
+
 class WorkerGroup:
     """The workers of one run, reached over gRPC. Thread-safe where noted; otherwise called by the controller.
 
@@ -136,7 +153,8 @@ class WorkerGroup:
         self.launcher = LocalLauncher(run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs",
                                       secret=secret, chaos=opts.chaos, tls=opts.tls,
                                       compilation_cache_dir=opts.compilation_cache_dir,
-                                      standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0)
+                                      standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
+                                      platform=opts.platform)
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
@@ -470,29 +488,59 @@ class WorkerGroup:
 
     # -- steps -----------------------------------------------------------------
 
-    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str] | None = None) -> dict[str, grpc.Future]:
+    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
+                 shadows=()) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
 
-        ``checkpoint``: ``(worker, directory)``: that worker writes a checkpoint after this step.
+        ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
+        this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
+        that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
+        shadow (its future is in the answer too, under its id).
         """
         peers = [pb.Peer(rank=r, address=self.registry.workers[w].address, data_address=self._data_address(w))
                  for r, w in enumerate(plan.workers)]
+        shadow_peers = [pb.Peer(address=self.registry.workers[w].address, data_address=self._data_address(w))
+                        for w in shadows]
         all_nodes, owners = [], []
         for r, nodes in enumerate(plan.nodes):
             all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
             owners += [r] * len(nodes)
         futs = {}
+        writer, directory, sums = checkpoint or ("", "", ())
         with self._lock:
             for r, w in enumerate(plan.workers):
                 req = pb.StepRequest(fence=self._fence(), step=plan.step, rank=r, peers=peers,
                                      nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
                                      all_nodes=all_nodes, node_owner=owners,
-                                     checkpoint_directory=checkpoint[1] if checkpoint and checkpoint[0] == w else "")
-                futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
-                self._inflight.setdefault(w, []).append(futs[w])
-                if w in self.dead:
-                    futs[w].cancel()
+                                     checkpoint_directory=directory if w == writer else "",
+                                     committed_loss_sums=sums if w == writer else (), shadows=shadow_peers)
+                self._send_step(w, req, futs)
+            for w in shadows:
+                self._send_step(w, pb.StepRequest(fence=self._fence(), step=plan.step, peers=peers, all_nodes=all_nodes,
+                                                  node_owner=owners, shadow=True), futs)
         return futs
+
+    def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
+        """With the lock held: one Step call without waiting, tracked in flight (cancelled at once if dead)."""
+        futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
+        self._inflight.setdefault(w, []).append(futs[w])
+        if w in self.dead:
+            futs[w].cancel()
+
+    def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
+        """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a
+        :class:`StepResult` or the typed error; settles them."""
+        if deadline is not None:
+            gather_by(futs, deadline)
+        ended = {w: f for w, f in futs.items() if f.done()}
+        self._settle(ended)
+        out: dict[str, StepResult | Exception] = {}
+        for w, f in ended.items():
+            try:
+                out[w] = _step_result(gather({w: f})[w])
+            except Exception as e:  # noqa: BLE001 - handed back as a value (gather raised the typed error)
+                out[w] = e
+        return out
 
     def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
         """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
@@ -504,9 +552,7 @@ class WorkerGroup:
         if isinstance(replies, Stalled):
             return replies
         self._settle(futs)
-        return {w: StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent,
-                              dict(r.phases), tuple(r.checkpoints_saved), r.checkpoint_error)
-                for w, r in replies.items()}
+        return {w: _step_result(r) for w, r in replies.items()}
 
     def _settle(self, futs: dict[str, grpc.Future]) -> None:
         with self._lock:
@@ -541,9 +587,11 @@ class WorkerGroup:
         return reply.bytes, reply.sha256
 
     def load_checkpoints(self, workers, directory: str, applied: int) -> dict[str, pb.PullStateReply]:
-        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which)."""
-        return self._all("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
-            fence=self._fence(), directory=directory, applied_steps=applied), workers)
+        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which).
+
+        One lost meanwhile is declared dead and left out (see :meth:`_each`)."""
+        return self._each("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
+            fence=self._fence(), directory=directory, applied_steps=applied), workers, "failed to load a checkpoint")
 
     def flush_checkpoints(self, workers, wait_seconds: float) -> dict[str, tuple[list[int], str]]:
         """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved, error)}``."""

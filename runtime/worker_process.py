@@ -97,7 +97,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         server.stop(0)
         data.close()
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
-    log.info("worker %s serving on %s with %d %s devices", worker_id, address, len(devices), devices[0].platform)
+    log.info("worker %s serving on %s with %d %s devices (%s)", worker_id, address, len(devices), devices[0].platform,
+             ", ".join(sorted({d.device_kind for d in devices})))
     status = EXIT_SHUTDOWN
     while not service.stopped.wait(0.2):
         if parent_pid is not None and os.getppid() != parent_pid:

@@ -158,6 +158,8 @@ def build_report(events_or_path) -> dict:
         "finished": False,
         "failures": [],
         "checkpoint_restores": 0,
+        "resumed_from": None,
+        "checkpoints_skipped": [],
         "steps_lost": 0,
         "slices_at_end": None,
         "seed": None,
@@ -194,6 +196,11 @@ def build_report(events_or_path) -> dict:
             report["compile_seconds"] = max(e["compile_seconds"].values(), default=0.0)
         elif kind == "state_initialized":
             report["state_bytes"] = e["state_bytes"]
+        elif kind == "run_resumed":
+            # The steps before came from an earlier run: their losses as its checkpoint recorded them.
+            report["resumed_from"] = {k: e[k] for k in ("step", "directory", "tier", "bytes", "losses_recorded")}
+            report["losses"] = [x if isinstance(x, (int, float)) and x == x else None for x in e["losses"]]
+            report.update(steps_completed=e["step"], state_bytes=e["state_bytes"])
         elif kind == "step_committed":
             if e["step"] < report["steps_completed"]:
                 # A step committed again: the run had rewound past committed work.
@@ -224,6 +231,8 @@ def build_report(events_or_path) -> dict:
                 report["slices_at_end"] = len(e["active"])
         elif kind == "checkpoint_restored":
             report["checkpoint_restores"] += 1
+        elif kind == "checkpoint_skipped" and e["detail"] not in report["checkpoints_skipped"]:
+            report["checkpoints_skipped"].append(e["detail"])   # every worker reading it says the same
         elif kind == "recovered" and report["failures"]:
             # A failure during a recovery (say, the transfer source died) is
             # recovered by the same, final recovery.
@@ -282,7 +291,7 @@ def build_report(events_or_path) -> dict:
 # The failure kind a fault causes, by the ``fault_kind`` its event recorded. A
 # kind missing here leaves the failure's kind as the worker deaths said.
 FAILURE_KIND_OF_FAULT = {"kill": "crash", "hang": "hang", "partition": "partition", "corrupt": "corrupt",
-                         "straggle": "straggler"}
+                         "straggle": "straggler", "kill_save": "crash"}
 
 
 def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_first: float) -> None:

@@ -63,6 +63,8 @@ SHARED_KEYS: Mapping[str, str] = {
     "enable_goodput_recording": "jax-elastic's goodput events; MaxText: false (its trainer loop does not run)",
     "enable_checkpointing": "jax-elastic's persistent checkpoints; MaxText: false (its trainer loop does not run)",
     "checkpoint_period": "jax-elastic (steps between persistent checkpoints); MaxText: its default",
+    "hardware": "both, the user's value: jax-elastic exports its programs for it, MaxText checks its options "
+                "against it (unset: jax-elastic's '', MaxText's 'tpu'); gpu_multiprocess is refused",
 }
 
 # Shared keys that steer only jax-elastic's runtime: the user's value goes to jax-elastic (its default when
@@ -144,6 +146,8 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
                   per_device_batch_size=_whole(mt.per_device_batch_size, "per_device_batch_size", user))
     if "run_name" in user:
         values["run_name"] = str(user["run_name"][0])
+    if "hardware" in user:
+        values["hardware"] = str(user["hardware"][0])
     for key in _RUNTIME_KEYS:
         if key in user and key in elastic_keys:
             values[key] = user[key][0]

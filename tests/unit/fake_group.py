@@ -196,7 +196,7 @@ class FakeGroup:
             self.replicas[w] = _Replica()
         return {w: 1024 for w in ok}
 
-    def dispatch(self, plan, checkpoint=None):
+    def dispatch(self, plan, checkpoint=None, shadows=()):
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
         return plan
 

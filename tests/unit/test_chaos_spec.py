@@ -104,13 +104,16 @@ def test_errors_name_the_bad_piece(text, message):
     assert isinstance(info.value, ValueError)
 
 
-def test_validate_rejects_kill_save_and_hand_built_nonsense():
-    faults = parse_faults("kill@step=1,kill_save@step=3")  # parses: the grammar knows it
-    with pytest.raises(FaultSpecError, match="fault 2 'kill_save@step=3': kill_save needs checkpoints, "
-                                             "which this version does not write"):
-        validate(faults)
-    validate(faults[:1])
-    with pytest.raises(FaultSpecError, match="exactly one of step, time, transfer"):
+def test_kill_save_aims_at_the_writer_and_hand_built_nonsense_is_rejected():
+    faults = parse_faults("kill@step=1,kill_save@step=3,kill_save:slice=1@checkpoint=4")
+    validate(faults)
+    assert faults[1].target == Target("role", "writer") and faults[2].when == When(checkpoint=4)
+    assert parse_faults(",".join(f.spec() for f in faults)) == faults
+    for bad, why in [("kill_save:all@step=1", "not 'all'"), ("kill:role=writer@step=1", "only with kill_save"),
+                     ("kill_save:role=spare@step=1", "not 'role=spare'"), ("kill@checkpoint=x", "checkpoint needs")]:
+        with pytest.raises(FaultSpecError, match=why):
+            validate(parse_faults(bad))
+    with pytest.raises(FaultSpecError, match="exactly one of step, time, transfer, checkpoint"):
         validate([Fault("kill", Target("random"), When(step=1, time=2.0))])
     with pytest.raises(FaultSpecError, match="target slice needs an integer >= 0, got -1"):
         validate([Fault("kill", Target("slice", -1), When(step=1))])
@@ -124,7 +127,7 @@ def test_one_fault_vocabulary_from_the_grammar_to_the_report():
     from chaos.spec import INJECTABLE_KINDS, KINDS
     from elastic.report.fold import FAILURE_KIND_OF_FAULT
 
-    assert set(INJECTABLE_KINDS) <= set(KINDS) and DEFAULT_KINDS == INJECTABLE_KINDS
+    assert set(INJECTABLE_KINDS) <= set(KINDS) and set(DEFAULT_KINDS) == set(INJECTABLE_KINDS) - {"kill_save"}
     assert set(FAILURE_KIND_OF_FAULT) == set(INJECTABLE_KINDS)
     for kind in set(KINDS) - set(INJECTABLE_KINDS):
         with pytest.raises(FaultSpecError, match=kind):
@@ -174,7 +177,6 @@ def test_scenario_mapping_faults_and_defaults(tmp_path):
     ("faults: [{kind: kill, at: {step: 1}, when: 3}]\n", "faults[1]: unknown fault key 'when'"),
     ("faults: [kill@step=1, 'hang:slise=2@step=20']\n", "faults[2]: fault 1 'hang:slise=2@step=20': unknown target"),
     ("faults: ['kill@step=1,kill@step=2']\n", "faults[1]: expected exactly one fault"),
-    ("faults: [kill_save@step=1]\n", "kill_save needs checkpoints"),
     ("expect: maybe\n", "'expect' must be 'pass' or 'fail'"),
     ("seed: true\n", "'seed' has the wrong type"),
     ("mtbf_seconds: 10\n", "mtbf_seconds needs duration_seconds"),
@@ -208,8 +210,9 @@ def test_random_faults_are_deterministic_in_the_seed():
 def test_random_faults_honours_kinds_and_arguments():
     assert {f.kind for f in random_faults(1, 1.0, 60.0, kinds=("kill",))} == {"kill"}
     assert random_faults(1, 1000.0, 0.0) == []
-    with pytest.raises(FaultSpecError, match="kill_save needs checkpoints"):
-        random_faults(1, 1000.0, 1.0, kinds=("kill", "kill_save"))
+    assert "kill_save" not in {f.kind for f in random_faults(1, 1.0, 200.0)}   # a soak needs no checkpoints
+    drawn = random_faults(1, 1.0, 60.0, kinds=("kill_save",))
+    assert drawn and all(f.target == Target("role", "writer") for f in drawn)
     with pytest.raises(FaultSpecError, match="mtbf_seconds must be > 0"):
         random_faults(1, 0.0, 10.0)
 

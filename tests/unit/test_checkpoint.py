@@ -407,3 +407,15 @@ def test_errors_survive_pickling():
               CheckpointTimeoutError("/c/3", 3, 1.5)):
         again = pickle.loads(pickle.dumps(e))
         assert type(again) is type(e) and str(again) == str(e)
+
+
+def test_two_saves_in_one_process_at_once_both_commit(tmp_path):
+    """orbax keeps process-wide state for a save in flight; two stores saving at once (a worker's warm-up beside
+    its first real save) must not fail each other (they once did: 'Directory not empty: ocdbt.process_0')."""
+    leaves = [np.arange(5000, dtype=np.float32), np.ones((3, 7), np.int32)]
+    stores = [CheckpointStore(str(tmp_path / f"d{i}")) for i in range(3)]
+    for i, store in enumerate(stores):
+        store.save(i + 1, leaves, sha256=state_sha256(leaves), metadata={"i": i})
+    for i, store in enumerate(stores):
+        store.wait()
+        assert store.steps() == [i + 1] and store.restore().metadata["i"] == i

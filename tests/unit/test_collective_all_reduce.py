@@ -243,3 +243,37 @@ def test_chunk_bytes_zero_means_the_default(requested, used):
 def test_chunk_bytes_out_of_range_is_a_protocol_error_naming_it(requested):
     with pytest.raises(ProtocolError, match=f"chunk_bytes={requested}"):
         checked_chunk_bytes(requested)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+def test_a_shadow_receives_the_reduced_vector_bit_for_bit_without_slowing_the_ranks(num_ranks):
+    """The ranks also push their reduced chunks to a shadow (not waited for); the shadow assembles exactly
+    what each rank has. A shadow that is gone makes no rank fail: its pushes fail quietly."""
+    values = leaves(8)
+    parts = partials_by_rank(values, num_ranks)
+    net = Loopback(num_ranks)
+    net.boxes["shadow"] = Mailbox()
+    peers = {r: f"rank{r}" for r in range(num_ranks)}
+    owners = {node: r for r, p in enumerate(parts) for node in p}
+    deadline = time.monotonic() + 30
+    collectives = [AllReduce(net.sender(r), net.boxes[f"rank{r}"], add_f32) for r in range(num_ranks)]
+    shadow = AllReduce(net.sender(-1), net.boxes["shadow"], add_f32)
+    results = [None] * num_ranks
+
+    def rank(r):
+        results[r] = collectives[r].run(parts[r], fence=FENCE, step=7, rank=r, peers=peers, owners=owners,
+                                        top=root(8), chunk_bytes=64, deadline=deadline,
+                                        shadows=["shadow", "gone"])   # "gone": no such mailbox
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    got = shadow.receive(fence=FENCE, step=7, ranks=num_ranks, size=SIZE, deadline=deadline)
+    for t in threads:
+        t.join(30)
+    assert got.tobytes() == canonical(values).tobytes()
+    assert all(total.tobytes() == got.tobytes() for total, _ in results)
+    with pytest.raises(StepAbortedError, match="no all-gather data"):   # a step whose ranks never ran
+        shadow.receive(fence=FENCE, step=8, ranks=num_ranks, size=SIZE, deadline=time.monotonic() + 0.2)
+    for c in (*collectives, shadow):
+        c.close()

@@ -360,3 +360,11 @@ def test_a_directory_named_like_a_builtin_does_not_shadow_it(tmp_path, monkeypat
     (tmp_path / "tiny").mkdir()   # a run directory of a run named "tiny", in the current directory
     monkeypatch.chdir(tmp_path)
     assert load_config("tiny").run_name == "tiny"
+
+
+@pytest.mark.parametrize("directory", ["gs://ck/run", "gs://Bucket/run", "gs://", "gs:///x"])
+def test_a_gs_checkpoint_directory_without_a_valid_bucket_is_refused_when_read(directory):
+    """Not at the first save, minutes later: the config names the key and what a bucket name may be."""
+    with pytest.raises(ConfigError, match="elastic_checkpoint_directory.*valid bucket name"):
+        load_config("tiny", [f"elastic_checkpoint_directory={directory}", "enable_checkpointing=true"])
+    assert load_config("tiny", ["elastic_checkpoint_directory=gs://my-bucket/run"]).elastic_checkpoint_directory

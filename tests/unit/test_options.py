@@ -35,6 +35,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: value // 2}
     if key == "elastic_trainer":
         return {key: "mypkg.train:make_job"}
+    if key == "hardware":
+        return {key: "gpu"}   # not cpu: the tests run with JAX_PLATFORMS=cpu, which "" resolves to
     if key == "elastic_checkpoint_directory":
         return {key: str(tmp_path / "checkpoints")}  # fewer slices: tiny's elastic_microbatches stays >= slices
     if isinstance(value, bool):
@@ -64,7 +66,7 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
     fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir", "checkpoint_directory",
-                                                  "checkpoint_period"}
+                                                  "checkpoint_period", "platform"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (
@@ -167,8 +169,8 @@ def test_elastic_disabled_keeps_what_already_means_no_recovery(base):
 
 @pytest.mark.parametrize("key", sorted(k for k, who in READ_ELSEWHERE.items() if who.startswith("RunSettings.")))
 def test_run_settings_keys_reach_their_attribute(key, base, tmp_path):
-    changes = changed(base, key, tmp_path) if not isinstance(getattr(base, key), str) or key == "elastic_trainer" \
-        else {key: "other"}
+    changes = changed(base, key, tmp_path) if not isinstance(getattr(base, key), str) \
+        or key in ("elastic_trainer", "hardware") else {key: "other"}
     attr = READ_ELSEWHERE[key].split(":")[0].removeprefix("RunSettings.")
     assert getattr(run_settings(base.replace(**changes)), attr) != getattr(run_settings(base), attr)
 
@@ -202,5 +204,5 @@ def test_checkpoint_keys_reach_the_controller_only_when_checkpointing(base, tmp_
         == ("", 0)
     on = controller_options(base.replace(enable_checkpointing=True, checkpoint_period=7), tmp_path)
     assert (on.checkpoint_directory, on.checkpoint_period) == (str(tmp_path.resolve() / "checkpoints"), 7)
-    gcs = controller_options(base.replace(enable_checkpointing=True, elastic_checkpoint_directory="gs://b/run"), tmp_path)
-    assert gcs.checkpoint_directory == "gs://b/run"
+    gcs = controller_options(base.replace(enable_checkpointing=True, elastic_checkpoint_directory="gs://bucket/run"), tmp_path)
+    assert gcs.checkpoint_directory == "gs://bucket/run"

@@ -68,8 +68,8 @@ RECOVERY_CASES = [
     (("a", "s", "t"), ALL, 2, 1, 5, False, Action.SHRINK, ("b", "c"), (), "2 survivors take over"),
     (("a", "b", "s", "t"), ALL, 2, 1, 5, False, Action.FAIL, ("c",), (), "elastic_min_slice_count is 2"),
     (("a", "b", "s", "t"), ALL, 2, 1, 5, True, Action.WAIT, ("a", "b", "c"), ("s", "t"), "waiting for capacity"),
-    (("a", "b", "c"), ALL, 1, 1, 5, False, Action.FAIL, ("s", "t"), (), "every active slice is gone"),
-    (("a", "b", "c"), ALL, 1, 1, 5, True, Action.FAIL, ("s", "t"), (), "no live replica"),
+    (("a", "b", "c"), set(P.active), 1, 1, 5, False, Action.FAIL, ("s", "t"), (), "every active slice is gone"),
+    (("a", "b", "c"), set(P.active), 1, 1, 5, True, Action.FAIL, ("s", "t"), (), "no live replica"),
     (("b",), ALL, 1, 6, 5, False, Action.FAIL, ("a", "b", "c"), ("s", "t"), "gave up after 5 recoveries"),
     (("b",), ALL, 1, 1, 0, False, Action.FAIL, ("a", "b", "c"), ("s", "t"), "recovery is off"),
     # a promoted spare that never received the state is alive but no replica: with the only replica dead, fail
@@ -204,15 +204,20 @@ def test_decide_start(devices, lost, min_slices, action, active, spares, why):
     assert (d.placement.active, d.placement.spares) == (active, spares)
 
 
+ACTIVE = set(P.active)
 RESTORE_CASES = [
     # dead, replicas, min_slices, may_wait, checkpoint step -> action, active, reason fragment
-    (("a", "b", "c"), ALL, 1, False, 40, Action.RESTORE, ("s", "t"), "restore the checkpoint of step 40"),
+    (("a", "b", "c"), ACTIVE, 1, False, 40, Action.RESTORE, ("s", "t"), "restore the checkpoint of step 40"),
     (("a",), {"a"}, 1, False, 40, Action.RESTORE, ("s", "b", "c"), "hold no copy of the state"),
-    (("a", "b", "c", "s", "t"), ALL, 1, True, 40, Action.WAIT, ("a", "b", "c"), "waiting for capacity"),
-    (("a", "b", "c", "s", "t"), ALL, 1, False, 40, Action.FAIL, (), "no worker is left to restore it"),
-    (("a", "b", "c"), ALL, 3, True, 40, Action.WAIT, ("a", "b", "c"), "elastic_min_slice_count 3"),
-    (("a", "b", "c"), ALL, 1, False, None, Action.FAIL, ("s", "t"), "no complete checkpoint"),
-    (("b",), ALL, 1, False, 40, Action.REPLACE, ("a", "s", "c"), "spares replace"),   # a replica lives: no restore
+    (("a", "b", "c", "s", "t"), ACTIVE, 1, True, 40, Action.WAIT, ("a", "b", "c"), "waiting for capacity"),
+    (("a", "b", "c", "s", "t"), ACTIVE, 1, False, 40, Action.FAIL, (), "no worker is left to restore it"),
+    (("a", "b", "c"), ACTIVE, 3, True, 40, Action.WAIT, ("a", "b", "c"), "elastic_min_slice_count 3"),
+    (("a", "b", "c"), ACTIVE, 1, False, None, Action.FAIL, ("s", "t"), "no complete checkpoint"),
+    (("b",), ACTIVE, 1, False, 40, Action.REPLACE, ("a", "s", "c"), "spares replace"),   # a replica lives: no restore
+    # a spare that shadows the state is a replica: it is promoted first, and nothing is restored
+    (("a", "b", "c"), ACTIVE | {"t"}, 1, False, 40, Action.SHRINK, ("t", "s"), "1 slice(s)"),
+    (("a", "b", "c"), ACTIVE | {"t"}, 1, False, None, Action.SHRINK, ("t", "s"), "survivors take over"),
+    (("b",), ACTIVE | {"t"}, 1, False, None, Action.REPLACE, ("a", "t", "c"), "spares replace"),
 ]
 
 

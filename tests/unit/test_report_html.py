@@ -58,6 +58,9 @@ def full_report(events):
                     "bytes_moved": 0, "skipped": None}],
         "stragglers": [{"worker": "w0", "step": 2, "seconds": 0.9, "median_seconds": 0.2, "action": "reported"}],
         "checkpoint_restores": 0, "steps_lost": 0, "slices_at_end": 2,
+        "resumed_from": {"step": 4, "directory": "gs://bucket/run", "tier": "checkpoint", "bytes": 9,
+                         "losses_recorded": True},
+        "checkpoints_skipped": ["step 8 (gs://bucket/run/8): its leaves hash to 0123..., it recorded 4567..."],
         "goodput": goodput(events),
         "chaos": {"spec": "crash w1 @ step 4", "seed": 7, "mtbf_seconds": None, "duration_seconds": None,
                   "scenario": None},
@@ -70,7 +73,7 @@ def full_report(events):
 
 def fault_free_report(events):
     r = full_report(events)
-    r.update(failures=[], faults=[], stragglers=[], chaos=None, reference=None, verdict=None, verdict_reasons=[],
+    r.update(resumed_from=None, checkpoints_skipped=[], failures=[], faults=[], stragglers=[], chaos=None, reference=None, verdict=None, verdict_reasons=[],
              trajectory=None, exactly_once=None, exactly_once_detail={}, seed=None)
     return r
 

@@ -1,0 +1,145 @@
+"""The persistent tier as the controller sees it: who writes which checkpoint, what was saved, what to load.
+
+The workers write and read checkpoints (:mod:`runtime.saver`,
+:mod:`runtime.checkpoint`); the controller only decides and records:
+
+- :meth:`Checkpointing.order_for`: which replica writes after a step
+  (:func:`runtime.policy.checkpoint_writer`), with the loss sums the
+  checkpoint records beside the state (so a resumed run knows its losses);
+- :meth:`Checkpointing.note`: ``checkpoint_saved`` / ``checkpoint_failed``
+  events for what the workers report, and the observer's hook;
+- :meth:`Checkpointing.newest`: the newest complete checkpoint at or before a
+  step (listing the store: a network round trip for ``gs://``, so only
+  when no replica is left, or at start for auto-resume);
+- :meth:`Checkpointing.load`: every given worker loads the same newest valid
+  one (a corrupt checkpoint is passed over for an older one, and said so);
+- :meth:`Checkpointing.finish`: waits for the saves in flight at the end of
+  a run, then removes what interrupted saves left.
+
+It holds no state of its own beyond the options, the event log, the group
+and the observer to notify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runtime.policy import checkpoint_writer
+
+__all__ = ["Checkpointing", "Loaded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What :meth:`Checkpointing.load` loaded: the ``step``, ``{worker: bytes read}`` (the workers that loaded
+    it) and the ``loss_sums`` of steps 0..step-1 recorded with it ([] when it recorded none)."""
+
+    step: int
+    bytes: dict
+    loss_sums: list
+
+
+class Checkpointing:
+    """The controller's side of persistent checkpoints (see the module docstring).
+
+    ``opts``: the run's ``ControllerOptions`` (``checkpoint_directory``,
+    ``checkpoint_period``, ``rpc_timeout_seconds``); ``notify(step)``: called
+    for each checkpoint reported complete (the controller's observer).
+    """
+
+    def __init__(self, group, opts, events, notify=None):
+        self.group, self.opts, self.events = group, opts, events
+        self.notify = notify or (lambda step: None)
+
+    @property
+    def directory(self) -> str:
+        return self.opts.checkpoint_directory
+
+    @property
+    def enabled(self) -> bool:
+        """The run writes checkpoints (a directory and a period)."""
+        return bool(self.opts.checkpoint_directory and self.opts.checkpoint_period > 0)
+
+    def writer(self, step: int, steps: int, workers) -> str | None:
+        """The worker of ``workers`` (a step's slices, in rank order) that writes after ``step``, or None."""
+        return checkpoint_writer(step, steps, self.opts.checkpoint_period if self.enabled else 0, workers)
+
+    def next_writer(self, first_step: int, steps: int, workers) -> str | None:
+        """The worker that writes the first checkpoint from step ``first_step`` on, if ``workers`` stay; None
+        when the run writes no more."""
+        if not self.enabled:
+            return None
+        return next((w for s in range(first_step, steps) if (w := self.writer(s, steps, workers))), None)
+
+    def order_for(self, step: int, steps: int, workers, loss_sums) -> tuple[str, str, list[float]] | None:
+        """``(writer, directory, committed loss sums)`` when step ``step`` ends a checkpoint period (or the
+        run), else None: what ``WorkerGroup.dispatch`` sends the writer."""
+        writer = self.writer(step, steps, workers)
+        return (writer, self.directory, list(loss_sums)) if writer else None
+
+    def note(self, reports) -> None:
+        """Events for ``{worker: (steps whose checkpoints it finished, error or "")}``."""
+        for w, (saved, error) in reports.items():
+            for step in saved:
+                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.directory)
+                self.notify(step)
+            if error:
+                self.events.emit("checkpoint_failed", worker=w, error=error[:500])
+
+    def finish(self, workers) -> None:
+        """End of a run: waits for the saves ``workers`` have in flight (noting them), then, when every one
+        ended well (nobody writes now), removes the leftovers of interrupted saves."""
+        if not self.enabled:
+            return
+        flushed = self.group.flush_checkpoints(workers, self.opts.rpc_timeout_seconds)
+        self.note(flushed)
+        if any(error for _, error in flushed.values()):
+            return   # a save failed or is still going: what looks partial may be in flight; left for next time
+        try:
+            removed = self._store().cleanup()
+        except Exception as e:  # noqa: BLE001 - leftovers are never restored; removing them is housekeeping
+            self._unavailable(e)
+            return
+        if removed:
+            self.events.emit("checkpoint_leftovers_removed", directory=self.directory, paths=removed)
+
+    def newest(self, at_most: int) -> int | None:
+        """The newest complete checkpoint at or before step ``at_most``; None without one (or checkpoints).
+
+        An unreadable store counts as none, with a ``checkpoint_unavailable`` event.
+        """
+        if not self.directory:
+            return None
+        try:
+            steps = [s for s in self._store().steps() if s <= at_most]
+        except Exception as e:  # noqa: BLE001 - an unreadable store is no backup; the decision says so
+            self._unavailable(e)
+            return None
+        return max(steps) if steps else None
+
+    def load(self, workers, step: int) -> Loaded:
+        """``workers`` load the newest valid checkpoint at or before ``step``, all the same one.
+
+        A corrupt checkpoint is passed over for an older one
+        (``checkpoint_skipped`` events); members that ended on different
+        steps all load the oldest of them again. A worker lost meanwhile is
+        declared dead and left out of the answer; a checkpoint that cannot be
+        read at all raises the worker's error (``WorkerError``, naming it).
+        """
+        replies = self.group.load_checkpoints(workers, self.directory, step)   # concurrently: each its copy
+        for w, r in replies.items():
+            for why in r.skipped:
+                self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
+        restored = min((r.applied_steps for r in replies.values()), default=step)
+        if any(r.applied_steps != restored for r in replies.values()):
+            replies = self.group.load_checkpoints(list(replies), self.directory, restored)
+        sums = next((list(r.loss_sums) for r in replies.values() if r.loss_sums), [])
+        return Loaded(restored, {w: r.bytes for w, r in replies.items()}, sums)
+
+    def _store(self):
+        from runtime.checkpoint import CheckpointStore   # orbax and tensorstore load only when checkpoints are on
+
+        return CheckpointStore(self.directory)
+
+    def _unavailable(self, e: Exception) -> None:
+        self.events.emit("checkpoint_unavailable", directory=self.directory, error=f"{type(e).__name__}: {e}"[:300])

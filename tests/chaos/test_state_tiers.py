@@ -1,0 +1,156 @@
+"""The state tiers under chaos: every active replica lost, and the state still comes back.
+
+A spare that shadows the state (``elastic_shadow_spares``) replaces every
+active slice at once with no step lost and no transfer. Without one, the run
+restores its newest complete checkpoint. Real runs (CLI, real workers, real
+orbax checkpoints written by one replica in the background every 4 steps):
+
+- ``kill:all`` on local disk: every active worker dies, the spare loads the
+  checkpoint;
+- ``kill:everything`` on ``gs://`` (a real GCS protocol server on loopback):
+  the spare dies too, the relaunched workers are waited for and load it;
+- ``kill_save``: the writer dies half way through a save; the cut save is
+  never counted and is removed at the end;
+- the client itself killed mid-run, then its newest checkpoint corrupted:
+  ``elastic run`` again with the same run name resumes from the newest valid
+  checkpoint (MaxText's auto-resume) and says which one it passed over.
+
+Faults fire ``@checkpoint=N`` (once a checkpoint of step N or later is
+complete), so what exists when they strike does not depend on timing.
+
+Each ends bit-identical to the fault-free reference. A chaos verdict is
+"fail" by its definition (steps were recomputed and a checkpoint was
+restored), with exactly those reasons; nothing else is wrong.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+from tests.gcs_emulator import GcsEmulator
+
+SMALL = ["tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2",
+         "enable_checkpointing=true", "checkpoint_period=4"]
+
+
+def _events(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_shadowing_spare_replaces_every_active_slice_with_no_step_lost(tmp_path):
+    proc, report = run_cli(["chaos", "tiny", "steps=30", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1",
+                            "elastic_microbatches=2", "elastic_spares=1", "elastic_shadow_spares=true",
+                            "run_name=sh", "--faults", "kill:all@step=12"], tmp_path)
+    (failure,) = report["failures"]
+    assert failure["restore_tier"] == "shadow" and failure["bytes_moved"] == 0, failure
+    assert sorted(failure["workers"]) == ["w0", "w1"] and failure["path"] == "shrink"
+    assert report["steps_lost"] == 0 and report["checkpoint_restores"] == 0
+    assert report["verdict"] == "pass" and report["trajectory"] == "identical"
+    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    events = _events(pathlib.Path(tmp_path) / "sh")
+    assert not any(e["kind"] in ("transfer_started", "shadow_behind") for e in events)
+
+
+@pytest.mark.parametrize("target,storage", [("all", "local"), ("everything", "gcs")])
+def test_losing_every_copy_in_memory_restores_the_newest_checkpoint_bit_identically(target, storage, tmp_path,
+                                                                                    monkeypatch):
+    extra = []
+    if storage == "gcs":
+        gcs = GcsEmulator(tmp_path / "fake-gcs-server.log").start()
+        gcs.create_bucket("elastic-ck")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)   # the client and its workers reach it
+        extra = [f"elastic_checkpoint_directory=gs://elastic-ck/{uuid.uuid4().hex}"]
+    try:
+        proc, _ = run_cli(["chaos", *SMALL, "steps=40", "elastic_spares=1", "run_name=ck", *extra,
+                           "--faults", f"kill:{target}@checkpoint=8"], tmp_path, check=False)
+    finally:
+        if storage == "gcs":
+            gcs.stop()
+    run_dir = pathlib.Path(tmp_path) / "ck"
+    report = json.loads((run_dir / "report.json").read_text())
+    events = _events(run_dir)
+    assert proc.returncode == 1, proc.stderr   # the verdict fails: steps were recomputed
+    assert report["finished"] and report["steps_completed"] == 40, report["verdict_reasons"]
+    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["losses"] == report["reference"]["losses"]
+    restored = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert len(restored) == 1 and report["checkpoint_restores"] == 1
+    step, killed_at = restored[0]["step"], report["failures"][-1]["step"]   # committed when it was detected
+    assert step >= 8 and step % 4 == 0 and restored[0]["steps_lost"] == report["steps_lost"] == killed_at - step
+    assert restored[0]["directory"].startswith("gs://" if storage == "gcs" else "/")
+    failure = report["failures"][-1]
+    assert failure["restore_tier"] == "checkpoint" and failure["path"] == "restore"
+    injected = next(e for e in events if e["kind"] == "fault_injected")
+    assert sorted(failure["workers"]) == sorted(injected["workers"])
+    if target == "everything":   # nobody was left: the relaunched workers were waited for
+        assert any(e["kind"] == "capacity_wait" for e in events)
+        assert len(failure["workers"]) == 3
+    reasons = " ".join(report["verdict_reasons"])
+    assert "checkpoint" in reasons and ("recomputed" in reasons) == (report["steps_lost"] > 0)
+    assert report["trajectory"] == "identical"
+    saved = sorted(e["step"] for e in events if e["kind"] == "checkpoint_saved")
+    assert saved[-1] == 40, saved   # the last step is saved too, before the run finishes
+
+
+def test_a_save_cut_off_by_its_writers_death_is_never_counted_and_is_removed(tmp_path):
+    proc, report = run_cli(["chaos", *SMALL, "steps=24", "elastic_spares=1", "run_name=ks",
+                            "--faults", "kill_save@checkpoint=4"], tmp_path)
+    run_dir = pathlib.Path(tmp_path) / "ks"
+    events = _events(run_dir)
+    (fault,) = report["faults"]
+    assert fault["kind"] == "kill_save" and fault["path"] in ("replace", "shrink"), fault
+    (victim,) = fault["workers"]
+    (removed,) = [e for e in events if e["kind"] == "checkpoint_leftovers_removed"]
+    (cut,) = removed["paths"]
+    cut_step = int(pathlib.Path(cut).name.split(".")[0])
+    assert not any(e["kind"] == "checkpoint_saved" and (e["step"], e["worker"]) == (cut_step, victim) for e in events)
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert all(name.isdigit() for name in left) and "24" in left, left   # only complete checkpoints remain
+    assert report["verdict"] == "pass" and report["trajectory"] == "identical" and report["steps_lost"] == 0
+
+
+def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_name(tmp_path):
+    args = ["run", *SMALL, "steps=40", "run_name=rs", f"base_output_directory={tmp_path}", "--quiet"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    run_dir = tmp_path / "rs"
+    first = subprocess.Popen([sys.executable, "-m", "elastic.cli", *args], env=env, cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline, saved = time.monotonic() + 240, []
+    while time.monotonic() < deadline and first.poll() is None:   # kill the client once a checkpoint exists
+        if (run_dir / "events.jsonl").exists():
+            saved = [e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint_saved"]
+            if len(saved) >= 2:
+                break
+        time.sleep(0.05)
+    assert len(saved) >= 2 and first.poll() is None, "the first run ended before two checkpoints were saved"
+    os.killpg(first.pid, signal.SIGKILL)   # the client and every worker it started, at once
+    first.wait()
+    committed = sum(e["kind"] == "step_committed" for e in _events(run_dir))
+    assert committed < 40
+
+    complete = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(complete) >= 2, complete   # (the test waits for two, so one can be spoiled)
+    newest = run_dir / "checkpoints" / str(complete[-1])
+    for f in (newest / "state").rglob("*"):   # spoil the newest: its arrays no longer match its record
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(f.read_bytes()[:-1000])
+
+    proc, report = run_cli(args[:-2], tmp_path)   # the same command again
+    resumed = report["resumed_from"]
+    assert resumed["tier"] == "checkpoint" and resumed["losses_recorded"], resumed
+    assert resumed["step"] == complete[-2], (resumed, complete)   # the newest valid one
+    assert report["checkpoints_skipped"] and f"step {complete[-1]} " in report["checkpoints_skipped"][0]
+    assert report["finished"] and report["steps_completed"] == 40 and len(report["losses"]) == 40
+
+    _, ref = run_cli(["run", *SMALL, "steps=40", "run_name=ref", "--reference"], tmp_path)
+    assert report["final_state_sha256"] == ref["final_state_sha256"]
+    assert report["losses"] == ref["losses"]   # the first steps' losses came back from the checkpoint

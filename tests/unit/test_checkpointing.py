@@ -1,0 +1,129 @@
+"""The controller's side of persistent checkpoints (runtime.checkpointing), over a group that answers from a table
+and a real local checkpoint store."""
+
+import dataclasses
+import types
+
+import numpy as np
+
+from runtime.checkpoint import CheckpointStore
+from runtime.checkpointing import Checkpointing
+from runtime.executor import state_sha256
+
+
+@dataclasses.dataclass(frozen=True)
+class Opts:
+    checkpoint_directory: str = ""
+    checkpoint_period: int = 4
+    rpc_timeout_seconds: float = 5.0
+
+
+class Events:
+    def __init__(self):
+        self.log = []
+
+    def emit(self, kind, **fields):
+        self.log.append((kind, fields))
+
+    def kinds(self):
+        return [k for k, _ in self.log]
+
+
+class Group:
+    """load_checkpoints answers each worker with the step of ``holds[worker]`` at or before the step asked."""
+
+    def __init__(self, holds=None, flushed=None, corrupt=()):
+        self.holds, self.flushed, self.corrupt, self.calls = holds or {}, flushed or {}, corrupt, []
+
+    def load_checkpoints(self, workers, directory, applied):
+        self.calls.append((tuple(workers), applied))
+        out = {}
+        for w in workers:
+            step = max(s for s in self.holds[w] if s <= applied)
+            out[w] = types.SimpleNamespace(applied_steps=step, bytes=10 * step, loss_sums=[0.5] * step,
+                                           skipped=[f"step {s} (x): corrupt" for s in self.corrupt
+                                                    if step < s <= applied and s not in self.holds[w]])
+        return out
+
+    def flush_checkpoints(self, workers, wait_seconds):
+        return {w: self.flushed.get(w, ([], "")) for w in workers}
+
+
+def test_the_writer_rotates_and_the_order_carries_the_committed_loss_sums():
+    ck = Checkpointing(Group(), Opts(checkpoint_directory="/ck"), Events())
+    assert ck.order_for(2, 10, ("a", "b"), [1.0]) is None
+    assert ck.order_for(3, 10, ("a", "b"), [1.0, 2.0]) == ("b", "/ck", [1.0, 2.0])
+    assert ck.order_for(7, 10, ("a", "b"), []) == ("a", "/ck", [])
+    assert ck.order_for(9, 10, ("a", "b"), [])[0] in ("a", "b")   # the last step is always saved
+    assert ck.next_writer(4, 10, ("a", "b")) == "a" and ck.next_writer(10, 10, ("a", "b")) is None
+    off = Checkpointing(Group(), Opts(), Events())
+    assert off.order_for(3, 10, ("a",), []) is None and off.next_writer(0, 10, ("a",)) is None
+
+
+def test_saved_checkpoints_become_events_and_reach_the_observer():
+    seen, events = [], Events()
+    ck = Checkpointing(Group(), Opts(checkpoint_directory="/ck"), events, notify=seen.append)
+    ck.note({"a": ([4, 8], ""), "b": ([], "disk full")})
+    assert seen == [4, 8]
+    assert events.kinds() == ["checkpoint_saved", "checkpoint_saved", "checkpoint_failed"]
+
+
+def test_workers_that_skipped_a_corrupt_checkpoint_all_load_the_same_older_one():
+    events = Events()
+    group = Group(holds={"a": [4, 8], "b": [4]}, corrupt=[8])   # b read 8 as corrupt (a lost write, say)
+    loaded = Checkpointing(group, Opts(checkpoint_directory="/ck"), events).load(["a", "b"], 8)
+    assert loaded.step == 4 and loaded.bytes == {"a": 40, "b": 40} and loaded.loss_sums == [0.5] * 4
+    assert group.calls == [(("a", "b"), 8), (("a", "b"), 4)]
+    assert [f["worker"] for k, f in events.log if k == "checkpoint_skipped"] == ["b"]
+
+
+def test_newest_lists_complete_checkpoints_and_an_unreadable_store_is_none(tmp_path):
+    directory = str(tmp_path / "ck")
+    store = CheckpointStore(directory, async_save=False)
+    leaves = [np.arange(4, dtype=np.float32)]
+    for step in (4, 8, 12):
+        store.save(step, leaves, sha256=state_sha256(leaves))
+    events = Events()
+    ck = Checkpointing(Group(), Opts(checkpoint_directory=directory), events)
+    assert ck.newest(12) == 12 and ck.newest(11) == 8 and ck.newest(3) is None
+    assert Checkpointing(Group(), Opts(checkpoint_directory=str(tmp_path / "none")), events).newest(9) is None
+    assert Checkpointing(Group(), Opts(), events).newest(9) is None and events.log == []
+
+
+def test_finish_removes_the_leftovers_of_cut_saves_only_when_nobody_writes(tmp_path):
+    directory = tmp_path / "ck"
+    leaves = [np.arange(4, dtype=np.float32)]
+    CheckpointStore(str(directory), async_save=False).save(4, leaves, sha256=state_sha256(leaves))
+    (directory / "8.orbax-checkpoint-tmp").mkdir()   # what a writer killed mid-save leaves
+    busy, events = Group(flushed={"b": ([], "still writing after 5 s")}), Events()
+    Checkpointing(busy, Opts(checkpoint_directory=str(directory)), events).finish(["a", "b"])
+    assert (directory / "8.orbax-checkpoint-tmp").exists()   # b may be writing it
+    idle = Group(flushed={"a": ([8], "")})
+    Checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish(["a", "b"])
+    assert not (directory / "8.orbax-checkpoint-tmp").exists() and (directory / "4").exists()
+    removed = [f for k, f in events.log if k == "checkpoint_leftovers_removed"]
+    assert len(removed) == 1 and removed[0]["paths"][0].endswith("8.orbax-checkpoint-tmp")
+
+
+def test_the_programs_fingerprint_ignores_source_locations_and_names_but_not_the_math():
+    """A checkpoint resumes after the code around the model changed (lines moved, the step renamed); another
+    model's does not (the worker refuses it as written by other programs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.requests import programs_fingerprint
+
+    code = "\n\n\ndef step(x):\n    return jnp.sin(x) * 2\n\n\ndef other(x):\n    return jnp.cos(x) * 2\n"
+    ns = {"jnp": jnp}
+    exec(compile(code, "moved.py", "exec"), ns)
+
+    def step(x):
+        return jnp.sin(x) * 2
+
+    def programs(fn):
+        blob = jax.export.export(jax.jit(fn), platforms=["cpu"])(jnp.ones(3)).serialize()
+        return [types.SimpleNamespace(name="grad", serialized=blob)]
+
+    assert programs(step)[0].serialized != programs(ns["step"])[0].serialized   # the locations differ
+    assert programs_fingerprint(programs(step)) == programs_fingerprint(programs(ns["step"]))
+    assert programs_fingerprint(programs(step)) != programs_fingerprint(programs(ns["other"]))
