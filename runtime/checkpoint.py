@@ -562,8 +562,12 @@ def _new_checkpointer():
     ocp = _ocp()
     import jax
 
+    try:
+        numpy_handler = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    except TypeError:   # orbax before 0.11.x copies host arrays always (slower, as safe)
+        numpy_handler = ocp.type_handlers.NumpyHandler()
     arrays = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (np.ndarray, numpy_handler),
         (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))   # unused; orbax warns without it
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     pytree = ocp.PyTreeCheckpointHandler(type_handler_registry=arrays)
