@@ -80,7 +80,7 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
     if (fault.kind == "kill_save" or when.checkpoint is not None) and not shape.checkpoints:
         what = "kill_save hits a checkpoint being written" if fault.kind == "kill_save" else \
             f"checkpoint={when.checkpoint} waits for a checkpoint"
-        return f"{what}, and the run writes none (set enable_checkpointing=true, with a checkpoint_period)"
+        return f"{what}, and the run writes no checkpoints (set enable_checkpointing=true, with a checkpoint_period)"
     if when.checkpoint is not None and when.checkpoint > shape.steps:
         return (f"checkpoint={when.checkpoint} is never reached: the run's newest checkpoint holds at most "
                 f"{shape.steps} steps")

@@ -32,11 +32,13 @@ __all__ = ["Checkpointing", "Loaded"]
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     """What :meth:`Checkpointing.load` loaded: the ``step``, ``{worker: bytes read}`` (the workers that loaded
-    it) and the ``loss_sums`` of steps 0..step-1 recorded with it ([] when it recorded none)."""
+    it), the ``loss_sums`` of steps 0..step-1 recorded with it ([] when it recorded none) and, when the same
+    model wrote it on another mesh, that mesh as ``(devices per slice, microbatches)`` (else None)."""
 
     step: int
     bytes: dict
     loss_sums: list
+    written_on: tuple[int, int] | None = None
 
 
 class Checkpointing:
@@ -134,7 +136,9 @@ class Checkpointing:
         if any(r.applied_steps != restored for r in replies.values()):
             replies = self.group.load_checkpoints(list(replies), self.directory, restored)
         sums = next((list(r.loss_sums) for r in replies.values() if r.loss_sums), [])
-        return Loaded(restored, {w: r.bytes for w, r in replies.items()}, sums)
+        other = next(((r.written_devices_per_slice, r.written_microbatches) for r in replies.values()
+                      if r.written_devices_per_slice), None)
+        return Loaded(restored, {w: r.bytes for w, r in replies.items()}, sums, other)
 
     def _store(self):
         from runtime.checkpoint import CheckpointStore   # orbax and tensorstore load only when checkpoints are on

@@ -359,11 +359,13 @@ class Controller:
         step = loaded.step
         self._copy_to_newcomers(self.placement.active[0], step)   # copies nothing: checks every replica's hash
         sums = loaded.loss_sums if len(loaded.loss_sums) == step else [float("nan")] * step
+        before = loaded.written_on   # another mesh wrote it: its losses are means over its microbatches
         self.loss_sums = list(sums)
-        self.losses = [self._loss(x) for x in sums]
+        self.losses = [self._loss(x, before[1] if before else None) for x in sums]
         self._run["next_step"] = step
         self.events.emit("run_resumed", step=step, directory=self.opts.checkpoint_directory, tier="checkpoint",
                          bytes=sum(loaded.bytes.values()), state_bytes=self._run["state_bytes"],
+                         resharded_from=dict(zip(("devices_per_slice", "microbatches"), before)) if before else None,
                          losses=[x if x == x else None for x in self.losses], losses_recorded=len(loaded.loss_sums) == step)
 
     def _recover_before_state(self, during: str) -> None:
@@ -466,9 +468,9 @@ class Controller:
         if self.recovery.deferred and not fields.get("recovered"):
             self.recovery.relaunch_deferred()   # the recovery's first step is done: replacements may start now
 
-    def _loss(self, loss_sum: float) -> float:
+    def _loss(self, loss_sum: float, microbatches: int | None = None) -> float:
         """The step's loss: the workers' canonical sum over microbatches, averaged in float32 as a plain loop would."""
-        return float(np.float32(loss_sum) / np.float32(self.programs.num_microbatches))
+        return float(np.float32(loss_sum) / np.float32(microbatches or self.programs.num_microbatches))
 
     def _investigate(self, plan: StepPlan, pending, median: float) -> None:
         """The step watchdog fired: record what it found and fence out whom it names."""

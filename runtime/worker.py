@@ -373,15 +373,22 @@ class WorkerService(pb_grpc.WorkerServicer):
             t0 = time.perf_counter()
             (step, leaves, digest, meta), skipped = CheckpointStore(request.directory).restore_newest_valid(
                 at_most=request.applied_steps)
-            if meta.get("fingerprint") not in ("", None, self.fingerprint):
+            programs = self.executor.programs
+            mesh = (programs.devices_per_slice, programs.num_microbatches)
+            written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
+            resharded = meta.get("fingerprint") not in ("", None, self.fingerprint)
+            if resharded and (written_on == mesh or None in written_on
+                              or [(tuple(x.shape), x.dtype) for x in leaves] != list(self._state_layout)):
                 raise ProtocolError(f"checkpoint {request.directory} step {step} was written by other programs "
                                     "(another model or optimizer); it cannot resume this run (to start afresh, "
                                     "use another run_name or remove that directory)")
-            self._adopt_state(leaves, step, digest)
+            self._adopt_state(leaves, step, digest)   # placed on this slice's devices, however many
             return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
                                      seconds=time.perf_counter() - t0, applied_steps=step,
                                      skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped],
-                                     loss_sums=_loss_sums_of(meta, step))
+                                     loss_sums=_loss_sums_of(meta, step),
+                                     written_devices_per_slice=written_on[0] if resharded else 0,
+                                     written_microbatches=written_on[1] if resharded else 0)
         return self._guard(context, load)
 
     def _adopt_state(self, leaves, applied: int, digest: str) -> None:
@@ -525,6 +532,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             if req.checkpoint_directory:   # written in the background from the (immutable) new state
                 self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state,
                                            {"fingerprint": self.fingerprint,
+                                            "devices_per_slice": ex.programs.devices_per_slice,
+                                            "microbatches": ex.programs.num_microbatches,
                                             "loss_sums": self._loss_sums(req.committed_loss_sums, req.step)})
             for old in [k for k in self._recent if k < req.step - 4]:
                 del self._recent[old]

@@ -199,6 +199,8 @@ def build_report(events_or_path) -> dict:
         elif kind == "run_resumed":
             # The steps before came from an earlier run: their losses as its checkpoint recorded them.
             report["resumed_from"] = {k: e[k] for k in ("step", "directory", "tier", "bytes", "losses_recorded")}
+            report["resumed_from"].update(resharded_from=e.get("resharded_from"),
+                                          comparison="within tolerance" if e.get("resharded_from") else "bit-identical")
             report["losses"] = [x if isinstance(x, (int, float)) and x == x else None for x in e["losses"]]
             report.update(steps_completed=e["step"], state_bytes=e["state_bytes"])
         elif kind == "step_committed":

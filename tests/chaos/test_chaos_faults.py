@@ -160,9 +160,9 @@ def test_a_failed_verdict_exits_non_zero_and_says_why(tmp_path):
     assert again["verdict"] == "fail" and again["failure_reason"].startswith("ElasticTrainingFailedError")
 
 
-def test_a_fault_the_runtime_cannot_do_is_bad_input(tmp_path):
+def test_a_fault_that_cannot_fire_in_this_run_is_bad_input(tmp_path):
     proc, _ = run_cli(["chaos", "tiny", "--faults", "kill_save@step=3"], tmp_path, check=False)
-    assert proc.returncode == 2 and "checkpoints" in proc.stderr
+    assert proc.returncode == 2 and "writes no checkpoints" in proc.stderr and "enable_checkpointing" in proc.stderr
     proc, _ = run_cli(["chaos", "tiny", "--faults", "kill:slise=1@step=3"], tmp_path, check=False)
     assert proc.returncode == 2 and "slise" in proc.stderr
 

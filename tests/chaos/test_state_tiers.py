@@ -26,6 +26,7 @@ restored), with exactly those reasons; nothing else is wrong.
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,3 +155,31 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
     _, ref = run_cli(["run", *SMALL, "steps=40", "run_name=ref", "--reference"], tmp_path)
     assert report["final_state_sha256"] == ref["final_state_sha256"]
     assert report["losses"] == ref["losses"]   # the first steps' losses came back from the checkpoint
+
+
+def test_a_checkpoint_resumes_on_another_mesh_within_tolerance(tmp_path):
+    """2 slices x 2 devices write the checkpoints; the run resumes as 1 slice x 4 devices (the same data: the
+    microbatch keeps its 4 rows, per_device_batch_size 2 -> 1). The whole arrays are placed on the new slice's
+    devices; the losses before the resume are the recorded ones, those after follow a fault-free run on the new
+    mesh within tolerance, and the report says which comparison applies."""
+    import numpy as np
+
+    common = ["tiny", "steps=12", "enable_checkpointing=true", "checkpoint_period=4", "run_name=mesh",
+              "elastic_microbatches=2"]
+    new_mesh = ["dcn_data_parallelism=1", "ici_fsdp_parallelism=4", "per_device_batch_size=1"]
+    _, first = run_cli(["run", *common, "dcn_data_parallelism=2", "ici_fsdp_parallelism=2"], tmp_path)
+    checkpoints = pathlib.Path(tmp_path) / "mesh" / "checkpoints"
+    for step in ("12", "8"):   # as if the first run had stopped after step 4's checkpoint
+        shutil.rmtree(checkpoints / step)
+    _, report = run_cli(["run", *common, *new_mesh], tmp_path)
+    resumed = report["resumed_from"]
+    assert resumed["step"] == 4 and resumed["comparison"] == "within tolerance"
+    assert resumed["resharded_from"] == {"devices_per_slice": 2, "microbatches": 2}
+    assert report["finished"] and report["losses"][:4] == first["losses"][:4]
+    _, ref = run_cli(["run", "tiny", "steps=12", "elastic_microbatches=2", *new_mesh, "run_name=ref", "--reference"],
+                     tmp_path)
+    np.testing.assert_allclose(report["losses"], ref["losses"], rtol=1e-5)
+
+    # Another model's checkpoint (other leaf shapes) is refused, naming it.
+    proc, _ = run_cli(["run", *common, *new_mesh, "base_emb_dim=48"], tmp_path, check=False)
+    assert proc.returncode != 0 and "written by other programs" in proc.stderr and "mesh/checkpoints" in proc.stderr

@@ -283,6 +283,10 @@ def shape(*overrides, duration=None, mtbf=None):
      "no state transfer can happen: no worker can ever join the run (elastic_spares=0 and elastic_relaunch=false)"),
     ("kill@step=2,kill@transfer", ["elastic_enabled=false"], {}, "no state transfer can happen: no worker can ever "
                                                                 "join the run (elastic_enabled=false)"),
+    ("kill_save@step=3", [], {}, "kill_save hits a checkpoint being written, and the run writes no checkpoints"),
+    ("kill:all@checkpoint=8", [], {}, "checkpoint=8 waits for a checkpoint, and the run writes no checkpoints"),
+    ("kill:all@checkpoint=30", ["steps=20", "enable_checkpointing=true"], {},
+     "checkpoint=30 is never reached: the run's newest checkpoint holds at most 20 steps"),
 ])
 def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, overrides, soak, message):
     with pytest.raises(FaultSpecError) as info:
@@ -298,6 +302,7 @@ def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, override
     ("kill:role=spare@step=1", ["elastic_spares=1"], {}),
     ("kill@step=2,kill:role=source@transfer", ["elastic_spares=0"], {}),   # relaunched workers join
     ("kill:role=dest@transfer", ["elastic_spares=1", "steps=100000"], {"mtbf": 20.0, "duration": 60.0}),
+    ("kill_save@step=3,kill:everything@checkpoint=20", ["steps=20", "enable_checkpointing=true"], {}),
 ])
 def test_a_fault_that_can_fire_is_accepted(spec, overrides, soak):
     check_reachable(parse_faults(spec), shape(*overrides, **soak))
