@@ -32,8 +32,9 @@ class Events:
 class Group:
     """load_checkpoints answers each worker with the step of ``holds[worker]`` at or before the step asked."""
 
-    def __init__(self, holds=None, flushed=None, corrupt=()):
+    def __init__(self, holds=None, flushed=None, corrupt=(), resharded=()):
         self.holds, self.flushed, self.corrupt, self.calls = holds or {}, flushed or {}, corrupt, []
+        self.resharded = resharded
 
     def load_checkpoints(self, workers, directory, applied):
         self.calls.append((tuple(workers), applied))
@@ -41,6 +42,8 @@ class Group:
         for w in workers:
             step = max(s for s in self.holds[w] if s <= applied)
             out[w] = types.SimpleNamespace(applied_steps=step, bytes=10 * step, loss_sums=[0.5] * step,
+                                           written_devices_per_slice=2 if w in self.resharded else 0,
+                                           written_microbatches=4 if w in self.resharded else 0,
                                            skipped=[f"step {s} (x): corrupt" for s in self.corrupt
                                                     if step < s <= applied and s not in self.holds[w]])
         return out
@@ -73,6 +76,9 @@ def test_workers_that_skipped_a_corrupt_checkpoint_all_load_the_same_older_one()
     group = Group(holds={"a": [4, 8], "b": [4]}, corrupt=[8])   # b read 8 as corrupt (a lost write, say)
     loaded = Checkpointing(group, Opts(checkpoint_directory="/ck"), events).load(["a", "b"], 8)
     assert loaded.step == 4 and loaded.bytes == {"a": 40, "b": 40} and loaded.loss_sums == [0.5] * 4
+    assert loaded.written_on is None
+    other = Checkpointing(Group(holds={"a": [4]}, resharded=("a",)), Opts(checkpoint_directory="/ck"), events)
+    assert other.load(["a"], 4).written_on == (2, 4)   # the same model, written on another mesh
     assert group.calls == [(("a", "b"), 8), (("a", "b"), 4)]
     assert [f["worker"] for k, f in events.log if k == "checkpoint_skipped"] == ["b"]
 
