@@ -138,6 +138,9 @@ class Config:
     enable_checkpointing: bool = _key(False)
     checkpoint_period: int = _key(10, ge=1)
     elastic_checkpoint_directory: str = _key("")
+    # MaxText's key: start from this jax-elastic checkpoint (a checkpoint directory: its newest complete one; or
+    # one step's directory, <dir>/<step>) when the run's own directory holds none to resume from. "": fresh.
+    load_full_state_path: str = _key("")
     elastic_goodput_cloud_logging: bool = _key(False)
 
     def __post_init__(self) -> None:
@@ -352,9 +355,9 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
             f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
             "every slice needs at least one microbatch per step"
         )
-    directory = values["elastic_checkpoint_directory"]
-    if directory and (problem := checkpoint_directory_problem(directory)):
-        raise ConfigError(f"config key {at('elastic_checkpoint_directory')} {problem}")
+    for key in ("elastic_checkpoint_directory", "load_full_state_path"):
+        if values[key] and (problem := checkpoint_directory_problem(values[key])):
+            raise ConfigError(f"config key {at(key)} {problem}")
     tls = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if values[k]]
     if tls and len(tls) != 3:
         missing = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if k not in tls]

@@ -67,7 +67,8 @@ _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_fi
 _ENABLED_KEY = "elastic_enabled"  # false -> the recovery fields below take their "no recovery" values
 _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.compilation_cache_dir)
 # -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
-_CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory")
+_CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory",
+                    "load_full_state_path")
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
@@ -174,8 +175,12 @@ def checkpoint_directory(cfg: Config, run_dir: str | pathlib.Path) -> str:
     else an absolute path (``<run_dir>/checkpoints`` by default)."""
     if not cfg.enable_checkpointing:
         return ""
-    value = cfg.elastic_checkpoint_directory or os.path.join(str(run_dir), "checkpoints")
-    if value.startswith("gs://"):
+    return _absolute(cfg.elastic_checkpoint_directory or os.path.join(str(run_dir), "checkpoints"))
+
+
+def _absolute(value: str) -> str:
+    """A gs:// URL as is; a local path made absolute ("" stays "")."""
+    if not value or value.startswith("gs://"):
         return value
     return str(pathlib.Path(value).expanduser().resolve())   # workers run elsewhere (cwd)
 
@@ -191,7 +196,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg), compilation_cache_dir=compilation_cache_dir(cfg),
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
-                             platform=export_platform(cfg),
+                             platform=export_platform(cfg), load_full_state_path=_absolute(cfg.load_full_state_path),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from runtime.errors import ElasticTrainingFailedError
 from runtime.policy import checkpoint_writer
 
 __all__ = ["Checkpointing", "Loaded"]
@@ -119,8 +120,31 @@ class Checkpointing:
             return None
         return max(steps) if steps else None
 
-    def load(self, workers, step: int) -> Loaded:
-        """``workers`` load the newest valid checkpoint at or before ``step``, all the same one.
+    def locate(self, path: str) -> tuple[str, int]:
+        """``(directory, step)`` of what ``load_full_state_path`` names: a checkpoint directory (its newest
+        complete checkpoint) or one step's directory (``<directory>/<step>``, which must be complete).
+
+        Raises ``ElasticTrainingFailedError`` naming the path when it holds no such checkpoint.
+        """
+        from runtime.checkpoint import CheckpointStore
+
+        head, _, tail = path.rstrip("/").rpartition("/")
+        try:
+            if tail.isdigit() and head and int(tail) in CheckpointStore(head).steps():
+                return head, int(tail)
+            steps = CheckpointStore(path).steps()
+        except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
+            raise ElasticTrainingFailedError(f"load_full_state_path {path!r} cannot be read",
+                                             cause=f"{type(e).__name__}: {e}") from None
+        if not steps:
+            raise ElasticTrainingFailedError(f"load_full_state_path {path!r} holds no complete checkpoint",
+                                             cause="name a checkpoint directory or one complete step in it "
+                                                   "(<directory>/<step>)")
+        return path, max(steps)
+
+    def load(self, workers, step: int, directory: str | None = None) -> Loaded:
+        """``workers`` load the newest valid checkpoint at or before ``step`` (of ``directory``, default the
+        run's own), all the same one.
 
         A corrupt checkpoint is passed over for an older one
         (``checkpoint_skipped`` events); members that ended on different
@@ -128,13 +152,14 @@ class Checkpointing:
         declared dead and left out of the answer; a checkpoint that cannot be
         read at all raises the worker's error (``WorkerError``, naming it).
         """
-        replies = self.group.load_checkpoints(workers, self.directory, step)   # concurrently: each its copy
+        directory = directory or self.directory
+        replies = self.group.load_checkpoints(workers, directory, step)   # concurrently: each its copy
         for w, r in replies.items():
             for why in r.skipped:
                 self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
         restored = min((r.applied_steps for r in replies.values()), default=step)
         if any(r.applied_steps != restored for r in replies.values()):
-            replies = self.group.load_checkpoints(list(replies), self.directory, restored)
+            replies = self.group.load_checkpoints(list(replies), directory, restored)
         sums = next((list(r.loss_sums) for r in replies.values() if r.loss_sums), [])
         other = next(((r.written_devices_per_slice, r.written_microbatches) for r in replies.values()
                       if r.written_devices_per_slice), None)

@@ -93,6 +93,7 @@ class ControllerOptions:
     checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none
     shadow_spares: bool = False            # spares shadow the state (runtime.shadows)
     platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
+    load_full_state_path: str = ""         # start from this checkpoint (a store, or <store>/<step>) if none to resume
 
 
 class ControllerObserver:
@@ -281,6 +282,7 @@ class Controller:
         fails. No state exists yet, so every replacement initializes from
         the seed (same bits) instead of receiving a copy.
         """
+        self._run["resume"] = self._resume_step()   # before launching: a bad load_full_state_path fails fast
         t0 = time.time()
         o = self.opts
         for _ in range(o.slices + o.spares):
@@ -311,14 +313,13 @@ class Controller:
                          program_bytes=self.group.program_bytes())
         self._recover_before_state("loading programs")
         self.observer.attach(self)
-        seed, sizes = self._run["seed"], {}
-        resume = self._resume_step()
+        seed, sizes, resume = self._run["seed"], {}, self._run["resume"]
         while True:
             todo = [w for w in self.placement.active if w not in sizes]
             if resume is None:
                 sizes.update(self.group.init(todo, seed))
             else:
-                loaded = self.checkpoints.load(todo, resume)
+                loaded = self.checkpoints.load(todo, resume, self._run.get("resume_directory"))
                 sizes.update(loaded.bytes)
             sizes = {w: b for w, b in sizes.items() if w not in self.dead}
             if all(w in sizes for w in self.placement.active):
@@ -335,7 +336,7 @@ class Controller:
             if resume is None:
                 started = self.group.init(spares, seed)
             else:
-                got = self.checkpoints.load(spares, loaded.step)
+                got = self.checkpoints.load(spares, loaded.step, self._run.get("resume_directory"))
                 started = got.bytes if got.step == loaded.step else {}
             for w in started:
                 self.shadows.synced(w, self._run["next_step"])
@@ -346,8 +347,16 @@ class Controller:
 
     def _resume_step(self) -> int | None:
         """The step of the newest complete checkpoint this run resumes from (MaxText's auto-resume: the run's
-        checkpoint directory already holds some); None for a fresh start."""
-        return self.checkpoints.newest(self._run["steps"])
+        checkpoint directory already holds some), else of ``load_full_state_path``; None for a fresh start.
+
+        Raises ``ElasticTrainingFailedError`` when ``load_full_state_path``
+        holds no complete checkpoint (of that step)."""
+        own = self.checkpoints.newest(self._run["steps"])
+        if own is not None or not self.opts.load_full_state_path:
+            return own
+        directory, step = self.checkpoints.locate(self.opts.load_full_state_path)
+        self._run["resume_directory"] = directory
+        return step
 
     def _resumed(self, loaded) -> None:
         """The active slices loaded checkpoint ``loaded``: the run continues after its step, with its losses.
@@ -363,7 +372,8 @@ class Controller:
         self.loss_sums = list(sums)
         self.losses = [self._loss(x, before[1] if before else None) for x in sums]
         self._run["next_step"] = step
-        self.events.emit("run_resumed", step=step, directory=self.opts.checkpoint_directory, tier="checkpoint",
+        self.events.emit("run_resumed", step=step, directory=self._run.get("resume_directory") or self.checkpoints.directory,
+                         tier="checkpoint",
                          bytes=sum(loaded.bytes.values()), state_bytes=self._run["state_bytes"],
                          resharded_from=dict(zip(("devices_per_slice", "microbatches"), before)) if before else None,
                          losses=[x if x == x else None for x in self.losses], losses_recorded=len(loaded.loss_sums) == step)

@@ -63,6 +63,8 @@ SHARED_KEYS: Mapping[str, str] = {
     "enable_goodput_recording": "jax-elastic's goodput events; MaxText: false (its trainer loop does not run)",
     "enable_checkpointing": "jax-elastic's persistent checkpoints; MaxText: false (its trainer loop does not run)",
     "checkpoint_period": "jax-elastic (steps between persistent checkpoints); MaxText: its default",
+    "load_full_state_path": "jax-elastic: the run starts from that jax-elastic checkpoint; MaxText: its default "
+                            "'' (MaxText's own checkpoints are not read: the run restores jax-elastic's format)",
     "hardware": "both, the user's value: jax-elastic exports its programs for it, MaxText checks its options "
                 "against it (unset: jax-elastic's '', MaxText's 'tpu'); gpu_multiprocess is refused",
 }
@@ -70,7 +72,8 @@ SHARED_KEYS: Mapping[str, str] = {
 # Shared keys that steer only jax-elastic's runtime: the user's value goes to jax-elastic (its default when
 # unset, not MaxText's); MaxText gets the value here, or its own default where there is none.
 _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
-                 "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing", "checkpoint_period")
+                 "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing", "checkpoint_period",
+                 "load_full_state_path")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
 
 # MaxText features whose train step differs from the one integrations.maxtext.model splits, or that
@@ -91,6 +94,7 @@ UNSUPPORTED: Mapping[str, Any] = {
     "routed_bias_update_rate": 0.0,
     "moe_dropless_fallback": None,
     "quantization": "",
+    "load_parameters_path": "",   # a jax-elastic state is whole (parameters and optimizer): load_full_state_path
 }
 
 # MaxText's (MaxText-only) parallelism keys: a jax-elastic slice is a 1-D FSDP mesh.

@@ -180,6 +180,16 @@ def test_a_checkpoint_resumes_on_another_mesh_within_tolerance(tmp_path):
                      tmp_path)
     np.testing.assert_allclose(report["losses"], ref["losses"], rtol=1e-5)
 
+    # MaxText's load_full_state_path: another run starts from one step of those checkpoints, bit for bit.
+    _, other = run_cli(["run", "tiny", "steps=12", "elastic_microbatches=2", *new_mesh, "run_name=other",
+                        f"load_full_state_path={checkpoints}/8"], tmp_path)
+    assert other["resumed_from"]["step"] == 8 and other["resumed_from"]["directory"] == str(checkpoints)
+    assert other["resumed_from"]["comparison"] == "bit-identical"
+    assert other["final_state_sha256"] == report["final_state_sha256"] and other["losses"] == report["losses"]
+    proc, _ = run_cli(["run", "tiny", "run_name=none", f"load_full_state_path={tmp_path}/nothing"], tmp_path,
+                      check=False)
+    assert proc.returncode != 0 and "holds no complete checkpoint" in proc.stderr and "nothing" in proc.stderr
+
     # Another model's checkpoint (other leaf shapes) is refused, naming it.
     proc, _ = run_cli(["run", *common, *new_mesh, "base_emb_dim=48"], tmp_path, check=False)
     assert proc.returncode != 0 and "written by other programs" in proc.stderr and "mesh/checkpoints" in proc.stderr
