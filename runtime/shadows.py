@@ -53,8 +53,9 @@ class Shadows:
         if futs:
             self._pending.append((step, dict(futs)))
 
-    def poll(self, timeout: float = 0.0) -> None:
-        """Takes in the shadow steps that ended, oldest first (waiting up to ``timeout`` seconds for them).
+    def poll(self, timeout: float = 0.0, before: int | None = None) -> None:
+        """Takes in the shadow steps that ended, oldest first, waiting up to ``timeout`` seconds for those of
+        steps before ``before`` (all, when None); later ones are taken only if already done.
 
         A shadow whose step failed stops shadowing (``shadow_behind``) until
         :meth:`synced` again.
@@ -62,7 +63,8 @@ class Shadows:
         deadline = time.monotonic() + timeout
         while self._pending:
             step, futs = self._pending[0]
-            ended = self.group.poll(futs, deadline if timeout else None)
+            wait = timeout and (before is None or step < before)
+            ended = self.group.poll(futs, deadline if wait else None)
             for w, result in ended.items():
                 del futs[w]
                 if w not in self.at:
@@ -79,8 +81,9 @@ class Shadows:
 
     def holding(self, committed: int, dead, wait_seconds: float) -> set[str]:
         """The live shadows at the committed frontier (or one step past it: the realignment rolls them back),
-        after waiting up to ``wait_seconds`` for the steps they were sent."""
-        self.poll(wait_seconds)
+        after waiting up to ``wait_seconds`` for the committed steps they were sent (a step past the frontier
+        may never end: a rank died in it)."""
+        self.poll(wait_seconds, before=committed)
         return {w for w, at in self.at.items() if w not in dead and committed <= at <= committed + 1}
 
     def forget(self, workers) -> None:
