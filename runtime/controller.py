@@ -35,9 +35,9 @@ import numpy as np
 from runtime import auth
 from runtime.errors import ElasticTrainingFailedError, StaleEpochError, StepAbortedError, WorkerLostError
 from runtime.events import EventLog
-from runtime.checkpointing import Checkpointing
-from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_start, decide_swap, membership_change_due, plan_step, straggler_action,
-                            watchdog_limit)
+from runtime.checkpointing import Checkpointing, Loaded
+from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_start,
+                            decide_swap, membership_change_due, plan_step, straggler_action, watchdog_limit)
 from runtime.programs import ProgramSet
 from runtime.recovery import Recovery
 from runtime.shadows import Shadows
@@ -155,7 +155,8 @@ class Controller:
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
                                           options, events)
         self.observer = ControllerObserver()
-        self.checkpoints = Checkpointing(self.group, options, events, notify=lambda s: self.observer.checkpoint_saved(s))
+        self.checkpoints = Checkpointing(self.group, options, events,
+                                         notify=lambda step: self.observer.checkpoint_saved(step))
         self.recovery = Recovery(self.group, options, events, self.checkpoints)
         self.shadows = Shadows(self.group, events, options.shadow_spares)
         self.placement: Placement | None = None
@@ -282,7 +283,7 @@ class Controller:
         fails. No state exists yet, so every replacement initializes from
         the seed (same bits) instead of receiving a copy.
         """
-        self._run["resume"] = self._resume_step()   # before launching: a bad load_full_state_path fails fast
+        self._run["resume"] = self._resume_from()   # before launching: a bad load_full_state_path fails fast
         t0 = time.time()
         o = self.opts
         for _ in range(o.slices + o.spares):
@@ -313,52 +314,52 @@ class Controller:
                          program_bytes=self.group.program_bytes())
         self._recover_before_state("loading programs")
         self.observer.attach(self)
-        seed, sizes, resume = self._run["seed"], {}, self._run["resume"]
+        resume, sizes = self._run["resume"], {}
         while True:
-            todo = [w for w in self.placement.active if w not in sizes]
-            if resume is None:
-                sizes.update(self.group.init(todo, seed))
-            else:
-                loaded = self.checkpoints.load(todo, resume, self._run.get("resume_directory"))
-                sizes.update(loaded.bytes)
+            loaded = self._first_state([w for w in self.placement.active if w not in sizes], resume)
+            sizes.update(loaded.bytes)
             sizes = {w: b for w, b in sizes.items() if w not in self.dead}
             if all(w in sizes for w in self.placement.active):
                 break
-            self._recover_before_state("restoring the checkpoint" if resume is not None else "initializing the state")
+            self._recover_before_state("restoring the checkpoint" if resume else "initializing the state")
         self._run["state_bytes"] = max(sizes.values())
         self.replicas = set(self.placement.active)
         if resume is None:
-            self.events.emit("state_initialized", seed=seed, state_bytes=self._run["state_bytes"])
+            self.events.emit("state_initialized", seed=self._run["seed"], state_bytes=self._run["state_bytes"])
         else:
-            self._resumed(loaded)
+            self._resumed(loaded, resume[0])
         if self.shadows.enabled:   # the spares start with the same state: from the seed, or the same checkpoint
             spares = [w for w in self.placement.spares if w not in self.dead]
-            if resume is None:
-                started = self.group.init(spares, seed)
-            else:
-                got = self.checkpoints.load(spares, loaded.step, self._run.get("resume_directory"))
-                started = got.bytes if got.step == loaded.step else {}
-            for w in started:
-                self.shadows.synced(w, self._run["next_step"])
+            got = self._first_state(spares, resume and (resume[0], loaded.step))
+            for w in (got.bytes if got.step == self._run["next_step"] else {}):
+                self.shadows.synced(w, got.step)
         self.last_commit = time.monotonic()
         if self._run["max_seconds"]:   # counted from the first step, not from launch
             self._run["deadline"] = self.last_commit + self._run["max_seconds"]
         return Phase.RUNNING
 
-    def _resume_step(self) -> int | None:
-        """The step of the newest complete checkpoint this run resumes from (MaxText's auto-resume: the run's
-        checkpoint directory already holds some), else of ``load_full_state_path``; None for a fresh start.
+    def _resume_from(self) -> tuple[str, int] | None:
+        """``(directory, step)`` of the newest complete checkpoint this run resumes from (MaxText's auto-resume:
+        the run's checkpoint directory already holds some), else of ``load_full_state_path``; None for a fresh
+        start.
 
         Raises ``ElasticTrainingFailedError`` when ``load_full_state_path``
         holds no complete checkpoint (of that step)."""
         own = self.checkpoints.newest(self._run["steps"])
-        if own is not None or not self.opts.load_full_state_path:
-            return own
-        directory, step = self.checkpoints.locate(self.opts.load_full_state_path)
-        self._run["resume_directory"] = directory
-        return step
+        if own is not None:
+            return self.checkpoints.directory, own
+        if self.opts.load_full_state_path:
+            return self.checkpoints.locate(self.opts.load_full_state_path)
+        return None
 
-    def _resumed(self, loaded) -> None:
+    def _first_state(self, workers, resume: tuple[str, int] | None) -> Loaded:
+        """``workers`` initialize from the seed (``resume`` None: ``Loaded`` of step 0, no losses) or load the
+        checkpoint ``(directory, step)``; those that did are in the answer's ``bytes``."""
+        if resume is None:
+            return Loaded(0, self.group.init(workers, self._run["seed"]), [])
+        return self.checkpoints.load(workers, resume[1], resume[0])
+
+    def _resumed(self, loaded: Loaded, directory: str) -> None:
         """The active slices loaded checkpoint ``loaded``: the run continues after its step, with its losses.
 
         Every replica must hold the same step and bits (checked); the losses
@@ -372,11 +373,11 @@ class Controller:
         self.loss_sums = list(sums)
         self.losses = [self._loss(x, before[1] if before else None) for x in sums]
         self._run["next_step"] = step
-        self.events.emit("run_resumed", step=step, directory=self._run.get("resume_directory") or self.checkpoints.directory,
-                         tier="checkpoint",
+        self.events.emit("run_resumed", step=step, directory=directory, tier="checkpoint",
                          bytes=sum(loaded.bytes.values()), state_bytes=self._run["state_bytes"],
                          resharded_from=dict(zip(("devices_per_slice", "microbatches"), before)) if before else None,
-                         losses=[x if x == x else None for x in self.losses], losses_recorded=len(loaded.loss_sums) == step)
+                         losses=[x if x == x else None for x in self.losses],
+                         losses_recorded=len(loaded.loss_sums) == step)
 
     def _recover_before_state(self, during: str) -> None:
         """Startup lost members (or started narrower): the policy decides; every live member counts as a replica.
@@ -558,7 +559,7 @@ class Controller:
 
     def _restore(self, old: Placement, step: int, started: float) -> Phase:
         """No replica is left: every active slice loads the checkpoint of ``step``; training resumes there."""
-        step, moved, _ = self.recovery.restore(old, self.placement, step)
+        step, moved = self.recovery.restore(old, self.placement, step)
         committed = len(self.losses)
         self.replicas = set(self.placement.active)
         self._copy_to_newcomers(self.placement.active[0], step)   # copies nothing: checks every replica's hash

@@ -111,9 +111,9 @@ class Recovery:
                 self.group.relaunch(w)
         return dead
 
-    def restore(self, old: Placement, new: Placement, step: int) -> tuple[int, int, list[float]]:
+    def restore(self, old: Placement, new: Placement, step: int) -> tuple[int, int]:
         """Every active member of ``new`` loads the newest valid checkpoint at or before ``step`` (no replica is
-        left); returns ``(step restored, bytes read, loss sums recorded with it)``.
+        left); returns ``(step restored, bytes read)``.
 
         The dead are retired (relaunched after the next commit) and every
         member is fenced into the new epoch first. A member lost meanwhile
@@ -124,7 +124,7 @@ class Recovery:
         loaded = self.checkpoints.load(new.active, step)
         if lost := [w for w in new.active if w not in loaded.bytes]:
             raise WorkerLostError(lost[0], "lost while loading a checkpoint")
-        return loaded.step, sum(loaded.bytes.values()), loaded.loss_sums
+        return loaded.step, sum(loaded.bytes.values())
 
     def relaunch_deferred(self) -> None:
         """Relaunches the dead workers :meth:`realign` left for after the first commit (each once, within limits)."""

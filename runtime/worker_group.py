@@ -116,7 +116,7 @@ def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[
     return out
 
 
-def gather_by(futs: dict[str, grpc.Future], deadline: float) -> None:
+def _wait_until(futs: dict[str, grpc.Future], deadline: float) -> None:
     """Waits until every future of ``futs`` is done or ``deadline`` (monotonic) passed; raises nothing."""
     for f in futs.values():
         left = deadline - time.monotonic()
@@ -531,7 +531,7 @@ class WorkerGroup:
         """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a
         :class:`StepResult` or the typed error; settles them."""
         if deadline is not None:
-            gather_by(futs, deadline)
+            _wait_until(futs, deadline)
         ended = {w: f for w, f in futs.items() if f.done()}
         self._settle(ended)
         out: dict[str, StepResult | Exception] = {}
