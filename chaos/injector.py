@@ -81,6 +81,7 @@ class FaultInjector(ControllerObserver):
         self.committed = 0
         self.transfers = 0
         self.checkpointed = -1   # the newest step whose checkpoint was saved (-1: none yet)
+        self.snapshotted = -1    # the newest step whose in-memory snapshot was saved (-1: none yet)
         self.fired: set[int] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -104,6 +105,10 @@ class FaultInjector(ControllerObserver):
     def checkpoint_saved(self, step: int) -> None:
         self.checkpointed = max(self.checkpointed, step)
         self._fire(lambda f: f.when.checkpoint is not None and f.when.checkpoint <= self.checkpointed)
+
+    def snapshot_saved(self, step: int) -> None:
+        self.snapshotted = max(self.snapshotted, step)
+        self._fire(lambda f: f.when.snapshot is not None and f.when.snapshot <= self.snapshotted)
 
     def before_transfer(self, source: str, dest: str) -> None:
         self.transfers += 1
@@ -137,6 +142,9 @@ class FaultInjector(ControllerObserver):
         if when.checkpoint is not None:
             saved = f"the newest saved was of step {self.checkpointed}" if self.checkpointed >= 0 else "none was saved"
             return f"never fired: the run ended before a checkpoint of step {when.checkpoint} or later ({saved})"
+        if when.snapshot is not None:
+            saved = f"the newest saved was of step {self.snapshotted}" if self.snapshotted >= 0 else "none was saved"
+            return f"never fired: the run ended before a snapshot of step {when.snapshot} or later ({saved})"
         if when.time is not None and when.time <= elapsed:   # came due between two ticks of the clock
             return f"never fired: the run ended just as {when.spec()} came due ({elapsed:.1f} s after training started)"
         if when.time is not None:

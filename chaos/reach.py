@@ -21,6 +21,8 @@ The rules, with the reason each error gives (``docs/chaos-guide.md``):
   there to hit.
 * ``kill_save`` and ``@checkpoint=N`` need checkpoints (``enable_checkpointing``);
   ``@checkpoint=N`` needs ``N <= steps`` (checkpoints hold 1..steps applied steps).
+* ``@snapshot=N`` needs in-memory snapshots (``elastic_snapshot_interval``) and
+  ``N < steps`` (no snapshot follows the last step).
 * ``@transfer`` needs a worker that can join (recovery enabled, and a spare or
   ``elastic_relaunch``) and something that can lose a worker first: another
   fault that is not itself ``@transfer``, or a soak's random faults.
@@ -48,6 +50,7 @@ class RunShape:
     duration_seconds: float | None = None   # soak runs: training stops dispatching after this long
     random_faults: bool = False             # soak runs: random faults are drawn besides the listed ones
     checkpoints: bool = False               # ``enable_checkpointing``: the run writes persistent checkpoints
+    snapshot_interval: int = 0              # ``elastic_snapshot_interval``: in-memory snapshots every N steps
 
     @classmethod
     def of(cls, cfg, *, duration_seconds: float | None = None, mtbf_seconds: float | None = None) -> RunShape:
@@ -57,7 +60,7 @@ class RunShape:
         return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism, spares=cfg.elastic_spares,
                    recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
                    duration_seconds=duration_seconds if soak else None, random_faults=soak,
-                   checkpoints=cfg.enable_checkpointing)
+                   checkpoints=cfg.enable_checkpointing, snapshot_interval=cfg.elastic_snapshot_interval)
 
 
 def check_reachable(faults: Sequence[Fault], shape: RunShape) -> None:
@@ -84,6 +87,12 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
     if when.checkpoint is not None and when.checkpoint > shape.steps:
         return (f"checkpoint={when.checkpoint} is never reached: the run's newest checkpoint holds at most "
                 f"{shape.steps} steps")
+    if when.snapshot is not None and not shape.snapshot_interval:
+        return (f"snapshot={when.snapshot} waits for an in-memory snapshot, and the run takes none "
+                "(set elastic_snapshot_interval)")
+    if when.snapshot is not None and when.snapshot >= shape.steps:
+        return (f"snapshot={when.snapshot} is never reached: snapshots follow steps before the last, so they hold "
+                f"at most {shape.steps - 1} steps")
     if target.kind == "slice" and target.value >= shape.slices:
         return (f"slice {target.value} does not exist: the run has {shape.slices} slices "
                 f"(dcn_data_parallelism={shape.slices}, slices 0..{shape.slices - 1})")

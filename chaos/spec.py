@@ -3,7 +3,7 @@
 A fault list reads ``KIND[(OPTIONS)][:TARGET]@WHEN``, comma separated, e.g.::
 
     kill@step=10,hang(resume=3s):slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40,
-    kill_save@step=5,kill:everything@checkpoint=12
+    kill_save@step=5,kill:everything@checkpoint=12,kill:all@snapshot=20
 
 Contract:
 
@@ -100,12 +100,13 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class When:
-    """When a fault fires; exactly one of the four is set."""
+    """When a fault fires; exactly one of the five is set."""
 
     step: int | None = None  # inject once this many steps are committed
     time: float | None = None  # seconds since training started
     transfer: bool = False  # during the next state transfer
     checkpoint: int | None = None  # once a checkpoint of at least this step is saved (complete)
+    snapshot: int | None = None  # once an in-memory snapshot of at least this step is in place (and copied)
 
     def spec(self) -> str:
         if self.transfer:
@@ -114,6 +115,8 @@ class When:
             return f"step={self.step}"
         if self.checkpoint is not None:
             return f"checkpoint={self.checkpoint}"
+        if self.snapshot is not None:
+            return f"snapshot={self.snapshot}"
         return f"time={format_duration(self.time if self.time is not None else 0.0)}"
 
 
@@ -299,16 +302,17 @@ def _parse_when(text: str) -> When:
         if not _INT.fullmatch(value):
             raise FaultSpecError(f"bad when {text!r}: step needs an integer >= 0")
         return When(step=int(value))
-    if name == "checkpoint" and value:
+    if name in ("checkpoint", "snapshot") and value:
         if not _INT.fullmatch(value):
-            raise FaultSpecError(f"bad when {text!r}: checkpoint needs an integer >= 0 (a step)")
-        return When(checkpoint=int(value))
+            raise FaultSpecError(f"bad when {text!r}: {name} needs an integer >= 0 (a step)")
+        return When(**{name: int(value)})
     if name == "time" and value:
         try:
             return When(time=parse_duration(value))
         except FaultSpecError as e:
             raise FaultSpecError(f"bad when {text!r}: {e}") from None
-    raise FaultSpecError(f"bad when {text!r} (expected step=N, time=DURATION, transfer or checkpoint=STEP)")
+    raise FaultSpecError(f"bad when {text!r} (expected step=N, time=DURATION, transfer, checkpoint=STEP or "
+                         "snapshot=STEP)")
 
 
 def _check(f: Fault) -> None:
@@ -334,9 +338,10 @@ def _check(f: Fault) -> None:
         raise FaultSpecError(f"target {t.kind!r} takes no value, got {t.value!r}")
     if not isinstance(w.transfer, bool):
         raise FaultSpecError(f"when.transfer must be True or False, got {w.transfer!r}")
-    if sum((w.step is not None, w.time is not None, w.transfer, w.checkpoint is not None)) != 1:
-        raise FaultSpecError(f"when must set exactly one of step, time, transfer, checkpoint, got {w}")
-    for name in ("step", "checkpoint"):
+    if sum((w.step is not None, w.time is not None, w.transfer, w.checkpoint is not None,
+            w.snapshot is not None)) != 1:
+        raise FaultSpecError(f"when must set exactly one of step, time, transfer, checkpoint, snapshot, got {w}")
+    for name in ("step", "checkpoint", "snapshot"):
         n = getattr(w, name)
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise FaultSpecError(f"{name} must be an integer >= 0, got {n!r}")

@@ -118,10 +118,10 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
     if lost:
         reasons.append(f"{lost} committed step{_s(lost)} had to be recomputed (steps_lost={lost}); "
                        "recovery must never rewind past a committed step.")
-    restores = report.get("checkpoint_restores") or 0
-    if restores:
-        reasons.append(f"the run restored from a snapshot or checkpoint {restores} time{_s(restores)} "
-                       "(checkpoint_restores); a surviving replica should have supplied the state.")
+    for key, tier in (("snapshot_restores", "an in-memory snapshot"), ("checkpoint_restores", "a checkpoint")):
+        if restores := report.get(key) or 0:
+            reasons.append(f"the run restored from {tier} {restores} time{_s(restores)} ({key}); "
+                           "a surviving replica should have supplied the state.")
 
     once, once_detail = (None, {})
     if report.get("microbatches") and requested is not None:

@@ -142,6 +142,15 @@ class Config:
     # one step's directory, <dir>/<step>) when the run's own directory holds none to resume from. "": fresh.
     load_full_state_path: str = _key("")
     elastic_goodput_cloud_logging: bool = _key(False)
+    # In-memory snapshots (MaxText's elastic_backup_kind): while no spare shadows the state, one replica writes
+    # its state to its host's memory (/dev/shm) every elastic_snapshot_interval steps (0: never), and a copy
+    # goes to a worker on another host; when every replica is lost, a worker on a host that holds one restores
+    # it (steps lost: at most about the interval). elastic_backup_kind=checkpoint: no snapshots, the
+    # persistent checkpoint is the backup. elastic_snapshot_directory: an absolute path on every worker's host;
+    # "": /dev/shm/jax-elastic-snapshots (else the temporary directory).
+    elastic_snapshot_interval: int = _key(0, ge=0)
+    elastic_backup_kind: str = _key("snapshot", choices=("snapshot", "checkpoint"))
+    elastic_snapshot_directory: str = _key("")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -358,6 +367,12 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
     for key in ("elastic_checkpoint_directory", "load_full_state_path"):
         if values[key] and (problem := checkpoint_directory_problem(values[key])):
             raise ConfigError(f"config key {at(key)} {problem}")
+    if values["elastic_snapshot_interval"] and values["elastic_backup_kind"] != "snapshot":
+        raise ConfigError(f"config keys {at('elastic_snapshot_interval')} and {at('elastic_backup_kind')} "
+                          "contradict: snapshots are taken only with elastic_backup_kind=snapshot")
+    if values["elastic_snapshot_directory"] and not values["elastic_snapshot_directory"].startswith("/"):
+        raise ConfigError(f"config key {at('elastic_snapshot_directory')} must be an absolute path (it names a "
+                          "directory on every worker's host)")
     tls = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if values[k]]
     if tls and len(tls) != 3:
         missing = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if k not in tls]
@@ -407,13 +422,14 @@ def _run_name_problem(name: str) -> str:
 # Keys that only steer recovery. With elastic_enabled=false each keeps its default
 # (ignored) or the value that already means "no recovery"; anything else is a contradiction.
 _RECOVERY_KEYS = ("elastic_spares", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
-                  "elastic_relaunch", "elastic_replace_stragglers", "elastic_shadow_spares")
+                  "elastic_relaunch", "elastic_replace_stragglers", "elastic_shadow_spares",
+                  "elastic_snapshot_interval")
 
 
 def _no_recovery_value(key: str, values: Mapping[str, Any]) -> Any:
     return {"elastic_spares": 0, "elastic_min_slice_count": values["dcn_data_parallelism"],
             "elastic_max_retries": 0, "elastic_relaunch": False, "elastic_replace_stragglers": False,
-            "elastic_shadow_spares": False}.get(key)
+            "elastic_shadow_spares": False, "elastic_snapshot_interval": 0}.get(key)
 
 
 def _next_power_of_two(n: int) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from elastic.config import HARDWARE, Config, ConfigError
-from runtime import ControllerOptions, TlsFiles, default_worker_platform
+from runtime import ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform
 
 __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",
            "compilation_cache_dir", "controller_options", "export_platform", "run_settings"]
@@ -61,6 +61,8 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_standby_workers": "standby_workers",
     "elastic_data_plane": "data_plane",
     "elastic_shadow_spares": "shadow_spares",
+    "elastic_snapshot_interval": "snapshot_interval",
+    "elastic_backup_kind": "backup_kind",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -69,6 +71,7 @@ _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.co
 # -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
 _CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory",
                     "load_full_state_path")
+_SNAPSHOT_KEYS = ("elastic_snapshot_directory",)   # -> snapshot_directory (default: default_snapshot_root())
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
@@ -197,12 +200,13 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
                              platform=export_platform(cfg), load_full_state_path=_absolute(cfg.load_full_state_path),
+                             snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts
     return dataclasses.replace(opts, max_retries=0, spares=0, relaunch=False, min_slices=opts.slices,
                                capacity_timeout_seconds=0.0, replace_stragglers=False, standby_workers=0,
-                               shadow_spares=False)
+                               shadow_spares=False, snapshot_interval=0)
 
 
 def _tls(cfg: Config) -> TlsFiles | None:
@@ -215,7 +219,7 @@ def _tls(cfg: Config) -> TlsFiles | None:
 def _check_every_key_has_a_place() -> None:
     schema = {f.name for f in dataclasses.fields(Config)}
     placed = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY} | set(_CHECKPOINT_KEYS)
-              | set(READ_ELSEWHERE))
+              | set(_SNAPSHOT_KEYS) | set(READ_ELSEWHERE))
     if set(PLATFORM_OF_HARDWARE) != set(HARDWARE):
         raise ImportError(f"elastic.options maps hardware {sorted(PLATFORM_OF_HARDWARE)}, the Config allows "
                           f"{sorted(HARDWARE)}")

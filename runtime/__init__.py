@@ -25,6 +25,7 @@ from runtime.fault_injection import ACTIONS as FAULT_ACTIONS, PHASES as FAULT_PH
 from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
 from runtime.platforms import default_worker_platform, local_platform, program_platforms
 from runtime.programs import MESH_AXIS, ProgramSet
+from runtime.snapshot import default_root as default_snapshot_root
 
 
 def run_reference(*args, **kwargs):
@@ -83,6 +84,7 @@ __all__ = [
     "WorkerError",
     "WorkerLostError",
     "assign_microbatches",
+    "default_snapshot_root",
     "default_worker_platform",
     "enable_compilation_cache",
     "local_platform",

@@ -77,8 +77,11 @@ __all__ = [
     "GCS_ENDPOINT_ENV",
     "Restored",
     "Skipped",
+    "check_record",
     "directory_problem",
+    "make_record",
     "use_gcs_endpoint",
+    "verified",
 ]
 
 #: The environment variable naming a GCS endpoint (an emulator) when ``gcs_endpoint`` is not given;
@@ -290,28 +293,7 @@ class CheckpointStore:
         same step already there is replaced (a run is deterministic: the
         same step is the same state).
         """
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        step = int(step)
-        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-            raise ValueError(f"sha256 must be 64 lowercase hex digits (state_sha256), got {sha256!r}")
-        metadata = dict(metadata or {})
-        if clash := [k for k in _RESERVED if k in metadata]:
-            raise ValueError(f"metadata keys {clash} are the store's own")
-        leaves = [np.asarray(x) for x in leaves]
-        record = {"format": FORMAT, "step": step, "sha256": sha256, "created": time.time(),
-                  "leaves": [[list(x.shape), x.dtype.name] for x in leaves], "metadata": metadata}
-        try:
-            json.dumps(record, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"checkpoint metadata is not JSON: {e}") from e
-        for i, (x, (_, name)) in enumerate(zip(leaves, record["leaves"])):
-            try:
-                same = _dtype(name) == x.dtype
-            except TypeError:
-                same = False
-            if not same:
-                raise ValueError(f"leaf {i}: dtype {x.dtype} cannot be recorded by its name {name!r}")
+        step, leaves, record = make_record(step, leaves, sha256=sha256, metadata=metadata)
         with self._lock:
             self._join(self.timeout_s)
             path = self.path(step)
@@ -493,7 +475,7 @@ class CheckpointStore:
                                           args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
         except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable; the error says why
             raise CheckpointCorruptError(path, f"its record cannot be read ({_describe(e)})") from e
-        layout = _check_record(record, step, path)
+        layout = check_record(record, step, path)
         stored = [i for i, (shape, _) in enumerate(layout) if math.prod(shape)]
         arrays: list = []
         if stored:
@@ -509,15 +491,7 @@ class CheckpointStore:
         leaves = [np.empty(shape, dtype) for shape, dtype in layout]
         for i, x in zip(stored, arrays):
             leaves[i] = np.asarray(x)
-        for i, (x, (shape, dtype)) in enumerate(zip(leaves, layout)):
-            if x.shape != shape or x.dtype != dtype:
-                raise CheckpointCorruptError(path, f"leaf {i} is {x.shape} {x.dtype}, its record says {shape} {dtype}")
-        digest = state_sha256(leaves)
-        if digest != record["sha256"]:
-            raise CheckpointCorruptError(path, f"its leaves hash to {digest[:16]}..., "
-                                               f"it recorded {record['sha256'][:16]}...")
-        metadata = dict(record["metadata"], step=step, created=record["created"])
-        return Restored(step, leaves, digest, metadata)
+        return verified(step, leaves, layout, record, path)
 
 
 # -- helpers -------------------------------------------------------------------
@@ -589,7 +563,51 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def _check_record(record, step: int, path: str) -> list[tuple[tuple[int, ...], np.dtype]]:
+def make_record(step, leaves, *, sha256: str, metadata: dict | None = None) -> tuple[int, list, dict]:
+    """``(step, host leaves, record)`` of a state to store: the record names the format, the step, the state's
+    digest, each leaf's shape and dtype, the time and the caller's ``metadata`` (checked by
+    :func:`check_record` when read back). Raises ValueError for a bad step, digest, metadata or dtype.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    step = int(step)
+    if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise ValueError(f"sha256 must be 64 lowercase hex digits (state_sha256), got {sha256!r}")
+    metadata = dict(metadata or {})
+    if clash := [k for k in _RESERVED if k in metadata]:
+        raise ValueError(f"metadata keys {clash} are the store's own")
+    leaves = [np.asarray(x) for x in leaves]
+    record = {"format": FORMAT, "step": step, "sha256": sha256, "created": time.time(),
+              "leaves": [[list(x.shape), x.dtype.name] for x in leaves], "metadata": metadata}
+    try:
+        json.dumps(record, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint metadata is not JSON: {e}") from e
+    for i, (x, (_, name)) in enumerate(zip(leaves, record["leaves"])):
+        try:
+            same = _dtype(name) == x.dtype
+        except TypeError:
+            same = False
+        if not same:
+            raise ValueError(f"leaf {i}: dtype {x.dtype} cannot be recorded by its name {name!r}")
+    return step, leaves, record
+
+
+def verified(step: int, leaves: list, layout, record: dict, path: str) -> Restored:
+    """``leaves`` read back for ``record`` (checked by :func:`check_record`, whose ``layout`` it answered), as
+    :class:`Restored` once each leaf has its recorded shape and dtype and the whole hashes to the recorded
+    digest; else :class:`CheckpointCorruptError` naming ``path``."""
+    for i, (x, (shape, dtype)) in enumerate(zip(leaves, layout)):
+        if x.shape != shape or x.dtype != dtype:
+            raise CheckpointCorruptError(path, f"leaf {i} is {x.shape} {x.dtype}, its record says {shape} {dtype}")
+    digest = state_sha256(leaves)
+    if digest != record["sha256"]:
+        raise CheckpointCorruptError(path, f"its leaves hash to {digest[:16]}..., "
+                                           f"it recorded {record['sha256'][:16]}...")
+    return Restored(step, leaves, digest, dict(record["metadata"], step=step, created=record["created"]))
+
+
+def check_record(record, step: int, path: str) -> list[tuple[tuple[int, ...], np.dtype]]:
     """The record's leaf layout, after checking the record is one this store wrote for ``step``."""
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         got = record.get("format") if isinstance(record, dict) else type(record).__name__

@@ -36,6 +36,7 @@ from runtime import auth
 from runtime.errors import ElasticTrainingFailedError, StaleEpochError, StepAbortedError, WorkerLostError
 from runtime.events import EventLog
 from runtime.checkpointing import Checkpointing, Loaded
+from runtime.snapshotting import Snapshotting
 from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_start,
                             decide_swap, membership_change_due, plan_step, straggler_action, watchdog_limit)
 from runtime.programs import ProgramSet
@@ -94,6 +95,9 @@ class ControllerOptions:
     shadow_spares: bool = False            # spares shadow the state (runtime.shadows)
     platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
     load_full_state_path: str = ""         # start from this checkpoint (a store, or <store>/<step>) if none to resume
+    snapshot_directory: str = ""           # in-memory snapshots: the directory on each host that keeps them
+    snapshot_interval: int = 0             # a snapshot after every this many steps; 0: none (runtime.snapshotting)
+    backup_kind: str = "snapshot"          # the backup while no spare shadows the state (runtime.tiers.backup_tier)
 
 
 class ControllerObserver:
@@ -114,6 +118,9 @@ class ControllerObserver:
 
     def checkpoint_saved(self, step: int) -> None:
         """A worker reported the checkpoint of ``step`` complete (in the order the reports arrive)."""
+
+    def snapshot_saved(self, step: int) -> None:
+        """A worker reported the in-memory snapshot of ``step`` complete on its host."""
 
     def close(self) -> None:
         """The run ended (in any way)."""
@@ -157,7 +164,9 @@ class Controller:
         self.observer = ControllerObserver()
         self.checkpoints = Checkpointing(self.group, options, events,
                                          notify=lambda step: self.observer.checkpoint_saved(step))
-        self.recovery = Recovery(self.group, options, events, self.checkpoints)
+        self.snapshots = Snapshotting(self.group, options, events,
+                                      notify=lambda step: self.observer.snapshot_saved(step))
+        self.recovery = Recovery(self.group, options, events, self.checkpoints, self.snapshots)
         self.shadows = Shadows(self.group, events, options.shadow_spares)
         self.placement: Placement | None = None
         self.phase = Phase.STARTING
@@ -430,8 +439,9 @@ class Controller:
 
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.placement.spares, self.dead)
-        futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, self._run["steps"], plan.workers,
-                                                                    self.loss_sums), shadows)
+        steps = self._run["steps"]
+        futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.workers, self.loss_sums),
+                                   shadows, self.snapshots.order_for(plan.step, steps, self.placement, len(shadows)))
         self.shadows.dispatched(plan.step, {w: futs.pop(w) for w in shadows})
         self.plans[plan.step] = plan
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
@@ -450,6 +460,7 @@ class Controller:
             raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
         self._watch_stragglers(plan, results)
         self.checkpoints.note({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
+        self.snapshots.note({w: (r.snapshots_saved, r.snapshots_copied, r.snapshot_error) for w, r in results.items()})
         self.shadows.poll()
         self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
@@ -538,7 +549,7 @@ class Controller:
         old, self.pending = self.placement, collections.deque()
         self._adopt(decision.placement)
         if decision.action is Action.RESTORE:
-            return self._restore(old, self.recovery.checkpoint, started)
+            return self._restore(old, started)
         plan = self.recovery.realign(old, decision.placement, replicas, committed)
         for step, loss_sum in plan.commits:
             self._record(step, self.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
@@ -557,20 +568,23 @@ class Controller:
         self._error = None
         return Phase.RUNNING
 
-    def _restore(self, old: Placement, step: int, started: float) -> Phase:
-        """No replica is left: every active slice loads the checkpoint of ``step``; training resumes there."""
-        step, moved = self.recovery.restore(old, self.placement, step)
+    def _restore(self, old: Placement, started: float) -> Phase:
+        """No replica is left: the newest snapshot or checkpoint comes back (to every active slice: loaded, or
+        copied from the one that loaded it); training resumes at its step."""
         committed = len(self.losses)
-        self.replicas = set(self.placement.active)
-        self._copy_to_newcomers(self.placement.active[0], step)   # copies nothing: checks every replica's hash
+        got = self.recovery.restore(old, self.placement, committed)
+        step = got.step
+        self.replicas = set(got.holders)
+        moved = got.bytes + self._copy_to_newcomers(got.holders[0], step)   # and checks every replica's hash
         del self.losses[step:], self.loss_sums[step:]
         self.shadows.forget(list(self.shadows.at))   # caught up by a copy at the next boundary
         self.plans.clear()
-        self.events.emit("checkpoint_restored", step=step, directory=self.opts.checkpoint_directory, bytes=moved,
-                         steps_lost=committed - step)
+        where = dict(directory=got.directory) if got.tier == "checkpoint" else dict(
+            worker=got.holders[0], host=self.group.host_of(got.holders[0]))
+        self.events.emit(f"{got.tier}_restored", step=step, bytes=got.bytes, steps_lost=committed - step, **where)
         self.events.emit("recovered", path=Action.RESTORE.value, epoch=self.placement.epoch, resume_step=step,
                          dead=sorted(w for w in old.members if w in self.dead), bytes_moved=moved,
-                         seconds=time.time() - started, restore_tier="checkpoint")
+                         seconds=time.time() - started, restore_tier=got.tier)
         self._run["next_step"] = step
         self._error = None
         return Phase.RUNNING

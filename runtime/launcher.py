@@ -87,20 +87,22 @@ class LocalLauncher:
         self._lock = threading.Lock()
         os.makedirs(log_dir, exist_ok=True)
 
-    def launch(self, worker_id: str) -> subprocess.Popen:
-        """Starts worker ``worker_id``: a standby takes the id if one waits, else a new process starts.
+    def launch(self, worker_id: str, host_name: str = "") -> subprocess.Popen:
+        """Starts worker ``worker_id`` on simulated host ``host_name`` (where its in-memory snapshots live; "":
+        this machine's name): a standby takes the id if one waits, else a new process starts.
 
         A new process waits its turn past the first ``LAUNCH_BURST`` starts
         (at most ``1/LAUNCH_RATE`` s). Handing a standby its id also starts
         its successor.
         """
-        proc = self._take_standby(worker_id)
+        proc = self._take_standby(worker_id, host_name)
         if proc is not None:
             self.procs[worker_id] = proc
             self.prepare_standby()
             return proc
         self._pace.take()
-        proc = self.procs[worker_id] = self._start(["--worker-id", worker_id], f"worker-{worker_id}.log",
+        identity = ["--worker-id", worker_id] + (["--host-name", host_name] if host_name else [])
+        proc = self.procs[worker_id] = self._start(identity, f"worker-{worker_id}.log",
                                                    stdin=subprocess.DEVNULL)
         return proc
 
@@ -113,7 +115,7 @@ class LocalLauncher:
                 log = f"worker-standby-{self._standby_seq}.log"
                 self._standbys.append((self._start(["--standby"], log, stdin=subprocess.PIPE), log))
 
-    def _take_standby(self, worker_id: str) -> subprocess.Popen | None:
+    def _take_standby(self, worker_id: str, host_name: str) -> subprocess.Popen | None:
         """A waiting standby, told to serve as ``worker_id`` (its log renamed to match); None if none waits."""
         with self._lock:
             while self._standbys:
@@ -121,7 +123,7 @@ class LocalLauncher:
                 if proc.poll() is not None:
                     continue
                 try:
-                    proc.stdin.write(f"{worker_id}\n".encode())
+                    proc.stdin.write(f"{worker_id} {host_name}\n".encode())
                     proc.stdin.close()
                 except OSError:   # it died between the poll and the write
                     continue

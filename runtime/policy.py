@@ -30,7 +30,7 @@ from runtime.microbatch import Node, assign_microbatches
 __all__ = ["Action", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out", "decide_start",
            "StragglerPolicy", "WorkerInfo", "cause_of", "checkpoint_writer", "decide_grow", "decide_recovery", "decide_swap",
            "holding_up", "is_suspect", "may_relaunch", "membership_change_due", "place", "plan_realign", "plan_step",
-           "reprobe_wait", "straggler_action", "watchdog_limit"]
+           "reprobe_wait", "snapshot_order", "straggler_action", "watchdog_limit"]
 
 
 # -- placement ---------------------------------------------------------------
@@ -46,6 +46,7 @@ class WorkerInfo:
     platform: str = "cpu"
     pid: int = 0
     data_address: str = ""   # its data plane (runtime.dataplane); "" when it serves none
+    host: str = ""           # the host it runs on (where its in-memory snapshots live)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,13 +231,14 @@ class RecoveryDecision:
     reason: str
 
 
-NO_REPLICA = ("no live replica of the state is left and no complete checkpoint to restore "
-              "(enable_checkpointing=true with a checkpoint_period keeps one)")
+NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
+              "(elastic_snapshot_interval keeps in-memory snapshots; enable_checkpointing=true with a "
+              "checkpoint_period keeps checkpoints)")
 
 
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
                     recoveries: int, max_retries: int, may_wait: bool = False,
-                    checkpoint_step: int | None = None) -> RecoveryDecision:
+                    checkpoint_step: int | None = None, backup: str = "checkpoint") -> RecoveryDecision:
     """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
 
     ``replicas``: the workers known to hold the state at the committed
@@ -246,7 +248,8 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     the state; with no replica in the new placement the answer is ``RESTORE`` when a
     complete checkpoint exists (``checkpoint_step``: its step, None when
     there is none) and at least ``min_slices`` slices have a worker (else
-    ``WAIT`` for capacity, when it may come), otherwise ``FAIL``.
+    ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
+    what holds that step ("checkpoint" or "snapshot"), for the reason.
     ``recoveries``: attempts so far including this one; past
     ``max_retries`` the answer is ``FAIL``. ``may_wait``: capacity may still
     arrive (a relaunched or joining worker), so being below the minimum
@@ -277,12 +280,12 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     if lost_state:
         if len(active) >= min_slices:
             return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "
-                                                         f"checkpoint of step {checkpoint_step}")
+                                                         f"{backup} of step {checkpoint_step}")
         if may_wait:
             return RecoveryDecision(Action.WAIT, placement, f"{lost_state} and {len(active)} slices have a worker "
                                                             f"(elastic_min_slice_count {min_slices}): waiting for "
                                                             f"capacity to restore step {checkpoint_step}")
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a checkpoint of step {checkpoint_step} exists but "
+        return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but "
                                                   f"no worker is left to restore it")
     if len(active) < min_slices:
         if may_wait:
@@ -426,3 +429,26 @@ def checkpoint_writer(step: int, steps: int, period: int, workers) -> str | None
     if period <= 0 or not workers or (n % period and n != steps):
         return None
     return workers[(n // period) % len(workers)]
+
+
+def snapshot_order(step: int, steps: int, interval: int, active, spares, hosts: Mapping[str, str]
+                   ) -> tuple[str, str | None] | None:
+    """``(writer, peer)`` of the in-memory snapshot after step ``step`` (0-based), or None (no snapshot then).
+
+    A snapshot follows every ``interval``-th step but the last of ``steps``
+    (the run ends there; ``interval`` 0: never). The writer rotates over
+    ``active`` (the step's slices, in rank order) as checkpoint writers do;
+    the peer, which keeps the second copy, is the first worker on another
+    host (``hosts``: worker -> host; a worker missing there is a host of its
+    own): a spare first (it takes over when the active slices die), else the
+    next active slice after the writer. None when every worker shares the
+    writer's host.
+    """
+    n = step + 1
+    if interval <= 0 or not active or n % interval or n >= steps:
+        return None
+    i = (n // interval) % len(active)
+    writer = active[i]
+    home = hosts.get(writer, writer)
+    peer = next((w for w in (*spares, *active[i + 1:], *active[:i]) if hosts.get(w, w) != home), None)
+    return writer, peer

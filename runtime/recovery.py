@@ -25,11 +25,25 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from runtime.errors import ElasticTrainingFailedError, WorkerLostError
+from runtime.errors import ElasticError, ElasticTrainingFailedError, WorkerLostError
 from runtime.policy import Action, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, decide_recovery, \
     plan_realign
+from runtime.tiers import choose_source
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "Restore"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore:
+    """What :meth:`Recovery.restore` brought back: the ``tier`` ("snapshot" or "checkpoint"), the ``step`` it
+    holds, the ``bytes`` read, the active members that hold it now (``holders``; the others get a copy) and,
+    for a checkpoint, its ``directory``."""
+
+    tier: str
+    step: int
+    bytes: int
+    holders: tuple[str, ...]
+    directory: str
 
 
 class Recovery:
@@ -40,13 +54,17 @@ class Recovery:
     then calls :meth:`realign`. ``opts``: the run's ``ControllerOptions``
     (``min_slices``, ``max_retries``, ``capacity_timeout_seconds``);
     ``checkpoints``: the run's :class:`runtime.checkpointing.Checkpointing`
-    (the persistent tier, used when no replica is left).
+    (the persistent tier) and ``snapshots`` its
+    :class:`runtime.snapshotting.Snapshotting` (the in-memory one), used
+    when no replica is left.
     """
 
-    def __init__(self, group, opts, events, checkpoints):
-        self.group, self.opts, self.events, self.checkpoints = group, opts, events, checkpoints
+    def __init__(self, group, opts, events, checkpoints, snapshots):
+        self.group, self.opts, self.events = group, opts, events
+        self.checkpoints, self.snapshots = checkpoints, snapshots
         self.deferred: list[str] = []   # dead workers whose replacement starts after the next commit
         self.checkpoint: int | None = None   # the checkpoint step the last decision may restore (None: none)
+        self.snapshot: int | None = None     # the newest snapshot step known held somewhere (None: none)
 
     def decide(self, err: Exception, placement: Placement, replicas: frozenset[str], committed: int,
                recoveries: int) -> tuple[RecoveryDecision, float]:
@@ -68,9 +86,11 @@ class Recovery:
         # round trip, kept off the ordinary recoveries.
         live_replica = any(w in replicas and w not in group.dead for w in placement.active)
         self.checkpoint = None if live_replica else self.checkpoints.newest(committed)
-        # Capacity may come: a worker may join within capacity_timeout_seconds, and with every copy in memory lost
-        # the relaunched workers are waited for (they restore the checkpoint) rather than the run given up.
-        may_wait = self.opts.capacity_timeout_seconds > 0 or (self.checkpoint is not None and self.opts.relaunch)
+        self.snapshot = None if live_replica else self.snapshots.newest(committed)
+        # Capacity may come: a worker may join within capacity_timeout_seconds, and with every replica lost the
+        # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint)
+        # rather than the run given up.
+        may_wait = self.opts.capacity_timeout_seconds > 0 or (self._backup()[0] is not None and self.opts.relaunch)
         decision = self._decide(placement, replicas, recoveries, may_wait=may_wait)
         if decision.action is Action.WAIT:
             decision = self._wait_for_capacity(decision, replicas, recoveries)
@@ -111,20 +131,49 @@ class Recovery:
                 self.group.relaunch(w)
         return dead
 
-    def restore(self, old: Placement, new: Placement, step: int) -> tuple[int, int]:
-        """Every active member of ``new`` loads the newest valid checkpoint at or before ``step`` (no replica is
-        left); returns ``(step restored, bytes read)``.
+    def restore(self, old: Placement, new: Placement, committed: int) -> Restore:
+        """No replica is left: the state comes back from the newest snapshot or checkpoint at or before
+        ``committed`` (:func:`runtime.tiers.choose_source`); answers what was loaded, by whom.
 
         The dead are retired (relaunched after the next commit) and every
-        member is fenced into the new epoch first. A member lost meanwhile
-        raises ``WorkerLostError`` (the controller starts another attempt).
+        member is fenced into the new epoch first; each answers the
+        snapshots its host holds. A snapshot is loaded by one active member
+        whose host holds it (the caller copies it to the others); when it
+        cannot be loaded, the checkpoint is. A checkpoint is loaded by every
+        active member. A member lost meanwhile raises ``WorkerLostError``
+        (the controller starts another attempt).
         """
         self.deferred += self.retire_dead(old, relaunch=False)
-        self.group.abort(new.members)
-        loaded = self.checkpoints.load(new.active, step)
+        statuses = self.group.abort(new.members)
+        held = self.snapshots.holdings({w: statuses[w] for w in new.active if w in statuses}, committed)
+        checkpoint = {self.checkpoints.directory: self.checkpoint} if self.checkpoint is not None else {}
+        choice = choose_source({}, {}, held, checkpoint, committed)
+        if choice.tier == "snapshot":
+            try:
+                replies = self.group.load_checkpoints([choice.source], "", choice.step, snapshot=True)
+            except ElasticError as e:   # its snapshots cannot be read: the checkpoint, if there is one
+                self.events.emit("snapshot_unusable", worker=choice.source, error=str(e)[:300])
+                choice = choose_source({}, {}, {}, checkpoint, committed)
+            else:
+                if not replies:
+                    raise WorkerLostError(choice.source, "lost while loading an in-memory snapshot")
+                reply = replies[choice.source]
+                for why in reply.skipped:
+                    self.events.emit("checkpoint_skipped", worker=choice.source, detail=why[:500])
+                return Restore("snapshot", reply.applied_steps, reply.bytes, (choice.source,), "")
+        if not choice.ok:
+            raise ElasticTrainingFailedError("cannot restore the state", step=committed, cause=choice.reason)
+        loaded = self.checkpoints.load(new.active, self.checkpoint)
         if lost := [w for w in new.active if w not in loaded.bytes]:
             raise WorkerLostError(lost[0], "lost while loading a checkpoint")
-        return loaded.step, sum(loaded.bytes.values())
+        return Restore("checkpoint", loaded.step, sum(loaded.bytes.values()), tuple(new.active),
+                       self.checkpoints.directory)
+
+    def _backup(self) -> tuple[int | None, str]:
+        """The newest step a snapshot or checkpoint holds (a snapshot on a tie: cheaper to read), and which."""
+        if self.snapshot is not None and (self.checkpoint is None or self.snapshot >= self.checkpoint):
+            return self.snapshot, "snapshot"
+        return self.checkpoint, "checkpoint"
 
     def relaunch_deferred(self) -> None:
         """Relaunches the dead workers :meth:`realign` left for after the first commit (each once, within limits)."""
@@ -134,9 +183,10 @@ class Recovery:
 
     def _decide(self, placement: Placement, replicas, recoveries: int, may_wait: bool) -> RecoveryDecision:
         dead = sorted(w for w in placement.members if w in self.group.dead)
+        step, backup = self._backup()
         decision = decide_recovery(placement, dead, replicas, min_slices=self.opts.min_slices,
                                    recoveries=recoveries, max_retries=self.opts.max_retries, may_wait=may_wait,
-                                   checkpoint_step=self.checkpoint)
+                                   checkpoint_step=step, backup=backup)
         self.events.emit("recovery_decision", action=decision.action.value, reason=decision.reason, dead=dead,
                          epoch=decision.placement.epoch, active=list(decision.placement.active),
                          spares=list(decision.placement.spares))

@@ -57,12 +57,12 @@ class Registry(pb_grpc.ControllerServicer):
             self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
             return pb.RegisterReply(accepted=False, reason=reason)
         info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
-                          request.data_address)
+                          request.data_address, request.host)
         with self.cond:
             self.workers[info.worker_id] = info
             self.cond.notify_all()
         self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
-                         devices=info.num_devices, platform=info.platform, pid=info.pid)
+                         devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host)
         return pb.RegisterReply(accepted=True)
 
     @staticmethod

@@ -1,22 +1,27 @@
-"""A worker's persistent checkpoints, written off the step's critical path.
+"""A worker's checkpoints and snapshots, written off the step's critical path.
 
 The controller marks one step of one replica with a checkpoint directory
-(``StepRequest.checkpoint_directory``). Right after applying that step the
-worker hands its new state (device arrays: immutable, never donated) to a
+(``StepRequest.checkpoint_directory``) or an in-memory snapshot
+(``StepRequest.snapshot``). Right after applying that step the worker hands
+its new state (device arrays: immutable, never donated) to a
 :class:`CheckpointWriter`; the writer's thread copies it to the host, hashes
 it (:func:`runtime.executor.state_sha256`, the digest every replica
-compares) and saves it with :class:`runtime.checkpoint.CheckpointStore`,
-which commits a checkpoint only once it is complete. The step's reply does
-not wait: the next replies carry the steps whose checkpoints finished
-(``StepReply.checkpoints_saved``) and the first error since the last reply.
+compares) and saves it into its store (:class:`runtime.checkpoint.CheckpointStore`
+or :class:`runtime.snapshot.SnapshotStore`), which lists a save only once it
+is complete; then it runs the save's follow-up, if any (a snapshot's copy to
+another host). The step's reply does not wait: the next replies carry the
+steps whose saves (and follow-ups) finished and the first error since the
+last reply, per kind.
 
-At most one checkpoint is written at a time and one waits: a newer request
-replaces a waiting one (the newest state is the useful one), so a slow disk
-never queues states in memory.
+Per kind, at most one save is written at a time and one waits: a newer
+request replaces a waiting one (the newest state is the useful one), so a
+slow disk never queues states in memory, and a snapshot never displaces a
+checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -25,7 +30,7 @@ import numpy as np
 
 from runtime.executor import state_sha256
 
-__all__ = ["CheckpointWriter"]
+__all__ = ["KINDS", "CheckpointWriter", "Drained"]
 
 
 def _store(directory: str):
@@ -34,25 +39,46 @@ def _store(directory: str):
     return CheckpointStore(directory)
 
 
+#: The kinds of save a writer makes.
+KINDS = ("checkpoint", "snapshot")
+
+
+@dataclasses.dataclass
+class Drained:
+    """What one kind's saves did since the last :meth:`CheckpointWriter.drain`: the ``saved`` steps, the steps
+    whose follow-up also ended well (``followed``), and the first ``error`` ("" if none)."""
+
+    saved: list = dataclasses.field(default_factory=list)
+    followed: list = dataclasses.field(default_factory=list)
+    error: str = ""
+
+
 class CheckpointWriter:
-    """Writes checkpoints of one worker's states in a background thread. Thread-safe."""
+    """Writes checkpoints and snapshots of one worker's states in a background thread. Thread-safe."""
 
     def __init__(self, store_for=None, while_saving=None):
         self._store_for = store_for or _store
-        self._while_saving = while_saving   # called as while_saving(store, step) once a save started (chaos)
+        self._while_saving = while_saving   # called as while_saving(store, step) once a checkpoint started (chaos)
         self._stores: dict[str, object] = {}
         self._cond = threading.Condition()
-        self._waiting: tuple | None = None
+        self._waiting: dict[str, tuple] = {}   # kind -> the save waiting its turn
         self._busy = False
-        self._saved: list[int] = []
-        self._error = ""
+        self._done = {k: Drained() for k in KINDS}
         self._thread: threading.Thread | None = None
 
-    def submit(self, directory: str, step: int, device_leaves: list, metadata: dict) -> None:
-        """Queues a checkpoint of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``,
-        with ``metadata`` (the programs' fingerprint) recorded beside it."""
+    def submit(self, directory: str, step: int, device_leaves: list, metadata: dict, *, store=None,
+               then=None) -> None:
+        """Queues a save of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``, with
+        ``metadata`` (the programs' fingerprint) recorded beside it.
+
+        ``store``: a snapshot store to save into (the kind is then
+        "snapshot"); default a checkpoint store of ``directory``. ``then``:
+        called as ``then(store, step)`` after the save completed (its error
+        is reported like the save's).
+        """
+        kind = "snapshot" if store is not None else "checkpoint"
         with self._cond:
-            self._waiting = (directory, step, list(device_leaves), dict(metadata))
+            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 self._thread.start()
@@ -75,38 +101,47 @@ class CheckpointWriter:
                     pass
         threading.Thread(target=run, name="checkpoint-warm-up", daemon=True).start()
 
-    def drain(self) -> tuple[list[int], str]:
-        """The steps saved since the last call and the first error since then ("" if none)."""
+    def drain(self, kind: str = "checkpoint") -> Drained:
+        """What saves of ``kind`` did since the last call."""
         with self._cond:
-            saved, error = self._saved, self._error
-            self._saved, self._error = [], ""
-        return saved, error
+            done, self._done[kind] = self._done[kind], Drained()
+        return done
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is waiting or being written; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._waiting is None and not self._busy, timeout)
+            return self._cond.wait_for(lambda: not self._waiting and not self._busy, timeout)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._waiting is not None)
-                directory, step, leaves, metadata = self._waiting
-                self._waiting, self._busy = None, True
+                self._cond.wait_for(lambda: bool(self._waiting))
+                kind = next(iter(self._waiting))
+                directory, step, leaves, metadata, store, then = self._waiting.pop(kind)
+                self._busy = True
+            stage = "save"
             try:
                 host = [np.asarray(x) for x in leaves]
-                store = self._stores.get(directory)
                 if store is None:
-                    store = self._stores[directory] = self._store_for(directory)
+                    store = self._stores.get(directory)
+                    if store is None:
+                        store = self._stores[directory] = self._store_for(directory)
                 store.save(step, host, sha256=state_sha256(host), metadata=metadata)
-                if self._while_saving is not None:
+                if self._while_saving is not None and kind == "checkpoint":
                     self._while_saving(store, step)
                 store.wait()
                 with self._cond:
-                    self._saved.append(step)
+                    self._done[kind].saved.append(step)
+                if then is not None:
+                    stage = "copy"
+                    then(store, step)
+                    with self._cond:
+                        self._done[kind].followed.append(step)
             except Exception as e:  # noqa: BLE001 - reported to the controller with the next step reply
+                what = f"{kind} of step {step} in {directory}" if stage == "save" else f"copy of {kind} {step}"
                 with self._cond:
-                    self._error = self._error or f"checkpoint of step {step} in {directory}: {type(e).__name__}: {e}"
+                    done = self._done[kind]
+                    done.error = done.error or f"{what}: {type(e).__name__}: {e}"
             finally:
                 with self._cond:
                     self._busy = False

@@ -26,8 +26,11 @@ Set ``XLA_FLAGS`` (device count) before this module is imported.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -46,7 +49,8 @@ from runtime.fault_injection import WorkerFaults, corrupt_first, mid_stream
 from runtime.microbatch import root
 from runtime.peers import PeerChannels
 from runtime.requests import check_step_request, decode_programs, node_of, programs_fingerprint, unpickle_source
-from runtime.saver import CheckpointWriter
+from runtime.saver import CheckpointWriter, Drained
+from runtime.snapshot import SnapshotStore, host_directory
 from runtime.timing import Clock
 
 __all__ = ["WorkerService", "probe_devices"]
@@ -66,8 +70,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     """
 
     def __init__(self, run_id: str, worker_id: str, secret: str = "", step_timeout: float = 300.0,
-                 chaos: bool = False, tls=None):
+                 chaos: bool = False, tls=None, host: str = ""):
         self.run_id = run_id
+        self.host = host or socket.gethostname()   # where this worker's in-memory snapshots live
         self.worker_id = worker_id
         self.secret = secret
         self.epoch = 0
@@ -92,7 +97,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.refusals = auth.Refusals(log)    # calls refused for their secret, until the controller asks
         self._state_layout: list | None = None   # [(shape, dtype)] of the state leaves, from the programs
         self.fingerprint = ""                 # sha256 of the loaded programs: which math a checkpoint holds
-        self._writer: CheckpointWriter | None = None   # persistent checkpoints (runtime.saver), on first use
+        self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.saver), on first use
+        self.snapshots: SnapshotStore | None = None   # this host's snapshots of the run (runtime.snapshot)
 
     # -- fencing -------------------------------------------------------------
 
@@ -179,6 +185,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise ProtocolError(f"lease_seconds={request.lease_seconds} is not a number of seconds >= 0")
             programs, state_layout = decode_programs(request)
             source = unpickle_source(request.data_source)
+            if request.snapshot_directory and not os.path.isabs(request.snapshot_directory):
+                raise ProtocolError(f"snapshot_directory {request.snapshot_directory!r} is not an absolute path")
+            snapshots = (SnapshotStore(host_directory(request.snapshot_directory, self.host))
+                         if request.snapshot_directory else None)
             log.info("loading %d programs (%d bytes) for %d devices", len(request.programs),
                      sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
             executor = SliceExecutor(programs, source)
@@ -195,6 +205,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self._state_layout = state_layout
                 self.fingerprint = programs_fingerprint(request.programs)
                 self.chunk_bytes = chunk_bytes
+                self.snapshots = snapshots
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
             self.lease = request.lease_seconds
@@ -371,15 +382,17 @@ class WorkerService(pb_grpc.WorkerServicer):
             from runtime.checkpoint import CheckpointStore
 
             t0 = time.perf_counter()
-            (step, leaves, digest, meta), skipped = CheckpointStore(request.directory).restore_newest_valid(
-                at_most=request.applied_steps)
+            if request.snapshot and self.snapshots is None:
+                raise StaleEpochError("this worker keeps no snapshots (the run takes none)")
+            store = self.snapshots if request.snapshot else CheckpointStore(request.directory)
+            (step, leaves, digest, meta), skipped = store.restore_newest_valid(at_most=request.applied_steps)
             programs = self.executor.programs
             mesh = (programs.devices_per_slice, programs.num_microbatches)
             written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
             resharded = meta.get("fingerprint") not in ("", None, self.fingerprint)
             if resharded and (written_on == mesh or None in written_on
                               or [(tuple(x.shape), x.dtype) for x in leaves] != list(self._state_layout)):
-                raise ProtocolError(f"checkpoint {request.directory} step {step} was written by other programs "
+                raise ProtocolError(f"checkpoint {store.directory} step {step} was written by other programs "
                                     "(another model or optimizer); it cannot resume this run (to start afresh, "
                                     "use another run_name or remove that directory)")
             self._adopt_state(leaves, step, digest)   # placed on this slice's devices, however many
@@ -407,9 +420,35 @@ class WorkerService(pb_grpc.WorkerServicer):
             if self._writer is None:
                 return pb.CheckpointsReply(idle=True)
             idle = self._writer.wait(max(0.0, min(request.wait_seconds, self.step_timeout)))
-            saved, error = self._writer.drain()
-            return pb.CheckpointsReply(saved=saved, error=error, idle=idle)
+            done = self._writer.drain()
+            return pb.CheckpointsReply(saved=done.saved, error=done.error, idle=idle)
         return self._guard(context, flush)
+
+    def KeepSnapshot(self, request_iterator, context):
+        """Peer: keep a copy of its snapshot on this host (complete, or nothing; see ``SnapshotStore.receive``)."""
+        def keep():
+            if self.snapshots is None:
+                raise StaleEpochError("this worker keeps no snapshots (not loaded, or the run takes none)")
+            fenced = False
+
+            def pieces():
+                nonlocal fenced
+                for p in request_iterator:
+                    if not fenced:
+                        self.check_fence(p.fence)
+                        fenced = True
+                    yield p.step, p.total_bytes, p.data
+            try:
+                self.snapshots.receive(pieces())
+            except ValueError as e:
+                raise ProtocolError(str(e)) from None
+            return pb.Empty()
+        return self._guard(context, keep)
+
+    def _copy_snapshot(self, address: str, fence: pb.Fence, store: SnapshotStore, step: int) -> None:
+        """Streams the snapshot of ``step`` to the worker at ``address``, which keeps it on its host."""
+        pieces = (pb.SnapshotPiece(fence=fence, step=s, total_bytes=n, data=d) for s, n, d in store.pieces(step))
+        self._peers.stub(address).KeepSnapshot(pieces, timeout=self.step_timeout)
 
     def Push(self, request_iterator, context):
         """Peer: the pieces one sender has for this worker in one phase of one step."""
@@ -454,7 +493,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         has = ex is not None and ex.state is not None
         return pb.StatusReply(applied_steps=ex.steps_applied if has else -1,
                               sha256=ex.state_sha256() if has else "",
-                              recent=[pb.StepLoss(step=k, loss_sum=v) for k, v in sorted(self._recent.items())])
+                              recent=[pb.StepLoss(step=k, loss_sum=v) for k, v in sorted(self._recent.items())],
+                              snapshots=self.snapshots.steps() if self.snapshots is not None else [])
 
     # -- the step ------------------------------------------------------------
 
@@ -462,6 +502,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.check_fence(req.fence)
         self._need_state()
         check_step_request(req, self.executor.programs.num_microbatches)
+        if req.snapshot and self.snapshots is None:
+            raise ProtocolError(f"step {req.step} asks for a snapshot, but Load named no snapshot directory")
         deadline = time.monotonic() + self.step_timeout
         epoch = req.fence.epoch
         with self._cond:
@@ -529,21 +571,28 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.faults.in_phase("apply")
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
-            if req.checkpoint_directory:   # written in the background from the (immutable) new state
-                self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state,
-                                           {"fingerprint": self.fingerprint,
-                                            "devices_per_slice": ex.programs.devices_per_slice,
-                                            "microbatches": ex.programs.num_microbatches,
-                                            "loss_sums": self._loss_sums(req.committed_loss_sums, req.step)})
+            if req.checkpoint_directory or req.snapshot:   # written in the background from the immutable state
+                meta = {"fingerprint": self.fingerprint, "devices_per_slice": ex.programs.devices_per_slice,
+                        "microbatches": ex.programs.num_microbatches,
+                        "loss_sums": self._loss_sums(req.committed_loss_sums, req.step)}
+                if req.checkpoint_directory:
+                    self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta)
+                if req.snapshot:
+                    peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
+                    copy = functools.partial(self._copy_snapshot, peer, req.fence) if peer else None
+                    self._checkpoints().submit(self.snapshots.directory, ex.steps_applied, ex.state, meta,
+                                               store=self.snapshots, then=copy)
             for old in [k for k in self._recent if k < req.step - 4]:
                 del self._recent[old]
         self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")
-        saved, error = self._writer.drain() if self._writer is not None else ([], "")
+        ck, snap = (self._writer.drain(), self._writer.drain("snapshot")) if self._writer is not None else (
+            Drained(), Drained())
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
-                            checkpoints_saved=saved, checkpoint_error=error)
+                            checkpoints_saved=ck.saved, checkpoint_error=ck.error, snapshots_saved=snap.saved,
+                            snapshots_copied=snap.followed, snapshot_error=snap.error)
 
     def _loss_sums(self, committed, step: int) -> list[float]:
         """The loss sums of steps 0..``step``: the committed ones the controller sent, then this worker's own

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -66,14 +68,19 @@ class StepResult:
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)   # finer: runtime.timing.Clock
     checkpoints_saved: tuple[int, ...] = ()   # steps whose checkpoints this worker finished since its last reply
     checkpoint_error: str = ""
+    snapshots_saved: tuple[int, ...] = ()
+    snapshots_copied: tuple[int, ...] = ()
+    snapshot_error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerStatus:
-    """Where a replica stands after an abort: steps applied and the loss sums of the last ones."""
+    """Where a replica stands after an abort: steps applied, the loss sums of the last ones and the steps of
+    the in-memory snapshots on its host."""
 
     applied_steps: int
     losses: dict[int, float]
+    snapshots: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +137,8 @@ def _wait_until(futs: dict[str, grpc.Future], deadline: float) -> None:
 
 def _step_result(r: pb.StepReply) -> StepResult:
     return StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent, dict(r.phases),
-                      tuple(r.checkpoints_saved), r.checkpoint_error)
+                      tuple(r.checkpoints_saved), r.checkpoint_error, tuple(r.snapshots_saved),
+                      tuple(r.snapshots_copied), r.snapshot_error)
 
 
 class WorkerGroup:
@@ -165,6 +173,10 @@ class WorkerGroup:
         self._warming: dict[str, grpc.Future] = {}
         self._relaunched: set[str] = set()
         self._launched = 0
+        self._hosts: dict[str, str] = {}         # worker -> the (simulated) host it was launched on
+        # The run's in-memory snapshots, one directory per host under it (runtime.snapshot); "": none taken.
+        self.snapshot_root = (os.path.join(opts.snapshot_directory, run_id)
+                              if opts.snapshot_directory and opts.snapshot_interval else "")
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------
@@ -188,6 +200,8 @@ class WorkerGroup:
             self.launcher.kill(wid)
         self.launcher.stop_all()
         self.server.stop(0)
+        if self.snapshot_root:   # every (simulated) host of a local launch is this machine: give the RAM back
+            shutil.rmtree(self.snapshot_root, ignore_errors=True)
 
     def fence_at(self, epoch: int) -> None:
         """Every later call carries ``epoch``: workers refuse calls of older epochs."""
@@ -204,12 +218,19 @@ class WorkerGroup:
 
     # -- membership ----------------------------------------------------------
 
-    def launch(self) -> str:
-        """Starts one worker process; returns its id (it registers by itself)."""
+    def launch(self, host: str = "") -> str:
+        """Starts one worker process on ``host`` (default: a simulated host of its own); returns its id (it
+        registers by itself)."""
         wid = f"w{self._launched}"
+        self._hosts[wid] = host or f"local{self._launched}"
         self._launched += 1
-        self.launcher.launch(wid)
+        self.launcher.launch(wid, self._hosts[wid])
         return wid
+
+    def host_of(self, worker_id: str) -> str:
+        """The host a worker runs on (as it registered; else where it was launched; else its id)."""
+        info = self.registry.workers.get(worker_id)
+        return (info.host if info is not None and info.host else "") or self._hosts.get(worker_id, worker_id)
 
     def relaunch(self, dead_worker: str) -> str | None:
         """Starts a fresh process (a new worker id) in place of a dead one, once per dead worker, within limits."""
@@ -219,8 +240,8 @@ class WorkerGroup:
         o = self.opts
         if not may_relaunch(o.relaunch, self._launched, o.slices, o.spares, o.max_retries):
             return None
-        wid = self.launch()
-        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid)
+        wid = self.launch(self.host_of(dead_worker))   # on the same host: it finds the snapshots left there
+        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid, host=self._hosts[wid])
         return wid
 
     def wait_for_workers(self, n: int, timeout: float) -> list[WorkerInfo]:
@@ -377,7 +398,8 @@ class WorkerGroup:
         return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
                               layout=self.programs.layout_json(), lease_seconds=self.opts.worker_lease_seconds,
                               chunk_bytes=self.opts.chunk_bytes,
-                              checkpointing=bool(self.opts.checkpoint_directory and self.opts.checkpoint_period))
+                              checkpointing=bool(self.opts.checkpoint_directory and self.opts.checkpoint_period),
+                              snapshot_directory=self.snapshot_root)
 
     def program_bytes(self) -> int:
         return sum(len(v) for v in self.programs.programs().values())
@@ -489,13 +511,14 @@ class WorkerGroup:
     # -- steps -----------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
-                 shadows=()) -> dict[str, grpc.Future]:
+                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
 
         ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
         this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
         that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
-        shadow (its future is in the answer too, under its id).
+        shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
+        worker snapshots its state on its host after this step and streams a copy to ``peer``.
         """
         peers = [pb.Peer(rank=r, address=self.registry.workers[w].address, data_address=self._data_address(w))
                  for r, w in enumerate(plan.workers)]
@@ -507,13 +530,16 @@ class WorkerGroup:
             owners += [r] * len(nodes)
         futs = {}
         writer, directory, sums = checkpoint or ("", "", ())
+        snapper, keeper = snapshot or ("", None)
+        keeper = pb.Peer(address=self.registry.workers[keeper].address) if keeper else None
         with self._lock:
             for r, w in enumerate(plan.workers):
                 req = pb.StepRequest(fence=self._fence(), step=plan.step, rank=r, peers=peers,
                                      nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
                                      all_nodes=all_nodes, node_owner=owners,
                                      checkpoint_directory=directory if w == writer else "",
-                                     committed_loss_sums=sums if w == writer else (), shadows=shadow_peers)
+                                     committed_loss_sums=sums if w in (writer, snapper) else (), shadows=shadow_peers,
+                                     snapshot=w == snapper, snapshot_peer=keeper if w == snapper else None)
                 self._send_step(w, req, futs)
             for w in shadows:
                 self._send_step(w, pb.StepRequest(fence=self._fence(), step=plan.step, peers=peers, all_nodes=all_nodes,
@@ -573,7 +599,8 @@ class WorkerGroup:
     def abort(self, workers) -> dict[str, WorkerStatus]:
         """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
         replies = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers)
-        return {w: WorkerStatus(r.applied_steps, {l.step: l.loss_sum for l in r.recent}) for w, r in replies.items()}
+        return {w: WorkerStatus(r.applied_steps, {l.step: l.loss_sum for l in r.recent}, tuple(r.snapshots))
+                for w, r in replies.items()}
 
     def rollback(self, worker_id: str, to_applied_steps: int) -> None:
         """Undoes a replica's last applied step (it keeps one step of history)."""
@@ -586,12 +613,16 @@ class WorkerGroup:
             source_data_address=self._data_address(source)))
         return reply.bytes, reply.sha256
 
-    def load_checkpoints(self, workers, directory: str, applied: int) -> dict[str, pb.PullStateReply]:
-        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which).
+    def load_checkpoints(self, workers, directory: str, applied: int,
+                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which);
+        ``snapshot``: each the newest valid in-memory snapshot on its host instead (``directory`` unused).
 
         One lost meanwhile is declared dead and left out (see :meth:`_each`)."""
+        what = "an in-memory snapshot" if snapshot else "a checkpoint"
         return self._each("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
-            fence=self._fence(), directory=directory, applied_steps=applied), workers, "failed to load a checkpoint")
+            fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot), workers,
+            f"failed to load {what}")
 
     def flush_checkpoints(self, workers, wait_seconds: float) -> dict[str, tuple[list[int], str]]:
         """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved, error)}``."""

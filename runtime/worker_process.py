@@ -49,7 +49,7 @@ STOP_GRACE_SECONDS = 0.5   # calls in flight get this long to finish when the wo
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
           register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "",
-          chaos: bool = False, tls=None) -> int:
+          chaos: bool = False, tls=None, host_name: str = "") -> int:
     """Runs a worker until told to shut down, its parent dies, or it fences itself.
 
     Returns the process exit status once the server stopped (a bounded
@@ -65,7 +65,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     worker's lease on its controller; a chaos partition drops calls before
     either (see :func:`runtime.rpc.make_server`).
     """
-    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls)
+    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls, host=host_name)
     server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
                                     interceptors=[PartitionInterceptor(service.faults)],
                                     refusals=service.refusals, on_authenticated=service.heard)
@@ -84,7 +84,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
                                                 data_address=data.address,
                                                 num_devices=len(devices), platform=devices[0].platform,
-                                                pid=os.getpid(), rejoin=rejoin),
+                                                pid=os.getpid(), rejoin=rejoin, host=service.host),
                              timeout=timeout, wait_for_ready=True)
 
     try:
@@ -152,6 +152,9 @@ def main(argv=None) -> None:
     ap.add_argument("--worker-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host-name", default="",
+                    help="the host this worker runs on, where its in-memory snapshots live (default: this machine's "
+                         "name; the local launcher names one simulated host per worker slot)")
     ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
     ap.add_argument("--standby", action="store_true",
                     help="start JAX, then wait for the worker id on stdin (the launcher's standby processes)")
@@ -172,9 +175,9 @@ def main(argv=None) -> None:
     try:
         compile_cache.enable(args.compilation_cache_dir)
         if args.standby:
-            args.worker_id = _wait_for_identity()
+            args.worker_id, args.host_name = _wait_for_identity()
         status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, parent_pid=parent_pid,
-                       secret=secret, chaos=args.chaos,
+                       secret=secret, chaos=args.chaos, host_name=args.host_name,
                        tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
     except SystemExit as e:
         log.error("%s", e.code)
@@ -196,16 +199,17 @@ def _start_backend() -> None:
     jax.block_until_ready(jax.jit(exported.call)(x))
 
 
-def _wait_for_identity() -> str:
-    """A standby: starts the devices, then waits for the worker id on stdin; exits 0 at end-of-file (not needed)."""
+def _wait_for_identity() -> tuple[str, str]:
+    """A standby: starts the devices, then waits for ``<worker id> [<host name>]`` on stdin; exits 0 at
+    end-of-file (not needed)."""
     _start_backend()
     log.info("standby process %d waiting for its worker id", os.getpid())
-    worker_id = sys.stdin.readline().strip()
+    worker_id, _, host_name = sys.stdin.readline().strip().partition(" ")
     if not worker_id:
         _exit_now(EXIT_SHUTDOWN)
     logging.getLogger().handlers[0].setFormatter(logging.Formatter(_log_format(worker_id)))
     log.info("standby process %d serves as worker %s", os.getpid(), worker_id)
-    return worker_id
+    return worker_id, host_name.strip()
 
 
 def _exit_now(status: int) -> None:

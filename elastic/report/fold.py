@@ -158,6 +158,7 @@ def build_report(events_or_path) -> dict:
         "finished": False,
         "failures": [],
         "checkpoint_restores": 0,
+        "snapshot_restores": 0,
         "resumed_from": None,
         "checkpoints_skipped": [],
         "steps_lost": 0,
@@ -233,6 +234,8 @@ def build_report(events_or_path) -> dict:
                 report["slices_at_end"] = len(e["active"])
         elif kind == "checkpoint_restored":
             report["checkpoint_restores"] += 1
+        elif kind == "snapshot_restored":
+            report["snapshot_restores"] += 1
         elif kind == "checkpoint_skipped" and e["detail"] not in report["checkpoints_skipped"]:
             report["checkpoints_skipped"].append(e["detail"])   # every worker reading it says the same
         elif kind == "recovered" and report["failures"]:

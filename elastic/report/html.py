@@ -116,7 +116,7 @@ def _security(report: dict) -> str:
 
 def _facts(report: dict, gp: dict) -> str:
     exactly = report.get("exactly_once")
-    restores = report.get("checkpoint_restores", 0)
+    restores = f"{report.get('snapshot_restores') or 0} / {report.get('checkpoint_restores', 0)}"
     rows = [
         ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
         ("wall time", fmt_seconds(report.get("wall_seconds") if report.get("wall_seconds") is not None
@@ -124,7 +124,7 @@ def _facts(report: dict, gp: dict) -> str:
         ("goodput", f"{100 * gp['goodput_fraction']:.1f} %"),
         ("failures", str(len(report.get("failures") or []))),
         ("steps lost", str(report.get("steps_lost", 0))),
-        ("checkpoint restores", str(restores)),
+        ("snapshot / checkpoint restores", restores),
         ("exactly once", "—" if exactly is None else ("yes" if exactly else "NO")),
         ("trajectory", report.get("trajectory") or "—"),
         ("slices at end", "—" if report.get("slices_at_end") is None else str(report["slices_at_end"])),

@@ -43,7 +43,8 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"
                                            if failures else "")),
         ("steps lost", str(report.get("steps_lost", 0))),
-        ("checkpoint restores", str(report.get("checkpoint_restores", 0))),
+        ("snapshot / checkpoint restores",
+         f"{report.get('snapshot_restores') or 0} / {report.get('checkpoint_restores', 0)}"),
         ("goodput", f"{100 * gp['goodput_fraction']:.1f} %" if "goodput_fraction" in gp else "—"),
         ("wall time", _seconds(wall)),
     ]

@@ -166,6 +166,11 @@ class WorkerStub:
                 request_serializer=elastic__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=elastic__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.KeepSnapshot = channel.stream_unary(
+                '/jax_elastic.Worker/KeepSnapshot',
+                request_serializer=elastic__pb2.SnapshotPiece.SerializeToString,
+                response_deserializer=elastic__pb2.Empty.FromString,
+                _registered_method=True)
         self.Chaos = channel.unary_unary(
                 '/jax_elastic.Worker/Chaos',
                 request_serializer=elastic__pb2.ChaosRequest.SerializeToString,
@@ -259,6 +264,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepSnapshot(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Chaos(self, request, context):
         """chaos harness -> worker
         """
@@ -342,6 +353,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=elastic__pb2.GetStateRequest.FromString,
                     response_serializer=elastic__pb2.StateChunk.SerializeToString,
+            ),
+            'KeepSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.KeepSnapshot,
+                    request_deserializer=elastic__pb2.SnapshotPiece.FromString,
+                    response_serializer=elastic__pb2.Empty.SerializeToString,
             ),
             'Chaos': grpc.unary_unary_rpc_method_handler(
                     servicer.Chaos,
@@ -683,6 +699,33 @@ class Worker:
             '/jax_elastic.Worker/GetState',
             elastic__pb2.GetStateRequest.SerializeToString,
             elastic__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/jax_elastic.Worker/KeepSnapshot',
+            elastic__pb2.SnapshotPiece.SerializeToString,
+            elastic__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

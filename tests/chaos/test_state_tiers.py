@@ -2,7 +2,9 @@
 
 A spare that shadows the state (``elastic_shadow_spares``) replaces every
 active slice at once with no step lost and no transfer. Without one, the run
-restores its newest complete checkpoint. Real runs (CLI, real workers, real
+restores its newest in-memory snapshot (``elastic_snapshot_interval``: kept in
+host memory, outside the worker processes, with a copy on another host), else
+its newest complete checkpoint. Real runs (CLI, real workers, real
 orbax checkpoints written by one replica in the background every 4 steps):
 
 - ``kill:all`` on local disk: every active worker dies, the spare loads the
@@ -58,6 +60,44 @@ def test_a_shadowing_spare_replaces_every_active_slice_with_no_step_lost(tmp_pat
     assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
     events = _events(pathlib.Path(tmp_path) / "sh")
     assert not any(e["kind"] in ("transfer_started", "shadow_behind") for e in events)
+
+
+@pytest.mark.parametrize("spares", [0, 1])
+def test_losing_every_replica_restores_the_newest_in_memory_snapshot_bit_identically(spares, tmp_path):
+    """Snapshots every 4 steps, in host memory (a directory per simulated host) with a copy on another host.
+    No spare: both workers die; the relaunched ones come up on the same hosts and one loads the snapshot its
+    host kept. One spare: it holds the writer's copy on its own host, takes over at once and loads that."""
+    shm = pathlib.Path(tmp_path) / "shm"
+    proc, report = run_cli(["chaos", "tiny", "steps=24", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1",
+                            "elastic_microbatches=2", "elastic_snapshot_interval=4", f"elastic_spares={spares}",
+                            f"elastic_snapshot_directory={shm}", "run_name=sn", "--faults", "kill:all@snapshot=8"],
+                           tmp_path, check=False)
+    run_dir = pathlib.Path(tmp_path) / "sn"
+    report = json.loads((run_dir / "report.json").read_text())
+    events = _events(run_dir)
+    assert report["finished"] and report["steps_completed"] == 24, report["verdict_reasons"]
+    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["trajectory"] == "identical" and report["losses"] == report["reference"]["losses"]
+    (restored,) = [e for e in events if e["kind"] == "snapshot_restored"]
+    assert report["snapshot_restores"] == 1 and report["checkpoint_restores"] == 0
+    failure = report["failures"][-1]
+    assert failure["restore_tier"] == "snapshot" and failure["path"] == "restore", failure
+    assert 8 <= restored["step"] and restored["step"] % 4 == 0
+    assert restored["steps_lost"] == report["steps_lost"] <= 4   # at most the interval
+    written = {(e["host"], e["step"]) for e in events if e["kind"] == "snapshot_saved"}
+    copied = {(e["host"], e["step"]) for e in events if e["kind"] == "snapshot_copied"}
+    assert (restored["host"], restored["step"]) in written | copied
+    if spares:   # the spare took over from its own host's copy: no relaunch was waited for
+        spare = next(e["spares"] for e in events if e["kind"] == "placement")[0]
+        assert restored["worker"] == spare and (restored["host"], restored["step"]) in copied
+        assert not any(e["kind"] == "capacity_wait" for e in events)
+    else:        # the relaunched workers were waited for, on the dead workers' hosts
+        assert any(e["kind"] == "capacity_wait" for e in events)
+        relaunched = {e["worker"]: e["host"] for e in events if e["kind"] == "worker_relaunched"}
+        assert restored["worker"] in relaunched and restored["host"] == relaunched[restored["worker"]]
+    assert not any(shm.iterdir()), list(shm.iterdir())   # the run gave the memory back
+    reasons = " ".join(report["verdict_reasons"])
+    assert "in-memory snapshot" in reasons and ("recomputed" in reasons) == (report["steps_lost"] > 0)
 
 
 @pytest.mark.parametrize("target,storage", [("all", "local"), ("everything", "gcs")])

@@ -47,6 +47,7 @@ class _Replica:
 
 class FakeGroup:
     address = "fake:0"
+    snapshot_root = ""   # the fake workers take no in-memory snapshots
 
     def __init__(self, opts, events, faults: dict[int, tuple[str, str]] | None = None, devices: int = 2):
         self.opts, self.events, self.faults, self.devices = opts, events, dict(faults or {}), devices
@@ -196,7 +197,10 @@ class FakeGroup:
             self.replicas[w] = _Replica()
         return {w: 1024 for w in ok}
 
-    def dispatch(self, plan, checkpoint=None, shadows=()):
+    def host_of(self, worker_id):
+        return worker_id
+
+    def dispatch(self, plan, checkpoint=None, shadows=(), snapshot=None):
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
         return plan
 

@@ -105,12 +105,14 @@ def test_errors_name_the_bad_piece(text, message):
 
 
 def test_kill_save_aims_at_the_writer_and_hand_built_nonsense_is_rejected():
-    faults = parse_faults("kill@step=1,kill_save@step=3,kill_save:slice=1@checkpoint=4")
+    faults = parse_faults("kill@step=1,kill_save@step=3,kill_save:slice=1@checkpoint=4,kill:all@snapshot=8")
     validate(faults)
     assert faults[1].target == Target("role", "writer") and faults[2].when == When(checkpoint=4)
+    assert faults[3].when == When(snapshot=8) and faults[3].when.spec() == "snapshot=8"
     assert parse_faults(",".join(f.spec() for f in faults)) == faults
     for bad, why in [("kill_save:all@step=1", "not 'all'"), ("kill:role=writer@step=1", "only with kill_save"),
-                     ("kill_save:role=spare@step=1", "not 'role=spare'"), ("kill@checkpoint=x", "checkpoint needs")]:
+                     ("kill_save:role=spare@step=1", "not 'role=spare'"), ("kill@checkpoint=x", "checkpoint needs"),
+                     ("kill@snapshot=-1", "snapshot needs")]:
         with pytest.raises(FaultSpecError, match=why):
             validate(parse_faults(bad))
     with pytest.raises(FaultSpecError, match="exactly one of step, time, transfer, checkpoint"):
@@ -287,6 +289,9 @@ def shape(*overrides, duration=None, mtbf=None):
     ("kill:all@checkpoint=8", [], {}, "checkpoint=8 waits for a checkpoint, and the run writes no checkpoints"),
     ("kill:all@checkpoint=30", ["steps=20", "enable_checkpointing=true"], {},
      "checkpoint=30 is never reached: the run's newest checkpoint holds at most 20 steps"),
+    ("kill:all@snapshot=8", [], {}, "snapshot=8 waits for an in-memory snapshot, and the run takes none"),
+    ("kill:all@snapshot=20", ["steps=20", "elastic_snapshot_interval=4"], {},
+     "snapshot=20 is never reached: snapshots follow steps before the last, so they hold at most 19 steps"),
 ])
 def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, overrides, soak, message):
     with pytest.raises(FaultSpecError) as info:
@@ -303,6 +308,7 @@ def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, override
     ("kill@step=2,kill:role=source@transfer", ["elastic_spares=0"], {}),   # relaunched workers join
     ("kill:role=dest@transfer", ["elastic_spares=1", "steps=100000"], {"mtbf": 20.0, "duration": 60.0}),
     ("kill_save@step=3,kill:everything@checkpoint=20", ["steps=20", "enable_checkpointing=true"], {}),
+    ("kill:all@snapshot=16", ["steps=20", "elastic_snapshot_interval=4"], {}),
 ])
 def test_a_fault_that_can_fire_is_accepted(spec, overrides, soak):
     check_reachable(parse_faults(spec), shape(*overrides, **soak))

@@ -215,6 +215,20 @@ def test_contradictory_heads_and_width_names_both_keys():
     assert "'base_num_query_heads' (2, in " in msg and "tiny.yml" in msg
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["elastic_snapshot_interval=4", "elastic_backup_kind=checkpoint"],
+     "'elastic_snapshot_interval' (4, in overrides) and 'elastic_backup_kind' ('checkpoint', in overrides) contradict"),
+    (["elastic_snapshot_directory=shm/snaps"], "'elastic_snapshot_directory' ('shm/snaps', in overrides) must be "
+                                               "an absolute path"),
+    (["elastic_backup_kind=memory"], "'elastic_backup_kind' must be one of snapshot, checkpoint"),
+    (["elastic_enabled=false", "elastic_snapshot_interval=4"], "contradict"),
+])
+def test_snapshot_keys_that_cannot_work_are_refused_naming_them(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert message in assert_one_line(err)
+
+
 def test_chunk_bytes_bounds_are_inclusive():
     assert load_config("base", ["elastic_chunk_bytes=4096"]).elastic_chunk_bytes == 4096
     assert load_config("base", ["elastic_chunk_bytes=33554432"]).elastic_chunk_bytes == 33554432

@@ -37,6 +37,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: "mypkg.train:make_job"}
     if key == "hardware":
         return {key: "gpu"}   # not cpu: the tests run with JAX_PLATFORMS=cpu, which "" resolves to
+    if key == "elastic_snapshot_directory":
+        return {key: str(tmp_path / "snapshots")}
     if key == "elastic_checkpoint_directory":
         return {key: str(tmp_path / "checkpoints")}  # fewer slices: tiny's elastic_microbatches stays >= slices
     if isinstance(value, bool):
@@ -54,7 +56,7 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
 
 def test_every_schema_key_has_exactly_the_places_declared():
     placed = (set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY, options._CACHE_KEY}
-              | set(options._CHECKPOINT_KEYS) | set(READ_ELSEWHERE))
+              | set(options._CHECKPOINT_KEYS) | set(options._SNAPSHOT_KEYS) | set(READ_ELSEWHERE))
     assert placed == set(SCHEMA)
 
 
@@ -66,7 +68,8 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
     fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir", "checkpoint_directory",
-                                                  "checkpoint_period", "platform", "load_full_state_path"}
+                                                  "checkpoint_period", "platform", "load_full_state_path",
+                                                  "snapshot_directory"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (

@@ -212,7 +212,7 @@ RESTORE_CASES = [
     (("a", "b", "c", "s", "t"), ACTIVE, 1, True, 40, Action.WAIT, ("a", "b", "c"), "waiting for capacity"),
     (("a", "b", "c", "s", "t"), ACTIVE, 1, False, 40, Action.FAIL, (), "no worker is left to restore it"),
     (("a", "b", "c"), ACTIVE, 3, True, 40, Action.WAIT, ("a", "b", "c"), "elastic_min_slice_count 3"),
-    (("a", "b", "c"), ACTIVE, 1, False, None, Action.FAIL, ("s", "t"), "no complete checkpoint"),
+    (("a", "b", "c"), ACTIVE, 1, False, None, Action.FAIL, ("s", "t"), "no complete snapshot or checkpoint"),
     (("b",), ACTIVE, 1, False, 40, Action.REPLACE, ("a", "s", "c"), "spares replace"),   # a replica lives: no restore
     # a spare that shadows the state is a replica: it is promoted first, and nothing is restored
     (("a", "b", "c"), ACTIVE | {"t"}, 1, False, 40, Action.SHRINK, ("t", "s"), "1 slice(s)"),

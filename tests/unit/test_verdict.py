@@ -65,12 +65,13 @@ def test_an_unfinished_run_without_an_error_text():
     assert result["verdict_reasons"] == ["stopped at step 3 of 3: the run did not finish (no run_finished event)."]
 
 
-def test_lost_steps_and_checkpoint_restores_each_fail():
-    result = judge(clean_report(steps_lost=2, checkpoint_restores=1), REFERENCE, clean_events())
+def test_lost_steps_and_snapshot_and_checkpoint_restores_each_fail():
+    result = judge(clean_report(steps_lost=2, checkpoint_restores=1, snapshot_restores=2), REFERENCE, clean_events())
     assert result["verdict"] == "fail"
-    lost, restores = result["verdict_reasons"]
+    lost, snapshots, checkpoints = result["verdict_reasons"]
     assert "2 committed steps had to be recomputed (steps_lost=2)" in lost
-    assert "restored from a snapshot or checkpoint 1 time " in restores
+    assert "restored from an in-memory snapshot 2 times (snapshot_restores)" in snapshots
+    assert "restored from a checkpoint 1 time (checkpoint_restores)" in checkpoints
 
 
 def test_exactly_once_violations_fail_with_the_microbatches():
