@@ -80,6 +80,7 @@ __all__ = [
     "check_record",
     "directory_problem",
     "make_record",
+    "newest_valid",
     "use_gcs_endpoint",
     "verified",
 ]
@@ -451,18 +452,7 @@ class CheckpointStore:
         with the reason. Raises :class:`CheckpointNotFoundError` when none is
         usable (its reason lists every skipped one).
         """
-        skipped: list[Skipped] = []
-        for step in reversed(self.steps()):
-            if at_most is not None and step > at_most:
-                continue
-            try:
-                return self._read(step), skipped
-            except CheckpointCorruptError as e:
-                skipped.append(Skipped(step, e.path, e.reason))
-        why = "; ".join(f"step {s.step}: {s.reason}" for s in skipped) or "none was ever committed here"
-        if at_most is not None:
-            why = f"at or before step {at_most}: {why}"
-        raise CheckpointNotFoundError(self.directory, None, why)
+        return newest_valid(self.directory, self.steps(), self._read, at_most, "none was ever committed here")
 
     def _read(self, step: int) -> Restored:
         with _checkpointer() as checkpointer:
@@ -591,6 +581,24 @@ def make_record(step, leaves, *, sha256: str, metadata: dict | None = None) -> t
         if not same:
             raise ValueError(f"leaf {i}: dtype {x.dtype} cannot be recorded by its name {name!r}")
     return step, leaves, record
+
+
+def newest_valid(directory: str, steps, read, at_most: int | None, none: str) -> tuple[Restored, list[Skipped]]:
+    """The newest of ``steps`` (at ``at_most`` or before) that ``read(step)`` reads without
+    :class:`CheckpointCorruptError`, and the newer ones it passed over (newest first, with the reason); else
+    :class:`CheckpointNotFoundError` for ``directory`` listing them (``none``: the reason when there were none)."""
+    skipped: list[Skipped] = []
+    for step in reversed(steps):
+        if at_most is not None and step > at_most:
+            continue
+        try:
+            return read(step), skipped
+        except CheckpointCorruptError as e:
+            skipped.append(Skipped(step, e.path, e.reason))
+    why = "; ".join(f"step {s.step}: {s.reason}" for s in skipped) or none
+    if at_most is not None:
+        why = f"at or before step {at_most}: {why}"
+    raise CheckpointNotFoundError(directory, None, why)
 
 
 def verified(step: int, leaves: list, layout, record: dict, path: str) -> Restored:

@@ -36,7 +36,7 @@ __all__ = ["Recovery", "Restore"]
 @dataclasses.dataclass(frozen=True)
 class Restore:
     """What :meth:`Recovery.restore` brought back: the ``tier`` ("snapshot" or "checkpoint"), the ``step`` it
-    holds, the ``bytes`` read, the active members that hold it now (``holders``; the others get a copy) and,
+    holds, the ``bytes`` read, the members that hold it now (``holders``; the active others get a copy) and,
     for a checkpoint, its ``directory``."""
 
     tier: str
@@ -137,15 +137,15 @@ class Recovery:
 
         The dead are retired (relaunched after the next commit) and every
         member is fenced into the new epoch first; each answers the
-        snapshots its host holds. A snapshot is loaded by one active member
-        whose host holds it (the caller copies it to the others); when it
+        snapshots its host holds. A snapshot is loaded by one member whose
+        host holds it (the caller copies it to the active members); when it
         cannot be loaded, the checkpoint is. A checkpoint is loaded by every
         active member. A member lost meanwhile raises ``WorkerLostError``
         (the controller starts another attempt).
         """
         self.deferred += self.retire_dead(old, relaunch=False)
         statuses = self.group.abort(new.members)
-        held = self.snapshots.holdings({w: statuses[w] for w in new.active if w in statuses}, committed)
+        held = self.snapshots.holdings(statuses, committed)   # a spare's host may keep the copy
         checkpoint = {self.checkpoints.directory: self.checkpoint} if self.checkpoint is not None else {}
         choice = choose_source({}, {}, held, checkpoint, committed)
         if choice.tier == "snapshot":

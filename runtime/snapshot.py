@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from runtime.checkpoint import (CheckpointCorruptError, CheckpointNotFoundError, Restored, Skipped, check_record,
-                                make_record, verified)
+                                make_record, newest_valid, verified)
 
 __all__ = ["MAGIC", "SnapshotStore", "default_root", "host_directory"]
 
@@ -184,18 +184,7 @@ class SnapshotStore:
     def restore_newest_valid(self, at_most: int | None = None) -> tuple[Restored, list[Skipped]]:
         """The newest snapshot (at ``at_most`` or before) that reads and verifies, and the newer ones passed
         over (newest first, with the reason). Raises :class:`CheckpointNotFoundError` when none is usable."""
-        skipped: list[Skipped] = []
-        for step in reversed(self.steps()):
-            if at_most is not None and step > at_most:
-                continue
-            try:
-                return self._read(step), skipped
-            except CheckpointCorruptError as e:
-                skipped.append(Skipped(step, e.path, e.reason))
-        why = "; ".join(f"step {s.step}: {s.reason}" for s in skipped) or "no snapshot was written here"
-        if at_most is not None:
-            why = f"at or before step {at_most}: {why}"
-        raise CheckpointNotFoundError(self._dir, None, why)
+        return newest_valid(self._dir, self.steps(), self._read, at_most, "no snapshot was written here")
 
     def _read(self, step: int) -> Restored:
         path = self.path(step)

@@ -39,7 +39,7 @@ class Snapshotting:
         self.group, self.opts, self.events = group, opts, events
         self.notify = notify or (lambda step: None)
         self.held: dict[str, set[int]] = {}   # host -> snapshot steps reported written or copied there
-        self._peers: dict[int, str] = {}   # step -> the worker asked to keep its copy
+        self._ordered: dict[int, str | None] = {}   # snapshot step -> the worker asked to keep its copy (or None)
 
     @property
     def enabled(self) -> bool:
@@ -53,8 +53,10 @@ class Snapshotting:
             return None
         order = snapshot_order(step, steps, self.opts.snapshot_interval, placement.active, placement.spares,
                                {w: self.group.host_of(w) for w in placement.members})
-        if order and order[1]:
-            self._peers[step + 1] = order[1]
+        if order:
+            self._ordered[step + 1] = order[1]
+            for old in sorted(self._ordered)[:-2 * KEEP]:
+                del self._ordered[old]
         return order
 
     def note(self, reports) -> None:
@@ -63,10 +65,10 @@ class Snapshotting:
             for step in saved:
                 self._hold(self.group.host_of(w), step)
                 self.events.emit("snapshot_saved", worker=w, host=self.group.host_of(w), step=step)
-                if step not in self._peers:
+                if self._ordered.get(step) is None:   # no copy asked: in place now
                     self.notify(step)
             for step in copied:
-                peer = self._peers.pop(step, None)
+                peer = self._ordered.get(step)
                 if peer is not None:
                     self._hold(self.group.host_of(peer), step)
                 self.events.emit("snapshot_copied", worker=w, peer=peer, host=peer and self.group.host_of(peer),
@@ -76,8 +78,12 @@ class Snapshotting:
                 self.events.emit("snapshot_failed", worker=w, error=error[:500])
 
     def newest(self, at_most: int) -> int | None:
-        """The newest snapshot step at or before ``at_most`` reported held on some host; None without one."""
+        """The newest snapshot step at or before ``at_most`` that may be held on some host: reported written or
+        copied, or ordered after a step since committed (its writer applied that step and began the write; the
+        report may not have arrived before the writer died). None without one. The hosts' own answers
+        (:meth:`holdings`) decide what is restored."""
         steps = [s for held in self.held.values() for s in held if s <= at_most]
+        steps += [s for s in self._ordered if s <= at_most]
         return max(steps) if steps else None
 
     @staticmethod

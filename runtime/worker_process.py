@@ -104,6 +104,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         if parent_pid is not None and os.getppid() != parent_pid:
             log.warning("parent process %d is gone; exiting", parent_pid)
             status = EXIT_ORPHANED
+            if service.snapshots is not None:   # the run is over: its snapshots on this host serve nobody
+                service.snapshots.remove_all()
             break
         if service.lease_lapsed():
             health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
