@@ -26,7 +26,7 @@ from elastic.cli_support import (OneLineParser, config_loader, finish, make_job,
                                  usage_error)
 from elastic.config import ConfigError, load_config
 
-__all__ = ["COMMANDS_GROUP", "main"]
+__all__ = ["COMMANDS_GROUP", "main", "parser"]
 
 #: The entry-point group of plug-in subcommands.
 COMMANDS_GROUP = "elastic.commands"
@@ -131,11 +131,17 @@ def _add_plugins(sub) -> None:
                   file=sys.stderr)
 
 
-def main(argv=None) -> int:
+def parser() -> OneLineParser:
+    """The ``elastic`` command line: the built-in commands and those plugged in."""
     ap = OneLineParser(prog="elastic", description="Fault-tolerant, elastic training for JAX.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     _add_builtins(sub)
     _add_plugins(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args, extra = ap.parse_known_args(argv)
     # Overrides may follow flags (`run tiny --reference steps=3`).
     takes_overrides = getattr(args, "takes_overrides", False)

@@ -151,6 +151,16 @@ class Config:
     elastic_snapshot_interval: int = _key(0, ge=0)
     elastic_backup_kind: str = _key("snapshot", choices=("snapshot", "checkpoint"))
     elastic_snapshot_directory: str = _key("")
+    # Who starts the workers: "local" (subprocesses of this client, relaunched when they die) or "none" (someone
+    # else starts them -- Kubernetes, any scheduler, by hand -- and each joins with `elastic worker`; a replacement
+    # joins the same way, as a spare; docs/deploy.md). "none" needs elastic_controller_address with a port,
+    # elastic_run_id, and the run secret in ELASTIC_RUN_SECRET for the client and every worker.
+    elastic_launcher: str = _key("local", choices=("local", "none"))
+    # HOST:PORT the controller listens on; "": 127.0.0.1, any free port (the local launcher tells its workers).
+    elastic_controller_address: str = _key("")
+    # The run's id, which every worker names when it joins; "": a fresh random one (the local launcher tells its
+    # workers). Letters, digits, '.', '_', '-'.
+    elastic_run_id: str = _key("")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -367,6 +377,18 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
     for key in ("elastic_checkpoint_directory", "load_full_state_path"):
         if values[key] and (problem := checkpoint_directory_problem(values[key])):
             raise ConfigError(f"config key {at(key)} {problem}")
+    if values["elastic_controller_address"] and (problem := _address_problem(values["elastic_controller_address"])):
+        raise ConfigError(f"config key {at('elastic_controller_address')} {problem}")
+    if values["elastic_run_id"] and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", values["elastic_run_id"]):
+        raise ConfigError(f"config key {at('elastic_run_id')} must be 1 to 64 letters, digits, '.', '_' or '-'")
+    if values["elastic_launcher"] == "none":
+        if not values["elastic_controller_address"].rpartition(":")[2].strip("0"):
+            raise ConfigError(f"config keys {at('elastic_launcher')} and {at('elastic_controller_address')} "
+                              "contradict: workers started by someone else must know where the controller listens "
+                              "(set elastic_controller_address=HOST:PORT with a port other than 0)")
+        if not values["elastic_run_id"]:
+            raise ConfigError(f"config keys {at('elastic_launcher')} and {at('elastic_run_id')} contradict: "
+                              "workers started by someone else name the run when they join (set elastic_run_id)")
     if values["elastic_snapshot_interval"] and values["elastic_backup_kind"] != "snapshot":
         raise ConfigError(f"config keys {at('elastic_snapshot_interval')} and {at('elastic_backup_kind')} "
                           "contradict: snapshots are taken only with elastic_backup_kind=snapshot")
@@ -392,6 +414,16 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
                 raise ConfigError(f"config keys {at('elastic_enabled')} and {at(key)} contradict: "
                                   f"{key} steers recovery and elastic_enabled=false turns recovery off "
                                   f"(a lost worker fails the run); drop {key} or enable elastic training")
+
+
+def _address_problem(address: str) -> str:
+    """Why ``address`` is not ``HOST:PORT`` ("" if it is); a pure check of the text."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host:
+        return f"must be HOST:PORT, got {address!r}"
+    if not port.isdigit() or int(port) > 65535:
+        return f"must end with a port 0..65535, got {address!r}"
+    return ""
 
 
 def _run_name_problem(name: str) -> str:

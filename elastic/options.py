@@ -63,6 +63,8 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_shadow_spares": "shadow_spares",
     "elastic_snapshot_interval": "snapshot_interval",
     "elastic_backup_kind": "backup_kind",
+    "elastic_launcher": "launcher",
+    "elastic_run_id": "run_id",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -71,7 +73,10 @@ _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.co
 # -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
 _CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory",
                     "load_full_state_path")
-_SNAPSHOT_KEYS = ("elastic_snapshot_directory",)   # -> snapshot_directory (default: default_snapshot_root())
+_SNAPSHOT_KEYS = ("elastic_snapshot_directory",)
+_ADDRESS_KEY = "elastic_controller_address"   # -> host and port ("": 127.0.0.1, any port)
+#: Where the run secret comes from when the workers are started by someone else (elastic_launcher=none).
+SECRET_ENV = "ELASTIC_RUN_SECRET"   # -> snapshot_directory (default: default_snapshot_root())
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
@@ -100,7 +105,7 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's.
-NOT_FROM_CONFIG = frozenset({"run_dir", "run_id", "host", "secret"})
+NOT_FROM_CONFIG = frozenset({"run_dir", "secret"})
 
 
 @dataclass(frozen=True)
@@ -201,12 +206,33 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
                              platform=export_platform(cfg), load_full_state_path=_absolute(cfg.load_full_state_path),
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
+                             secret=_secret(cfg), **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts
     return dataclasses.replace(opts, max_retries=0, spares=0, relaunch=False, min_slices=opts.slices,
                                capacity_timeout_seconds=0.0, replace_stragglers=False, standby_workers=0,
                                shadow_spares=False, snapshot_interval=0)
+
+
+def _address(cfg: Config) -> dict:
+    """``host`` and ``port`` the controller listens on (``elastic_controller_address``; checked by the Config)."""
+    if not cfg.elastic_controller_address:
+        return {}
+    host, _, port = cfg.elastic_controller_address.rpartition(":")
+    return {"host": host.strip("[]"), "port": int(port)}
+
+
+def _secret(cfg: Config) -> str:
+    """The run secret: for workers started by someone else, the one they were given (``$ELASTIC_RUN_SECRET``);
+    "" for local workers (the controller makes a fresh one and hands it to the processes it starts)."""
+    if cfg.elastic_launcher != "none":
+        return ""
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise ConfigError(f"elastic_launcher=none: set the run secret in ${SECRET_ENV} for this client and for "
+                          "every worker (workers started by someone else must prove they belong to the run)")
+    return secret
 
 
 def _tls(cfg: Config) -> TlsFiles | None:
@@ -218,7 +244,7 @@ def _tls(cfg: Config) -> TlsFiles | None:
 
 def _check_every_key_has_a_place() -> None:
     schema = {f.name for f in dataclasses.fields(Config)}
-    placed = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY} | set(_CHECKPOINT_KEYS)
+    placed = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY, _ADDRESS_KEY} | set(_CHECKPOINT_KEYS)
               | set(_SNAPSHOT_KEYS) | set(READ_ELSEWHERE))
     if set(PLATFORM_OF_HARDWARE) != set(HARDWARE):
         raise ImportError(f"elastic.options maps hardware {sorted(PLATFORM_OF_HARDWARE)}, the Config allows "

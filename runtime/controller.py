@@ -65,7 +65,9 @@ class ControllerOptions:
     devices_per_slice: int
     run_dir: str
     run_id: str = ""
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"                # the controller listens here...
+    port: int = 0                          # ...on this port (0: any free one)
+    launcher: str = "local"                # "local": worker subprocesses; "none": workers join by themselves
     rpc_timeout_seconds: float = 120.0
     register_timeout_seconds: float = 120.0
     dispatch_depth: int = 2

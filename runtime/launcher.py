@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from runtime.platforms import canonical_platform, default_worker_platform
 
-__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "LocalLauncher", "jax_child_env"]
+__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "jax_child_env"]
 
 #: Worker starts allowed back to back before pacing begins.
 LAUNCH_BURST = 8
@@ -65,6 +65,8 @@ class LocalLauncher:
     after a Python and JAX start (seconds), and then starts a new standby. A
     standby whose launcher goes away reads end-of-file and exits.
     """
+
+    external = False   # it starts (and relaunches) the workers itself
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
@@ -176,6 +178,34 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout)
+
+
+class ExternalLauncher:
+    """No launcher: the workers are started by someone else (Kubernetes, any scheduler, or by hand with
+    ``elastic worker``) and join the controller by themselves; a replacement joins the same way, as a newcomer.
+
+    The run waits for them until its registration timeout; a relaunch
+    starts nothing (the scheduler restarts what died) and killing a worker
+    declared dead is left to that scheduler (the worker fences itself when
+    its lease runs out).
+    """
+
+    external = True
+
+    def __init__(self):
+        self.procs: dict = {}   # nothing of this process's making to poll
+
+    def launch(self, worker_id: str, host_name: str = "") -> None:
+        """Nothing to start: workers come by themselves."""
+
+    def prepare_standby(self) -> None:
+        """No standby processes outside the local launcher."""
+
+    def kill(self, worker_id: str) -> None:
+        """Not ours to kill: a worker declared dead is fenced, and fences itself after its lease."""
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Nothing to stop: live workers were told to shut down."""
 
 
 def jax_child_env(devices: int, platform: str = "") -> dict[str, str]:

@@ -37,7 +37,7 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.errors import RegistrationTimeoutError, WorkerLostError
 from runtime.events import EventLog
 from runtime.health import HealthMonitor
-from runtime.launcher import LocalLauncher
+from runtime.launcher import ExternalLauncher, LocalLauncher
 from runtime.policy import StepPlan, WorkerInfo, may_relaunch
 from runtime.programs import ProgramSet
 from runtime.registry import Registry
@@ -154,15 +154,14 @@ class WorkerGroup:
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
         self.registry = Registry(run_id, events, refuse=self._why_fenced)
-        self.server, port = rpc.make_server(opts.host, 0, max_workers=8, secret=secret, tls=opts.tls,
+        self.server, port = rpc.make_server(opts.host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
                                            refusals=self.registry.refusals, max_message=1 << 20)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{opts.host}:{port}"
-        self.launcher = LocalLauncher(run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs",
-                                      secret=secret, chaos=opts.chaos, tls=opts.tls,
-                                      compilation_cache_dir=opts.compilation_cache_dir,
-                                      standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
-                                      platform=opts.platform)
+        self.launcher = ExternalLauncher() if opts.launcher == "none" else LocalLauncher(
+            run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs", secret=secret, chaos=opts.chaos,
+            tls=opts.tls, compilation_cache_dir=opts.compilation_cache_dir,
+            standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0, platform=opts.platform)
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
@@ -233,8 +232,12 @@ class WorkerGroup:
         return (info.host if info is not None and info.host else "") or self._hosts.get(worker_id, worker_id)
 
     def relaunch(self, dead_worker: str) -> str | None:
-        """Starts a fresh process (a new worker id) in place of a dead one, once per dead worker, within limits."""
-        if dead_worker in self._relaunched:
+        """Starts a fresh process (a new worker id) in place of a dead one, once per dead worker, within limits.
+
+        None when nothing was started: already relaunched, past the limits, or
+        the workers are started by someone else (``elastic_launcher=none``:
+        the scheduler restarts them and they join as newcomers)."""
+        if dead_worker in self._relaunched or self.launcher.external:
             return None
         self._relaunched.add(dead_worker)
         o = self.opts
@@ -251,10 +254,17 @@ class WorkerGroup:
         crash) and relaunched within the limits. Returns the live registered
         workers (possibly fewer than ``n``: the caller decides whether that
         is enough). ``RegistrationTimeoutError`` when none registered within
-        ``timeout``, or when some that are still running did not.
+        ``timeout``, or when some that are still running did not. Workers
+        started by someone else (``elastic_launcher=none``) are waited for
+        until ``timeout``; then those registered are answered.
         """
         deadline = time.monotonic() + timeout
         self.launcher.prepare_standby()   # starts beside the run's own processes: a relaunch takes it over
+        if self.launcher.external:
+            join = f"elastic worker --controller {self.address} --run-id {self.run_id}"
+            self.events.emit("workers_awaited", count=n, controller=self.address, run_id=self.run_id, command=join)
+            log.warning("waiting up to %.0f s for %d workers to join: start each with `%s` and the run secret in "
+                        "ELASTIC_RUN_SECRET", timeout, n, join)
         while True:
             for wid, proc in list(self.launcher.procs.items()):
                 code = proc.poll()
@@ -265,12 +275,16 @@ class WorkerGroup:
                 live = [w for w in self.registry.workers.values() if w.worker_id not in self.dead]
                 waiting = [w for w, p in self.launcher.procs.items()
                            if w not in self.registry.workers and w not in self.dead]
-                if len(live) >= n or not waiting:
+                if len(live) >= n or not (waiting or self.launcher.external):
                     break
                 left = deadline - time.monotonic()
+                if left <= 0 and self.launcher.external and live:
+                    break
                 if left <= 0:
+                    how = (f"start them with `elastic worker --controller {self.address} --run-id {self.run_id}`"
+                           if self.launcher.external else "see the worker logs")
                     raise RegistrationTimeoutError(f"{len(live)} of {n} workers registered within "
-                                                   f"{timeout:.0f} s; see the worker logs")
+                                                   f"{timeout:.0f} s; {how}")
                 self.registry.cond.wait(min(left, 0.2))
         if not live:
             raise RegistrationTimeoutError(f"no worker registered: {len(self.dead)} exited first; see the worker logs")

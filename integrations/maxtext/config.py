@@ -59,6 +59,9 @@ SHARED_KEYS: Mapping[str, str] = {
     "elastic_min_slice_count": "jax-elastic (-1, MaxText's 'all slices', is dcn_data_parallelism); MaxText: default",
     "elastic_timeout_seconds": "jax-elastic; MaxText: default",
     "elastic_max_retries": "jax-elastic; MaxText: default",
+    "elastic_backup_kind": "jax-elastic: the backup while no spare shadows the state (snapshot: in-memory snapshots "
+                           "every elastic_snapshot_interval steps; checkpoint: the persistent checkpoint only); "
+                           "MaxText: default",
     "jax_cache_dir": "jax-elastic's compilation cache; MaxText: '' (it would set the cache process-wide)",
     "enable_goodput_recording": "jax-elastic's goodput events; MaxText: false (its trainer loop does not run)",
     "enable_checkpointing": "jax-elastic's persistent checkpoints; MaxText: false (its trainer loop does not run)",
@@ -72,7 +75,7 @@ SHARED_KEYS: Mapping[str, str] = {
 # Shared keys that steer only jax-elastic's runtime: the user's value goes to jax-elastic (its default when
 # unset, not MaxText's); MaxText gets the value here, or its own default where there is none.
 _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
-                 "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing", "checkpoint_period",
+                 "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing", "checkpoint_period",
                  "load_full_state_path")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
 

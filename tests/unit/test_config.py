@@ -229,6 +229,21 @@ def test_snapshot_keys_that_cannot_work_are_refused_naming_them(overrides, messa
     assert message in assert_one_line(err)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["elastic_launcher=none", "elastic_run_id=r1"], "workers started by someone else must know where the controller"),
+    (["elastic_launcher=none", "elastic_controller_address=0.0.0.0:0", "elastic_run_id=r1"], "a port other than 0"),
+    (["elastic_launcher=none", "elastic_controller_address=0.0.0.0:50051"], "set elastic_run_id"),
+    (["elastic_controller_address=50051"], "must be HOST:PORT"),
+    (["elastic_controller_address=host:99999"], "must end with a port 0..65535"),
+    (["elastic_run_id=a b"], "letters, digits"),
+    (["elastic_launcher=kubernetes"], "must be one of local, none"),
+])
+def test_launch_keys_that_cannot_work_are_refused_naming_them(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert message in assert_one_line(err)
+
+
 def test_chunk_bytes_bounds_are_inclusive():
     assert load_config("base", ["elastic_chunk_bytes=4096"]).elastic_chunk_bytes == 4096
     assert load_config("base", ["elastic_chunk_bytes=33554432"]).elastic_chunk_bytes == 33554432

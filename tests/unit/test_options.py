@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from elastic import options
-from elastic.config import Config, load_config
+from elastic.config import Config, ConfigError, load_config
 from elastic.models import TransformerConfig
 from elastic.options import NOT_FROM_CONFIG, READ_ELSEWHERE, controller_options, run_settings
 from runtime import ControllerOptions, TlsFiles
@@ -16,6 +16,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = [f.name for f in dataclasses.fields(Config)]
 ELASTIC_KEYS = [k for k in SCHEMA if k.startswith("elastic_")]
 TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")
+
+
+@pytest.fixture(autouse=True)
+def run_secret(monkeypatch):
+    """The secret workers started by someone else were given (elastic_launcher=none reads it)."""
+    monkeypatch.setenv("ELASTIC_RUN_SECRET", "s3cret")
 
 
 @pytest.fixture
@@ -37,6 +43,12 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: "mypkg.train:make_job"}
     if key == "hardware":
         return {key: "gpu"}   # not cpu: the tests run with JAX_PLATFORMS=cpu, which "" resolves to
+    if key == "elastic_launcher":   # workers that join by themselves need an address and a run id
+        return {key: "none", "elastic_controller_address": "0.0.0.0:50051", "elastic_run_id": "run-1"}
+    if key == "elastic_controller_address":
+        return {key: "0.0.0.0:50051"}
+    if key == "elastic_run_id":
+        return {key: "run-1"}
     if key == "elastic_snapshot_directory":
         return {key: str(tmp_path / "snapshots")}
     if key == "elastic_checkpoint_directory":
@@ -56,7 +68,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
 
 def test_every_schema_key_has_exactly_the_places_declared():
     placed = (set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY, options._CACHE_KEY}
-              | set(options._CHECKPOINT_KEYS) | set(options._SNAPSHOT_KEYS) | set(READ_ELSEWHERE))
+              | set(options._CHECKPOINT_KEYS) | set(options._SNAPSHOT_KEYS) | {options._ADDRESS_KEY}
+              | set(READ_ELSEWHERE))
     assert placed == set(SCHEMA)
 
 
@@ -69,7 +82,7 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
     fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir", "checkpoint_directory",
                                                   "checkpoint_period", "platform", "load_full_state_path",
-                                                  "snapshot_directory"}
+                                                  "snapshot_directory", "host", "port"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (
@@ -209,3 +222,14 @@ def test_checkpoint_keys_reach_the_controller_only_when_checkpointing(base, tmp_
     assert (on.checkpoint_directory, on.checkpoint_period) == (str(tmp_path.resolve() / "checkpoints"), 7)
     gcs = controller_options(base.replace(enable_checkpointing=True, elastic_checkpoint_directory="gs://bucket/run"), tmp_path)
     assert gcs.checkpoint_directory == "gs://bucket/run"
+
+
+def test_workers_that_join_by_themselves_get_the_address_run_id_and_secret_they_were_given(base, monkeypatch):
+    cfg = base.replace(elastic_launcher="none", elastic_controller_address="0.0.0.0:50051", elastic_run_id="exp-1")
+    opts = controller_options(cfg, "run")
+    assert (opts.launcher, opts.host, opts.port, opts.run_id, opts.secret) == ("none", "0.0.0.0", 50051, "exp-1",
+                                                                                "s3cret")
+    assert controller_options(base, "run").secret == ""   # local workers: the controller makes one
+    monkeypatch.delenv("ELASTIC_RUN_SECRET")
+    with pytest.raises(ConfigError, match="ELASTIC_RUN_SECRET"):
+        controller_options(cfg, "run")

@@ -1,0 +1,100 @@
+"""Workers that join by themselves (``elastic_launcher=none``): the path a Kubernetes pod takes, on loopback.
+
+The client starts with a fixed address, run id and secret and launches nothing. Three ``elastic worker``
+processes are started by hand (two slices and a spare), plus one with a wrong secret, which is refused. Once
+steps are committed an active worker is SIGKILLed: the spare takes its slice, and a fourth worker started like a
+restarted pod joins as the new spare. The workers share the client's compilation cache (a shared volume in a
+cluster), so the newcomer loads the programs instead of compiling them. The run ends bit-identical to the
+reference, and every worker it did not lose exits 0 when it ends.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT, run_cli
+
+RUN_ID, SECRET = "manual-join", "s3cret-for-this-test"
+# Long enough (a few seconds of steps after the kill) for the replacement to start JAX and join before the end.
+MODEL = ["tiny", "steps=800", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _wait_for(what: str, predicate, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), ELASTIC_RUN_SECRET=SECRET)
+    env.pop("XLA_FLAGS", None)
+    run_dir = tmp_path / "m"
+    client = subprocess.Popen(
+        [sys.executable, "-m", "elastic.cli", "run", *MODEL, "elastic_spares=1", "elastic_launcher=none",
+         f"elastic_controller_address=127.0.0.1:{port}", f"elastic_run_id={RUN_ID}", "run_name=m",
+         f"base_output_directory={tmp_path}", "--quiet"],
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "client.log", "wb"))
+    workers: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, secret: str = SECRET) -> None:
+        workers[name] = subprocess.Popen(
+            [sys.executable, "-m", "elastic.cli", "worker", "--controller", f"127.0.0.1:{port}", "--run-id", RUN_ID,
+             "--worker-id", name, "--devices", "1", "--compilation-cache-dir", str(tmp_path / "jax_cache")],
+            env=dict(env, ELASTIC_RUN_SECRET=secret), cwd=tmp_path, stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"{name}.log", "wb"))
+
+    try:
+        for name in ("pod-a", "pod-b", "pod-c"):
+            start(name)
+        start("pod-intruder", secret="wrong")
+        placement = _wait_for("the placement", lambda: next(
+            (e for e in _events(run_dir) if e["kind"] == "placement"), None))
+        assert sorted(placement["active"] + placement["spares"]) == ["pod-a", "pod-b", "pod-c"]
+        victim = placement["active"][1]
+        _wait_for("step 8", lambda: sum(e["kind"] == "step_committed" for e in _events(run_dir)) >= 8)
+        workers[victim].kill()
+        start("pod-d")   # what the scheduler does for a pod that died: a new one, with a new name
+        assert client.wait(timeout=240) == 0, (tmp_path / "client.log").read_text()[-3000:]
+        codes = {name: p.wait(timeout=30) for name, p in workers.items()}
+    finally:
+        for p in [client, *workers.values()]:
+            if p.poll() is None:
+                p.kill()
+    assert codes[victim] == -9 and codes["pod-intruder"] != 0
+    assert all(code == 0 for name, code in codes.items() if name not in (victim, "pod-intruder")), codes
+
+    report = json.loads((run_dir / "report.json").read_text())
+    events = _events(run_dir)
+    assert report["finished"] and report["steps_completed"] == 800 and report["steps_lost"] == 0
+    (failure,) = report["failures"]
+    assert failure["workers"] == [victim] and failure["path"] == "replace", failure
+    assert any(e["kind"] == "worker_warmed" and e["worker"] == "pod-d" for e in events)   # the new spare
+    assert not any(e["kind"] == "worker_relaunched" for e in events)   # the client launches nothing
+    (awaited,) = [e for e in events if e["kind"] == "workers_awaited"]
+    assert awaited["command"] == f"elastic worker --controller 127.0.0.1:{port} --run-id {RUN_ID}"
+    assert not any(e["kind"] == "worker_registered" and e["worker"] == "pod-intruder" for e in events)
+
+    _, ref = run_cli(["run", *MODEL, "run_name=ref", "--reference"], tmp_path)
+    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]
