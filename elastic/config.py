@@ -151,11 +151,14 @@ class Config:
     elastic_snapshot_interval: int = _key(0, ge=0)
     elastic_backup_kind: str = _key("snapshot", choices=("snapshot", "checkpoint"))
     elastic_snapshot_directory: str = _key("")
-    # Who starts the workers: "local" (subprocesses of this client, relaunched when they die) or "none" (someone
-    # else starts them -- Kubernetes, any scheduler, by hand -- and each joins with `elastic worker`; a replacement
-    # joins the same way, as a spare; docs/deploy.md). "none" needs elastic_controller_address with a port,
-    # elastic_run_id, and the run secret in ELASTIC_RUN_SECRET for the client and every worker.
-    elastic_launcher: str = _key("local", choices=("local", "none"))
+    # Who starts the workers: "local" (subprocesses of this client, relaunched when they die), "ray" (Ray actors
+    # on the Ray cluster at ray_address: pip install jax-elastic[ray]) or "none" (someone else starts them --
+    # Kubernetes, any scheduler, by hand -- and each joins with `elastic worker`; a replacement joins the same
+    # way, as a spare). "none" needs elastic_controller_address with a port, elastic_run_id, and the run secret
+    # in ELASTIC_RUN_SECRET for the client and every worker. See docs/deploy.md.
+    elastic_launcher: str = _key("local", choices=("local", "ray", "none"))
+    # The Ray cluster of elastic_launcher=ray ("ray://..." or "HOST:PORT"); "": $RAY_ADDRESS, else a local one.
+    ray_address: str = _key("")
     # HOST:PORT the controller listens on; "": 127.0.0.1, any free port (the local launcher tells its workers).
     elastic_controller_address: str = _key("")
     # The run's id, which every worker names when it joins; "": a fresh random one (the local launcher tells its
@@ -381,6 +384,9 @@ def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
         raise ConfigError(f"config key {at('elastic_controller_address')} {problem}")
     if values["elastic_run_id"] and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", values["elastic_run_id"]):
         raise ConfigError(f"config key {at('elastic_run_id')} must be 1 to 64 letters, digits, '.', '_' or '-'")
+    if values["ray_address"] and values["elastic_launcher"] != "ray":
+        raise ConfigError(f"config keys {at('ray_address')} and {at('elastic_launcher')} contradict: "
+                          "a Ray cluster serves only elastic_launcher=ray")
     if values["elastic_launcher"] == "none":
         if not values["elastic_controller_address"].rpartition(":")[2].strip("0"):
             raise ConfigError(f"config keys {at('elastic_launcher')} and {at('elastic_controller_address')} "

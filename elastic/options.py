@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from elastic.config import HARDWARE, Config, ConfigError
-from runtime import ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform
+from runtime import ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform, ray_available
 
 __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",
            "compilation_cache_dir", "controller_options", "export_platform", "run_settings"]
@@ -64,6 +64,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_snapshot_interval": "snapshot_interval",
     "elastic_backup_kind": "backup_kind",
     "elastic_launcher": "launcher",
+    "ray_address": "ray_address",
     "elastic_run_id": "run_id",
 })
 
@@ -201,6 +202,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     waiting for capacity, no straggler replacement). The Config has already
     refused recovery keys that contradict it, so this only replaces defaults.
     """
+    _check_launcher(cfg)
     opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg), compilation_cache_dir=compilation_cache_dir(cfg),
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
@@ -221,6 +223,11 @@ def _address(cfg: Config) -> dict:
         return {}
     host, _, port = cfg.elastic_controller_address.rpartition(":")
     return {"host": host.strip("[]"), "port": int(port)}
+
+
+def _check_launcher(cfg: Config) -> None:
+    if cfg.elastic_launcher == "ray" and (why := ray_available()):
+        raise ConfigError(f"elastic_launcher=ray: {why}")
 
 
 def _secret(cfg: Config) -> str:

@@ -106,6 +106,8 @@ def check_local_capacity(slices: int, spares: int, devices_per_slice: int, max_l
 def check_config_capacity(cfg: Config, host: HostCapacity | None = None) -> None:
     """:func:`check_local_capacity` for the workers ``cfg`` starts (spares after ``elastic_enabled``)."""
     opts = controller_options(cfg, "")
+    if opts.launcher != "local":
+        return   # the workers run elsewhere: Ray's or the scheduler's capacity, not this host's
     check_local_capacity(opts.slices, opts.spares, opts.devices_per_slice, run_settings(cfg).max_local_workers,
                          host or host_capacity())
 

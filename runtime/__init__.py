@@ -26,6 +26,7 @@ from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
 from runtime.platforms import default_worker_platform, local_platform, program_platforms
 from runtime.programs import MESH_AXIS, ProgramSet
 from runtime.snapshot import default_root as default_snapshot_root
+from runtime.ray_launcher import ray_available
 
 
 def run_reference(*args, **kwargs):
@@ -90,6 +91,7 @@ __all__ = [
     "local_platform",
     "peak_rss_bytes",
     "program_platforms",
+    "ray_available",
     "read_events",
     "run_reference",
     "run_reference_process",

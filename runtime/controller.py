@@ -67,7 +67,8 @@ class ControllerOptions:
     run_id: str = ""
     host: str = "127.0.0.1"                # the controller listens here...
     port: int = 0                          # ...on this port (0: any free one)
-    launcher: str = "local"                # "local": worker subprocesses; "none": workers join by themselves
+    launcher: str = "local"                # "local": worker subprocesses; "ray": Ray actors; "none": they join
+    ray_address: str = ""                  # the Ray cluster (elastic_launcher=ray); "": $RAY_ADDRESS, else a local one
     rpc_timeout_seconds: float = 120.0
     register_timeout_seconds: float = 120.0
     dispatch_depth: int = 2

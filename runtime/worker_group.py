@@ -154,14 +154,16 @@ class WorkerGroup:
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
         self.registry = Registry(run_id, events, refuse=self._why_fenced)
-        self.server, port = rpc.make_server(opts.host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
+        host = opts.host
+        if opts.launcher == "ray" and (host, opts.port) == ("127.0.0.1", 0):   # actors may run on other nodes
+            from runtime.ray_launcher import connect
+
+            host = connect(opts.ray_address)
+        self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
                                            refusals=self.registry.refusals, max_message=1 << 20)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
-        self.address = f"{opts.host}:{port}"
-        self.launcher = ExternalLauncher() if opts.launcher == "none" else LocalLauncher(
-            run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs", secret=secret, chaos=opts.chaos,
-            tls=opts.tls, compilation_cache_dir=opts.compilation_cache_dir,
-            standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0, platform=opts.platform)
+        self.address = f"{host}:{port}"
+        self.launcher = self._launcher()
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
@@ -179,6 +181,24 @@ class WorkerGroup:
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------
+
+    def _launcher(self):
+        """Who starts the workers (``opts.launcher``): local subprocesses, Ray actors, or nobody."""
+        opts, secret = self.opts, self.secret
+        if opts.launcher == "none":
+            return ExternalLauncher()
+        if opts.launcher == "ray":
+            from runtime.ray_launcher import RayLauncher
+
+            return RayLauncher(self.run_id, self.address, opts.devices_per_slice, address=opts.ray_address,
+                               secret=secret, chaos=opts.chaos, tls=opts.tls,
+                               compilation_cache_dir=opts.compilation_cache_dir, platform=opts.platform,
+                               on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
+        return LocalLauncher(self.run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs",
+                             secret=secret, chaos=opts.chaos, tls=opts.tls,
+                             compilation_cache_dir=opts.compilation_cache_dir,
+                             standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
+                             platform=opts.platform)
 
     def start(self) -> None:
         self.server.start()
@@ -221,7 +241,8 @@ class WorkerGroup:
         """Starts one worker process on ``host`` (default: a simulated host of its own); returns its id (it
         registers by itself)."""
         wid = f"w{self._launched}"
-        self._hosts[wid] = host or f"local{self._launched}"
+        # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
+        self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
         self._launched += 1
         self.launcher.launch(wid, self._hosts[wid])
         return wid

@@ -236,7 +236,8 @@ def test_snapshot_keys_that_cannot_work_are_refused_naming_them(overrides, messa
     (["elastic_controller_address=50051"], "must be HOST:PORT"),
     (["elastic_controller_address=host:99999"], "must end with a port 0..65535"),
     (["elastic_run_id=a b"], "letters, digits"),
-    (["elastic_launcher=kubernetes"], "must be one of local, none"),
+    (["elastic_launcher=kubernetes"], "must be one of local, ray, none"),
+    (["ray_address=127.0.0.1:6379"], "a Ray cluster serves only elastic_launcher=ray"),
 ])
 def test_launch_keys_that_cannot_work_are_refused_naming_them(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -45,6 +45,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: "gpu"}   # not cpu: the tests run with JAX_PLATFORMS=cpu, which "" resolves to
     if key == "elastic_launcher":   # workers that join by themselves need an address and a run id
         return {key: "none", "elastic_controller_address": "0.0.0.0:50051", "elastic_run_id": "run-1"}
+    if key == "ray_address":
+        return {key: "127.0.0.1:6379", "elastic_launcher": "ray"}
     if key == "elastic_controller_address":
         return {key: "0.0.0.0:50051"}
     if key == "elastic_run_id":
@@ -233,3 +235,10 @@ def test_workers_that_join_by_themselves_get_the_address_run_id_and_secret_they_
     monkeypatch.delenv("ELASTIC_RUN_SECRET")
     with pytest.raises(ConfigError, match="ELASTIC_RUN_SECRET"):
         controller_options(cfg, "run")
+
+
+def test_the_ray_launcher_without_ray_stops_before_anything_starts_and_says_how_to_install_it(base, monkeypatch):
+    monkeypatch.setattr(options, "ray_available", lambda: "Ray is not installed; pip install 'jax-elastic[ray]'")
+    with pytest.raises(ConfigError, match=r"elastic_launcher=ray: Ray is not installed; pip install"):
+        controller_options(base.replace(elastic_launcher="ray"), "run")
+    assert controller_options(base, "run").launcher == "local"   # nothing else needs Ray
