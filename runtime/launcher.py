@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 from runtime.platforms import canonical_platform, default_worker_platform
 
-__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "jax_child_env"]
+__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "jax_child_env", "listen_host",
+           "make_launcher"]
 
 #: Worker starts allowed back to back before pacing begins.
 LAUNCH_BURST = 8
@@ -178,6 +179,34 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout)
+
+
+def listen_host(opts) -> str:
+    """The address the controller listens on: ``opts.host``, except for Ray actors with the default loopback
+    (they may run on other nodes): this node's IP as Ray sees it (connecting to the cluster first)."""
+    if opts.launcher == "ray" and (opts.host, opts.port) == ("127.0.0.1", 0):
+        from runtime.ray_launcher import connect
+
+        return connect(opts.ray_address)
+    return opts.host
+
+
+def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lost=None):
+    """Who starts the workers of a run (``opts.launcher``, a ``ControllerOptions``): local subprocesses
+    (:class:`LocalLauncher`), Ray actors (:class:`runtime.ray_launcher.RayLauncher`; ``on_lost(worker, reason)``
+    is Ray's failure signal) or nobody (:class:`ExternalLauncher`)."""
+    if opts.launcher == "none":
+        return ExternalLauncher()
+    if opts.launcher == "ray":
+        from runtime.ray_launcher import RayLauncher   # Ray is imported only for this launcher
+
+        return RayLauncher(run_id, controller_address, opts.devices_per_slice, address=opts.ray_address,
+                           secret=secret, chaos=opts.chaos, tls=opts.tls,
+                           compilation_cache_dir=opts.compilation_cache_dir, platform=opts.platform, on_lost=on_lost)
+    return LocalLauncher(run_id, controller_address, opts.devices_per_slice, f"{opts.run_dir}/logs", secret=secret,
+                         chaos=opts.chaos, tls=opts.tls, compilation_cache_dir=opts.compilation_cache_dir,
+                         standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
+                         platform=opts.platform)
 
 
 class ExternalLauncher:

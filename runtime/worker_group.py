@@ -37,7 +37,7 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.errors import RegistrationTimeoutError, WorkerLostError
 from runtime.events import EventLog
 from runtime.health import HealthMonitor
-from runtime.launcher import ExternalLauncher, LocalLauncher
+from runtime.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.policy import StepPlan, WorkerInfo, may_relaunch
 from runtime.programs import ProgramSet
 from runtime.registry import Registry
@@ -154,16 +154,13 @@ class WorkerGroup:
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
         self.registry = Registry(run_id, events, refuse=self._why_fenced)
-        host = opts.host
-        if opts.launcher == "ray" and (host, opts.port) == ("127.0.0.1", 0):   # actors may run on other nodes
-            from runtime.ray_launcher import connect
-
-            host = connect(opts.ray_address)
+        host = listen_host(opts)
         self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
                                            refusals=self.registry.refusals, max_message=1 << 20)
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{host}:{port}"
-        self.launcher = self._launcher()
+        self.launcher = make_launcher(opts, run_id, self.address, secret,
+                                      on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
@@ -181,24 +178,6 @@ class WorkerGroup:
         self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------
-
-    def _launcher(self):
-        """Who starts the workers (``opts.launcher``): local subprocesses, Ray actors, or nobody."""
-        opts, secret = self.opts, self.secret
-        if opts.launcher == "none":
-            return ExternalLauncher()
-        if opts.launcher == "ray":
-            from runtime.ray_launcher import RayLauncher
-
-            return RayLauncher(self.run_id, self.address, opts.devices_per_slice, address=opts.ray_address,
-                               secret=secret, chaos=opts.chaos, tls=opts.tls,
-                               compilation_cache_dir=opts.compilation_cache_dir, platform=opts.platform,
-                               on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
-        return LocalLauncher(self.run_id, self.address, opts.devices_per_slice, f"{opts.run_dir}/logs",
-                             secret=secret, chaos=opts.chaos, tls=opts.tls,
-                             compilation_cache_dir=opts.compilation_cache_dir,
-                             standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
-                             platform=opts.platform)
 
     def start(self) -> None:
         self.server.start()
