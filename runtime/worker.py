@@ -268,6 +268,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Shutdown(self, request, context):
         def stop():
             self.check_fence(request.fence)
+            if request.run_ended and self.snapshots is not None:   # the RAM they hold serves nobody now
+                self.snapshots.remove_all()
             self.stopped.set()
             return pb.Empty()
         return self._guard(context, stop)

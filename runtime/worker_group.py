@@ -193,7 +193,7 @@ class WorkerGroup:
         self.monitor.stop()
         for wid in list(self._stubs):
             if wid not in self.dead:
-                self._shutdown_call(wid)
+                self._shutdown_call(wid, run_ended=True)
         for wid in self.dead:
             self.launcher.kill(wid)
         self.launcher.stop_all()
@@ -352,9 +352,10 @@ class WorkerGroup:
         self._shutdown_call(worker_id)
         self.launcher.kill(worker_id)
 
-    def _shutdown_call(self, worker_id: str) -> None:
+    def _shutdown_call(self, worker_id: str, run_ended: bool = False) -> None:
         try:
-            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence()), timeout=2.0)
+            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended),
+                                            timeout=2.0)
         except grpc.RpcError:
             pass
 

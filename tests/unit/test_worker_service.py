@@ -266,3 +266,32 @@ def test_a_state_of_another_layout_or_hash_is_refused_before_it_is_adopted():
     huge[0].total_bytes = 1 << 60
     with pytest.raises(ProtocolError):
         assemble_state(iter(huge))   # refused by its shape, without allocating 2**60 bytes
+
+
+def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memory_back(worker, tmp_path):
+    from runtime.snapshot import SnapshotStore
+
+    service, stub = worker
+    leaves = [np.arange(8, dtype=np.float32)]
+    source = SnapshotStore(str(tmp_path / "writer-host"))
+    source.save(4, leaves, sha256=state_sha256(leaves), metadata={})
+
+    def pieces(cut=0):
+        got = [pb.SnapshotPiece(fence=FENCE, step=s, total_bytes=n, data=d) for s, n, d in source.pieces(4, 16)]
+        return iter(got[:len(got) - cut])
+
+    with pytest.raises(grpc.RpcError) as info:   # a worker of a run without snapshots keeps none
+        stub.KeepSnapshot(pieces(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "keeps no snapshots" in info.value.details()
+    service.snapshots = SnapshotStore(str(tmp_path / "peer-host"))
+    with pytest.raises(grpc.RpcError) as info:   # cut off: refused, nothing listed or left
+        stub.KeepSnapshot(pieces(cut=1), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in info.value.details()
+    assert service.snapshots.steps() == [] and service.snapshots.leftovers() == []
+    stub.KeepSnapshot(pieces(), timeout=10)
+    assert service.snapshots.steps() == [4] and service.snapshots.restore().sha256 == state_sha256(leaves)
+
+    stub.Shutdown(pb.ShutdownRequest(fence=FENCE), timeout=10)   # sent home mid-run: its host keeps them
+    assert service.snapshots.steps() == [4]
+    stub.Shutdown(pb.ShutdownRequest(fence=FENCE, run_ended=True), timeout=10)
+    assert not (tmp_path / "peer-host").exists()
