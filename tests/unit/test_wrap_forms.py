@@ -83,17 +83,22 @@ def _forms(loss, opt, setup):
             "method": Model().step, "jitted helper": outer}
 
 
-def test_every_form_trains_like_the_plain_step(setup):
+@pytest.fixture(scope="module")
+def want(setup):
+    """What the plain function trains to (computed once for the tests that compare with it)."""
     _, _, loss, _, opt = setup
-    want = _train(_step(loss, opt), setup)
+    return _train(_step(loss, opt), setup)
+
+
+def test_every_form_trains_like_the_plain_step(setup, want):
+    _, _, loss, _, opt = setup
     for name, step in _forms(loss, opt, setup).items():
         assert _train(step, setup) == want, name
 
 
-def test_nnx_jit_step_trains_like_the_plain_step(setup):
+def test_nnx_jit_step_trains_like_the_plain_step(setup, want):
     nnx = pytest.importorskip("flax.nnx")
     _, _, loss, _, opt = setup
-    want = _train(_step(loss, opt), setup)
     assert _train(nnx.jit(_step(loss, opt)), setup) == want
 
 
