@@ -553,7 +553,7 @@ class WorkerGroup:
                                      nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
                                      all_nodes=all_nodes, node_owner=owners,
                                      checkpoint_directory=directory if w == writer else "",
-                                     committed_loss_sums=sums if w in (writer, snapper) else (), shadows=shadow_peers,
+                                     committed_loss_sums=sums if w == writer else (), shadows=shadow_peers,
                                      snapshot=w == snapper, snapshot_peer=keeper if w == snapper else None)
                 self._send_step(w, req, futs)
             for w in shadows:
