@@ -97,9 +97,11 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
 def _child() -> None:
     import cloudpickle  # noqa: F401 - registers what cloudpickled data sources need to load
 
+    from runtime.allocator import retain_freed_memory
     from runtime.compile_cache import enable
     from runtime.errors import PlatformMismatchError
 
+    retain_freed_memory()   # a training process like a worker
     req = pickle.loads(sys.stdin.buffer.read())
     enable(req["cache"])
     data = pickle.loads(req["data"])

@@ -32,7 +32,7 @@ import grpc
 import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime import auth, compile_cache, rpc
+from runtime import allocator, auth, compile_cache, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.dataplane import DataServer
@@ -65,6 +65,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     worker's lease on its controller; a chaos partition drops calls before
     either (see :func:`runtime.rpc.make_server`).
     """
+    allocator.retain_freed_memory()   # before the first step's buffers
     service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls, host=host_name)
     server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
                                     interceptors=[PartitionInterceptor(service.faults)],
