@@ -20,7 +20,7 @@ a protobuf header and a payload that stays a view of the sender's buffer
 until the transport writes it (:func:`inline` copies it into the message's
 ``data`` for gRPC).
 
-Messages are checked: fence, sender, expected subtrees, sizes and a CRC32 per
+Messages are checked: fence, sender, expected subtrees, sizes and an xxh3_64 checksum per
 chunk. A bad message raises :class:`ProtocolError` where it is received; a
 missing one raises :class:`StepAbortedError` when the deadline passes; a
 well-formed piece of the wrong shape raises :class:`StepAbortedError`.
@@ -33,18 +33,18 @@ import hashlib
 import math
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 
 import numpy as np
+import xxhash
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node, tree_reduce
 from runtime.timing import Clock
 
-__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "chunk_bounds", "checked_chunk_bytes", "inline",
+__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "checksum", "chunk_bounds", "checked_chunk_bytes", "inline",
            "pieces", "state_chunks",
            "assemble_state", "state_sha256", "REDUCE_SCATTER", "ALL_GATHER", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES",
            "MAX_CHUNK_BYTES"]
@@ -61,7 +61,7 @@ MAX_STEPS_AHEAD = 16
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One message on its way out: a header (``TensorChunk`` or ``StateChunk``, ``crc32`` set, ``data``
+    """One message on its way out: a header (``TensorChunk`` or ``StateChunk``, ``xxh3`` set, ``data``
     empty) and its payload, a view of the sender's buffer (nothing is copied until a transport writes it)."""
 
     header: pb.TensorChunk | pb.StateChunk
@@ -97,6 +97,15 @@ Send = Callable[[object, Iterator[Part], float], None]
 transport needs to reach it) and returns once it accepted them all; blocks at
 most until the ``time.monotonic()`` deadline; raises :class:`StepAbortedError`
 on failure."""
+
+
+def checksum(buf) -> int:
+    """The per-chunk check of every transfer: xxh3_64 of ``buf``'s bytes (about 10 GB/s, 4x ``zlib.crc32``).
+
+    It guards against corruption on the way, not against a forger: peers
+    are authenticated by the run secret (or mutual TLS) when they connect.
+    """
+    return xxhash.xxh3_64_intdigest(buf)
 
 
 def checked_chunk_bytes(requested: int) -> int:
@@ -135,7 +144,7 @@ def pieces(fence: pb.Fence, step: int, phase: int, src_rank: int, node: Node, da
         blob = raw[off:off + per]
         yield Part(pb.TensorChunk(fence=fence, step=step, phase=phase, src_rank=src_rank,
                                   node=pb.Node(level=node.level, index=node.index), total=total,
-                                  offset=off // 4, crc32=zlib.crc32(blob)), blob)
+                                  offset=off // 4, xxh3=checksum(blob)), blob)
 
 
 class Mailbox:
@@ -224,7 +233,7 @@ class Mailbox:
                 raise ProtocolError(f"chunk [{c.offset}, {c.offset + n}) outside a piece of {buf.size}")
             dest = buf[c.offset:c.offset + n].view(np.uint8)
             fill(dest)   # into the piece itself; a bad checksum drops the whole stream, never deposited
-            if zlib.crc32(dest) != c.crc32:
+            if checksum(dest) != c.xxh3:
                 raise ProtocolError(f"checksum mismatch in step {c.step} from rank {c.src_rank}")
             filled[node] += n
         for node, buf in bufs.items():
@@ -492,7 +501,7 @@ def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int,
         for off in range(0, max(len(raw), 1), chunk_bytes):
             blob = raw[off:off + chunk_bytes]
             yield Part(pb.StateChunk(leaf=i, num_leaves=len(leaves), shape=leaf.shape, dtype=leaf.dtype.str,
-                                     total_bytes=leaf.nbytes, offset=off, crc32=zlib.crc32(blob),
+                                     total_bytes=leaf.nbytes, offset=off, xxh3=checksum(blob),
                                      applied_steps=applied_steps, sha256=sha256), blob)
 
 
@@ -560,7 +569,7 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[n
             raise ProtocolError(f"state leaf {c.leaf}: chunk outside its {buf.size} bytes")
         dest = buf[c.offset:c.offset + nbytes]
         fill(dest)
-        if zlib.crc32(dest) != c.crc32:
+        if checksum(dest) != c.xxh3:
             raise ProtocolError(f"checksum mismatch in state leaf {c.leaf}")
         filled[c.leaf] += nbytes
         if at == (c.leaf, c.offset):

@@ -5,7 +5,7 @@ codes. Bulk tensors through gRPC's Python API are copied about four times per
 chunk (``bytes`` from numpy, protobuf, gRPC's own buffers, back into numpy),
 which caps a stream near 0.3-0.5 GB/s on loopback here and costs a
 millisecond or more per call. The data plane sends the same checked messages
-(a protobuf header per chunk: fence, step, offsets, CRC32) over long-lived
+(a protobuf header per chunk: fence, step, offsets, xxh3_64 checksum) over long-lived
 sockets: the payload is written from the sender's numpy buffer (a
 ``memoryview``, no copy) and read with ``recv_into`` straight into its
 destination buffer.

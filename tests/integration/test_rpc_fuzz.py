@@ -10,7 +10,6 @@ Examples are derandomized (the same every run) and no example database is writte
 import dataclasses
 import hashlib
 import json
-import zlib
 
 import grpc
 import numpy as np
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import state_sha256
+from runtime.collective import checksum, state_sha256
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from tests.integration.test_hardening_worker import (RUN, SECRET, Controller, load_request, member, start_worker, stop,
                                                      tiny_programs)
@@ -119,7 +118,7 @@ def target(tmp_path_factory):
 
 def _fenced_calls(t: Target):
     chunk = lambda f: pb.TensorChunk(fence=f, step=0, phase=0, src_rank=1, node=pb.Node(level=0, index=1),  # noqa: E731
-                                     total=2, offset=0, data=b"\0" * 8, crc32=zlib.crc32(b"\0" * 8))
+                                     total=2, offset=0, data=b"\0" * 8, xxh3=checksum(b"\0" * 8))
     s = t.stub
     return {
         "Load": lambda f: s.Load(load_request(t.programs, fence=f), timeout=30),
@@ -282,16 +281,16 @@ def test_malformed_step_plans_are_refused(target, data):
 
 def _chunk(data=b"\0" * 4 * (P + 1), **fields):
     base = dict(fence=fence(), step=0, phase=0, src_rank=1, node=pb.Node(level=0, index=1), total=len(data) // 4,
-                offset=0, data=data, crc32=zlib.crc32(data))
+                offset=0, data=data, xxh3=checksum(data))
     base.update(fields)
     return pb.TensorChunk(**base)
 
 
 def _push_defects(draw) -> list[pb.TensorChunk]:
-    defect = draw(st.sampled_from(["crc", "not_floats", "piece_too_big", "offset", "node", "gather_node", "phase",
+    defect = draw(st.sampled_from(["checksum", "not_floats", "piece_too_big", "offset", "node", "gather_node", "phase",
                                    "src_rank", "mixed", "step_behind", "step_far_ahead", "incomplete", "huge_data"]))
-    if defect == "crc":
-        return [_chunk(crc32=draw(st.integers(0, (1 << 32) - 1).filter(lambda c: c != zlib.crc32(b"\0" * 36))))]
+    if defect == "checksum":
+        return [_chunk(xxh3=draw(st.integers(0, (1 << 64) - 1).filter(lambda c: c != checksum(b"\0" * 36))))]
     if defect == "not_floats":
         data = draw(st.binary(min_size=1, max_size=64).filter(lambda b: len(b) % 4))
         return [_chunk(data=data, total=8)]
@@ -300,7 +299,7 @@ def _push_defects(draw) -> list[pb.TensorChunk]:
     if defect == "offset":
         return [_chunk(offset=draw(st.one_of(st.integers(-(1 << 63), -1), st.integers(1, (1 << 63) - 16))))]
     if defect == "node":
-        level, index = draw(st.integers(-5, 40)), draw(st.integers(-5, 1 << 40))
+        level, index = draw(st.integers(-5, 40)), draw(st.integers(-5, (1 << 31) - 1))   # Node fields are int32
         if 0 <= level <= 1 and 0 <= index < M >> level:
             level = 2
         return [_chunk(node=pb.Node(level=level, index=index))]
@@ -376,7 +375,7 @@ def _lies(draw, state: list[pb.StateChunk]) -> tuple[list[pb.StateChunk], str]:
     chunks = [pb.StateChunk.FromString(c.SerializeToString()) for c in state]
     honest = chunks[0].sha256
     lie = draw(st.sampled_from(["claimed_hash", "content", "consistent_but_unexpected", "dtype", "shape",
-                                "total_bytes", "applied", "short", "crc", "leaves"]))
+                                "total_bytes", "applied", "short", "checksum", "leaves"]))
     expected = ""
     c = chunks[0]
     if lie == "claimed_hash":
@@ -385,7 +384,7 @@ def _lies(draw, state: list[pb.StateChunk]) -> tuple[list[pb.StateChunk], str]:
     elif lie in ("content", "consistent_but_unexpected"):
         data = bytearray(c.data)
         data[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
-        c.data, c.crc32 = bytes(data), zlib.crc32(bytes(data))
+        c.data, c.xxh3 = bytes(data), checksum(bytes(data))
         if lie == "consistent_but_unexpected":   # a self-consistent state, not the one the controller expects
             leaf = np.frombuffer(c.data, dtype=np.dtype(c.dtype)).reshape(tuple(c.shape))
             for x in chunks:
@@ -403,9 +402,9 @@ def _lies(draw, state: list[pb.StateChunk]) -> tuple[list[pb.StateChunk], str]:
             x.applied_steps = draw(st.integers(1, 1 << 40))
     elif lie == "short":
         c.data = c.data[:draw(st.integers(0, len(c.data) - 1))]
-        c.crc32 = zlib.crc32(c.data)
-    elif lie == "crc":
-        c.crc32 ^= draw(st.integers(1, (1 << 32) - 1))
+        c.xxh3 = checksum(c.data)
+    elif lie == "checksum":
+        c.xxh3 ^= draw(st.integers(1, (1 << 64) - 1))
     else:
         for x in chunks:
             x.num_leaves = draw(st.sampled_from([0, 2, 1 << 30]))

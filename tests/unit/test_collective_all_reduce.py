@@ -2,13 +2,12 @@
 
 import threading
 import time
-import zlib
 
 import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, AllReduce, Mailbox,
+from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, AllReduce, Mailbox, checksum,
                                 checked_chunk_bytes, chunk_bounds, inline)
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.executor import add_f32
@@ -143,7 +142,7 @@ def test_a_short_stream_is_refused_by_the_receiver_and_both_ranks_abort():
 
 
 def _reseal(message, data, total):
-    message.data, message.total, message.crc32 = data, total, zlib.crc32(data)
+    message.data, message.total, message.xxh3 = data, total, checksum(data)
     return message
 
 

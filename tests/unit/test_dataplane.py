@@ -65,7 +65,7 @@ def test_a_push_arrives_bit_exact_over_a_reused_connection(peer):
 def test_a_refused_push_raises_its_status_and_the_next_push_still_works(peer):
     client = DataClient(SECRET, None)
     bad = list(pieces(FENCE, 0, REDUCE_SCATTER, 1, Node(1, 0), np.ones(64, np.float32), 64))
-    bad[1].header.crc32 ^= 1
+    bad[1].header.xxh3 ^= 1
     with pytest.raises(RemoteError) as err:
         client.push(peer.server.address, iter(bad), deadline())
     assert err.value.code == "INVALID_ARGUMENT" and "checksum" in err.value.message

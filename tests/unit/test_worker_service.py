@@ -1,7 +1,6 @@
 """The worker's gRPC service on a real in-process server (no programs loaded) and its fault switchboard;
 the checks every request passes before it touches anything (the step plan check is pure)."""
 
-import zlib
 
 import grpc
 import ml_dtypes
@@ -11,7 +10,7 @@ import pytest
 from runtime import FAULT_ACTIONS, auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import assemble_state, inline, state_chunks, state_sha256
+from runtime.collective import assemble_state, checksum, inline, state_chunks, state_sha256
 from runtime.errors import ProtocolError
 from runtime.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
 from runtime.microbatch import assign_microbatches
@@ -92,7 +91,7 @@ SECRET = "s3cret"
 def _push(fence=FENCE, **fields):
     data = fields.pop("data", b"\0" * 8)
     return pb.TensorChunk(fence=fence, step=0, phase=0, src_rank=1, node=pb.Node(level=0, index=0),
-                          total=len(data) // 4, offset=0, data=data, crc32=zlib.crc32(data), **fields)
+                          total=len(data) // 4, offset=0, data=data, xxh3=checksum(data), **fields)
 
 
 @pytest.mark.parametrize("call", ["Init", "Step", "StateHash", "Rollback", "GetState", "PullState", "Push"])
