@@ -12,6 +12,7 @@ for at all is checked before anything starts (``elastic.preflight``).
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,9 +21,12 @@ import time
 from collections.abc import Callable
 
 from runtime.platforms import canonical_platform, default_worker_platform
+from runtime.zygote import Zygote, ZygoteError
 
 __all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "jax_child_env", "listen_host",
            "make_launcher"]
+
+log = logging.getLogger("jax_elastic.launcher")
 
 #: Worker starts allowed back to back before pacing begins.
 LAUNCH_BURST = 8
@@ -58,6 +62,11 @@ class LocalLauncher:
 
     ``platform``: the JAX platform of the workers (see :func:`jax_child_env`).
 
+    With ``zygote`` (the default), the workers are forked from one
+    :class:`runtime.zygote.Zygote` started at the first launch, which
+    imported JAX and the runtime once for all of them; if it cannot be
+    started or stops answering, workers start as subprocesses of their own.
+
     With ``standby`` > 0, that many extra processes are kept started ahead of
     need (:meth:`prepare_standby`): each has imported JAX, created its devices
     and opened the compilation cache, and waits on its stdin for the worker id
@@ -72,7 +81,7 @@ class LocalLauncher:
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
                  launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0,
-                 platform: str = ""):
+                 platform: str = "", zygote: bool = True):
         self.platform = platform   # the workers' JAX platform; "": as this process's JAX_PLATFORMS says (jax_child_env)
         self.secret = secret
         self.compilation_cache_dir = compilation_cache_dir
@@ -88,6 +97,9 @@ class LocalLauncher:
         self._standby_seq = 0
         self._pace = _TokenBucket(launch_rate, launch_burst)
         self._lock = threading.Lock()
+        self._zygote: Zygote | None = None
+        self._use_zygote = zygote
+        self._zygote_lock = threading.Lock()
         os.makedirs(log_dir, exist_ok=True)
 
     def launch(self, worker_id: str, host_name: str = "") -> subprocess.Popen:
@@ -137,7 +149,8 @@ class LocalLauncher:
                 return proc
         return None
 
-    def _start(self, identity: list[str], log_name: str, stdin) -> subprocess.Popen:
+    def _env(self) -> dict[str, str]:
+        """Every worker's environment (the same for all: only their arguments differ)."""
         env = jax_child_env(self.devices_per_worker, self.platform)
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
@@ -146,13 +159,24 @@ class LocalLauncher:
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         if self.tls is not None:
             env.update(self.tls.environ())
-        log = open(os.path.join(self.log_dir, log_name), "ab")
-        cmd = [sys.executable, "-m", "runtime.worker_process", "--controller", self.controller_address,
-               "--run-id", self.run_id, *identity, "--exit-with-parent"]
-        try:
-            return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=stdin)
-        finally:
-            log.close()
+        return env
+
+    def _start(self, identity: list[str], log_name: str, stdin):
+        argv = ["--controller", self.controller_address, "--run-id", self.run_id, *identity, "--exit-with-parent"]
+        path = os.path.join(self.log_dir, log_name)
+        with self._zygote_lock:
+            if self._use_zygote and self._zygote is None:
+                self._zygote = Zygote(self._env(), os.path.join(self.log_dir, "zygote.log"))
+            zygote = self._zygote if self._use_zygote else None
+        if zygote is not None:
+            try:
+                return zygote.start(argv, path, standby=stdin is subprocess.PIPE)
+            except ZygoteError as e:
+                log.warning("worker processes start on their own from now on: %s", e)
+                self._use_zygote = False
+        with open(path, "ab") as log_file:
+            return subprocess.Popen([sys.executable, "-m", "runtime.worker_process", *argv], env=self._env(),
+                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=stdin)
 
     def kill(self, worker_id: str) -> None:
         """SIGKILLs a worker declared dead (works on a stopped process too)."""
@@ -179,6 +203,8 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout)
+        if self._zygote is not None:
+            self._zygote.close()
 
 
 def listen_host(opts) -> str:

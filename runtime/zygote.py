@@ -1,0 +1,301 @@
+"""The zygote: one process that imports the worker's modules once, then forks every local worker from itself.
+
+A worker process spends most of its start importing JAX and the runtime
+(1.3-1.5 s of CPU here); a run of five workers and a standby paid that six
+times, side by side on the same cores. The local launcher instead starts one
+zygote per run (with the workers' environment),
+which imports :mod:`runtime.worker_process` (JAX, gRPC, numpy) and forks a
+worker on each request. JAX's backend is not started in the zygote (its
+devices, the device count of ``XLA_FLAGS``, the compilation cache): each
+child starts its own, so forking is safe and each child is a fresh JAX
+process from there on. A forked worker is serving in about 0.3 s of CPU.
+
+Protocol (the launcher writes to the zygote's stdin, it answers on stdout;
+one line of JSON each):
+
+- ``{"start": seq, "argv": [...], "log": path, "standby": bool}``: fork a
+  worker running ``runtime.worker_process.main(argv)`` with stdout and
+  stderr appended to ``log``; answers ``{"started": seq, "pid": pid}``. A
+  standby child gets a pipe as its stdin (it waits there for its identity).
+- ``{"assign": pid, "line": "..."}``: writes ``line`` to that standby's stdin
+  and closes it.
+- It reports every child's end: ``{"exited": pid, "status": code}`` (a
+  negative code: killed by that signal, as ``subprocess`` reports it).
+
+The zygote exits at end-of-file on its stdin (its launcher closed it, or
+died); its workers then see their parent gone and exit (``--exit-with-parent``).
+:class:`Zygote` is the launcher's side, and :class:`Child` the handle of one
+forked worker, with the part of ``subprocess.Popen``'s interface the
+launcher uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["Child", "Zygote", "ZygoteError"]
+
+READY_SECONDS = 120.0   # how long a start may wait for the zygote's imports
+
+
+class ZygoteError(OSError):
+    """The zygote did not start, or stopped answering."""
+
+
+class Child:
+    """One forked worker: ``pid``, ``poll``, ``wait``, ``kill``, ``terminate``, and ``stdin`` for a standby."""
+
+    def __init__(self, zygote: Zygote, pid: int, standby: bool):
+        self.pid, self._zygote = pid, zygote
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        self.stdin = _Identity(zygote, pid) if standby else None
+
+    def _exited(self, status: int) -> None:
+        self.returncode = status
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._zygote.alive() and not _exists(self.pid):
+            self._exited(-signal.SIGKILL)   # its zygote is gone, so no one reports its end: it is over
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:   # told by the zygote, or looked at every 0.1 s once the zygote is gone
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"worker process {self.pid}", timeout)
+            self._ended.wait(0.1 if left is None else min(left, 0.1))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class _Identity:
+    """A standby's stdin as the launcher sees it: one line written, then closed (through the zygote)."""
+
+    def __init__(self, zygote: Zygote, pid: int):
+        self._zygote, self._pid, self._line = zygote, pid, b""
+
+    def write(self, data: bytes) -> None:
+        self._line += data
+
+    def close(self) -> None:
+        self._zygote.assign(self._pid, self._line.decode())
+
+
+class Zygote:
+    """The launcher's side: starts ``python -m runtime.zygote`` with ``env``; its stderr goes to ``log_path``."""
+
+    def __init__(self, env: dict[str, str], log_path: str):
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen([sys.executable, "-c", "from runtime.zygote import serve; serve()"], env=env,
+                                          stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=log)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._seq = 0
+        self._started: dict[int, int] = {}          # seq -> pid, until start() takes it
+        self._children: dict[int, Child] = {}
+        self._early: dict[int, int] = {}            # pid -> status reported before its Child existed
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def start(self, argv: list[str], log_path: str, standby: bool = False) -> Child:
+        """Forks a worker running ``runtime.worker_process.main(argv)``; ``ZygoteError`` when the zygote cannot."""
+        with self._cond:
+            self._seq += 1
+            seq = self._seq
+            self._send({"start": seq, "argv": argv, "log": log_path, "standby": standby})
+            if not self._cond.wait_for(lambda: seq in self._started or not self.alive(), READY_SECONDS):
+                raise ZygoteError(f"the zygote did not fork a worker within {READY_SECONDS:.0f} s")
+            if seq not in self._started:
+                raise ZygoteError(f"the zygote exited with status {self._proc.poll()}")
+            pid = self._started.pop(seq)
+            child = self._children[pid] = Child(self, pid, standby)
+            if pid in self._early:
+                child._exited(self._early.pop(pid))
+            return child
+
+    def assign(self, pid: int, line: str) -> None:
+        """Hands a standby child its identity line; ``OSError`` when the zygote is gone."""
+        with self._lock:
+            self._send({"assign": pid, "line": line})
+
+    def close(self) -> None:
+        """Ends the zygote (its running workers are told apart; they see their parent gone)."""
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+    def _send(self, message: dict) -> None:
+        try:
+            self._proc.stdin.write(json.dumps(message).encode() + b"\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError) as e:
+            raise ZygoteError(f"the zygote is gone: {e}") from e
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            with self._cond:
+                if "started" in msg:
+                    self._started[msg["started"]] = msg["pid"]
+                elif "exited" in msg:
+                    child = self._children.get(msg["exited"])
+                    if child is None:
+                        self._early[msg["exited"]] = msg["status"]
+                    else:
+                        child._exited(msg["status"])
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()   # the zygote ended: waiting starts fail at once
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no one reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:   # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+# -- the zygote process ------------------------------------------------------------------------------
+
+
+def serve() -> None:
+    """The zygote process's loop (``python -c "from runtime.zygote import serve; serve()"``)."""
+    import runtime.worker_process as worker_process   # the imports every worker needs, once
+
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # a child's prints never land in the reply stream
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)   # wakes the loop through wake_w
+    standbys: dict[int, int] = {}   # pid -> write end of its stdin
+    sel = selectors.DefaultSelector()
+    sel.register(0, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fd == wake_r:
+                os.read(wake_r, 4096)
+                _reap(out, standbys)
+                continue
+            data = os.read(0, 65536)
+            if not data:
+                return   # the launcher closed our stdin, or died
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                msg = json.loads(line)
+                if "start" in msg:
+                    pid = _fork(msg, worker_process, [out.fileno(), wake_r, wake_w, *standbys.values()], standbys)
+                    out.write(json.dumps({"started": msg["start"], "pid": pid}) + "\n")
+                elif "assign" in msg:
+                    fd = standbys.pop(msg["assign"], None)
+                    if fd is not None:
+                        try:
+                            os.write(fd, msg["line"].encode())
+                        except OSError:
+                            pass   # it died first; its end is reported as usual
+                        os.close(fd)
+        _reap(out, standbys)
+
+
+def _reap(out, standbys: dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = standbys.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+        out.write(json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+def _fork(msg: dict, worker_process, zygote_fds: list[int], standbys: dict[int, int]) -> int:
+    stdin_r = stdin_w = None
+    if msg["standby"]:
+        stdin_r, stdin_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        if stdin_r is not None:
+            os.close(stdin_r)
+            standbys[pid] = stdin_w
+        return pid
+    status = 1
+    try:   # the child: a worker from here on
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        log = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(stdin_r if stdin_r is not None else os.open(os.devnull, os.O_RDONLY), 0)
+        for fd in [log, *zygote_fds, *(x for x in (stdin_r, stdin_w) if x is not None)]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        sys.stdin = os.fdopen(0, "r")
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+        sys.argv = ["runtime.worker_process", *msg["argv"]]
+        worker_process.main(msg["argv"])   # ends the process itself (os._exit) once it ran
+    except SystemExit as e:   # its arguments were refused (or --help)
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:   # noqa: BLE001 - told in its log, then the child ends
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status)
+
+if __name__ == "__main__":
+    serve()
