@@ -23,11 +23,12 @@ Imports JAX: call it in processes that compile (workers, the reference run).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
 
-__all__ = ["enable", "DEFAULT_MAX_BYTES"]
+__all__ = ["enable", "enabled", "DEFAULT_MAX_BYTES", "holds", "mark_held"]
 
 log = logging.getLogger("jax_elastic.compile_cache")
 
@@ -56,3 +57,42 @@ def enable(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     _current = resolved
     log.info("compilation cache %s", resolved or "off")
     return resolved
+
+
+def enabled() -> str:
+    """The cache this process uses ("": none)."""
+    return _current or ""
+
+
+# -- which program sets a cache holds -----------------------------------------------------------------
+# A run's controller loads its programs on one worker first, so that one process compiles and the others
+# read the cache. When the cache already holds them (an earlier run, or this run's reference run, loaded
+# the same programs), that wait buys nothing: every worker loads at once. JAX's cache keys cannot be
+# computed without lowering the programs, so a marker per program set says so instead. A wrong marker
+# (the entries were evicted since) only costs the workers compiling side by side.
+
+_MARKERS = "jax-elastic-loaded"   # a subdirectory: JAX's cache files are beside it, never in it
+
+
+def _marker(path: str, programs: dict[str, bytes], devices: int) -> pathlib.Path:
+    h = hashlib.sha256(f"{devices}".encode())
+    for name in sorted(programs):
+        h.update(name.encode() + b"\0" + hashlib.sha256(programs[name]).digest())
+    return pathlib.Path(path).expanduser() / _MARKERS / h.hexdigest()
+
+
+def holds(path: str, programs: dict[str, bytes], devices: int) -> bool:
+    """Whether a process already loaded ``programs`` (exported for ``devices`` devices) with the cache at ``path``."""
+    return bool(path) and _marker(path, programs, devices).exists()
+
+
+def mark_held(path: str, programs: dict[str, bytes], devices: int) -> None:
+    """Records that ``programs`` were loaded (so compiled into the cache at ``path``); best effort."""
+    if not path:
+        return
+    marker = _marker(path, programs, devices)
+    try:
+        marker.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        marker.touch()
+    except OSError as e:
+        log.debug("could not mark programs as cached at %s: %s", marker, e)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from runtime import compile_cache
 from runtime.executor import SliceExecutor
 from runtime.microbatch import root
 from runtime.programs import ProgramSet
@@ -36,6 +37,7 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
     """Trains ``steps`` steps; returns (per-step mean losses, final state sha256)."""
     ex = SliceExecutor(programs, data_source)
     ex.load()
+    compile_cache.mark_held(compile_cache.enabled(), programs.programs(), programs.devices_per_slice)
     ex.init(seed)
     top = root(programs.num_microbatches)
     losses = []

@@ -31,7 +31,7 @@ from concurrent import futures
 
 import grpc
 
-from runtime import rpc
+from runtime import compile_cache, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.errors import RegistrationTimeoutError, WorkerLostError
@@ -429,16 +429,20 @@ class WorkerGroup:
         the others at once: it compiles each program and writes it to the
         cache, the others read it instead of compiling the same programs side
         by side (on a host shared by several workers, that is several times
-        the CPU for nothing). When the cache is already warm this costs one
-        load's latency (about a second here; loading all at once measured no
-        faster in the demo, so the order is not made conditional).
+        the CPU for nothing). When the cache already holds these programs
+        (:func:`runtime.compile_cache.holds`: an earlier run or the reference
+        run loaded them), all load at once.
         """
         request = self._load_request()
         workers = list(workers)
-        leader = workers[:1] if self.opts.compilation_cache_dir and len(workers) > 1 else []
+        cache, programs, devices = self.opts.compilation_cache_dir, self.programs.programs(), self.programs.devices_per_slice
+        cold = not compile_cache.holds(cache, programs, devices)
+        leader = workers[:1] if cache and cold and len(workers) > 1 else []
         replies = self._each("Load", lambda w: request, leader, "failed to load programs")
         rest = [w for w in workers if w not in leader and w not in self.dead]
         replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
+        if replies and cold:
+            compile_cache.mark_held(cache, programs, devices)
         return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds) for w, r in replies.items()}
 
     def init(self, workers, seed: int) -> dict[str, int]:

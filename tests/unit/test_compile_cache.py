@@ -40,3 +40,16 @@ def test_the_second_process_loads_what_the_first_compiled(tmp_path):
 
 def test_an_empty_path_turns_the_cache_off(tmp_path):
     assert _run("") == [{"path": ""}, {"hits": 0}]
+
+
+def test_a_program_set_is_known_as_held_only_once_marked_and_only_for_the_same_programs_and_devices(tmp_path):
+    from runtime.compile_cache import holds, mark_held
+
+    programs = {"grad": b"g", "apply": b"a"}
+    assert not holds(str(tmp_path), programs, 2)
+    mark_held(str(tmp_path), programs, 2)
+    assert holds(str(tmp_path), programs, 2)
+    assert not holds(str(tmp_path), {**programs, "apply": b"b"}, 2)
+    assert not holds(str(tmp_path), programs, 4)
+    assert not holds("", programs, 2)   # no cache: nothing held
+    mark_held("", programs, 2)          # and nothing to mark
