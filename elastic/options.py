@@ -105,8 +105,9 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "hardware": "RunSettings.platform: the JAX platform the trainer exports the programs for (export_platform)",
 })
 
-# ControllerOptions fields that no config key sets: the caller's or the launcher's.
-NOT_FROM_CONFIG = frozenset({"run_dir", "secret"})
+# ControllerOptions fields that no config key sets: the caller's or the launcher's (worker_preload: the
+# trainer's data source module).
+NOT_FROM_CONFIG = frozenset({"run_dir", "secret", "worker_preload"})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ the run directory.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 import sys
 import time
@@ -141,7 +142,7 @@ class _Job:
             if reference:
                 self._fit_reference(programs, events, on_step)
             else:
-                opts = controller_options(cfg, run_dir)
+                opts = dataclasses.replace(controller_options(cfg, run_dir), worker_preload=_modules_of(self.data))
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     if observer is not None:
                         ctl.observer = observer
@@ -268,6 +269,13 @@ class WrappedStep(_Job):
 def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:
     """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``."""
     return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key)
+
+
+def _modules_of(data) -> tuple[str, ...]:
+    """The module a worker imports to unpickle ``data`` (by reference), for the zygote to import once; none
+    for a class of ``__main__`` (the worker cannot import it: cloudpickle sends it by value)."""
+    module = type(data).__module__
+    return () if module in ("__main__", "builtins") else (module,)
 
 
 def _fresh_log(run_dir: pathlib.Path) -> EventLog:

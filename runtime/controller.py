@@ -92,6 +92,7 @@ class ControllerOptions:
     chunk_bytes: int = 0                   # tensor chunk size of peer streams (0: the worker's default, 4 MiB)
     compilation_cache_dir: str = ""        # JAX's persistent compilation cache of the workers ("": none)
     standby_workers: int = 0               # processes started ahead of need, for relaunches (local launcher)
+    worker_preload: tuple[str, ...] = ()   # modules the local launcher's zygote imports once for every worker
     data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.dataplane) or "grpc" (Push)
     checkpoint_directory: str = ""         # persistent checkpoints (runtime.checkpoint); "": none
     checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none

@@ -64,7 +64,8 @@ class LocalLauncher:
 
     With ``zygote`` (the default), the workers are forked from one
     :class:`runtime.zygote.Zygote` started at the first launch, which
-    imported JAX and the runtime once for all of them; if it cannot be
+    imported JAX and the runtime (and the ``preload`` modules, such as the
+    data source's) once for all of them; if it cannot be
     started or stops answering, workers start as subprocesses of their own.
 
     With ``standby`` > 0, that many extra processes are kept started ahead of
@@ -81,7 +82,7 @@ class LocalLauncher:
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
                  launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0,
-                 platform: str = "", zygote: bool = True):
+                 platform: str = "", zygote: bool = True, preload: tuple[str, ...] = ()):
         self.platform = platform   # the workers' JAX platform; "": as this process's JAX_PLATFORMS says (jax_child_env)
         self.secret = secret
         self.compilation_cache_dir = compilation_cache_dir
@@ -99,6 +100,7 @@ class LocalLauncher:
         self._lock = threading.Lock()
         self._zygote: Zygote | None = None
         self._use_zygote = zygote
+        self._preload = preload
         self._zygote_lock = threading.Lock()
         os.makedirs(log_dir, exist_ok=True)
 
@@ -166,7 +168,7 @@ class LocalLauncher:
         path = os.path.join(self.log_dir, log_name)
         with self._zygote_lock:
             if self._use_zygote and self._zygote is None:
-                self._zygote = Zygote(self._env(), os.path.join(self.log_dir, "zygote.log"))
+                self._zygote = Zygote(self._env(), os.path.join(self.log_dir, "zygote.log"), self._preload)
             zygote = self._zygote if self._use_zygote else None
         if zygote is not None:
             try:
@@ -232,7 +234,7 @@ def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lo
     return LocalLauncher(run_id, controller_address, opts.devices_per_slice, f"{opts.run_dir}/logs", secret=secret,
                          chaos=opts.chaos, tls=opts.tls, compilation_cache_dir=opts.compilation_cache_dir,
                          standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
-                         platform=opts.platform)
+                         platform=opts.platform, preload=opts.worker_preload)
 
 
 class ExternalLauncher:

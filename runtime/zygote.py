@@ -45,10 +45,10 @@ __all__ = ["Child", "Zygote", "ZygoteError"]
 
 READY_SECONDS = 120.0   # how long a start may wait for the zygote's imports
 #: Imported by the zygote beside the worker's own modules: what JAX imports on its first lowering of an
-#: exported program (a worker's Load), and the bundled models' modules (their data sources are unpickled
-#: there). Measured: a warm Load 0.85-0.98 -> 0.46-0.68 s. One that is missing is left out.
-PRELOAD = ("scipy.linalg", "jax.experimental.multihost_utils", "jaxlib.mlir.extras", "jaxlib.mlir.dialects.mhlo",
-           "elastic.data", "elastic.models")
+#: exported program (a worker's Load). With the data source's module (the launcher's ``preload``, which a
+#: worker imports when it unpickles the data source), a warm Load measured 0.85-0.98 -> 0.46-0.68 s.
+#: One that is missing is left out.
+PRELOAD = ("scipy.linalg", "jax.experimental.multihost_utils", "jaxlib.mlir.extras", "jaxlib.mlir.dialects.mhlo")
 
 
 class ZygoteError(OSError):
@@ -110,12 +110,13 @@ class _Identity:
 
 
 class Zygote:
-    """The launcher's side: starts ``python -m runtime.zygote`` with ``env``; its stderr goes to ``log_path``."""
+    """The launcher's side: starts the zygote with ``env``, importing ``preload`` modules too (besides
+    :data:`PRELOAD`); its stderr goes to ``log_path``."""
 
-    def __init__(self, env: dict[str, str], log_path: str):
+    def __init__(self, env: dict[str, str], log_path: str, preload: tuple[str, ...] = ()):
         with open(log_path, "ab") as log:
-            self._proc = subprocess.Popen([sys.executable, "-c", "from runtime.zygote import serve; serve()"], env=env,
-                                          stdin=subprocess.PIPE,
+            self._proc = subprocess.Popen([sys.executable, "-c", "from runtime.zygote import serve; serve()",
+                                           *PRELOAD, *preload], env=env, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=log)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -213,10 +214,10 @@ def serve() -> None:
 
     import runtime.worker_process as worker_process   # the imports every worker needs, once
 
-    for name in PRELOAD:
+    for name in sys.argv[1:]:   # PRELOAD and the launcher's own
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a module that does not import here is imported (or not) by the worker
             pass
 
     out = os.fdopen(os.dup(1), "w", buffering=1)
