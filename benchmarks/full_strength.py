@@ -1,17 +1,18 @@
 """Time to full strength after a kill, with and without a standby process, in one invocation.
 
 Runs `elastic chaos tiny` (4 slices x 2 devices + 1 spare, one kill after a
-few steps) alternately with `elastic_standby_workers=0` (a relaunch starts a
-fresh Python + JAX process) and `=1` (a relaunch takes over a process started
-ahead of need), all sharing one compilation cache (warmed by a first run that
-is not counted). From each faulted run's event log:
+few steps) alternately with `elastic_standby_workers=0` (a relaunch is forked
+from the run's zygote, `runtime/zygote.py`, and starts its JAX backend; it was a
+fresh Python + JAX process before the zygote) and `=1` (a relaunch takes over a
+process started ahead of need, backend up), all sharing one compilation cache
+(warmed by a first run that is not counted). From each faulted run's event log:
 
 - spare serving: kill -> the spare replaced the dead slice (`recovered`);
 - full strength: kill -> the relaunched worker loaded the programs and is a
   warm spare again (`worker_warmed` of the worker that replaced the dead one),
   so the run could survive the next kill as it survived this one.
 
-Prints the medians and, last, the ratio standby/fresh of full strength.
+Prints the medians and, last, the ratio standby/no-standby ("fresh") of full strength.
 Usage: .venv/bin/python benchmarks/full_strength.py [--repeats 3] [--steps 150]
 """
 
@@ -48,7 +49,7 @@ def main():
             for standby in (0, 1):
                 runs[standby].append(one(base, f"standby{standby}-{i}", standby, args.steps))
         full = {}
-        for standby, label in ((0, "fresh process"), (1, "standby process")):
+        for standby, label in ((0, "fork, no standby"), (1, "standby process")):
             spare = statistics.median(s for s, _ in runs[standby])
             full[standby] = statistics.median(f for _, f in runs[standby])
             print(f"relaunch by {label:16s} kill -> spare serving: median {spare:5.2f} s   kill -> full strength "

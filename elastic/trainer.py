@@ -31,7 +31,7 @@ from elastic.options import RunSettings, controller_options, run_settings
 from elastic.preflight import RunDirectory, check_config_capacity, claim_run_directory
 from elastic.report import build_report, render_run
 from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, enable_compilation_cache,
-                     local_platform, peak_rss_bytes, program_platforms, read_events, run_reference,
+                     local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
                      run_reference_process)
 
 __all__ = ["Trainer", "wrap", "WrappedStep"]
@@ -135,6 +135,9 @@ class _Job:
             events.emit("job_started", mode="reference" if reference else "distributed",
                         config=cfg.to_dict(model_keys=self.reports_model_keys),
                         global_batch_size=cfg.global_batch_size, microbatches=settings.microbatches)
+            if not reference:
+                opts = dataclasses.replace(controller_options(cfg, run_dir), worker_preload=_modules_of(self.data))
+                prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
             events.emit("programs_built", seconds=time.time() - t0,
                         program_bytes={k: len(v) for k, v in programs.programs().items()},
@@ -142,7 +145,6 @@ class _Job:
             if reference:
                 self._fit_reference(programs, events, on_step)
             else:
-                opts = dataclasses.replace(controller_options(cfg, run_dir), worker_preload=_modules_of(self.data))
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
                     if observer is not None:
                         ctl.observer = observer

@@ -4,29 +4,50 @@ Imports none of ``elastic``, ``integrations`` or ``chaos``; those packages use
 the runtime only through the names exported here.
 """
 
-from runtime.auth import TlsFiles
-from runtime.controller import Controller, ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
-from runtime.errors import (
-    ElasticError,
-    ElasticTrainingFailedError,
-    PlatformMismatchError,
-    ProgramExportError,
-    ProtocolError,
-    RegistrationTimeoutError,
-    StaleEpochError,
-    StepAbortedError,
-    WorkerError,
-    WorkerLostError,
-)
-from runtime.checkpoint import directory_problem as checkpoint_directory_problem
-from runtime.events import EventLog, read_events
-from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
-from runtime.fault_injection import ACTIONS as FAULT_ACTIONS, PHASES as FAULT_PHASES
-from runtime.microbatch import Node, assign_microbatches, tree_reduce, tree_sum
-from runtime.platforms import default_worker_platform, local_platform, program_platforms
-from runtime.programs import MESH_AXIS, ProgramSet
-from runtime.snapshot import default_root as default_snapshot_root
-from runtime.ray_launcher import ray_available
+import importlib
+
+# The public names and the submodule each comes from, imported on first use (PEP 562): a worker process
+# (and the zygote every local worker is forked from) imports ``runtime.worker_process`` through this
+# package and needs none of the controller's modules.
+_LAZY = {
+    "TlsFiles": ("runtime.auth", "TlsFiles"),
+    "Controller": ("runtime.controller", "Controller"),
+    "ControllerObserver": ("runtime.controller", "ControllerObserver"),
+    "ControllerOptions": ("runtime.controller", "ControllerOptions"),
+    "RunResult": ("runtime.controller", "RunResult"),
+    "peak_rss_bytes": ("runtime.controller", "peak_rss_bytes"),
+    **{name: ("runtime.errors", name) for name in (
+        "ElasticError", "ElasticTrainingFailedError", "PlatformMismatchError", "ProgramExportError", "ProtocolError",
+        "RegistrationTimeoutError", "StaleEpochError", "StepAbortedError", "WorkerError", "WorkerLostError")},
+    "checkpoint_directory_problem": ("runtime.checkpoint", "directory_problem"),
+    "EventLog": ("runtime.events", "EventLog"),
+    "read_events": ("runtime.events", "read_events"),
+    **{name: ("runtime.collective", name) for name in (
+        "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "MAX_STEPS_AHEAD", "MIN_CHUNK_BYTES")},
+    "FAULT_ACTIONS": ("runtime.fault_injection", "ACTIONS"),
+    "FAULT_PHASES": ("runtime.fault_injection", "PHASES"),
+    **{name: ("runtime.microbatch", name) for name in ("Node", "assign_microbatches", "tree_reduce", "tree_sum")},
+    **{name: ("runtime.platforms", name) for name in (
+        "default_worker_platform", "local_platform", "program_platforms")},
+    "MESH_AXIS": ("runtime.programs", "MESH_AXIS"),
+    "ProgramSet": ("runtime.programs", "ProgramSet"),
+    "default_snapshot_root": ("runtime.snapshot", "default_root"),
+    "ray_available": ("runtime.ray_launcher", "ray_available"),
+}
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def run_reference(*args, **kwargs):
@@ -41,6 +62,14 @@ def run_reference_process(*args, **kwargs):
     from runtime.reference import run_reference_process as run
 
     return run(*args, **kwargs)
+
+
+def prestart_workers(options) -> None:
+    """Starts the local workers' zygote ahead of a run of ``options`` (a ``ControllerOptions``); see
+    :func:`runtime.launcher.prestart_workers`."""
+    from runtime.launcher import prestart_workers as prestart
+
+    prestart(options)
 
 
 def enable_compilation_cache(path: str) -> str:
@@ -88,6 +117,7 @@ __all__ = [
     "default_snapshot_root",
     "default_worker_platform",
     "enable_compilation_cache",
+    "prestart_workers",
     "local_platform",
     "peak_rss_bytes",
     "program_platforms",

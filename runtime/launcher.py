@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable
 
 from runtime.platforms import canonical_platform, default_worker_platform
+from runtime import zygote as zygotes
 from runtime.zygote import Zygote, ZygoteError
 
 __all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "jax_child_env", "listen_host",
-           "make_launcher"]
+           "make_launcher", "preload_of", "prestart_workers"]
 
 log = logging.getLogger("jax_elastic.launcher")
 
@@ -63,7 +64,8 @@ class LocalLauncher:
     ``platform``: the JAX platform of the workers (see :func:`jax_child_env`).
 
     With ``zygote`` (the default), the workers are forked from one
-    :class:`runtime.zygote.Zygote` started at the first launch, which
+    :class:`runtime.zygote.Zygote` (pooled across the runs of this process:
+    :func:`runtime.zygote.acquire`), which
     imported JAX and the runtime (and the ``preload`` modules, such as the
     data source's) once for all of them; if it cannot be
     started or stops answering, workers start as subprocesses of their own.
@@ -166,18 +168,19 @@ class LocalLauncher:
     def _start(self, identity: list[str], log_name: str, stdin):
         argv = ["--controller", self.controller_address, "--run-id", self.run_id, *identity, "--exit-with-parent"]
         path = os.path.join(self.log_dir, log_name)
+        env = self._env()
         with self._zygote_lock:
             if self._use_zygote and self._zygote is None:
-                self._zygote = Zygote(self._env(), os.path.join(self.log_dir, "zygote.log"), self._preload)
+                self._zygote = zygotes.acquire(env, os.path.join(self.log_dir, "zygote.log"), self._preload)
             zygote = self._zygote if self._use_zygote else None
         if zygote is not None:
             try:
-                return zygote.start(argv, path, standby=stdin is subprocess.PIPE)
+                return zygote.start(argv, path, standby=stdin is subprocess.PIPE, env=env)
             except ZygoteError as e:
                 log.warning("worker processes start on their own from now on: %s", e)
                 self._use_zygote = False
         with open(path, "ab") as log_file:
-            return subprocess.Popen([sys.executable, "-m", "runtime.worker_process", *argv], env=self._env(),
+            return subprocess.Popen([sys.executable, "-m", "runtime.worker_process", *argv], env=env,
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=stdin)
 
     def kill(self, worker_id: str) -> None:
@@ -206,7 +209,22 @@ class LocalLauncher:
                 p.kill()
                 p.wait(timeout)
         if self._zygote is not None:
-            self._zygote.close()
+            zygotes.release(self._zygote)   # the next run of this process forks from it too
+            self._zygote = None
+
+
+def preload_of(opts) -> tuple[str, ...]:
+    """What the zygote imports for a run's workers: ``opts.worker_preload``, and orbax when the run writes or
+    reads checkpoints (a 2 s import, once in the zygote instead of at each worker's first save)."""
+    orbax = ("orbax.checkpoint",) if opts.checkpoint_directory or opts.load_full_state_path else ()
+    return (*opts.worker_preload, *orbax)
+
+
+def prestart_workers(opts) -> None:
+    """Starts the zygote a run's local workers will be forked from, ahead of the run (its imports overlap
+    the caller's tracing of the programs); nothing for other launchers. See :mod:`runtime.zygote`."""
+    if opts.launcher == "local":
+        zygotes.prestart(jax_child_env(1, opts.platform), preload_of(opts))
 
 
 def listen_host(opts) -> str:
@@ -234,7 +252,7 @@ def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lo
     return LocalLauncher(run_id, controller_address, opts.devices_per_slice, f"{opts.run_dir}/logs", secret=secret,
                          chaos=opts.chaos, tls=opts.tls, compilation_cache_dir=opts.compilation_cache_dir,
                          standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
-                         platform=opts.platform, preload=opts.worker_preload)
+                         platform=opts.platform, preload=preload_of(opts))
 
 
 class ExternalLauncher:

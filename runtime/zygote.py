@@ -13,17 +13,27 @@ process from there on. A forked worker is serving in about 0.3 s of CPU.
 Protocol (the launcher writes to the zygote's stdin, it answers on stdout;
 one line of JSON each):
 
-- ``{"start": seq, "argv": [...], "log": path, "standby": bool}``: fork a
-  worker running ``runtime.worker_process.main(argv)`` with stdout and
-  stderr appended to ``log``; answers ``{"started": seq, "pid": pid}``. A
-  standby child gets a pipe as its stdin (it waits there for its identity).
+- ``{"start": seq, "argv": [...], "env": {...}, "log": path, "standby": bool}``:
+  fork a worker running ``runtime.worker_process.main(argv)`` with exactly
+  ``env`` as its environment (the run secret, the device count of
+  ``XLA_FLAGS``: all read after the fork) and stdout and stderr appended to
+  ``log``; answers ``{"started": seq, "pid": pid}``. A standby child gets a
+  pipe as its stdin (it waits there for its identity).
 - ``{"assign": pid, "line": "..."}``: writes ``line`` to that standby's stdin
   and closes it.
+- ``{"import": [module, ...]}``: imports more modules before the next fork
+  (a later run of the same process needs others).
 - It reports every child's end: ``{"exited": pid, "status": code}`` (a
   negative code: killed by that signal, as ``subprocess`` reports it).
 
 The zygote exits at end-of-file on its stdin (its launcher closed it, or
 died); its workers then see their parent gone and exit (``--exit-with-parent``).
+
+A zygote depends only on what its imports read from the environment (the
+JAX platform, the import path), so the runs of one process share it: a
+launcher :func:`acquire` s one (started ahead by :func:`prestart` while the
+client traces its programs, or left by an earlier run) and :func:`release` s
+it when its run ends; the pooled ones end with the process.
 :class:`Zygote` is the launcher's side, and :class:`Child` the handle of one
 forked worker, with the part of ``subprocess.Popen``'s interface the
 launcher uses.
@@ -31,6 +41,7 @@ launcher uses.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import selectors
@@ -41,7 +52,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["Child", "Zygote", "ZygoteError"]
+__all__ = ["Child", "Zygote", "ZygoteError", "acquire", "prestart", "release"]
 
 READY_SECONDS = 120.0   # how long a start may wait for the zygote's imports
 #: Imported by the zygote beside the worker's own modules: what JAX imports on its first lowering of an
@@ -114,6 +125,8 @@ class Zygote:
     :data:`PRELOAD`); its stderr goes to ``log_path``."""
 
     def __init__(self, env: dict[str, str], log_path: str, preload: tuple[str, ...] = ()):
+        self.key = _key(env)
+        self.imported = set(preload)
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen([sys.executable, "-c", "from runtime.zygote import serve; serve()",
                                            *PRELOAD, *preload], env=env, stdin=subprocess.PIPE,
@@ -129,12 +142,15 @@ class Zygote:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def start(self, argv: list[str], log_path: str, standby: bool = False) -> Child:
-        """Forks a worker running ``runtime.worker_process.main(argv)``; ``ZygoteError`` when the zygote cannot."""
+    def start(self, argv: list[str], log_path: str, standby: bool = False, env: dict[str, str] | None = None) -> Child:
+        """Forks a worker running ``runtime.worker_process.main(argv)`` with ``env`` (None: the zygote's own);
+        ``ZygoteError`` when the zygote cannot."""
+        if env is not None and _key(env) != self.key:
+            raise ZygoteError("a worker's JAX platform or import path differs from its zygote's")
         with self._cond:
             self._seq += 1
             seq = self._seq
-            self._send({"start": seq, "argv": argv, "log": log_path, "standby": standby})
+            self._send({"start": seq, "argv": argv, "env": env, "log": log_path, "standby": standby})
             if not self._cond.wait_for(lambda: seq in self._started or not self.alive(), READY_SECONDS):
                 raise ZygoteError(f"the zygote did not fork a worker within {READY_SECONDS:.0f} s")
             if seq not in self._started:
@@ -144,6 +160,14 @@ class Zygote:
             if pid in self._early:
                 child._exited(self._early.pop(pid))
             return child
+
+    def ensure(self, modules: tuple[str, ...]) -> None:
+        """Has the zygote import ``modules`` too (before its next fork) unless it did."""
+        missing = [m for m in modules if m not in self.imported]
+        if missing:
+            with self._lock:
+                self._send({"import": missing})
+            self.imported.update(missing)
 
     def assign(self, pid: int, line: str) -> None:
         """Hands a standby child its identity line; ``OSError`` when the zygote is gone."""
@@ -182,10 +206,70 @@ class Zygote:
                     if child is None:
                         self._early[msg["exited"]] = msg["status"]
                     else:
+                        del self._children[msg["exited"]]
                         child._exited(msg["status"])
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()   # the zygote ended: waiting starts fail at once
+
+
+# -- one zygote per platform and import path, shared by the runs of this process ----------------------
+
+_pool: dict[tuple, Zygote] = {}
+_pool_lock = threading.Lock()
+
+
+def _key(env: dict[str, str]) -> tuple:
+    """What a zygote's imports read from its environment: children must agree on it."""
+    return sys.executable, env.get("JAX_PLATFORMS", ""), env.get("PYTHONPATH", "")
+
+
+def acquire(env: dict[str, str], log_path: str, preload: tuple[str, ...] = ()) -> Zygote:
+    """A running zygote for ``env`` (a pooled one, else a new one logging to ``log_path``); give it back
+    with :func:`release`."""
+    with _pool_lock:
+        zygote = _pool.pop(_key(env), None)
+    if zygote is not None and zygote.alive():
+        zygote.ensure(preload)
+        return zygote
+    return Zygote(env, log_path, preload)
+
+
+def release(zygote: Zygote) -> None:
+    """Keeps ``zygote`` for the next run of this process (one per key; another is closed)."""
+    with _pool_lock:
+        keep = zygote.alive() and zygote.key not in _pool
+        if keep:
+            _pool[zygote.key] = zygote
+    if not keep:
+        zygote.close()
+
+
+def prestart(env: dict[str, str], preload: tuple[str, ...] = ()) -> None:
+    """Starts a zygote for ``env`` now (its imports overlap the caller's work) unless one is pooled;
+    best effort: a launcher that finds none starts its own."""
+    with _pool_lock:
+        pooled = _pool.get(_key(env))
+    if pooled is not None:
+        try:
+            pooled.ensure(preload)
+        except OSError:
+            pass
+        return
+    try:
+        zygote = Zygote(env, os.devnull, preload)
+    except OSError:
+        return
+    release(zygote)
+
+
+@atexit.register
+def _close_pooled() -> None:
+    with _pool_lock:
+        zygotes = list(_pool.values())
+        _pool.clear()
+    for zygote in zygotes:
+        zygote.close()
 
 
 def _exists(pid: int) -> bool:
@@ -210,15 +294,9 @@ def _exists(pid: int) -> bool:
 
 def serve() -> None:
     """The zygote process's loop (``python -c "from runtime.zygote import serve; serve()"``)."""
-    import importlib
-
     import runtime.worker_process as worker_process   # the imports every worker needs, once
 
-    for name in sys.argv[1:]:   # PRELOAD and the launcher's own
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a module that does not import here is imported (or not) by the worker
-            pass
+    _import(sys.argv[1:])   # PRELOAD and the launcher's own
 
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # a child's prints never land in the reply stream
@@ -247,6 +325,8 @@ def serve() -> None:
                 if "start" in msg:
                     pid = _fork(msg, worker_process, [out.fileno(), wake_r, wake_w, *standbys.values()], standbys)
                     out.write(json.dumps({"started": msg["start"], "pid": pid}) + "\n")
+                elif "import" in msg:
+                    _import(msg["import"])
                 elif "assign" in msg:
                     fd = standbys.pop(msg["assign"], None)
                     if fd is not None:
@@ -256,6 +336,16 @@ def serve() -> None:
                             pass   # it died first; its end is reported as usual
                         os.close(fd)
         _reap(out, standbys)
+
+
+def _import(modules) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module that does not import here is imported (or not) by the worker
+            pass
 
 
 def _reap(out, standbys: dict[int, int]) -> None:
@@ -298,6 +388,9 @@ def _fork(msg: dict, worker_process, zygote_fds: list[int], standbys: dict[int, 
         sys.stdin = os.fdopen(0, "r")
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
+        if msg.get("env") is not None:
+            os.environ.clear()
+            os.environ.update(msg["env"])
         sys.argv = ["runtime.worker_process", *msg["argv"]]
         worker_process.main(msg["argv"])   # ends the process itself (os._exit) once it ran
     except SystemExit as e:   # its arguments were refused (or --help)

@@ -49,3 +49,25 @@ def test_when_the_zygote_ends_its_waiting_standby_ends_too_and_no_start_hangs(zy
     assert standby.wait(60) is not None
     with pytest.raises(ZygoteError):
         zygote.start(["--help"], str(tmp_path / "late.log"))
+
+
+def test_a_child_gets_the_environment_it_is_started_with_and_the_zygote_serves_the_next_run(tmp_path):
+    from runtime import zygote as zygotes
+
+    env = jax_child_env(2, "cpu")
+    first = zygotes.acquire(env, str(tmp_path / "zygote.log"))
+    try:
+        cache = tmp_path / "cache-of-run-2"   # the worker reads ELASTIC_COMPILATION_CACHE_DIR and logs it
+        child = first.start([*UNREACHABLE, "--standby"], str(tmp_path / "s.log"), standby=True,
+                            env={**env, "ELASTIC_COMPILATION_CACHE_DIR": str(cache)})
+        child.stdin.close()
+        assert child.wait(60) == 0
+        assert f"compilation cache {cache}" in (tmp_path / "s.log").read_text()
+        with pytest.raises(ZygoteError, match="platform or import path"):
+            first.start(["--help"], str(tmp_path / "x.log"), env={**env, "JAX_PLATFORMS": "cuda"})
+        zygotes.release(first)
+        again = zygotes.acquire(env, str(tmp_path / "other.log"), preload=("json",))
+        assert again is first and "json" in again.imported   # the next run forks from the same process
+        assert again.start(["--help"], str(tmp_path / "h.log"), env=env).wait(60) == 0
+    finally:
+        first.close()
