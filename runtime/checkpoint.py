@@ -5,7 +5,7 @@ Contract:
 * A checkpoint is the state of one replica after ``step`` applied steps
   (``step`` is also the data position): its leaves as full, unsharded host
   arrays (any mesh can load them; resharding is the caller's concern), the
-  :func:`runtime.collective.state_sha256` digest of those leaves, and the
+  :func:`runtime.state_copy.state_sha256` digest of those leaves, and the
   caller's JSON metadata (by convention ``"fingerprint"``: which programs
   wrote it). Dtypes, shapes and bits come back exactly, bfloat16 included.
 * :meth:`CheckpointStore.save` returns at once: it does no I/O and copies
@@ -63,7 +63,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from runtime.collective import state_sha256
+from runtime.state_copy import state_sha256
 from runtime.errors import ElasticError
 
 __all__ = [
@@ -286,7 +286,7 @@ class CheckpointStore:
     def save(self, step: int, leaves, *, sha256: str, metadata: dict | None = None) -> None:
         """Starts writing ``leaves`` (the state after ``step`` applied steps) as the checkpoint of ``step``.
 
-        ``sha256``: :func:`runtime.collective.state_sha256` of ``leaves``
+        ``sha256``: :func:`runtime.state_copy.state_sha256` of ``leaves``
         (recorded, and checked by every restore). ``metadata``: JSON-able
         (``"fingerprint"``: the programs; ``"step"`` and ``"created"`` are
         the store's). Waits for the previous save first and raises its error

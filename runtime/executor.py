@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.collective import state_sha256
+from runtime.state_copy import state_sha256
 from runtime.microbatch import Node, tree_reduce
 from runtime.platforms import check_runnable, local_platform
 from runtime.programs import MESH_AXIS, ProgramSet

@@ -40,8 +40,8 @@ import grpc
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, Part, assemble_state,
-                                checked_chunk_bytes, inline, state_chunks)
+from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, Part, checked_chunk_bytes,
+                                inline)
 from runtime.dataplane import DataClient, RemoteError
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32, probe_devices
@@ -51,6 +51,7 @@ from runtime.peers import PeerChannels
 from runtime.requests import check_step_request, decode_programs, node_of, programs_fingerprint, unpickle_source
 from runtime.saver import CheckpointWriter, Drained
 from runtime.snapshot import SnapshotStore, host_directory
+from runtime.state_copy import assemble_state, state_chunks
 from runtime.timing import Clock
 
 __all__ = ["WorkerService", "probe_devices"]

@@ -31,7 +31,7 @@ from runtime.checkpoint import (
     CheckpointTimeoutError,
     Skipped,
 )
-from runtime.collective import state_sha256
+from runtime.state_copy import state_sha256
 from tests.gcs_emulator import GcsEmulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -152,7 +152,7 @@ _CHILD = r"""
 import os, signal, sys, time
 import numpy as np
 from runtime.checkpoint import CheckpointStore
-from runtime.collective import state_sha256
+from runtime.state_copy import state_sha256
 
 directory, mib = sys.argv[1], int(sys.argv[2])
 store = CheckpointStore(directory)          # a gs:// directory finds the emulator in $STORAGE_EMULATOR_HOST

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import CheckpointCorruptError, CheckpointNotFoundError
-from runtime.collective import state_sha256
+from runtime.state_copy import state_sha256
 from runtime.events import EventLog, read_events
 from runtime.policy import Placement, snapshot_order
 from runtime.snapshot import KEEP, SnapshotStore, host_directory
