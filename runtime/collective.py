@@ -42,9 +42,9 @@ from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node, tree_reduce
 from runtime.timing import Clock
 
-__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "checksum", "host_buffer", "chunk_bounds", "checked_chunk_bytes", "inline",
-           "payload_of", "pieces", "REDUCE_SCATTER", "ALL_GATHER", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES",
-           "MAX_CHUNK_BYTES"]
+__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "checksum", "host_buffer", "chunk_bounds",
+           "checked_chunk_bytes", "inline", "payload_of", "pieces", "REDUCE_SCATTER", "ALL_GATHER",
+           "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES"]
 
 REDUCE_SCATTER, ALL_GATHER = 0, 1
 

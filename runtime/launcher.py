@@ -20,9 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from runtime.platforms import canonical_platform, default_worker_platform
 from runtime import zygote as zygotes
-from runtime.zygote import Zygote, ZygoteError
+from runtime.platforms import canonical_platform, default_worker_platform
 
 __all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "jax_child_env", "listen_host",
            "make_launcher", "preload_of", "prestart_workers"]
@@ -100,7 +99,7 @@ class LocalLauncher:
         self._standby_seq = 0
         self._pace = _TokenBucket(launch_rate, launch_burst)
         self._lock = threading.Lock()
-        self._zygote: Zygote | None = None
+        self._zygote: zygotes.Zygote | None = None
         self._use_zygote = zygote
         self._preload = preload
         self._zygote_lock = threading.Lock()
@@ -176,7 +175,7 @@ class LocalLauncher:
         if zygote is not None:
             try:
                 return zygote.start(argv, path, standby=stdin is subprocess.PIPE, env=env)
-            except ZygoteError as e:
+            except zygotes.ZygoteError as e:
                 log.warning("worker processes start on their own from now on: %s", e)
                 self._use_zygote = False
         with open(path, "ab") as log_file:

@@ -435,7 +435,8 @@ class WorkerGroup:
         """
         request = self._load_request()
         workers = list(workers)
-        cache, programs, devices = self.opts.compilation_cache_dir, self.programs.programs(), self.programs.devices_per_slice
+        cache, programs = self.opts.compilation_cache_dir, self.programs.programs()
+        devices = self.programs.devices_per_slice
         cold = not compile_cache.holds(cache, programs, devices)
         leader = workers[:1] if cache and cold and len(workers) > 1 else []
         replies = self._each("Load", lambda w: request, leader, "failed to load programs")

@@ -125,3 +125,10 @@ def test_generated_protos_match_the_proto_file(tmp_path):
     for name in ("elastic_pb2.py", "elastic_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / name, ROOT / "runtime/_proto" / name, shallow=False), (
             f"runtime/_proto/{name} is stale: run scripts/gen_protos.sh")
+
+
+def test_every_name_runtime_exports_resolves():
+    import runtime
+
+    for name in runtime.__all__:   # the lazy table and __all__ must agree
+        getattr(runtime, name)
