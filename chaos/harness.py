@@ -193,6 +193,10 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     """
     faults = fault_plan(cfg, options)
     cfg = cfg.replace(elastic_chaos=True)
+    job = trainer_for(cfg)
+    job.prestart_workers()   # the workers' imports overlap the reference and the tracing
+    job.programs()           # traced once: the reference's digest and the faulted run share them
+    trainer_for = job.with_config
     soak = options.duration_seconds if options.mtbf_seconds else None
     reference = None
     if not soak:

@@ -136,7 +136,7 @@ class _Job:
                         config=cfg.to_dict(model_keys=self.reports_model_keys),
                         global_batch_size=cfg.global_batch_size, microbatches=settings.microbatches)
             if not reference:
-                opts = dataclasses.replace(controller_options(cfg, run_dir), worker_preload=_modules_of(self.data))
+                opts = self._controller_options(run_dir)
                 prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
             events.emit("programs_built", seconds=time.time() - t0,
@@ -161,6 +161,17 @@ class _Job:
             finally:
                 claim.release()
         return report
+
+    def prestart_workers(self) -> None:
+        """Starts what this job's local workers are forked from (:mod:`runtime.zygote`) now, so its imports
+        overlap whatever the caller does before ``fit`` (``fit`` starts it too, before tracing; nothing for
+        other launchers). The chaos harness calls it before its reference run."""
+        if self.config.elastic_launcher == "local":
+            prestart_workers(self._controller_options(self.run_dir()))
+
+    def _controller_options(self, run_dir):
+        """The ``ControllerOptions`` of a distributed run of this job writing to ``run_dir``."""
+        return dataclasses.replace(controller_options(self.config, run_dir), worker_preload=_modules_of(self.data))
 
     def _claim(self) -> RunDirectory:
         """Claims this run's directory (see :func:`elastic.preflight.claim_run_directory`)."""

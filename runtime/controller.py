@@ -261,7 +261,8 @@ class Controller:
         self.phase = Phase.STARTING
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
                          devices_per_slice=self.opts.devices_per_slice, spares=self.opts.spares,
-                         microbatches=self.programs.num_microbatches, steps=steps, controller=self.address)
+                         microbatches=self.programs.num_microbatches, steps=steps, controller=self.address,
+                         controller_host=self.group.client_host)
 
     def advance(self) -> Phase:
         """Runs one transition of the current phase; returns the next phase.

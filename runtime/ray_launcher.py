@@ -107,6 +107,8 @@ class RayLauncher:
 
         self.ray = ray
         connect(address)
+        #: The Ray node this client runs on (a worker's ``host`` names its node the same way).
+        self.host = ray.get_runtime_context().get_node_id()
         self.run_id, self.controller_address = run_id, controller_address
         self.devices, self.platform = devices_per_worker, platform
         self.secret, self.chaos, self.tls = secret, chaos, tls

@@ -54,7 +54,10 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path
             time.sleep(0.1)
         hosts = {e["worker"]: e["host"] for e in events if e["kind"] == "worker_registered"}
         active = next(e for e in reversed(events) if e["kind"] in ("placement", "recovery_decision"))["active"]
-        target = hosts[active[0]]
+        # Not the node the client's own Ray connection goes through (all nodes share this host's IP, so Ray may
+        # attach the client to any of them): losing it would take the client, not one slice.
+        client = next(e for e in events if e["kind"] == "run_started")["controller_host"]
+        target = next(hosts[w] for w in active if hosts[w] != client)
         (removed,) = [n for n in nodes if n.node_id == target]
         cluster.remove_node(removed)
         out, err = proc.communicate(timeout=240)

@@ -47,6 +47,7 @@ class _Replica:
 
 class FakeGroup:
     address = "fake:0"
+    client_host = ""
     snapshot_root = ""   # the fake workers take no in-memory snapshots
 
     def __init__(self, opts, events, faults: dict[int, tuple[str, str]] | None = None, devices: int = 2):
