@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, AllReduce, Mailbox, checksum,
-                                checked_chunk_bytes, chunk_bounds, inline)
+from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ONE_ROUND_BYTES, AllReduce,
+                                Mailbox, checked_chunk_bytes, checksum, chunk_bounds, inline)
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.executor import add_f32
 from runtime.microbatch import Node, assign_microbatches, root, tree_reduce
@@ -62,15 +62,19 @@ class Loopback:
         return send
 
 
-def run_ranks(parts, *, chunk_bytes=DEFAULT_CHUNK_BYTES, deadline_s=30.0, tamper=None, num_microbatches=8):
-    """Runs every rank's AllReduce in its own thread; returns (per-rank result or error, transport, hook calls)."""
+def run_ranks(parts, *, chunk_bytes=DEFAULT_CHUNK_BYTES, deadline_s=30.0, tamper=None, num_microbatches=8,
+              one_round=False):
+    """Runs every rank's AllReduce in its own thread; returns (per-rank result or error, transport, hook calls).
+
+    ``one_round``: the one-round reduction of small vectors, else the reduce-scatter and all-gather."""
     n = len(parts)
     net = Loopback(n, tamper)
     peers = {r: f"rank{r}" for r in range(n)}
     owners = {node: r for r, p in enumerate(parts) for node in p}
     deadline = time.monotonic() + deadline_s
     results, hooks = [None] * n, [0] * n
-    collectives = [AllReduce(net.sender(r), net.boxes[f"rank{r}"], add_f32) for r in range(n)]
+    collectives = [AllReduce(net.sender(r), net.boxes[f"rank{r}"], add_f32, one_round_bytes=1 << 30 if one_round else 0)
+                   for r in range(n)]
 
     def rank(r):
         def hook():
@@ -93,9 +97,10 @@ def run_ranks(parts, *, chunk_bytes=DEFAULT_CHUNK_BYTES, deadline_s=30.0, tamper
     return results, net, hooks
 
 
+@pytest.mark.parametrize("one_round", [False, True], ids=["two-rounds", "one-round"])
 @pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 64])
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_every_rank_gets_the_canonical_tree_sum_bit_for_bit(num_ranks, chunk_bytes):
+def test_every_rank_gets_the_canonical_tree_sum_bit_for_bit(num_ranks, chunk_bytes, one_round):
     values = leaves(8)
     expected = canonical(values)
     left_to_right = values[0]
@@ -103,7 +108,8 @@ def test_every_rank_gets_the_canonical_tree_sum_bit_for_bit(num_ranks, chunk_byt
         left_to_right = add_f32(left_to_right, values[mb])
     assert not np.array_equal(left_to_right, expected), "the data must make the order of additions visible"
 
-    results, net, hooks = run_ranks(partials_by_rank(values, num_ranks), chunk_bytes=chunk_bytes)
+    results, net, hooks = run_ranks(partials_by_rank(values, num_ranks), chunk_bytes=chunk_bytes,
+                                    one_round=one_round)
 
     bounds = chunk_bounds(SIZE, num_ranks)
     for r, result in enumerate(results):
@@ -111,8 +117,12 @@ def test_every_rank_gets_the_canonical_tree_sum_bit_for_bit(num_ranks, chunk_byt
         total, sent = result
         assert total.dtype == np.float32 and total.tobytes() == expected.tobytes()
         own = bounds[r][1] - bounds[r][0]
+        subtrees = len(partials_by_rank(values, num_ranks)[r])
+        if one_round and num_ranks > 1:   # every partial whole to every peer
+            assert sent == 4 * SIZE * subtrees * (num_ranks - 1)
+            continue
         scattered = sum(4 * (hi - lo) for o, (lo, hi) in enumerate(bounds) if o != r)
-        assert sent == scattered * len(partials_by_rank(values, num_ranks)[r]) + 4 * own * (num_ranks - 1)
+        assert sent == scattered * subtrees + 4 * own * (num_ranks - 1)
     assert hooks == [1 if num_ranks > 1 else 0] * num_ranks
     assert net.refused == []
 
@@ -160,10 +170,12 @@ def _wrong_subtree(src, address, messages):
     return messages
 
 
-@pytest.mark.parametrize("tamper, error", [(_one_element_short, "elements for a chunk of"),
-                                           (_wrong_subtree, "sent subtrees")])
-def test_a_piece_of_the_wrong_shape_aborts_the_step_that_receives_it(tamper, error):
-    results, net, _ = run_ranks(partials_by_rank(leaves(8), 2), deadline_s=1.0, tamper=tamper)
+@pytest.mark.parametrize("tamper, error, one_round", [(_one_element_short, "elements for a chunk of", False),
+                                                      (_one_element_short, "elements of a vector of", True),
+                                                      (_wrong_subtree, "sent subtrees", False),
+                                                      (_wrong_subtree, "sent subtrees", True)])
+def test_a_piece_of_the_wrong_shape_aborts_the_step_that_receives_it(tamper, error, one_round):
+    results, net, _ = run_ranks(partials_by_rank(leaves(8), 2), deadline_s=1.0, tamper=tamper, one_round=one_round)
     assert net.refused == []   # the messages themselves are well-formed
     assert isinstance(results[0], StepAbortedError) and error in str(results[0])
     assert "rank 1" in str(results[0])
@@ -244,8 +256,9 @@ def test_chunk_bytes_out_of_range_is_a_protocol_error_naming_it(requested):
         checked_chunk_bytes(requested)
 
 
+@pytest.mark.parametrize("one_round_bytes", [0, ONE_ROUND_BYTES], ids=["two-rounds", "one-round"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 3])
-def test_a_shadow_receives_the_reduced_vector_bit_for_bit_without_slowing_the_ranks(num_ranks):
+def test_a_shadow_receives_the_reduced_vector_bit_for_bit_without_slowing_the_ranks(num_ranks, one_round_bytes):
     """The ranks also push their reduced chunks to a shadow (not waited for); the shadow assembles exactly
     what each rank has. A shadow that is gone makes no rank fail: its pushes fail quietly."""
     values = leaves(8)
@@ -255,7 +268,8 @@ def test_a_shadow_receives_the_reduced_vector_bit_for_bit_without_slowing_the_ra
     peers = {r: f"rank{r}" for r in range(num_ranks)}
     owners = {node: r for r, p in enumerate(parts) for node in p}
     deadline = time.monotonic() + 30
-    collectives = [AllReduce(net.sender(r), net.boxes[f"rank{r}"], add_f32) for r in range(num_ranks)]
+    collectives = [AllReduce(net.sender(r), net.boxes[f"rank{r}"], add_f32, one_round_bytes=one_round_bytes)
+                   for r in range(num_ranks)]
     shadow = AllReduce(net.sender(-1), net.boxes["shadow"], add_f32)
     results = [None] * num_ranks
 
