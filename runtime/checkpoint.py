@@ -8,6 +8,9 @@ Contract:
   :func:`runtime.state_copy.state_sha256` digest of those leaves, and the
   caller's JSON metadata (by convention ``"fingerprint"``: which programs
   wrote it). Dtypes, shapes and bits come back exactly, bfloat16 included.
+  The record of them (step, digest, leaf layout, metadata) and its checks
+  are :mod:`runtime.checkpoint_record`'s; this module writes the record and
+  the leaves with orbax and reads them back.
 * :meth:`CheckpointStore.save` returns at once: it does no I/O and copies
   nothing (the leaves must not change until the save is finished; the
   runtime never changes a state in place, and :meth:`restore` would catch
@@ -52,84 +55,38 @@ not, so a controller can list without them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import re
 import threading
 import time
-from typing import NamedTuple
 
 import numpy as np
 
-from runtime.state_copy import state_sha256
-from runtime.errors import ElasticError
+from runtime.checkpoint_record import (CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, Restored,
+                                       Skipped, _describe, check_record, make_record, newest_valid, verified)
 
 __all__ = [
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointNotFoundError",
     "CheckpointPruneError",
     "CheckpointSaveError",
     "CheckpointStore",
     "CheckpointTimeoutError",
     "GCS_ENDPOINT_ENV",
-    "Restored",
-    "Skipped",
-    "check_record",
     "directory_problem",
-    "make_record",
-    "newest_valid",
     "use_gcs_endpoint",
-    "verified",
 ]
 
 #: The environment variable naming a GCS endpoint (an emulator) when ``gcs_endpoint`` is not given;
 #: google-cloud-storage and gcsfs read it too.
 GCS_ENDPOINT_ENV = "STORAGE_EMULATOR_HOST"
 
-FORMAT = 1
 _STATE, _META = "state", "meta"
-_COMMIT_FILE = "commit_success.txt"          # orbax's commit marker (orbax.checkpoint.path.atomicity.COMMIT_SUCCESS_FILE)
+_COMMIT_FILE = "commit_success.txt"          # the commit marker (orbax.checkpoint.path.atomicity.COMMIT_SUCCESS_FILE)
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"        # orbax's temporary-name suffix (atomicity.TMP_DIR_SUFFIX)
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
-_RESERVED = ("step", "created")              # keys restore() adds to the caller's metadata
 
 
 # -- errors --------------------------------------------------------------------
-
-
-class CheckpointError(ElasticError):
-    """Base of the checkpoint store's errors."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No complete checkpoint (of ``step``, or none at all) in ``directory``."""
-
-    def __init__(self, directory: str, step: int | None, reason: str):
-        super().__init__(directory, step, reason)
-        self.directory, self.step, self.reason = directory, step, reason
-
-    def __str__(self) -> str:
-        what = f"step {self.step}" if self.step is not None else "a checkpoint"
-        return f"no complete checkpoint of {what} in {self.directory}: {self.reason}"
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A complete checkpoint that cannot be read or fails verification.
-
-    A storage error while reading counts too: the store cannot tell a lost
-    object from a lost connection once the storage client gave up retrying.
-    """
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(path, reason)
-        self.path, self.reason = path, reason
-
-    def __str__(self) -> str:
-        return (f"checkpoint {self.path} is unusable: {self.reason}; restore an older one "
-                "(CheckpointStore.restore_newest_valid) or delete it")
 
 
 class CheckpointSaveError(CheckpointError):
@@ -163,31 +120,6 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
     def __str__(self) -> str:
         return f"checkpoint of step {self.step} to {self.path} still running after {self.seconds:g} s"
-
-
-# -- results -------------------------------------------------------------------
-
-
-class Restored(NamedTuple):
-    """What :meth:`CheckpointStore.restore` read (unpacks as ``step, leaves, sha256, metadata``).
-
-    ``metadata``: the caller's metadata plus ``"step"`` and ``"created"``
-    (Unix seconds when the save started).
-    """
-
-    step: int
-    leaves: list
-    sha256: str
-    metadata: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class Skipped:
-    """A complete checkpoint :meth:`CheckpointStore.restore_newest_valid` passed over, and why."""
-
-    step: int
-    path: str
-    reason: str
 
 
 # -- GCS endpoint --------------------------------------------------------------
@@ -547,90 +479,6 @@ def _new_checkpointer():
         checkpointer.close()
 
 
-def _dtype(name: str) -> np.dtype:
-    import ml_dtypes  # noqa: F401 - registers bfloat16 and friends by name
-
-    return np.dtype(name)
-
-
-def make_record(step, leaves, *, sha256: str, metadata: dict | None = None) -> tuple[int, list, dict]:
-    """``(step, host leaves, record)`` of a state to store: the record names the format, the step, the state's
-    digest, each leaf's shape and dtype, the time and the caller's ``metadata`` (checked by
-    :func:`check_record` when read back). Raises ValueError for a bad step, digest, metadata or dtype.
-    """
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    step = int(step)
-    if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-        raise ValueError(f"sha256 must be 64 lowercase hex digits (state_sha256), got {sha256!r}")
-    metadata = dict(metadata or {})
-    if clash := [k for k in _RESERVED if k in metadata]:
-        raise ValueError(f"metadata keys {clash} are the store's own")
-    leaves = [np.asarray(x) for x in leaves]
-    record = {"format": FORMAT, "step": step, "sha256": sha256, "created": time.time(),
-              "leaves": [[list(x.shape), x.dtype.name] for x in leaves], "metadata": metadata}
-    try:
-        json.dumps(record, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint metadata is not JSON: {e}") from e
-    for i, (x, (_, name)) in enumerate(zip(leaves, record["leaves"])):
-        try:
-            same = _dtype(name) == x.dtype
-        except TypeError:
-            same = False
-        if not same:
-            raise ValueError(f"leaf {i}: dtype {x.dtype} cannot be recorded by its name {name!r}")
-    return step, leaves, record
-
-
-def newest_valid(directory: str, steps, read, at_most: int | None, none: str) -> tuple[Restored, list[Skipped]]:
-    """The newest of ``steps`` (at ``at_most`` or before) that ``read(step)`` reads without
-    :class:`CheckpointCorruptError`, and the newer ones it passed over (newest first, with the reason); else
-    :class:`CheckpointNotFoundError` for ``directory`` listing them (``none``: the reason when there were none)."""
-    skipped: list[Skipped] = []
-    for step in reversed(steps):
-        if at_most is not None and step > at_most:
-            continue
-        try:
-            return read(step), skipped
-        except CheckpointCorruptError as e:
-            skipped.append(Skipped(step, e.path, e.reason))
-    why = "; ".join(f"step {s.step}: {s.reason}" for s in skipped) or none
-    if at_most is not None:
-        why = f"at or before step {at_most}: {why}"
-    raise CheckpointNotFoundError(directory, None, why)
-
-
-def verified(step: int, leaves: list, layout, record: dict, path: str) -> Restored:
-    """``leaves`` read back for ``record`` (checked by :func:`check_record`, whose ``layout`` it answered), as
-    :class:`Restored` once each leaf has its recorded shape and dtype and the whole hashes to the recorded
-    digest; else :class:`CheckpointCorruptError` naming ``path``."""
-    for i, (x, (shape, dtype)) in enumerate(zip(leaves, layout)):
-        if x.shape != shape or x.dtype != dtype:
-            raise CheckpointCorruptError(path, f"leaf {i} is {x.shape} {x.dtype}, its record says {shape} {dtype}")
-    digest = state_sha256(leaves)
-    if digest != record["sha256"]:
-        raise CheckpointCorruptError(path, f"its leaves hash to {digest[:16]}..., "
-                                           f"it recorded {record['sha256'][:16]}...")
-    return Restored(step, leaves, digest, dict(record["metadata"], step=step, created=record["created"]))
-
-
-def check_record(record, step: int, path: str) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """The record's leaf layout, after checking the record is one this store wrote for ``step``."""
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        got = record.get("format") if isinstance(record, dict) else type(record).__name__
-        raise CheckpointCorruptError(path, f"its record is not format {FORMAT} (got {got!r})")
-    try:
-        layout = [(tuple(int(d) for d in shape), _dtype(name)) for shape, name in record["leaves"]]
-        ok = (record["step"] == step and isinstance(record["sha256"], str)
-              and isinstance(record["metadata"], dict) and isinstance(record["created"], (int, float)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointCorruptError(path, f"its record is malformed ({_describe(e)})") from e
-    if not ok:
-        raise CheckpointCorruptError(path, f"its record does not describe step {step}")
-    return layout
-
-
 def _rmtree(path) -> None:
     path.rmtree(missing_ok=True)
     if path.exists():   # gcsfs can leave a directory placeholder behind the first time (as orbax notes)
@@ -642,11 +490,6 @@ def _forget_listings(path) -> None:
     fs = getattr(getattr(path, "_backend", None), "fs", None)   # etils.epath's fsspec backend (local paths: none)
     if fs is not None:
         fs(str(path)).invalidate_cache()
-
-
-def _describe(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= 600 else text[:600] + "..."
 
 
 def _count(x) -> str:

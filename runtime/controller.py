@@ -44,7 +44,8 @@ from runtime.recovery import Recovery
 from runtime.shadows import Shadows
 from runtime.timing import slowest_phases
 from runtime.watchdog import investigate
-from runtime.worker_group import Stalled, WorkerGroup
+from runtime.calls import Stalled
+from runtime.worker_group import WorkerGroup
 
 __all__ = ["Controller", "ControllerObserver", "ControllerOptions", "Phase", "RunResult", "peak_rss_bytes"]
 

@@ -9,14 +9,15 @@ it in its own host's directory: :meth:`SnapshotStore.receive`), so a
 snapshot also survives the loss of the host that made it.
 
 The file holds the same record as a persistent checkpoint
-(:func:`runtime.checkpoint.make_record`: step, digest, leaf layout,
+(:func:`runtime.checkpoint_record.make_record`: step, digest, leaf layout,
 metadata) followed by the raw bytes of every leaf::
 
     MAGIC | header length (8 bytes, little endian) | header (JSON record) | leaf bytes, in order
 
 A file is written under a temporary name and renamed once complete, so a
 snapshot cut off by a crash is never listed as complete; reading checks the
-record, the length and the digest (:func:`runtime.checkpoint.verified`), and
+record, the length and the digest
+(:func:`runtime.checkpoint_record.verified`), and
 :meth:`SnapshotStore.restore_newest_valid` passes over a corrupt one for the
 next older, as the checkpoint store does. Only the newest ``keep`` snapshots
 stay (RAM is the scarce resource here).
@@ -41,8 +42,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from runtime.checkpoint import (CheckpointCorruptError, CheckpointNotFoundError, Restored, Skipped, check_record,
-                                make_record, newest_valid, verified)
+from runtime.checkpoint_record import (CheckpointCorruptError, CheckpointNotFoundError, Restored, Skipped,
+                                       check_record, make_record, newest_valid, verified)
 
 __all__ = ["MAGIC", "SnapshotStore", "default_root", "host_directory"]
 

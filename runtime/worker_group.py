@@ -2,31 +2,29 @@
 
 The controller decides; the group carries out. It owns the controller's gRPC
 service (worker registration), the launcher, one channel and stub per
-worker, the health monitor, and the futures of the steps in flight. It turns
-gRPC replies into plain values (:class:`StepResult`, :class:`WorkerStatus`)
-and gRPC failures into the typed errors of :mod:`runtime.errors`, so nothing
-above it knows about protocol buffers.
+worker, the health monitor, and the futures of the steps in flight. What its
+calls say and what their answers become (plain values such as
+:class:`~runtime.calls.StepResult`, or the typed errors of
+:mod:`runtime.errors`) is :mod:`runtime.calls`, so nothing above it knows
+about protocol buffers.
 
 Deaths are values: whoever finds one (the health monitor, a failed probe, the
 step watchdog) calls :meth:`WorkerGroup.declare_dead`, which records it once,
-fails the worker's calls in flight, and puts a :class:`Death` on the queue
-that the controller drains (:meth:`WorkerGroup.drain_deaths`). Nothing here
-calls back into the controller.
+fails the worker's calls in flight, and puts a :class:`~runtime.calls.Death`
+on the queue that the controller drains (:meth:`WorkerGroup.drain_deaths`).
+Nothing here calls back into the controller.
 
 A test drives the controller with a fake group offering the same methods.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
@@ -34,7 +32,9 @@ import grpc
 from runtime import compile_cache, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.errors import RegistrationTimeoutError, WorkerLostError
+from runtime.calls import (Death, LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
+                           load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
+from runtime.errors import RegistrationTimeoutError
 from runtime.events import EventLog
 from runtime.health import HealthMonitor
 from runtime.launcher import LocalLauncher, listen_host, make_launcher
@@ -44,101 +44,7 @@ from runtime.registry import Registry
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["Death", "LoadResult", "Stalled", "StepResult", "WorkerGroup", "WorkerStatus", "gather"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Death:
-    """A worker declared dead: who, why, and the cause (crash, hang, fenced, stuck, load_failed, unresponsive)."""
-
-    worker: str
-    reason: str
-    cause: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """One worker's reply to one step."""
-
-    loss_sum: float
-    grad_seconds: float = 0.0
-    reduce_seconds: float = 0.0
-    apply_seconds: float = 0.0
-    bytes_sent: int = 0
-    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)   # finer: runtime.timing.Clock
-    checkpoints_saved: tuple[int, ...] = ()   # steps whose checkpoints this worker finished since its last reply
-    checkpoint_error: str = ""
-    snapshots_saved: tuple[int, ...] = ()
-    snapshots_copied: tuple[int, ...] = ()
-    snapshot_error: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerStatus:
-    """Where a replica stands after an abort: steps applied, the loss sums of the last ones and the steps of
-    the in-memory snapshots on its host."""
-
-    applied_steps: int
-    losses: dict[int, float]
-    snapshots: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadResult:
-    compile_seconds: float
-    devices_probed: int
-    probe_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Stalled:
-    """:meth:`WorkerGroup.wait` reached its deadline; ``pending`` workers have not answered yet."""
-
-    pending: tuple[str, ...]
-
-
-def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, object] | Stalled:
-    """Waits for every RPC future; raises the typed error of the first to *fail*.
-
-    Completion order matters: when one worker fails, its peers typically fail
-    later with a timeout; the first failure is the cause. With ``deadline``
-    (monotonic), answers :class:`Stalled` if the futures are not all done by
-    then; waiting again on the same futures picks up where this one left.
-    """
-    done: queue.Queue = queue.Queue()
-    for w, f in futs.items():
-        f.add_done_callback(lambda f, w=w: done.put((w, f)))
-    out = {}
-    for _ in futs:
-        try:
-            w, f = done.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-            return Stalled(tuple(w for w, f in futs.items() if not f.done()))
-        try:
-            out[w] = f.result()
-        except grpc.FutureCancelledError:
-            raise WorkerLostError(w, "declared dead; its call was cancelled") from None
-        except grpc.RpcError as e:
-            raise rpc.to_error(w, e) from None
-    return out
-
-
-def _wait_until(futs: dict[str, grpc.Future], deadline: float) -> None:
-    """Waits until every future of ``futs`` is done or ``deadline`` (monotonic) passed; raises nothing."""
-    for f in futs.values():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            f.result(timeout=left)
-        except Exception:  # noqa: BLE001 - only waiting: the caller reads each outcome
-            pass
-
-
-def _step_result(r: pb.StepReply) -> StepResult:
-    return StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent, dict(r.phases),
-                      tuple(r.checkpoints_saved), r.checkpoint_error, tuple(r.snapshots_saved),
-                      tuple(r.snapshots_copied), r.snapshot_error)
+__all__ = ["WorkerGroup"]
 
 
 class WorkerGroup:
@@ -409,13 +315,7 @@ class WorkerGroup:
                        for w in workers})
 
     def _load_request(self) -> pb.LoadRequest:
-        progs = [pb.Program(name=k, serialized=v, sha256=hashlib.sha256(v).hexdigest())
-                 for k, v in self.programs.programs().items()]
-        return pb.LoadRequest(fence=self._fence(), programs=progs, data_source=self.data_source,
-                              layout=self.programs.layout_json(), lease_seconds=self.opts.worker_lease_seconds,
-                              chunk_bytes=self.opts.chunk_bytes,
-                              checkpointing=bool(self.opts.checkpoint_directory and self.opts.checkpoint_period),
-                              snapshot_directory=self.snapshot_root)
+        return load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
 
     def program_bytes(self) -> int:
         return sum(len(v) for v in self.programs.programs().values())
@@ -445,7 +345,7 @@ class WorkerGroup:
         replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
         if replies and cold:
             compile_cache.mark_held(cache, programs, devices)
-        return {w: LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds) for w, r in replies.items()}
+        return {w: load_result(r) for w, r in replies.items()}
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.
@@ -474,18 +374,7 @@ class WorkerGroup:
                 self._inflight.setdefault(w, []).append(futs[w])
                 if w in self.dead:
                     futs[w].cancel()
-        out, raised = {}, None
-        for w, f in futs.items():
-            try:
-                out[w] = f.result()
-            except grpc.FutureCancelledError:
-                pass   # declared dead meanwhile
-            except grpc.RpcError as e:
-                error = rpc.to_error(w, e)
-                if isinstance(error, WorkerLostError):
-                    self.declare_dead(w, f"{what}: {error}"[:300], cause="crash")
-                else:
-                    raised = raised or error
+        out, raised = collect(futs, lambda w, error: self.declare_dead(w, f"{what}: {error}"[:300], cause="crash"))
         self._settle(futs)
         if raised is not None:
             raise raised
@@ -541,30 +430,11 @@ class WorkerGroup:
         shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
         worker snapshots its state on its host after this step and streams a copy to ``peer``.
         """
-        peers = [pb.Peer(rank=r, address=self.registry.workers[w].address, data_address=self._data_address(w))
-                 for r, w in enumerate(plan.workers)]
-        shadow_peers = [pb.Peer(address=self.registry.workers[w].address, data_address=self._data_address(w))
-                        for w in shadows]
-        all_nodes, owners = [], []
-        for r, nodes in enumerate(plan.nodes):
-            all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
-            owners += [r] * len(nodes)
+        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot)
         futs = {}
-        writer, directory, sums = checkpoint or ("", "", ())
-        snapper, keeper = snapshot or ("", None)
-        keeper = pb.Peer(address=self.registry.workers[keeper].address) if keeper else None
         with self._lock:
-            for r, w in enumerate(plan.workers):
-                req = pb.StepRequest(fence=self._fence(), step=plan.step, rank=r, peers=peers,
-                                     nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
-                                     all_nodes=all_nodes, node_owner=owners,
-                                     checkpoint_directory=directory if w == writer else "",
-                                     committed_loss_sums=sums if w == writer else (), shadows=shadow_peers,
-                                     snapshot=w == snapper, snapshot_peer=keeper if w == snapper else None)
+            for w, req in requests:
                 self._send_step(w, req, futs)
-            for w in shadows:
-                self._send_step(w, pb.StepRequest(fence=self._fence(), step=plan.step, peers=peers, all_nodes=all_nodes,
-                                                  node_owner=owners, shadow=True), futs)
         return futs
 
     def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
@@ -578,16 +448,10 @@ class WorkerGroup:
         """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a
         :class:`StepResult` or the typed error; settles them."""
         if deadline is not None:
-            _wait_until(futs, deadline)
+            wait_until(futs, deadline)
         ended = {w: f for w, f in futs.items() if f.done()}
         self._settle(ended)
-        out: dict[str, StepResult | Exception] = {}
-        for w, f in ended.items():
-            try:
-                out[w] = _step_result(gather({w: f})[w])
-            except Exception as e:  # noqa: BLE001 - handed back as a value (gather raised the typed error)
-                out[w] = e
-        return out
+        return step_outcomes(ended)
 
     def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
         """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
@@ -599,7 +463,7 @@ class WorkerGroup:
         if isinstance(replies, Stalled):
             return replies
         self._settle(futs)
-        return {w: _step_result(r) for w, r in replies.items()}
+        return {w: step_result(r) for w, r in replies.items()}
 
     def _settle(self, futs: dict[str, grpc.Future]) -> None:
         with self._lock:
@@ -620,8 +484,7 @@ class WorkerGroup:
     def abort(self, workers) -> dict[str, WorkerStatus]:
         """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
         replies = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers)
-        return {w: WorkerStatus(r.applied_steps, {l.step: l.loss_sum for l in r.recent}, tuple(r.snapshots))
-                for w, r in replies.items()}
+        return {w: worker_status(r) for w, r in replies.items()}
 
     def rollback(self, worker_id: str, to_applied_steps: int) -> None:
         """Undoes a replica's last applied step (it keeps one step of history)."""
@@ -651,6 +514,10 @@ class WorkerGroup:
                                                                            wait_seconds=wait_seconds), workers)
         return {w: (list(r.saved), r.error or ("" if r.idle else f"still writing after {wait_seconds:g} s"))
                 for w, r in replies.items()}
+
+    def _addresses(self, worker_id: str) -> tuple[str, str]:
+        """Where ``worker_id`` is reached: its gRPC address and its data address (:meth:`_data_address`)."""
+        return self.registry.workers[worker_id].address, self._data_address(worker_id)
 
     def _data_address(self, worker_id: str) -> str:
         """Where peers send ``worker_id`` tensors: its data plane, or "" (gRPC) when it has none or the run

@@ -23,7 +23,7 @@ import queue
 
 from runtime.errors import RegistrationTimeoutError, WorkerLostError
 from runtime.policy import WorkerInfo, may_relaunch
-from runtime.worker_group import Death, LoadResult, Stalled, StepResult, WorkerStatus
+from runtime.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 
 
 def loss_sum(step: int) -> float:

@@ -23,14 +23,12 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
     CheckpointPruneError,
     CheckpointSaveError,
     CheckpointStore,
     CheckpointTimeoutError,
-    Skipped,
 )
+from runtime.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError, Skipped
 from runtime.state_copy import state_sha256
 from tests.gcs_emulator import GcsEmulator
 

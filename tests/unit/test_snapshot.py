@@ -7,13 +7,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime.checkpoint import CheckpointCorruptError, CheckpointNotFoundError
+from runtime.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError
 from runtime.state_copy import state_sha256
 from runtime.events import EventLog, read_events
 from runtime.policy import Placement, snapshot_order
 from runtime.snapshot import KEEP, SnapshotStore, host_directory
 from runtime.snapshotting import Snapshotting
-from runtime.worker_group import WorkerStatus
+from runtime.calls import WorkerStatus
 
 LEAVES = [np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((0, 4), np.int32),
           np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16), np.int32(7)]
