@@ -13,12 +13,12 @@ Reduce-scatter then all-gather of the flat gradient (:class:`AllReduce`):
    it holds the state without computing a gradient: :meth:`AllReduce.receive`).
 
 The transport is an argument: a blocking ``send(address, parts, deadline)``
-and the :class:`Mailbox` the receiving side drops complete streams into. The
-worker wires its data plane (:mod:`runtime.dataplane`) or gRPC (``Push``) to
-both; tests wire them in memory. What travels is a stream of :class:`Part`:
-a protobuf header and a payload that stays a view of the sender's buffer
-until the transport writes it (:func:`inline` copies it into the message's
-``data`` for gRPC).
+and the :class:`runtime.mailbox.Mailbox` the receiving side drops complete
+streams into. The worker wires its data plane (:mod:`runtime.dataplane`) or
+gRPC (``Push``) to both; tests wire them in memory. What travels is a stream
+of :class:`Part`: a protobuf header and a payload that stays a view of the
+sender's buffer until the transport writes it (:func:`inline` copies it into
+the message's ``data`` for gRPC).
 
 Messages are checked: fence, sender, expected subtrees, sizes and an xxh3_64 checksum per
 chunk. A bad message raises :class:`ProtocolError` where it is received; a
@@ -29,10 +29,9 @@ well-formed piece of the wrong shape raises :class:`StepAbortedError`.
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -42,7 +41,10 @@ from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node, tree_reduce
 from runtime.timing import Clock
 
-__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Mailbox", "Part", "Send", "checksum", "host_buffer", "chunk_bounds",
+if TYPE_CHECKING:
+    from runtime.mailbox import Mailbox
+
+__all__ = ["MAX_STEPS_AHEAD", "AllReduce", "Part", "Send", "checksum", "host_buffer", "chunk_bounds",
            "checked_chunk_bytes", "inline", "payload_of", "pieces", "REDUCE_SCATTER", "ALL_GATHER",
            "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "ONE_ROUND_BYTES"]
 
@@ -162,158 +164,6 @@ def pieces(fence: pb.Fence, step: int, phase: int, src_rank: int, node: Node, da
         yield Part(pb.TensorChunk(fence=fence, step=step, phase=phase, src_rank=src_rank,
                                   node=pb.Node(level=node.level, index=node.index), total=total,
                                   offset=off // 4, xxh3=checksum(blob)), blob)
-
-
-class Mailbox:
-    """Where a worker's Push handler drops complete pieces for the step thread.
-
-    Keyed by ``(epoch, step, phase)``, then sender rank, then subtree, so a
-    step re-run in a new epoch never sees pieces of its aborted attempt.
-    Thread-safe.
-
-    Bounded once the worker knows its programs (:meth:`limit`): a piece of
-    more elements than a gradient, a subtree outside the microbatch tree (or
-    other than the whole tree in the all-gather), a stream of more subtrees
-    than there are microbatches, or a deposit that would hold more than
-    ``max_buffered`` elements in all is refused with :class:`ProtocolError`,
-    so a faulty peer cannot make the worker allocate without bound.
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._box: dict[tuple[int, int, int], dict[int, dict[Node, np.ndarray]]] = {}
-        self._held = 0   # elements in _box
-        self._into: dict[tuple[tuple[int, int, int], int], np.ndarray] = {}   # (key, sender) -> where its piece goes
-        self.epoch = 0
-        self.max_piece = 1 << 34
-        self.top: Node | None = None
-        self.max_buffered: int | None = None
-
-    def limit(self, max_piece: int, top: Node, max_buffered: int) -> None:
-        """Bounds what :meth:`receive` accepts (called by the worker's ``Load``): pieces of at most
-        ``max_piece`` elements, subtrees of ``top``, ``max_buffered`` elements held in all."""
-        self.max_piece, self.top, self.max_buffered = max_piece, top, max_buffered
-
-    def deliver_into(self, epoch: int, step: int, phase: int, buffers: Mapping[int, np.ndarray]) -> None:
-        """Asks that the next piece each sender sends for ``(epoch, step, phase)`` be assembled in place,
-        in ``buffers[sender]`` (a float32 view of the caller's result), instead of a new buffer.
-
-        Used once per sender: a second stream from it gets a buffer of its own.
-        A piece that arrived before this call, or of another size, is
-        delivered as usual; :meth:`wait` returns whichever the piece is in.
-        """
-        with self._cond:
-            for src, buf in buffers.items():
-                self._into[((epoch, step, phase), src)] = buf
-
-    def _buffer(self, key, src: int, size: int) -> np.ndarray:
-        with self._cond:
-            buf = self._into.pop((key, src), None)
-        return buf if buf is not None and buf.size == size else host_buffer(size)
-
-    def receive(self, chunks: Iterator[pb.TensorChunk], check_fence, admit=None) -> None:
-        """Assembles one Push stream; deposits it when the stream ends cleanly.
-
-        ``check_fence(fence)`` runs on every chunk, ``admit(step, phase,
-        src_rank)`` once on the first (both raise to refuse the stream).
-        """
-        bufs: dict[Node, np.ndarray] = {}
-        filled: dict[Node, int] = {}
-        key = src = None
-        for c in chunks:
-            check_fence(c.fence)
-            if key is None:
-                key, src = (c.fence.epoch, c.step, c.phase), c.src_rank
-                if c.phase not in (REDUCE_SCATTER, ALL_GATHER) or c.src_rank < 0:
-                    raise ProtocolError(f"chunk of phase {c.phase} from rank {c.src_rank}: no such phase or rank")
-                if admit is not None:
-                    admit(c.step, c.phase, c.src_rank)
-            elif (c.fence.epoch, c.step, c.phase) != key or c.src_rank != src:
-                raise ProtocolError("one Push stream mixed steps, phases or senders")
-            nbytes, fill = payload_of(c)
-            if nbytes % 4:
-                raise ProtocolError(f"chunk of {nbytes} bytes is not whole float32s")
-            node = Node(c.node.level, c.node.index)
-            buf = bufs.get(node)
-            if buf is None:
-                if not 0 <= c.total <= self.max_piece:
-                    raise ProtocolError(f"implausible piece size {c.total} (at most {self.max_piece} elements)")
-                top = self.top
-                if top is not None and not (node == top or (c.phase == REDUCE_SCATTER and 0 <= node.level < top.level
-                                                            and 0 <= node.index < 1 << (top.level - node.level))):
-                    raise ProtocolError(f"piece for subtree {node}: not a subtree of {top} in phase {c.phase}")
-                buf = bufs[node] = (self._buffer(key, src, c.total) if c.phase == ALL_GATHER
-                                     else np.empty(c.total, dtype=np.float32))
-                filled[node] = 0
-            n = nbytes // 4
-            if c.total != buf.size or c.offset < 0 or c.offset + n > buf.size:
-                raise ProtocolError(f"chunk [{c.offset}, {c.offset + n}) outside a piece of {buf.size}")
-            dest = buf[c.offset:c.offset + n].view(np.uint8)
-            fill(dest)   # into the piece itself; a bad checksum drops the whole stream, never deposited
-            if checksum(dest) != c.xxh3:
-                raise ProtocolError(f"checksum mismatch in step {c.step} from rank {c.src_rank}")
-            filled[node] += n
-        for node, buf in bufs.items():
-            if filled[node] != buf.size:
-                raise ProtocolError(f"piece {node} from rank {src} incomplete ({filled[node]}/{buf.size})")
-        if key is None:
-            return
-        size = sum(b.size for b in bufs.values())
-        with self._cond:
-            if key[0] < self.epoch:
-                return
-            old = self._box.get(key, {}).get(src)
-            held = self._held + size - (sum(b.size for b in old.values()) if old else 0)
-            if self.max_buffered is not None and held > self.max_buffered:
-                raise ProtocolError(f"mailbox full: {held} elements would be held, at most {self.max_buffered}")
-            self._box.setdefault(key, {})[src] = bufs
-            self._held = held
-            self._cond.notify_all()
-
-    def _drop(self, key) -> dict[int, dict[Node, np.ndarray]]:
-        """With ``_cond`` held: removes one key's pieces (and where they were to go)."""
-        for k in [k for k in self._into if k[0] == key]:
-            del self._into[k]
-        got = self._box.pop(key, {})
-        self._held -= sum(b.size for nodes in got.values() for b in nodes.values())
-        return got
-
-    def set_epoch(self, epoch: int) -> None:
-        """A new membership epoch: waiters of older epochs abort, their pieces go."""
-        with self._cond:
-            self.epoch = max(self.epoch, epoch)
-            for key in {k for k in self._box if k[0] < self.epoch} | {k for k, _ in self._into if k[0] < self.epoch}:
-                self._drop(key)
-            self._cond.notify_all()
-
-    def discard_before(self, step: int) -> None:
-        """Drops pieces of steps before ``step`` (they can no longer be used: the worker moved past them)."""
-        with self._cond:
-            for key in {k for k in self._box if k[1] < step} | {k for k, _ in self._into if k[1] < step}:
-                self._drop(key)
-
-    def wait(self, epoch: int, step: int, phase: int, senders: set[int],
-             deadline: float) -> dict[int, dict[Node, np.ndarray]]:
-        """Blocks until every rank in ``senders`` delivered; pops and returns their pieces.
-
-        Raises :class:`StepAbortedError` at the deadline, or as soon as a newer
-        epoch than ``epoch`` is set (the step was aborted).
-        """
-        key = (epoch, step, phase)
-        with self._cond:
-            while True:
-                if self.epoch > epoch:
-                    raise StepAbortedError(step, f"aborted: membership moved to epoch {self.epoch}")
-                got = self._box.get(key, {})
-                if senders <= got.keys():
-                    self._drop(key)
-                    return {r: got[r] for r in senders}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(senders - got.keys())
-                    raise StepAbortedError(step, f"no {('reduce-scatter', 'all-gather')[phase]} data "
-                                                 f"from ranks {missing} before the deadline")
-                self._cond.wait(left)
 
 
 def _quietly(send, *args) -> None:
@@ -454,23 +304,10 @@ class AllReduce:
             sends.append(self._pool.submit(self._send, address, stream(REDUCE_SCATTER, r, partials.items()),
                                            deadline))
         clock.lap("send")
-        got = self.mailbox.wait(fence.epoch, step, REDUCE_SCATTER, senders, deadline)
-        clock.lap("wait_for_peers")
         lo, hi = bounds[rank]
-        mine = {node: vec[lo:hi] for node, vec in partials.items()}
-        for r, nodes in got.items():
-            if set(nodes) != expected[r]:
-                raise StepAbortedError(step, f"rank {r} sent subtrees {sorted(nodes)}, expected {sorted(expected[r])}")
-            for node, vec in nodes.items():
-                if vec.size != hi - lo:
-                    raise StepAbortedError(step, f"rank {r} sent {vec.size} elements for a chunk of {hi - lo}")
-            mine.update(nodes)
-        reduced = tree_reduce(mine, top, self._add)
-        clock.lap("reduce_add")
-        for f in sends:
-            f.result()
-        clock.lap("send")
-        between_phases()
+        reduced = self._sum_received({node: vec[lo:hi] for node, vec in partials.items()}, fence, step, senders,
+                                     expected, hi - lo, f"for a chunk of {hi - lo}", top, sends, deadline,
+                                     between_phases, clock)
 
         # All-gather: our reduced chunk to every peer and shadow; theirs into the full vector.
         for address in shadows:   # first, so a shadow is served as early as a peer; not waited for
@@ -498,6 +335,29 @@ class AllReduce:
         clock.lap("send")
         return out, sent
 
+    def _sum_received(self, own, fence, step, senders, expected, size, what, top, sends, deadline, between_phases,
+                      clock) -> np.ndarray:
+        """The canonical sum of ``own`` and the reduce-scatter pieces of every rank in ``senders`` (each must
+        send its ``expected`` subtrees, of ``size`` elements: ``what`` says of what, for the error), once this
+        rank's own pushes (``sends``) are out; then runs ``between_phases``."""
+        got = self.mailbox.wait(fence.epoch, step, REDUCE_SCATTER, senders, deadline)
+        clock.lap("wait_for_peers")
+        every = dict(own)
+        for r, nodes in got.items():
+            if set(nodes) != expected[r]:
+                raise StepAbortedError(step, f"rank {r} sent subtrees {sorted(nodes)}, expected {sorted(expected[r])}")
+            for node, vec in nodes.items():
+                if vec.size != size:
+                    raise StepAbortedError(step, f"rank {r} sent {vec.size} elements {what}")
+            every.update(nodes)
+        reduced = tree_reduce(every, top, self._add)
+        clock.lap("reduce_add")
+        for f in sends:
+            f.result()
+        clock.lap("send")
+        between_phases()
+        return reduced
+
     def _one_round(self, partials, fence, step, rank, others, expected, top, bounds, chunk_bytes, deadline,
                    between_phases, clock, shadows) -> tuple[np.ndarray, int]:
         """:meth:`run` for small vectors (see the class docstring): every rank sends its whole partials to every
@@ -512,22 +372,8 @@ class AllReduce:
                                                                 chunk_bytes)), deadline)
                  for _, address in others]
         clock.lap("send")
-        got = self.mailbox.wait(fence.epoch, step, REDUCE_SCATTER, {r for r, _ in others}, deadline)
-        clock.lap("wait_for_peers")
-        every = dict(partials)
-        for r, nodes in got.items():
-            if set(nodes) != expected[r]:
-                raise StepAbortedError(step, f"rank {r} sent subtrees {sorted(nodes)}, expected {sorted(expected[r])}")
-            for node, vec in nodes.items():
-                if vec.size != size:
-                    raise StepAbortedError(step, f"rank {r} sent {vec.size} elements of a vector of {size}")
-            every.update(nodes)
-        reduced = tree_reduce(every, top, self._add)
-        clock.lap("reduce_add")
-        for f in sends:
-            f.result()
-        clock.lap("send")
-        between_phases()
+        reduced = self._sum_received(partials, fence, step, {r for r, _ in others}, expected, size,
+                                     f"of a vector of {size}", top, sends, deadline, between_phases, clock)
         lo, hi = bounds[rank]
         for address in shadows:   # not waited for, as in the all-gather
             sent += 4 * (hi - lo)

@@ -40,12 +40,12 @@ import grpc
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Mailbox, Part, checked_chunk_bytes,
-                                inline)
+from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Part, checked_chunk_bytes, inline
 from runtime.dataplane import DataClient, RemoteError
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32, probe_devices
 from runtime.fault_injection import WorkerFaults, corrupt_first, mid_stream
+from runtime.mailbox import Mailbox
 from runtime.microbatch import root
 from runtime.peers import PeerChannels
 from runtime.requests import check_step_request, decode_programs, node_of, programs_fingerprint, unpickle_source

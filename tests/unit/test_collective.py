@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import REDUCE_SCATTER, Mailbox, chunk_bounds, inline, pieces
+from runtime.collective import REDUCE_SCATTER, chunk_bounds, inline, pieces
+from runtime.mailbox import Mailbox
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node
 

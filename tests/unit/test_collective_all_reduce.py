@@ -8,9 +8,10 @@ import pytest
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ONE_ROUND_BYTES, AllReduce,
-                                Mailbox, checked_chunk_bytes, checksum, chunk_bounds, inline)
+                                checked_chunk_bytes, checksum, chunk_bounds, inline)
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.executor import add_f32
+from runtime.mailbox import Mailbox
 from runtime.microbatch import Node, assign_microbatches, root, tree_reduce
 
 FENCE = pb.Fence(run_id="r", epoch=1)
