@@ -6,7 +6,9 @@ initializes its replica of the state, and runs steps: local gradients over
 its subtrees of microbatches, the peer-to-peer reduction
 (:class:`runtime.collective.AllReduce` over the data plane,
 :mod:`runtime.dataplane`, or ``Push`` streams to a peer without one), then the
-optimizer update.
+optimizer update. The bodies of the operations that move a whole state (a copy
+from a peer, a checkpoint or snapshot restored, a snapshot kept or saved) are
+in :mod:`runtime.worker_state`.
 
 Contract: steps run strictly in order; a ``Step`` request for step ``s+1``
 that arrives early waits (bounded) for step ``s`` to finish, so the controller
@@ -49,10 +51,12 @@ from runtime.mailbox import Mailbox
 from runtime.microbatch import root
 from runtime.peers import PeerChannels
 from runtime.requests import check_step_request, decode_programs, node_of, programs_fingerprint, unpickle_source
-from runtime.saver import CheckpointWriter, Drained
+from runtime.saver import CheckpointWriter
 from runtime.snapshot import SnapshotStore, host_directory
-from runtime.state_copy import assemble_state, state_chunks
+from runtime.state_copy import state_chunks
 from runtime.timing import Clock
+from runtime.worker_state import (drain_saves, flush_checkpoints, keep_snapshot, load_checkpoint, pull_state, save_step,
+                                  while_saving)
 
 __all__ = ["WorkerService", "probe_devices"]
 
@@ -342,32 +346,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         def pull():
             self.check_fence(request.fence)
             self._need_executor()
-            if not request.source_address:
-                raise ProtocolError("PullState without a source address")
-            t0 = time.perf_counter()
-            ask = pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps)
-            if request.source_data_address:
-                stream = self.data.get_state(request.source_data_address, ask, time.monotonic() + self.step_timeout)
-            else:
-                stream = self._peers.stub(request.source_address).GetState(ask, timeout=self.step_timeout)
-            try:
-                leaves, applied, digest = assemble_state(mid_stream(stream, self.faults.receiving_state),
-                                                         expect=self._state_layout)
-            except grpc.RpcError as e:
-                raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
-                                           f"{e.code().name}") from e
-            except (RemoteError, OSError) as e:
-                raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: {e}") from e
-            if applied != request.applied_steps:
-                raise ProtocolError(f"{request.source_address} sent a state at {applied} applied steps, "
-                                    f"asked for {request.applied_steps}")
-            if request.expected_sha256 and digest != request.expected_sha256:
-                raise ProtocolError(f"the state from {request.source_address} does not hash to the expected "
-                                    f"{request.expected_sha256[:12]}...")
-            self._adopt_state(leaves, applied, digest)
-            # The digest of the leaves now in place (the controller then checks every replica's own hash).
-            return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
-                                     seconds=time.perf_counter() - t0)
+            return pull_state(request, self._state_layout, data=self.data, peers=self._peers, faults=self.faults,
+                              timeout=self.step_timeout, adopt=self._adopt_state)
         return self._guard(context, pull)
 
     def LoadCheckpoint(self, request, context):
@@ -382,29 +362,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         def load():
             self.check_fence(request.fence)
             self._need_executor()
-            from runtime.checkpoint import CheckpointStore
-
-            t0 = time.perf_counter()
-            if request.snapshot and self.snapshots is None:
-                raise StaleEpochError("this worker keeps no snapshots (the run takes none)")
-            store = self.snapshots if request.snapshot else CheckpointStore(request.directory)
-            (step, leaves, digest, meta), skipped = store.restore_newest_valid(at_most=request.applied_steps)
-            programs = self.executor.programs
-            mesh = (programs.devices_per_slice, programs.num_microbatches)
-            written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
-            resharded = meta.get("fingerprint") not in ("", None, self.fingerprint)
-            if resharded and (written_on == mesh or None in written_on
-                              or [(tuple(x.shape), x.dtype) for x in leaves] != list(self._state_layout)):
-                raise ProtocolError(f"checkpoint {store.directory} step {step} was written by other programs "
-                                    "(another model or optimizer); it cannot resume this run (to start afresh, "
-                                    "use another run_name or remove that directory)")
-            self._adopt_state(leaves, step, digest)   # placed on this slice's devices, however many
-            return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
-                                     seconds=time.perf_counter() - t0, applied_steps=step,
-                                     skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped],
-                                     loss_sums=_loss_sums_of(meta, step),
-                                     written_devices_per_slice=written_on[0] if resharded else 0,
-                                     written_microbatches=written_on[1] if resharded else 0)
+            return load_checkpoint(request, snapshots=self.snapshots, programs=self.executor.programs,
+                                   fingerprint=self.fingerprint, layout=self._state_layout, adopt=self._adopt_state)
         return self._guard(context, load)
 
     def _adopt_state(self, leaves, applied: int, digest: str) -> None:
@@ -420,38 +379,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Controller (at the end of a run): waits for the checkpoints in flight, then reports them."""
         def flush():
             self.check_fence(request.fence)
-            if self._writer is None:
-                return pb.CheckpointsReply(idle=True)
-            idle = self._writer.wait(max(0.0, min(request.wait_seconds, self.step_timeout)))
-            done = self._writer.drain()
-            return pb.CheckpointsReply(saved=done.saved, error=done.error, idle=idle)
+            return flush_checkpoints(self._writer, max(0.0, min(request.wait_seconds, self.step_timeout)))
         return self._guard(context, flush)
 
     def KeepSnapshot(self, request_iterator, context):
         """Peer: keep a copy of its snapshot on this host (complete, or nothing; see ``SnapshotStore.receive``)."""
         def keep():
-            if self.snapshots is None:
-                raise StaleEpochError("this worker keeps no snapshots (not loaded, or the run takes none)")
-            fenced = False
-
-            def pieces():
-                nonlocal fenced
-                for p in request_iterator:
-                    if not fenced:
-                        self.check_fence(p.fence)
-                        fenced = True
-                    yield p.step, p.total_bytes, p.data
-            try:
-                self.snapshots.receive(pieces())
-            except ValueError as e:
-                raise ProtocolError(str(e)) from None
+            keep_snapshot(request_iterator, self.snapshots, self.check_fence)
             return pb.Empty()
         return self._guard(context, keep)
-
-    def _copy_snapshot(self, address: str, fence: pb.Fence, store: SnapshotStore, step: int) -> None:
-        """Streams the snapshot of ``step`` to the worker at ``address``, which keeps it on its host."""
-        pieces = (pb.SnapshotPiece(fence=fence, step=s, total_bytes=n, data=d) for s, n, d in store.pieces(step))
-        self._peers.stub(address).KeepSnapshot(pieces, timeout=self.step_timeout)
 
     def Push(self, request_iterator, context):
         """Peer: the pieces one sender has for this worker in one phase of one step."""
@@ -575,53 +511,24 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
             if req.checkpoint_directory or req.snapshot:   # written in the background from the immutable state
-                meta = {"fingerprint": self.fingerprint, "devices_per_slice": ex.programs.devices_per_slice,
-                        "microbatches": ex.programs.num_microbatches,
-                        "loss_sums": self._loss_sums(req.committed_loss_sums, req.step)}
-                if req.checkpoint_directory:
-                    self._checkpoints().submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta)
-                if req.snapshot:
-                    peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
-                    copy = functools.partial(self._copy_snapshot, peer, req.fence) if peer else None
-                    self._checkpoints().submit(self.snapshots.directory, ex.steps_applied, ex.state, meta,
-                                               store=self.snapshots, then=copy)
+                save_step(self._checkpoints(), req, ex, fingerprint=self.fingerprint, recent=self._recent,
+                          snapshots=self.snapshots, peers=self._peers, timeout=self.step_timeout)
             for old in [k for k in self._recent if k < req.step - 4]:
                 del self._recent[old]
         self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")
-        ck, snap = (self._writer.drain(), self._writer.drain("snapshot")) if self._writer is not None else (
-            Drained(), Drained())
+        ck, snap = drain_saves(self._writer)
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
                             checkpoints_saved=ck.saved, checkpoint_error=ck.error, snapshots_saved=snap.saved,
                             snapshots_copied=snap.followed, snapshot_error=snap.error)
 
-    def _loss_sums(self, committed, step: int) -> list[float]:
-        """The loss sums of steps 0..``step``: the committed ones the controller sent, then this worker's own
-        recent ones; [] when a step between is unknown here (a resumed run then reports those losses as NaN)."""
-        sums = list(committed)
-        for k in range(len(sums), step + 1):
-            if k not in self._recent:
-                return []
-            sums.append(self._recent[k])
-        return sums
-
     def _checkpoints(self) -> CheckpointWriter:
         if self._writer is None:
-            self._writer = CheckpointWriter(while_saving=self._while_saving if self.faults.enabled else None)
+            chaos = functools.partial(while_saving, self.faults) if self.faults.enabled else None
+            self._writer = CheckpointWriter(while_saving=chaos)
         return self._writer
-
-    def _while_saving(self, store, step: int) -> None:
-        """Chaos (``kill_save``): with a kill armed for the save phase, dies once this save's temporary
-        directory exists (up to 2 s), so the save is cut off half written."""
-        if not self.faults.armed_in("save"):
-            return
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and not any(
-                p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{step}.") for p in store.leftovers()):
-            time.sleep(0.002)
-        self.faults.in_phase("save")
 
     def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:
         """The collective's transport: one blocking push to a peer, over its data plane when it has one,
@@ -646,13 +553,3 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
             except ValueError as e:   # the channel was closed by an abort
                 raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None
-
-
-def _loss_sums_of(metadata: dict, applied: int) -> list[float]:
-    """The loss sums a checkpoint of ``applied`` steps recorded: one float per step, else [] (not recorded,
-    or not of that length: the checkpoint's file is the truth about the state, not about the losses)."""
-    sums = metadata.get("loss_sums")
-    if (isinstance(sums, list) and len(sums) == applied
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in sums)):
-        return [float(x) for x in sums]
-    return []
