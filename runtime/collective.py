@@ -12,6 +12,10 @@ Reduce-scatter then all-gather of the flat gradient (:class:`AllReduce`):
    shadow (a spare that only receives the reduced vector and applies it, so
    it holds the state without computing a gradient: :meth:`AllReduce.receive`).
 
+Small vectors (at most :data:`ONE_ROUND_BYTES` of partials in all) take one
+round instead: every rank sends its partials whole to every other rank and
+sums all of them in the same canonical order (:class:`AllReduce`).
+
 The transport is an argument: a blocking ``send(address, parts, deadline)``
 and the :class:`runtime.mailbox.Mailbox` the receiving side drops complete
 streams into. The worker wires its data plane (:mod:`runtime.dataplane`) or
@@ -283,8 +287,8 @@ class AllReduce:
         senders = {r for r, _ in others}
         expected = {r: {node for node, o in owners.items() if o == r} for r in range(n)}
         if 4 * size * len(owners) <= self.one_round_bytes:
-            return self._one_round(partials, fence, step, rank, others, expected, top, bounds, chunk_bytes,
-                                   deadline, between_phases, clock, shadows)
+            return self._one_round(partials, size, fence, step, rank, others, senders, expected, top, bounds,
+                                   chunk_bytes, deadline, between_phases, clock, shadows)
         # The all-gather lands in the result itself (registered now: a fast peer's chunk may come early).
         out = host_buffer(size)   # aligned: the apply program takes it without a copy
         self.mailbox.deliver_into(fence.epoch, step, ALL_GATHER, {r: out[bounds[r][0]:bounds[r][1]] for r in senders})
@@ -358,21 +362,20 @@ class AllReduce:
         between_phases()
         return reduced
 
-    def _one_round(self, partials, fence, step, rank, others, expected, top, bounds, chunk_bytes, deadline,
-                   between_phases, clock, shadows) -> tuple[np.ndarray, int]:
+    def _one_round(self, partials, size, fence, step, rank, others, senders, expected, top, bounds, chunk_bytes,
+                   deadline, between_phases, clock, shadows) -> tuple[np.ndarray, int]:
         """:meth:`run` for small vectors (see the class docstring): every rank sends its whole partials to every
         other rank (in the reduce-scatter phase) and every rank sums all of them in the canonical order, so
         one round of messages instead of two. The same bits: the canonical sum of each element does not
         depend on which rank computes it. Shadows get this rank's chunk of the result, as after the
         all-gather."""
-        size = next(iter(partials.values())).size
         sent = 4 * size * len(partials) * len(others)
         sends = [self._pool.submit(self._send, address, (part for node, vec in partials.items() for part in
                                                          pieces(fence, step, REDUCE_SCATTER, rank, node, vec,
                                                                 chunk_bytes)), deadline)
                  for _, address in others]
         clock.lap("send")
-        reduced = self._sum_received(partials, fence, step, {r for r, _ in others}, expected, size,
+        reduced = self._sum_received(partials, fence, step, senders, expected, size,
                                      f"of a vector of {size}", top, sends, deadline, between_phases, clock)
         lo, hi = bounds[rank]
         for address in shadows:   # not waited for, as in the all-gather

@@ -79,6 +79,7 @@ class LocalLauncher:
     """
 
     external = False   # it starts (and relaunches) the workers itself
+    host = ""          # the client's host in the workers' host names: none of their simulated hosts
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
@@ -265,6 +266,7 @@ class ExternalLauncher:
     """
 
     external = True
+    host = ""          # the client's host is not known in the names its workers give
 
     def __init__(self):
         self.procs: dict = {}   # nothing of this process's making to poll

@@ -97,6 +97,7 @@ class RayLauncher:
     """
 
     external = False   # it starts (and relaunches) the workers itself
+    host = ""          # set on connecting: the Ray node this client runs on
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, *, address: str = "",
                  secret: str = "", chaos: bool = False, tls=None, compilation_cache_dir: str = "",
@@ -107,8 +108,7 @@ class RayLauncher:
 
         self.ray = ray
         connect(address)
-        #: The Ray node this client runs on (a worker's ``host`` names its node the same way).
-        self.host = ray.get_runtime_context().get_node_id()
+        self.host = ray.get_runtime_context().get_node_id()   # a worker's ``host`` names its node the same way
         self.run_id, self.controller_address = run_id, controller_address
         self.devices, self.platform = devices_per_worker, platform
         self.secret, self.chaos, self.tls = secret, chaos, tls

@@ -67,7 +67,7 @@ class WorkerGroup:
         self.address = f"{host}:{port}"
         self.launcher = make_launcher(opts, run_id, self.address, secret,
                                       on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
-        self.client_host = getattr(self.launcher, "host", "")   # the Ray node of this client; "" elsewhere
+        self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
