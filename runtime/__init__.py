@@ -17,8 +17,8 @@ _LAZY = {
     "RunResult": ("runtime.controller", "RunResult"),
     "peak_rss_bytes": ("runtime.controller", "peak_rss_bytes"),
     **{name: ("runtime.errors", name) for name in (
-        "ElasticError", "ElasticTrainingFailedError", "PlatformMismatchError", "ProgramExportError", "ProtocolError",
-        "RegistrationTimeoutError", "StaleEpochError", "StepAbortedError", "WorkerError", "WorkerLostError")},
+        "ClusterUnreachableError", "ElasticError", "ElasticTrainingFailedError", "PlatformMismatchError",
+        "ProgramExportError", "ProtocolError", "RegistrationTimeoutError", "StaleEpochError", "StepAbortedError", "WorkerError", "WorkerLostError")},
     "checkpoint_directory_problem": ("runtime.checkpoint", "directory_problem"),
     "EventLog": ("runtime.events", "EventLog"),
     "read_events": ("runtime.events", "read_events"),
@@ -87,6 +87,7 @@ def worker_main(argv=None) -> None:
 
 
 __all__ = [
+    "ClusterUnreachableError",
     "Controller",
     "checkpoint_directory_problem",
     "ControllerObserver",

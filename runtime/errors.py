@@ -16,6 +16,7 @@ __all__ = [
     "RegistrationTimeoutError",
     "StaleEpochError",
     "ElasticTrainingFailedError",
+    "ClusterUnreachableError",
     "ProtocolError",
     "PlatformMismatchError",
 ]
@@ -92,6 +93,11 @@ class PlatformMismatchError(ProtocolError):
 
 class ProgramExportError(ElasticError):
     """The step could not be exported with ``jax.export``; says why and what to do."""
+
+
+class ClusterUnreachableError(ElasticError, ConnectionError):
+    """The cluster engine the run was told to use (a Ray address) did not answer; the message names the key
+    and the address. Nothing was started."""
 
 
 class RegistrationTimeoutError(ElasticError, TimeoutError):

@@ -32,6 +32,8 @@ log = logging.getLogger("jax_elastic.launcher")
 LAUNCH_BURST = 8
 #: Worker starts per second once the burst is spent.
 LAUNCH_RATE = 4.0
+#: How many times one run starts a new zygote after its zygote died (then workers start on their own).
+ZYGOTE_RESTARTS = 3
 
 
 class _TokenBucket:
@@ -67,15 +69,19 @@ class LocalLauncher:
     :func:`runtime.zygote.acquire`), which
     imported JAX and the runtime (and the ``preload`` modules, such as the
     data source's) once for all of them; if it cannot be
-    started or stops answering, workers start as subprocesses of their own.
+    started, workers start as subprocesses of their own. If it dies, nothing
+    else does: its workers answer to this process (``--owner-pid``), the next
+    start is a subprocess, and a new zygote starts in the background for the
+    ones after (at most ``ZYGOTE_RESTARTS`` times a run).
 
     With ``standby`` > 0, that many extra processes are kept started ahead of
     need (:meth:`prepare_standby`): each has imported JAX, created its devices
-    and opened the compilation cache, and waits on its stdin for the worker id
-    it is to serve as. :meth:`launch` hands a waiting one its id instead of
-    starting a process, so a relaunched worker registers at once rather than
-    after a Python and JAX start (seconds), and then starts a new standby. A
-    standby whose launcher goes away reads end-of-file and exits.
+    and opened the compilation cache, and waits on a named pipe in
+    ``log_dir`` (``--identity-fifo``) for the worker id it is to serve as.
+    :meth:`launch` hands a waiting one its id instead of starting a process,
+    so a relaunched worker registers at once rather than after a Python and
+    JAX start (seconds), and then starts a new standby. A standby whose
+    launcher goes away sees its owner gone and exits.
     """
 
     external = False   # it starts (and relaunches) the workers itself
@@ -96,7 +102,7 @@ class LocalLauncher:
         self.log_dir = log_dir
         self.standby = standby
         self.procs: dict[str, subprocess.Popen] = {}
-        self._standbys: list[tuple[subprocess.Popen, str]] = []   # (process, its log file) waiting for an id
+        self._standbys: list[tuple[subprocess.Popen, str, str]] = []   # (process, log file, fifo) waiting for an id
         self._standby_seq = 0
         self._pace = _TokenBucket(launch_rate, launch_burst)
         self._lock = threading.Lock()
@@ -104,6 +110,8 @@ class LocalLauncher:
         self._use_zygote = zygote
         self._preload = preload
         self._zygote_lock = threading.Lock()
+        self._zygote_restarts = 0
+        self._replacement: zygotes.Zygote | None = None   # a zygote started after the first died
         os.makedirs(log_dir, exist_ok=True)
 
     def launch(self, worker_id: str, host_name: str = "") -> subprocess.Popen:
@@ -121,30 +129,31 @@ class LocalLauncher:
             return proc
         self._pace.take()
         identity = ["--worker-id", worker_id] + (["--host-name", host_name] if host_name else [])
-        proc = self.procs[worker_id] = self._start(identity, f"worker-{worker_id}.log",
-                                                   stdin=subprocess.DEVNULL)
+        proc = self.procs[worker_id] = self._start(identity, f"worker-{worker_id}.log")
         return proc
 
     def prepare_standby(self) -> None:
         """Starts standby processes until ``standby`` of them wait (none when ``standby`` is 0)."""
         with self._lock:
-            self._standbys = [(p, log) for p, log in self._standbys if p.poll() is None]
+            for p, _, fifo in self._standbys:
+                if p.poll() is not None:
+                    _unlink(fifo)
+            self._standbys = [entry for entry in self._standbys if entry[0].poll() is None]
             while len(self._standbys) < self.standby:
                 self._standby_seq += 1
                 log = f"worker-standby-{self._standby_seq}.log"
-                self._standbys.append((self._start(["--standby"], log, stdin=subprocess.PIPE), log))
+                fifo = os.path.join(self.log_dir, f".standby-{self._standby_seq}.fifo")
+                _unlink(fifo)
+                os.mkfifo(fifo, 0o600)
+                self._standbys.append((self._start(["--standby", "--identity-fifo", fifo], log), log, fifo))
 
     def _take_standby(self, worker_id: str, host_name: str) -> subprocess.Popen | None:
         """A waiting standby, told to serve as ``worker_id`` (its log renamed to match); None if none waits."""
         with self._lock:
             while self._standbys:
-                proc, log = self._standbys.pop(0)
-                if proc.poll() is not None:
-                    continue
-                try:
-                    proc.stdin.write(f"{worker_id} {host_name}\n".encode())
-                    proc.stdin.close()
-                except OSError:   # it died between the poll and the write
+                proc, log, fifo = self._standbys.pop(0)
+                if proc.poll() is not None or not _tell(fifo, f"{worker_id} {host_name}\n"):
+                    _unlink(fifo)   # it died (between the poll and the write, perhaps)
                     continue
                 try:
                     os.replace(os.path.join(self.log_dir, log), os.path.join(self.log_dir, f"worker-{worker_id}.log"))
@@ -165,23 +174,57 @@ class LocalLauncher:
             env.update(self.tls.environ())
         return env
 
-    def _start(self, identity: list[str], log_name: str, stdin):
-        argv = ["--controller", self.controller_address, "--run-id", self.run_id, *identity, "--exit-with-parent"]
+    def _start(self, identity: list[str], log_name: str):
+        # Every worker answers to this process, the run's owner: never to the zygote it is forked from.
+        argv = ["--controller", self.controller_address, "--run-id", self.run_id, *identity,
+                "--owner-pid", str(os.getpid())]
         path = os.path.join(self.log_dir, log_name)
         env = self._env()
-        with self._zygote_lock:
-            if self._use_zygote and self._zygote is None:
-                self._zygote = zygotes.acquire(env, os.path.join(self.log_dir, "zygote.log"), self._preload)
-            zygote = self._zygote if self._use_zygote else None
+        zygote = self._zygote_for(env)
         if zygote is not None:
             try:
-                return zygote.start(argv, path, standby=stdin is subprocess.PIPE, env=env)
+                return zygote.start(argv, path, env=env)
             except zygotes.ZygoteError as e:
-                log.warning("worker processes start on their own from now on: %s", e)
-                self._use_zygote = False
+                self._zygote_lost(zygote, env, e)
         with open(path, "ab") as log_file:
             return subprocess.Popen([sys.executable, "-m", "runtime.worker_process", *argv], env=env,
-                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=stdin)
+                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def _zygote_for(self, env: dict[str, str]) -> zygotes.Zygote | None:
+        """The zygote to fork the next worker from; None: start a process of its own (no zygote, or its
+        replacement still importing)."""
+        with self._zygote_lock:
+            if self._use_zygote and self._zygote is None:
+                try:
+                    self._zygote = zygotes.acquire(env, os.path.join(self.log_dir, "zygote.log"), self._preload)
+                except OSError as e:
+                    log.warning("worker processes start on their own: the zygote did not start (%s)", e)
+                    self._use_zygote = False
+            zygote = self._zygote if self._use_zygote else None
+        if zygote is not None and zygote is self._replacement and not zygote.ready():
+            return None   # a replacement still importing: a subprocess now beats waiting for it
+        return zygote
+
+    def _zygote_lost(self, zygote: zygotes.Zygote, env: dict[str, str], error: Exception) -> None:
+        """The zygote stopped answering (killed, crashed): its workers go on; a new one is started in the
+        background for later starts, unless this run already replaced it ``ZYGOTE_RESTARTS`` times."""
+        with self._zygote_lock:
+            if self._zygote is not zygote:
+                return   # another start saw it first
+            zygote.close()
+            self._zygote = None
+            if self._zygote_restarts >= ZYGOTE_RESTARTS:
+                log.warning("worker processes start on their own from now on: %s", error)
+                self._use_zygote = False
+                return
+            self._zygote_restarts += 1
+            log.warning("the zygote is gone (%s); workers start on their own until a new one is ready", error)
+            try:
+                self._zygote = self._replacement = zygotes.Zygote(env, os.path.join(self.log_dir, "zygote.log"),
+                                                                  self._preload)
+            except OSError as e:
+                log.warning("worker processes start on their own from now on: no new zygote (%s)", e)
+                self._use_zygote = False
 
     def kill(self, worker_id: str) -> None:
         """SIGKILLs a worker declared dead (works on a stopped process too)."""
@@ -192,12 +235,11 @@ class LocalLauncher:
     def stop_all(self, timeout: float = 10.0) -> None:
         """Terminates every child (standbys read end-of-file and exit), then kills what is left after ``timeout``."""
         with self._lock:
-            standbys, self._standbys = [p for p, _ in self._standbys], []
-        for p in standbys:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
+            waiting, self._standbys = self._standbys, []
+        standbys = [p for p, _, _ in waiting]
+        for p, _, fifo in waiting:
+            _tell(fifo, "\n")   # not needed: it exits 0
+            _unlink(fifo)
         every = list(self.procs.values()) + standbys
         for p in every:
             if p.poll() is None:
@@ -211,6 +253,27 @@ class LocalLauncher:
         if self._zygote is not None:
             zygotes.release(self._zygote)   # the next run of this process forks from it too
             self._zygote = None
+
+
+def _tell(fifo: str, line: str) -> bool:
+    """Writes ``line`` to a waiting standby's named pipe; False when no standby reads it any more."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)   # ENXIO at once when its reader is gone
+    except OSError:
+        return False
+    try:
+        return os.write(fd, line.encode()) == len(line.encode())   # one line is under PIPE_BUF: written whole
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def preload_of(opts) -> tuple[str, ...]:
@@ -233,7 +296,7 @@ def listen_host(opts) -> str:
     if opts.launcher == "ray" and (opts.host, opts.port) == ("127.0.0.1", 0):
         from runtime.ray_launcher import connect
 
-        return connect(opts.ray_address)
+        return connect(opts.ray_address, timeout=min(opts.register_timeout_seconds, 60.0))
     return opts.host
 
 

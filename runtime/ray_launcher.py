@@ -26,7 +26,9 @@ as visible as anything else in the cluster's control store.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import re
 import threading
 
@@ -47,15 +49,70 @@ def ray_available() -> str:
     return ""
 
 
-def connect(address: str = "") -> str:
+def connect(address: str = "", timeout: float = 60.0) -> str:
     """Connects this process to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``, else a local one Ray
-    starts), once; returns this node's IP address (where the controller listens for the actors)."""
+    starts), once; returns this node's IP address (where the controller listens for the actors).
+
+    A cluster named by ``host:port`` must answer within ``timeout`` seconds,
+    else ``ClusterUnreachableError`` names the address (Ray itself retries
+    for about 15 minutes). A loopback address keeps this process on loopback
+    too (Ray's node IP), so a cluster on 127.0.0.1 is reached without the
+    host's interface address.
+    """
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    where = _host_port(target)
+    if where is not None and _loopback(where[0]):
+        # Ray turns a loopback address into the host's interface address (so that other machines could
+        # reach it) unless this switch is off; a cluster bound to loopback is not listening there.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        options = {}
+        if where is not None:
+            _check_reachable(where, timeout, "ray_address" if address else "$RAY_ADDRESS")
+            if _loopback(where[0]):
+                constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+                if constants is not None:   # Ray was imported before this call: the switch is read already
+                    constants.ENABLE_RAY_CLUSTER = False
+                options["_node_ip_address"] = where[0]
+        ray.init(address=target or None, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, **options)
     return ray.util.get_node_ip_address()
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` (or ``ray://host:port``) cluster address; None for "", ``auto``,
+    ``local`` (Ray finds or starts the cluster itself)."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _check_reachable(where: tuple[str, int], timeout: float, key: str) -> None:
+    """Waits up to ``timeout`` s for a gRPC server (Ray's GCS, or its client server) at ``where``."""
+    import grpc
+
+    from runtime.errors import ClusterUnreachableError
+
+    target = f"{where[0]}:{where[1]}"
+    channel = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise ClusterUnreachableError(f"{key}={target}: no Ray cluster answers there within {timeout:.0f} s "
+                                      "(start one with `ray start --head`, or give the address it prints)") from None
+    finally:
+        channel.close()
 
 
 class _Handle:

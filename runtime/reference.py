@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import struct
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,10 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
     return losses, ex.state_sha256()
 
 
+#: How many times a reference child killed by a signal (OOM killer, an operator, a chaos test) is started again.
+REFERENCE_RETRIES = 2
+
+
 def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int, seed: int,
                           compilation_cache_dir: str = "",
                           on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], str]:
@@ -62,8 +67,11 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     when this host has no such device.
 
     ``data_blob``: the data source pickled as it is shipped to workers
-    (cloudpickle). Raises ``ElasticError`` with the child's last output lines
-    if it fails.
+    (cloudpickle). The child is a helper whose death costs only its output:
+    killed by a signal, it is run again (``REFERENCE_RETRIES`` times), and
+    ``on_step`` hears each step once (a step the rerun gives another loss for
+    is an error: the math is not deterministic). Raises ``ElasticError`` with
+    the child's last output lines if it fails otherwise.
     """
     from runtime.errors import ElasticError
     from runtime.launcher import jax_child_env
@@ -73,6 +81,28 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     env = jax_child_env(programs.devices_per_slice, platforms[0] if len(platforms) == 1 else "")
     request = pickle.dumps({"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
                             "cache": compilation_cache_dir})
+    heard: dict[int, float] = {}
+
+    def step_done(step: int, loss: float) -> None:
+        if step not in heard:
+            heard[step] = loss
+            if on_step is not None:
+                on_step(step, loss)
+        elif struct.pack("<d", heard[step]) != struct.pack("<d", loss):
+            raise ElasticError(f"the reference run's rerun gave step {step} another loss ({loss!r}, first "
+                               f"{heard[step]!r}): the programs are not deterministic")
+
+    for attempt in range(REFERENCE_RETRIES + 1):
+        rc, result, tail = _reference_child(env, request, step_done)
+        if result is not None and rc == 0:
+            return result
+        if rc >= 0 or attempt == REFERENCE_RETRIES:
+            break
+    raise ElasticError(f"the reference run's process failed (exit status {rc}): " + " | ".join(tail))
+
+
+def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[int, tuple | None, list[str]]:
+    """One reference child: (exit status, (losses, sha256) or None, its last stderr lines)."""
     with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
         inp.write(request)
         inp.seek(0)
@@ -82,18 +112,19 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
         try:
             for line in proc.stdout:
                 msg = json.loads(line)
-                if "step" in msg and on_step is not None:
-                    on_step(msg["step"], msg["loss"])
+                if "step" in msg:
+                    step_done(msg["step"], msg["loss"])
                 elif "losses" in msg:
                     result = msg["losses"], msg["sha256"]
+        except BaseException:
+            proc.kill()   # step_done refused a step (or we were interrupted): the child is of no more use
+            raise
         finally:
             proc.stdout.close()
             rc = proc.wait()
-        if rc != 0 or result is None:
-            err.seek(0)
-            tail = err.read().decode(errors="replace").strip().splitlines()[-8:]
-            raise ElasticError(f"the reference run's process failed (exit status {rc}): " + " | ".join(tail))
-    return result
+        err.seek(0)
+        tail = err.read().decode(errors="replace").strip().splitlines()[-8:]
+    return rc, result, tail
 
 
 def _child() -> None:
@@ -102,8 +133,10 @@ def _child() -> None:
     from runtime.allocator import retain_freed_memory
     from runtime.compile_cache import enable
     from runtime.errors import PlatformMismatchError
+    from runtime.owner import set_title
 
     retain_freed_memory()   # a training process like a worker
+    set_title("elastic-reference (the fault-free reference run)")
     req = pickle.loads(sys.stdin.buffer.read())
     enable(req["cache"])
     data = pickle.loads(req["data"])

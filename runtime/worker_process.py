@@ -3,7 +3,8 @@
 ``python -m runtime.worker_process --controller HOST:PORT --run-id RUN`` (what
 :class:`runtime.launcher.LocalLauncher` starts) or ``elastic worker``. Binds
 port 0 unless told otherwise, registers its address with the controller, and
-exits when told to shut down, when its launching parent dies, or when it
+exits when told to shut down, when the run's owner (the client that
+launched it, ``--owner-pid``; see :mod:`runtime.owner`) dies, or when it
 fenced itself and the controller refused to take it back.
 
 A worker that must go goes at once, whatever its other threads do: an XLA
@@ -13,7 +14,7 @@ normal interpreter exit joins every thread of the gRPC server's pool).
 
 Exit status: 0 told to shut down; 1 failed to start (the first registration
 was refused, the controller unreachable); 3 fenced itself and was refused
-(or could not ask) when it asked to come back; 4 its launching parent died.
+(or could not ask) when it asked to come back; 4 the run's owner died.
 
 Set ``XLA_FLAGS`` (device count) before this module is imported.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import socket
 import sys
 import time
@@ -33,6 +35,7 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime import allocator, auth, compile_cache, rpc
+from runtime.owner import Owner, set_title
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.dataplane import DataServer
@@ -48,16 +51,16 @@ STOP_GRACE_SECONDS = 0.5   # calls in flight get this long to finish when the wo
 
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
-          register_timeout: float = 60.0, parent_pid: int | None = None, secret: str = "",
+          register_timeout: float = 60.0, owner: Owner | None = None, secret: str = "",
           chaos: bool = False, tls=None, host_name: str = "") -> int:
-    """Runs a worker until told to shut down, its parent dies, or it fences itself.
+    """Runs a worker until told to shut down, its ``owner`` dies (None: no owner), or it fences itself.
 
     Returns the process exit status once the server stopped (a bounded
     wait; handlers still running, such as a compile, are left behind):
     ``EXIT_SHUTDOWN`` after a shutdown, ``EXIT_FENCED`` after fencing itself
     (it lost the controller's lease and was refused when it asked to come
     back: the run has moved on without it), ``EXIT_ORPHANED`` when its
-    parent died. Raises ``SystemExit`` when the controller refuses the first
+    owner died. Raises ``SystemExit`` when the controller refuses the first
     registration, and ``grpc.RpcError`` when it cannot be reached within
     ``register_timeout`` seconds.
 
@@ -102,8 +105,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
              ", ".join(sorted({d.device_kind for d in devices})))
     status = EXIT_SHUTDOWN
     while not service.stopped.wait(0.2):
-        if parent_pid is not None and os.getppid() != parent_pid:
-            log.warning("parent process %d is gone; exiting", parent_pid)
+        if owner is not None and not owner.alive():
+            log.warning("the run's owner (process %d) is gone; exiting", owner.pid)
             status = EXIT_ORPHANED
             if service.snapshots is not None:   # the run is over: its snapshots on this host serve nobody
                 service.snapshots.remove_all()
@@ -111,7 +114,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         if service.lease_lapsed():
             health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             status = EXIT_FENCED
-            reply = _rejoin(service, register, register_timeout, parent_pid)
+            reply = _rejoin(service, register, register_timeout, owner)
             log.warning("asked to rejoin after fencing: %s", "no answer" if reply is None else
                         f"accepted={reply.accepted} {reply.reason}")
             if reply is None or not reply.accepted:
@@ -125,14 +128,14 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     return status
 
 
-def _rejoin(service: WorkerService, register, timeout: float, parent_pid: int | None):
+def _rejoin(service: WorkerService, register, timeout: float, owner: Owner | None):
     """A fenced worker asks the controller to take it back (it will be refused while the run lives).
 
-    None when there is no answer within ``timeout`` seconds, or the parent died meanwhile.
+    None when there is no answer within ``timeout`` seconds, or the owner died meanwhile.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if parent_pid is not None and os.getppid() != parent_pid:
+        if owner is not None and not owner.alive():
             return None
         if not service.faults.partitioned():
             try:
@@ -158,9 +161,15 @@ def main(argv=None) -> None:
     ap.add_argument("--host-name", default="",
                     help="the host this worker runs on, where its in-memory snapshots live (default: this machine's "
                          "name; the local launcher names one simulated host per worker slot)")
-    ap.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    ap.add_argument("--owner-pid", type=int, default=None,
+                    help="exit when this process (the run's client) dies; the local launcher passes its own pid")
+    ap.add_argument("--exit-with-parent", action="store_true",
+                    help="exit when the launching process dies (--owner-pid of the parent)")
     ap.add_argument("--standby", action="store_true",
-                    help="start JAX, then wait for the worker id on stdin (the launcher's standby processes)")
+                    help="start JAX, then wait for '<worker id> [<host name>]' on stdin, or in --identity-fifo "
+                         "(the launcher's standby processes)")
+    ap.add_argument("--identity-fifo", default="",
+                    help="a standby's named pipe to read its identity from (instead of stdin)")
     ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
                     help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
     for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
@@ -174,12 +183,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
     logging.basicConfig(level=logging.INFO, format=_log_format(args.worker_id), stream=sys.stderr)
-    parent_pid = os.getppid() if args.exit_with_parent else None
+    owner_pid = args.owner_pid if args.owner_pid is not None else os.getppid() if args.exit_with_parent else None
+    owner = Owner(owner_pid) if owner_pid is not None else None
     try:
         compile_cache.enable(args.compilation_cache_dir)
         if args.standby:
-            args.worker_id, args.host_name = _wait_for_identity()
-        status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, parent_pid=parent_pid,
+            set_title(f"elastic-worker standby run={args.run_id}")
+            args.worker_id, args.host_name = _wait_for_identity(args.identity_fifo, owner)
+        set_title(f"elastic-worker run={args.run_id} worker={args.worker_id} host={args.host_name or '-'}")
+        status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, owner=owner,
                        secret=secret, chaos=args.chaos, host_name=args.host_name,
                        tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
     except SystemExit as e:
@@ -202,17 +214,46 @@ def _start_backend() -> None:
     jax.block_until_ready(jax.jit(exported.call)(x))
 
 
-def _wait_for_identity() -> tuple[str, str]:
-    """A standby: starts the devices, then waits for ``<worker id> [<host name>]`` on stdin; exits 0 at
-    end-of-file (not needed)."""
+def _wait_for_identity(fifo: str, owner: Owner | None) -> tuple[str, str]:
+    """A standby: starts the devices, then waits for ``<worker id> [<host name>]`` on stdin, or in the named pipe
+    ``fifo``; exits 0 at end-of-file or an empty line (not needed), and 4 when its owner dies first."""
     _start_backend()
     log.info("standby process %d waiting for its worker id", os.getpid())
-    worker_id, _, host_name = sys.stdin.readline().strip().partition(" ")
+    line = _read_identity(fifo, owner) if fifo else sys.stdin.readline()
+    worker_id, _, host_name = line.strip().partition(" ")
     if not worker_id:
         _exit_now(EXIT_SHUTDOWN)
     logging.getLogger().handlers[0].setFormatter(logging.Formatter(_log_format(worker_id)))
     log.info("standby process %d serves as worker %s", os.getpid(), worker_id)
     return worker_id, host_name.strip()
+
+
+def _read_identity(fifo: str, owner: Owner | None) -> str:
+    """One line from the named pipe ``fifo`` (removed once read), watching the owner meanwhile.
+
+    The pipe is opened for reading and writing, so it never reads end-of-file
+    while no writer has it open: the launcher opens it only to write the line.
+    """
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    line, orphaned = b"", False
+    try:
+        while not line.endswith(b"\n"):
+            if owner is not None and not owner.alive():
+                orphaned = True
+                break
+            readable, _, _ = select.select([fd], [], [], 0.2)
+            if readable:
+                line += os.read(fd, 4096)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(fifo)
+        except OSError:
+            pass
+    if orphaned:
+        log.warning("the run's owner (process %d) is gone before this standby was needed; exiting", owner.pid)
+        _exit_now(EXIT_ORPHANED)
+    return line.decode()
 
 
 def _exit_now(status: int) -> None:

@@ -13,21 +13,26 @@ process from there on. A forked worker is serving in about 0.3 s of CPU.
 Protocol (the launcher writes to the zygote's stdin, it answers on stdout;
 one line of JSON each):
 
-- ``{"start": seq, "argv": [...], "env": {...}, "log": path, "standby": bool}``:
+- ``{"start": seq, "argv": [...], "env": {...}, "log": path}``:
   fork a worker running ``runtime.worker_process.main(argv)`` with exactly
   ``env`` as its environment (the run secret, the device count of
-  ``XLA_FLAGS``: all read after the fork) and stdout and stderr appended to
-  ``log``; answers ``{"started": seq, "pid": pid}``. A standby child gets a
-  pipe as its stdin (it waits there for its identity).
-- ``{"assign": pid, "line": "..."}``: writes ``line`` to that standby's stdin
-  and closes it.
+  ``XLA_FLAGS``: all read after the fork), stdout and stderr appended to
+  ``log`` and ``/dev/null`` as stdin; answers ``{"started": seq, "pid": pid}``.
+  (A standby reads its identity from a named pipe of the launcher's,
+  ``--identity-fifo``, not through the zygote.)
 - ``{"import": [module, ...]}``: imports more modules before the next fork
   (a later run of the same process needs others).
+- Once its imports are done it says ``{"ready": true}`` (starts asked for
+  earlier wait for them).
 - It reports every child's end: ``{"exited": pid, "status": code}`` (a
   negative code: killed by that signal, as ``subprocess`` reports it).
 
 The zygote exits at end-of-file on its stdin (its launcher closed it, or
-died); its workers then see their parent gone and exit (``--exit-with-parent``).
+died). It is a helper, and its death costs nothing but itself: the workers
+it forked hold nothing of it (no pipe, no parent watch; each watches the
+run's owner, the client, with ``--owner-pid``) and go on serving, adopted by
+the system; the launcher starts later workers as processes of their own
+until a new zygote is ready (:class:`runtime.launcher.LocalLauncher`).
 
 A zygote depends only on what its imports read from the environment (the
 JAX platform, the import path), so the runs of one process share it: a
@@ -67,13 +72,16 @@ class ZygoteError(OSError):
 
 
 class Child:
-    """One forked worker: ``pid``, ``poll``, ``wait``, ``kill``, ``terminate``, and ``stdin`` for a standby."""
+    """One forked worker: ``pid``, ``poll``, ``wait``, ``kill``, ``terminate`` (as ``subprocess.Popen``'s).
 
-    def __init__(self, zygote: Zygote, pid: int, standby: bool):
+    Its end is reported by the zygote; once the zygote is gone, by looking
+    at the process itself (it was adopted by another).
+    """
+
+    def __init__(self, zygote: Zygote, pid: int):
         self.pid, self._zygote = pid, zygote
         self.returncode: int | None = None
         self._ended = threading.Event()
-        self.stdin = _Identity(zygote, pid) if standby else None
 
     def _exited(self, status: int) -> None:
         self.returncode = status
@@ -107,19 +115,6 @@ class Child:
         self.send_signal(signal.SIGTERM)
 
 
-class _Identity:
-    """A standby's stdin as the launcher sees it: one line written, then closed (through the zygote)."""
-
-    def __init__(self, zygote: Zygote, pid: int):
-        self._zygote, self._pid, self._line = zygote, pid, b""
-
-    def write(self, data: bytes) -> None:
-        self._line += data
-
-    def close(self) -> None:
-        self._zygote.assign(self._pid, self._line.decode())
-
-
 class Zygote:
     """The launcher's side: starts the zygote with ``env``, importing ``preload`` modules too (besides
     :data:`PRELOAD`); its stderr goes to ``log_path``."""
@@ -137,12 +132,17 @@ class Zygote:
         self._started: dict[int, int] = {}          # seq -> pid, until start() takes it
         self._children: dict[int, Child] = {}
         self._early: dict[int, int] = {}            # pid -> status reported before its Child existed
+        self._ready = threading.Event()
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def start(self, argv: list[str], log_path: str, standby: bool = False, env: dict[str, str] | None = None) -> Child:
+    def ready(self) -> bool:
+        """Whether it finished its imports (a start now forks at once) and still runs."""
+        return self._ready.is_set() and self.alive()
+
+    def start(self, argv: list[str], log_path: str, env: dict[str, str] | None = None) -> Child:
         """Forks a worker running ``runtime.worker_process.main(argv)`` with ``env`` (None: the zygote's own);
         ``ZygoteError`` when the zygote cannot."""
         if env is not None and _key(env) != self.key:
@@ -150,13 +150,13 @@ class Zygote:
         with self._cond:
             self._seq += 1
             seq = self._seq
-            self._send({"start": seq, "argv": argv, "env": env, "log": log_path, "standby": standby})
+            self._send({"start": seq, "argv": argv, "env": env, "log": log_path})
             if not self._cond.wait_for(lambda: seq in self._started or not self.alive(), READY_SECONDS):
                 raise ZygoteError(f"the zygote did not fork a worker within {READY_SECONDS:.0f} s")
             if seq not in self._started:
                 raise ZygoteError(f"the zygote exited with status {self._proc.poll()}")
             pid = self._started.pop(seq)
-            child = self._children[pid] = Child(self, pid, standby)
+            child = self._children[pid] = Child(self, pid)
             if pid in self._early:
                 child._exited(self._early.pop(pid))
             return child
@@ -169,13 +169,8 @@ class Zygote:
                 self._send({"import": missing})
             self.imported.update(missing)
 
-    def assign(self, pid: int, line: str) -> None:
-        """Hands a standby child its identity line; ``OSError`` when the zygote is gone."""
-        with self._lock:
-            self._send({"assign": pid, "line": line})
-
     def close(self) -> None:
-        """Ends the zygote (its running workers are told apart; they see their parent gone)."""
+        """Ends the zygote (its running workers go on: they answer to the run's owner, not to it)."""
         try:
             self._proc.stdin.close()
         except OSError:
@@ -199,7 +194,9 @@ class Zygote:
             except ValueError:
                 continue
             with self._cond:
-                if "started" in msg:
+                if "ready" in msg:
+                    self._ready.set()
+                elif "started" in msg:
                     self._started[msg["started"]] = msg["pid"]
                 elif "exited" in msg:
                     child = self._children.get(msg["exited"])
@@ -295,16 +292,18 @@ def _exists(pid: int) -> bool:
 def serve() -> None:
     """The zygote process's loop (``python -c "from runtime.zygote import serve; serve()"``)."""
     import runtime.worker_process as worker_process   # the imports every worker needs, once
+    from runtime.owner import set_title
 
     _import(sys.argv[1:])   # PRELOAD and the launcher's own
+    set_title(f"elastic-zygote (forks the local workers of process {os.getppid()})")
 
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # a child's prints never land in the reply stream
+    out.write(json.dumps({"ready": True}) + "\n")
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)   # wakes the loop through wake_w
-    standbys: dict[int, int] = {}   # pid -> write end of its stdin
     sel = selectors.DefaultSelector()
     sel.register(0, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
@@ -313,7 +312,7 @@ def serve() -> None:
         for key, _ in sel.select():
             if key.fd == wake_r:
                 os.read(wake_r, 4096)
-                _reap(out, standbys)
+                _reap(out)
                 continue
             data = os.read(0, 65536)
             if not data:
@@ -323,19 +322,11 @@ def serve() -> None:
                 line, pending = pending.split(b"\n", 1)
                 msg = json.loads(line)
                 if "start" in msg:
-                    pid = _fork(msg, worker_process, [out.fileno(), wake_r, wake_w, *standbys.values()], standbys)
+                    pid = _fork(msg, worker_process, [out.fileno(), wake_r, wake_w])
                     out.write(json.dumps({"started": msg["start"], "pid": pid}) + "\n")
                 elif "import" in msg:
                     _import(msg["import"])
-                elif "assign" in msg:
-                    fd = standbys.pop(msg["assign"], None)
-                    if fd is not None:
-                        try:
-                            os.write(fd, msg["line"].encode())
-                        except OSError:
-                            pass   # it died first; its end is reported as usual
-                        os.close(fd)
-        _reap(out, standbys)
+        _reap(out)
 
 
 def _import(modules) -> None:
@@ -348,7 +339,7 @@ def _import(modules) -> None:
             pass
 
 
-def _reap(out, standbys: dict[int, int]) -> None:
+def _reap(out) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -356,21 +347,12 @@ def _reap(out, standbys: dict[int, int]) -> None:
             return
         if pid == 0:
             return
-        fd = standbys.pop(pid, None)
-        if fd is not None:
-            os.close(fd)
         out.write(json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
-def _fork(msg: dict, worker_process, zygote_fds: list[int], standbys: dict[int, int]) -> int:
-    stdin_r = stdin_w = None
-    if msg["standby"]:
-        stdin_r, stdin_w = os.pipe()
+def _fork(msg: dict, worker_process, zygote_fds: list[int]) -> int:
     pid = os.fork()
     if pid:
-        if stdin_r is not None:
-            os.close(stdin_r)
-            standbys[pid] = stdin_w
         return pid
     status = 1
     try:   # the child: a worker from here on
@@ -379,8 +361,8 @@ def _fork(msg: dict, worker_process, zygote_fds: list[int], standbys: dict[int, 
         log = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        os.dup2(stdin_r if stdin_r is not None else os.open(os.devnull, os.O_RDONLY), 0)
-        for fd in [log, *zygote_fds, *(x for x in (stdin_r, stdin_w) if x is not None)]:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd in [log, *zygote_fds]:
             try:
                 os.close(fd)
             except OSError:

@@ -21,6 +21,7 @@ from ray.cluster_utils import Cluster
 from tests.conftest import ROOT
 
 STORE = 80 * 1024 * 1024   # the object store of each node: the runtime moves no tensors through Ray
+LOOPBACK = "127.0.0.1"
 
 
 def _events(run_dir: pathlib.Path) -> list[dict]:
@@ -31,10 +32,11 @@ def _events(run_dir: pathlib.Path) -> list[dict]:
 
 
 def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path):
+    # Every node on loopback (node_ip_address): no test traffic leaves this host's loopback interface.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "object_store_memory": STORE})
+                                                            "object_store_memory": STORE, "node_ip_address": LOOPBACK})
     # One CPU per node, one per actor: each worker on a node of its own, so removing a node loses one slice.
-    nodes = [cluster.add_node(num_cpus=1, object_store_memory=STORE) for _ in range(3)]
+    nodes = [cluster.add_node(num_cpus=1, object_store_memory=STORE, node_ip_address=LOOPBACK) for _ in range(3)]
     cluster.wait_for_nodes()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), RAY_ADDRESS=cluster.address)
     env.pop("XLA_FLAGS", None)
@@ -52,6 +54,9 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path
             if any(e["kind"] == "worker_warmed" and e["worker"] in relaunched for e in events):
                 break   # the first kill was recovered and its replacement is a spare now
             time.sleep(0.1)
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the run ended before its first recovery ({proc.returncode}):\n{out}\n{err}")
         hosts = {e["worker"]: e["host"] for e in events if e["kind"] == "worker_registered"}
         active = next(e for e in reversed(events) if e["kind"] in ("placement", "recovery_decision"))["active"]
         # Not the node the client's own Ray connection goes through (all nodes share this host's IP, so Ray may
@@ -76,3 +81,8 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path
     assert on_node <= set(dead) and len(report["failures"]) >= 2, (on_node, dead)
     assert any(reason.startswith("ray: ") for reason in dead.values()), dead   # Ray's own signal
     assert all(e["host"] in {n.node_id for n in nodes} for e in events if e["kind"] == "worker_registered")
+    # The client listened, and every worker served, on loopback only.
+    started = next(e for e in events if e["kind"] == "run_started")
+    assert started["controller"].startswith(f"{LOOPBACK}:"), started["controller"]
+    addresses = [e["address"] for e in events if e["kind"] == "worker_registered"]
+    assert addresses and all(a.startswith(f"{LOOPBACK}:") for a in addresses), addresses
