@@ -4,6 +4,7 @@
 - :mod:`chaos.scenario`: scenario YAML files.
 - :mod:`chaos.schedule`: random schedules and target resolution.
 - :mod:`chaos.reach`: can each fault ever fire in this run? (checked before a run starts)
+- :mod:`chaos.promise`: what each recovery's faults left, and what that promised (for the verdict).
 - :mod:`chaos.verdict`: did a faulted run train exactly like a fault-free one?
 - :mod:`chaos.injector`: fires faults at a live run (a ``runtime.ControllerObserver``).
 - :mod:`chaos.harness`: reference run, faulted run and verdict (``elastic chaos``, :func:`run_job` for any job).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 
+from chaos.promise import Promise, promises
 from chaos.reach import RunShape, check_reachable
 from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
@@ -34,6 +36,7 @@ __all__ = [
     "Fault",
     "FaultInjector",
     "FaultSpecError",
+    "Promise",
     "RunShape",
     "Scenario",
     "Target",
@@ -49,6 +52,7 @@ __all__ = [
     "parse_duration",
     "parse_faults",
     "plan",
+    "promises",
     "random_faults",
     "reference_report",
     "resolve_target",

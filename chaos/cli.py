@@ -12,6 +12,8 @@ the device count first.
 
 from __future__ import annotations
 
+import sys
+
 from elastic.cli_support import config_loader, finish, make_job, progress, usage_error
 from elastic.config import ConfigError, load_config
 
@@ -53,7 +55,7 @@ def _cmd_chaos(args) -> int:
         return usage_error(str(e))
     overrides = overrides + args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
     try:
-        loader, cfg = config_loader(config), None
+        loader, cfg = config_loader(config, overrides), None
         if loader is None:   # a fault that can never fire is bad input: refused before JAX starts
             cfg = load_config(config, overrides)
             fault_plan(cfg, options)
@@ -64,12 +66,19 @@ def _cmd_chaos(args) -> int:
         if isinstance(e, ConfigError):
             raise
         return usage_error(str(e))
+    from runtime import ElasticError
+
     with progress(cfg.steps, args.quiet) as on_step:
         try:
             report, run_dir = run_chaos(job.with_config, cfg, options, on_step=on_step)
         except ValueError as e:
             return usage_error(str(e))
+        except ElasticError as e:   # the run could not go on (no capacity left, an unreachable cluster, ...)
+            print(f"elastic: chaos run failed: {e}", file=sys.stderr)
+            return 1
     finish(report, run_dir, args.quiet)
     if scenario is not None and scenario.expect != "pass":
         print(f"scenario {scenario.name!r} expects the verdict {scenario.expect!r}: got {report['verdict']!r}")
     return 0 if report["verdict"] == "pass" else 1   # the exit status is the verdict, so it can gate CI
+
+

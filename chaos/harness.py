@@ -32,7 +32,7 @@ from chaos.schedule import random_faults
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
 from chaos.verdict import judge
 from elastic.config import Config, parse_overrides
-from elastic.report import build_report, render_run
+from elastic.report import build_report, render_run, write_report
 from runtime import ElasticError, EventLog, read_events
 
 __all__ = ["ChaosOptions", "ChaosResult", "fault_plan", "plan", "run_chaos", "run_job", "reference_report"]
@@ -222,4 +222,9 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
         log.emit("verdict", **verdict)
     finally:
         log.close()
-    return render_run(run_dir), run_dir
+    report = render_run(run_dir)
+    missing = {k: v for k, v in verdict.items() if k not in report}
+    if missing:   # verdict fields the report's fold does not carry (yet): merged here, so report.json has them
+        report.update(missing)
+        write_report(run_dir, report)
+    return report, run_dir

@@ -20,7 +20,9 @@ The rules, with the reason each error gives (``docs/chaos-guide.md``):
   relaunched worker is promoted as soon as it is ready, so no spare is ever
   there to hit.
 * ``kill_save`` and ``@checkpoint=N`` need checkpoints (``enable_checkpointing``);
-  ``@checkpoint=N`` needs ``N <= steps`` (checkpoints hold 1..steps applied steps).
+  ``@checkpoint=N`` needs ``N <= steps`` (checkpoints hold 1..steps applied steps);
+  ``kill_save@checkpoint=N`` needs a checkpoint after the first one of step N
+  or later (the last step's is the run's last save).
 * ``@snapshot=N`` needs in-memory snapshots (``elastic_snapshot_interval``) and
   ``N < steps`` (no snapshot follows the last step).
 * ``@transfer`` needs a worker that can join (recovery enabled, and a spare or
@@ -50,6 +52,7 @@ class RunShape:
     duration_seconds: float | None = None   # soak runs: training stops dispatching after this long
     random_faults: bool = False             # soak runs: random faults are drawn besides the listed ones
     checkpoints: bool = False               # ``enable_checkpointing``: the run writes persistent checkpoints
+    checkpoint_period: int = 0              # ``checkpoint_period``: a checkpoint after every N steps (and the last)
     snapshot_interval: int = 0              # ``elastic_snapshot_interval``: in-memory snapshots every N steps
 
     @classmethod
@@ -60,7 +63,8 @@ class RunShape:
         return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism, spares=cfg.elastic_spares,
                    recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
                    duration_seconds=duration_seconds if soak else None, random_faults=soak,
-                   checkpoints=cfg.enable_checkpointing, snapshot_interval=cfg.elastic_snapshot_interval)
+                   checkpoints=cfg.enable_checkpointing, checkpoint_period=cfg.checkpoint_period,
+                   snapshot_interval=cfg.elastic_snapshot_interval)
 
 
 def check_reachable(faults: Sequence[Fault], shape: RunShape) -> None:
@@ -87,6 +91,12 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
     if when.checkpoint is not None and when.checkpoint > shape.steps:
         return (f"checkpoint={when.checkpoint} is never reached: the run's newest checkpoint holds at most "
                 f"{shape.steps} steps")
+    if fault.kind == "kill_save" and when.checkpoint is not None and shape.checkpoint_period > 0:
+        first = min(-(-max(when.checkpoint, 1) // shape.checkpoint_period) * shape.checkpoint_period, shape.steps)
+        if first >= shape.steps:
+            return (f"kill_save cuts off a save that follows checkpoint={when.checkpoint}, and none does: the first "
+                    f"checkpoint of step {when.checkpoint} or later is the run's last (step {shape.steps}; "
+                    f"checkpoint_period={shape.checkpoint_period})")
     if when.snapshot is not None and not shape.snapshot_interval:
         return (f"snapshot={when.snapshot} waits for an in-memory snapshot, and the run takes none "
                 "(set elastic_snapshot_interval)")

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, split_faults, validate
+from elastic.config import yaml_problem
 
 __all__ = ["Scenario", "load_scenario"]
 
@@ -60,7 +61,9 @@ def load_scenario(path: str | os.PathLike) -> Scenario:
         raise FaultSpecError(f"cannot read scenario file {path}: {e.strerror}") from e
     except UnicodeDecodeError as e:
         raise FaultSpecError(f"scenario file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
-    except (yaml.YAMLError, ValueError) as e:   # PyYAML raises ValueError for a date that cannot be (2001-02-30)
+    except yaml.YAMLError as e:
+        raise FaultSpecError(f"invalid YAML in scenario file {path}{yaml_problem(e)}") from None
+    except ValueError as e:   # PyYAML raises ValueError for a date that cannot be (2001-02-30)
         raise FaultSpecError(f"invalid YAML in scenario file {path}: {e}") from None
     except RecursionError:
         raise FaultSpecError(f"invalid YAML in scenario file {path}: nested too deeply") from None

@@ -101,8 +101,8 @@ def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, .
         return (who,)
     if kind == "role" and value == "writer":
         if writer is None:
-            raise TargetError("role=writer names nobody: the run writes no more checkpoints "
-                              "(enable_checkpointing=true with a checkpoint_period writes them)")
+            raise TargetError("role=writer names nobody: no checkpoint save is left in the run (every one "
+                              "ordered was written, and none follows)")
         return (writer,)
     if kind == "all":
         if not active:

@@ -70,7 +70,7 @@ _OPTIONS: dict[str, dict[str, float | None]] = {
     "straggle": {"factor": 3.0, "for": 10.0},
     "partition": {"for": 5.0},
     "corrupt": {},
-    "kill_save": {},  # dies while it writes a checkpoint: the next one it writes after WHEN
+    "kill_save": {},  # its writer dies mid-save: the save it writes at WHEN, or its next one
 }
 if set(_OPTIONS) != set(KINDS) or not set(_NOT_INJECTABLE) <= set(KINDS) or not set(TRANSFER_KINDS) <= set(KINDS):
     raise RuntimeError("chaos.spec: the fault kinds of _OPTIONS, _NOT_INJECTABLE and TRANSFER_KINDS must be KINDS")

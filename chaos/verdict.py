@@ -4,12 +4,15 @@ Pure functions of a run's ``report.json`` dict, its ``events.jsonl`` events and
 (optionally) a fault-free reference run's report. The chaos runner calls
 :func:`judge` after the run ends and merges the returned dict into the report.
 
-A run passes when it finished every requested step, never recomputed a
-committed step (``steps_lost == 0``), never restored from a checkpoint
-(``checkpoint_restores == 0``), applied every microbatch of every committed step
-exactly once, was hit by every fault it was given (none ``skipped``), and
-(given a reference) followed the reference's loss trajectory bit for bit or
-within ``rtol``.
+A run passes when it finished every requested step, every recovery kept the
+promise of what its faults left (:mod:`chaos.promise`: with a replica or a
+shadow left, no step recomputed and no restore; with only snapshots or
+checkpoints, a restore of the newest, recomputing at most the interval or
+period plus the steps in flight), no committed step was recomputed outside a
+recovery, every microbatch of every committed step was applied exactly once,
+it was hit by every fault it was given (none ``skipped``, every ``kill_save``
+struck), and (given a reference) it followed the reference's loss trajectory
+bit for bit or within ``rtol``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import math
 import struct
 from typing import Any
+
+from chaos.promise import promises as recovery_promises
 
 __all__ = ["compare_trajectory", "exactly_once", "judge"]
 
@@ -91,7 +96,8 @@ def compare_trajectory(losses: list[float], reference_losses: list[float], *, fi
 
 def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: float = 1e-5) -> dict:
     """The verdict fields for ``report.json``: ``verdict``, ``verdict_reasons``,
-    ``trajectory``, ``first_diverging_step``, ``exactly_once``, ``exactly_once_detail``.
+    ``trajectory``, ``first_diverging_step``, ``exactly_once``, ``exactly_once_detail``
+    and ``promises`` (one per recovery: :meth:`chaos.promise.Promise.as_dict`).
 
     ``verdict_reasons`` is empty on a pass; otherwise one sentence per broken
     requirement, with the numbers. ``reference`` is the report of a fault-free run
@@ -114,14 +120,17 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
             why = f"the run finished with {completed} committed steps instead of {requested}"
         reasons.append(f"stopped at step {completed} {of}: {why}.")
 
-    lost = report.get("steps_lost") or 0
-    if lost:
-        reasons.append(f"{lost} committed step{_s(lost)} had to be recomputed (steps_lost={lost}); "
-                       "recovery must never rewind past a committed step.")
-    for key, tier in (("snapshot_restores", "an in-memory snapshot"), ("checkpoint_restores", "a checkpoint")):
-        if restores := report.get(key) or 0:
-            reasons.append(f"the run restored from {tier} {restores} time{_s(restores)} ({key}); "
-                           "a surviving replica should have supplied the state.")
+    recoveries = recovery_promises(events, report.get("config"))
+    reasons += [p.reason for p in recoveries if p.reason]
+    # The events are the record; a report that counts more than they explain (hand-built, say) is judged too.
+    outside = (report.get("steps_lost") or 0) - sum(p.recomputed for p in recoveries)
+    if outside > 0:
+        reasons.append(f"{outside} committed step{_s(outside)} {'was' if outside == 1 else 'were'} recomputed "
+                       "outside any recovery (steps_lost); a run never rewinds past a committed step unprompted.")
+    for key, tier in (("snapshot_restores", "snapshot"), ("checkpoint_restores", "checkpoint")):
+        extra = (report.get(key) or 0) - sum(1 for p in recoveries if (p.restored or {}).get("tier") == tier)
+        if extra > 0:
+            reasons.append(f"the run restored a {tier} {extra} time{_s(extra)} outside any recovery ({key}).")
 
     once, once_detail = (None, {})
     if report.get("microbatches") and requested is not None:
@@ -133,6 +142,7 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
         if fault.get("skipped"):
             reasons.append(f"fault {fault.get('spec')!r} was not injected ({fault['skipped']}), "
                            "so the run was not tested against it.")
+    reasons += _unstruck(events)
 
     trajectory, first = None, None
     if reference is not None:
@@ -155,7 +165,22 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
         "first_diverging_step": first,
         "exactly_once": once,
         "exactly_once_detail": once_detail,
+        "promises": [p.as_dict() for p in recoveries],
     }
+
+
+def _unstruck(events: list[dict]) -> list[str]:
+    """A ``kill_save`` arms its writer to die mid-save: one whose writer never died afterwards was never tested."""
+    armed: dict = {}   # fault index -> (its text, the workers armed and not yet dead)
+    for e in events:
+        if e.get("kind") == "fault_injected" and e.get("fault_kind") == "kill_save":
+            workers = set(e.get("workers") or ()) - set(e.get("errors") or {})
+            if workers:
+                armed[e.get("index")] = (e.get("fault"), workers)
+        elif e.get("kind") == "worker_dead":
+            armed = {i: (spec, workers) for i, (spec, workers) in armed.items() if e.get("worker") not in workers}
+    return [f"fault {spec!r} armed {', '.join(sorted(workers))} to die mid-save, and no save it wrote afterwards "
+            "was cut off, so the run was not tested against it." for spec, workers in armed.values()]
 
 
 def _exactly_once_reason(detail: dict[str, Any], microbatches: int) -> str:

@@ -28,6 +28,7 @@ __all__ = [
     "DataSource",
     "FunctionSource",
     "GrainSource",
+    "RunRecordsLostError",
     "Trainer",
     "WrappedStep",
     "build_report",
@@ -36,8 +37,8 @@ __all__ = [
     "wrap",
 ]
 
-_LAZY = {"Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer", "wrap": "elastic.trainer",
-         "build_report": "elastic.report"}
+_LAZY = {"RunRecordsLostError": "elastic.trainer", "Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer",
+         "wrap": "elastic.trainer", "build_report": "elastic.report"}
 
 
 def __getattr__(name: str):

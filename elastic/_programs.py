@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from runtime import MESH_AXIS, ProgramExportError, ProgramSet
+from runtime import MESH_AXIS, ProgramExportError, ProgramSet, program_fingerprint
 
-__all__ = ["build_programs", "shard_dim", "export_program"]
+__all__ = ["build_programs", "shard_dim", "export_program", "program_fingerprints"]
 
 
 def shard_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
@@ -144,3 +144,14 @@ def build_programs(
         batch_spec={k: [list(s.shape), np.dtype(s.dtype).str] for k, s in batch_shapes.items()},
         in_specs={"init": [None], "grad": state_dim_list + batch_dims, "apply": state_dim_list + [None]},
     )
+
+
+def program_fingerprints(programs: ProgramSet) -> dict[str, str]:
+    """``{program name: sha256 of its StableHLO text without source locations}``: which math each program is.
+
+    The client records them (``programs_built``) so that a later attempt of the run can tell, before
+    anything starts, which program changed (``init``: the model's parameters; ``grad``: the model and its
+    loss; ``apply``: the optimizer's update, where a learning-rate schedule lives). The same model and
+    optimizer give the same fingerprints however and wherever they were traced.
+    """
+    return {name: program_fingerprint(blob) for name, blob in sorted(programs.programs().items())}

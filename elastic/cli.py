@@ -36,14 +36,22 @@ def _cmd_run(args) -> int:
     from elastic.preflight import check_config_capacity, check_output_directory
 
     overrides = args.overrides + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
-    loader, cfg = config_loader(args.config), None
+    loader, cfg = config_loader(args.config, overrides), None
     if loader is None:
         cfg = load_config(args.config, overrides)
         # Before JAX loads: the run fits this host and its directory is usable (fit checks again, for good).
         if not args.reference:
             check_config_capacity(cfg)
         check_output_directory(cfg.base_output_directory, cfg.run_name)
-    cfg, trainer = make_job(args.config, overrides, reference=args.reference, loader=loader, cfg=cfg)
+    try:
+        cfg, trainer = make_job(args.config, overrides, reference=args.reference, loader=loader, cfg=cfg)
+    except Exception as e:   # runtime imports JAX: only once make_job has set the device count
+        from runtime import ElasticError
+
+        if not isinstance(e, ElasticError):
+            raise
+        print(f"elastic: run failed: {e}", file=sys.stderr)   # a step that cannot be exported, traced here
+        return 1
     from runtime import ElasticError
 
     with progress(cfg.steps, args.quiet) as on_step:
@@ -51,7 +59,9 @@ def _cmd_run(args) -> int:
             report = trainer.fit(reference=args.reference, on_step=on_step)
         except ElasticError as e:
             print(f"elastic: run failed: {e}", file=sys.stderr)
-            print(f"report: {trainer.run_dir() / 'report.html'}", file=sys.stderr)
+            html = trainer.run_dir() / "report.html"
+            if html.is_file():   # not when writing it is what failed
+                print(f"report: {html.resolve().as_uri()}", file=sys.stderr)
             return 1
     finish(report, trainer.run_dir(), args.quiet)
     return 0

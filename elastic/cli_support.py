@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import os
+import pathlib
 import sys
 
 from elastic.config import ConfigError
 
-__all__ = ["CONFIGS_GROUP", "OneLineParser", "bundled_trainer", "config_loader", "finish", "make_job",
-           "make_trainer", "progress", "set_device_count", "set_platform", "usage_error"]
+__all__ = ["CONFIGS_GROUP", "OneLineParser", "bundled_trainer", "config_loader", "factory_job", "finish",
+           "kept_library_output", "make_job", "make_trainer", "progress", "set_device_count", "set_platform",
+           "usage_error"]
 
 #: The entry-point group of loaders of other config formats (MaxText's: ``integrations.maxtext.cli``).
 CONFIGS_GROUP = "elastic.configs"
@@ -83,17 +86,31 @@ def bundled_trainer(cfg):
 def make_trainer(cfg):
     """The job the ``elastic`` command runs: ``factory(cfg)`` named by ``elastic_trainer``, else the bundled model.
 
-    ``elastic_trainer`` is ``"module:factory"``; the module is imported with
-    the current directory first on the import path (as ``python -m`` does),
-    and ``factory(cfg)`` must return an ``elastic.Trainer`` or ``elastic.wrap``
-    job built with ``cfg``. Anything else is a ``ConfigError`` naming the key.
+    ``elastic_trainer`` is ``"module:factory"`` (see :func:`factory_job`).
     Imports JAX (the caller sets the device count first).
     """
-    spec = cfg.elastic_trainer
-    if not spec:
+    if not cfg.elastic_trainer:
         return bundled_trainer(cfg)
+    return factory_job(cfg)
+
+
+def factory_job(cfg, *more):
+    """The job of the factory ``cfg.elastic_trainer`` names: ``factory(cfg, *more)``, or ``factory(cfg)`` when its
+    signature takes only one argument.
+
+    ``elastic_trainer`` is ``"module:factory"``; the module is imported with
+    the current directory first on the import path (as ``python -m`` does),
+    and the factory must return an ``elastic.Trainer`` or ``elastic.wrap``
+    job built with ``cfg``. ``more``: what a config format gives besides
+    ``cfg`` (the MaxText loader: MaxText's config). Anything else is a
+    ``ConfigError`` naming the key. Called in the client, before anything
+    starts; imports JAX.
+    """
+    import inspect
+
     from elastic.trainer import Trainer, WrappedStep
 
+    spec = cfg.elastic_trainer
     where = f"config key 'elastic_trainer' ({spec!r})"
     module_name, attr = spec.split(":")
     if os.getcwd() not in sys.path:
@@ -109,7 +126,18 @@ def make_trainer(cfg):
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a function of the config")
-    job = obj(cfg)
+    args = (cfg, *more)
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):   # a callable Python cannot introspect: call it with everything
+        signature = None
+    if signature is not None and more and not _binds(signature, args):
+        args = (cfg,)
+    if signature is not None and not _binds(signature, args):
+        also = f" nor (config, {', '.join(type(m).__name__ for m in more)})" if more else ""
+        raise ConfigError(f"{where}: {attr}{signature} takes neither (config){also}: the factory is called with "
+                          "the run's config")
+    job = obj(*args)
     if not isinstance(job, (Trainer, WrappedStep)):
         raise ConfigError(f"{where}: {attr}(config) returned a {type(job).__name__}; it must return "
                           "elastic.Trainer(...) or elastic.wrap(...)")
@@ -120,21 +148,31 @@ def make_trainer(cfg):
     return job
 
 
-def config_loader(path: str):
+def _binds(signature, args) -> bool:
+    try:
+        signature.bind(*args)
+    except TypeError:
+        return False
+    return True
+
+
+def config_loader(path: str, overrides=()):
     """The ``elastic.configs`` loader that claims the config file ``path``, or None (jax-elastic's own format).
 
-    Loader contract: an object with ``name``; ``claims(path) -> bool``
-    (cheap, must not start JAX); ``devices_per_slice(path, overrides) -> int``
-    (without JAX); ``make_job(path, overrides)`` -> an ``elastic.Trainer`` or
-    ``elastic.wrap`` job whose ``config`` is the run's (starts JAX). A loader
-    that fails to load or to answer is one warning line and is skipped.
+    Loader contract: an object with ``name``; ``claims(path, overrides) ->
+    bool`` (cheap, must not start JAX); ``devices_per_slice(path, overrides)
+    -> int`` (without JAX); ``make_job(path, overrides)`` -> an
+    ``elastic.Trainer`` or ``elastic.wrap`` job whose ``config`` is the run's
+    (starts JAX; with ``elastic_trainer`` set, the job of that factory, given
+    the loaded config: :func:`factory_job`). A loader that fails to load or to
+    answer is one warning line and is skipped.
     """
     from importlib.metadata import entry_points
 
     for ep in sorted(entry_points(group=CONFIGS_GROUP), key=lambda ep: ep.name):
         try:
             loader = ep.load()
-            if loader.claims(path):
+            if loader.claims(path, list(overrides)):
                 return loader
         except Exception as e:  # noqa: BLE001 - a broken plug-in must not take the built-in formats down
             print(f"elastic: warning: config loader {ep.name!r} ({ep.value}) is unavailable: {type(e).__name__}: "
@@ -149,19 +187,94 @@ def make_job(config: str, overrides: list[str], *, reference: bool, loader=None,
     format, already loaded as ``cfg`` when given). Sets this process's
     platform (:func:`set_platform`; a loader's client stays on the CPU) and
     simulated CPU devices first (for ``reference``, and for a loader whose
-    client builds on a real mesh); JAX starts here.
+    client builds on a real mesh); JAX starts here. The job's data source is
+    checked against the config (:func:`elastic.preflight.check_data_source`)
+    before anything starts.
     """
     from elastic.config import load_config
+    from elastic.preflight import check_data_source
 
     if loader is not None:
         set_device_count(loader.devices_per_slice(config, overrides))
         job = loader.make_job(config, overrides)
-        return job.config, job
-    cfg = cfg if cfg is not None else load_config(config, overrides)
-    set_platform(cfg.hardware)
-    if reference:
-        set_device_count(cfg.devices_per_slice)
-    return cfg, make_trainer(cfg)
+    else:
+        cfg = cfg if cfg is not None else load_config(config, overrides)
+        set_platform(cfg.hardware)
+        if reference:
+            set_device_count(cfg.devices_per_slice)
+        job = make_trainer(cfg)
+    check_data_source(job.data, job.config)
+    return job.config, job
+
+
+class _Kept(io.TextIOBase):
+    """A stand-in for sys.stdout or sys.stderr: keeps what is written while ``keeping``, then passes it on.
+
+    Passing on afterwards matters: a library that bound the stream while it was kept (a logging handler made at
+    import) must reach the terminal later, not a closed buffer.
+    """
+
+    def __init__(self, real, kept: list[str]):
+        super().__init__()
+        self.real, self.kept, self.keeping = real, kept, True
+
+    def write(self, text: str) -> int:
+        if self.keeping:
+            self.kept.append(text)
+        else:
+            self.real.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def isatty(self) -> bool:
+        return self.real.isatty()
+
+    @property
+    def encoding(self):
+        return getattr(self.real, "encoding", "utf-8")
+
+    def __getattr__(self, name):   # what else a stream has (buffer, errors...): the real one's
+        if name == "real":   # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.real, name)
+
+
+@contextlib.contextmanager
+def kept_library_output():
+    """Within: what Python code writes to ``sys.stdout`` and ``sys.stderr`` (prints, warnings, logging's handlers)
+    is kept off the terminal; yields the list it is kept in (the caller writes it to the run's logs).
+
+    For the client's building of a job from libraries that talk as they import and load (MaxText's config and
+    model code): the terminal keeps what the user needs. An exception other than ``ConfigError`` (whose one line
+    says what is wrong) writes what was kept to the terminal before it propagates, so nothing that explains a
+    crash is hidden. Output of C++ code (XLA's own logging) is not Python's and is not kept.
+    """
+    kept: list[str] = []
+    streams = _Kept(sys.stdout, kept), _Kept(sys.stderr, kept)
+    before = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = streams
+    try:
+        yield kept
+    except ConfigError:
+        raise
+    except BaseException:
+        _restore(before, streams)
+        sys.stderr.write("".join(kept))
+        raise
+    finally:
+        _restore(before, streams)
+
+
+def _restore(before, streams) -> None:
+    for stream in streams:
+        stream.keeping = False
+    if (sys.stdout, sys.stderr) == streams:
+        sys.stdout, sys.stderr = before
 
 
 def progress(steps: int, quiet: bool):
@@ -183,11 +296,12 @@ def progress(steps: int, quiet: bool):
 
 
 def finish(report: dict, run_dir, quiet: bool) -> None:
-    """Prints the run's summary (plain text when ``quiet``) and the path of its ``report.html``."""
+    """Prints the run's summary (plain text when ``quiet``), then its ``report.html`` as a ``file://`` link a
+    terminal can open."""
     from elastic.report import print_summary, summary_text
 
     if quiet:
         print(summary_text(report))
     else:
         print_summary(report)
-    print(f"report: {run_dir / 'report.html'}")
+    print(f"report: {(pathlib.Path(run_dir) / 'report.html').resolve().as_uri()}")

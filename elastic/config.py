@@ -3,8 +3,9 @@
 Contract:
 
 * A config file is a YAML mapping of flat ``key: value`` pairs. ``base_config:
-  other.yml`` (a path relative to the file that names it) is loaded first and the
-  file overrides it; chains are allowed, a cycle is an error.
+  other.yml`` (a path relative to the file that names it; where no such file
+  is, a bundled config's name, ``base``, ``tiny``, ``base.yml``...) is loaded
+  first and the file overrides it; chains are allowed, a cycle is an error.
 * ``key=value`` overrides (the command line) are applied last. A value is read as a
   YAML scalar and then checked against the type of its key, so ``steps=30`` is an
   int and ``learning_rate=1e-3`` is a float.
@@ -44,6 +45,8 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "parse_overrides",
+    "yaml_problem",
+    "read_config_file",
 ]
 
 _FACTORY = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
@@ -491,21 +494,45 @@ def _read_chain(path: pathlib.Path, chain: tuple[pathlib.Path, ...] = ()) -> lis
     real = path.resolve()
     if real in chain:
         raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*chain, real))}")
-    layer = _read_yaml(path, referrer=chain[-1] if chain else None)
+    layer = read_config_file(path, referrer=chain[-1] if chain else None)
     base = layer.pop("base_config", None)
     if base is None:
         return [(str(path), layer)]
     if not isinstance(base, str) or not base or "\x00" in base:
         raise ConfigError(f"base_config in {path} must be a file name, got {base!r}")
-    return [*_read_chain(path.parent / base, (*chain, real)), (str(path), layer)]
+    return [*_read_chain(_base_path(path, base), (*chain, real)), (str(path), layer)]
 
 
-def _read_yaml(path: pathlib.Path, referrer: pathlib.Path | None) -> dict[str, Any]:
+def _base_path(path: pathlib.Path, base: str) -> pathlib.Path:
+    """The file ``base_config: base`` of ``path`` names: beside ``path``, else the bundled config of that name."""
+    beside = path.parent / base
+    if beside.exists():
+        return beside
+    try:
+        return builtin_config_path(base)
+    except ConfigError:
+        bundled = ", ".join(sorted(p.stem for p in _CONFIG_DIR.glob("*.yml")))
+        raise ConfigError(f"config file not found: {beside} (base_config of {path}); not beside it, nor a bundled "
+                          f"config ({bundled})") from None
+
+
+def read_config_file(path: str | pathlib.Path, referrer: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """The top-level mapping of one YAML config file (``base_config`` not followed), as ``{key: value}``.
+
+    Every problem is a one-line :class:`ConfigError` naming the file (and
+    ``referrer``, the file whose ``base_config`` names it): not found,
+    unreadable, not UTF-8, invalid YAML (with the line and column), or not a
+    mapping. Used for jax-elastic's files and, by other config formats (the
+    MaxText integration), for the user's files.
+    """
+    path = pathlib.Path(path)
     named_by = f" (base_config of {referrer})" if referrer else ""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}{named_by}") from e
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path}{named_by} is a directory, not a YAML file") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}{named_by}: {e.strerror}") from e
     except UnicodeDecodeError as e:
@@ -513,19 +540,27 @@ def _read_yaml(path: pathlib.Path, referrer: pathlib.Path | None) -> dict[str, A
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or "syntax error"
-        raise ConfigError(f"invalid YAML in {path}{line}: {problem}") from e
+        raise ConfigError(f"invalid YAML in {path}{named_by}{yaml_problem(e)}") from None
     except ValueError as e:   # PyYAML's constructors: a date that cannot be (2001-02-30)
-        raise ConfigError(f"invalid YAML in {path}: {e}") from None
+        raise ConfigError(f"invalid YAML in {path}{named_by}: {' '.join(str(e).split())}") from None
     except RecursionError:
-        raise ConfigError(f"invalid YAML in {path}: nested too deeply") from None
+        raise ConfigError(f"invalid YAML in {path}{named_by}: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of config keys, got {type(data).__name__}")
     return {str(k): v for k, v in data.items()}
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """`` line L, column C: problem (while parsing ... at line L', column C')``: PyYAML's error in one line."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = " ".join(str(getattr(e, "problem", None) or "syntax error").split())
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and context_mark and (context_mark.line, context_mark.column) != (mark and (mark.line, mark.column)):
+        problem += f" ({' '.join(context.split())} at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return f"{where}: {problem}"
 
 
 _DEFAULTS = Config().to_dict()

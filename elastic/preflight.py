@@ -13,6 +13,10 @@ line names the config key to change. Nothing here imports JAX.
   spares) or simulated devices than this host can hold: a pure function of the
   counts and a :class:`HostCapacity`; :func:`check_config_capacity` applies it
   to a Config and this host.
+* :func:`check_data_source`: refuses a data source whose ``element_spec()``
+  does not describe one microbatch of the config (a global batch's shapes,
+  most often), which the workers would otherwise find only when they run the
+  programs. Pure apart from calling ``element_spec()``; no data is read.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ import time
 from dataclasses import dataclass
 
 from elastic.config import Config, ConfigError
+from elastic.data import normalize_spec
 from elastic.options import controller_options, run_settings
+from runtime import ray_cluster_problem
 
 __all__ = [
     "PER_WORKER_BYTES",
     "HostCapacity",
     "RunDirectory",
     "check_config_capacity",
+    "check_data_source",
     "check_local_capacity",
     "check_output_directory",
     "claim_run_directory",
@@ -104,12 +111,60 @@ def check_local_capacity(slices: int, spares: int, devices_per_slice: int, max_l
 
 
 def check_config_capacity(cfg: Config, host: HostCapacity | None = None) -> None:
-    """:func:`check_local_capacity` for the workers ``cfg`` starts (spares after ``elastic_enabled``)."""
+    """:func:`check_local_capacity` for the workers ``cfg`` starts (spares after ``elastic_enabled``); for Ray
+    actors, that the cluster named answers (within ``elastic_register_timeout_seconds``, at most 60 s)."""
     opts = controller_options(cfg, "")
+    if opts.launcher == "ray":
+        if problem := ray_cluster_problem(opts.ray_address, min(opts.register_timeout_seconds, 60.0)):
+            raise ConfigError(problem)
     if opts.launcher != "local":
         return   # the workers run elsewhere: Ray's or the scheduler's capacity, not this host's
     check_local_capacity(opts.slices, opts.spares, opts.devices_per_slice, run_settings(cfg).max_local_workers,
                          host or host_capacity())
+
+
+# --------------------------------------------------------------------------- data source
+
+
+def check_data_source(data, cfg: Config) -> None:
+    """Refuses ``data`` when its ``element_spec()`` is not one microbatch of ``cfg``: a ConfigError saying that the
+    spec is per microbatch, the microbatch size and the keys it comes from.
+
+    Refused: a key whose leading (batch) dimension is the global batch (``cfg.global_batch_size``, when that
+    differs from ``cfg.microbatch_size``), and a spec in which no key's leading dimension is
+    ``cfg.microbatch_size``. A key with another leading dimension beside a key of the microbatch's is allowed
+    (a table every microbatch carries). A data source without ``element_spec``, or with a malformed one, is
+    left to the trainer, which names what it must be. Called by the client before anything starts (the
+    ``elastic`` command, after it builds the job); no batch is read: a source may read files that only the
+    workers' hosts have.
+    """
+    element_spec = getattr(data, "element_spec", None)
+    if not callable(element_spec):
+        return
+    try:
+        spec = normalize_spec(element_spec())
+    except ValueError:
+        return   # the trainer's own check names what the spec must look like
+    size, total = cfg.microbatch_size, cfg.global_batch_size
+    leading = {key: shape[0] if shape else None for key, (shape, _) in spec.items()}
+    wrong = next((k for k, n in leading.items() if n == total != size), None)
+    if wrong is None and spec and size not in leading.values():
+        wrong = next(iter(leading))
+    if wrong is None:
+        return
+    shape, n = spec[wrong][0], leading[wrong]
+    if n == total:
+        hint = f"; {n} is the global batch ({cfg.microbatches} microbatches x {size})"
+    elif n and n % cfg.ici_fsdp_parallelism == 0:
+        hint = (f" (or, if a microbatch of yours has {n} examples, set per_device_batch_size="
+                f"{n // cfg.ici_fsdp_parallelism})")
+    else:
+        hint = ""
+    raise ConfigError(
+        f"the data source's element_spec()[{wrong!r}] has shape {shape}, but element_spec is per microbatch: a "
+        f"microbatch here has {size} examples (per_device_batch_size {cfg.per_device_batch_size} x "
+        f"ici_fsdp_parallelism {cfg.ici_fsdp_parallelism}), so its leading dimension must be {size}, as "
+        f"batch(step, microbatch) returns it{hint}")
 
 
 # --------------------------------------------------------------------------- run directory

@@ -24,17 +24,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from elastic import _programs, marker
-from elastic.config import Config, ConfigError
+from elastic import _programs, marker, run_records
+from elastic.run_records import RunRecordsLostError
+from elastic.config import Config
 from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, run_settings
-from elastic.preflight import RunDirectory, check_config_capacity, claim_run_directory
-from elastic.report import build_report, render_run
-from runtime import (Controller, ElasticError, EventLog, ProgramExportError, ProgramSet, enable_compilation_cache,
+from elastic.preflight import RunDirectory, check_config_capacity, check_data_source, claim_run_directory
+from runtime import (Controller, ElasticError, ProgramExportError, ProgramSet, enable_compilation_cache,
                      local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
                      run_reference_process)
 
-__all__ = ["Trainer", "wrap", "WrappedStep"]
+__all__ = ["RunRecordsLostError", "Trainer", "wrap", "WrappedStep"]
 
 
 class _Job:
@@ -111,37 +111,65 @@ class _Job:
         (:mod:`elastic.preflight`): the workers it asks for must fit this
         host, and the run directory must be writable and not held by another
         run; it is locked until ``fit`` returns. Each refusal is a
-        ``ConfigError`` naming the key to change. A previous run's
-        ``events.jsonl`` and worker logs under the same name are removed.
+        ``ConfigError`` naming the key to change.
+
+        The run directory's ``events.jsonl`` holds every attempt of the run:
+        when the run directory's last attempt did not finish (its client died
+        or it failed), or when this run resumes from a checkpoint an earlier
+        attempt recorded in the run's checkpoint directory (a finished run
+        extended with more ``steps``), this attempt is appended to it, and
+        the report covers every attempt (``attempts``; steps an earlier
+        attempt committed and this one recomputes count in ``steps_lost``).
+        Otherwise (a finished run without checkpoints run again, a reference
+        run) the previous log and worker logs under the same name are
+        removed. The programs are built before anything is written: a job
+        that cannot be exported, or whose programs differ from those that
+        wrote the checkpoint it would resume from (on the same mesh), is
+        refused (``ProgramExportError``, ``ConfigError`` naming the config
+        keys that changed and how to extend a run) and leaves the run
+        directory as it was.
 
         The run directory gets ``events.jsonl``, ``report.json`` and
         ``report.html`` whether the run finishes or fails; a failed run
         records ``run_failed`` and the error propagates. An event log that
-        cannot be written (a full disk) does not stop training: the report
-        says how many events were dropped (``events_dropped``).
+        cannot be written (a full disk) does not stop training, but a run
+        whose records are incomplete (events the log dropped, report files
+        not written) ends with :class:`RunRecordsLostError` instead of
+        returning, saying what was lost (its ``report`` holds what was
+        recorded).
         """
         cfg, settings = self.config, self.settings
         if not reference:
             check_config_capacity(cfg)
+        check_data_source(self.data, cfg)   # a spec of the global batch: one line here, not a worker's traceback
         claim = self._claim()
-        try:
-            events = _fresh_log(claim.path)
-        except BaseException:
-            claim.release()
-            raise
         run_dir = claim.path
         try:
+            history = run_records.read_history(run_dir)
             t0 = time.time()
-            events.emit("job_started", mode="reference" if reference else "distributed",
-                        config=cfg.to_dict(model_keys=self.reports_model_keys),
-                        global_batch_size=cfg.global_batch_size, microbatches=settings.microbatches)
+            opts = None
             if not reference:
                 opts = self._controller_options(run_dir)
                 prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
-            events.emit("programs_built", seconds=time.time() - t0,
+            built = time.time()
+            checkpointed = opts is not None and bool(opts.checkpoint_directory)
+            fingerprints = _programs.program_fingerprints(programs) if checkpointed else None
+            if opts is not None:
+                run_records.refuse_other_programs(history, fingerprints, programs, opts.checkpoint_directory, settings.steps,
+                                       cfg.to_dict(model_keys=self.reports_model_keys), run_dir)
+            events = run_records.open_log(run_dir, append=not reference and run_records.continues(history, opts, settings.steps))
+        except BaseException:
+            claim.release()
+            raise
+        try:
+            events.emit("job_started", t=t0, mode="reference" if reference else "distributed",
+                        config=cfg.to_dict(model_keys=self.reports_model_keys),
+                        global_batch_size=cfg.global_batch_size, microbatches=settings.microbatches)
+            events.emit("programs_built", t=built, seconds=built - t0,
                         program_bytes={k: len(v) for k, v in programs.programs().items()},
-                        state_bytes=programs.state_bytes, grad_size=programs.grad_size)
+                        state_bytes=programs.state_bytes, grad_size=programs.grad_size,
+                        **({"fingerprints": fingerprints} if fingerprints else {}))
             if reference:
                 self._fit_reference(programs, events, on_step)
             else:
@@ -155,11 +183,14 @@ class _Job:
         finally:
             events.close()
             try:
-                report = _render(run_dir, events.dropped)
+                report, unwritten = run_records.render(run_dir, events.dropped)
                 if settings.goodput_recording:
                     _record_goodput(run_dir, settings.goodput_cloud_logging)
             finally:
                 claim.release()
+        lost = run_records.records_lost(run_dir, report, events, unwritten)
+        if lost:
+            raise RunRecordsLostError(lost, report)
         return report
 
     def prestart_workers(self) -> None:
@@ -289,33 +320,6 @@ def _modules_of(data) -> tuple[str, ...]:
     for a class of ``__main__`` (the worker cannot import it: cloudpickle sends it by value)."""
     module = type(data).__module__
     return () if module in ("__main__", "builtins") else (module,)
-
-
-def _fresh_log(run_dir: pathlib.Path) -> EventLog:
-    """The run's new event log; a previous run's log and worker logs under the same name go first."""
-    try:
-        (run_dir / "events.jsonl").unlink(missing_ok=True)
-        for old in (run_dir / "logs").glob("worker-*.log"):
-            old.unlink(missing_ok=True)
-        return EventLog(run_dir / "events.jsonl")
-    except OSError as e:
-        raise ConfigError(f"cannot write run files to {run_dir}: {e.strerror or e}; choose a writable "
-                          "directory (config key 'base_output_directory')") from None
-
-
-def _render(run_dir: pathlib.Path, events_dropped: int) -> dict:
-    """The run's report, written by render_run; if the files cannot be written, built in memory (one warning)."""
-    try:
-        return render_run(run_dir, events_dropped=events_dropped)
-    except OSError as e:
-        print(f"elastic: warning: cannot write the report files of {run_dir}: {e.strerror or e}", file=sys.stderr)
-    try:
-        events = read_events(run_dir / "events.jsonl")
-    except OSError:
-        events = []
-    report = build_report(events)
-    report["events_dropped"] = max(report["events_dropped"], events_dropped)
-    return report
 
 
 def _record_goodput(run_dir: pathlib.Path, cloud_logging: bool) -> None:

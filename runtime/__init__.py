@@ -31,8 +31,10 @@ _LAZY = {
         "default_worker_platform", "local_platform", "program_platforms")},
     "MESH_AXIS": ("runtime.programs", "MESH_AXIS"),
     "ProgramSet": ("runtime.programs", "ProgramSet"),
+    "program_fingerprint": ("runtime.fingerprint", "program_fingerprint"),
     "default_snapshot_root": ("runtime.snapshot", "default_root"),
     "ray_available": ("runtime.ray_launcher", "ray_available"),
+    "ray_cluster_problem": ("runtime.ray_launcher", "cluster_problem"),
 }
 
 
@@ -121,8 +123,10 @@ __all__ = [
     "prestart_workers",
     "local_platform",
     "peak_rss_bytes",
+    "program_fingerprint",
     "program_platforms",
     "ray_available",
+    "ray_cluster_problem",
     "read_events",
     "run_reference",
     "run_reference_process",

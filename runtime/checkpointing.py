@@ -6,6 +6,8 @@ The workers write and read checkpoints (:mod:`runtime.saver`,
 - :meth:`Checkpointing.order_for`: which replica writes after a step
   (:func:`runtime.policy.checkpoint_writer`), with the loss sums the
   checkpoint records beside the state (so a resumed run knows its losses);
+  :meth:`Checkpointing.next_writer` and :meth:`Checkpointing.unfinished_writer`:
+  who writes the next one, or is still writing one (the chaos ``kill_save``);
 - :meth:`Checkpointing.note`: ``checkpoint_saved`` / ``checkpoint_failed``
   events for what the workers report, and the observer's hook;
 - :meth:`Checkpointing.newest`: the newest complete checkpoint at or before a
@@ -14,20 +16,24 @@ The workers write and read checkpoints (:mod:`runtime.saver`,
 - :meth:`Checkpointing.load`: every given worker loads the same newest valid
   one (a corrupt checkpoint is passed over for an older one, and said so);
 - :meth:`Checkpointing.finish`: waits for the saves in flight at the end of
-  a run, then removes what interrupted saves left.
+  a run, noting each as it completes, then removes what interrupted saves left.
 
-It holds no state of its own beyond the options, the event log, the group
-and the observer to notify.
+Its only state is the checkpoints ordered and not yet reported complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from runtime.errors import ElasticTrainingFailedError
 from runtime.policy import checkpoint_writer
 
 __all__ = ["Checkpointing", "Loaded"]
+
+# At the end of a run the saves in flight are waited for in rounds this long, each noting what completed: an
+# observer waiting for one checkpoint hears of it while the next is still being written.
+_FLUSH_ROUND_SECONDS = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Checkpointing:
     def __init__(self, group, opts, events, notify=None):
         self.group, self.opts, self.events = group, opts, events
         self.notify = notify or (lambda step: None)
+        self._ordered: dict[int, str] = {}   # checkpoint step -> its writer: ordered, not reported complete
 
     @property
     def directory(self) -> str:
@@ -74,30 +81,59 @@ class Checkpointing:
             return None
         return next((w for s in range(first_step, steps) if (w := self.writer(s, steps, workers))), None)
 
+    def unfinished_writer(self, workers) -> str | None:
+        """The worker of ``workers`` that writes the newest checkpoint ordered and not yet reported complete
+        (its save waits, or is being written); None when there is none."""
+        pending = [s for s, w in self._ordered.items() if w in workers]
+        return self._ordered[max(pending)] if pending else None
+
     def order_for(self, step: int, steps: int, workers, loss_sums) -> tuple[str, str, list[float]] | None:
         """``(writer, directory, committed loss sums)`` when step ``step`` ends a checkpoint period (or the
         run), else None: what ``WorkerGroup.dispatch`` sends the writer."""
         writer = self.writer(step, steps, workers)
+        if writer:
+            self._ordered[step + 1] = writer   # a step dispatched again (after a recovery) is ordered again
         return (writer, self.directory, list(loss_sums)) if writer else None
 
     def note(self, reports) -> None:
         """Events for ``{worker: (steps whose checkpoints it finished, error or "")}``."""
         for w, (saved, error) in reports.items():
             for step in saved:
+                # Its older orders are done too, or were replaced while they waited (the writer keeps the newest).
+                for done in [s for s, writer in self._ordered.items() if writer == w and s <= step]:
+                    del self._ordered[done]
                 self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.directory)
                 self.notify(step)
             if error:
                 self.events.emit("checkpoint_failed", worker=w, error=error[:500])
 
-    def finish(self, workers) -> None:
-        """End of a run: waits for the saves ``workers`` have in flight (noting them), then, when every one
-        ended well (nobody writes now), removes the leftovers of interrupted saves."""
+    def finish(self, workers, loss_sums) -> None:
+        """End of a run: waits (up to ``rpc_timeout_seconds``) for the saves ``workers`` have in flight, noting
+        each as it completes, then, when every one ended well (nobody writes now), removes the leftovers of
+        interrupted saves. ``loss_sums``: every committed step's. When the last step's checkpoint was ordered
+        from a worker no longer among ``workers`` and never reported (its writer died, the save cut off), the
+        first of ``workers`` saves it again first. A worker lost meanwhile raises its typed error
+        (``WorkerLostError``: the controller recovers and calls again)."""
         if not self.enabled:
             return
-        flushed = self.group.flush_checkpoints(workers, self.opts.rpc_timeout_seconds)
-        self.note(flushed)
-        if any(error for _, error in flushed.values()):
-            return   # a save failed or is still going: what looks partial may be in flight; left for next time
+        workers, last = list(workers), len(loss_sums)
+        save = None
+        if workers and last in self._ordered and self._ordered[last] not in workers:
+            save = (workers[0], self.directory, list(loss_sums))
+            self._ordered[last] = workers[0]
+        deadline, failed = time.monotonic() + self.opts.rpc_timeout_seconds, False
+        while workers:
+            left = max(deadline - time.monotonic(), 0.0)
+            flushed = self.group.flush_checkpoints(workers, min(_FLUSH_ROUND_SECONDS, left), save=save)
+            save = None
+            self.note({w: (saved, error) for w, (saved, error, _) in flushed.items()})
+            failed = failed or any(error for _, error, _ in flushed.values())
+            workers = [w for w, (_, _, idle) in flushed.items() if not idle]
+            if workers and left <= 0:
+                self.note({w: ([], f"still writing after {self.opts.rpc_timeout_seconds:g} s") for w in workers})
+                return   # what looks partial may be in flight; left for next time
+        if failed:
+            return   # a save failed: its leftovers are kept for whoever looks into it; removed next time
         try:
             removed = self._store().cleanup()
         except Exception as e:  # noqa: BLE001 - leftovers are never restored; removing them is housekeeping

@@ -218,11 +218,14 @@ class Controller:
         return tuple(s for s in self.placement.spares if s not in self.dead) if self.placement else ()
 
     def next_checkpoint_writer(self) -> str | None:
-        """The worker that writes the next checkpoint not yet dispatched, if the placement stays; None when
-        the run writes no more (see ``runtime.policy.checkpoint_writer``)."""
+        """A worker with a checkpoint save still ahead of it: the writer of the next checkpoint not yet
+        dispatched (if the placement stays), else of the newest one dispatched and not reported complete (its
+        save waits or is being written); None when no save remains (see ``runtime.policy.checkpoint_writer``)."""
         if self.placement is None:
             return None
-        return self.checkpoints.next_writer(self._run["next_step"], self._run["steps"], self.placement.active)
+        live = [w for w in self.placement.active if w not in self.dead]
+        return (self.checkpoints.next_writer(self._run["next_step"], self._run["steps"], self.placement.active)
+                or self.checkpoints.unfinished_writer(live))
 
     def pid(self, worker_id: str) -> int:
         """The process id a worker registered with; ``KeyError`` for an unknown worker."""
@@ -526,7 +529,7 @@ class Controller:
 
     def _finish(self) -> Phase:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
-        self.checkpoints.finish(self.placement.active)
+        self.checkpoints.finish(self.placement.active, self.loss_sums)
         hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
         steps = self._run["steps"]
         if len(set(hashes.values())) != 1:

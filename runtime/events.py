@@ -56,7 +56,11 @@ class EventLog:
         self.t0 = time.time()
 
     def emit(self, kind: str, **fields) -> dict:
-        """Appends one event (unless the log stopped); returns it. Never raises ``OSError``."""
+        """Appends one event (unless the log stopped); returns it. Never raises ``OSError``.
+
+        ``t`` may be given among ``fields`` for an event recorded after the fact (the client records its
+        ``job_started`` once it knows the attempt may start); by default it is now.
+        """
         event = {"t": time.time(), "kind": kind, **fields}
         line = (json.dumps(event, sort_keys=False, default=_jsonable) + "\n").encode("utf-8")
         with self._lock:
@@ -77,8 +81,9 @@ class EventLog:
                                    "error": _describe(self.error)}) + "\n"
                 try:
                     data = line.encode("utf-8")
-                    if os.write(self._fd, data) != len(data):
-                        self._cut(len(data))
+                    n = os.write(self._fd, data)
+                    if n != len(data):
+                        self._cut(n)   # only the bytes this write added: the lines before stay whole
                 except OSError:
                     pass   # the disk is still full: the run's report gets the count from ``dropped``
             os.close(self._fd)
@@ -106,7 +111,10 @@ class EventLog:
             pass   # stderr itself is gone; the count in ``dropped`` still reaches the report
 
     def _cut(self, n: int) -> None:
-        """Truncates the ``n`` bytes of a partial last write; if that fails, nothing is written again."""
+        """Truncates the ``n`` bytes a partial last write added (never more: what was there before stays
+        whole); if that fails, nothing is written again."""
+        if n <= 0:
+            return
         try:
             os.ftruncate(self._fd, os.fstat(self._fd).st_size - n)
         except OSError:

@@ -32,7 +32,7 @@ import os
 import re
 import threading
 
-__all__ = ["RayLauncher", "connect", "ray_available"]
+__all__ = ["RayLauncher", "cluster_problem", "connect", "ray_available"]
 
 log = logging.getLogger("jax_elastic.ray")
 
@@ -70,7 +70,10 @@ def connect(address: str = "", timeout: float = 60.0) -> str:
     if not ray.is_initialized():
         options = {}
         if where is not None:
-            _check_reachable(where, timeout, "ray_address" if address else "$RAY_ADDRESS")
+            if problem := cluster_problem(address, timeout):
+                from runtime.errors import ClusterUnreachableError
+
+                raise ClusterUnreachableError(problem)
             if _loopback(where[0]):
                 constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
                 if constants is not None:   # Ray was imported before this call: the switch is read already
@@ -98,21 +101,27 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _check_reachable(where: tuple[str, int], timeout: float, key: str) -> None:
-    """Waits up to ``timeout`` s for a gRPC server (Ray's GCS, or its client server) at ``where``."""
+def cluster_problem(address: str, timeout: float = 60.0) -> str:
+    """Why the Ray cluster at ``address`` (else ``$RAY_ADDRESS``) cannot be reached within ``timeout`` seconds,
+    in one line naming the key and the address; "" when it answers, or when Ray is to find or start the
+    cluster itself (no ``host:port``). Imports no Ray: the client checks this before anything starts."""
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    where = _host_port(target)
+    if where is None:
+        return ""
     import grpc
 
-    from runtime.errors import ClusterUnreachableError
-
-    target = f"{where[0]}:{where[1]}"
-    channel = grpc.insecure_channel(target)
-    try:
+    key = "ray_address" if address else "$RAY_ADDRESS"
+    hostport = f"{where[0]}:{where[1]}" if ":" not in where[0] else f"[{where[0]}]:{where[1]}"
+    channel = grpc.insecure_channel(hostport)
+    try:   # Ray's GCS (and its client server) speak gRPC: a listener that does not is no cluster either
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
-        raise ClusterUnreachableError(f"{key}={target}: no Ray cluster answers there within {timeout:.0f} s "
-                                      "(start one with `ray start --head`, or give the address it prints)") from None
+        return (f"{key}={target}: no Ray cluster answers there within {timeout:.0f} s (start one with "
+                "`ray start --head`, or give the address it prints)")
     finally:
         channel.close()
+    return ""
 
 
 class _Handle:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import re
 
 import jax
 import numpy as np
@@ -22,7 +21,7 @@ from runtime.microbatch import Node, is_power_of_two, root
 from runtime.platforms import check_runnable, local_platform
 from runtime.programs import ProgramSet
 
-__all__ = ["check_step_request", "decode_programs", "node_of", "programs_fingerprint", "unpickle_source"]
+__all__ = ["check_step_request", "decode_programs", "node_of", "unpickle_source"]
 
 _MAX_MICROBATCHES = 1 << 20
 
@@ -74,24 +73,6 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
     mine = sorted(x for x, o in zip(nodes, req.node_owner) if o == req.rank)
     if not req.shadow and sorted(node_of(x) for x in req.nodes) != mine:
         raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
-
-
-# Source locations and the module's name in a program's StableHLO text: they change when the code moves or the
-# step function is renamed, never the math.
-_LOCATION = re.compile(r'^#loc[0-9]* = .*$|\s*loc\((?:"[^"]*"|#loc[0-9]*|unknown)\)', re.MULTILINE)
-_MODULE_NAME = re.compile(r"^module @[^ ]+", re.MULTILINE)
-
-
-def programs_fingerprint(programs) -> str:
-    """sha256 over a ``Load``'s programs (name and StableHLO text without source locations or module name, in
-    name order): which math a checkpoint belongs to. The same model and optimizer give the same fingerprint
-    after the code around them changed (a checkpoint still resumes); another model or optimizer does not."""
-    h = hashlib.sha256()
-    for p in sorted(programs, key=lambda p: p.name):
-        text = jax.export.deserialize(bytearray(p.serialized)).mlir_module()
-        text = _MODULE_NAME.sub("module", _LOCATION.sub("", text))
-        h.update(p.name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
-    return h.hexdigest()
 
 
 def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from runtime.executor import state_sha256
 
-__all__ = ["KINDS", "CheckpointWriter", "Drained"]
+__all__ = ["KINDS", "WARM_PREFIX", "CheckpointWriter", "Drained", "remove_dead_warm_ups"]
 
 
 def _store(directory: str):
@@ -41,6 +42,39 @@ def _store(directory: str):
 
 #: The kinds of save a writer makes.
 KINDS = ("checkpoint", "snapshot")
+
+#: How a warm-up's temporary directory is named: ``<prefix><pid of the process warming up>-<random>``.
+WARM_PREFIX = "elastic-warm-"
+
+
+def remove_dead_warm_ups(root: str | None = None) -> list[str]:
+    """Removes the warm-up directories under ``root`` (default: the system's temporary directory) whose process
+    is gone; returns their paths. A directory of a live process, of another user's, or not named
+    ``<WARM_PREFIX><pid>-...`` is left alone."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid = entry.name[len(WARM_PREFIX):].partition("-")[0]
+        if not entry.name.startswith(WARM_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.exists(entry.path):
+            removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # another user's process
+    return True
 
 
 @dataclasses.dataclass
@@ -89,16 +123,21 @@ class CheckpointWriter:
 
         The first real save then takes about as long as the next ones
         (orbax's first save in a process costs seconds; later ones, the write).
+        The temporary directory (``elastic-warm-<pid>-*`` in the system's
+        temporary directory) is removed when the warm-up ends; one a worker
+        left behind because it died meanwhile (SIGKILL skips every clean-up)
+        is removed by the next warm-up on the host (:func:`remove_dead_warm_ups`).
         """
         def run():
-            with tempfile.TemporaryDirectory(prefix="elastic-warm-") as d:
-                try:
+            try:
+                remove_dead_warm_ups()
+                with tempfile.TemporaryDirectory(prefix=f"{WARM_PREFIX}{os.getpid()}-") as d:
                     store = self._store_for(os.path.join(d, "warm"))
                     leaf = np.zeros(1, np.float32)
                     store.save(0, [leaf], sha256=state_sha256([leaf]), metadata={})
                     store.wait()
-                except Exception:  # noqa: BLE001 - only a warm-up: a real save reports its own errors
-                    pass
+            except Exception:  # noqa: BLE001 - only a warm-up: a real save reports its own errors
+                pass
         threading.Thread(target=run, name="checkpoint-warm-up", daemon=True).start()
 
     def drain(self, kind: str = "checkpoint") -> Drained:
@@ -106,6 +145,14 @@ class CheckpointWriter:
         with self._cond:
             done, self._done[kind] = self._done[kind], Drained()
         return done
+
+    def writing(self):
+        """``(store, step)`` of the checkpoint being written in the background right now, else None."""
+        for store in list(self._stores.values()):
+            step = getattr(store, "saving", None)
+            if step is not None:
+                return store, step
+        return None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until nothing is waiting or being written; False on timeout."""

@@ -50,13 +50,14 @@ from runtime.fault_injection import WorkerFaults, corrupt_first, mid_stream
 from runtime.mailbox import Mailbox
 from runtime.microbatch import root
 from runtime.peers import PeerChannels
-from runtime.requests import check_step_request, decode_programs, node_of, programs_fingerprint, unpickle_source
+from runtime.fingerprint import legacy_programs_fingerprint, programs_fingerprint
+from runtime.requests import check_step_request, decode_programs, node_of, unpickle_source
 from runtime.saver import CheckpointWriter
 from runtime.snapshot import SnapshotStore, host_directory
 from runtime.state_copy import state_chunks
 from runtime.timing import Clock
 from runtime.worker_state import (drain_saves, flush_checkpoints, keep_snapshot, load_checkpoint, pull_state, save_step,
-                                  while_saving)
+                                  strike_save_in_progress, while_saving)
 
 __all__ = ["WorkerService", "probe_devices"]
 
@@ -102,6 +103,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.refusals = auth.Refusals(log)    # calls refused for their secret, until the controller asks
         self._state_layout: list | None = None   # [(shape, dtype)] of the state leaves, from the programs
         self.fingerprint = ""                 # sha256 of the loaded programs: which math a checkpoint holds
+        self._blobs: dict[str, bytes] = {}    # the loaded programs, for the fingerprint older checkpoints hold
         self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.saver), on first use
         self.snapshots: SnapshotStore | None = None   # this host's snapshots of the run (runtime.snapshot)
 
@@ -208,7 +210,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     raise StaleEpochError("a step is running; cannot load new programs now")
                 self.executor = executor
                 self._state_layout = state_layout
-                self.fingerprint = programs_fingerprint(request.programs)
+                self._blobs = {p.name: p.serialized for p in request.programs}
+                self.fingerprint = programs_fingerprint(self._blobs)
                 self.chunk_bytes = chunk_bytes
                 self.snapshots = snapshots
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
@@ -243,6 +246,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.faults.arm(request.action, request.factor, request.seconds, request.phase)
             except PermissionError as e:
                 raise StaleEpochError(str(e)) from None
+            if request.action == "kill_in_phase" and request.phase == "save":   # the save being written counts
+                strike = threading.Thread(target=strike_save_in_progress, args=(self.faults, self._writer),
+                                          name="chaos-kill-save", daemon=True)
+                if not context.add_callback(strike.start):   # once this call is answered: the arming succeeded
+                    strike.start()
             log.warning("chaos: armed %s (factor %s, %s s)", request.action, request.factor, request.seconds)
             return pb.Empty()
         return self._guard(context, arm)
@@ -363,7 +371,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             self._need_executor()
             return load_checkpoint(request, snapshots=self.snapshots, programs=self.executor.programs,
-                                   fingerprint=self.fingerprint, layout=self._state_layout, adopt=self._adopt_state)
+                                   fingerprints=(self.fingerprint, lambda: legacy_programs_fingerprint(self._blobs)),
+                                   layout=self._state_layout, adopt=self._adopt_state)
         return self._guard(context, load)
 
     def _adopt_state(self, leaves, applied: int, digest: str) -> None:
@@ -376,9 +385,21 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._recent.clear()
 
     def Checkpoints(self, request, context):
-        """Controller (at the end of a run): waits for the checkpoints in flight, then reports them."""
+        """Controller (at the end of a run): waits for the checkpoints in flight, then reports them. With
+        ``save_directory`` it first saves the state as it is now there (the run's last checkpoint was cut off
+        with its writer); refused while a step runs."""
         def flush():
             self.check_fence(request.fence)
+            if request.save_directory:
+                self._need_executor()
+                with self._cond:
+                    if self._running:
+                        raise StaleEpochError("a step is running; cannot save the state now")
+                    ex = self.executor
+                    now = pb.StepRequest(step=ex.steps_applied - 1, checkpoint_directory=request.save_directory,
+                                         committed_loss_sums=request.committed_loss_sums)
+                    save_step(self._checkpoints(), now, ex, fingerprint=self.fingerprint, recent=self._recent,
+                              snapshots=self.snapshots, peers=self._peers, timeout=self.step_timeout)
             return flush_checkpoints(self._writer, max(0.0, min(request.wait_seconds, self.step_timeout)))
         return self._guard(context, flush)
 

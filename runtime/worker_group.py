@@ -508,12 +508,18 @@ class WorkerGroup:
             fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot), workers,
             f"failed to load {what}")
 
-    def flush_checkpoints(self, workers, wait_seconds: float) -> dict[str, tuple[list[int], str]]:
-        """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved, error)}``."""
-        replies = self._all("Checkpoints", lambda w: pb.CheckpointsRequest(fence=self._fence(),
-                                                                           wait_seconds=wait_seconds), workers)
-        return {w: (list(r.saved), r.error or ("" if r.idle else f"still writing after {wait_seconds:g} s"))
-                for w, r in replies.items()}
+    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
+                          ) -> dict[str, tuple[list[int], str, bool]]:
+        """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved since
+        the last report, first error or "", idle: nothing left to write)}``. ``save``: ``(worker, directory,
+        committed loss sums)``: that worker first saves its state as it is now (a cut-off last checkpoint)."""
+        def request(w):
+            if save is not None and w == save[0]:
+                return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds, save_directory=save[1],
+                                             committed_loss_sums=save[2])
+            return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds)
+        replies = self._all("Checkpoints", request, workers)
+        return {w: (list(r.saved), r.error, r.idle) for w, r in replies.items()}
 
     def _addresses(self, worker_id: str) -> tuple[str, str]:
         """Where ``worker_id`` is reached: its gRPC address and its data address (:meth:`_data_address`)."""

@@ -16,7 +16,8 @@ membership, loading and the step:
 - :func:`save_step`, :func:`drain_saves` and :func:`flush_checkpoints`
   (``Checkpoints``): a step's state handed to the background writer
   (:mod:`runtime.saver`) with what it records (:func:`loss_sums`), and the
-  saves it reports; :func:`while_saving` is its chaos fault (``kill_save``).
+  saves it reports; :func:`while_saving` and :func:`strike_save_in_progress`
+  are its chaos fault (``kill_save``: the save being written, or the next).
 
 Replacing the state stays with the service (its ``adopt`` callable), under its
 lock and refused while a step runs.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from runtime.executor import SliceExecutor
 
 __all__ = ["copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint", "loss_sums",
-           "loss_sums_of", "pull_state", "save_step", "while_saving"]
+           "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
 
 
 def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers: PeerChannels, faults: WorkerFaults,
@@ -80,10 +82,12 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
 
 
 def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotStore | None, programs: ProgramSet,
-                    fingerprint: str, layout, adopt) -> pb.PullStateReply:
+                    fingerprints: tuple[str, Callable[[], str]], layout, adopt) -> pb.PullStateReply:
     """``LoadCheckpoint``: the newest valid checkpoint (or, with ``request.snapshot``, snapshot in
     ``snapshots``) at or before ``request.applied_steps``, given to ``adopt(leaves, step, digest)`` unless
-    other programs than ``programs`` (of ``fingerprint``, with state ``layout``) wrote it."""
+    other programs than ``programs`` (with state ``layout``) wrote it. ``fingerprints``: the programs'
+    fingerprint, and a function giving the one checkpoints written before it record (asked only when the
+    first does not match)."""
     from runtime.checkpoint import CheckpointStore
 
     t0 = time.perf_counter()
@@ -93,7 +97,8 @@ def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotSto
     (step, leaves, digest, meta), skipped = store.restore_newest_valid(at_most=request.applied_steps)
     mesh = (programs.devices_per_slice, programs.num_microbatches)
     written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
-    resharded = meta.get("fingerprint") not in ("", None, fingerprint)
+    fingerprint, legacy = fingerprints
+    resharded = meta.get("fingerprint") not in ("", None, fingerprint) and meta["fingerprint"] != legacy()
     if resharded and (written_on == mesh or None in written_on
                       or [(tuple(x.shape), x.dtype) for x in leaves] != list(layout)):
         raise ProtocolError(f"checkpoint {store.directory} step {step} was written by other programs "
@@ -187,12 +192,34 @@ def loss_sums_of(metadata: dict, applied: int) -> list[float]:
 
 
 def while_saving(faults: WorkerFaults, store, step: int) -> None:
-    """Chaos (``kill_save``): with a kill armed for the save phase, dies once this save's temporary
-    directory exists (up to 2 s), so the save is cut off half written."""
+    """Chaos (``kill_save``): with a kill armed for the save phase, dies once this save has begun in the store
+    (:func:`_partial`; up to 2 s), so the save is cut off half written."""
     if not faults.armed_in("save"):
         return
     deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and not any(
-            p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{step}.") for p in store.leftovers()):
+    while time.monotonic() < deadline and not _partial(store, step):
         time.sleep(0.002)
     faults.in_phase("save")
+
+
+def strike_save_in_progress(faults: WorkerFaults, writer: CheckpointWriter | None) -> None:
+    """Chaos (``kill_save``), right after the kill was armed: a checkpoint already being written is cut off too
+    (the worker dies while it is begun and not complete); when none is, or it completes first, the kill waits
+    for the next save (:func:`while_saving`). So an armed writer dies in the save it is writing or the next."""
+    current = writer.writing() if writer is not None else None
+    if current is None:
+        return
+    store, step = current
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and faults.armed_in("save") and writer.writing() == current:
+        if _partial(store, step):
+            faults.in_phase("save")
+            return
+        time.sleep(0.002)
+
+
+def _partial(store, step: int) -> bool:
+    """The save of ``step`` is begun and not complete in ``store``: its temporary directory exists (local disk:
+    ``<step>.orbax-checkpoint-tmp...``), or its directory without the commit file (GCS writes in place)."""
+    names = (p.rstrip("/").rsplit("/", 1)[-1] for p in store.leftovers())
+    return any(name == str(step) or name.startswith(f"{step}.") for name in names)

@@ -28,7 +28,8 @@ def first_time(events: list[dict]) -> float:
 COLORS = {"productive": "#43a047", "startup": "#1e88e5", "compile": "#8e24aa", "data": "#00897b",
           "checkpoint_save": "#6d4c41", "checkpoint_restore": "#a1887f", "detection": "#fb8c00",
           "recovery": "#fdd835", "wasted_progress": "#e53935", "other": "#9e9e9e"}
-_MARKERS = {"fault_injected": "#d32f2f", "failure_detected": "#ef6c00", "recovered": "#2e7d32", "grown": "#2e7d32"}
+_MARKERS = {"fault_injected": "#d32f2f", "failure_detected": "#ef6c00", "recovered": "#2e7d32", "grown": "#2e7d32",
+            "attempt_started": "#6a1b9a", "run_resumed": "#6a1b9a"}
 
 
 def fmt_seconds(x: float | None) -> str:
@@ -95,6 +96,12 @@ def _marker_label(e: dict) -> str:
         return f"detected: {e.get('worker') or e.get('error', '')}"
     if kind == "recovered":
         return f"recovered: {e.get('path', '')}"
+    if kind == "attempt_started":   # html.py's marker for a later attempt's job_started
+        gap = e.get("gap_before_s")
+        after = {"finished": "idle", "died": "down", "failed": "down"}.get(str(e.get("after")), "after")
+        return (f"attempt {e.get('attempt', '?')}" + (f" ({after} {fmt_seconds(gap)})" if finite(gap) else ""))
+    if kind == "run_resumed":
+        return f"resumed from {e.get('tier', '?')} step {e.get('step', '?')}"
     return f"grown to {len(e.get('active') or [])}"
 
 

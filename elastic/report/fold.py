@@ -78,6 +78,8 @@ EVENT_FIELDS: dict[str, tuple[dict[str, FieldType], dict[str, FieldType]]] = {
     "run_started": ({"run_id": _ANY, "slices": _ANY, "devices_per_slice": _ANY, "steps": _ANY}, {}),
     "programs_loaded": ({"compile_seconds": _NUMBERS_BY_NAME}, {}),
     "state_initialized": ({"state_bytes": _ANY}, {}),
+    "run_resumed": ({"step": _COUNT, "directory": _ANY, "tier": _ANY, "bytes": _ANY, "losses": _LIST,
+                     "losses_recorded": _ANY, "state_bytes": _ANY}, {"resharded_from": _OBJECT_OR_NULL}),
     "step_committed": ({"step": _COUNT, "loss": _NUMBER}, {"seconds": _NUMBER, "recovered": _ANY}),
     "placement": ({"active": _NAMES}, {}),
     "failure_detected": ({"error": _ANY, "detail": _ANY, "committed": _ANY}, {"worker": _ANY}),
@@ -99,7 +101,7 @@ EVENT_FIELDS: dict[str, tuple[dict[str, FieldType], dict[str, FieldType]]] = {
     "run_failed": ({"error": _ANY}, {}),
     "verdict": ({"verdict": _TEXT_OR_NULL, "verdict_reasons": _LIST, "trajectory": _ANY,
                  "first_diverging_step": _ANY, "exactly_once": _ANY, "exactly_once_detail": _ANY,
-                 "reference": _ANY}, {}),
+                 "reference": _ANY}, {"promises": _LIST}),
     "run_finished": ({"final_state_sha256": _ANY, "replica_hashes": _ANY, "client_peak_rss_bytes": _ANY}, {}),
 }
 
@@ -175,24 +177,48 @@ def build_report(events_or_path) -> dict:
         "first_diverging_step": None,
         "exactly_once": None,
         "exactly_once_detail": {},
+        "promises": [],
         "failure_reason": None,
         "security": {"refused_calls": 0, "by_method": {}, "refused_registrations": 0},
         "events_dropped": 0,
+        "attempts": [],
     }
     dead_at: dict[str, float] = {}   # worker -> when it was declared dead (s since start)
     step_seconds, latencies = [], []
     last_commit_t = None   # None after a failure: the interval that spans it is recovery, not a step
     t_first = events[0]["t"] if events else None
+    attempt: dict | None = None   # the attempt the events belong to (see _new_attempt)
     for e in events:
         kind = e["kind"]
+        if attempt is None or kind == "job_started":
+            attempt = _new_attempt(report, e, t_first)
+            last_commit_t = None
+        attempt["ended_at"] = e["t"] - t_first
+        if attempt["started_from"] is None and (
+                kind in ("run_resumed", "step_committed")
+                or (kind == "state_initialized" and report["mode"] != "reference")):
+            # Where this attempt's state came from; committed steps after that point are recomputed.
+            origin = e["step"] if kind in ("run_resumed", "step_committed") else 0
+            tier = (e["tier"] if kind == "run_resumed" else "seed"
+                    if kind == "state_initialized" or report["mode"] == "reference" else None)   # None: not recorded
+            attempt["started_from"] = {"tier": tier, "step": origin,
+                                       "directory": e["directory"] if kind == "run_resumed" else None}
+            before = report["steps_completed"]
+            attempt["steps_recomputed"] = max(0, before - origin)
+            report["steps_lost"] += attempt["steps_recomputed"]
+            if origin < before:   # rewound past what earlier attempts committed
+                report["losses"] = report["losses"][:origin]
+                report["steps_completed"] = origin
         if kind == "job_started":
             report.update(mode=e["mode"], config=e["config"], global_batch_size=e["global_batch_size"],
                           microbatches=e["microbatches"], seed=(e["config"] or {}).get("seed"))
+            attempt["mode"] = e["mode"]
         elif kind == "programs_built":
             report.update(program_bytes=e["program_bytes"], state_bytes=e["state_bytes"])
         elif kind == "run_started":
             report.update(run_id=e["run_id"], slices=e["slices"], devices_per_slice=e["devices_per_slice"],
                           steps_requested=e["steps"])
+            attempt.update(run_id=e["run_id"], steps_requested=e["steps"])
         elif kind == "programs_loaded":
             report["compile_seconds"] = max(e["compile_seconds"].values(), default=0.0)
         elif kind == "state_initialized":
@@ -202,15 +228,19 @@ def build_report(events_or_path) -> dict:
             report["resumed_from"] = {k: e[k] for k in ("step", "directory", "tier", "bytes", "losses_recorded")}
             report["resumed_from"].update(resharded_from=e.get("resharded_from"),
                                           comparison="within tolerance" if e.get("resharded_from") else "bit-identical")
-            report["losses"] = [x if isinstance(x, (int, float)) and x == x else None for x in e["losses"]]
+            recorded = [x if isinstance(x, (int, float)) and x == x else None for x in e["losses"]]
+            seen = report["losses"]   # what earlier attempts of this log committed fills what it did not record
+            report["losses"] = [seen[i] if x is None and i < len(seen) else x for i, x in enumerate(recorded)]
             report.update(steps_completed=e["step"], state_bytes=e["state_bytes"])
         elif kind == "step_committed":
+            attempt["_last_step"] = e["step"]
             if e["step"] < report["steps_completed"]:
                 # A step committed again: the run had rewound past committed work.
                 report["steps_lost"] += 1
                 continue
             report["losses"].append(e["loss"])
             report["steps_completed"] += 1
+            attempt["steps_committed"] += 1
             if "seconds" in e:
                 latencies.append(e["seconds"])
             if last_commit_t is not None and not e.get("recovered"):
@@ -273,24 +303,73 @@ def build_report(events_or_path) -> dict:
         elif kind == "events_dropped":
             report["events_dropped"] += e.get("count", 0)
         elif kind == "run_failed":
-            report["failure_reason"] = e["error"]
+            report["failure_reason"] = attempt["failure_reason"] = e["error"]
+            attempt["end"] = "failed"
         elif kind == "verdict":
             for k in ("verdict", "verdict_reasons", "trajectory", "first_diverging_step", "exactly_once",
                       "exactly_once_detail", "reference"):
                 report[k] = e[k]
+            report["promises"] = e.get("promises", [])   # chaos.promise: one per recovery
         elif kind == "run_finished":
             report.update(final_state_sha256=e["final_state_sha256"], replica_hashes=e["replica_hashes"],
                           client_peak_rss_bytes=e["client_peak_rss_bytes"], finished=True)
+            attempt.update(end="finished", finished=True)
             report["wall_seconds"] = e["t"] - t_first
+    last_steps = [a.pop("_last_step") for a in report["attempts"]]
+    for i, a in enumerate(report["attempts"]):
+        if a["end"] is None:
+            a["end"] = "died"
+            a["failure_reason"] = _died(a, last_steps[i], last=i == len(report["attempts"]) - 1)
+    if report["attempts"] and not report["finished"] and report["failure_reason"] is None:
+        report["failure_reason"] = report["attempts"][-1]["failure_reason"]
     if step_seconds:
         report["step_seconds_median"] = sorted(step_seconds)[len(step_seconds) // 2]
     if latencies:
         report["step_latency_seconds_median"] = sorted(latencies)[len(latencies) // 2]
     _attribute(report, events, dead_at, t_first)
     report["goodput"] = goodput(events)   # an empty log: all zeros
+    if report["finished"] and len(report["attempts"]) > 1:
+        # First event to the last run_finished, less the idle time between a finished attempt and the next.
+        report["wall_seconds"] = report["goodput"]["wall_seconds"]
     if report["mode"] == "reference":
         report["slices"] = 0
     return report
+
+
+def _new_attempt(report: dict, e: dict, t_first: float) -> dict:
+    """Opens the report's next attempt at event ``e`` (a ``job_started``, or the first event of a log without one).
+
+    A run directory's log holds every attempt of the run (``elastic run`` again after the client died, or to
+    extend a finished run): each starts with ``job_started``. What describes the run as it ends (``finished``,
+    ``failure_reason``, the final hashes, ``resumed_from``) is the last attempt's; steps, losses, failures and
+    faults accumulate.
+    """
+    attempts = report["attempts"]
+    previous = attempts[-1] if attempts else None
+    attempt = {"attempt": len(attempts) + 1, "mode": None, "run_id": None, "steps_requested": None,
+               "started_at": e["t"] - t_first, "ended_at": e["t"] - t_first,
+               "gap_before_s": None if previous is None else e["t"] - t_first - previous["ended_at"],
+               "after": None if previous is None else ("finished" if previous["finished"] else "died"
+                                                       if previous["end"] is None else previous["end"]),
+               "started_from": None, "steps_committed": 0, "steps_recomputed": 0, "end": None,
+               "finished": False, "failure_reason": None, "_last_step": None}
+    if previous is not None:
+        report.update(finished=False, failure_reason=None, final_state_sha256=None, replica_hashes={},
+                      resumed_from=None, client_peak_rss_bytes=None, wall_seconds=None)
+    attempts.append(attempt)
+    return attempt
+
+
+def _died(attempt: dict, last_step: int | None, *, last: bool) -> str:
+    """Why an attempt with neither ``run_finished`` nor ``run_failed`` ended: its client stopped writing.
+
+    Only the client writes the log, so a log (or an attempt, when a later one follows) that ends without
+    either says its client died: SIGKILL, an OOM kill, a crash of the interpreter, a lost machine. The last
+    attempt of a log may also be one still running (``elastic report`` on a live run)."""
+    where = f"after step {last_step}" if last_step is not None else "before any step was committed"
+    what = "the event log ends" if last else f"attempt {attempt['attempt']} ends"
+    return (f"{what} without run_finished {where}: the client died or was killed"
+            + (" (or the run is still going)" if last else ""))
 
 
 # The failure kind a fault causes, by the ``fault_kind`` its event recorded. A

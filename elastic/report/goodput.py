@@ -31,19 +31,32 @@ walking the events in time order:
 - a re-commit of a step already committed (a rewind): [previous commit, it]
   is ``wasted_progress``.
 - after the last commit: ``other``.
+- a run directory's log holds every attempt of the run (each starts with
+  ``job_started``; see ``attempts`` in ``docs/report.md``). After an attempt
+  that ended without ``run_finished`` (its client died, or it failed), the
+  steps in flight after its last commit are ``wasted_progress`` and the time
+  until the next attempt's ``job_started`` is ``recovery`` (the run was
+  down); the new attempt walks start-up again, and the steps it recomputes
+  (at or below a step already committed) are ``wasted_progress``. The time
+  between a *finished* attempt's ``run_finished`` and the next attempt (a
+  run extended later, perhaps days later) is idle, not the run's: it belongs
+  to no interval and not to the wall time (:func:`idle_gaps` lists it).
+- after a resume from a checkpoint (``run_resumed``, in place of
+  ``state_initialized``): [``programs_loaded``, ``run_resumed``] is
+  ``checkpoint_restore``.
 
 In reference mode there is no placement: ``run_started`` -> first commit
 (in-process compile and state init) stays ``startup``. ``data``,
 ``checkpoint_save`` and ``checkpoint_restore`` are always 0.0: data loading
-runs inside the workers' grad phase and is not separable, and checkpoints are
-not built yet.
+runs inside the workers' grad phase and is not separable; ``checkpoint_save``
+is 0.0 too (checkpoints are written in the background, off the step's path).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["BADPUT_LABELS", "LABELS", "goodput", "intervals"]
+__all__ = ["BADPUT_LABELS", "LABELS", "goodput", "idle_gaps", "intervals"]
 
 #: Every badput label, in display order; ``goodput()["badput_seconds"]`` has exactly these keys.
 BADPUT_LABELS: tuple[str, ...] = ("startup", "compile", "data", "checkpoint_save", "checkpoint_restore",
@@ -70,6 +83,30 @@ class _Walk:
         self.seen_placement = False
         self.wait_start: float | None = None  # an open capacity wait
         self.committed = 0
+        self.last_t = t0            # the latest event seen (where a dead attempt's client stopped)
+        self.idle: list[Interval] = []   # after a finished attempt, until the next one: nobody's time
+        self.done = False           # the current attempt finished: wait for the next job_started
+
+    def attempt_finished(self, t: float) -> None:
+        """``run_finished`` of an attempt a later one follows: closes it as the end of a run would."""
+        self._close_attempt(t, {"steps": "other", "rerun": "wasted_progress"})
+        self.done = True
+
+    def next_attempt(self, t: float) -> None:
+        """A later attempt's ``job_started`` at ``t``: the gap before it, then start-up again."""
+        if self.done:
+            self.idle.append((self.anchor, t))
+            self.anchor = t
+        else:   # its client died (or the attempt failed): what was in flight is lost, the run was down since
+            self._close_attempt(self.last_t, {"steps": "wasted_progress", "rerun": "wasted_progress"})
+            self.close(t, "recovery")
+        self.phase, self.fault_at, self.pre_fault, self.seen_placement, self.done = "compile", None, None, False, False
+
+    def _close_attempt(self, t: float, tail: dict) -> None:
+        if self.wait_start is not None:
+            self.overlays.append((self.wait_start, t, "recovery"))
+            self.wait_start = None
+        self.close(t, tail.get(self.phase, self.phase))
 
     def close(self, t: float, label: str) -> None:
         if t > self.anchor:
@@ -78,6 +115,9 @@ class _Walk:
 
     def event(self, e: dict) -> None:
         t, kind = float(e["t"]), e["kind"]
+        if self.done:
+            return   # between a finished attempt and the next: nothing of the run's
+        self.last_t = max(self.last_t, t)
         if kind in ("capacity_wait", "capacity_wait_ended"):
             if e.get("seconds") is not None:  # a wait reported when it ended
                 self.overlays.append((t - float(e["seconds"]), t, "recovery"))
@@ -115,6 +155,10 @@ class _Walk:
                 self.seen_placement |= kind == "placement"
             elif kind == "state_initialized":
                 self.close(t, self.phase)
+                self.phase = "steps"
+            elif kind == "run_resumed":   # the state was read from a checkpoint since the programs loaded
+                self.close(t, "checkpoint_restore" if self.seen_placement and self.phase == "startup"
+                           else self.phase)
                 self.phase = "steps"
 
     def _failure(self, t: float) -> None:
@@ -182,33 +226,61 @@ def _merge(ivs: list[Interval]) -> list[Interval]:
     return merged
 
 
+def _last_attempt(events: list[dict]) -> int:
+    """Index of the last attempt's first event: its ``job_started`` (0 when there is none but the first)."""
+    return max((i for i, e in enumerate(events) if e["kind"] == "job_started"), default=0)
+
+
 def _end_time(events: list[dict]) -> float:
-    for e in events:
+    """The last attempt's ``run_finished``, else (it did not finish) the last event."""
+    for e in events[_last_attempt(events):]:
         if e["kind"] == "run_finished":
             return float(e["t"])
     return float(events[-1]["t"])
 
 
-def intervals(events: list[dict]) -> list[Interval]:
-    """Labelled intervals ``(start, end, label)`` partitioning the run's wall time.
-
-    Times are seconds since the first event; intervals are sorted, contiguous,
-    non-empty, and adjacent ones never share a label. ``label`` is one of
-    :data:`LABELS`. An empty log gives ``[]``. Events after ``run_finished``
-    are ignored.
-    """
-    if not events:
-        return []
-    events = sorted(events, key=lambda e: e["t"])  # stable: equal times keep log order
+def _walk(events: list[dict]) -> tuple[float, _Walk, list[Interval]]:
+    """``(t0, the walk, its merged intervals in absolute seconds)`` over ``events`` sorted by time."""
     t0, t_end = float(events[0]["t"]), _end_time(events)
     walk = _Walk(t0)
-    for e in events:
-        if float(e["t"]) > t_end or e["kind"] == "run_finished":
+    for i, e in enumerate(events):
+        if float(e["t"]) > t_end:
             break
+        if e["kind"] == "job_started" and i > 0:
+            walk.next_attempt(float(e["t"]))
+        elif e["kind"] == "run_finished":
+            if float(e["t"]) >= t_end:
+                break
+            walk.attempt_finished(float(e["t"]))
+            continue
         walk.event(e)
     raw = walk.finish(t_end)
     raw = _paint(raw, [(max(s, t0), min(e, t_end), lab) for s, e, lab in walk.overlays if e > s])
-    return [(s - t0, e - t0, lab) for s, e, lab in _merge(raw)]
+    return t0, walk, _merge(raw)
+
+
+def intervals(events: list[dict]) -> list[Interval]:
+    """Labelled intervals ``(start, end, label)`` partitioning the run's wall time.
+
+    Times are seconds since the first event; intervals are sorted, non-empty,
+    and adjacent ones never share a label; they are contiguous except across
+    :func:`idle_gaps` (after a finished attempt, until the next). ``label`` is
+    one of :data:`LABELS`. An empty log gives ``[]``. Events after the last
+    attempt's ``run_finished`` are ignored.
+    """
+    if not events:
+        return []
+    t0, _, ivs = _walk(sorted(events, key=lambda e: e["t"]))  # stable: equal times keep log order
+    return [(s - t0, e - t0, lab) for s, e, lab in ivs]
+
+
+def idle_gaps(events: list[dict]) -> list[tuple[float, float]]:
+    """``(start, end)`` seconds since the first event of each gap between a finished attempt's ``run_finished``
+    and the next attempt's ``job_started``: time outside the run (no interval covers it)."""
+    if not events:
+        return []
+    t0, walk, _ = _walk(sorted(events, key=lambda e: e["t"]))
+    return [(s - t0, e - t0) for s, e in walk.idle if e > s]
 
 
 def goodput(events: list[dict]) -> dict:
@@ -224,7 +296,10 @@ def goodput(events: list[dict]) -> dict:
     totals = {lab: 0.0 for lab in LABELS}
     for s, e, lab in ivs:
         totals[lab] += e - s
-    wall = (_end_time(events) - float(min(e["t"] for e in events))) if events else 0.0
+    wall = 0.0
+    if events:
+        ordered = sorted(events, key=lambda e: e["t"])
+        wall = _end_time(ordered) - float(ordered[0]["t"]) - sum(e - s for s, e in idle_gaps(ordered))
     return {
         "wall_seconds": wall,
         "productive_seconds": totals["productive"],

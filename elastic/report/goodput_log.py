@@ -59,9 +59,10 @@ def recorder_calls(events: list[dict]) -> list[tuple[str, tuple]]:
     if first is not None:
         next_step, interrupted = 0, False
         calls.append(("record_step_start_time", (0, t0 + first)))
-        for e in events:
+        last = max((i for i, e in enumerate(events) if e["kind"] == "job_started"), default=0)
+        for i, e in enumerate(events):
             kind = e["kind"]
-            if kind == "run_finished":
+            if kind == "run_finished" and i >= last:   # the last attempt's (an earlier one was extended later)
                 break
             if kind == "step_committed" and e["step"] == next_step:
                 next_step += 1
@@ -71,7 +72,7 @@ def recorder_calls(events: list[dict]) -> list[tuple[str, tuple]]:
             elif kind == "recovered" and interrupted:
                 interrupted = False
                 calls.append(("record_step_start_time", (next_step, float(e["t"]))))
-        finished = any(e["kind"] == "run_finished" for e in events)
+        finished = any(e["kind"] == "run_finished" for e in events[last:])
         if calls[-1][0] == "record_step_start_time" and (finished or calls[-1][1][1] >= end):
             calls.pop()   # the step after the last commit never started
     calls.append(("record_job_end_time", (end,)))

@@ -15,7 +15,8 @@ import pathlib
 import time
 
 from elastic.report.charts import COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg, timeline_svg
-from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, intervals
+from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, idle_gaps, intervals
+from elastic.report.summary import resumed_text
 
 __all__ = ["render_html", "write_html"]
 
@@ -71,11 +72,14 @@ def _header(report: dict, events: list[dict]) -> str:
     dps = report.get("devices_per_slice")
     where = "one process (reference)" if mode == "reference" or slices == 0 else f"{slices} slices × {dps} devices"
     started = _date(first_time(events)) if events else "no events"
-    parts = [f"mode <b>{esc(mode)}</b>", f"config <b>{esc(cfg.get('run_name', '?'))}</b>", esc(where),
+    parts = [f"mode <b>{esc(mode)}</b>", f"run name <b>{esc(cfg.get('run_name') or '?')}</b>", esc(where),
              f"{esc(report.get('steps_completed', 0))}/{esc(report.get('steps_requested'))} steps",
              esc(started)]
     if report.get("seed") is not None:
         parts.insert(3, f"seed {esc(report['seed'])}")
+    attempts = report.get("attempts") or []
+    if len(attempts) > 1:
+        parts.insert(-1, f"{esc(len(attempts))} attempts")
     return (f"<h1>jax-elastic run <code style='font-size:20px'>{esc(report.get('run_id') or '?')}</code></h1>"
             f"<div class='sub'>{' · '.join(parts)}</div>")
 
@@ -132,6 +136,12 @@ def _facts(report: dict, gp: dict) -> str:
         ("compile (slowest worker)", fmt_seconds(report.get("compile_seconds"))),
         ("step time (median)", fmt_seconds(report.get("step_seconds_median"))),
     ]
+    resumed = resumed_text(report)
+    if resumed:
+        rows.append(("resumed from", resumed))
+    attempts = report.get("attempts") or []
+    if len(attempts) > 1:
+        rows.append(("attempts", str(len(attempts))))
     cells = [f"<td>{esc(k)}</td><td>{esc(v)}</td>" for k, v in rows]
     body = "".join("<tr>" + "".join(cells[i:i + 3]) + "</tr>" for i in range(0, len(cells), 3))
     sha = report.get("final_state_sha256")
@@ -145,13 +155,44 @@ def _legend(labels: list[str]) -> str:
                     for lab in labels)
     marks = ("<span><span class='sw' style='background:#d32f2f'></span>fault injected</span>"
              "<span><span class='sw' style='background:#ef6c00'></span>failure detected</span>"
-             "<span><span class='sw' style='background:#2e7d32'></span>recovered / grown</span>")
+             "<span><span class='sw' style='background:#2e7d32'></span>recovered / grown</span>"
+             "<span><span class='sw' style='background:#6a1b9a'></span>attempt / resume</span>")
     return f"<div class='legend'>{items}{marks}</div>"
+
+
+def _attempt_marks(report: dict, events: list[dict]) -> list[dict]:
+    """``events`` with each later attempt's ``job_started`` as an ``attempt_started`` marker (its number, how
+    the one before ended, the gap), for the timeline."""
+    later = iter((report.get("attempts") or [])[1:])
+    out, seen = [], False
+    for e in events:
+        if e["kind"] == "job_started":
+            if seen:
+                a = next(later, {})
+                e = {"t": e["t"], "kind": "attempt_started", "attempt": a.get("attempt"), "after": a.get("after"),
+                     "gap_before_s": a.get("gap_before_s")}
+            seen = True
+        out.append(e)
+    return out
+
+
+def _squeeze(events: list[dict], ivs: list, gaps: list) -> tuple[list[dict], list]:
+    """Events and intervals with each idle gap (a finished attempt, extended later) cut out of the time axis."""
+    if not gaps:
+        return events, ivs
+    t0 = first_time(events)
+
+    def shift(t: float) -> float:
+        return t - sum(min(e, max(t, s)) - s for s, e in gaps)
+
+    return ([{**e, "t": t0 + shift(float(e["t"]) - t0)} for e in events],
+            [(shift(s), shift(e), lab) for s, e, lab in ivs])
 
 
 def _timelines(report: dict, events: list[dict], ivs: list) -> str:
     if not events:
         return "<div class='card'><h2>Timeline</h2><p class='muted'>No events.</p></div>"
+    events, ivs = _squeeze(_attempt_marks(report, events), ivs, idle_gaps(events))
     wall = ivs[-1][1] if ivs else 0.0
     slices = report.get("slices")
     max_slices = max(slices if finite(slices) else 0, 1)
@@ -210,6 +251,22 @@ def _failures(report: dict) -> str:
                                "recovered after", "path", "bytes moved", "resumed at"], rows, "No failures.")
 
 
+def _attempts(report: dict) -> str:
+    attempts = report.get("attempts") or []
+    if len(attempts) < 2:
+        return ""
+    rows = []
+    for a in attempts:
+        start = a.get("started_from") or {}
+        rows.append([a.get("attempt"), a.get("after") or "—", fmt_seconds(a.get("gap_before_s")),
+                     fmt_seconds(a.get("started_at")),
+                     f"{start.get('tier') or 'unrecorded'} step {start.get('step')}" if start else "—",
+                     a.get("steps_committed"), a.get("steps_recomputed"), a.get("end"),
+                     a.get("failure_reason") or "—"])
+    return _table("Attempts", ["#", "after", "gap before", "started at", "started from", "steps committed",
+                               "steps recomputed", "end", "why it ended"], rows, "")
+
+
 def _faults(report: dict) -> str:
     faults = report.get("faults") or []
     rows = [[f.get("index"), f.get("spec"), f.get("kind"), ", ".join(f.get("workers") or []) or "—",
@@ -244,7 +301,7 @@ def render_html(report: dict, events: list[dict]) -> str:
     body = "".join([
         _header(report, events), _banner(report), _dropped(report), _facts(report, gp),
         _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>",
-        _failures(report), _faults(report), _stragglers(report), _security(report),
+        _attempts(report), _failures(report), _faults(report), _stragglers(report), _security(report),
     ])
     title = f"jax-elastic run {report.get('run_id') or ''}"
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
@@ -258,7 +315,8 @@ def write_html(run_dir: str | os.PathLike, report: dict, events: list[dict]) -> 
     try:
         tmp.write_text(render_html(report, events), encoding="utf-8")
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         tmp.unlink(missing_ok=True)   # a full disk leaves no half-written temp file behind
+        e.filename = e.filename or str(path)   # a failed write() names no file: say which one was lost
         raise
     return path

@@ -44,7 +44,8 @@ def write_report(run_dir, report: dict) -> pathlib.Path:
     try:
         tmp.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         tmp.unlink(missing_ok=True)   # a full disk leaves no half-written temp file behind
+        e.filename = e.filename or str(path)   # a failed write() names no file: say which one was lost
         raise
     return path

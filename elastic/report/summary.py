@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["print_summary", "summary_panel", "summary_text"]
+__all__ = ["attempt_text", "print_summary", "resumed_text", "summary_panel", "summary_text"]
 
 _VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
 
@@ -25,6 +25,35 @@ def _seconds(x: float | None) -> str:
     if x is None:
         return "—"
     return f"{1000 * x:.0f} ms" if abs(x) < 1 else f"{x:.1f} s"
+
+
+def resumed_text(report: dict) -> str:
+    """Where the run's last attempt resumed from, in words ("" when it did not): tier, step, directory."""
+    r = report.get("resumed_from")
+    if not isinstance(r, dict):
+        return ""
+    text = f"{r.get('tier') or 'checkpoint'} at step {r.get('step')}"
+    if r.get("directory"):
+        text += f" ({r['directory']})"
+    if r.get("comparison"):
+        text += f", {r['comparison']}"
+    return text
+
+
+def attempt_text(a: dict) -> str:
+    """One later attempt in words: how the one before ended, the gap, where its state came from, what it redid."""
+    after = {"finished": "extended a finished run", "died": "restarted after the client died",
+             "failed": "restarted after a failure"}.get(str(a.get("after")), "started again")
+    gap = a.get("gap_before_s")
+    start = a.get("started_from")
+    where = ("no state yet" if not isinstance(start, dict)
+             else f"from {start.get('tier') or 'an unrecorded state'} at step {start.get('step')}")
+    text = f"{after}" + (f" ({_seconds(gap)} later)" if isinstance(gap, (int, float)) else "") + f", {where}"
+    if a.get("steps_recomputed"):
+        text += f", {a['steps_recomputed']} committed steps recomputed"
+    if a.get("end") != "finished":
+        text += f"; {a.get('end')}"
+    return text
 
 
 def _rows(report: dict) -> list[tuple[str, str]]:
@@ -43,6 +72,8 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"
                                            if failures else "")),
         ("steps lost", str(report.get("steps_lost", 0))),
+        *([("resumed from", resumed_text(report))] if resumed_text(report) else []),
+        *[(f"attempt {a.get('attempt')}", attempt_text(a)[:160]) for a in (report.get("attempts") or [])[1:]],
         ("snapshot / checkpoint restores",
          f"{report.get('snapshot_restores') or 0} / {report.get('checkpoint_restores', 0)}"),
         ("goodput", f"{100 * gp['goodput_fraction']:.1f} %" if "goodput_fraction" in gp else "—"),

@@ -2,7 +2,8 @@
 
 Sets this process's simulated CPU devices to a slice's (``ici_fsdp_parallelism``)
 before JAX starts, loads the config (:func:`load_maxtext_config`), builds the
-job (:func:`make_job`) and runs it on local workers, or in this process with
+job (:func:`make_job`, or ``elastic_trainer``'s factory; see
+:func:`integrations.maxtext.cli.build_job`) and runs it on local workers, or in this process with
 ``--reference``. Prints the run directory and the last loss. Exit status: 0
 done, 2 bad input (one line naming the key), 1 the run failed.
 """
@@ -25,11 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         _set_device_count(_devices_per_slice(pathlib.Path(args.config), args.overrides))
-        from integrations.maxtext import load_maxtext_config, make_job
+        from integrations.maxtext.cli import build_job
         from runtime import ElasticError, ProgramExportError   # after XLA_FLAGS: runtime imports JAX
 
-        ec, mt = load_maxtext_config(args.config, args.overrides)
-        job = make_job(ec, mt)
+        job = build_job(args.config, args.overrides)   # MaxText's model, or elastic_trainer's factory
     except elastic.ConfigError as e:
         return _fail(f"error: {e}", 2)
     except ProgramExportError as e:

@@ -36,7 +36,21 @@ import elastic
 from integrations.maxtext.config import check_supported
 from integrations.maxtext.data import MAXTEXT_PRNG_IMPL, SyntheticSource
 
-__all__ = ["make_job"]
+__all__ = ["import_maxtext", "make_job"]
+
+# The MaxText modules make_job uses; several print as they import (stubs of optional dependencies, transformers).
+_MAXTEXT_MODULES = ("maxtext.common.train_state_nnx", "maxtext.utils.model_creation_utils",
+                    "maxtext.utils.train_utils", "maxtext.trainers.pre_train.train", "maxtext.utils.maxtext_utils",
+                    "maxtext.input_pipeline.synthetic_data_processing")
+
+
+def import_maxtext() -> None:
+    """Imports the MaxText modules :func:`make_job` uses, now (the command line does it while it keeps what
+    libraries print off the terminal, before a user's factory runs). Imports JAX."""
+    import importlib
+
+    for module in _MAXTEXT_MODULES:
+        importlib.import_module(module)
 
 
 def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> elastic.WrappedStep:

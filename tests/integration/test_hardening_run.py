@@ -36,7 +36,9 @@ def test_fit_holds_its_run_directory_until_it_returns(tmp_path):
     claim_run_directory(str(tmp_path), "tiny").release()   # free again once fit returned
 
 
-def test_a_disk_that_fills_mid_run_drops_events_but_training_finishes(tmp_path):
+def test_a_disk_that_fills_mid_run_drops_events_finishes_training_and_then_says_what_was_lost(tmp_path):
+    """Training goes on to the end; then ``fit`` raises ``RunRecordsLostError`` (``elastic run`` exits 1 on it),
+    one line naming the log and what it could not record, and the log stays a clean prefix of the run."""
     script = textwrap.dedent(f"""
         import json, os, resource, signal, sys
         import elastic
@@ -53,9 +55,14 @@ def test_a_disk_that_fills_mid_run_drops_events_but_training_finishes(tmp_path):
                 size = os.path.getsize(trainer.run_dir() / "events.jsonl")
                 resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-        report = trainer.fit(reference=True, on_step=on_step)
+        try:
+            trainer.fit(reference=True, on_step=on_step)
+        except elastic.RunRecordsLostError as e:
+            report, message = e.report, str(e)
+        else:
+            raise SystemExit("fit returned although its records are incomplete")
         print(json.dumps({{"steps": steps, "events_dropped": report["events_dropped"],
-                          "steps_completed": report["steps_completed"]}}))
+                          "steps_completed": report["steps_completed"], "message": message}}))
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -65,6 +72,11 @@ def test_a_disk_that_fills_mid_run_drops_events_but_training_finishes(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["steps"] == [0, 1, 2, 3]                      # training went on to the end
     assert out["events_dropped"] > 0 and out["steps_completed"] == 2
+    message = out["message"]
+    assert "\n" not in message and "the run finished, but its records are incomplete" in message, message
+    assert str(tmp_path / "tiny" / "events.jsonl") in message and "File too large" in message, message
+    assert f"{out['events_dropped']} events were not recorded" in message, message
+    assert "report.json could not be written" in message, message   # the disk is still full at the end
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
     assert len([w for w in warnings if "event log" in w]) == 1, warnings
     assert "events.jsonl" in warnings[0] and "File too large" in warnings[0]

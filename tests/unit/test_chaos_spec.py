@@ -289,6 +289,11 @@ def shape(*overrides, duration=None, mtbf=None):
     ("kill:all@checkpoint=8", [], {}, "checkpoint=8 waits for a checkpoint, and the run writes no checkpoints"),
     ("kill:all@checkpoint=30", ["steps=20", "enable_checkpointing=true"], {},
      "checkpoint=30 is never reached: the run's newest checkpoint holds at most 20 steps"),
+    ("kill_save@checkpoint=9", ["steps=10", "enable_checkpointing=true", "checkpoint_period=4"], {},
+     "kill_save cuts off a save that follows checkpoint=9, and none does: the first checkpoint of step 9 or later "
+     "is the run's last (step 10; checkpoint_period=4)"),
+    ("kill_save@checkpoint=10", ["steps=10", "enable_checkpointing=true", "checkpoint_period=2"], {},
+     "the first checkpoint of step 10 or later is the run's last"),
     ("kill:all@snapshot=8", [], {}, "snapshot=8 waits for an in-memory snapshot, and the run takes none"),
     ("kill:all@snapshot=20", ["steps=20", "elastic_snapshot_interval=4"], {},
      "snapshot=20 is never reached: snapshots follow steps before the last, so they hold at most 19 steps"),
@@ -308,6 +313,8 @@ def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, override
     ("kill@step=2,kill:role=source@transfer", ["elastic_spares=0"], {}),   # relaunched workers join
     ("kill:role=dest@transfer", ["elastic_spares=1", "steps=100000"], {"mtbf": 20.0, "duration": 60.0}),
     ("kill_save@step=3,kill:everything@checkpoint=20", ["steps=20", "enable_checkpointing=true"], {}),
+    ("kill_save@checkpoint=8", ["steps=10", "enable_checkpointing=true", "checkpoint_period=2"], {}),  # 10 follows
+    ("kill_save@checkpoint=5", ["steps=10", "enable_checkpointing=true", "checkpoint_period=4"], {}),  # 8, then 10
     ("kill:all@snapshot=16", ["steps=20", "elastic_snapshot_interval=4"], {}),
 ])
 def test_a_fault_that_can_fire_is_accepted(spec, overrides, soak):

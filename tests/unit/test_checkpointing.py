@@ -48,8 +48,11 @@ class Group:
                                                     if step < s <= applied and s not in self.holds[w]])
         return out
 
-    def flush_checkpoints(self, workers, wait_seconds):
-        return {w: self.flushed.get(w, ([], "")) for w in workers}
+    def flush_checkpoints(self, workers, wait_seconds, save=None):
+        """``flushed[worker]``: the answers of successive rounds, ``(saved, error, idle)``; the last repeats."""
+        self.calls.append(("flush", tuple(workers)) + ((save,) if save else ()))
+        rounds = {w: self.flushed.setdefault(w, [([], "", True)]) for w in workers}
+        return {w: r.pop(0) if len(r) > 1 else r[0] for w, r in rounds.items()}
 
 
 def test_the_writer_rotates_and_the_order_carries_the_committed_loss_sums():
@@ -101,23 +104,70 @@ def test_finish_removes_the_leftovers_of_cut_saves_only_when_nobody_writes(tmp_p
     leaves = [np.arange(4, dtype=np.float32)]
     CheckpointStore(str(directory), async_save=False).save(4, leaves, sha256=state_sha256(leaves))
     (directory / "8.orbax-checkpoint-tmp").mkdir()   # what a writer killed mid-save leaves
-    busy, events = Group(flushed={"b": ([], "still writing after 5 s")}), Events()
-    Checkpointing(busy, Opts(checkpoint_directory=str(directory)), events).finish(["a", "b"])
+    busy, events = Group(flushed={"b": [([], "", False)]}), Events()   # b writes on past the deadline
+    Checkpointing(busy, Opts(checkpoint_directory=str(directory), rpc_timeout_seconds=0.2), events).finish(["a", "b"], [0.5] * 8)
     assert (directory / "8.orbax-checkpoint-tmp").exists()   # b may be writing it
-    idle = Group(flushed={"a": ([8], "")})
-    Checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish(["a", "b"])
+    assert [f["error"] for k, f in events.log if k == "checkpoint_failed"] == ["still writing after 0.2 s"]
+    idle = Group(flushed={"a": [([8], "", True)]})
+    Checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish(["a", "b"], [0.5] * 8)
     assert not (directory / "8.orbax-checkpoint-tmp").exists() and (directory / "4").exists()
     removed = [f for k, f in events.log if k == "checkpoint_leftovers_removed"]
     assert len(removed) == 1 and removed[0]["paths"][0].endswith("8.orbax-checkpoint-tmp")
+    failed = Group(flushed={"a": [([], "disk full", True)]})
+    (directory / "12.orbax-checkpoint-tmp").mkdir()
+    Checkpointing(failed, Opts(checkpoint_directory=str(directory)), events).finish(["a"], [0.5] * 8)
+    assert (directory / "12.orbax-checkpoint-tmp").exists()   # kept for whoever looks into the failure
+
+
+def test_finish_reports_each_save_as_it_completes_while_the_next_is_written(tmp_path):
+    """The end of a run waits for the saves in flight in rounds: the observer hears of checkpoint 4 while 8 is
+    still being written (so a fault waiting for checkpoint 4 can still cut 8 off)."""
+    seen, rounds = [], []
+    group = Group(flushed={"a": [([4], "", False), ([], "", False), ([8], "", True)], "b": [([6], "", True)]})
+
+    def notify(step):
+        seen.append(step)
+        rounds.append(len([c for c in group.calls if c[0] == "flush"]))
+
+    ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path)), Events(), notify=notify)
+    ck.finish(["a", "b"], [0.5] * 8)
+    assert sorted(seen) == [4, 6, 8] and rounds[seen.index(4)] == 1 and rounds[seen.index(8)] == 3
+    assert [c[1] for c in group.calls if c[0] == "flush"] == [("a", "b"), ("a",), ("a",)]   # the idle not asked again
+
+
+def test_a_last_checkpoint_cut_off_with_its_writer_is_saved_again_by_a_survivor(tmp_path):
+    group = Group(flushed={"a": [([12], "", True)]})
+    ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path), checkpoint_period=4), Events())
+    for step in range(12):   # checkpoints of 4 (b), 8 (a), 12 (b: the last)
+        ck.order_for(step, 12, ("a", "b"), [])
+    ck.note({"a": ([8], "")})
+    ck.finish(["a"], [0.5] * 12)   # b died writing 12: a saves its state (step 12) first, then reports it
+    (flush,) = [c for c in group.calls if c[0] == "flush"]
+    assert flush == ("flush", ("a",), ("a", str(tmp_path), [0.5] * 12)) and ck.unfinished_writer(("a",)) is None
+    again = Group()
+    Checkpointing(again, Opts(checkpoint_directory=str(tmp_path)), Events()).finish(["a"], [0.5] * 12)
+    assert [len(c) for c in again.calls if c[0] == "flush"] == [2]   # nothing was cut off: no save asked
+
+
+def test_the_unfinished_writer_is_the_newest_order_not_reported_complete():
+    ck = Checkpointing(Group(), Opts(checkpoint_directory="/ck", checkpoint_period=2), Events())
+    for step in range(10):   # checkpoints of 2 (b), 4 (a), 6 (b), 8 (a), 10 (b)
+        ck.order_for(step, 10, ("a", "b"), [])
+    assert ck.unfinished_writer(("a", "b")) == "b" and ck.unfinished_writer(("a",)) == "a"
+    ck.note({"b": ([10], "")})   # b's newest: its older orders (2, 6) are done or were replaced
+    assert ck.unfinished_writer(("a", "b")) == "a"
+    ck.note({"a": ([8], "")})
+    assert ck.unfinished_writer(("a", "b")) is None
 
 
 def test_the_programs_fingerprint_ignores_source_locations_and_names_but_not_the_math():
-    """A checkpoint resumes after the code around the model changed (lines moved, the step renamed); another
-    model's does not (the worker refuses it as written by other programs)."""
+    """A checkpoint resumes after the code around the model changed (lines moved, the step renamed, traced
+    under a deeper call stack); another model's does not (the worker refuses it as written by other programs).
+    What older checkpoints recorded is still computed the old way."""
     import jax
     import jax.numpy as jnp
 
-    from runtime.requests import programs_fingerprint
+    from runtime.fingerprint import legacy_programs_fingerprint, programs_fingerprint
 
     code = "\n\n\ndef step(x):\n    return jnp.sin(x) * 2\n\n\ndef other(x):\n    return jnp.cos(x) * 2\n"
     ns = {"jnp": jnp}
@@ -126,10 +176,15 @@ def test_the_programs_fingerprint_ignores_source_locations_and_names_but_not_the
     def step(x):
         return jnp.sin(x) * 2
 
-    def programs(fn):
-        blob = jax.export.export(jax.jit(fn), platforms=["cpu"])(jnp.ones(3)).serialize()
-        return [types.SimpleNamespace(name="grad", serialized=blob)]
+    def programs(fn, depth=0):
+        def traced(x, d=depth):
+            return traced(x, d - 1) if d else fn(x)
+        blob = jax.export.export(jax.jit(traced), platforms=["cpu"])(jnp.ones(3)).serialize()
+        return {"grad": blob}
 
-    assert programs(step)[0].serialized != programs(ns["step"])[0].serialized   # the locations differ
+    assert programs(step)["grad"] != programs(ns["step"])["grad"]   # the locations differ
     assert programs_fingerprint(programs(step)) == programs_fingerprint(programs(ns["step"]))
+    assert programs_fingerprint(programs(step)) == programs_fingerprint(programs(step, depth=5))
     assert programs_fingerprint(programs(step)) != programs_fingerprint(programs(ns["other"]))
+    assert legacy_programs_fingerprint(programs(step)) == legacy_programs_fingerprint(programs(ns["step"]))
+    assert legacy_programs_fingerprint(programs(step)) != legacy_programs_fingerprint(programs(ns["other"]))

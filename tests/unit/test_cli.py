@@ -50,3 +50,27 @@ def test_a_broken_plugin_is_one_warning_and_the_builtin_commands_still_work(monk
         elastic.cli.main(["--help"])
     out = capsys.readouterr().out
     assert "chaos" in out and "broken" not in out
+
+
+def test_library_output_is_kept_off_the_terminal_and_shown_only_when_something_crashes(capsys):
+    import logging
+    import sys
+
+    from elastic.cli_support import kept_library_output
+    from elastic.config import ConfigError
+
+    with kept_library_output() as kept:
+        print("[NO-OP] a stub")
+        handler = logging.StreamHandler()   # bound to the stream of its time, as libraries do at import
+        print("a warning", file=sys.stderr)
+    assert "".join(kept) == "[NO-OP] a stub\na warning\n"
+    handler.stream.write("later\n")   # a handler made while kept reaches the terminal afterwards
+    assert capsys.readouterr() == ("", "later\n")
+    with pytest.raises(ConfigError), kept_library_output():
+        print("noise")
+        raise ConfigError("bad input")   # one line says what is wrong: the noise stays kept
+    assert capsys.readouterr() == ("", "")
+    with pytest.raises(RuntimeError), kept_library_output():
+        print("what led to it")
+        raise RuntimeError("crash")
+    assert capsys.readouterr() == ("", "what led to it\n")

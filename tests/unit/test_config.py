@@ -98,6 +98,28 @@ def test_missing_base_config_names_both_files(tmp_path):
         load_config(child)
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny.yml", "base", "base.yml"])
+def test_base_config_names_a_bundled_config_when_no_file_is_beside(tmp_path, name):
+    child = write(tmp_path, "child.yml", f"base_config: {name}\nsteps: 3\n")
+    cfg = load_config(child)
+    want = load_config(name.removesuffix(".yml"))
+    assert cfg == want.replace(steps=3)
+    assert cfg.steps == 3 and cfg.run_name == ("tiny" if name.startswith("tiny") else "")
+
+
+def test_a_file_beside_wins_over_a_bundled_config_of_the_same_name(tmp_path):
+    write(tmp_path, "tiny.yml", "steps: 9\n")
+    assert load_config(write(tmp_path, "child.yml", "base_config: tiny.yml\n")).steps == 9
+    assert load_config(write(tmp_path, "other.yml", "base_config: tiny\n")).steps == 30   # no file 'tiny' beside
+
+
+def test_a_missing_base_config_says_where_it_was_looked_for(tmp_path):
+    child = write(tmp_path, "child.yml", "base_config: tinyy\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(child)
+    assert assert_one_line(err).endswith("not beside it, nor a bundled config (base, tiny)")
+
+
 # --------------------------------------------------------------------------- overrides
 
 
@@ -324,10 +346,20 @@ def test_missing_file(tmp_path):
         load_config(tmp_path / "nothere.yml")
 
 
-def test_bad_yaml_names_file_and_line(tmp_path):
+def test_bad_yaml_is_one_line_naming_file_line_and_column(tmp_path):
     path = write(tmp_path, "bad.yml", "steps: 3\nseed: [1, 2\nrun_name: x\n")
-    with pytest.raises(ConfigError, match=r"^invalid YAML in .*bad\.yml line \d+: ") as err:
+    with pytest.raises(ConfigError) as err:
         load_config(path)
+    assert assert_one_line(err) == (f"invalid YAML in {path} line 3, column 9: expected ',' or ']', but got ':' "
+                                    "(while parsing a flow sequence at line 2, column 7)")
+    child = write(tmp_path, "child.yml", "base_config: bad.yml\n")   # in a base: names the file that names it
+    with pytest.raises(ConfigError, match=r"^invalid YAML in .*bad\.yml \(base_config of .*child\.yml\) line 3, "
+                                          r"column 9: ") as err:
+        load_config(child)
+    assert_one_line(err)
+    tab = write(tmp_path, "tab.yml", "steps: 3\n\tseed: 1\n")
+    with pytest.raises(ConfigError, match=r"^invalid YAML in .*tab\.yml line 2, column 1: ") as err:
+        load_config(tab)
     assert_one_line(err)
 
 

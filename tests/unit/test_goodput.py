@@ -5,6 +5,7 @@ import math
 import pytest
 
 from elastic.report import BADPUT_LABELS, LABELS, goodput, intervals
+from elastic.report.goodput import idle_gaps
 
 
 def ev(t, kind, **fields):
@@ -164,3 +165,32 @@ def test_empty_log():
     assert gp["wall_seconds"] == 0.0 and gp["goodput_fraction"] == 0.0
     assert set(gp["badput_seconds"]) == set(BADPUT_LABELS)
     assert not any(math.isnan(v) for v in gp["badput_seconds"].values())
+
+
+def test_a_client_restart_is_recovery_and_the_steps_it_recomputes_are_wasted():
+    """Attempt 1 commits 0..2 and its client dies at 13.5; attempt 2 starts at 20 from a checkpoint of step 1."""
+    first = startup() + [commit(11, 0), commit(12, 1), commit(13, 2), ev(13.5, "step_dispatched", step=3)]
+    second = [ev(20, "job_started", mode="distributed"), ev(21, "programs_built"), ev(22, "placement", active=["w0"]),
+              ev(25, "programs_loaded"), ev(26, "run_resumed", step=1), commit(27, 1), commit(28, 2), commit(29, 3),
+              ev(29.5, "run_finished")]
+    gp = check_partition(first + second)
+    labels = [(s, e, lab) for s, e, lab in intervals(first + second)]
+    assert (13.0, 13.5, "wasted_progress") in labels and (13.5, 20.0, "recovery") in labels   # in flight, then down
+    assert (25.0, 26.0, "checkpoint_restore") in labels
+    assert (26.0, 28.0, "wasted_progress") in labels and (28.0, 29.0, "productive") in labels   # 1, 2 again; 3 new
+    assert gp["wall_seconds"] == pytest.approx(29.5)
+
+
+def test_the_idle_time_between_a_finished_attempt_and_its_extension_is_no_ones():
+    first = startup() + [commit(11, 0), commit(12, 1), ev(12.5, "run_finished"), ev(12.6, "verdict")]
+    second = [ev(500, "job_started", mode="distributed"), ev(501, "programs_built"),
+              ev(502, "placement", active=["w0"]), ev(503, "programs_loaded"), ev(504, "run_resumed", step=2),
+              commit(505, 2), ev(506, "run_finished")]
+    events = first + second
+    assert idle_gaps(events) == [(12.5, 500.0)]
+    ivs = intervals(events)
+    assert not any(s < 499.0 and e > 13.0 for s, e, _ in ivs)   # nothing covers the idle time
+    gp = goodput(events)
+    assert gp["wall_seconds"] == pytest.approx(12.5 + 6)
+    assert gp["productive_seconds"] + sum(gp["badput_seconds"].values()) == pytest.approx(gp["wall_seconds"])
+    assert gp["productive_seconds"] == pytest.approx(0.5 + 1.0 + 1.0)   # steps 0 and 1, then 2 after the resume

@@ -86,6 +86,28 @@ def test_a_write_cut_short_is_truncated_and_the_log_stops_so_no_torn_line_is_fol
     assert proc.stderr.count("warning") == 1 and "events.jsonl" in proc.stderr
 
 
+def test_a_last_line_cut_short_at_close_takes_only_its_own_bytes_back(tmp_path):
+    """``close`` appends ``events_dropped``; when the kernel writes only part of it, the truncation removes
+    exactly those bytes: the events before (the last complete one included) stay whole."""
+    proc = _run_limited(tmp_path, """
+        log = EventLog("events.jsonl")
+        log.emit("step_committed", step=0, loss=1.5)
+        log.emit("step_dispatched", step=1)
+        whole = open("events.jsonl", "rb").read()
+        limit(len(whole))                                  # full: the next write fails, the log stops
+        log.emit("step_committed", step=1, loss=1.25)
+        limit(len(whole) + 20)                             # room for 20 bytes of the events_dropped line
+        log.close()
+        limit(resource.RLIM_INFINITY)
+        print(json.dumps({"same": open("events.jsonl", "rb").read() == whole, "dropped": log.dropped,
+                          "events": read_events("events.jsonl")}))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["same"], (tmp_path / "events.jsonl").read_text()[-200:]
+    assert [e["kind"] for e in out["events"]] == ["step_committed", "step_dispatched"] and out["dropped"] == 1
+
+
 def test_a_cut_write_that_cannot_be_truncated_stays_the_last_line(tmp_path):
     """Where even the truncation fails, nothing is written after the torn line (readers skip it)."""
     proc = _run_limited(tmp_path, """

@@ -7,6 +7,7 @@ import pytest
 
 from runtime.errors import ClusterUnreachableError
 from runtime.ray_launcher import _host_port, connect
+from tests.conftest import run_cli
 
 
 def _closed_port() -> int:
@@ -39,3 +40,16 @@ def test_a_listener_that_is_not_a_ray_cluster_fails_the_same_way_from_the_enviro
     ("[::1]:6379", ("::1", 6379)), ("auto", None), ("", None), ("local", None), ("host:notaport", None)])
 def test_host_and_port_of_a_cluster_address(address, expected):
     assert _host_port(address) == expected
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["run", "chaos"])
+def test_the_command_line_refuses_an_unreachable_cluster_in_one_line_before_anything_starts(tmp_path, command):
+    address = f"127.0.0.1:{_closed_port()}"
+    faults = ["--faults", "kill@step=1"] if command == "chaos" else []
+    proc, _ = run_cli([command, "tiny", "steps=3", "elastic_launcher=ray", f"ray_address={address}",
+                       "elastic_register_timeout_seconds=2", "run_name=r", *faults], tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"elastic: error: ray_address={address}: no Ray cluster answers there within "
+                                   "2 s (start one with `ray start --head`, or give the address it prints)")
+    assert not (tmp_path / "r").exists(), "nothing is written for a run that cannot start"

@@ -1,5 +1,7 @@
 """The report fold (``elastic.report.build_report``) over hand-built event logs (pure)."""
 
+import re
+
 from elastic.report import build_report
 
 
@@ -47,3 +49,138 @@ def test_a_fault_is_folded_by_the_fault_kind_its_event_recorded():
     assert injected["kind"] == "partition" and injected["path"] == "shrink"
     assert abs(injected["detected_after_s"] - 0.5) < 1e-6 and abs(injected["recovered_after_s"] - 1.0) < 1e-6
     assert skipped["kind"] == "kill" and skipped["skipped"] == "no spare left" and skipped["injected_at"] is None
+
+
+# --------------------------------------------------------------------------- attempts: one log across restarts
+
+D = "/runs/x/checkpoints"
+
+
+def attempt_start(t, run_id, steps=40):
+    return [ev(t, "job_started", mode="distributed", config={"run_name": "x", "steps": steps, "seed": 0},
+               global_batch_size=8, microbatches=2),
+            ev(t + 0.5, "programs_built", program_bytes={"grad": 1}, state_bytes=64, seconds=0.5),
+            ev(t + 1, "run_started", run_id=run_id, slices=2, devices_per_slice=1, steps=steps),
+            ev(t + 1.5, "placement", epoch=1, active=["w0", "w1"], spares=[]),
+            ev(t + 2, "programs_loaded", compile_seconds={"w0": 0.3, "w1": 0.4})]
+
+
+def loss(step):
+    return 2.0 - 0.01 * step
+
+
+def killed_then_resumed():
+    """Attempt 1 commits steps 0..36 (checkpoints at 10, 20, 30) and its client is SIGKILLed: the log just
+    ends. Attempt 2 (the same command again, 12 s later) resumes from checkpoint 30 and finishes at 40."""
+    first = attempt_start(0, "r1") + [ev(2.5, "state_initialized", seed=0, state_bytes=64)]
+    for s in range(37):
+        first.append(ev(3 + 0.1 * s, "step_committed", step=s, loss=loss(s)))
+        if s in (9, 19, 29):
+            first.append(ev(3.05 + 0.1 * s, "checkpoint_saved", worker="w0", step=s + 1, directory=D))
+    second = attempt_start(18.7, "r2") + [
+        ev(21, "run_resumed", step=30, directory=D, tier="checkpoint", bytes=128, state_bytes=64,
+           losses=[loss(s) for s in range(30)], losses_recorded=True, resharded_from=None)]
+    second += [ev(21.5 + 0.1 * i, "step_committed", step=s, loss=loss(s)) for i, s in enumerate(range(30, 40))]
+    second.append(ev(23, "run_finished", final_state_sha256="ab" * 32, replica_hashes={}, client_peak_rss_bytes=1))
+    return first, second
+
+
+def test_a_killed_client_alone_is_said_to_have_died_not_to_have_no_reason():
+    first, _ = killed_then_resumed()
+    report = build_report(first)
+    assert not report["finished"] and report["steps_completed"] == 37
+    why = report["failure_reason"]
+    assert why is not None and "without run_finished" in why and "after step 36" in why and "client died" in why
+    [attempt] = report["attempts"]
+    assert attempt["end"] == "died" and attempt["failure_reason"] == why
+
+
+def test_steps_an_earlier_attempt_committed_and_a_resumed_one_recomputed_are_lost_and_said_where():
+    first, second = killed_then_resumed()
+    report = build_report(first + second)
+    assert report["finished"] and report["failure_reason"] is None and report["run_id"] == "r2"
+    assert report["steps_completed"] == 40 and report["losses"] == [loss(s) for s in range(40)]
+    assert report["steps_lost"] == 7   # steps 30..36: committed by attempt 1, computed again by attempt 2
+    assert report["resumed_from"]["step"] == 30 and report["resumed_from"]["tier"] == "checkpoint"
+    one, two = report["attempts"]
+    assert (one["end"], one["steps_committed"], one["steps_recomputed"]) == ("died", 37, 0)
+    assert one["started_from"] == {"tier": "seed", "step": 0, "directory": None}
+    assert "attempt 1 ends without run_finished after step 36" in one["failure_reason"]
+    assert two["after"] == "died" and two["end"] == "finished" and two["failure_reason"] is None
+    assert two["started_from"] == {"tier": "checkpoint", "step": 30, "directory": D}
+    assert (two["steps_committed"], two["steps_recomputed"]) == (10, 7)
+    assert abs(two["gap_before_s"] - (18.7 - (3 + 3.6))) < 1e-6   # from attempt 1's last event
+    # The time the client was down is recovery, the recomputed steps wasted progress; it all adds up.
+    gp = report["goodput"]
+    assert gp["badput_seconds"]["recovery"] >= two["gap_before_s"] - 1e-6
+    assert gp["badput_seconds"]["wasted_progress"] > 0
+    assert abs(gp["productive_seconds"] + sum(gp["badput_seconds"].values()) - gp["wall_seconds"]) < 1e-6
+    assert abs(report["wall_seconds"] - 23) < 1e-6
+
+
+def test_a_restart_without_a_checkpoint_recomputes_every_committed_step():
+    first, _ = killed_then_resumed()
+    again = attempt_start(20, "r2", steps=5) + [ev(22.5, "state_initialized", seed=0, state_bytes=64)]
+    again += [ev(23 + 0.1 * s, "step_committed", step=s, loss=loss(s)) for s in range(5)]
+    report = build_report(first + again)
+    assert report["steps_lost"] == 37 and report["steps_completed"] == 5 and len(report["losses"]) == 5
+    assert report["attempts"][1]["started_from"]["tier"] == "seed"
+    assert report["attempts"][1]["steps_recomputed"] == 37
+    assert "the event log ends without run_finished after step 4" in report["failure_reason"]
+
+
+def test_extending_a_finished_run_loses_nothing_and_the_idle_time_is_not_the_runs():
+    first = attempt_start(0, "r1", steps=4) + [ev(2.5, "state_initialized", seed=0, state_bytes=64)]
+    first += [ev(3 + s, "step_committed", step=s, loss=loss(s)) for s in range(4)]
+    first += [ev(6.5, "checkpoint_saved", worker="w0", step=4, directory=D),
+              ev(7, "run_finished", final_state_sha256="cd" * 32, replica_hashes={}, client_peak_rss_bytes=1)]
+    later = 10_000.0   # extended hours later
+    second = attempt_start(later, "r2", steps=6) + [
+        ev(later + 3, "run_resumed", step=4, directory=D, tier="checkpoint", bytes=64, state_bytes=64,
+           losses=[loss(s) for s in range(4)], losses_recorded=True)]
+    second += [ev(later + 4 + s, "step_committed", step=4 + s, loss=loss(4 + s)) for s in range(2)]
+    second.append(ev(later + 6, "run_finished", final_state_sha256="ef" * 32, replica_hashes={},
+                     client_peak_rss_bytes=1))
+    report = build_report(first + second)
+    assert report["steps_lost"] == 0 and report["steps_completed"] == 6 and report["final_state_sha256"] == "ef" * 32
+    assert report["attempts"][1]["after"] == "finished" and report["attempts"][1]["steps_recomputed"] == 0
+    assert abs(report["wall_seconds"] - 13) < 1e-6   # 7 s + 6 s: the hours in between were nobody's
+    assert abs(report["goodput"]["wall_seconds"] - 13) < 1e-6
+    assert report["goodput"]["badput_seconds"]["checkpoint_restore"] > 0   # loaded -> resumed
+
+
+def test_the_summary_and_the_html_say_where_each_later_attempt_resumed_and_what_it_redid():
+    from elastic.report import render_html, summary_text
+
+    first, second = killed_then_resumed()
+    events = first + second
+    report = build_report(events)
+    text = summary_text(report, width=200)
+    assert "resumed from" in text and f"checkpoint at step 30 ({D})" in text
+    assert "attempt 2" in text and "restarted after the client died" in text and "7 committed steps recomputed" in text
+    page = render_html(report, events)
+    assert "run name <b>x</b>" in page and "config <b>" not in page   # the run's name, labelled as such
+    assert "2 attempts" in page and "<h2>Attempts</h2>" in page
+    timeline = page[page.index("<svg id='timeline'"):]
+    timeline = timeline[:timeline.index("</svg>")]
+    assert "attempt 2 (down" in timeline and "resumed from checkpoint step 30" in timeline   # marked on the timeline
+    assert "attempt 1" not in timeline   # the first attempt's start is the run's start, not a mark
+
+
+def test_the_timeline_cuts_the_idle_time_before_an_extension_out_of_its_axis():
+    from elastic.report import render_html
+
+    first = attempt_start(0, "r1", steps=2) + [ev(2.5, "state_initialized", seed=0, state_bytes=64)]
+    first += [ev(3 + s, "step_committed", step=s, loss=loss(s)) for s in range(2)]
+    first.append(ev(5, "run_finished", final_state_sha256="cd" * 32, replica_hashes={}, client_peak_rss_bytes=1))
+    second = attempt_start(86_400, "r2", steps=3) + [
+        ev(86_403, "run_resumed", step=2, directory=D, tier="checkpoint", bytes=64, state_bytes=64,
+           losses=[loss(0), loss(1)], losses_recorded=True)]
+    second += [ev(86_404, "step_committed", step=2, loss=loss(2)),
+               ev(86_405, "run_finished", final_state_sha256="ef" * 32, replica_hashes={}, client_peak_rss_bytes=1)]
+    page = render_html(build_report(first + second), first + second)
+    timeline = page[page.index("<svg id='timeline'"):]
+    timeline = timeline[:timeline.index("</svg>")]
+    ticks = [float(x) for x in re.findall(r"text-anchor='middle' fill='#444' >([0-9.]+)</text>", timeline)]
+    assert ticks and max(ticks) <= 10, ticks   # 10 s of run on the axis, not a day
+    assert "attempt 2 (idle 86395" in timeline

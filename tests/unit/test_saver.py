@@ -3,7 +3,6 @@
 import threading
 
 import numpy as np
-import pytest
 
 from runtime.executor import state_sha256
 from runtime.saver import CheckpointWriter, Drained
@@ -91,3 +90,92 @@ def test_a_snapshot_never_displaces_a_waiting_checkpoint_and_its_copy_is_reporte
     done = writer.drain("snapshot")
     assert done.saved == [3] and done.followed == [] and "copy of snapshot 3: OSError: peer gone" in done.error
     assert writer.drain() == Drained()
+
+
+def test_a_warm_up_left_behind_by_a_killed_worker_is_removed_by_the_next_warm_up(tmp_path):
+    """SIGKILL during the warm-up skips its clean-up; the next warm-up on the host removes what it left (and
+    never a live process's), so no ``elastic-warm-*`` directory piles up in the temporary directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.conftest import ROOT
+
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    stuck = textwrap.dedent("""
+        import threading, time
+        from runtime.saver import CheckpointWriter
+        def store_for(path):   # the warm-up is under way: its directory exists; never finishes
+            print("warming", flush=True)
+            threading.Event().wait()
+        CheckpointWriter(store_for=store_for).warm()
+        threading.Event().wait()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", stuck], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "warming"
+        left = [p.name for p in tmp_path.iterdir()]
+        assert len(left) == 1 and left[0].startswith(f"elastic-warm-{proc.pid}-"), left
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert [p.name for p in tmp_path.iterdir()] == left   # the dead worker's directory stayed behind
+    live = tmp_path / f"elastic-warm-{os.getpid()}-live"   # a live process's warm-up: never touched
+    live.mkdir()
+    again = textwrap.dedent("""
+        import threading
+        from runtime.saver import CheckpointWriter
+        class Store:
+            def __init__(self, path): pass
+            def save(self, *a, **k): pass
+            def wait(self): pass
+        CheckpointWriter(store_for=Store).warm()
+        for t in threading.enumerate():
+            if t.name == "checkpoint-warm-up":
+                t.join(60)
+    """)
+    subprocess.run([sys.executable, "-c", again], env=env, check=True, timeout=120)
+    assert [p.name for p in tmp_path.iterdir()] == [live.name]   # its own removed at its end, the dead one too
+
+
+class _Saving:
+    """A checkpoint store whose save of ``step`` is in flight (``saving``) and has left ``leftovers``."""
+
+    def __init__(self, step, leftovers):
+        self.saving, self._leftovers = step, leftovers
+
+    def leftovers(self):
+        return list(self._leftovers)
+
+
+class _Faults:
+    def __init__(self):
+        self.struck = []
+
+    def armed_in(self, phase):
+        return phase == "save" and not self.struck
+
+    def in_phase(self, phase):
+        self.struck.append(phase)
+
+
+def test_an_armed_kill_save_cuts_off_the_save_being_written_on_local_disk_and_gcs():
+    from runtime.worker_state import strike_save_in_progress
+
+    for leftover in ("/ck/8.orbax-checkpoint-tmp-1712", "gs://b/run/8"):   # local: renamed at the end; GCS: in place
+        writer = CheckpointWriter(store_for=lambda d: None)
+        writer._stores["/ck"] = _Saving(8, [leftover, "/ck/4.orbax-checkpoint-tmp-1"])
+        assert writer.writing()[1] == 8
+        faults = _Faults()
+        strike_save_in_progress(faults, writer)
+        assert faults.struck == ["save"], leftover
+    idle, faults = CheckpointWriter(store_for=lambda d: None), _Faults()
+    strike_save_in_progress(faults, idle)   # nothing being written: the kill waits for the next save
+    assert idle.writing() is None and faults.struck == []
+    done = CheckpointWriter(store_for=lambda d: None)
+    done._stores["/ck"] = store = _Saving(8, ["/ck/4.orbax-checkpoint-tmp-1"])   # 8 not begun in the store yet
+    threading.Timer(0.05, lambda: setattr(store, "saving", None)).start()       # ...and then it completes
+    strike_save_in_progress(faults, done)
+    assert faults.struck == []   # still armed: the next save is cut off (while_saving)

@@ -1,0 +1,268 @@
+"""What each recovery had to work with, and what it therefore promised: the recovery rules of the chaos verdict.
+
+A recovery can be only as good as what the faults leave. Read from the run's
+``events.jsonl`` alone (never from what the runtime says it chose), each
+recovery gets the promise of the best copy of the committed state that was
+left when it ended:
+
+=====================================  ==========================================================
+the faults leave                       the promise (``kind``)
+=====================================  ==========================================================
+an active worker with the state        ``replica``: no step recomputed, no restore
+a spare shadowing the state            ``shadow``: no step recomputed, no restore
+only in-memory snapshots               ``snapshot``: the newest restored, at most
+                                       ``elastic_snapshot_interval`` + in flight recomputed
+only checkpoints                       ``checkpoint``: the newest complete, valid one restored,
+                                       at most ``checkpoint_period`` + in flight recomputed
+nothing                                ``none``: the run cannot recover, and its verdict fails
+=====================================  ==========================================================
+
+"In flight" is how far a copy can trail the committed steps while it is
+written: the most steps any complete copy of that kind trailed them when it
+was reported in place (``snapshot_saved``/``snapshot_copied``,
+``checkpoint_saved``), and at least ``elastic_dispatch_depth``. "Newest" is
+the newest copy the events show in place at or before the committed step
+(a checkpoint found corrupt, ``checkpoint_skipped``, does not count); a
+restore may take a newer one (written, not yet reported), never an older one.
+A snapshot and a checkpoint of the same step: the snapshot's promise (it is
+the cheaper read, as the runtime prefers).
+
+A *recovery* runs from a ``failure_detected`` to the next ``recovered``; a
+failure during a recovery (the transfer's source killed) belongs to it.
+Steps it recomputed are the ``step_committed`` events of steps committed
+before, up to the next recovery. Every promise holds exactly-once and the
+reference trajectory too; :func:`chaos.verdict.judge` checks those for the
+whole run.
+
+A log may hold several attempts of the run (``job_started`` each, see
+``attempts`` in docs/report.md): each starts afresh, with only the
+checkpoints of earlier ones left.
+
+Pure: :func:`promises` reads a list of events and the run's config dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["KINDS", "Promise", "promises"]
+
+#: The promises, best first.
+KINDS = ("replica", "shadow", "snapshot", "checkpoint", "none")
+_SKIPPED_STEP = re.compile(r"step (\d+) ")   # the runtime's checkpoint_skipped detail: "step N (path): why"
+
+
+@dataclasses.dataclass(frozen=True)
+class Promise:
+    """One recovery: what was left, what that promised, what the run did (see the module docstring).
+
+    ``failures``: 0-based indices into the report's ``failures`` (one per
+    ``failure_detected`` of this recovery); ``step``: the steps committed
+    when it began; ``left``: the workers left holding the state (replica,
+    shadow) and the newest snapshot and checkpoint steps in place then;
+    ``newest``: the newest copy of the promise's kind (snapshot, checkpoint);
+    ``allowed_recompute``: the steps the promise lets it recompute (None for
+    ``none``), ``in_flight`` the part of those due to copies trailing the
+    committed steps; ``restored``: ``{"tier", "step"}`` or None;
+    ``recomputed``: committed steps committed again after it; ``kept``: the
+    run recovered within the promise; ``reason``: why not (None when kept).
+    """
+
+    failures: tuple[int, ...]
+    step: int
+    kind: str
+    left: dict
+    newest: int | None
+    allowed_recompute: int | None
+    in_flight: int | None
+    recovered: bool
+    restored: dict | None
+    recomputed: int
+    kept: bool
+    reason: str | None
+
+    def as_dict(self) -> dict:
+        """The report's form (``report.json``'s ``promises``: docs/report.md)."""
+        out = dataclasses.asdict(self)
+        out["failures"] = list(self.failures)
+        return out
+
+
+@dataclasses.dataclass
+class _Recovery:
+    failures: list
+    step: int
+    committed: int
+    had_state: bool
+    replicas: frozenset
+    shadows: frozenset
+    restored: tuple | None = None      # (tier, step)
+    recovered: bool = False
+    survivors: tuple = ()
+    snapshot: int | None = None
+    checkpoint: int | None = None
+    recomputed: int = 0
+
+
+def promises(events: list[dict], config: dict | None) -> list[Promise]:
+    """One :class:`Promise` per recovery in ``events``, in order; ``config`` is the report's ``config``.
+
+    Raises nothing for an odd log: events it does not know are ignored, and
+    a recovery still open when the log ends is one that did not recover.
+    """
+    cfg = config or {}
+    shadowing = bool(cfg.get("elastic_shadow_spares"))
+    active, spares, dead = [], [], set()
+    replicas, shadows = set(), set()
+    have_state = False
+    frontier = high = 0
+    copies: dict[str, set] = {"snapshot": set(), "checkpoint": set()}
+    trail = {"snapshot": 0, "checkpoint": 0}
+    corrupt: set[int] = set()
+    found: list[_Recovery] = []
+    current: _Recovery | None = None
+    failures = 0
+    for e in events:
+        kind = e.get("kind")
+        if kind == "job_started":   # an attempt of the run starts (new processes): only its checkpoints carry over
+            if current is not None:
+                _close(current, dead, copies, corrupt, recovered=False)
+                current = None
+            active, spares, dead, replicas, shadows = [], [], set(), set(), set()
+            have_state, frontier, high = False, 0, 0
+            copies["snapshot"] = set()
+        elif kind == "placement":
+            active, spares = list(e.get("active") or []), list(e.get("spares") or [])
+        elif kind in ("state_initialized", "run_resumed"):
+            have_state = True
+            replicas = set(active) - dead
+            shadows = set(spares) - dead if shadowing else set()
+            if kind == "run_resumed":
+                frontier = high = e.get("step", 0)
+                copies["checkpoint"].add(e.get("step", 0))
+        elif kind == "step_committed":
+            step = e.get("step", 0)
+            if step < high and found:
+                found[-1].recomputed += 1
+            frontier, high = step + 1, max(high, step + 1)
+        elif kind == "worker_dead":
+            dead.add(e.get("worker"))
+            replicas.discard(e.get("worker"))
+            shadows.discard(e.get("worker"))
+        elif kind == "shadow_synced" and shadowing and e.get("dest") not in dead:
+            shadows.add(e.get("dest"))
+        elif kind == "shadow_behind":
+            shadows.discard(e.get("worker"))
+        elif kind == "state_transferred" and e.get("dest") not in dead:
+            replicas.add(e.get("dest"))   # a copy to a spare is shadow_synced; this one is to an active member
+        elif kind == "recovery_decision" and e.get("action") not in ("wait", "fail"):
+            active, spares = list(e.get("active") or []), list(e.get("spares") or [])
+            replicas |= shadows & set(active)   # promoted shadows hold the state
+            shadows -= set(active)
+        elif kind in ("grown", "straggler_replaced"):
+            active = list(e.get("active") or [])
+            spares = [s for s in spares if s not in active]
+            replicas, shadows = set(active) - dead, shadows - set(active)
+        elif kind in ("snapshot_saved", "snapshot_copied", "checkpoint_saved"):
+            tier = "checkpoint" if kind == "checkpoint_saved" else "snapshot"
+            copies[tier].add(e.get("step", 0))
+            trail[tier] = max(trail[tier], frontier - e.get("step", 0))
+        elif kind == "checkpoint_skipped":
+            m = _SKIPPED_STEP.match(str(e.get("detail", "")))
+            if m:
+                corrupt.add(int(m.group(1)))
+        elif kind == "failure_detected":
+            if current is None:
+                members = set(active) | set(spares)
+                current = _Recovery(failures=[], step=e.get("committed") or 0, committed=e.get("committed") or 0,
+                                    had_state=have_state,
+                                    replicas=frozenset((replicas if have_state else members) - dead),
+                                    shadows=frozenset(shadows - dead))
+                found.append(current)
+            current.failures.append(failures)
+            current.committed = e.get("committed") or 0
+            failures += 1
+        elif kind in ("snapshot_restored", "checkpoint_restored") and current is not None:
+            step = e.get("step", 0)
+            current.restored = (kind.split("_")[0], step)
+            current.committed = step + (e.get("steps_lost") or 0)
+            frontier = step
+        elif kind == "recovered" and current is not None:
+            _close(current, dead, copies, corrupt, recovered=True)
+            replicas = set(active) - dead   # every active member holds the state now (copied and checked)
+            if current.restored is not None:
+                shadows = set()             # a restore forgets the shadows; a copy catches them up
+            current = None
+    if current is not None:
+        _close(current, dead, copies, corrupt, recovered=False)
+    return [_judge(r, cfg, trail) for r in found]
+
+
+def _close(r: _Recovery, dead: set, copies: dict, corrupt: set, *, recovered: bool) -> None:
+    r.recovered = recovered
+    r.survivors = tuple(sorted(w for w in r.replicas | r.shadows if w not in dead))
+    at_most = r.committed
+    r.snapshot = max((s for s in copies["snapshot"] if s <= at_most), default=None)
+    r.checkpoint = max((s for s in copies["checkpoint"] if s <= at_most and s not in corrupt), default=None)
+
+
+def _judge(r: _Recovery, cfg: dict, trail: dict) -> Promise:
+    depth = int(cfg.get("elastic_dispatch_depth") or 2)
+    periods = {"snapshot": ("elastic_snapshot_interval", int(cfg.get("elastic_snapshot_interval") or 0)),
+               "checkpoint": ("checkpoint_period", int(cfg.get("checkpoint_period") or 0))}
+    replicas = [w for w in r.survivors if w in r.replicas]
+    shadows = [w for w in r.survivors if w not in r.replicas]
+    left = {"replicas": replicas, "shadows": shadows, "snapshot": r.snapshot, "checkpoint": r.checkpoint}
+    restored = {"tier": r.restored[0], "step": r.restored[1]} if r.restored else None
+    at = f"the failure at step {r.step}"
+    newest = allowed = in_flight = None
+    reason = None
+    if replicas or shadows or not r.had_state:
+        kind = "replica" if replicas or not r.had_state else "shadow"
+        allowed = 0
+        who = f"{'replica' if replicas else 'shadow spare'}{'s' * (len(replicas or shadows) > 1)} " \
+              f"{', '.join(replicas or shadows)}"
+        if restored:
+            reason = (f"{at} left {who} holding the committed state, yet the run restored the {restored['tier']} "
+                      f"of step {restored['step']}: a surviving {kind} should have supplied the state.")
+        elif r.recomputed:
+            reason = (f"{at} left {who} holding the committed state, yet {_steps(r.recomputed)} committed before "
+                      f"{'was' if r.recomputed == 1 else 'were'} recomputed: with a {kind} left, no committed step "
+                      "is lost.")
+    elif r.snapshot is not None or r.checkpoint is not None or restored:
+        if r.snapshot is not None and (r.checkpoint is None or r.snapshot >= r.checkpoint):
+            kind, newest = "snapshot", r.snapshot
+        elif r.checkpoint is not None:
+            kind, newest = "checkpoint", r.checkpoint
+        else:   # a copy written but not yet reported when the faults struck
+            kind = restored["tier"]
+        key, period = periods[kind]
+        in_flight = max(depth, trail[kind])
+        allowed = period + in_flight
+        if restored and newest is not None and restored["step"] < newest:
+            reason = (f"{at} left no replica, and the newest {kind} in place was of step {newest}, yet the run "
+                      f"restored the {restored['tier']} of step {restored['step']}: a restore takes the newest "
+                      "valid copy.")
+        elif r.recomputed > allowed:
+            what = f"the {restored['tier']} of step {restored['step']}" if restored else "what was left"
+            reason = (f"{at} left no replica, only {kind}s; the run recomputed {_steps(r.recomputed)} from {what}, "
+                      f"more than the {allowed} promised ({key} {period} + {in_flight} in flight).")
+    else:
+        kind = "none"
+        if not r.recovered:
+            reason = (f"{at} left no replica, shadow, snapshot or checkpoint of the state: nothing could recover "
+                      "it (keep a spare, or set elastic_snapshot_interval or enable_checkpointing).")
+        elif r.recomputed:
+            reason = (f"{at}: the run recomputed {_steps(r.recomputed)} committed before, and the events show no "
+                      "copy of the state it could have restored them from.")
+    if not r.recovered and kind != "none":
+        reason = None   # the run stopped: the verdict's first rule says why, once
+    kept = r.recovered and reason is None
+    return Promise(failures=tuple(r.failures), step=r.step, kind=kind, left=left, newest=newest,
+                   allowed_recompute=allowed, in_flight=in_flight, recovered=r.recovered, restored=restored,
+                   recomputed=r.recomputed, kept=kept, reason=reason)
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'s' * (n != 1)}"

@@ -1,0 +1,193 @@
+"""A run directory's records across the attempts of one run (each ``fit`` of the same ``run_name``).
+
+Called by ``fit`` before anything is written, and after the run: what the
+earlier attempts left (``events.jsonl``, read whole: a log that does not
+parse is moved aside, never appended to), whether this attempt continues
+that run (its log appended) or starts it again, a resume refused because
+its programs differ from those that wrote the checkpoint (before any
+worker starts, naming the config keys that changed), and, at the end, which
+of the run's records could not be written (:class:`RunRecordsLostError`).
+See ``docs/report.md`` ("Attempts").
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+from elastic.config import ConfigError
+from elastic.report import build_report, render_run
+from runtime import ElasticError, EventLog, ProgramSet, read_events
+
+__all__ = ["RunRecordsLostError", "continues", "open_log", "read_history", "records_lost", "refuse_other_programs",
+           "render"]
+
+
+class RunRecordsLostError(ElasticError):
+    """The run ended, but its records are incomplete: the event log could not record every event (a full disk,
+    an I/O error) or ``report.json`` / ``report.html`` could not be written.
+
+    Raised by ``fit`` after the run, in place of returning its report: ``report`` is the report of what was
+    recorded (built in memory when it could not be written), ``str()`` is one line saying what was lost. What
+    was written before the failure is left whole (the log stays a clean prefix, the old report files stay
+    until new ones replace them atomically).
+    """
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message, report)
+        self.message, self.report = message, report
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def read_history(run_dir: pathlib.Path) -> list[dict]:
+    """The events of the run directory's earlier attempts ([] for none); read before anything is written.
+
+    A log that is not an event log (a line that is not JSON, not UTF-8) is moved aside to
+    ``events.jsonl.unreadable`` (one warning), never appended to nor deleted."""
+    path = run_dir / "events.jsonl"
+    try:
+        return read_events(path)
+    except FileNotFoundError:
+        return []
+    except ValueError as e:
+        aside = path.with_name("events.jsonl.unreadable")
+        try:
+            os.replace(path, aside)
+        except OSError as moved:
+            raise ConfigError(f"cannot move the unreadable event log {path} aside: {moved.strerror or moved}; "
+                              "remove it or choose another run_name") from None
+        print(f"elastic: warning: {e}; moved it to {aside}", file=sys.stderr)
+        return []
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}; choose a readable directory (config key "
+                          "'base_output_directory') or another run_name") from None
+
+
+def _attempts(events: list[dict]) -> list[list[dict]]:
+    """``events`` cut into attempts, each starting at its ``job_started`` (see ``attempts`` in docs/report.md)."""
+    out: list[list[dict]] = []
+    for e in events:
+        if not out or e.get("kind") == "job_started":
+            out.append([])
+        out[-1].append(e)
+    return out
+
+
+def _checkpoints_recorded(history: list[dict], directory: str, steps: int) -> list[tuple[int, int]]:
+    """``(step, attempt index)`` of each ``checkpoint_saved`` in ``directory`` at or before ``steps``; in a
+    local directory only those still there (one removed by hand is no longer resumed from)."""
+    local = "://" not in directory
+    return [(e["step"], i) for i, attempt in enumerate(_attempts(history)) for e in attempt
+            if e.get("kind") == "checkpoint_saved" and e.get("directory") == directory
+            and isinstance(e.get("step"), int) and e["step"] <= steps
+            and (not local or os.path.isdir(os.path.join(directory, str(e["step"]))))]
+
+
+def continues(history: list[dict], opts, steps: int) -> bool:
+    """Whether this distributed attempt continues the run the log holds (append) rather than starting it again.
+
+    It does when the log's last attempt was a distributed one that did not finish (its client died, or it
+    failed: running the same command again continues that run), or when the run's checkpoint directory holds
+    a checkpoint an earlier attempt recorded (the controller resumes from it: a finished run extended)."""
+    if not history:
+        return False
+    last = _attempts(history)[-1]
+    started = next((e for e in last if e.get("kind") == "job_started"), {})
+    if started.get("mode") == "distributed" and not any(e.get("kind") == "run_finished" for e in last):
+        return True
+    return bool(opts.checkpoint_directory and _checkpoints_recorded(history, opts.checkpoint_directory, steps))
+
+
+def refuse_other_programs(history: list[dict], fingerprints: dict | None, programs: ProgramSet, directory: str,
+                           steps: int, config: dict, run_dir: pathlib.Path) -> None:
+    """Refuses, before anything is written, a resume the workers would refuse: the newest checkpoint this run
+    would resume from (as the log recorded it) was written by other programs on the same mesh.
+
+    A ``ConfigError`` naming the programs that differ, the config keys that changed since the attempt that
+    wrote it, and how to extend a run. Nothing to say (returns) without checkpoints, without a recorded
+    checkpoint or without the fingerprints the writer recorded (a log of an older build: the workers then
+    refuse with their own message), or when the mesh changed (the workers reshard, or say why not)."""
+    if not fingerprints or not directory:
+        return
+    saved = _checkpoints_recorded(history, directory, steps)
+    if not saved:
+        return
+    step, index = max(saved)
+    writer = _attempts(history)[index]
+    recorded = next((e.get("fingerprints") for e in writer if e.get("kind") == "programs_built"), None)
+    started = next((e for e in writer if e.get("kind") == "job_started"), {})
+    run = next((e for e in writer if e.get("kind") == "run_started"), {})
+    if not isinstance(recorded, dict):
+        return
+    if (run.get("devices_per_slice"), started.get("microbatches")) != (programs.devices_per_slice,
+                                                                      programs.num_microbatches):
+        return
+    differ = [name for name in fingerprints if recorded.get(name) != fingerprints[name]]
+    if not differ:
+        return
+    then = started.get("config") if isinstance(started.get("config"), dict) else {}
+    changed = [f"{k} ({then.get(k)!r} -> {config.get(k)!r})" for k in sorted(set(then) | set(config))
+               if then.get(k) != config.get(k)]
+    what = (" (the model's 'init' and 'grad' are the same: the optimizer's update changed, where a learning-rate "
+            "schedule lives)" if differ == ["apply"] else "")
+    keys = (f"config keys changed since: {', '.join(changed[:8])}{', ...' if len(changed) > 8 else ''}" if changed
+            else "no config key changed, so the code did")
+    names = " and ".join(repr(d) for d in differ)
+    raise ConfigError(
+        f"cannot resume {run_dir}: its checkpoint at step {step} ({directory}) was written by other programs "
+        f"(attempt {index + 1}'s): this run's {names} program{'s differ' if len(differ) > 1 else ' differs'}"
+        f"{what}; {keys}. To extend a run, keep "
+        "everything its programs depend on: a learning-rate schedule must not be built from 'steps' (MaxText: set "
+        "learning_rate_schedule_steps to the whole length from the first attempt on; your own optimizer: give "
+        "its schedule a fixed length); to start afresh, use another run_name")
+
+
+def open_log(run_dir: pathlib.Path, *, append: bool) -> EventLog:
+    """The run's event log: appended to (this attempt continues the run it holds), or new (the previous
+    log and worker logs under the same name go first)."""
+    try:
+        if not append:
+            (run_dir / "events.jsonl").unlink(missing_ok=True)
+            for old in (run_dir / "logs").glob("worker-*.log"):
+                old.unlink(missing_ok=True)
+        return EventLog(run_dir / "events.jsonl")
+    except OSError as e:
+        raise ConfigError(f"cannot write run files to {run_dir}: {e.strerror or e}; choose a writable "
+                          "directory (config key 'base_output_directory')") from None
+
+
+def render(run_dir: pathlib.Path, events_dropped: int) -> tuple[dict, OSError | None]:
+    """The run's report, written by render_run, and None; if the files cannot be written, the report built in
+    memory and the error (one warning)."""
+    try:
+        return render_run(run_dir, events_dropped=events_dropped), None
+    except OSError as e:
+        error = e
+        print(f"elastic: warning: cannot write the report files of {run_dir}: {e.strerror or e}", file=sys.stderr)
+    try:
+        events = read_events(run_dir / "events.jsonl")
+    except OSError:
+        events = []
+    report = build_report(events)
+    report["events_dropped"] = max(report["events_dropped"], events_dropped)
+    return report, error
+
+
+def records_lost(run_dir: pathlib.Path, report: dict, events: EventLog, unwritten: OSError | None) -> str:
+    """One line saying what of a finished run's records was lost ("" when nothing was)."""
+    lost = []
+    if events.error is not None or events.dropped:
+        why = events.error.strerror or str(events.error) if events.error is not None else "a write failed"
+        lost.append(f"the event log {run_dir / 'events.jsonl'} stopped recording ({why}): "
+                    f"{events.dropped} events were not recorded")
+    if unwritten is not None:
+        name = pathlib.Path(unwritten.filename).name.removesuffix(".tmp") if unwritten.filename else "report files"
+        lost.append(f"{name} could not be written ({unwritten.strerror or unwritten}), so report.json and "
+                    f"report.html in {run_dir} are missing or from before")
+    if not lost:
+        return ""
+    return (f"the run finished, but its records are incomplete (they hold {report.get('steps_completed', 0)} of "
+            f"{report.get('steps_requested')} steps): " + "; ".join(lost))
