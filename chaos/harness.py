@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import sys
 
 import cloudpickle
 
@@ -31,8 +32,8 @@ from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import random_faults
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
 from chaos.verdict import judge
-from elastic.config import Config, parse_overrides
-from elastic.report import build_report, render_run, write_report
+from elastic.config import Config, ConfigError, parse_overrides
+from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, read_events
 
 __all__ = ["ChaosOptions", "ChaosResult", "fault_plan", "plan", "run_chaos", "run_job", "reference_report"]
@@ -192,7 +193,7 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     by the injector, and the verdict fails.
     """
     faults = fault_plan(cfg, options)
-    cfg = cfg.replace(elastic_chaos=True)
+    cfg = _fresh_run(cfg).replace(elastic_chaos=True)
     job = trainer_for(cfg)
     job.prestart_workers()   # the workers' imports overlap the reference and the tracing
     job.programs()           # traced once: the reference's digest and the faulted run share them
@@ -222,9 +223,44 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
         log.emit("verdict", **verdict)
     finally:
         log.close()
-    report = render_run(run_dir)
-    missing = {k: v for k, v in verdict.items() if k not in report}
-    if missing:   # verdict fields the report's fold does not carry (yet): merged here, so report.json has them
-        report.update(missing)
-        write_report(run_dir, report)
-    return report, run_dir
+    return render_run(run_dir), run_dir
+
+
+def _holds_checkpoints(directory: str) -> bool:
+    """Whether ``directory`` (local or ``gs://``) holds a checkpoint's step folder."""
+    from etils import epath
+
+    try:
+        return any(p.name.isdigit() for p in epath.Path(directory).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _fresh_run(cfg: Config) -> Config:
+    """``cfg`` for a faulted run that starts from nothing.
+
+    A chaos run is judged against a reference from step 0, and its faults are
+    set at steps and saves of that run: resumed from an earlier run's
+    checkpoints it would skip them. When the run directory's checkpoints
+    hold an earlier run's, the faulted run takes the next free name
+    (``<run_name>-2``, ...), said in one line, and the earlier run is left
+    as it is; checkpoints in an ``elastic_checkpoint_directory`` of the
+    user's are refused (``ConfigError``): it is not ours to pick another.
+    """
+    if not cfg.enable_checkpointing or not cfg.run_name:
+        return cfg   # nothing to resume from; an unnamed run is named afresh anyway
+    base = pathlib.Path(cfg.base_output_directory)
+    if cfg.elastic_checkpoint_directory:
+        if _holds_checkpoints(cfg.elastic_checkpoint_directory):
+            raise ConfigError(f"elastic_checkpoint_directory {cfg.elastic_checkpoint_directory} holds an earlier "
+                              "run's checkpoints: a chaos run starts from nothing (its faults are set at its own "
+                              "steps); give it an empty directory")
+        return cfg
+    name, n = cfg.run_name, 1
+    while _holds_checkpoints(str(base / name / "checkpoints")):
+        n += 1
+        name = f"{cfg.run_name}-{n}"
+    if name != cfg.run_name:
+        print(f"elastic: {base / cfg.run_name} holds an earlier run's checkpoints, which a chaos run must not resume "
+              f"from: this one is run_name={name}", file=sys.stderr)
+    return cfg.replace(run_name=name)
