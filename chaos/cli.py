@@ -74,7 +74,8 @@ def _cmd_chaos(args) -> int:
         except ValueError as e:
             return usage_error(str(e))
         except ElasticError as e:   # the run could not go on (no capacity left, an unreachable cluster, ...)
-            print(f"elastic: chaos run failed: {e}", file=sys.stderr)
+            from elastic.options import in_config_terms
+            print(f"elastic: chaos run failed: {in_config_terms(str(e))}", file=sys.stderr)
             return 1
     finish(report, run_dir, args.quiet)
     if scenario is not None and scenario.expect != "pass":

@@ -32,14 +32,11 @@ from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import random_faults
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
 from chaos.verdict import judge
-from elastic.config import Config, ConfigError, parse_overrides
+from elastic.config import MATH_KEYS, Config, ConfigError, parse_overrides
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, read_events
 
 __all__ = ["ChaosOptions", "ChaosResult", "fault_plan", "plan", "run_chaos", "run_job", "reference_report"]
-
-# Keys that change how a run is executed or observed, not its math.
-_NOT_MATH = ("run_name", "base_output_directory", "dcn_data_parallelism")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +139,13 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
     what determines the math: the exported programs (the model, the
     optimizer, and this version of the runtime's program layout), the data
     source as it is shipped to the workers (pickled), and every config key
-    that affects the math (slice count excluded: the result is bit-identical
+    that affects the math (the keys with the ``math`` role in
+    :class:`elastic.config.Config`; slice count excluded: the result is bit-identical
     for any slice count, as long as the microbatch count M is the same). So
     an edited model or optimizer never reuses a stale reference.
     ``trainer_for(cfg)`` builds the trainer.
     """
-    math = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_MATH and not
-            (k.startswith("elastic_") and k != "elastic_microbatches")}
+    math = {k: v for k, v in cfg.to_dict().items() if k in MATH_KEYS}   # the schema's math role
     math.update(steps=steps, elastic_microbatches=cfg.microbatches)
     h = hashlib.sha256(json.dumps(math, sort_keys=True, default=str).encode())
     job = trainer_for(cfg)

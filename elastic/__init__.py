@@ -23,12 +23,18 @@ from elastic.data import DataSource, FunctionSource, GrainSource
 from elastic.marker import cross_slice_mean
 
 __all__ = [
+    "BadInputError",
+    "CapacityExhaustedError",
     "Config",
     "ConfigError",
     "DataSource",
+    "ElasticError",
+    "ElasticTrainingFailedError",
     "FunctionSource",
     "GrainSource",
+    "ReplicaDivergenceError",
     "RunRecordsLostError",
+    "StateLostError",
     "Trainer",
     "WrappedStep",
     "build_report",
@@ -38,7 +44,10 @@ __all__ = [
 ]
 
 _LAZY = {"RunRecordsLostError": "elastic.trainer", "Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer",
-         "wrap": "elastic.trainer", "build_report": "elastic.report"}
+         "wrap": "elastic.trainer", "build_report": "elastic.report",
+         # why a run ended (runtime.errors): what ``fit`` raises, for callers to branch on
+         **{name: "runtime" for name in ("BadInputError", "CapacityExhaustedError", "ElasticError",
+                                         "ElasticTrainingFailedError", "ReplicaDivergenceError", "StateLostError")}}
 
 
 def __getattr__(name: str):

@@ -58,7 +58,8 @@ def _cmd_run(args) -> int:
         try:
             report = trainer.fit(reference=args.reference, on_step=on_step)
         except ElasticError as e:
-            print(f"elastic: run failed: {e}", file=sys.stderr)
+            from elastic.options import in_config_terms
+            print(f"elastic: run failed: {in_config_terms(str(e))}", file=sys.stderr)
             html = trainer.run_dir() / "report.html"
             if html.is_file():   # not when writing it is what failed
                 print(f"report: {html.resolve().as_uri()}", file=sys.stderr)

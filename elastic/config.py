@@ -15,6 +15,11 @@ Contract:
   ``overrides`` it came from. Nothing is read from the environment.
 * The launcher calls :func:`load_config` once; anything that receives
   ``Config.to_dict()`` rebuilds the same config with :func:`config_from_dict`.
+* Each key's roles (math, runtime, output, model, maxtext, recovery; see
+  :data:`ROLES`) are declared once, beside its default, and every list of keys
+  is derived from them (:func:`keys_with`: :data:`MODEL_KEYS`,
+  :data:`MATH_KEYS` and :data:`REFERENCE_NEUTRAL` for the chaos reference, the
+  MaxText integration's shared keys, the recovery keys).
 * Where each key goes (controller options, the trainer, the bundled model) is
   declared in one place, :mod:`elastic.options`; a key added here without a
   place there fails that module's import.
@@ -38,11 +43,22 @@ from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_C
 
 __all__ = [
     "HARDWARE",
+    "MATH",
+    "MATH_KEYS",
+    "MAXTEXT",
+    "MODEL",
     "MODEL_KEYS",
+    "OUTPUT",
+    "RECOVERY",
+    "REFERENCE_NEUTRAL",
+    "ROLES",
+    "RUNTIME",
     "Config",
     "ConfigError",
     "builtin_config_path",
     "config_from_dict",
+    "keys_with",
+    "no_recovery_values",
     "load_config",
     "parse_overrides",
     "yaml_problem",
@@ -57,9 +73,21 @@ class ConfigError(ValueError):
     """A config file, dict or override is invalid; the message names the key and source."""
 
 
-def _key(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-         unit: str = "", choices: tuple = ()) -> Any:
-    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "unit": unit, "choices": choices})
+# The roles of a config key, declared once per key in the schema below (``_key(..., role=...)``); every
+# list of keys elsewhere is derived from them (:func:`keys_with`).
+MATH = "math"          # changes the numbers the run computes: part of the chaos reference's digest
+RUNTIME = "runtime"    # steers how the run executes (elastic.options turns it into ControllerOptions)
+OUTPUT = "output"      # where the run writes or what it records; never the numbers
+MODEL = "model"        # read only by the bundled model and its optimizer (MODEL_KEYS)
+MAXTEXT = "maxtext"    # MaxText's config defines it too (integrations.maxtext decides who gets which value)
+RECOVERY = "recovery"  # steers only recovery: with elastic_enabled=false, its default or its no-recovery value
+ROLES = (MATH, RUNTIME, OUTPUT, MODEL, MAXTEXT, RECOVERY)
+
+
+def _key(default: Any, *, role: tuple[str, ...], ge: float | None = None, gt: float | None = None,
+         le: float | None = None, unit: str = "", choices: tuple = ()) -> Any:
+    return field(default=default, metadata={"role": frozenset(role), "ge": ge, "gt": gt, "le": le, "unit": unit,
+                                            "choices": choices})
 
 
 # A chunk is one gRPC message and the runtime caps messages at 64 MiB; below 4 KiB the
@@ -74,99 +102,111 @@ class Config:
     """Validated run configuration. Construct with :func:`load_config`; change with
     :meth:`replace` (which validates again)."""
 
-    run_name: str = _key("")  # empty: the launcher fills it in
-    base_output_directory: str = _key("runs")
-    seed: int = _key(0)
-    steps: int = _key(20, ge=1)
-    per_device_batch_size: int = _key(2, ge=1)  # examples per device per microbatch
-    dcn_data_parallelism: int = _key(1, ge=1)  # virtual slices
-    ici_fsdp_parallelism: int = _key(1, ge=1)  # devices per slice
-    learning_rate: float = _key(1e-3, gt=0)
-    warmup_steps: int = _key(0, ge=0)
-    vocab_size: int = _key(64, ge=1)
-    max_target_length: int = _key(32, ge=1)
-    base_emb_dim: int = _key(32, ge=1)
-    base_num_decoder_layers: int = _key(2, ge=1)
-    base_num_query_heads: int = _key(2, ge=1)
-    base_mlp_dim: int = _key(64, ge=1)
-    elastic_microbatches: int = _key(0, ge=0)  # 0: next power of two >= slices
-    elastic_dispatch_depth: int = _key(2, ge=1, le=MAX_STEPS_AHEAD)  # steps in flight (workers refuse more)
-    elastic_rpc_timeout_seconds: float = _key(120.0, gt=0)
-    elastic_register_timeout_seconds: float = _key(120.0, gt=0)
-    elastic_chunk_bytes: int = _key(DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, unit=" bytes")
-    elastic_enabled: bool = _key(True)  # false: no recovery, a lost worker fails the run (plain SPMD)
-    elastic_spares: int = _key(0, ge=0)  # warmed spare slices launched beside the active ones
+    run_name: str = _key("", role=(OUTPUT, MAXTEXT))  # empty: the launcher fills it in
+    base_output_directory: str = _key("runs", role=(OUTPUT, MAXTEXT))
+    seed: int = _key(0, role=(MATH,))
+    steps: int = _key(20, role=(MATH, MAXTEXT), ge=1)
+    per_device_batch_size: int = _key(2, role=(MATH, MAXTEXT), ge=1)  # examples per device per microbatch
+    dcn_data_parallelism: int = _key(1, role=(RUNTIME, MAXTEXT), ge=1)  # virtual slices
+    ici_fsdp_parallelism: int = _key(1, role=(MATH, RUNTIME, MAXTEXT), ge=1)  # devices per slice
+    learning_rate: float = _key(1e-3, role=(MATH, MODEL, MAXTEXT), gt=0)
+    warmup_steps: int = _key(0, role=(MATH, MODEL), ge=0)
+    vocab_size: int = _key(64, role=(MATH, MODEL, MAXTEXT), ge=1)
+    max_target_length: int = _key(32, role=(MATH, MODEL, MAXTEXT), ge=1)
+    base_emb_dim: int = _key(32, role=(MATH, MODEL, MAXTEXT), ge=1)
+    base_num_decoder_layers: int = _key(2, role=(MATH, MODEL, MAXTEXT), ge=1)
+    base_num_query_heads: int = _key(2, role=(MATH, MODEL, MAXTEXT), ge=1)
+    base_mlp_dim: int = _key(64, role=(MATH, MODEL, MAXTEXT), ge=1)
+    elastic_microbatches: int = _key(0, role=(MATH,), ge=0)  # 0: next power of two >= slices
+    # steps in flight (workers refuse more)
+    elastic_dispatch_depth: int = _key(2, role=(RUNTIME,), ge=1, le=MAX_STEPS_AHEAD)
+    elastic_rpc_timeout_seconds: float = _key(120.0, role=(RUNTIME,), gt=0)
+    elastic_register_timeout_seconds: float = _key(120.0, role=(RUNTIME,), gt=0)
+    elastic_chunk_bytes: int = _key(DEFAULT_CHUNK_BYTES, role=(RUNTIME,), ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES,
+                                    unit=" bytes")
+    # false: no recovery, a lost worker fails the run (plain SPMD)
+    elastic_enabled: bool = _key(True, role=(RUNTIME, MAXTEXT))
+    elastic_spares: int = _key(0, role=(RUNTIME, RECOVERY), ge=0)  # warmed spare slices launched beside the active ones
     # Spares shadow the state: every step's reduced gradient also goes to each spare, which
     # applies it, so a spare holds the committed state and replaces even every active slice at once with no
     # step lost and no transfer. Costs each rank one more push of its reduced chunk per spare per step.
-    elastic_shadow_spares: bool = _key(False)
-    elastic_min_slice_count: int = _key(1, ge=1)  # shrink no further than this
-    elastic_timeout_seconds: float = _key(60.0, gt=0)  # wait for capacity below the minimum
-    elastic_max_retries: int = _key(10, ge=0)  # recoveries before the run fails
-    elastic_heartbeat_seconds: float = _key(0.25, gt=0)  # health probe interval
-    elastic_lease_seconds: float = _key(1.5, gt=0)  # silence before a worker is suspect
-    elastic_probe_retries: int = _key(2, ge=0)  # re-probes confirming a suspect is dead
-    elastic_relaunch: bool = _key(True)  # local launcher restarts dead workers as spares
-    elastic_worker_lease_seconds: float = _key(5.0, gt=0)  # a worker cut off from the controller this long fences itself
-    elastic_straggler_factor: float = _key(3.0, gt=1)  # grad phase slower than factor x median of the others
-    elastic_straggler_patience: int = _key(3, ge=1)  # consecutive slow steps before a straggler is reported
-    elastic_replace_stragglers: bool = _key(False)  # move a reported straggler's slice onto a spare
-    elastic_step_watchdog_factor: float = _key(10.0, gt=1)  # a step this many x the median step time...
-    elastic_step_watchdog_min_seconds: float = _key(10.0, gt=0)  # ...and at least this long: find who holds it up
-    elastic_chaos: bool = _key(False)  # workers accept fault injection from the chaos harness
-    elastic_tls_cert_file: str = _key("")  # PEM certificate: mutual TLS on every link when set
-    elastic_tls_key_file: str = _key("")  # its private key
-    elastic_tls_ca_file: str = _key("")  # CA that signed every process's certificate
-    elastic_max_local_workers: int = _key(0, ge=0)  # 0: derived from this host's cores and memory
-    elastic_standby_workers: int = _key(1, ge=0, le=64)  # processes started ahead of need for relaunches
+    elastic_shadow_spares: bool = _key(False, role=(RUNTIME, RECOVERY))
+    elastic_min_slice_count: int = _key(1, role=(RUNTIME, MAXTEXT, RECOVERY), ge=1)  # shrink no further than this
+    # wait for capacity below the minimum
+    elastic_timeout_seconds: float = _key(60.0, role=(RUNTIME, MAXTEXT, RECOVERY), gt=0)
+    elastic_max_retries: int = _key(10, role=(RUNTIME, MAXTEXT, RECOVERY), ge=0)  # recoveries before the run fails
+    elastic_heartbeat_seconds: float = _key(0.25, role=(RUNTIME,), gt=0)  # health probe interval
+    elastic_lease_seconds: float = _key(1.5, role=(RUNTIME,), gt=0)  # silence before a worker is suspect
+    elastic_probe_retries: int = _key(2, role=(RUNTIME,), ge=0)  # re-probes confirming a suspect is dead
+    elastic_relaunch: bool = _key(True, role=(RUNTIME, RECOVERY))  # local launcher restarts dead workers as spares
+    # a worker cut off from the controller this long fences itself
+    elastic_worker_lease_seconds: float = _key(5.0, role=(RUNTIME,), gt=0)
+    # grad phase slower than factor x median of the others
+    elastic_straggler_factor: float = _key(3.0, role=(RUNTIME,), gt=1)
+    # consecutive slow steps before a straggler is reported
+    elastic_straggler_patience: int = _key(3, role=(RUNTIME,), ge=1)
+    # move a reported straggler's slice onto a spare
+    elastic_replace_stragglers: bool = _key(False, role=(RUNTIME, RECOVERY))
+    # a step this many x the median step time...
+    elastic_step_watchdog_factor: float = _key(10.0, role=(RUNTIME,), gt=1)
+    # ...and at least this long: find who holds it up
+    elastic_step_watchdog_min_seconds: float = _key(10.0, role=(RUNTIME,), gt=0)
+    elastic_chaos: bool = _key(False, role=(RUNTIME,))  # workers accept fault injection from the chaos harness
+    elastic_tls_cert_file: str = _key("", role=(RUNTIME,))  # PEM certificate: mutual TLS on every link when set
+    elastic_tls_key_file: str = _key("", role=(RUNTIME,))  # its private key
+    elastic_tls_ca_file: str = _key("", role=(RUNTIME,))  # CA that signed every process's certificate
+    elastic_max_local_workers: int = _key(0, role=(RUNTIME,), ge=0)  # 0: derived from this host's cores and memory
+    # Processes started ahead of need for relaunches; -1: one with recovery on, none with elastic_enabled=false
+    # (asking for standby processes with recovery off is a contradiction).
+    elastic_standby_workers: int = _key(-1, role=(RUNTIME, RECOVERY), ge=-1, le=64)
     # How gradients and states travel between workers: "tcp" (the data plane: sockets, no copies)
     # or "grpc" (Push/GetState streams; for networks that let only the gRPC port through).
-    elastic_data_plane: str = _key("tcp", choices=("tcp", "grpc"))
+    elastic_data_plane: str = _key("tcp", role=(RUNTIME,), choices=("tcp", "grpc"))
     # MaxText's key: the platform the programs are exported for and the workers run on: cpu, gpu (CUDA) or tpu.
     # "": the platform the workers get from the environment (JAX_PLATFORMS, else cpu). See HARDWARE.
-    hardware: str = _key("")
+    hardware: str = _key("", role=(MATH, RUNTIME, MAXTEXT))
     # JAX's persistent compilation cache, shared by the workers and the reference run (MaxText's key).
     # "": $JAX_COMPILATION_CACHE_DIR if set, else <base_output_directory>/jax_cache; "off": none.
-    jax_cache_dir: str = _key("")
+    jax_cache_dir: str = _key("", role=(OUTPUT, MAXTEXT))
     # The trainer to run, "module:factory" with factory(config) -> elastic.Trainer or elastic.wrap job
     # (elastic run/chaos --trainer); "": the bundled model.
-    elastic_trainer: str = _key("")
+    elastic_trainer: str = _key("", role=(MATH,))
     # MaxText's key: the run's goodput as ml-goodput-measurement events in <run dir>/goodput_log.jsonl
     # (needs jax-elastic[goodput]); with elastic_goodput_cloud_logging also to Cloud Logging, goodput_<run_name>.
-    enable_goodput_recording: bool = _key(False)
+    enable_goodput_recording: bool = _key(False, role=(OUTPUT, MAXTEXT))
     # Persistent checkpoints (MaxText's keys): one replica writes its state every checkpoint_period steps
     # (and after the last), in the background; when every replica is lost the run restores the newest
     # complete one instead of failing. elastic_checkpoint_directory: a local path or gs://bucket/path;
     # "": <base_output_directory>/<run_name>/checkpoints.
-    enable_checkpointing: bool = _key(False)
-    checkpoint_period: int = _key(10, ge=1)
-    elastic_checkpoint_directory: str = _key("")
+    enable_checkpointing: bool = _key(False, role=(RUNTIME, OUTPUT, MAXTEXT))
+    checkpoint_period: int = _key(10, role=(RUNTIME, OUTPUT, MAXTEXT), ge=1)
+    elastic_checkpoint_directory: str = _key("", role=(RUNTIME, OUTPUT))
     # MaxText's key: start from this jax-elastic checkpoint (a checkpoint directory: its newest complete one; or
     # one step's directory, <dir>/<step>) when the run's own directory holds none to resume from. "": fresh.
-    load_full_state_path: str = _key("")
-    elastic_goodput_cloud_logging: bool = _key(False)
+    load_full_state_path: str = _key("", role=(MATH, RUNTIME, MAXTEXT))
+    elastic_goodput_cloud_logging: bool = _key(False, role=(OUTPUT,))
     # In-memory snapshots (MaxText's elastic_backup_kind): while no spare shadows the state, one replica writes
     # its state to its host's memory (/dev/shm) every elastic_snapshot_interval steps (0: never), and a copy
     # goes to a worker on another host; when every replica is lost, a worker on a host that holds one restores
     # it (steps lost: at most about the interval). elastic_backup_kind=checkpoint: no snapshots, the
     # persistent checkpoint is the backup. elastic_snapshot_directory: an absolute path on every worker's host;
     # "": /dev/shm/jax-elastic-snapshots (else the temporary directory).
-    elastic_snapshot_interval: int = _key(0, ge=0)
-    elastic_backup_kind: str = _key("snapshot", choices=("snapshot", "checkpoint"))
-    elastic_snapshot_directory: str = _key("")
+    elastic_snapshot_interval: int = _key(0, role=(RUNTIME, RECOVERY), ge=0)
+    elastic_backup_kind: str = _key("snapshot", role=(RUNTIME, MAXTEXT), choices=("snapshot", "checkpoint"))
+    elastic_snapshot_directory: str = _key("", role=(RUNTIME,))
     # Who starts the workers: "local" (subprocesses of this client, relaunched when they die), "ray" (Ray actors
     # on the Ray cluster at ray_address: pip install jax-elastic[ray]) or "none" (someone else starts them --
     # Kubernetes, any scheduler, by hand -- and each joins with `elastic worker`; a replacement joins the same
     # way, as a spare). "none" needs elastic_controller_address with a port, elastic_run_id, and the run secret
     # in ELASTIC_RUN_SECRET for the client and every worker. See docs/deploy.md.
-    elastic_launcher: str = _key("local", choices=("local", "ray", "none"))
+    elastic_launcher: str = _key("local", role=(RUNTIME,), choices=("local", "ray", "none"))
     # The Ray cluster of elastic_launcher=ray ("ray://..." or "HOST:PORT"); "": $RAY_ADDRESS, else a local one.
-    ray_address: str = _key("")
+    ray_address: str = _key("", role=(RUNTIME,))
     # HOST:PORT the controller listens on; "": 127.0.0.1, any free port (the local launcher tells its workers).
-    elastic_controller_address: str = _key("")
+    elastic_controller_address: str = _key("", role=(RUNTIME,))
     # The run's id, which every worker names when it joins; "": a fresh random one (the local launcher tells its
     # workers). Letters, digits, '.', '_', '-'.
-    elastic_run_id: str = _key("")
+    elastic_run_id: str = _key("", role=(RUNTIME,))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -177,6 +217,13 @@ class Config:
     def microbatches(self) -> int:
         """Microbatches per step M (``elastic_microbatches`` with 0 resolved)."""
         return self.elastic_microbatches or _next_power_of_two(self.dcn_data_parallelism)
+
+    @property
+    def standby_workers(self) -> int:
+        """Standby processes (``elastic_standby_workers`` with -1 resolved: 1 with recovery on, else 0)."""
+        if self.elastic_standby_workers >= 0:
+            return self.elastic_standby_workers
+        return 1 if self.elastic_enabled else 0
 
     @property
     def slices(self) -> int:
@@ -210,9 +257,33 @@ class Config:
         return {f.name: getattr(self, f.name) for f in fields(self) if model_keys or f.name not in MODEL_KEYS}
 
 
+def keys_with(role: str) -> frozenset[str]:
+    """The config keys declared with ``role`` (one of :data:`ROLES`)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown config key role {role!r}; roles: {', '.join(ROLES)}")
+    return frozenset(f.name for f in fields(Config) if role in f.metadata["role"])
+
+
+def _check_roles() -> None:
+    """Import-time: every key has known roles, and at least one saying what it does (math, runtime or output)."""
+    for f in fields(Config):
+        unknown = f.metadata["role"] - set(ROLES)
+        if unknown or not f.metadata["role"] & {MATH, RUNTIME, OUTPUT}:
+            raise ImportError(f"config key {f.name!r}: roles {sorted(f.metadata['role'])} must be among {ROLES} and "
+                              f"include {MATH}, {RUNTIME} or {OUTPUT}")
+        if MODEL in f.metadata["role"] and MATH not in f.metadata["role"]:
+            raise ImportError(f"config key {f.name!r}: a model key is a math key")
+        if RECOVERY in f.metadata["role"] and RUNTIME not in f.metadata["role"]:
+            raise ImportError(f"config key {f.name!r}: a recovery key is a runtime key")
+
+
+_check_roles()
+
 #: Keys read only by the bundled model and its optimizer (elastic.models, elastic.cli_support.bundled_trainer).
-MODEL_KEYS = frozenset({"learning_rate", "warmup_steps", "vocab_size", "max_target_length", "base_emb_dim",
-                        "base_num_decoder_layers", "base_num_query_heads", "base_mlp_dim"})
+MODEL_KEYS = keys_with(MODEL)
+#: Keys that change the run's numbers; the others (:data:`REFERENCE_NEUTRAL`) leave a chaos reference valid.
+MATH_KEYS = keys_with(MATH)
+REFERENCE_NEUTRAL = frozenset(f.name for f in fields(Config)) - MATH_KEYS
 
 
 #: Values of the key ``hardware`` besides "" (MaxText's names; elastic.options maps them to JAX's platforms).
@@ -460,17 +531,27 @@ def _run_name_problem(name: str) -> str:
     return ""
 
 
-# Keys that only steer recovery. With elastic_enabled=false each keeps its default
+# Keys that only steer recovery (the recovery role). With elastic_enabled=false each keeps its default
 # (ignored) or the value that already means "no recovery"; anything else is a contradiction.
-_RECOVERY_KEYS = ("elastic_spares", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
-                  "elastic_relaunch", "elastic_replace_stragglers", "elastic_shadow_spares",
-                  "elastic_snapshot_interval")
+_RECOVERY_KEYS = keys_with(RECOVERY)
+
+
+def no_recovery_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``{key: value}`` for every key with the recovery role: the value that means "no recovery" given the
+    other ``values`` (elastic.options applies them with ``elastic_enabled=false``). The capacity wait's 0 is
+    out of the key's range, so with recovery off that key may only keep its default."""
+    return {"elastic_spares": 0, "elastic_min_slice_count": values["dcn_data_parallelism"],
+            "elastic_timeout_seconds": 0.0, "elastic_max_retries": 0, "elastic_relaunch": False,
+            "elastic_replace_stragglers": False, "elastic_shadow_spares": False, "elastic_snapshot_interval": 0,
+            "elastic_standby_workers": 0}
 
 
 def _no_recovery_value(key: str, values: Mapping[str, Any]) -> Any:
-    return {"elastic_spares": 0, "elastic_min_slice_count": values["dcn_data_parallelism"],
-            "elastic_max_retries": 0, "elastic_relaunch": False, "elastic_replace_stragglers": False,
-            "elastic_shadow_spares": False, "elastic_snapshot_interval": 0}.get(key)
+    return no_recovery_values(values)[key]
+
+
+if set(no_recovery_values(Config().to_dict())) != _RECOVERY_KEYS:
+    raise ImportError("elastic.config: no_recovery_values and the recovery role disagree")
 
 
 def _next_power_of_two(n: int) -> int:

@@ -11,6 +11,12 @@ Contract:
   controller and be read elsewhere too. Importing this module checks that the
   schema and these tables agree and raises ``ImportError`` naming any key
   without a place, so a key cannot be added and silently dropped.
+* The places agree with the roles each key declares in the schema (:mod:`elastic.config`): a key the
+  controller gets has the runtime or output role, the bundled model reads exactly the model keys, and
+  ``elastic_enabled=false`` gives every recovery key its "no recovery" value
+  (:func:`elastic.config.no_recovery_values`); the import check refuses a disagreement.
+* The runtime's reasons name its own option fields; :func:`in_config_terms` rewords them with the
+  config keys for whatever prints them to a config user (the commands, the run's ``run_failed`` event).
 * No key is refused today; a key without an effect is removed from the schema.
 * The trainer (client side) calls :func:`controller_options` and
   :func:`run_settings` once per run and builds its options from nothing
@@ -25,15 +31,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from elastic.config import HARDWARE, Config, ConfigError
+from elastic.config import HARDWARE, MODEL_KEYS, OUTPUT, RECOVERY, RUNTIME, Config, ConfigError, keys_with, \
+    no_recovery_values
 from runtime import ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform, ray_available
 
 __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",
-           "compilation_cache_dir", "controller_options", "export_platform", "run_settings"]
+           "compilation_cache_dir", "controller_options", "export_platform", "in_config_terms", "run_settings"]
 
 # Config key -> ControllerOptions field, copied as is.
 _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
@@ -58,7 +66,6 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_step_watchdog_factor": "watchdog_factor",
     "elastic_step_watchdog_min_seconds": "watchdog_min_seconds",
     "elastic_chaos": "chaos",
-    "elastic_standby_workers": "standby_workers",
     "elastic_data_plane": "data_plane",
     "elastic_shadow_spares": "shadow_spares",
     "elastic_snapshot_interval": "snapshot_interval",
@@ -70,6 +77,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
 _ENABLED_KEY = "elastic_enabled"  # false -> the recovery fields below take their "no recovery" values
+_STANDBY_KEY = "elastic_standby_workers"  # -> standby_workers, -1 resolved (Config.standby_workers)
 _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.compilation_cache_dir)
 # -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
 _CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory",
@@ -209,13 +217,34 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
                              platform=export_platform(cfg), load_full_state_path=_absolute(cfg.load_full_state_path),
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
-                             secret=_secret(cfg), **_address(cfg),
+                             secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
     if getattr(cfg, _ENABLED_KEY):
         return opts
-    return dataclasses.replace(opts, max_retries=0, spares=0, relaunch=False, min_slices=opts.slices,
-                               capacity_timeout_seconds=0.0, replace_stragglers=False, standby_workers=0,
-                               shadow_spares=False, snapshot_interval=0)
+    # every key with the recovery role takes its "no recovery" value (elastic.config.no_recovery_values)
+    return dataclasses.replace(opts, **{_TO_CONTROLLER.get(key, "standby_workers"): value
+                                        for key, value in no_recovery_values(cfg.to_dict()).items()})
+
+
+# ControllerOptions field -> how a config user says it, for the runtime's reasons (which name only its own
+# options: runtime knows nothing of config keys). Folded fields say the keys behind them.
+_CONFIG_TERMS: Mapping[str, str] = MappingProxyType({
+    **{option: key for key, option in _TO_CONTROLLER.items() if "_" in option},   # plain words stay words
+    "max_retries=0": "elastic_max_retries=0, or elastic_enabled=false",
+    "standby_workers": _STANDBY_KEY,
+    "checkpoint_period": "checkpoint_period (with enable_checkpointing=true)",
+    "checkpoint_directory": "elastic_checkpoint_directory",
+    "snapshot_directory": "elastic_snapshot_directory",
+})
+_OPTION_NAME = re.compile(r"(?<![\w.])(" + "|".join(sorted(map(re.escape, _CONFIG_TERMS), key=len, reverse=True))
+                          + r")(?![\w])")
+
+
+def in_config_terms(text: str) -> str:
+    """``text`` (a runtime reason or error) with each ``ControllerOptions`` field it names replaced by the
+    config key that sets it (``min_slices`` -> ``elastic_min_slice_count``); for printing to a config user.
+    The runtime's decisions carry the field as data too (``RecoveryDecision.limit``); this only rewords."""
+    return _OPTION_NAME.sub(lambda m: _CONFIG_TERMS[m.group(1)], text)
 
 
 def _address(cfg: Config) -> dict:
@@ -252,8 +281,19 @@ def _tls(cfg: Config) -> TlsFiles | None:
 
 def _check_every_key_has_a_place() -> None:
     schema = {f.name for f in dataclasses.fields(Config)}
-    placed = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _CACHE_KEY, _ADDRESS_KEY} | set(_CHECKPOINT_KEYS)
-              | set(_SNAPSHOT_KEYS) | set(READ_ELSEWHERE))
+    to_controller = (set(_TO_CONTROLLER) | set(_TLS_KEYS) | {_ENABLED_KEY, _STANDBY_KEY, _CACHE_KEY, _ADDRESS_KEY}
+                     | set(_CHECKPOINT_KEYS) | set(_SNAPSHOT_KEYS))
+    placed = to_controller | set(READ_ELSEWHERE)
+    # The places agree with the roles the schema declares (elastic.config): a key the controller gets steers
+    # how the run executes or where it writes; the bundled model's keys are the ones read by the bundled model.
+    if stray := sorted(keys_with(RECOVERY) - set(_TO_CONTROLLER) - {_STANDBY_KEY}):
+        raise ImportError(f"elastic.options cannot turn recovery off for {stray}: not copied to the controller")
+    if stray := sorted(to_controller - keys_with(RUNTIME) - keys_with(OUTPUT)):
+        raise ImportError(f"elastic.options gives the controller keys without the runtime or output role: {stray}")
+    bundled = {k for k, who in READ_ELSEWHERE.items() if who.startswith("the bundled model")}
+    if bundled != MODEL_KEYS:
+        raise ImportError(f"elastic.options reads {sorted(bundled)} in the bundled model, the schema's model role "
+                          f"is {sorted(MODEL_KEYS)}")
     if set(PLATFORM_OF_HARDWARE) != set(HARDWARE):
         raise ImportError(f"elastic.options maps hardware {sorted(PLATFORM_OF_HARDWARE)}, the Config allows "
                           f"{sorted(HARDWARE)}")

@@ -17,6 +17,9 @@ line names the config key to change. Nothing here imports JAX.
   does not describe one microbatch of the config (a global batch's shapes,
   most often), which the workers would otherwise find only when they run the
   programs. Pure apart from calling ``element_spec()``; no data is read.
+* :func:`check_load_full_state_path`: refuses a ``load_full_state_path`` the
+  run would start from but cannot (missing, unreadable, no complete
+  checkpoint): a listing of the store, before any worker starts.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from elastic.config import Config, ConfigError
 from elastic.data import normalize_spec
 from elastic.options import controller_options, run_settings
-from runtime import ray_cluster_problem
+from runtime import BadInputError, locate_checkpoint, newest_checkpoint, ray_cluster_problem
 
 __all__ = [
     "PER_WORKER_BYTES",
@@ -39,6 +42,7 @@ __all__ = [
     "RunDirectory",
     "check_config_capacity",
     "check_data_source",
+    "check_load_full_state_path",
     "check_local_capacity",
     "check_output_directory",
     "claim_run_directory",
@@ -216,6 +220,24 @@ def claim_run_directory(base_output_directory: str, run_name: str) -> RunDirecto
         os.close(fd)
         raise
     return RunDirectory(path, fd)
+
+
+def check_load_full_state_path(path: str, checkpoint_directory: str, steps: int) -> None:
+    """Refuses ``load_full_state_path`` (``path``) when the run would start from it and cannot: it cannot be
+    read or holds no complete checkpoint (``runtime.locate_checkpoint``, the controller's own rule).
+
+    Called by ``fit`` before any worker starts. Nothing to check without a
+    path, or when the run's own ``checkpoint_directory`` holds a complete
+    checkpoint at or before ``steps`` (the run resumes from that and never
+    reads ``path``, as MaxText does). Raises a one-line ``ConfigError``
+    naming the key.
+    """
+    if not path or newest_checkpoint(checkpoint_directory, steps) is not None:
+        return
+    try:
+        locate_checkpoint(path)
+    except BadInputError as e:
+        raise ConfigError(f"config key {str(e).splitlines()[0]}") from None
 
 
 def check_output_directory(base_output_directory: str, run_name: str) -> None:

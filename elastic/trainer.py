@@ -28,8 +28,9 @@ from elastic import _programs, marker, run_records
 from elastic.run_records import RunRecordsLostError
 from elastic.config import Config
 from elastic.data import normalize_spec
-from elastic.options import RunSettings, controller_options, run_settings
-from elastic.preflight import RunDirectory, check_config_capacity, check_data_source, claim_run_directory
+from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
+from elastic.preflight import RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path, \
+    claim_run_directory
 from runtime import (Controller, ElasticError, ProgramExportError, ProgramSet, enable_compilation_cache,
                      local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
                      run_reference_process)
@@ -109,8 +110,9 @@ class _Job:
 
         Before anything starts (programs, workers) the run is checked
         (:mod:`elastic.preflight`): the workers it asks for must fit this
-        host, and the run directory must be writable and not held by another
-        run; it is locked until ``fit`` returns. Each refusal is a
+        host, the run directory must be writable and not held by another
+        run (it is locked until ``fit`` returns), and a ``load_full_state_path``
+        the run would start from must hold a complete checkpoint. Each refusal is a
         ``ConfigError`` naming the key to change.
 
         The run directory's ``events.jsonl`` holds every attempt of the run:
@@ -150,6 +152,7 @@ class _Job:
             opts = None
             if not reference:
                 opts = self._controller_options(run_dir)
+                check_load_full_state_path(opts.load_full_state_path, opts.checkpoint_directory, settings.steps)
                 prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
             built = time.time()
@@ -178,7 +181,7 @@ class _Job:
                         ctl.observer = observer
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
         except ElasticError as e:
-            events.emit("run_failed", error=f"{type(e).__name__}: {e}")
+            events.emit("run_failed", error=f"{type(e).__name__}: {in_config_terms(str(e))}")
             raise
         finally:
             events.close()

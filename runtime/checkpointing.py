@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from runtime.errors import ElasticTrainingFailedError
+from runtime.errors import BadInputError
 from runtime.policy import checkpoint_writer
 
-__all__ = ["Checkpointing", "Loaded"]
+__all__ = ["Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint"]
 
 # At the end of a run the saves in flight are waited for in rounds this long, each noting what completed: an
 # observer waiting for one checkpoint hears of it while the next is still being written.
@@ -157,26 +157,8 @@ class Checkpointing:
         return max(steps) if steps else None
 
     def locate(self, path: str) -> tuple[str, int]:
-        """``(directory, step)`` of what ``load_full_state_path`` names: a checkpoint directory (its newest
-        complete checkpoint) or one step's directory (``<directory>/<step>``, which must be complete).
-
-        Raises ``ElasticTrainingFailedError`` naming the path when it holds no such checkpoint.
-        """
-        from runtime.checkpoint import CheckpointStore
-
-        head, _, tail = path.rstrip("/").rpartition("/")
-        try:
-            if tail.isdigit() and head and int(tail) in CheckpointStore(head).steps():
-                return head, int(tail)
-            steps = CheckpointStore(path).steps()
-        except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
-            raise ElasticTrainingFailedError(f"load_full_state_path {path!r} cannot be read",
-                                             cause=f"{type(e).__name__}: {e}") from None
-        if not steps:
-            raise ElasticTrainingFailedError(f"load_full_state_path {path!r} holds no complete checkpoint",
-                                             cause="name a checkpoint directory or one complete step in it "
-                                                   "(<directory>/<step>)")
-        return path, max(steps)
+        """``(directory, step)`` of what ``load_full_state_path`` names; see :func:`locate_checkpoint`."""
+        return locate_checkpoint(path)
 
     def load(self, workers, step: int, directory: str | None = None) -> Loaded:
         """``workers`` load the newest valid checkpoint at or before ``step`` (of ``directory``, default the
@@ -208,3 +190,44 @@ class Checkpointing:
 
     def _unavailable(self, e: Exception) -> None:
         self.events.emit("checkpoint_unavailable", directory=self.directory, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def locate_checkpoint(path: str) -> tuple[str, int]:
+    """``(directory, step)`` of what ``load_full_state_path`` names: a checkpoint directory (its newest complete
+    checkpoint) or one step's directory (``<directory>/<step>``, which must be complete).
+
+    Called by the controller before it launches anything, and by the client's
+    preflight (``elastic.preflight``) before the run starts. Reads the
+    storage (a listing); imports no JAX. Raises ``BadInputError`` naming the
+    path when it cannot be read or holds no such checkpoint.
+    """
+    import os
+
+    from runtime.checkpoint import CheckpointStore
+
+    if "://" not in path and not os.path.exists(os.path.expanduser(path)):
+        raise BadInputError(f"load_full_state_path {path!r} does not exist")
+    head, _, tail = path.rstrip("/").rpartition("/")
+    try:
+        if tail.isdigit() and head and int(tail) in CheckpointStore(head).steps():
+            return head, int(tail)
+        steps = CheckpointStore(path).steps()
+    except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
+        raise BadInputError(f"load_full_state_path {path!r} cannot be read", cause=f"{type(e).__name__}: {e}") from None
+    if not steps:
+        raise BadInputError(f"load_full_state_path {path!r} holds no complete checkpoint")
+    return path, max(steps)
+
+
+def newest_checkpoint(directory: str, at_most: int) -> int | None:
+    """The newest complete checkpoint in ``directory`` at or before step ``at_most``; None without one, or
+    when the store cannot be read (the controller then counts it as none too). Imports no JAX."""
+    from runtime.checkpoint import CheckpointStore
+
+    if not directory:
+        return None
+    try:
+        steps = [s for s in CheckpointStore(directory).steps() if s <= at_most]
+    except Exception:  # noqa: BLE001 - an unreadable store holds nothing to resume from
+        return None
+    return max(steps) if steps else None

@@ -33,14 +33,15 @@ import uuid
 import numpy as np
 
 from runtime import auth
-from runtime.errors import ElasticTrainingFailedError, StaleEpochError, StepAbortedError, WorkerLostError
+from runtime.errors import ReplicaDivergenceError, StaleEpochError, StepAbortedError, WorkerLostError
 from runtime.events import EventLog
 from runtime.checkpointing import Checkpointing, Loaded
 from runtime.snapshotting import Snapshotting
 from runtime.policy import (Action, Placement, StepPlan, StragglerDetector, StragglerPolicy, decide_grow, decide_start,
                             decide_swap, membership_change_due, plan_step, straggler_action, watchdog_limit)
+from runtime.parts import DEFAULT_CHUNK_BYTES
 from runtime.programs import ProgramSet
-from runtime.recovery import Recovery
+from runtime.recovery import Recovery, failed
 from runtime.shadows import Shadows
 from runtime.timing import slowest_phases
 from runtime.watchdog import investigate
@@ -51,6 +52,8 @@ __all__ = ["Controller", "ControllerObserver", "ControllerOptions", "Phase", "Ru
 
 # Errors that mean "a member was lost or the step cannot finish": the run recovers from them.
 RECOVERABLE = (WorkerLostError, StepAbortedError, StaleEpochError)
+# The event a restore from each tier records (literal kinds, so a search for the kind finds where it is emitted).
+RESTORED_EVENT = {"checkpoint": "checkpoint_restored", "snapshot": "snapshot_restored"}
 
 
 def peak_rss_bytes() -> int:
@@ -60,7 +63,12 @@ def peak_rss_bytes() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ControllerOptions:
-    """Everything the controller needs; built from the config by ``elastic`` (one mapping, tested)."""
+    """Everything the controller needs; built from the config by ``elastic`` (one mapping, tested).
+
+    Each default is the default config's value (tests/unit/test_options.py checks it), except
+    ``compilation_cache_dir``, ``platform`` and ``snapshot_directory``, which ``elastic`` derives from the
+    environment and the host ("" here: no cache; the launcher's platform; no snapshot directory).
+    """
 
     slices: int
     devices_per_slice: int
@@ -82,7 +90,7 @@ class ControllerOptions:
     relaunch: bool = True
     secret: str = ""
     worker_lease_seconds: float = 5.0      # a worker fences itself after this long without the controller
-    capacity_timeout_seconds: float = 0.0  # below min_slices: wait this long for a worker to join
+    capacity_timeout_seconds: float = 60.0  # below min_slices: wait this long for a worker to join (0: don't)
     straggler_factor: float = 3.0
     straggler_patience: int = 3
     replace_stragglers: bool = False
@@ -90,9 +98,9 @@ class ControllerOptions:
     watchdog_min_seconds: float = 10.0     # ...and at least this long triggers the step watchdog
     chaos: bool = False                    # workers serve fault-injection calls
     tls: auth.TlsFiles | None = None       # mutual TLS on every link
-    chunk_bytes: int = 0                   # tensor chunk size of peer streams (0: the worker's default, 4 MiB)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # tensor chunk size of peer streams (0: the worker's default, 4 MiB)
     compilation_cache_dir: str = ""        # JAX's persistent compilation cache of the workers ("": none)
-    standby_workers: int = 0               # processes started ahead of need, for relaunches (local launcher)
+    standby_workers: int = 1               # processes started ahead of need, for relaunches (local launcher)
     worker_preload: tuple[str, ...] = ()   # modules the local launcher's zygote imports once for every worker
     data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.dataplane) or "grpc" (Push)
     checkpoint_directory: str = ""         # persistent checkpoints (runtime.checkpoint); "": none
@@ -250,8 +258,11 @@ class Controller:
         step not applied by every survivor: no committed step is lost or
         applied twice. With ``max_seconds``, dispatching stops that long after
         training started and the run ends at the last dispatched step
-        (``run_truncated``). Raises ``ElasticTrainingFailedError`` when the
-        policy gives up.
+        (``run_truncated``). Raises ``CapacityExhaustedError`` when the
+        policy gives up (``StateLostError``: no copy of the state left),
+        ``ReplicaDivergenceError`` when replicas disagree and
+        ``BadInputError`` for an unusable ``load_full_state_path`` (all
+        ``ElasticTrainingFailedError``).
         """
         self.begin(steps, seed, on_step, max_seconds)
         while self.phase is not Phase.DONE:
@@ -318,7 +329,7 @@ class Controller:
                              epoch=decision.placement.epoch, active=list(decision.placement.active),
                              spares=list(decision.placement.spares))
         if decision.action is Action.FAIL:
-            raise ElasticTrainingFailedError("cannot place the virtual slices", cause=decision.reason)
+            raise failed(decision, "cannot place the virtual slices")
         self._adopt(decision.placement)
         self.events.emit("placement", epoch=self.placement.epoch, active=list(self.placement.active),
                          spares=list(self.placement.spares), seconds=time.time() - t0)
@@ -361,8 +372,8 @@ class Controller:
         the run's checkpoint directory already holds some), else of ``load_full_state_path``; None for a fresh
         start.
 
-        Raises ``ElasticTrainingFailedError`` when ``load_full_state_path``
-        holds no complete checkpoint (of that step)."""
+        Raises ``BadInputError`` when ``load_full_state_path`` cannot be read
+        or holds no complete checkpoint (of that step)."""
         own = self.checkpoints.newest(self._run["steps"])
         if own is not None:
             return self.checkpoints.directory, own
@@ -466,7 +477,7 @@ class Controller:
             results = self.group.wait(futs)
         sums = {r.loss_sum for r in results.values()}
         if len(sums) != 1:
-            raise ElasticTrainingFailedError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
+            raise ReplicaDivergenceError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
         self._watch_stragglers(plan, results)
         self.checkpoints.note({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
         self.snapshots.note({w: (r.snapshots_saved, r.snapshots_copied, r.snapshot_error) for w, r in results.items()})
@@ -533,7 +544,7 @@ class Controller:
         hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
         steps = self._run["steps"]
         if len(set(hashes.values())) != 1:
-            raise ElasticTrainingFailedError("replicas diverged", step=steps, cause=f"state hashes {hashes}")
+            raise ReplicaDivergenceError("replicas diverged", step=steps, cause=f"state hashes {hashes}")
         self.result = RunResult(steps_completed=len(self.losses), losses=list(self.losses),
                                 recoveries=self.recoveries, final_state_sha256=next(iter(hashes.values())),
                                 replica_hashes=hashes, wall_seconds=time.time() - self._run["t0"],
@@ -590,7 +601,7 @@ class Controller:
         self.plans.clear()
         where = dict(directory=got.directory) if got.tier == "checkpoint" else dict(
             worker=got.holders[0], host=self.group.host_of(got.holders[0]))
-        self.events.emit(f"{got.tier}_restored", step=step, bytes=got.bytes, steps_lost=committed - step, **where)
+        self.events.emit(RESTORED_EVENT[got.tier], step=step, bytes=got.bytes, steps_lost=committed - step, **where)
         self.events.emit("recovered", path=Action.RESTORE.value, epoch=self.placement.epoch, resume_step=step,
                          dead=sorted(w for w in old.members if w in self.dead), bytes_moved=moved,
                          seconds=time.time() - started, restore_tier=got.tier)
@@ -616,7 +627,7 @@ class Controller:
             moved += nbytes
         hashes = self.group.hashes(self.placement.active)
         if {s for s, _ in hashes.values()} != {step} or len({sha for _, sha in hashes.values()}) != 1:
-            raise ElasticTrainingFailedError("replicas disagree after recovery", step=step,
+            raise ReplicaDivergenceError("replicas disagree after recovery", step=step,
                                              cause=str({w: (s, sha[:12]) for w, (s, sha) in hashes.items()}))
         self.replicas = set(self.placement.active)
         self.last_commit = time.monotonic()   # the watchdog times the next step from here

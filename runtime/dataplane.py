@@ -52,7 +52,7 @@ import numpy as np
 
 from runtime import auth
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import Part
+from runtime.parts import Part
 from runtime.errors import ProtocolError
 
 __all__ = ["DataServer", "DataClient", "Incoming", "RemoteError", "MAX_PAYLOAD", "VERSION"]

@@ -16,6 +16,10 @@ __all__ = [
     "RegistrationTimeoutError",
     "StaleEpochError",
     "ElasticTrainingFailedError",
+    "CapacityExhaustedError",
+    "StateLostError",
+    "ReplicaDivergenceError",
+    "BadInputError",
     "ClusterUnreachableError",
     "ProtocolError",
     "PlatformMismatchError",
@@ -105,7 +109,17 @@ class RegistrationTimeoutError(ElasticError, TimeoutError):
 
 
 class ElasticTrainingFailedError(ElasticError):
-    """The run cannot continue; carries what failed where."""
+    """The run cannot continue; carries what failed where.
+
+    The base of why (catch it to catch every one): :class:`CapacityExhaustedError`
+    (too few workers to go on: retry with more), :class:`ReplicaDivergenceError`
+    (replicas disagree: a determinism violation, never retried) and
+    :class:`BadInputError` (what the run was told to start from is unusable:
+    refused before any worker starts). ``advice`` (a class attribute) says
+    what to do next; the text ends with it.
+    """
+
+    advice = ""
 
     def __init__(self, message: str, step: int | None = None, cause: str = ""):
         super().__init__(message, step, cause)
@@ -116,4 +130,37 @@ class ElasticTrainingFailedError(ElasticError):
     def __str__(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
         why = f": {self.cause}" if self.cause else ""
-        return f"{self.message}{where}{why}"
+        then = f" ({self.advice})" if self.advice else ""
+        return f"{self.message}{where}{why}{then}"
+
+
+class CapacityExhaustedError(ElasticTrainingFailedError):
+    """Too few workers are left to go on: no spare for a lost slice, fewer than ``min_slices`` after the
+    capacity wait, or the recoveries allowed (``max_retries``) used up. The numerics are sound; the same run
+    with more capacity would go on."""
+
+    advice = ("what to do: run again with more workers or spares, allow more recoveries (max_retries), a "
+              "lower minimum (min_slices) or a longer capacity wait")
+
+
+class StateLostError(CapacityExhaustedError):
+    """Every worker holding the training state was lost and no snapshot or checkpoint holds it: the capacity
+    ran out with the state. Running again starts over (or from a checkpoint)."""
+
+    advice = ("what to do: run again with spares, and keep in-memory snapshots or checkpoints so a later loss "
+              "restores the state instead of ending the run")
+
+
+class ReplicaDivergenceError(ElasticTrainingFailedError):
+    """Replicas that applied the same steps disagree (loss sums or state hashes): a determinism violation,
+    the numerics cannot be trusted. Never retried: another attempt would hide the bug."""
+
+    advice = ("what to do: do not trust this run's state; look for nondeterministic operations in the step or "
+              "the data source, and report it as a bug with the run's events.jsonl")
+
+
+class BadInputError(ElasticTrainingFailedError, ValueError):
+    """What the run was told to start from is unusable (``load_full_state_path``: missing, unreadable, or no
+    complete checkpoint). Raised before any worker starts; the message names the input."""
+
+    advice = "what to do: name a checkpoint directory, or one complete step in it (<directory>/<step>)"

@@ -17,6 +17,9 @@ Contract of :class:`EventLog`:
 * A partial write is never continued: the torn tail is truncated back to the
   last complete line; where even that fails the log has stopped, so the torn
   line stays the last one (which readers skip).
+* An event that does not match its kind's schema in :mod:`runtime.event_kinds`
+  makes ``emit`` raise ``ValueError`` (and write nothing) in the test suite
+  (``$ELASTIC_STRICT_EVENTS=1``); in a run it is written after one warning.
 * Opening a log whose last line is torn (a writer crashed mid-line) cuts that
   line off first, so later lines never follow a torn one.
 * :meth:`EventLog.close` of a log that dropped events tries to append one
@@ -28,10 +31,15 @@ Contract of :class:`EventLog`:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
 import time
+
+from runtime.event_kinds import check_event
+
+log = logging.getLogger("jax_elastic.events")
 
 __all__ = ["EventLog", "read_events"]
 
@@ -41,8 +49,17 @@ _TAIL_CHUNK = 1 << 16
 class EventLog:
     """The event log of one run; thread-safe. ``path=None`` records nothing (tests, dry runs)."""
 
-    def __init__(self, path: str | os.PathLike | None):
+    def __init__(self, path: str | os.PathLike | None, *, checked: bool | str | None = None):
         self.path = path
+        #: How every event is checked against :data:`runtime.event_kinds.EVENT_KINDS` before it is written:
+        #: ``"strict"`` (a bad event raises ``ValueError`` and is not written: the test suite, which sets
+        #: ``$ELASTIC_STRICT_EVENTS=1`` for its processes), ``"warn"`` (one warning per kind, the event is
+        #: written anyway: a bookkeeping bug must never end a training run), ``False`` (not checked: only the
+        #: log's own I/O is under test, with made-up kinds). None: strict under that variable, else warn.
+        if checked is None:
+            checked = "strict" if os.environ.get("ELASTIC_STRICT_EVENTS") == "1" else "warn"
+        self.checked = "strict" if checked is True else checked
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._fd: int | None = None
         #: Events not written because the log stopped after a write failure.
@@ -60,9 +77,25 @@ class EventLog:
 
         ``t`` may be given among ``fields`` for an event recorded after the fact (the client records its
         ``job_started`` once it knows the attempt may start); by default it is now.
+
+        An event its kind's schema (:data:`runtime.event_kinds.EVENT_KINDS`) does not allow (an unknown
+        kind, a required field missing, a field not declared or of the wrong type, judged as written, after
+        JSON encoding) is a bug in the caller: under ``checked="strict"`` it raises ``ValueError`` and
+        nothing is written (the tests catch it; checked even when the log records nothing, ``path=None``);
+        under ``"warn"`` it is written all the same after one warning for its kind.
         """
         event = {"t": time.time(), "kind": kind, **fields}
-        line = (json.dumps(event, sort_keys=False, default=_jsonable) + "\n").encode("utf-8")
+        text = json.dumps(event, sort_keys=False, default=_jsonable)
+        if self.checked:
+            try:
+                check_event(json.loads(text))
+            except ValueError as e:
+                if self.checked == "strict":
+                    raise
+                if kind not in self._warned:
+                    self._warned.add(kind)
+                    log.warning("event %r does not match its schema (written anyway): %s", kind, e)
+        line = (text + "\n").encode("utf-8")
         with self._lock:
             if self._fd is not None:
                 if self.error is not None:

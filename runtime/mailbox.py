@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import ALL_GATHER, REDUCE_SCATTER, checksum, host_buffer, payload_of
+from runtime.parts import ALL_GATHER, REDUCE_SCATTER, checksum, host_buffer, payload_of
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.microbatch import Node
 

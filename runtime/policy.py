@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from runtime.microbatch import Node, assign_microbatches
 
-__all__ = ["Action", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out", "decide_start",
+__all__ = ["Action", "Failure", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out", "decide_start",
            "StragglerPolicy", "WorkerInfo", "cause_of", "checkpoint_writer", "decide_grow", "decide_recovery", "decide_swap",
            "holding_up", "is_suspect", "may_relaunch", "membership_change_due", "place", "plan_realign", "plan_step",
            "reprobe_wait", "snapshot_order", "straggler_action", "watchdog_limit"]
@@ -219,21 +219,36 @@ class Action(enum.Enum):
     RETRY = "retry"       # no one died (a transient error): re-run the step in a new epoch
     WAIT = "wait"         # below the minimum, but capacity may still arrive
     RESTORE = "restore"   # no replica is left: every active slice loads the newest complete checkpoint
-    FAIL = "fail"         # nothing applies: the run ends with ElasticTrainingFailedError
+    FAIL = "fail"         # nothing applies: the run ends (the decision's ``failure`` says which error)
+
+
+class Failure(enum.Enum):
+    """Why a ``FAIL`` ends the run: ``CAPACITY`` raises ``CapacityExhaustedError``, ``STATE_LOST``
+    ``StateLostError`` (:mod:`runtime.errors`; :func:`runtime.recovery.failed` maps them)."""
+
+    CAPACITY = "capacity"       # too few workers: no spare, below the minimum, recoveries used up
+    STATE_LOST = "state_lost"   # and no copy of the state is left, in a replica or a backup
 
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryDecision:
-    """The answer of :func:`decide_recovery`: the action, the placement to adopt and why."""
+    """The answer of :func:`decide_recovery`: the action, the placement to adopt and why (``failure``: for a
+    ``FAIL``, which kind; None for every other action).
+
+    ``reason`` speaks the runtime's own terms (``ControllerOptions`` field names, never a config key);
+    ``limit`` names the ``ControllerOptions`` field whose value decided a ``WAIT`` or ``FAIL``
+    (``max_retries``, ``min_slices``, ``capacity_timeout_seconds``, ``register_timeout_seconds``; "" when
+    none did), for a caller that speaks another vocabulary (``elastic.options.in_config_terms``)."""
 
     action: Action
     placement: Placement
     reason: str
+    failure: Failure | None = None
+    limit: str = ""
 
 
 NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
-              "(elastic_snapshot_interval keeps in-memory snapshots; enable_checkpointing=true with a "
-              "checkpoint_period keeps checkpoints)")
+              "(snapshot_interval keeps in-memory snapshots; checkpoint_period keeps checkpoints)")
 
 
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
@@ -258,9 +273,10 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     dead, replicas = frozenset(dead), frozenset(replicas)
     if recoveries > max_retries:
         if max_retries == 0:
-            return RecoveryDecision(Action.FAIL, placement, "recovery is off (elastic_max_retries=0, or "
-                                                            "elastic_enabled=false): a lost worker ends the run")
-        return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries")
+            return RecoveryDecision(Action.FAIL, placement, "recovery is off (max_retries=0): a lost worker ends "
+                                                            "the run", failure=Failure.CAPACITY, limit="max_retries")
+        return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
+                                failure=Failure.CAPACITY, limit="max_retries")
     spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
     active, replaced, dropped = [], 0, 0
     for w in placement.active:
@@ -276,23 +292,26 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
                   "the surviving slices hold no copy of the state")
     if lost_state and checkpoint_step is None:
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}")
+        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
     if lost_state:
         if len(active) >= min_slices:
             return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "
                                                          f"{backup} of step {checkpoint_step}")
         if may_wait:
             return RecoveryDecision(Action.WAIT, placement, f"{lost_state} and {len(active)} slices have a worker "
-                                                            f"(elastic_min_slice_count {min_slices}): waiting for "
-                                                            f"capacity to restore step {checkpoint_step}")
+                                                            f"(min_slices {min_slices}): waiting for "
+                                                            f"capacity to restore step {checkpoint_step}",
+                                    limit="min_slices")
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but "
-                                                  f"no worker is left to restore it")
+                                                  f"no worker is left to restore it", failure=Failure.CAPACITY,
+                                    limit="min_slices")
     if len(active) < min_slices:
         if may_wait:
-            return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, elastic_min_slice_count "
-                                                            f"is {min_slices}: waiting for capacity")
-        return RecoveryDecision(Action.FAIL, new, f"{len(active)} slices left, elastic_min_slice_count is "
-                                                  f"{min_slices} and no spare is available")
+            return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, min_slices "
+                                                            f"is {min_slices}: waiting for capacity", limit="min_slices")
+        return RecoveryDecision(Action.FAIL, new, f"{len(active)} slices left, min_slices is "
+                                                  f"{min_slices} and no spare is available", failure=Failure.CAPACITY,
+                                limit="min_slices")
     if dropped:
         return RecoveryDecision(Action.SHRINK, new, f"no spare for {dropped} slice(s): {len(active)} survivors "
                                                     f"take over")
@@ -317,7 +336,7 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
         placement = place(num_vslices, devices_per_slice, alive, min_slices=min_slices)
     except ValueError as e:
         why = f"; {len(lost)} worker(s) died before registering" if lost else ""
-        return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}")
+        return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}", failure=Failure.CAPACITY)
     if len(placement.active) < num_vslices:
         return RecoveryDecision(Action.SHRINK, placement, f"{len(lost)} worker(s) died before registering: "
                                                           f"starting with {len(placement.active)} of "
@@ -326,11 +345,13 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
         f" ({len(lost)} that died before registering were replaced)" if lost else ""))
 
 
-def capacity_timed_out(decision: RecoveryDecision, timeout_seconds: float) -> RecoveryDecision:
-    """A ``WAIT`` whose capacity never came: the ``FAIL`` that replaces it, saying which key set the limit."""
+def capacity_timed_out(decision: RecoveryDecision, timeout_seconds: float,
+                       limit: str = "capacity_timeout_seconds") -> RecoveryDecision:
+    """A ``WAIT`` whose capacity never came: the ``FAIL`` that replaces it, naming the option that set the
+    wait (``limit``: ``capacity_timeout_seconds``, or ``register_timeout_seconds`` when that one applied)."""
     return RecoveryDecision(Action.FAIL, decision.placement,
                             f"{decision.reason.split(':')[0]}: no capacity arrived within "
-                            f"elastic_timeout_seconds={timeout_seconds:g}")
+                            f"{limit}={timeout_seconds:g}", failure=Failure.CAPACITY, limit=limit)
 
 
 def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_retries: int) -> bool:

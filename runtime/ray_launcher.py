@@ -36,7 +36,7 @@ __all__ = ["RayLauncher", "cluster_problem", "connect", "ray_available"]
 
 log = logging.getLogger("jax_elastic.ray")
 
-#: Env vars an actor's JAX reads (from :func:`runtime.launcher.jax_child_env`), passed as its runtime_env.
+#: Env vars an actor's JAX reads (from :func:`runtime.child_env.jax_child_env`), passed as its runtime_env.
 _ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "ELASTIC_CHAOS", "ELASTIC_COMPILATION_CACHE_DIR")
 
 
@@ -170,7 +170,7 @@ class RayLauncher:
                  platform: str = "", on_lost=None):
         import ray
 
-        from runtime.launcher import jax_child_env
+        from runtime.child_env import jax_child_env
 
         self.ray = ray
         connect(address)

@@ -16,8 +16,10 @@ placement at once); :meth:`Recovery.realign` answers a
 commit from the survivors' recorded losses. It records no step and notifies
 no observer; the controller does both, then copies the state to the
 newcomers. A failure inside an attempt propagates as its typed error
-(the controller starts another attempt); giving up raises
-``ElasticTrainingFailedError``.
+(the controller starts another attempt); giving up raises a typed
+``ElasticTrainingFailedError``: ``CapacityExhaustedError`` (``StateLostError``
+when no copy of the state is left), ``ReplicaDivergenceError`` when the
+survivors cannot be reconciled.
 """
 
 from __future__ import annotations
@@ -25,12 +27,20 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from runtime.errors import ElasticError, ElasticTrainingFailedError, WorkerLostError
-from runtime.policy import Action, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, decide_recovery, \
-    plan_realign
+from runtime.errors import CapacityExhaustedError, ElasticError, ReplicaDivergenceError, StateLostError, \
+    WorkerLostError
+from runtime.policy import Action, Failure, Placement, RealignPlan, RecoveryDecision, capacity_timed_out, \
+    decide_recovery, plan_realign
 from runtime.tiers import choose_source
 
-__all__ = ["Recovery", "Restore"]
+__all__ = ["Recovery", "Restore", "failed"]
+
+
+def failed(decision: RecoveryDecision, message: str, step: int | None = None) -> CapacityExhaustedError:
+    """The error that ends the run for a ``FAIL`` decision, by its typed ``failure`` (never by the reason's
+    text): ``StateLostError`` when no copy of the state is left, else ``CapacityExhaustedError``."""
+    kind = StateLostError if decision.failure is Failure.STATE_LOST else CapacityExhaustedError
+    return kind(message, step=step, cause=decision.reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,7 @@ class Recovery:
         """Abandons the steps in flight, probes every member, asks the policy; returns ``(decision, wall start)``.
 
         Waits for capacity when the policy says so; raises
-        ``ElasticTrainingFailedError`` when it says fail.
+        ``CapacityExhaustedError`` (``StateLostError`` with no copy of the state left) when it says fail.
         """
         started = time.time()
         group = self.group
@@ -95,7 +105,7 @@ class Recovery:
         if decision.action is Action.WAIT:
             decision = self._wait_for_capacity(decision, replicas, recoveries)
         if decision.action is Action.FAIL:
-            raise ElasticTrainingFailedError("cannot recover", step=committed, cause=decision.reason)
+            raise failed(decision, "cannot recover", step=committed)
         return decision, started
 
     def realign(self, old: Placement, new: Placement, replicas: frozenset[str], committed: int) -> RealignPlan:
@@ -113,7 +123,7 @@ class Recovery:
         plan = plan_realign({w: statuses[w].applied_steps for w in survivors},
                             {w: statuses[w].losses for w in survivors}, committed)
         if plan.error:
-            raise ElasticTrainingFailedError("cannot realign the survivors", step=committed, cause=plan.error)
+            raise ReplicaDivergenceError("cannot realign the survivors", step=committed, cause=plan.error)
         for w in plan.rollbacks:
             group.rollback(w, plan.target)
             self.events.emit("rolled_back", worker=w, to_step=plan.target)
@@ -162,7 +172,7 @@ class Recovery:
                     self.events.emit("checkpoint_skipped", worker=choice.source, detail=why[:500])
                 return Restore("snapshot", reply.applied_steps, reply.bytes, (choice.source,), "")
         if not choice.ok:
-            raise ElasticTrainingFailedError("cannot restore the state", step=committed, cause=choice.reason)
+            raise StateLostError("cannot restore the state", step=committed, cause=choice.reason)
         loaded = self.checkpoints.load(new.active, self.checkpoint)
         if lost := [w for w in new.active if w not in loaded.bytes]:
             raise WorkerLostError(lost[0], "lost while loading a checkpoint")
@@ -196,7 +206,8 @@ class Recovery:
         """Below ``min_slices``: waits up to ``capacity_timeout_seconds`` (else ``register_timeout_seconds``, for
         relaunched workers) for workers to join and warm as spares."""
         group = self.group
-        timeout = self.opts.capacity_timeout_seconds or self.opts.register_timeout_seconds
+        limit = "capacity_timeout_seconds" if self.opts.capacity_timeout_seconds else "register_timeout_seconds"
+        timeout = getattr(self.opts, limit)
         t0, deadline = time.time(), time.monotonic() + timeout
         for w in decision.placement.members:
             if w in group.dead:
@@ -207,7 +218,7 @@ class Recovery:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.events.emit("capacity_wait_ended", seconds=time.time() - t0, found=found)
-                return capacity_timed_out(decision, timeout)
+                return capacity_timed_out(decision, timeout, limit)
             group.wait_for_newcomer(min(left, 0.5))
             warmed = group.warm_newcomers(block_until=deadline)
             found += warmed

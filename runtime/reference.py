@@ -63,7 +63,7 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
 
     CPU programs get that many simulated CPU devices; programs for an
     accelerator get JAX's own choice of platform (see
-    :func:`runtime.launcher.jax_child_env`): the child refuses them by name
+    :func:`runtime.child_env.jax_child_env`): the child refuses them by name
     when this host has no such device.
 
     ``data_blob``: the data source pickled as it is shipped to workers
@@ -74,7 +74,7 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     the child's last output lines if it fails otherwise.
     """
     from runtime.errors import ElasticError
-    from runtime.launcher import jax_child_env
+    from runtime.child_env import jax_child_env
     from runtime.platforms import program_platforms
 
     platforms = program_platforms(programs.init)

@@ -1,7 +1,7 @@
 """A whole replica's state between workers: its digest, cut into checked chunks, and assembled again.
 
 A spare or a relaunched worker takes its state from a live replica
-(``PullState``): the source cuts its leaves into :class:`runtime.collective.Part`
+(``PullState``): the source cuts its leaves into :class:`runtime.parts.Part`
 s (views, each with its xxh3_64 checksum and the state's sha256), any
 transport carries them (the data plane or gRPC ``GetState``), and the
 receiver checks and assembles them into aligned leaves it can place on its
@@ -19,7 +19,7 @@ from concurrent import futures
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import Part, checksum, host_buffer, payload_of
+from runtime.parts import Part, checksum, host_buffer, payload_of
 from runtime.errors import ProtocolError
 
 __all__ = ["assemble_state", "state_chunks", "state_sha256"]

@@ -42,7 +42,8 @@ import grpc
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, AllReduce, Part, checked_chunk_bytes, inline
+from runtime.collective import AllReduce
+from runtime.parts import DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, Part, checked_chunk_bytes, inline
 from runtime.dataplane import DataClient, RemoteError
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32, probe_devices

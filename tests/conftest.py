@@ -19,6 +19,8 @@ def pytest_configure(config):
     process. Set in the controlling process before xdist starts its workers,
     which inherit it; a cache the caller set already is kept.
     """
+    # Every event every process of the suite writes is checked against its schema, and a bad one fails.
+    os.environ.setdefault("ELASTIC_STRICT_EVENTS", "1")
     if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     cache = tempfile.mkdtemp(prefix="jax-elastic-tests-jax-cache-")

@@ -6,103 +6,83 @@ always be re-rendered from the log alone. Field meanings are documented in
 ``fault_injected``/``fault_skipped`` events recorded; this module knows
 nothing of the chaos package that emits them.
 
-Every event is checked once, before the fold, against :data:`EVENT_FIELDS`
-(each kind's fields that the fold, goodput or the renderers read, and the
-type they rely on): a malformed event (not an object, a missing field, a
-field of the wrong type, a time that is not a finite number) raises
-``ValueError`` naming the event (1-based) and the field. Fields declared
-"anything" are copied into the report verbatim: schema validation judges
-their values, and the renderers show whatever they hold. Kinds not listed
-are only checked for ``t`` and ``kind`` (the fold ignores them).
+Every event is checked once, before the fold, against :data:`READS` (each
+kind's fields that the fold, goodput or the renderers read) with the types the
+log's one schema declares for them (``runtime.EVENT_KINDS``, from
+``runtime/event_kinds.py``, which the writer checks every event against): a
+malformed event (not an object, a missing field, a field of the wrong type, a
+time that is not a finite number) raises ``ValueError`` naming the event
+(1-based) and the field. The fold is laxer than the writer so that old logs
+still fold: it needs only the fields it reads, ignores fields it does not,
+and checks kinds it does not read only for ``t`` and ``kind``. Fields it
+copies into the report verbatim ("anything") are not type-checked: schema
+validation judges their values, and the renderers show whatever they hold.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import reprlib
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from elastic.report.goodput import goodput
-from runtime import read_events
+from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, read_events
 
-__all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "REPORT_VERSION", "FieldType", "build_report"]
+__all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
 
 REPORT_VERSION = 1
 
 
-class FieldType(NamedTuple):
-    """What an event field must hold: ``what`` names it in errors, ``ok`` tests a value."""
+#: Marks a field the fold reads with the type the schema declares for it (``runtime/event_kinds.py``).
+TYPED = None
+#: Marks a field the fold copies into the report verbatim: any value folds (report schema validation judges it).
+_ANY = EventFieldType("anything", lambda v: True)
 
-    what: str
-    ok: Callable[[Any], bool]
-
-
-def _is_number(v: Any) -> bool:
-    """A number (not a bool) a float can hold: inf and nan are, an int beyond the float range is not."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        float(v)
-    except OverflowError:
-        return False
-    return True
-
-
-def _is_finite(v: Any) -> bool:
-    return _is_number(v) and math.isfinite(v)
-
-
-_ANY = FieldType("anything", lambda v: True)
-_TEXT = FieldType("a string", lambda v: isinstance(v, str))
-_TEXT_OR_NULL = FieldType("a string or null", lambda v: v is None or isinstance(v, str))
-_NUMBER = FieldType("a number", _is_number)
-_FINITE = FieldType("a finite number", _is_finite)
-_FINITE_OR_NULL = FieldType("a finite number or null", lambda v: v is None or _is_finite(v))
-_COUNT = FieldType("a whole number >= 0", lambda v: isinstance(v, int) and _is_number(v) and v >= 0)
-_LIST = FieldType("a list", lambda v: isinstance(v, list))
-_NAMES = FieldType("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
-_OBJECT_OR_NULL = FieldType("an object or null", lambda v: v is None or isinstance(v, dict))
-_NUMBERS_BY_NAME = FieldType("an object of numbers",
-                             lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()))
-
-# Fields of every event: when (unix seconds) and what.
-_COMMON_FIELDS: dict[str, FieldType] = {"t": _FINITE, "kind": _TEXT}
-
-#: kind -> (required fields, optional fields): each field the fold, goodput or the renderers read, and its type
-#: (besides ``t``, a finite number, and ``kind``, a string, which every event has).
-EVENT_FIELDS: dict[str, tuple[dict[str, FieldType], dict[str, FieldType]]] = {
-    "job_started": ({"mode": _ANY, "config": _OBJECT_OR_NULL, "global_batch_size": _ANY, "microbatches": _ANY}, {}),
+#: kind -> (fields the fold, goodput or the renderers read unguarded, fields they read when present): what a
+#: log's event must have for the fold, laxer than what the writer checks (old logs lack fields added since).
+#: The types are the schema's (:data:`TYPED`), except for fields copied verbatim.
+READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldType | None]]] = {
+    "job_started": ({"mode": _ANY, "config": TYPED, "global_batch_size": _ANY, "microbatches": _ANY}, {}),
     "programs_built": ({"program_bytes": _ANY, "state_bytes": _ANY}, {}),
     "run_started": ({"run_id": _ANY, "slices": _ANY, "devices_per_slice": _ANY, "steps": _ANY}, {}),
-    "programs_loaded": ({"compile_seconds": _NUMBERS_BY_NAME}, {}),
+    "programs_loaded": ({"compile_seconds": TYPED}, {}),
     "state_initialized": ({"state_bytes": _ANY}, {}),
-    "run_resumed": ({"step": _COUNT, "directory": _ANY, "tier": _ANY, "bytes": _ANY, "losses": _LIST,
-                     "losses_recorded": _ANY, "state_bytes": _ANY}, {"resharded_from": _OBJECT_OR_NULL}),
-    "step_committed": ({"step": _COUNT, "loss": _NUMBER}, {"seconds": _NUMBER, "recovered": _ANY}),
-    "placement": ({"active": _NAMES}, {}),
+    "run_resumed": ({"step": TYPED, "directory": _ANY, "tier": _ANY, "bytes": _ANY, "losses": TYPED,
+                     "losses_recorded": _ANY, "state_bytes": _ANY}, {"resharded_from": TYPED}),
+    "step_committed": ({"step": TYPED, "loss": TYPED}, {"seconds": TYPED, "recovered": _ANY}),
+    "placement": ({"active": TYPED}, {}),
     "failure_detected": ({"error": _ANY, "detail": _ANY, "committed": _ANY}, {"worker": _ANY}),
-    "worker_dead": ({"worker": _TEXT}, {"cause": _TEXT_OR_NULL}),
-    "recovery_decision": ({"action": _TEXT, "dead": _NAMES, "active": _NAMES}, {}),
+    "worker_dead": ({"worker": TYPED}, {"cause": TYPED}),
+    "recovery_decision": ({"action": TYPED, "dead": TYPED, "active": TYPED}, {}),
+    "checkpoint_skipped": ({"detail": _ANY}, {}),
     "recovered": ({"resume_step": _ANY, "bytes_moved": _ANY}, {"path": _ANY}),
-    "grown": ({"active": _NAMES}, {}),
-    "straggler_replaced": ({"active": _NAMES}, {}),
-    "straggler": ({"worker": _TEXT, "step": _ANY, "seconds": _NUMBER, "median_seconds": _NUMBER, "action": _ANY},
-                  {}),
-    "fault_injected": ({"index": _ANY, "fault": _ANY, "fault_kind": _TEXT, "workers": _NAMES, "step": _ANY}, {}),
-    "fault_skipped": ({"index": _ANY, "fault": _ANY, "fault_kind": _TEXT, "reason": _ANY, "step": _ANY}, {}),
+    "grown": ({"active": TYPED}, {}),
+    "straggler_replaced": ({"active": TYPED}, {}),
+    "straggler": ({"worker": TYPED, "step": _ANY, "seconds": TYPED, "median_seconds": TYPED, "action": _ANY}, {}),
+    "fault_injected": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "workers": TYPED, "step": _ANY}, {}),
+    "fault_skipped": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "reason": _ANY, "step": _ANY}, {}),
     "chaos_started": ({k: _ANY for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}, {}),
-    "capacity_wait": ({}, {"seconds": _FINITE_OR_NULL}),
-    "capacity_wait_ended": ({}, {"seconds": _FINITE_OR_NULL}),
+    "capacity_wait": ({}, {"seconds": TYPED}),
+    "capacity_wait_ended": ({}, {"seconds": TYPED}),
     "run_truncated": ({"steps": _ANY}, {}),
-    "security_refused": ({}, {"count": _COUNT, "method": _ANY}),
-    "events_dropped": ({}, {"count": _COUNT}),
+    "security_refused": ({}, {"count": TYPED, "method": _ANY}),
+    "events_dropped": ({}, {"count": TYPED}),
     "run_failed": ({"error": _ANY}, {}),
-    "verdict": ({"verdict": _TEXT_OR_NULL, "verdict_reasons": _LIST, "trajectory": _ANY,
-                 "first_diverging_step": _ANY, "exactly_once": _ANY, "exactly_once_detail": _ANY,
-                 "reference": _ANY}, {"promises": _LIST}),
+    "verdict": ({"verdict": TYPED, "verdict_reasons": TYPED, "trajectory": _ANY, "first_diverging_step": _ANY,
+                 "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY}, {"promises": TYPED}),
     "run_finished": ({"final_state_sha256": _ANY, "replica_hashes": _ANY, "client_peak_rss_bytes": _ANY}, {}),
+}
+
+_UNDECLARED = sorted(f"{k}.{f}" for k, (need, may) in READS.items() for f in {**need, **may}
+                     if k not in EVENT_KINDS or f not in EVENT_KINDS[k].fields())
+assert not _UNDECLARED, f"the fold reads fields runtime/event_kinds.py does not declare: {_UNDECLARED}"
+
+#: kind -> (required fields, optional fields), each with the type the fold checks: :data:`READS` with the
+#: schema's types filled in (besides ``t``, a finite number, and ``kind``, a string, which every event has).
+#: Kinds not listed are checked only for ``t`` and ``kind``.
+EVENT_FIELDS: dict[str, tuple[dict[str, EventFieldType], dict[str, EventFieldType]]] = {
+    k: tuple({f: EVENT_KINDS[k].fields()[f] if t is TYPED else t for f, t in part.items()} for part in parts)
+    for k, parts in READS.items()
 }
 
 
@@ -110,7 +90,7 @@ def _check_event(n: int, e: Any) -> None:
     """Raises ValueError naming event ``n`` (1-based) unless ``e`` has the fields its kind declares."""
     if not isinstance(e, dict):
         raise ValueError(f"event {n} is not an object: {reprlib.repr(e)}")
-    for name, field in _COMMON_FIELDS.items():
+    for name, field in EVENT_COMMON_FIELDS.items():
         if name not in e:
             raise ValueError(f"event {n} has no {name!r} (every event has 't' and 'kind')")
         if not field.ok(e[name]):

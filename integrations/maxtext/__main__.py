@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 import elastic
+from integrations.maxtext.config import devices_per_slice
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help="run the canonical math in this process")
     args = parser.parse_args(argv)
     try:
-        _set_device_count(_devices_per_slice(pathlib.Path(args.config), args.overrides))
+        _set_device_count(devices_per_slice(pathlib.Path(args.config), args.overrides))
         from integrations.maxtext.cli import build_job
         from runtime import ElasticError, ProgramExportError   # after XLA_FLAGS: runtime imports JAX
 
@@ -39,22 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     except elastic.ConfigError as e:
         return _fail(f"error: {e}", 2)
     except ElasticError as e:
-        return _fail(f"run failed: {type(e).__name__}: {e}; see {job.run_dir()}", 1)
+        from elastic.options import in_config_terms
+        return _fail(f"run failed: {type(e).__name__}: {in_config_terms(str(e))}; see {job.run_dir()}", 1)
     print(f"{report['steps_completed']}/{report['steps_requested']} steps, run directory {job.run_dir()}, "
           f"last loss {report['losses'][-1] if report.get('losses') else 'n/a'}")
     return 0
-
-
-def _devices_per_slice(path: pathlib.Path, overrides: list[str]) -> int:
-    """``ici_fsdp_parallelism`` as the user set it, read without starting JAX (-1 or unset: 1)."""
-    from integrations.maxtext.config import _parse_overrides, _user_keys
-
-    if not path.is_file():
-        raise elastic.ConfigError(f"MaxText config file not found: {path}")
-    user = {**_user_keys(path), **{k: v for k, (v, _) in _parse_overrides(overrides).items()}}
-    value = user.get("ici_fsdp_parallelism", -1)
-    value = value[0] if isinstance(value, tuple) else value
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
 
 def _set_device_count(n: int) -> None:

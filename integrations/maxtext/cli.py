@@ -45,9 +45,9 @@ class MaxTextConfigs:
 
     def devices_per_slice(self, path: str, overrides: list[str]) -> int:
         """The slice's device count as the user set it, read without starting JAX."""
-        from integrations.maxtext.__main__ import _devices_per_slice
+        from integrations.maxtext.config import devices_per_slice
 
-        return _devices_per_slice(pathlib.Path(path), list(overrides))
+        return devices_per_slice(pathlib.Path(path), list(overrides))
 
     def make_job(self, path: str, overrides: list[str]):
         """The elastic job of the MaxText config (starts JAX: set the device count first)."""

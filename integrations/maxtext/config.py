@@ -42,20 +42,21 @@ from typing import Any
 import yaml
 
 import elastic
-from elastic.config import builtin_config_path, read_config_file
+from elastic.config import MAXTEXT, MODEL, builtin_config_path, keys_with, read_config_file
 
 __all__ = ["MAXTEXT_VERSION", "MODEL_KEYS", "SHARED_KEYS", "UNSUPPORTED", "check_supported", "claims",
-           "load_maxtext_config", "maxtext_configs_dir"]
+           "devices_per_slice", "load_maxtext_config", "maxtext_configs_dir"]
 
 MAXTEXT_VERSION = "0.2.5"
 
 # Keys both configs define that size or train the model: they are MaxText's. jax-elastic's own
-# copies shape only its bundled example model, so they keep their defaults there.
-MODEL_KEYS = frozenset({"vocab_size", "max_target_length", "base_emb_dim", "base_num_decoder_layers",
-                        "base_num_query_heads", "base_mlp_dim", "learning_rate"})
+# copies shape only its bundled example model, so they keep their defaults there. Derived from the roles
+# jax-elastic's schema declares (elastic.config: model and maxtext).
+MODEL_KEYS = keys_with(MODEL) & keys_with(MAXTEXT)
 
-# Keys both configs define that steer the run: what each side gets. (A test checks that every key
-# the two schemas share is here or in MODEL_KEYS, so a new shared key gets a decision.)
+# Keys both configs define that steer the run: what each side gets. Exactly the schema's other keys with the
+# maxtext role (checked below at import; a test checks the role against MaxText's own schema, so a new
+# shared key gets a decision).
 SHARED_KEYS: Mapping[str, str] = {
     "steps": "both (MaxText's value; -1 resolved by MaxText from learning_rate_schedule_steps)",
     "per_device_batch_size": "both; must be a whole number >= 1 (examples per device per microbatch)",
@@ -86,6 +87,9 @@ _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_
                  "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing", "checkpoint_period",
                  "load_full_state_path")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
+if set(SHARED_KEYS) != keys_with(MAXTEXT) - MODEL_KEYS or not set(_RUNTIME_KEYS) <= set(SHARED_KEYS):
+    raise ImportError(f"integrations.maxtext: SHARED_KEYS {sorted(SHARED_KEYS)} and the schema's maxtext role "
+                      f"{sorted(keys_with(MAXTEXT) - MODEL_KEYS)} disagree")
 
 # MaxText features whose train step differs from the one integrations.maxtext.model splits, or that
 # need more than a 1-D FSDP mesh per slice: key -> the only value accepted.
@@ -509,3 +513,13 @@ def _one_line(e: Exception) -> str:
             pass
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:500]}"
+
+
+def devices_per_slice(path: pathlib.Path, overrides: list[str]) -> int:
+    """``ici_fsdp_parallelism`` as the user set it, read without starting JAX (-1 or unset: 1)."""
+    if not path.is_file():
+        raise elastic.ConfigError(f"MaxText config file not found: {path}")
+    user = {**_user_keys(path), **{k: v for k, (v, _) in _parse_overrides(overrides).items()}}
+    value = user.get("ici_fsdp_parallelism", -1)
+    value = value[0] if isinstance(value, tuple) else value
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1

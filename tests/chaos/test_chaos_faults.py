@@ -157,7 +157,8 @@ def test_a_failed_verdict_exits_non_zero_and_says_why(tmp_path):
                        "elastic_relaunch=false", "run_name=again", "--faults", "kill@step=2"], tmp_path, check=False)
     assert proc.returncode == 1
     again = json.loads((pathlib.Path(tmp_path) / "again" / "report.json").read_text())
-    assert again["verdict"] == "fail" and again["failure_reason"].startswith("ElasticTrainingFailedError")
+    assert again["verdict"] == "fail" and again["failure_reason"].startswith("CapacityExhaustedError: ")
+    assert "what to do:" in again["failure_reason"], "the reason says what to do next"
 
 
 def test_a_fault_that_cannot_fire_in_this_run_is_bad_input(tmp_path):

@@ -31,7 +31,9 @@ def _events(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
-def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path):
+def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path, monkeypatch):
+    # Ray waits 30 s for its GCS to bind a port; on this 2-core host under the whole suite it took longer once.
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "120")
     # Every node on loopback (node_ip_address): no test traffic leaves this host's loopback interface.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                             "object_store_memory": STORE, "node_ip_address": LOOPBACK})

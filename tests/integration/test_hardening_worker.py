@@ -355,7 +355,7 @@ def test_refused_calls_are_counted_by_the_worker_and_reach_the_event_log(tmp_pat
     programs = tiny_programs()
     events = EventLog(tmp_path / "events.jsonl")
     opts = ControllerOptions(slices=1, devices_per_slice=1, run_dir=str(tmp_path), heartbeat_seconds=0.25,
-                             lease_seconds=30.0, worker_lease_seconds=0.0)
+                             lease_seconds=30.0, worker_lease_seconds=0.0, standby_workers=0)
     group = WorkerGroup(RUN, SECRET, programs, data_source(), opts, events)
     group.monitor.refusals_seconds = 0.5
     group.start()

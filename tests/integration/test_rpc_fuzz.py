@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import checksum
+from runtime.parts import checksum
 from runtime.state_copy import state_sha256
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from tests.integration.test_hardening_worker import (RUN, SECRET, Controller, load_request, member, start_worker, stop,

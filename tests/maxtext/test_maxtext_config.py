@@ -122,6 +122,8 @@ def test_every_key_both_schemas_define_has_a_decision():
 
     shared = {f.name for f in dataclasses.fields(elastic.Config)} & mtc._maxtext_keys(types.MaxTextConfig)
     assert shared <= set(mtc.SHARED_KEYS) | mtc.MODEL_KEYS, sorted(shared - set(mtc.SHARED_KEYS) - mtc.MODEL_KEYS)
+    # the schema's maxtext role (elastic.config), which both lists are derived from, is exactly the shared keys
+    assert elastic.config.keys_with(elastic.config.MAXTEXT) == shared
 
 
 

@@ -75,7 +75,7 @@ class FakeGroup:
         assert epoch >= self.epoch, f"epoch went back from {self.epoch} to {epoch}"
         self.epoch = epoch
 
-    def launch(self):
+    def launch(self, host=""):
         wid = f"w{self._launched}"
         self._launched += 1
         self.replicas[wid] = None
@@ -149,16 +149,16 @@ class FakeGroup:
     def _reachable(self, w) -> bool:
         return w not in self.dead and w not in self.crashed and w not in self.hung
 
-    def is_alive(self, w):
-        return self._reachable(w)
+    def is_alive(self, worker_id):
+        return self._reachable(worker_id)
 
     def probe(self, workers):
         return {w: self._reachable(w) for w in workers}
 
-    def progress(self, w):
-        if not self._reachable(w):
+    def progress(self, worker_id):
+        if not self._reachable(worker_id):
             return None
-        r = self.replicas[w]
+        r = self.replicas[worker_id]
         return (r.applied if r else -1), "reduce", 0.0
 
     def _touch(self, w):
@@ -205,7 +205,8 @@ class FakeGroup:
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
         return plan
 
-    def wait(self, plan, deadline=None):
+    def wait(self, futs, deadline=None):
+        plan = futs   # what dispatch returned
         assert plan.epoch == self.epoch, f"step {plan.step} of epoch {plan.epoch} waited on in epoch {self.epoch}"
         kind, target = self.faults.pop(plan.step, (None, None))
         if kind == "kill":
@@ -239,9 +240,9 @@ class FakeGroup:
             out[w] = WorkerStatus(r.applied if r else 0, dict(r.losses) if r else {})
         return out
 
-    def rollback(self, w, to_applied_steps):
-        self._touch(w)
-        r = self.replicas[w]
+    def rollback(self, worker_id, to_applied_steps):
+        self._touch(worker_id)
+        r = self.replicas[worker_id]
         assert r.applied == to_applied_steps + 1
         r.history.pop()
         r.losses.pop(to_applied_steps, None)
@@ -264,8 +265,17 @@ class FakeGroup:
             out[w] = (r.applied, r.history[-1])
         return out
 
-    def pid(self, w):
+    def pid(self, worker_id):
         return 0
 
-    def inject_fault(self, *a, **k):
-        raise NotImplementedError
+    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase=""):
+        raise AssertionError("the fake group injects no faults: give them to its constructor")
+
+    def poll(self, futs, deadline=None):
+        raise AssertionError("the fake group has no shadow spares (their steps are polled)")
+
+    def load_checkpoints(self, workers, directory, applied, snapshot=False):
+        raise AssertionError("the fake group holds no checkpoints or snapshots")
+
+    def flush_checkpoints(self, workers, wait_seconds, *, save=None):
+        raise AssertionError("the fake group writes no checkpoints")

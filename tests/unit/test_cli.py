@@ -74,3 +74,16 @@ def test_library_output_is_kept_off_the_terminal_and_shown_only_when_something_c
         print("what led to it")
         raise RuntimeError("crash")
     assert capsys.readouterr() == ("", "what led to it\n")
+
+
+@pytest.mark.parametrize("where, needle", [("nothing", "does not exist"), ("empty", "holds no complete checkpoint"),
+                                           ("file", "cannot be read")])
+def test_a_bad_load_full_state_path_is_refused_before_any_worker_starts(cli, tmp_path, where, needle):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("not a checkpoint")
+    proc, _ = cli("run", "tiny", "run_name=bad", f"load_full_state_path={tmp_path / where}", check=False)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("elastic: error: config key load_full_state_path") and needle in line, line
+    written = [p.name for p in (tmp_path / "bad").rglob("*")]
+    assert written in ([], [".lock"]), f"no worker started, no event written: {written}"

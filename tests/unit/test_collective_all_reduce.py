@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ONE_ROUND_BYTES, AllReduce,
-                                checked_chunk_bytes, checksum, chunk_bounds, inline)
+from runtime.collective import ONE_ROUND_BYTES, AllReduce
+from runtime.parts import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, checked_chunk_bytes, checksum,
+                           chunk_bounds, inline)
 from runtime.errors import ProtocolError, StepAbortedError
 from runtime.executor import add_f32
 from runtime.mailbox import Mailbox

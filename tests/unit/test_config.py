@@ -278,7 +278,7 @@ def test_chunk_bytes_bounds_are_inclusive():
 @pytest.mark.parametrize(
     "override",
     ["elastic_spares=1", "elastic_max_retries=3", "elastic_min_slice_count=2", "elastic_timeout_seconds=5",
-     "elastic_replace_stragglers=true"],
+     "elastic_replace_stragglers=true", "elastic_standby_workers=1", "elastic_standby_workers=3"],
 )
 def test_recovery_keys_contradict_elastic_disabled(override):
     key = override.partition("=")[0]
@@ -430,3 +430,23 @@ def test_a_gs_checkpoint_directory_without_a_valid_bucket_is_refused_when_read(d
     with pytest.raises(ConfigError, match="elastic_checkpoint_directory.*valid bucket name"):
         load_config("tiny", [f"elastic_checkpoint_directory={directory}", "enable_checkpointing=true"])
     assert load_config("tiny", ["elastic_checkpoint_directory=gs://my-bucket/run"]).elastic_checkpoint_directory
+
+
+# Issue 24: elastic_enabled=false once silently zeroed elastic_standby_workers. Its default (-1) now means
+# "one with recovery on, none with it off", so any standby process asked for with recovery off is refused.
+@pytest.mark.parametrize("overrides, standby", [([], 1), (["elastic_enabled=false"], 0),
+                                                (["elastic_enabled=false", "elastic_standby_workers=0"], 0),
+                                                (["elastic_standby_workers=0"], 0), (["elastic_standby_workers=3"], 3)])
+def test_standby_workers_follow_recovery_unless_set(overrides, standby):
+    assert load_config("tiny", overrides).standby_workers == standby
+
+
+def test_standby_workers_asked_for_with_recovery_off_is_one_line_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["elastic_enabled=false", "elastic_standby_workers=2"])
+    assert assert_one_line(err).startswith("config keys 'elastic_enabled' (False, in overrides) and "
+                                           "'elastic_standby_workers' (2, in overrides) contradict")
+    with pytest.raises(ConfigError, match="'elastic_standby_workers'"):
+        load_config("tiny", ["elastic_standby_workers=1"]).replace(elastic_enabled=False)
+    cfg = load_config("tiny", ["elastic_enabled=false"])
+    assert config_from_dict(cfg.to_dict()) == cfg   # the round trip keeps the unresolved default

@@ -1,11 +1,13 @@
 """The controller's state machine stepped against a fake worker group: recoveries in milliseconds, no processes."""
 
+import dataclasses
 import types
 
 import numpy as np
 import pytest
 
-from runtime import ControllerObserver, ElasticTrainingFailedError, EventLog, read_events
+from runtime import (CapacityExhaustedError, ControllerObserver, EventLog, ReplicaDivergenceError, StateLostError,
+                     read_events)
 from runtime.controller import Controller, ControllerOptions, Phase
 from tests.unit.fake_group import FakeGroup, loss_sum
 
@@ -125,18 +127,19 @@ def test_a_kill_of_the_receiving_spare_mid_transfer_is_recovered_by_another_atte
 
 
 def test_a_kill_of_the_only_source_mid_transfer_fails_with_no_replica_left(tmp_path):
-    with pytest.raises(ElasticTrainingFailedError, match="no live replica"):
+    with pytest.raises(StateLostError, match="no live replica"):
         run(tmp_path, faults={3: ("kill", "w1")}, observer=KillDuringTransfer("source"))
 
 
 def test_losing_every_active_slice_fails_with_a_clear_reason(tmp_path):
-    with pytest.raises(ElasticTrainingFailedError, match="every active slice is gone"):
+    with pytest.raises(StateLostError, match="every active slice is gone"):
         run(tmp_path, slices=1, faults={2: ("kill", "w0")})
 
 
 def test_recovery_gives_up_after_max_retries(tmp_path):
-    with pytest.raises(ElasticTrainingFailedError, match="recovery is off"):
+    with pytest.raises(CapacityExhaustedError, match="recovery is off") as failed:
         run(tmp_path, faults={2: ("kill", "w1")}, max_retries=0)
+    assert type(failed.value) is CapacityExhaustedError
 
 
 def test_a_relaunched_worker_grows_the_run_back_at_a_step_boundary(tmp_path, fault_free):
@@ -203,5 +206,44 @@ def test_a_kill_during_load_without_a_spare_starts_narrower_and_grows_back(tmp_p
 
 
 def test_a_kill_during_startup_below_the_minimum_fails_with_the_reason(tmp_path):
-    with pytest.raises(ElasticTrainingFailedError, match="elastic_min_slice_count is 2"):
-        run(tmp_path, spares=0, min_slices=2, relaunch=False, faults={"init": ("kill", "w0")})
+    with pytest.raises(CapacityExhaustedError, match="min_slices is 2") as failed:   # no wait: none can come
+        run(tmp_path, spares=0, min_slices=2, relaunch=False, capacity_timeout_seconds=0.0,
+            faults={"init": ("kill", "w0")})
+    assert type(failed.value) is CapacityExhaustedError, "the state was never lost: only capacity ran out"
+
+
+def _diverging(tmp_path, corrupt):
+    """A run whose fake group ``corrupt``s what the replicas answer; returns the error it ends with."""
+    options = ControllerOptions(slices=2, devices_per_slice=2, run_dir=str(tmp_path))
+    events = EventLog(tmp_path / "events.jsonl")
+    group = FakeGroup(options, events)
+    corrupt(group)
+    ctl = Controller(types.SimpleNamespace(num_microbatches=M), b"", options, events, group=group)
+    with ctl, pytest.raises(ReplicaDivergenceError) as failed:
+        ctl.train(4, seed=0)
+    return failed.value
+
+
+def test_replicas_whose_final_states_differ_end_the_run_as_a_divergence_not_a_capacity_failure(tmp_path):
+    def corrupt(group):
+        honest = group.hashes
+        group.hashes = lambda workers: {w: (s, sha if w != "w1" else "0" * 64) for w, (s, sha) in
+                                        honest(workers).items()}
+
+    err = _diverging(tmp_path, corrupt)
+    assert err.step == 4 and "state hashes" in err.cause and not isinstance(err, CapacityExhaustedError)
+
+
+def test_replicas_that_disagree_on_a_step_loss_end_the_run_as_a_divergence(tmp_path):
+    def corrupt(group):
+        honest = group.wait
+
+        def wait(plan, deadline=None):
+            results = honest(plan, deadline)
+            if plan.step == 2 and isinstance(results, dict):
+                results["w1"] = dataclasses.replace(results["w1"], loss_sum=results["w1"].loss_sum + 1.0)
+            return results
+        group.wait = wait
+
+    err = _diverging(tmp_path, corrupt)
+    assert err.step == 2 and err.message == "replicas disagree on the step loss"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import REDUCE_SCATTER, pieces
+from runtime.parts import REDUCE_SCATTER, pieces
 from runtime.mailbox import Mailbox
 from runtime.state_copy import assemble_state, state_chunks, state_sha256
 from runtime.dataplane import DataClient, DataServer, RemoteError

@@ -40,7 +40,7 @@ def one_error_line(capsys) -> str:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail ENOSPC)")
 def test_event_log_on_a_full_disk_keeps_going_warns_once_and_counts_what_it_dropped(capsys):
-    log = EventLog("/dev/full")
+    log = EventLog("/dev/full", checked=False)
     for i in range(3):
         assert log.emit("step_committed", step=i)["step"] == i   # no OSError reaches the caller
     log.close()
@@ -67,7 +67,7 @@ def _run_limited(tmp_path, body: str) -> subprocess.CompletedProcess:
 def test_a_write_cut_short_is_truncated_and_the_log_stops_so_no_torn_line_is_followed(tmp_path):
     """The kernel writes only part of a line (file-size limit); the log cuts it off and writes nothing more."""
     proc = _run_limited(tmp_path, """
-        log = EventLog("events.jsonl")
+        log = EventLog("events.jsonl", checked=False)
         log.emit("a", pad="x" * 40)
         limit(os.path.getsize("events.jsonl") + 30)        # the next line fits only in part
         log.emit("b", pad="y" * 40)
@@ -90,7 +90,7 @@ def test_a_last_line_cut_short_at_close_takes_only_its_own_bytes_back(tmp_path):
     """``close`` appends ``events_dropped``; when the kernel writes only part of it, the truncation removes
     exactly those bytes: the events before (the last complete one included) stay whole."""
     proc = _run_limited(tmp_path, """
-        log = EventLog("events.jsonl")
+        log = EventLog("events.jsonl", checked=False)
         log.emit("step_committed", step=0, loss=1.5)
         log.emit("step_dispatched", step=1)
         whole = open("events.jsonl", "rb").read()
@@ -114,7 +114,7 @@ def test_a_cut_write_that_cannot_be_truncated_stays_the_last_line(tmp_path):
         def refuse(fd, size):
             raise OSError(5, "Input/output error")
         os.ftruncate = refuse
-        log = EventLog("events.jsonl")
+        log = EventLog("events.jsonl", checked=False)
         log.emit("a")
         limit(os.path.getsize("events.jsonl") + 10)
         log.emit("b", pad="y" * 40)
@@ -133,7 +133,7 @@ def test_a_cut_write_that_cannot_be_truncated_stays_the_last_line(tmp_path):
 def test_opening_a_log_with_a_torn_last_line_cuts_it_so_new_lines_do_not_follow_it(tmp_path):
     path = tmp_path / "events.jsonl"
     path.write_text('{"t": 1, "kind": "a"}\n{"t": 2, "kind": "b", "pa')   # a writer died mid-line
-    log = EventLog(path)
+    log = EventLog(path, checked=False)
     log.emit("verdict")
     log.close()
     assert [e["kind"] for e in read_events(path)] == ["a", "verdict"]

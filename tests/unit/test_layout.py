@@ -132,3 +132,41 @@ def test_every_name_runtime_exports_resolves():
 
     for name in runtime.__all__:   # the lazy table and __all__ must agree
         getattr(runtime, name)
+
+
+def _module_name(f: pathlib.Path) -> str:
+    name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def test_no_import_cycle_anywhere():
+    """No module of ours imports (directly or through others, inside functions too) one that imports it.
+
+    ``from P import m`` of a submodule ``m`` counts as importing ``P.m``; any other name from ``P``, as
+    importing ``P`` (its ``__init__``)."""
+    files = list(py_files("runtime", "elastic", "chaos", "integrations"))
+    modules = {_module_name(f) for f in files}
+    graph = {}
+    for f in files:
+        deps = set()
+        for module, names in file_imports(f):
+            subs = {f"{module}.{n}" for n in names or () if f"{module}.{n}" in modules}
+            deps |= subs
+            if not names or len(subs) < len(names):
+                deps.add(module)
+        graph[_module_name(f)] = {d for d in deps if d in modules and d != _module_name(f)}
+    cycles, state = [], {}
+
+    def visit(node, path):   # depth-first; a node met again on the current path closes a cycle
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)

@@ -51,6 +51,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: "0.0.0.0:50051"}
     if key == "elastic_run_id":
         return {key: "run-1"}
+    if key == "elastic_standby_workers":
+        return {key: 3}   # -1 (auto) resolves to 1 with recovery on
     if key == "elastic_snapshot_directory":
         return {key: str(tmp_path / "snapshots")}
     if key == "elastic_checkpoint_directory":
@@ -69,7 +71,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
 
 
 def test_every_schema_key_has_exactly_the_places_declared():
-    placed = (set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY, options._CACHE_KEY}
+    placed = (set(options._TO_CONTROLLER) | set(options._TLS_KEYS) | {options._ENABLED_KEY, options._CACHE_KEY,
+                                                                       options._STANDBY_KEY}
               | set(options._CHECKPOINT_KEYS) | set(options._SNAPSHOT_KEYS) | {options._ADDRESS_KEY}
               | set(READ_ELSEWHERE))
     assert placed == set(SCHEMA)
@@ -84,7 +87,7 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
     fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir", "checkpoint_directory",
                                                   "checkpoint_period", "platform", "load_full_state_path",
-                                                  "snapshot_directory", "host", "port"}
+                                                  "snapshot_directory", "host", "port", "standby_workers"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (
@@ -242,3 +245,44 @@ def test_the_ray_launcher_without_ray_stops_before_anything_starts_and_says_how_
     with pytest.raises(ConfigError, match=r"elastic_launcher=ray: Ray is not installed; pip install"):
         controller_options(base.replace(elastic_launcher="ray"), "run")
     assert controller_options(base, "run").launcher == "local"   # nothing else needs Ray
+
+
+# --------------------------------------------------------------------------- defaults and vocabulary (issue 24)
+
+# ControllerOptions fields whose default is not the default config's: the caller's own (NOT_FROM_CONFIG and the
+# required ones), and those elastic derives from the environment and the host rather than from a key's value.
+DERIVED = {"compilation_cache_dir", "platform", "snapshot_directory"}
+
+
+def test_controller_option_defaults_are_the_default_configs(tmp_path):
+    # Issue 24: standby_workers defaulted to 0 (the config: 1) and capacity_timeout_seconds to 0 (the config: 60 s).
+    from_config = controller_options(Config(), tmp_path)
+    differ = {f.name: (f.default, getattr(from_config, f.name)) for f in dataclasses.fields(ControllerOptions)
+              if f.default is not dataclasses.MISSING and f.name not in NOT_FROM_CONFIG | DERIVED
+              and f.default != getattr(from_config, f.name)}
+    assert differ == {}
+
+
+def test_the_runtimes_reasons_are_printed_in_config_terms():
+    from runtime.policy import Placement, capacity_timed_out, decide_recovery
+    p = Placement(epoch=1, active=("a", "b"), spares=())
+    wait = decide_recovery(p, ("a",), {"a", "b"}, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
+    register = capacity_timed_out(wait, 120.0, "register_timeout_seconds")
+    assert options.in_config_terms(register.reason) == ("1 slices left, elastic_min_slice_count is 2: no capacity "
+                                                        "arrived within elastic_register_timeout_seconds=120")
+    assert options.in_config_terms(capacity_timed_out(wait, 60.0).reason).endswith("elastic_timeout_seconds=60")
+    off = decide_recovery(p, ("a",), {"a", "b"}, min_slices=1, recoveries=1, max_retries=0)
+    assert "(elastic_max_retries=0, or elastic_enabled=false)" in options.in_config_terms(off.reason)
+    # config keys and plain words are left alone
+    assert options.in_config_terms("elastic_min_slice_count; spares replace the lost slices") == \
+        "elastic_min_slice_count; spares replace the lost slices"
+
+
+def test_every_role_list_is_derived_from_the_schema():
+    from elastic.config import MATH_KEYS, MODEL_KEYS, REFERENCE_NEUTRAL, ROLES, keys_with
+    roles = {f.name: f.metadata["role"] for f in dataclasses.fields(Config)}
+    assert all(r and r <= set(ROLES) for r in roles.values())
+    assert MODEL_KEYS == keys_with("model") <= MATH_KEYS
+    assert MATH_KEYS | REFERENCE_NEUTRAL == set(SCHEMA) and not MATH_KEYS & REFERENCE_NEUTRAL
+    assert {"jax_cache_dir", "run_name", "base_output_directory", "dcn_data_parallelism"} <= REFERENCE_NEUTRAL
+    assert {"learning_rate", "seed", "elastic_microbatches", "per_device_batch_size"} <= MATH_KEYS

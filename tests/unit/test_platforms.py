@@ -15,7 +15,8 @@ from runtime import PlatformMismatchError, ProtocolError, program_platforms, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.executor import SliceExecutor
-from runtime.launcher import LocalLauncher, jax_child_env
+from runtime.child_env import jax_child_env
+from runtime.launcher import LocalLauncher
 from runtime.platforms import canonical_platform, check_runnable, default_worker_platform, local_platform
 from runtime.worker import WorkerService
 

@@ -1,3 +1,6 @@
+import pathlib
+import re
+
 import pytest
 
 from runtime.microbatch import Node
@@ -51,8 +54,8 @@ def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
 
 # -- table-driven tests of every decision ----------------------------------------
 
-from runtime.policy import (Action, Placement, capacity_timed_out, decide_grow, decide_recovery, decide_swap,  # noqa: E402
-                            is_suspect, may_relaunch, membership_change_due, plan_realign, reprobe_wait,
+from runtime.policy import (Action, Failure, Placement, RecoveryDecision, capacity_timed_out, decide_grow,  # noqa: E402
+                            decide_recovery, decide_swap, is_suspect, may_relaunch, membership_change_due, plan_realign, reprobe_wait,
                             watchdog_limit)
 
 P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
@@ -66,7 +69,7 @@ RECOVERY_CASES = [
     (("b", "s"), ALL, 1, 1, 5, False, Action.REPLACE, ("a", "t", "c"), (), "spares replace"),
     (("a", "b", "s", "t"), ALL, 1, 1, 5, False, Action.SHRINK, ("c",), (), "no spare for 2 slice(s)"),
     (("a", "s", "t"), ALL, 2, 1, 5, False, Action.SHRINK, ("b", "c"), (), "2 survivors take over"),
-    (("a", "b", "s", "t"), ALL, 2, 1, 5, False, Action.FAIL, ("c",), (), "elastic_min_slice_count is 2"),
+    (("a", "b", "s", "t"), ALL, 2, 1, 5, False, Action.FAIL, ("c",), (), "min_slices is 2"),
     (("a", "b", "s", "t"), ALL, 2, 1, 5, True, Action.WAIT, ("a", "b", "c"), ("s", "t"), "waiting for capacity"),
     (("a", "b", "c"), set(P.active), 1, 1, 5, False, Action.FAIL, ("s", "t"), (), "every active slice is gone"),
     (("a", "b", "c"), set(P.active), 1, 1, 5, True, Action.FAIL, ("s", "t"), (), "no live replica"),
@@ -91,12 +94,34 @@ def test_decide_recovery(dead, replicas, min_slices, recoveries, max_retries, ma
         assert d.placement == P, "a wait keeps the placement until capacity arrives"
 
 
-def test_a_capacity_wait_that_times_out_fails_naming_the_key():
+def test_a_capacity_wait_that_times_out_fails_naming_the_option():
     wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
+    assert wait.limit == "min_slices"
     failed = capacity_timed_out(wait, 7.0)
-    assert failed.action is Action.FAIL
-    assert failed.reason == "1 slices left, elastic_min_slice_count is 2: no capacity arrived within " \
-                            "elastic_timeout_seconds=7"
+    assert failed.action is Action.FAIL and failed.limit == "capacity_timeout_seconds"
+    assert failed.reason == "1 slices left, min_slices is 2: no capacity arrived within " \
+                            "capacity_timeout_seconds=7"
+
+
+def test_a_capacity_wait_under_the_register_timeout_names_that_one():
+    # Issue 24: the reason named elastic_timeout_seconds even when the register timeout set the wait.
+    wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
+    failed = capacity_timed_out(wait, 120.0, "register_timeout_seconds")
+    assert failed.limit == "register_timeout_seconds"
+    assert failed.reason.endswith("no capacity arrived within register_timeout_seconds=120")
+
+
+@pytest.mark.parametrize("recoveries,max_retries,why", [(1, 0, "recovery is off (max_retries=0)"),
+                                                        (6, 5, "gave up after 5 recoveries (max_retries)")])
+def test_running_out_of_retries_names_the_limit(recoveries, max_retries, why):
+    d = decide_recovery(P, ("b",), ALL, min_slices=1, recoveries=recoveries, max_retries=max_retries)
+    assert d.action is Action.FAIL and d.limit == "max_retries" and why in d.reason
+
+
+def test_reasons_speak_the_runtimes_terms_not_the_configs():
+    # runtime knows nothing of elastic: a reason names ControllerOptions fields, never a config key
+    src = (pathlib.Path(__file__).parents[2] / "runtime" / "policy.py").read_text()
+    assert not re.findall(r"\belastic_\w+|\benable_checkpointing\b", src)
 
 
 @pytest.mark.parametrize("placement,slices,expected", [
@@ -211,7 +236,7 @@ RESTORE_CASES = [
     (("a",), {"a"}, 1, False, 40, Action.RESTORE, ("s", "b", "c"), "hold no copy of the state"),
     (("a", "b", "c", "s", "t"), ACTIVE, 1, True, 40, Action.WAIT, ("a", "b", "c"), "waiting for capacity"),
     (("a", "b", "c", "s", "t"), ACTIVE, 1, False, 40, Action.FAIL, (), "no worker is left to restore it"),
-    (("a", "b", "c"), ACTIVE, 3, True, 40, Action.WAIT, ("a", "b", "c"), "elastic_min_slice_count 3"),
+    (("a", "b", "c"), ACTIVE, 3, True, 40, Action.WAIT, ("a", "b", "c"), "min_slices 3"),
     (("a", "b", "c"), ACTIVE, 1, False, None, Action.FAIL, ("s", "t"), "no complete snapshot or checkpoint"),
     (("b",), ACTIVE, 1, False, 40, Action.REPLACE, ("a", "s", "c"), "spares replace"),   # a replica lives: no restore
     # a spare that shadows the state is a replica: it is promoted first, and nothing is restored
@@ -239,3 +264,48 @@ def test_without_a_replica_a_checkpoint_is_restored(dead, replicas, min_slices, 
 ])
 def test_checkpoints_follow_each_period_and_the_last_step_and_rotate(step, steps, period, want):
     assert checkpoint_writer(step, steps, period, ("a", "b", "c")) == want
+
+
+FAILURE_CASES = [
+    # dead, replicas, min_slices, recoveries, max_retries, checkpoint step -> the FAIL's typed failure
+    (("a", "b", "s", "t"), ALL, 2, 1, 5, None, Failure.CAPACITY),        # below the minimum, no spare
+    (("b",), ALL, 1, 6, 5, None, Failure.CAPACITY),                      # the recoveries allowed are used up
+    (("b",), ALL, 1, 1, 0, None, Failure.CAPACITY),                      # recovery is off
+    (("a", "b", "c", "s", "t"), ACTIVE, 1, 1, 5, 40, Failure.CAPACITY),  # a backup exists, no worker to load it
+    (("a", "b", "c"), ACTIVE, 1, 1, 5, None, Failure.STATE_LOST),        # every replica gone, no backup
+    (("a",), {"a"}, 1, 1, 5, None, Failure.STATE_LOST),                  # survivors hold no copy, no backup
+]
+
+
+@pytest.mark.parametrize("dead,replicas,min_slices,recoveries,max_retries,step,failure", FAILURE_CASES)
+def test_a_fail_says_which_failure_it_is(dead, replicas, min_slices, recoveries, max_retries, step, failure):
+    d = decide_recovery(P, dead, replicas, min_slices=min_slices, recoveries=recoveries, max_retries=max_retries,
+                        checkpoint_step=step)
+    assert d.action is Action.FAIL and d.failure is failure
+
+
+@pytest.mark.parametrize("case", RECOVERY_CASES)
+def test_only_a_fail_carries_a_failure(case):
+    dead, replicas, min_slices, recoveries, max_retries, may_wait, action = case[:7]
+    d = decide_recovery(P, dead, replicas, min_slices=min_slices, recoveries=recoveries, max_retries=max_retries,
+                        may_wait=may_wait)
+    assert (d.failure is not None) == (action is Action.FAIL)
+
+
+def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures():
+    from runtime.policy import decide_start
+
+    wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
+    assert wait.failure is None and capacity_timed_out(wait, 7.0).failure is Failure.CAPACITY
+    assert decide_start(2, 2, _workers(2), lost=("w1",), min_slices=2).failure is Failure.CAPACITY
+
+
+@pytest.mark.parametrize("failure,error", [(Failure.CAPACITY, "CapacityExhaustedError"),
+                                           (Failure.STATE_LOST, "StateLostError")])
+def test_each_failure_raises_its_own_type(failure, error):
+    from runtime import CapacityExhaustedError
+    from runtime.recovery import failed
+
+    err = failed(RecoveryDecision(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
+    assert type(err).__name__ == error and isinstance(err, CapacityExhaustedError)
+    assert (err.message, err.step, err.cause) == ("cannot recover", 3, "why")

@@ -53,3 +53,20 @@ def test_another_model_optimizer_or_data_source_gets_another_reference(tmp_path)
     assert key(tmp_path, grad=b"edited model") != same   # the programs changed (model, optimizer)
     assert key(tmp_path, data=Data(seed=1)) != same      # the data source changed
     assert key(tmp_path, learning_rate=0.5) != same      # a config key of the math changed
+
+
+def test_keys_without_the_math_role_leave_the_reference_alone(tmp_path):
+    # Issue 24: the digest once treated every elastic_* key as neutral and every other key as math,
+    # so jax_cache_dir (where compiled programs are cached) changed it. Now the schema's roles decide.
+    from elastic.config import MATH_KEYS, REFERENCE_NEUTRAL
+    same = key(tmp_path)
+    neutral = {"jax_cache_dir": "/tmp/elsewhere", "enable_goodput_recording": "true", "run_name": "other",
+               "elastic_data_plane": "grpc", "elastic_chunk_bytes": 65536, "elastic_dispatch_depth": 1,
+               "enable_checkpointing": "true", "checkpoint_period": 3, "elastic_rpc_timeout_seconds": 9}
+    assert set(neutral) <= REFERENCE_NEUTRAL
+    for k, v in neutral.items():
+        assert key(tmp_path, **{k: v}) == same, k
+    math = {"seed": 7, "per_device_batch_size": 3, "elastic_microbatches": 8, "warmup_steps": 2, "learning_rate": 0.5}
+    assert set(math) <= MATH_KEYS
+    for k, v in math.items():
+        assert key(tmp_path, **{k: v}) != same, k

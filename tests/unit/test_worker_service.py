@@ -10,7 +10,7 @@ import pytest
 from runtime import FAULT_ACTIONS, auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.collective import checksum, inline
+from runtime.parts import checksum, inline
 from runtime.state_copy import assemble_state, state_chunks, state_sha256
 from runtime.errors import ProtocolError
 from runtime.fault_injection import PHASES, PartitionInterceptor, WorkerFaults

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from runtime.launcher import _tell, jax_child_env
+from runtime.child_env import jax_child_env
+from runtime.launcher import _tell
 from runtime.zygote import Zygote, ZygoteError
 
 UNREACHABLE = ["--controller", "127.0.0.1:1", "--run-id", "r"]
