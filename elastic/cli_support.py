@@ -187,12 +187,11 @@ def make_job(config: str, overrides: list[str], *, reference: bool, loader=None,
     format, already loaded as ``cfg`` when given). Sets this process's
     platform (:func:`set_platform`; a loader's client stays on the CPU) and
     simulated CPU devices first (for ``reference``, and for a loader whose
-    client builds on a real mesh); JAX starts here. The job's data source is
-    checked against the config (:func:`elastic.preflight.check_data_source`)
-    before anything starts.
+    client builds on a real mesh); JAX starts here. (``fit`` checks the job's
+    data source against the config, :func:`elastic.preflight.check_data_source`,
+    before anything starts.)
     """
     from elastic.config import load_config
-    from elastic.preflight import check_data_source
 
     if loader is not None:
         set_device_count(loader.devices_per_slice(config, overrides))
@@ -203,7 +202,6 @@ def make_job(config: str, overrides: list[str], *, reference: bool, loader=None,
         if reference:
             set_device_count(cfg.devices_per_slice)
         job = make_trainer(cfg)
-    check_data_source(job.data, job.config)
     return job.config, job
 
 

@@ -138,9 +138,9 @@ def check_data_source(data, cfg: Config) -> None:
     differs from ``cfg.microbatch_size``), and a spec in which no key's leading dimension is
     ``cfg.microbatch_size``. A key with another leading dimension beside a key of the microbatch's is allowed
     (a table every microbatch carries). A data source without ``element_spec``, or with a malformed one, is
-    left to the trainer, which names what it must be. Called by the client before anything starts (the
-    ``elastic`` command, after it builds the job); no batch is read: a source may read files that only the
-    workers' hosts have.
+    left to the trainer, which names what it must be. Called by ``fit`` in the client before anything starts
+    (the run directory, the workers); no batch is read: a source may read files that only the workers' hosts
+    have.
     """
     element_spec = getattr(data, "element_spec", None)
     if not callable(element_spec):

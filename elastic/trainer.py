@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import optax
 
 from elastic import _programs, marker, run_records
-from elastic.run_records import RunRecordsLostError
 from elastic.config import Config
 from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
-from elastic.preflight import RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path, \
-    claim_run_directory
+from elastic.preflight import (RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path,
+                               claim_run_directory)
+from elastic.run_records import RunRecordsLostError
 from runtime import (Controller, ElasticError, ProgramExportError, ProgramSet, enable_compilation_cache,
                      local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
                      run_reference_process)

@@ -44,6 +44,34 @@ def run_cli(args, tmp_path, *, check=True, timeout=300):
     return proc, report
 
 
+def live_events(run_dir) -> list[dict]:
+    """The events a run (perhaps still running) has written to ``run_dir/events.jsonl`` so far: its complete
+    lines ([] before the log exists)."""
+    path = pathlib.Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line as ``ps`` shows it) of every live process ``/proc`` lists (zombies left
+    out)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields and fields[0] != "Z":
+            found[int(entry)] = (int(fields[1]), cmdline)
+    return found
+
+
 @pytest.fixture
 def cli(tmp_path):
     return lambda *args, **kw: run_cli(list(args), tmp_path, **kw)

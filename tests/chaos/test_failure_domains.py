@@ -13,35 +13,16 @@ process, which the command line does not use, is killed in
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT
-
-
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process ``/proc`` shows."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if fields and fields[0] != "Z":
-            found[int(entry)] = (int(fields[1]), cmdline)
-    return found
+from tests.conftest import ROOT, live_events, processes
 
 
 def _descendants(root: int) -> dict[int, str]:
-    procs = _processes()
+    procs = processes()
     found, frontier = {}, [root]
     while frontier:
         parent = frontier.pop()
@@ -62,12 +43,6 @@ def _find(root: int, title: str, deadline: float) -> int:
     raise AssertionError(f"no process titled {title!r} under {root}: {_descendants(root)}")
 
 
-def _events(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-
-
 def test_killing_the_zygote_and_a_standby_costs_the_run_nothing(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
@@ -78,8 +53,8 @@ def test_killing_the_zygote_and_a_standby_costs_the_run_nothing(tmp_path):
     killed = {}
     try:
         deadline = time.monotonic() + 180
-        log = tmp_path / "domains" / "events.jsonl"
-        while time.monotonic() < deadline and not any(e["kind"] == "step_committed" for e in _events(log)):
+        run_dir = tmp_path / "domains"
+        while time.monotonic() < deadline and not any(e["kind"] == "step_committed" for e in live_events(run_dir)):
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
         # Both helpers of the faulted run, well before the worker kill at step 24.
@@ -91,7 +66,7 @@ def test_killing_the_zygote_and_a_standby_costs_the_run_nothing(tmp_path):
         os.kill(killed["zygote"], signal.SIGKILL)
         os.kill(killed["standby"], signal.SIGKILL)
         time.sleep(1.0)   # a worker watching its parent would have noticed within 0.2 s
-        assert workers <= set(_processes()), "a worker died with the zygote it was forked from"
+        assert workers <= set(processes()), "a worker died with the zygote it was forked from"
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -101,14 +76,14 @@ def test_killing_the_zygote_and_a_standby_costs_the_run_nothing(tmp_path):
     report = json.loads((tmp_path / "domains" / "report.json").read_text())
     assert report["verdict"] == "pass" and report["trajectory"] == "identical", report["verdict_reasons"]
     assert report["steps_completed"] == 40 and report["steps_lost"] == 0
-    events = _events(tmp_path / "domains" / "events.jsonl")
+    events = live_events(tmp_path / "domains")
     relaunched = [e["worker"] for e in events if e["kind"] == "worker_relaunched"]
     assert relaunched, "the killed worker was relaunched"
     assert any(e["kind"] == "worker_registered" and e["worker"] in relaunched for e in events), \
         "the relaunched worker started and joined without the zygote"
     run_id = next(e for e in events if e["kind"] == "run_started")["run_id"]
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(f"run={run_id}" in c for _, c in _processes().values()):
+    while time.monotonic() < deadline and any(f"run={run_id}" in c for _, c in processes().values()):
         time.sleep(0.1)
-    left = [c for _, c in _processes().values() if f"run={run_id}" in c]
+    left = [c for _, c in processes().values() if f"run={run_id}" in c]
     assert not left, f"processes of the run outlived its client: {left}"

@@ -11,24 +11,16 @@ reference.
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
 
 from ray.cluster_utils import Cluster
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, live_events
 
 STORE = 80 * 1024 * 1024   # the object store of each node: the runtime moves no tensors through Ray
 LOOPBACK = "127.0.0.1"
-
-
-def _events(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
 def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path, monkeypatch):
@@ -51,7 +43,7 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
-            events = _events(run_dir)
+            events = live_events(run_dir)
             relaunched = {e["worker"] for e in events if e["kind"] == "worker_relaunched"}
             if any(e["kind"] == "worker_warmed" and e["worker"] in relaunched for e in events):
                 break   # the first kill was recovered and its replacement is a spare now
@@ -74,7 +66,7 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(tmp_path
         cluster.shutdown()
     assert proc.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
     report = json.loads((run_dir / "report.json").read_text())
-    events = _events(run_dir)
+    events = live_events(run_dir)
     assert report["verdict"] == "pass" and report["trajectory"] == "identical", report["verdict_reasons"]
     assert report["steps_completed"] == 600 and report["steps_lost"] == 0
     assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]

@@ -10,13 +10,12 @@ reference, and every worker it did not lose exits 0 when it ends.
 
 import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, live_events, run_cli
 
 RUN_ID, SECRET = "manual-join", "s3cret-for-this-test"
 # Long enough (a few seconds of steps after the kill) for the replacement to start JAX and join before the end.
@@ -27,13 +26,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _events(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
 def _wait_for(what: str, predicate, timeout: float = 120.0):
@@ -70,10 +62,10 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
             start(name)
         start("pod-intruder", secret="wrong")
         placement = _wait_for("the placement", lambda: next(
-            (e for e in _events(run_dir) if e["kind"] == "placement"), None))
+            (e for e in live_events(run_dir) if e["kind"] == "placement"), None))
         assert sorted(placement["active"] + placement["spares"]) == ["pod-a", "pod-b", "pod-c"]
         victim = placement["active"][1]
-        _wait_for("step 8", lambda: sum(e["kind"] == "step_committed" for e in _events(run_dir)) >= 8)
+        _wait_for("step 8", lambda: sum(e["kind"] == "step_committed" for e in live_events(run_dir)) >= 8)
         workers[victim].kill()
         start("pod-d")   # what the scheduler does for a pod that died: a new one, with a new name
         assert client.wait(timeout=240) == 0, (tmp_path / "client.log").read_text()[-3000:]
@@ -86,7 +78,7 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
     assert all(code == 0 for name, code in codes.items() if name not in (victim, "pod-intruder")), codes
 
     report = json.loads((run_dir / "report.json").read_text())
-    events = _events(run_dir)
+    events = live_events(run_dir)
     assert report["finished"] and report["steps_completed"] == 800 and report["steps_lost"] == 0
     (failure,) = report["failures"]
     assert failure["workers"] == [victim] and failure["path"] == "replace", failure

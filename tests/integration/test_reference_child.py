@@ -9,6 +9,7 @@ import cloudpickle
 import numpy as np
 
 from runtime.reference import run_reference, run_reference_process
+from tests.conftest import processes
 from tests.integration.test_hardening_worker import tiny_programs
 
 
@@ -22,20 +23,7 @@ class SlowData:
 
 
 def _children_titled(title: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if ppid == os.getpid() and cmdline.startswith(title):
-            found.append(int(entry))
-    return found
+    return [pid for pid, (ppid, cmdline) in processes().items() if ppid == os.getpid() and cmdline.startswith(title)]
 
 
 def test_a_killed_reference_child_is_run_again_and_each_step_is_heard_once():
@@ -56,7 +44,8 @@ def test_a_killed_reference_child_is_run_again_and_each_step_is_heard_once():
 
     killer = threading.Thread(target=kill_first_child, daemon=True)
     killer.start()
-    losses, digest = run_reference_process(programs, cloudpickle.dumps(SlowData()), steps=steps, seed=0, on_step=on_step)
+    losses, digest = run_reference_process(programs, cloudpickle.dumps(SlowData()), steps=steps, seed=0,
+                                           on_step=on_step)
     killer.join(10)
     assert killed, "the reference child was never seen"
     assert (losses, digest) == expected
