@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
 
-from elastic.config import load_config  # noqa: E402
+from elastic.config_loading import load_config  # noqa: E402
 from runtime import EventLog, auth, rpc  # noqa: E402
 from runtime._proto import elastic_pb2 as pb  # noqa: E402
 from runtime._proto import elastic_pb2_grpc as pb_grpc  # noqa: E402

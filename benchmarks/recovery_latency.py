@@ -26,7 +26,7 @@ from _cli import ROOT, run_elastic
 
 sys.path.insert(0, str(ROOT))
 
-from elastic.config import load_config  # noqa: E402
+from elastic.config_loading import load_config  # noqa: E402
 
 FAULTS = {
     "crash (SIGKILL)": "kill:slice={v}@step=3",

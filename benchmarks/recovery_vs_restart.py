@@ -257,7 +257,7 @@ def restart_child(a) -> None:
     import jax
     import orbax.checkpoint as ocp
 
-    from elastic.config import load_config
+    from elastic.config_loading import load_config
     from runtime import enable_compilation_cache
     from step_time import SpmdJob, _overrides
 

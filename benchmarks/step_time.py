@@ -103,7 +103,7 @@ def baseline(args) -> None:
     """
     import jax
 
-    from elastic.config import load_config
+    from elastic.config_loading import load_config
 
     if args.processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -126,7 +126,7 @@ def baseline(args) -> None:
 
 
 def runtime(args) -> dict:
-    from elastic.config import load_config
+    from elastic.config_loading import load_config
     from elastic.models import make_model
     from elastic.trainer import Trainer
     import optax

@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 
 from elastic.cli_support import config_loader, finish, make_job, progress, usage_error
-from elastic.config import ConfigError, load_config
+from elastic.config import ConfigError
+from elastic.config_loading import load_config
 
 __all__ = ["register"]
 

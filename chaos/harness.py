@@ -32,7 +32,8 @@ from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import random_faults
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
 from chaos.verdict import judge
-from elastic.config import MATH_KEYS, Config, ConfigError, parse_overrides
+from elastic.config import MATH_KEYS, Config, ConfigError
+from elastic.config_loading import parse_overrides
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, read_events
 
@@ -212,7 +213,8 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     report = build_report(events)
     if soak:
         reference, ref_dir = reference_report(trainer_for, cfg, max(report["steps_completed"], 1))
-    verdict = judge(report, reference, events, rtol=options.rtol)
+    live = injector.ctl.state if injector.ctl is not None else None   # the controller is closed: its final state
+    verdict = judge(report, reference, events, rtol=options.rtol, live_state=live)
     verdict["reference"] = {"run_dir": str(ref_dir), "losses": reference["losses"],
                             "final_state_sha256": reference["final_state_sha256"]}
     log = EventLog(run_dir / "events.jsonl")

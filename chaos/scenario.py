@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, split_faults, validate
-from elastic.config import yaml_problem
+from elastic.config_loading import yaml_problem
 
 __all__ = ["Scenario", "load_scenario"]
 

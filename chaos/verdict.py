@@ -22,6 +22,7 @@ import struct
 from typing import Any
 
 from chaos.promise import promises as recovery_promises
+from runtime import RunState
 
 __all__ = ["compare_trajectory", "exactly_once", "judge"]
 
@@ -94,10 +95,15 @@ def compare_trajectory(losses: list[float], reference_losses: list[float], *, fi
     return "within_tolerance", None
 
 
-def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: float = 1e-5) -> dict:
+def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: float = 1e-5,
+          live_state: RunState | None = None) -> dict:
     """The verdict fields for ``report.json``: ``verdict``, ``verdict_reasons``,
-    ``trajectory``, ``first_diverging_step``, ``exactly_once``, ``exactly_once_detail``
-    and ``promises`` (one per recovery: :meth:`chaos.promise.Promise.as_dict`).
+    ``trajectory``, ``first_diverging_step``, ``exactly_once``, ``exactly_once_detail``,
+    ``promises`` (one per recovery: :meth:`chaos.promise.Promise.as_dict`) and ``run_state_replayed``.
+
+    ``live_state``: the :class:`~runtime.run_state.RunState` the run's controller ended with; the run passes
+    only if replaying ``events`` alone gives the same state (``run_state_replayed``: None when not given), so
+    every chaos run proves its log is enough to rebuild the controller.
 
     ``verdict_reasons`` is empty on a pass; otherwise one sentence per broken
     requirement, with the numbers. ``reference`` is the report of a fault-free run
@@ -158,6 +164,14 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
             if not (stopped_early and first == len(losses) < len(ref_losses)):
                 reasons.append(reason)
 
+    replayed = None
+    if live_state is not None:
+        differences = RunState.replay(events).differences(live_state)
+        replayed = not differences
+        if differences:
+            reasons.append("the run state replayed from events.jsonl differs from the live controller's in "
+                           + "; ".join(f"{k} ({str(a)[:80]} != {str(b)[:80]})" for k, (a, b) in differences.items()))
+
     return {
         "verdict": "fail" if reasons else "pass",
         "verdict_reasons": reasons,
@@ -166,6 +180,7 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
         "exactly_once": once,
         "exactly_once_detail": once_detail,
         "promises": [p.as_dict() for p in recoveries],
+        "run_state_replayed": replayed,
     }
 
 

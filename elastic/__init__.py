@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import importlib
 
-from elastic.config import Config, ConfigError, load_config
+from elastic.config import Config, ConfigError
+from elastic.config_loading import load_config
 from elastic.data import DataSource, FunctionSource, GrainSource
 from elastic.marker import cross_slice_mean
 

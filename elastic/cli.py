@@ -24,7 +24,8 @@ from importlib.metadata import entry_points
 
 from elastic.cli_support import (OneLineParser, config_loader, finish, make_job, progress, set_device_count,
                                  usage_error)
-from elastic.config import ConfigError, load_config
+from elastic.config import ConfigError
+from elastic.config_loading import load_config
 
 __all__ = ["COMMANDS_GROUP", "main", "parser"]
 

@@ -191,7 +191,7 @@ def make_job(config: str, overrides: list[str], *, reference: bool, loader=None,
     data source against the config, :func:`elastic.preflight.check_data_source`,
     before anything starts.)
     """
-    from elastic.config import load_config
+    from elastic.config_loading import load_config
 
     if loader is not None:
         set_device_count(loader.devices_per_slice(config, overrides))

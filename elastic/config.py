@@ -1,20 +1,17 @@
-"""MaxText-style configuration: flat YAML keys, ``base_config`` inheritance, overrides.
+"""The config schema: every key with its type, default, bounds and roles, and the validated :class:`Config`.
 
 Contract:
 
-* A config file is a YAML mapping of flat ``key: value`` pairs. ``base_config:
-  other.yml`` (a path relative to the file that names it; where no such file
-  is, a bundled config's name, ``base``, ``tiny``, ``base.yml``...) is loaded
-  first and the file overrides it; chains are allowed, a cycle is an error.
-* ``key=value`` overrides (the command line) are applied last. A value is read as a
-  YAML scalar and then checked against the type of its key, so ``steps=30`` is an
-  int and ``learning_rate=1e-3`` is a float.
-* The result is a frozen, validated :class:`Config`. Every problem (missing file,
-  bad YAML, unknown key, wrong type, out-of-range or contradictory values) raises
-  :class:`ConfigError` with a one-line message naming the key, and the file or
-  ``overrides`` it came from. Nothing is read from the environment.
-* The launcher calls :func:`load_config` once; anything that receives
+* A config is a frozen, validated :class:`Config` of flat keys. Every problem (unknown key, wrong type,
+  out-of-range or contradictory values; and, loading, a missing file or bad YAML) raises
+  :class:`ConfigError` with a one-line message naming the key, and the file or ``overrides`` it came
+  from. Nothing is read from the environment.
+* Config files (YAML, ``base_config`` inheritance) and ``key=value`` overrides are read by
+  :mod:`elastic.config_loading`; the launcher calls its ``load_config`` once, and anything that receives
   ``Config.to_dict()`` rebuilds the same config with :func:`config_from_dict`.
+* A value is first coerced to its key's type (:func:`coerce`), then every value is checked at once:
+  ranges, forms and keys that contradict in :mod:`elastic.config_checks`, the recovery role's
+  contradictions here.
 * Each key's roles (math, runtime, output, model, maxtext, recovery; see
   :data:`ROLES`) are declared once, beside its default, and every list of keys
   is derived from them (:func:`keys_with`: :data:`MODEL_KEYS`,
@@ -30,19 +27,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import operator
-import pathlib
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import yaml
-
-from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES, checkpoint_directory_problem
+from elastic.config_checks import config_problem, key_at
+from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
 
 __all__ = [
-    "HARDWARE",
     "MATH",
     "MATH_KEYS",
     "MAXTEXT",
@@ -55,18 +47,13 @@ __all__ = [
     "RUNTIME",
     "Config",
     "ConfigError",
-    "builtin_config_path",
+    "coerce",
     "config_from_dict",
+    "config_from_entries",
+    "key_field",
     "keys_with",
     "no_recovery_values",
-    "load_config",
-    "parse_overrides",
-    "yaml_problem",
-    "read_config_file",
 ]
-
-_FACTORY = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
-_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -94,12 +81,10 @@ def _key(default: Any, *, role: tuple[str, ...], ge: float | None = None, gt: fl
 # per-message overhead dominates a transfer. Workers refuse chunk sizes outside these
 # bounds (runtime.collective), so the config refuses them first, naming the key.
 
-_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
-
 
 @dataclass(frozen=True)
 class Config:
-    """Validated run configuration. Construct with :func:`load_config`; change with
+    """Validated run configuration. Construct with :func:`elastic.config_loading.load_config`; change with
     :meth:`replace` (which validates again)."""
 
     run_name: str = _key("", role=(OUTPUT, MAXTEXT))  # empty: the launcher fills it in
@@ -210,7 +195,7 @@ class Config:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name)))
+            object.__setattr__(self, f.name, coerce(f.name, getattr(self, f.name)))
         _validate(self.to_dict(), {})
 
     @property
@@ -245,7 +230,7 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied; raises ConfigError like load_config."""
         for key in changes:
-            _field(key, "replace()")
+            key_field(key, "replace()")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self, *, model_keys: bool = True) -> dict[str, Any]:
@@ -285,80 +270,26 @@ MODEL_KEYS = keys_with(MODEL)
 MATH_KEYS = keys_with(MATH)
 REFERENCE_NEUTRAL = frozenset(f.name for f in fields(Config)) - MATH_KEYS
 
-
-#: Values of the key ``hardware`` besides "" (MaxText's names; elastic.options maps them to JAX's platforms).
-HARDWARE = ("cpu", "gpu", "tpu")
-
 _FIELDS = {f.name: f for f in fields(Config)}
-
-
-def load_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> Config:
-    """Load ``path`` (a YAML file, or the name of a builtin config such as ``"tiny"``
-    when no such file exists), its ``base_config`` chain, then ``overrides``."""
-    entries: dict[str, tuple[Any, str]] = {}
-    for source, layer in _read_chain(_locate(path)):
-        for key, value in layer.items():
-            entries[key] = (_coerce(key, value, source), source)
-    for key, value in parse_overrides(overrides).items():
-        entries[key] = (value, "overrides")
-    return _build(entries)
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """Parse ``key=value`` strings into ``{key: typed value}``; later items win.
-
-    Values of string keys are taken verbatim (so ``run_name=007`` stays ``"007"``);
-    other values are read as YAML scalars and checked against the key's type.
-    """
-    if isinstance(items, (str, bytes)):
-        raise ConfigError(f"overrides must be a list of 'key=value' strings, got the string {items!r}")
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = str(item).partition("=")
-        key, text = key.strip(), text.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        if _field(key, "overrides").type == "str":
-            out[key] = text
-            continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not a YAML scalar") from e
-        except ValueError as e:   # PyYAML's constructors: a date that cannot be (2001-02-30)
-            raise ConfigError(f"override {item!r}: value is not a valid YAML scalar ({e})") from None
-        except RecursionError:
-            raise ConfigError(f"override {item!r}: value is not a YAML scalar (nested too deeply)") from None
-        out[key] = _coerce(key, value, "overrides")
-    return out
 
 
 def config_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> Config:
     """Build a Config from flat ``{key: value}``; ``source`` names ``d`` in errors."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
-    return _build({str(k): (v, source) for k, v in d.items()})
+    return config_from_entries({str(k): (v, source) for k, v in d.items()})
 
 
-def builtin_config_path(name: str) -> pathlib.Path:
-    """Path of the config shipped as ``elastic/configs/<name>.yml``."""
-    path = _CONFIG_DIR / (name if name.endswith(".yml") else f"{name}.yml")
-    if "/" in name or not path.is_file():
-        known = ", ".join(sorted(p.stem for p in _CONFIG_DIR.glob("*.yml")))
-        raise ConfigError(f"no builtin config {name!r}; builtin configs: {known}")
-    return path
-
-
-# --------------------------------------------------------------------------- private
-
-
-def _build(entries: Mapping[str, tuple[Any, str]]) -> Config:
-    values = {k: _coerce(k, v, src) for k, (v, src) in entries.items()}
+def config_from_entries(entries: Mapping[str, tuple[Any, str]]) -> Config:
+    """Build a Config from ``{key: (value, source)}``; each error names the source of the key it is about."""
+    values = {k: coerce(k, v, src) for k, (v, src) in entries.items()}
     _validate({**_DEFAULTS, **values}, {k: src for k, (_, src) in entries.items()})
     return Config(**values)
 
 
-def _field(key: str, source: str) -> dataclasses.Field:
+def key_field(key: str, source: str) -> dataclasses.Field:
+    """The schema's field of ``key`` (its ``type`` is the annotation's text: ``"int"``, ``"str"``...), or a
+    ConfigError naming ``source`` for an unknown key, with the closest known one."""
     if key in _FIELDS:
         return _FIELDS[key]
     if key == "base_config":
@@ -368,9 +299,9 @@ def _field(key: str, source: str) -> dataclasses.Field:
     raise ConfigError(f"unknown config key {key!r} (in {source}){hint}")
 
 
-def _coerce(key: str, value: Any, source: str = "") -> Any:
-    """``value`` converted to the type of ``key``, or ConfigError."""
-    kind = _field(key, source or "<Config>").type  # a string: annotations are postponed
+def coerce(key: str, value: Any, source: str = "") -> Any:
+    """``value`` converted to the type of ``key``, or ConfigError (naming ``source`` where given)."""
+    kind = key_field(key, source or "<Config>").type  # a string: annotations are postponed
 
     def fail(want: str) -> ConfigError:
         where = f" (in {source})" if source else ""
@@ -405,130 +336,11 @@ def _coerce(key: str, value: Any, source: str = "") -> Any:
 
 
 def _validate(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    """Range and cross-key checks over a complete set of coerced values."""
-
-    def at(key: str) -> str:
-        return f"{key!r} ({values[key]!r}{', in ' + sources[key] if key in sources else ''})"
-
-    problem = _run_name_problem(values["run_name"])
+    """Range and cross-key checks over a complete set of coerced values (:mod:`elastic.config_checks`),
+    then the recovery role's."""
+    problem = config_problem(values, sources, _FIELDS) or _recovery_problem(values, sources)
     if problem:
-        raise ConfigError(f"config key {at('run_name')} {problem}; a run name is a directory inside "
-                          "base_output_directory (e.g. 'exp1', or 'sweep/lr3' to nest)")
-    trainer = values["elastic_trainer"]
-    if trainer and not _FACTORY.fullmatch(trainer):
-        raise ConfigError(f"config key {at('elastic_trainer')} must name a factory as 'module:function' "
-                          "(e.g. 'mypkg.train:make_job', with make_job(config) -> elastic.Trainer or elastic.wrap "
-                          "job), or be empty for the bundled model")
-    hardware = values["hardware"]
-    if hardware and hardware not in HARDWARE:
-        why = ("; MaxText's gpu_multiprocess (one JAX process per GPU, joined by jax.distributed) is not how "
-               "jax-elastic runs: a slice is one worker process owning its GPUs, so use gpu"
-               if hardware == "gpu_multiprocess" else "")
-        raise ConfigError(f"config key {at('hardware')} must be cpu, gpu or tpu, or empty for the platform the "
-                          f"workers get from the environment{why}")
-    for name, f in _FIELDS.items():
-        value = values[name]
-        bounds = [(op, f.metadata[k]) for op, k in ((">=", "ge"), (">", "gt"), ("<=", "le"))
-                  if f.metadata[k] is not None]
-        if not all(_COMPARE[op](value, limit) for op, limit in bounds):
-            limits = " and ".join(f"{op} {limit}{f.metadata['unit']}" for op, limit in bounds)
-            where = f" (in {sources[name]})" if name in sources else ""
-            raise ConfigError(f"config key {name!r} must be {limits}, got {value!r}{where}")
-        if f.metadata["choices"] and value not in f.metadata["choices"]:
-            where = f" (in {sources[name]})" if name in sources else ""
-            raise ConfigError(f"config key {name!r} must be one of {', '.join(f.metadata['choices'])}, "
-                              f"got {value!r}{where}")
-    if values["base_emb_dim"] % values["base_num_query_heads"]:
-        raise ConfigError(
-            f"config keys {at('base_emb_dim')} and {at('base_num_query_heads')} contradict: "
-            "base_emb_dim must be divisible by base_num_query_heads"
-        )
-    m, slices = values["elastic_microbatches"], values["dcn_data_parallelism"]
-    if m and m & (m - 1):
-        raise ConfigError(f"config key {at('elastic_microbatches')} must be a power of two (or 0 for auto)")
-    if m and m < slices:
-        raise ConfigError(
-            f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
-            "every slice needs at least one microbatch per step"
-        )
-    for key in ("elastic_checkpoint_directory", "load_full_state_path"):
-        if values[key] and (problem := checkpoint_directory_problem(values[key])):
-            raise ConfigError(f"config key {at(key)} {problem}")
-    if values["elastic_controller_address"] and (problem := _address_problem(values["elastic_controller_address"])):
-        raise ConfigError(f"config key {at('elastic_controller_address')} {problem}")
-    if values["elastic_run_id"] and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", values["elastic_run_id"]):
-        raise ConfigError(f"config key {at('elastic_run_id')} must be 1 to 64 letters, digits, '.', '_' or '-'")
-    if values["ray_address"] and values["elastic_launcher"] != "ray":
-        raise ConfigError(f"config keys {at('ray_address')} and {at('elastic_launcher')} contradict: "
-                          "a Ray cluster serves only elastic_launcher=ray")
-    if values["elastic_launcher"] == "none":
-        if not values["elastic_controller_address"].rpartition(":")[2].strip("0"):
-            raise ConfigError(f"config keys {at('elastic_launcher')} and {at('elastic_controller_address')} "
-                              "contradict: workers started by someone else must know where the controller listens "
-                              "(set elastic_controller_address=HOST:PORT with a port other than 0)")
-        if not values["elastic_run_id"]:
-            raise ConfigError(f"config keys {at('elastic_launcher')} and {at('elastic_run_id')} contradict: "
-                              "workers started by someone else name the run when they join (set elastic_run_id)")
-    if values["elastic_snapshot_interval"] and values["elastic_backup_kind"] != "snapshot":
-        raise ConfigError(f"config keys {at('elastic_snapshot_interval')} and {at('elastic_backup_kind')} "
-                          "contradict: snapshots are taken only with elastic_backup_kind=snapshot")
-    if values["elastic_snapshot_directory"] and not values["elastic_snapshot_directory"].startswith("/"):
-        raise ConfigError(f"config key {at('elastic_snapshot_directory')} must be an absolute path (it names a "
-                          "directory on every worker's host)")
-    tls = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if values[k]]
-    if tls and len(tls) != 3:
-        missing = [k for k in ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file") if k not in tls]
-        raise ConfigError(f"config key {at(tls[0])} needs {', '.join(repr(k) for k in missing)} too: "
-                          "TLS takes a certificate, its key and a CA file")
-    for key in tls:
-        if not pathlib.Path(values[key]).is_file():
-            raise ConfigError(f"config key {at(key)}: no such file")
-    if values["elastic_min_slice_count"] > slices:
-        raise ConfigError(
-            f"config keys {at('elastic_min_slice_count')} and {at('dcn_data_parallelism')} contradict: "
-            "the minimum slice count cannot exceed the slice count"
-        )
-    if not values["elastic_enabled"]:
-        for key in _RECOVERY_KEYS:
-            if values[key] != _DEFAULTS[key] and values[key] != _no_recovery_value(key, values):
-                raise ConfigError(f"config keys {at('elastic_enabled')} and {at(key)} contradict: "
-                                  f"{key} steers recovery and elastic_enabled=false turns recovery off "
-                                  f"(a lost worker fails the run); drop {key} or enable elastic training")
-
-
-def _address_problem(address: str) -> str:
-    """Why ``address`` is not ``HOST:PORT`` ("" if it is); a pure check of the text."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not host:
-        return f"must be HOST:PORT, got {address!r}"
-    if not port.isdigit() or int(port) > 65535:
-        return f"must end with a port 0..65535, got {address!r}"
-    return ""
-
-
-def _run_name_problem(name: str) -> str:
-    """Why ``name`` cannot be a run directory under base_output_directory ("" if it can; "" is "unnamed").
-
-    '/' nests a run (the chaos harness keeps its references in 'references/<digest>'), but no part
-    may climb out ('..'), be empty or '.', and the name may not be absolute: the run directory is
-    always inside base_output_directory.
-    """
-    if not name:
-        return ""
-    if not name.strip():
-        return "is blank"
-    if "\x00" in name:
-        return "contains a NUL character"
-    if "\\" in name:
-        return "contains a backslash"
-    if name.startswith("/"):
-        return "is an absolute path"
-    parts = name.split("/")
-    if ".." in parts:
-        return "contains '..' and would escape base_output_directory"
-    if "" in parts or "." in parts:
-        return "has an empty or '.' path component"
-    return ""
+        raise ConfigError(problem)
 
 
 # Keys that only steer recovery (the recovery role). With elastic_enabled=false each keeps its default
@@ -550,98 +362,25 @@ def _no_recovery_value(key: str, values: Mapping[str, Any]) -> Any:
     return no_recovery_values(values)[key]
 
 
+def _recovery_problem(values: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    """With ``elastic_enabled=false``, a key of the recovery role that keeps neither its default nor its
+    no-recovery value, as the contradiction's message ("" if none)."""
+    if not values["elastic_enabled"]:
+        for key in _RECOVERY_KEYS:
+            if values[key] != _DEFAULTS[key] and values[key] != _no_recovery_value(key, values):
+                enabled, at = key_at("elastic_enabled", values, sources), key_at(key, values, sources)
+                return (f"config keys {enabled} and {at} contradict: "
+                        f"{key} steers recovery and elastic_enabled=false turns recovery off "
+                        f"(a lost worker fails the run); drop {key} or enable elastic training")
+    return ""
+
+
 if set(no_recovery_values(Config().to_dict())) != _RECOVERY_KEYS:
     raise ImportError("elastic.config: no_recovery_values and the recovery role disagree")
 
 
 def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def _locate(path: str | pathlib.Path) -> pathlib.Path:
-    p = pathlib.Path(path)
-    if p.is_file() or len(p.parts) != 1 or (p.exists() and not p.is_dir()):
-        return p   # a directory named like a builtin (a run directory "tiny" in the cwd) is not a config
-    try:
-        return builtin_config_path(str(path))
-    except ConfigError:
-        raise ConfigError(f"config file not found: {path} (not a file, nor a builtin config name)") from None
-
-
-def _read_chain(path: pathlib.Path, chain: tuple[pathlib.Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
-    """``[(source, layer), ...]`` for ``path`` and its base_config chain, base first."""
-    if "\x00" in str(path):   # the OS refuses the name (ValueError: embedded null byte)
-        raise ConfigError(f"config file name {str(path)!r} contains a NUL character")
-    real = path.resolve()
-    if real in chain:
-        raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*chain, real))}")
-    layer = read_config_file(path, referrer=chain[-1] if chain else None)
-    base = layer.pop("base_config", None)
-    if base is None:
-        return [(str(path), layer)]
-    if not isinstance(base, str) or not base or "\x00" in base:
-        raise ConfigError(f"base_config in {path} must be a file name, got {base!r}")
-    return [*_read_chain(_base_path(path, base), (*chain, real)), (str(path), layer)]
-
-
-def _base_path(path: pathlib.Path, base: str) -> pathlib.Path:
-    """The file ``base_config: base`` of ``path`` names: beside ``path``, else the bundled config of that name."""
-    beside = path.parent / base
-    if beside.exists():
-        return beside
-    try:
-        return builtin_config_path(base)
-    except ConfigError:
-        bundled = ", ".join(sorted(p.stem for p in _CONFIG_DIR.glob("*.yml")))
-        raise ConfigError(f"config file not found: {beside} (base_config of {path}); not beside it, nor a bundled "
-                          f"config ({bundled})") from None
-
-
-def read_config_file(path: str | pathlib.Path, referrer: str | pathlib.Path | None = None) -> dict[str, Any]:
-    """The top-level mapping of one YAML config file (``base_config`` not followed), as ``{key: value}``.
-
-    Every problem is a one-line :class:`ConfigError` naming the file (and
-    ``referrer``, the file whose ``base_config`` names it): not found,
-    unreadable, not UTF-8, invalid YAML (with the line and column), or not a
-    mapping. Used for jax-elastic's files and, by other config formats (the
-    MaxText integration), for the user's files.
-    """
-    path = pathlib.Path(path)
-    named_by = f" (base_config of {referrer})" if referrer else ""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file not found: {path}{named_by}") from e
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path}{named_by} is a directory, not a YAML file") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}{named_by}: {e.strerror}") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path}{named_by} is not UTF-8 text: {e.reason} at byte {e.start}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML in {path}{named_by}{yaml_problem(e)}") from None
-    except ValueError as e:   # PyYAML's constructors: a date that cannot be (2001-02-30)
-        raise ConfigError(f"invalid YAML in {path}{named_by}: {' '.join(str(e).split())}") from None
-    except RecursionError:
-        raise ConfigError(f"invalid YAML in {path}{named_by}: nested too deeply") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of config keys, got {type(data).__name__}")
-    return {str(k): v for k, v in data.items()}
-
-
-def yaml_problem(e: yaml.YAMLError) -> str:
-    """`` line L, column C: problem (while parsing ... at line L', column C')``: PyYAML's error in one line."""
-    mark = getattr(e, "problem_mark", None)
-    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    problem = " ".join(str(getattr(e, "problem", None) or "syntax error").split())
-    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
-    if context and context_mark and (context_mark.line, context_mark.column) != (mark and (mark.line, mark.column)):
-        problem += f" ({' '.join(context.split())} at line {context_mark.line + 1}, column {context_mark.column + 1})"
-    return f"{where}: {problem}"
 
 
 _DEFAULTS = Config().to_dict()

@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from elastic.config import HARDWARE, MODEL_KEYS, OUTPUT, RECOVERY, RUNTIME, Config, ConfigError, keys_with, \
-    no_recovery_values
+from elastic.config import MODEL_KEYS, OUTPUT, RECOVERY, RUNTIME, Config, ConfigError, keys_with, no_recovery_values
+from elastic.config_checks import HARDWARE
 from runtime import ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform, ray_available
 
 __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",

@@ -101,7 +101,7 @@ def _kinds(*kinds: EventKind) -> Mapping[str, EventKind]:
 
 _W = {"worker": TEXT}
 _COPY = {"source": TEXT, "dest": TEXT, "step": COUNT, "bytes": COUNT, "seconds": FINITE, "sha256": TEXT}
-_REMAP = {"epoch": COUNT, "promoted": NAMES, "active": NAMES, "bytes_moved": COUNT, "step": COUNT}
+_REMAP = {"epoch": COUNT, "promoted": NAMES, "active": NAMES, "spares": NAMES, "bytes_moved": COUNT, "step": COUNT}
 _FAULT = {"index": COUNT, "fault": TEXT, "fault_kind": TEXT, "step": COUNT}
 
 #: Every kind of event a run's log may hold, by name.
@@ -125,19 +125,22 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"seed": ANY, "state_bytes": COUNT}),
     EventKind("run_resumed", "the run resumed from a checkpoint of an earlier attempt",
               {"step": COUNT, "directory": TEXT, "tier": TEXT, "bytes": COUNT, "state_bytes": COUNT,
-               "resharded_from": OBJECT_OR_NULL, "losses": LIST, "losses_recorded": BOOL}),
+               "resharded_from": OBJECT_OR_NULL, "losses": LIST, "losses_recorded": BOOL},
+              {"loss_sums": LIST}),
     EventKind("run_truncated", "the run's deadline cut its step count", {"steps": COUNT, "reason": TEXT}),
     EventKind("step_dispatched", "a step was sent to the active slices",
               {"step": COUNT, "epoch": COUNT, "workers": NAMES}),
     EventKind("step_committed", "a step's loss was committed (the one place: Controller._record)",
               {"step": COUNT, "epoch": COUNT, "loss": NUMBER},
-              {"seconds": NUMBER, "recovered": BOOL, "microbatches": OBJECT, "grad_seconds": NUMBER,
+              {"loss_sum": NUMBER, "seconds": NUMBER, "recovered": BOOL, "microbatches": OBJECT, "grad_seconds": NUMBER,
                "reduce_seconds": NUMBER, "apply_seconds": NUMBER, "bytes_sent": COUNT, "phases": NUMBERS_BY_NAME}),
     EventKind("step_watchdog", "a step took far longer than the median: what the watchdog found",
               {"step": COUNT, "seconds": FINITE, "median_seconds": NUMBER_OR_NULL, "pending": NAMES,
                "suspects": NAMES, "progress": OBJECT}),
     EventKind("straggler", "a slow worker was seen", {
-        "worker": TEXT, "step": COUNT, "seconds": NUMBER, "median_seconds": NUMBER, "action": TEXT}),
+        "worker": TEXT, "step": COUNT, "seconds": NUMBER, "median_seconds": NUMBER, "action": TEXT},
+        {"queued": BOOL}),   # true: its slice moves onto a spare at the next step boundary
+    EventKind("straggler_kept", "a straggler waiting for a swap stays where it is", {**_W, "reason": TEXT}),
     EventKind("run_finished", "the run committed its last step",
               {"steps_completed": COUNT, "final_state_sha256": TEXT_OR_NULL, "replica_hashes": OBJECT,
                "wall_seconds": FINITE, "client_peak_rss_bytes": COUNT_OR_NULL}),
@@ -149,6 +152,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("recovered", "the run is whole again and resumes",
               {"path": TEXT, "epoch": COUNT, "resume_step": COUNT, "dead": NAMES, "bytes_moved": COUNT,
                "seconds": FINITE}, {"restore_tier": TEXT}),
+    EventKind("relaunch_deferred", "dead workers whose replacements start after the next commit",
+              {"workers": NAMES}),
     EventKind("rolled_back", "a replica dropped its uncommitted steps", {**_W, "to_step": COUNT}),
     EventKind("checkpoint_restored", "no replica was left: a checkpoint came back",
               {"step": COUNT, "bytes": COUNT, "steps_lost": COUNT, "directory": TEXT}),
@@ -157,6 +162,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("transfer_started", "a state copy between workers starts",
               {"source": TEXT, "dest": TEXT, "step": COUNT}),
     EventKind("state_transferred", "a state copy between workers ended (and its hash checked)", _COPY),
+    EventKind("placement_changed", "a step boundary changes the placement (spares warmed or dropped, a grow or a "
+              "swap begins)", {"epoch": COUNT, "active": NAMES, "spares": NAMES, "why": TEXT}),
     EventKind("grown", "spares were promoted to bring the run back to its slice count", _REMAP),
     EventKind("straggler_replaced", "a straggler's slice moved to a spare", {**_REMAP, "slow": TEXT}),
     EventKind("capacity_wait", "too few workers: the run waits for more",
@@ -207,7 +214,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("verdict", "the chaos harness's verdict on the run (appended after it)",
               {"verdict": TEXT_OR_NULL, "verdict_reasons": LIST, "trajectory": TEXT_OR_NULL,
                "first_diverging_step": COUNT_OR_NULL, "exactly_once": BOOL_OR_NULL, "exactly_once_detail": OBJECT,
-               "reference": OBJECT_OR_NULL}, {"promises": LIST}),
+               "reference": OBJECT_OR_NULL}, {"promises": LIST, "run_state_replayed": BOOL_OR_NULL}),
 )
 
 #: Kinds declared for the readers of old logs and emitted nowhere today (the source-walking test checks

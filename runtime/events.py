@@ -67,6 +67,7 @@ class EventLog:
         #: The write failure that stopped the log, or None.
         self.error: OSError | None = None
         self._torn = False    # a torn tail could not be cut off: write nothing more
+        self._listeners: list = []
         if path is not None:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._cut_torn_tail()
@@ -86,9 +87,10 @@ class EventLog:
         """
         event = {"t": time.time(), "kind": kind, **fields}
         text = json.dumps(event, sort_keys=False, default=_jsonable)
+        written = json.loads(text) if self.checked or self._listeners else None
         if self.checked:
             try:
-                check_event(json.loads(text))
+                check_event(written)
             except ValueError as e:
                 if self.checked == "strict":
                     raise
@@ -102,7 +104,23 @@ class EventLog:
                     self.dropped += 1
                 else:
                     self._write(line)
+            if written is not None:
+                for listener in self._listeners:
+                    listener(written)
         return event
+
+    def subscribe(self, listener) -> None:
+        """Calls ``listener(event)`` with every later event as written (JSON-decoded), in the order of the log,
+        under the log's lock (so a listener sees the events in the file's order; it must be quick and must not
+        emit). Called even when the log records nothing or stopped after a write failure."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener) -> None:
+        """Stops calling ``listener`` (no error when it was not subscribed)."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def close(self) -> None:
         """Closes the file; a log that dropped events first tries to say so in a last line."""

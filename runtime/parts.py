@@ -57,7 +57,7 @@ def payload_of(chunk) -> tuple[int, Callable[[np.ndarray], None]]:
     """``(bytes, fill)`` of a received chunk: ``fill(dest)`` writes its payload into the uint8 array ``dest``.
 
     A protobuf message carries its payload in ``data`` (gRPC); a data-plane
-    chunk (:class:`runtime.dataplane.Incoming`) still has it on the socket
+    chunk (:class:`runtime.dataplane_wire.Incoming`) still has it on the socket
     and reads it straight into ``dest``.
     """
     fill = getattr(chunk, "fill", None)

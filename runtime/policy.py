@@ -1,36 +1,30 @@
-"""Every decision of the control plane, as pure functions over frozen facts.
+"""The control plane's step-by-step decisions, as pure functions over frozen facts.
 
-The controller, the recovery and the watchdog ask; these functions answer
-with frozen dataclasses (an enum action and a ``reason`` where there is a
-choice). Nothing here reads a clock, a socket or a file: time is passed in
-(``now``), as torchft's ``quorum_compute`` takes it, so every rule is
-table-testable in microseconds.
+Nothing here reads a clock, a socket or a file: time is passed in (``now``),
+as torchft's ``quorum_compute`` takes it, so every rule is table-testable in
+microseconds. Membership changes (start, recovery, realign, grow, swap) are
+decided in :mod:`runtime.plan`; the rules here are the rest, in the order a
+run meets them:
 
-The rules, in the order a run meets them:
-
-- placement: :func:`place`, :func:`plan_step`;
+- placement: :class:`Placement`, :func:`place`, :func:`plan_step`;
 - failure detection: :func:`is_suspect`, :func:`reprobe_wait`, :func:`cause_of`;
 - the step watchdog: :func:`watchdog_limit`, :func:`holding_up`;
 - stragglers: :class:`StragglerDetector`, :func:`straggler_action`;
-- recovery: :func:`decide_recovery` (replace / shrink / retry / wait / fail),
-  :func:`plan_realign`, :func:`may_relaunch`;
-- membership at a step boundary: :func:`membership_change_due`,
-  :func:`decide_grow`, :func:`decide_swap`.
+- relaunches: :func:`may_relaunch`;
+- backups: :func:`checkpoint_writer`, :func:`snapshot_order`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import statistics
 from collections.abc import Iterable, Mapping
 
 from runtime.microbatch import Node, assign_microbatches
 
-__all__ = ["Action", "Failure", "Placement", "RealignPlan", "RecoveryDecision", "StepPlan", "StragglerDetector", "capacity_timed_out", "decide_start",
-           "StragglerPolicy", "WorkerInfo", "cause_of", "checkpoint_writer", "decide_grow", "decide_recovery", "decide_swap",
-           "holding_up", "is_suspect", "may_relaunch", "membership_change_due", "place", "plan_realign", "plan_step",
-           "reprobe_wait", "snapshot_order", "straggler_action", "watchdog_limit"]
+__all__ = ["Placement", "StepPlan", "StragglerDetector", "StragglerPolicy", "WorkerInfo", "cause_of",
+           "checkpoint_writer", "holding_up", "is_suspect", "may_relaunch", "place", "plan_step", "reprobe_wait",
+           "snapshot_order", "straggler_action", "watchdog_limit"]
 
 
 # -- placement ---------------------------------------------------------------
@@ -208,234 +202,9 @@ class StragglerDetector:
         return flagged
 
 
-# -- recovery ----------------------------------------------------------------
-
-
-class Action(enum.Enum):
-    """What a recovery does."""
-
-    REPLACE = "replace"   # every lost slice got a spare; the spares receive the state
-    SHRINK = "shrink"     # some slices were dropped; the survivors take their microbatches
-    RETRY = "retry"       # no one died (a transient error): re-run the step in a new epoch
-    WAIT = "wait"         # below the minimum, but capacity may still arrive
-    RESTORE = "restore"   # no replica is left: every active slice loads the newest complete checkpoint
-    FAIL = "fail"         # nothing applies: the run ends (the decision's ``failure`` says which error)
-
-
-class Failure(enum.Enum):
-    """Why a ``FAIL`` ends the run: ``CAPACITY`` raises ``CapacityExhaustedError``, ``STATE_LOST``
-    ``StateLostError`` (:mod:`runtime.errors`; :func:`runtime.recovery.failed` maps them)."""
-
-    CAPACITY = "capacity"       # too few workers: no spare, below the minimum, recoveries used up
-    STATE_LOST = "state_lost"   # and no copy of the state is left, in a replica or a backup
-
-
-@dataclasses.dataclass(frozen=True)
-class RecoveryDecision:
-    """The answer of :func:`decide_recovery`: the action, the placement to adopt and why (``failure``: for a
-    ``FAIL``, which kind; None for every other action).
-
-    ``reason`` speaks the runtime's own terms (``ControllerOptions`` field names, never a config key);
-    ``limit`` names the ``ControllerOptions`` field whose value decided a ``WAIT`` or ``FAIL``
-    (``max_retries``, ``min_slices``, ``capacity_timeout_seconds``, ``register_timeout_seconds``; "" when
-    none did), for a caller that speaks another vocabulary (``elastic.options.in_config_terms``)."""
-
-    action: Action
-    placement: Placement
-    reason: str
-    failure: Failure | None = None
-    limit: str = ""
-
-
-NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
-              "(snapshot_interval keeps in-memory snapshots; checkpoint_period keeps checkpoints)")
-
-
-def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
-                    recoveries: int, max_retries: int, may_wait: bool = False,
-                    checkpoint_step: int | None = None, backup: str = "checkpoint") -> RecoveryDecision:
-    """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
-
-    ``replicas``: the workers known to hold the state at the committed
-    frontier: active ones, and spares that shadow it (these are promoted
-    first). A survivor that is not one (a spare promoted in an earlier
-    attempt whose copy never finished) keeps its slice but cannot supply
-    the state; with no replica in the new placement the answer is ``RESTORE`` when a
-    complete checkpoint exists (``checkpoint_step``: its step, None when
-    there is none) and at least ``min_slices`` slices have a worker (else
-    ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
-    what holds that step ("checkpoint" or "snapshot"), for the reason.
-    ``recoveries``: attempts so far including this one; past
-    ``max_retries`` the answer is ``FAIL``. ``may_wait``: capacity may still
-    arrive (a relaunched or joining worker), so being below the minimum
-    answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
-    """
-    dead, replicas = frozenset(dead), frozenset(replicas)
-    if recoveries > max_retries:
-        if max_retries == 0:
-            return RecoveryDecision(Action.FAIL, placement, "recovery is off (max_retries=0): a lost worker ends "
-                                                            "the run", failure=Failure.CAPACITY, limit="max_retries")
-        return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
-                                failure=Failure.CAPACITY, limit="max_retries")
-    spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
-    active, replaced, dropped = [], 0, 0
-    for w in placement.active:
-        if w not in dead:
-            active.append(w)
-        elif spares:
-            active.append(spares.pop(0))
-            replaced += 1
-        else:
-            dropped += 1
-    new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
-    survivors = [w for w in placement.active if w not in dead]
-    lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
-                  "the surviving slices hold no copy of the state")
-    if lost_state and checkpoint_step is None:
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
-    if lost_state:
-        if len(active) >= min_slices:
-            return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "
-                                                         f"{backup} of step {checkpoint_step}")
-        if may_wait:
-            return RecoveryDecision(Action.WAIT, placement, f"{lost_state} and {len(active)} slices have a worker "
-                                                            f"(min_slices {min_slices}): waiting for "
-                                                            f"capacity to restore step {checkpoint_step}",
-                                    limit="min_slices")
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but "
-                                                  f"no worker is left to restore it", failure=Failure.CAPACITY,
-                                    limit="min_slices")
-    if len(active) < min_slices:
-        if may_wait:
-            return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, min_slices "
-                                                            f"is {min_slices}: waiting for capacity", limit="min_slices")
-        return RecoveryDecision(Action.FAIL, new, f"{len(active)} slices left, min_slices is "
-                                                  f"{min_slices} and no spare is available", failure=Failure.CAPACITY,
-                                limit="min_slices")
-    if dropped:
-        return RecoveryDecision(Action.SHRINK, new, f"no spare for {dropped} slice(s): {len(active)} survivors "
-                                                    f"take over")
-    if replaced:
-        return RecoveryDecision(Action.REPLACE, new, "spares replace the lost slices")
-    return RecoveryDecision(Action.RETRY, new, "no worker was lost; re-run the step")
-
-
-def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *,
-                 lost: Iterable[str], min_slices: int) -> RecoveryDecision:
-    """The first placement, from the workers that registered; ``lost``: launched workers that died first.
-
-    A worker that registered and then died is in both: it is lost, never
-    placed. ``REPLACE`` when every slice has a worker (nothing lost, or the others
-    covered the lost ones), ``SHRINK`` when fewer fit but at least
-    ``min_slices`` (the run grows back when capacity returns), ``FAIL``
-    (with the shortfall) otherwise.
-    """
-    lost = sorted(lost)
-    alive = [w for w in workers if w.worker_id not in lost]
-    try:
-        placement = place(num_vslices, devices_per_slice, alive, min_slices=min_slices)
-    except ValueError as e:
-        why = f"; {len(lost)} worker(s) died before registering" if lost else ""
-        return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}", failure=Failure.CAPACITY)
-    if len(placement.active) < num_vslices:
-        return RecoveryDecision(Action.SHRINK, placement, f"{len(lost)} worker(s) died before registering: "
-                                                          f"starting with {len(placement.active)} of "
-                                                          f"{num_vslices} slices")
-    return RecoveryDecision(Action.REPLACE, placement, "every slice has a worker" + (
-        f" ({len(lost)} that died before registering were replaced)" if lost else ""))
-
-
-def capacity_timed_out(decision: RecoveryDecision, timeout_seconds: float,
-                       limit: str = "capacity_timeout_seconds") -> RecoveryDecision:
-    """A ``WAIT`` whose capacity never came: the ``FAIL`` that replaces it, naming the option that set the
-    wait (``limit``: ``capacity_timeout_seconds``, or ``register_timeout_seconds`` when that one applied)."""
-    return RecoveryDecision(Action.FAIL, decision.placement,
-                            f"{decision.reason.split(':')[0]}: no capacity arrived within "
-                            f"{limit}={timeout_seconds:g}", failure=Failure.CAPACITY, limit=limit)
-
-
 def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_retries: int) -> bool:
     """Whether a fresh process may be launched for a dead one: at most ``max_retries`` beyond the initial set."""
     return relaunch and launched < slices + spares + max_retries
-
-
-@dataclasses.dataclass(frozen=True)
-class RealignPlan:
-    """How survivors are brought to one step after a failure.
-
-    ``target``: the step every survivor will have applied (training resumes
-    there). ``commits``: ``(step, loss_sum)`` of steps every survivor applied
-    but the controller had not committed yet; they are committed now from
-    the survivors' recorded losses. ``rollbacks``: survivors one step ahead,
-    to roll back to ``target``. ``error``: non-empty when the survivors
-    cannot be reconciled (the run must fail).
-    """
-
-    target: int
-    commits: tuple[tuple[int, float], ...] = ()
-    rollbacks: tuple[str, ...] = ()
-    error: str = ""
-
-
-def plan_realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, float]],
-                 committed: int) -> RealignPlan:
-    """Reconciles survivors that differ by at most one applied step.
-
-    A step applies only once every rank finished its reduce-scatter, so live
-    replicas are at most one step apart. ``applied``: each survivor's applied
-    step count; ``losses``: each survivor's recent ``{step: loss_sum}``;
-    ``committed``: steps the controller committed. Steps all survivors
-    applied are committed (their loss sums must agree); those ahead roll back.
-    """
-    target = min(applied.values())
-    if target < committed or max(applied.values()) > target + 1:
-        return RealignPlan(target, error=f"replicas are out of step: applied {dict(applied)}, "
-                                         f"{committed} committed")
-    commits = []
-    for step in range(committed, target):
-        sums = {losses[w].get(step) for w in applied}
-        if len(sums) != 1 or None in sums:
-            return RealignPlan(target, error=f"no agreed loss for applied step {step}: {sorted(map(str, sums))}")
-        commits.append((step, sums.pop()))
-    return RealignPlan(target, tuple(commits), tuple(sorted(w for w, a in applied.items() if a == target + 1)))
-
-
-# -- membership at a step boundary --------------------------------------------
-
-
-def membership_change_due(placement: Placement, slices: int, dead: Iterable[str], *, unadopted: bool,
-                          warmed: bool, swaps: bool) -> bool:
-    """Whether the next step boundary has work: a worker to adopt or promote, a dead spare, a straggler to swap.
-
-    ``unadopted``: a worker registered that the controller has not taken on;
-    ``warmed``: a joining worker finished loading its programs; ``swaps``: a
-    straggler waits to be moved onto a spare.
-    """
-    dead = frozenset(dead)
-    return (unadopted or warmed or swaps or any(s in dead for s in placement.spares)
-            or (len(placement.active) < slices and bool(placement.spares)))
-
-
-def decide_grow(placement: Placement, slices: int) -> Placement | None:
-    """Promotes spares while fewer than ``slices`` run; None when nothing changes."""
-    missing = slices - len(placement.active)
-    if missing <= 0 or not placement.spares:
-        return None
-    take = placement.spares[:missing]
-    return Placement(epoch=placement.epoch + 1, active=placement.active + take,
-                     spares=placement.spares[len(take):])
-
-
-def decide_swap(placement: Placement, slow: str) -> Placement | None:
-    """Moves ``slow``'s virtual slice onto the first spare (a straggler replaced); None without a spare.
-
-    The slow worker leaves the placement: a host known to be slow is not kept
-    as a spare.
-    """
-    if slow not in placement.active or not placement.spares:
-        return None
-    active = tuple(placement.spares[0] if w == slow else w for w in placement.active)
-    return Placement(epoch=placement.epoch + 1, active=active, spares=placement.spares[1:])
 
 
 def checkpoint_writer(step: int, steps: int, period: int, workers) -> str | None:

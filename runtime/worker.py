@@ -6,14 +6,16 @@ initializes its replica of the state, and runs steps: local gradients over
 its subtrees of microbatches, the peer-to-peer reduction
 (:class:`runtime.collective.AllReduce` over the data plane,
 :mod:`runtime.dataplane`, or ``Push`` streams to a peer without one), then the
-optimizer update. The bodies of the operations that move a whole state (a copy
-from a peer, a checkpoint or snapshot restored, a snapshot kept or saved) are
-in :mod:`runtime.worker_state`.
+optimizer update. This module holds the service's state, its lock and its
+gRPC methods; three modules hold the rest:
 
-Contract: steps run strictly in order; a ``Step`` request for step ``s+1``
-that arrives early waits (bounded) for step ``s`` to finish, so the controller
-may dispatch ahead (at most :data:`MAX_STEPS_AHEAD` steps). Messages of another
-run are refused (fencing).
+- :mod:`runtime.worker_fence` (:class:`~runtime.worker_fence.Fencing`, a base
+  class): other runs and older epochs refused, a newer epoch adopted, the
+  lease on the controller;
+- :mod:`runtime.worker_step` (:class:`~runtime.worker_step.Stepping`, a base
+  class): the step, run strictly in order, and the pushes of its pieces;
+- :mod:`runtime.worker_state`: the operations that move a whole state (a copy
+  from a peer, a checkpoint or snapshot restored, a snapshot kept or saved).
 
 Every request is checked before it touches the state: a malformed one (a
 layout that does not parse, a step plan that does not cover the microbatches,
@@ -37,28 +39,27 @@ import threading
 import time
 from collections.abc import Iterator
 
-import grpc
-
 from runtime import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.collective import AllReduce
-from runtime.parts import DEFAULT_CHUNK_BYTES, MAX_STEPS_AHEAD, Part, checked_chunk_bytes, inline
-from runtime.dataplane import DataClient, RemoteError
+from runtime.parts import DEFAULT_CHUNK_BYTES, Part, checked_chunk_bytes, inline
+from runtime.dataplane_client import DataClient
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.executor import SliceExecutor, add_f32, probe_devices
-from runtime.fault_injection import WorkerFaults, corrupt_first, mid_stream
+from runtime.fault_injection import WorkerFaults, mid_stream
 from runtime.mailbox import Mailbox
 from runtime.microbatch import root
 from runtime.peers import PeerChannels
 from runtime.fingerprint import legacy_programs_fingerprint, programs_fingerprint
-from runtime.requests import check_step_request, decode_programs, node_of, unpickle_source
+from runtime.requests import decode_programs, unpickle_source
 from runtime.saver import CheckpointWriter
 from runtime.snapshot import SnapshotStore, host_directory
 from runtime.state_copy import state_chunks
-from runtime.timing import Clock
-from runtime.worker_state import (drain_saves, flush_checkpoints, keep_snapshot, load_checkpoint, pull_state, save_step,
+from runtime.worker_fence import Fencing
+from runtime.worker_state import (flush_checkpoints, keep_snapshot, load_checkpoint, pull_state, save_step,
                                   strike_save_in_progress, while_saving)
+from runtime.worker_step import Stepping
 
 __all__ = ["WorkerService", "probe_devices"]
 
@@ -67,7 +68,7 @@ log = logging.getLogger("jax_elastic.worker")
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
-class WorkerService(pb_grpc.WorkerServicer):
+class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
     """gRPC face of one worker. Each handler maps failures to status codes.
 
     Concurrency: one step runs at a time (``_running``); ``Abort`` may arrive
@@ -92,7 +93,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._recent: dict[int, float] = {}   # step -> loss sum, last few applied
         self._cond = threading.Condition()
         self._peers = PeerChannels(secret, tls)
-        self.data = DataClient(secret, tls)   # to peers' data planes (runtime.dataplane)
+        self.data = DataClient(secret, tls)   # to peers' data planes (runtime.dataplane_client)
         self.collective = AllReduce(self._push, self.mailbox, add_f32)
         self.stopped = threading.Event()
         self.faults = WorkerFaults(chaos)
@@ -108,71 +109,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.saver), on first use
         self.snapshots: SnapshotStore | None = None   # this host's snapshots of the run (runtime.snapshot)
 
-    # -- fencing -------------------------------------------------------------
-
-    def check_fence(self, fence: pb.Fence) -> None:
-        """Refuses other runs and older epochs; adopts a newer epoch."""
-        if fence.run_id != self.run_id:
-            raise StaleEpochError(f"message for run {fence.run_id!r}, this worker serves {self.run_id!r}")
-        if self.fenced:
-            raise StaleEpochError(f"worker {self.worker_id} fenced itself: {self.fenced}")
-        with self._cond:
-            if fence.epoch < self.epoch:
-                raise StaleEpochError(f"message from epoch {fence.epoch}, worker is at epoch {self.epoch}")
-            if fence.epoch > self.epoch:
-                self.epoch = fence.epoch
-                self._abort_step(fence.epoch)
-
     def _guard(self, context, fn):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a status
             log.warning("%s failed: %s: %s", getattr(fn, "__name__", "request"), type(e).__name__, e)
             rpc.abort_with(context, e)
-
-    # -- the worker's lease on its controller ---------------------------------
-
-    CONTROLLER_METHODS = ("Load", "Init", "Step", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
-                          "LoadCheckpoint", "Checkpoints",
-                          "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
-
-    def heard(self, method: str) -> None:
-        """An authenticated call from the controller (not from a peer) renews the lease.
-
-        The server calls it only for calls that reach their handler
-        (``rpc.make_server``'s ``on_authenticated``): a caller without the
-        run secret (or mTLS certificate) never renews it, nor does a call
-        dropped by a chaos partition.
-        """
-        if method.endswith(self.CONTROLLER_METHODS):
-            self.last_contact = time.monotonic()
-
-    def lease_lapsed(self) -> bool:
-        """Fences this worker when the controller has been silent longer than the lease.
-
-        Called periodically by :func:`runtime.worker_process.serve`. A fenced
-        worker refuses all work and wakes a step waiting on peers; it never
-        serves this run again.
-        """
-        if not self.lease or self.fenced:
-            return bool(self.fenced)
-        silent = time.monotonic() - self.last_contact
-        if silent <= self.lease:
-            return False
-        self.fenced = f"no word from the controller for {silent:.1f} s (lease {self.lease:.1f} s)"
-        log.warning("fencing myself: %s", self.fenced)
-        with self._cond:
-            self._abort_step(self.epoch + 1)
-        return True
-
-    def _abort_step(self, epoch: int) -> None:
-        """With ``_cond`` held: a step waiting on peers or on a push gives up now."""
-        self.mailbox.set_epoch(epoch)
-        # Pushes are blocking calls, not futures (futures cost ~5 ms a step):
-        # to stop one, close its channel or its socket.
-        self._peers.close_pushing()
-        self.data.abort_pushes()
-        self._cond.notify_all()
 
     # -- control RPCs --------------------------------------------------------
 
@@ -423,18 +365,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._need_executor()
         self.mailbox.receive(chunks, self.check_fence, admit=self._admit_push)
 
-    def _admit_push(self, step: int, phase: int, src_rank: int) -> None:
-        """Refuses a stream for a step this worker is past, or for one too far ahead to be real."""
-        num_microbatches = self.executor.programs.num_microbatches
-        if src_rank >= num_microbatches:
-            raise ProtocolError(f"push from rank {src_rank}: a step has at most {num_microbatches} ranks")
-        with self._cond:
-            next_step = self.next_step
-        if step < next_step:
-            raise StaleEpochError(f"push for step {step}: this worker is at step {next_step}")
-        if step > next_step + MAX_STEPS_AHEAD:
-            raise ProtocolError(f"push for step {step}: more than {MAX_STEPS_AHEAD} steps ahead of {next_step}")
-
     def Step(self, request, context):
         return self._guard(context, lambda: self._step(request, context))
 
@@ -457,121 +387,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                               recent=[pb.StepLoss(step=k, loss_sum=v) for k, v in sorted(self._recent.items())],
                               snapshots=self.snapshots.steps() if self.snapshots is not None else [])
 
-    # -- the step ------------------------------------------------------------
-
-    def _step(self, req: pb.StepRequest, context=None) -> pb.StepReply:
-        self.check_fence(req.fence)
-        self._need_state()
-        check_step_request(req, self.executor.programs.num_microbatches)
-        if req.snapshot and self.snapshots is None:
-            raise ProtocolError(f"step {req.step} asks for a snapshot, but Load named no snapshot directory")
-        deadline = time.monotonic() + self.step_timeout
-        epoch = req.fence.epoch
-        with self._cond:
-            while self.next_step != req.step or self._running:
-                if self.fenced:
-                    raise StaleEpochError(f"worker {self.worker_id} fenced itself: {self.fenced}")
-                if self.epoch != epoch:
-                    raise StaleEpochError(f"step {req.step} of epoch {epoch} superseded by epoch {self.epoch}")
-                if self.next_step > req.step:
-                    raise StaleEpochError(f"step {req.step} already applied (worker at {self.next_step})")
-                if req.step > self.next_step + MAX_STEPS_AHEAD:
-                    raise ProtocolError(f"step {req.step} is more than {MAX_STEPS_AHEAD} steps ahead of this worker "
-                                        f"(at step {self.next_step}); dispatch fewer steps ahead")
-                if context is not None and not context.is_active():
-                    raise StepAbortedError(req.step, "the caller gave up while the step waited for its turn")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StepAbortedError(req.step, f"still waiting for step {self.next_step}")
-                self._cond.wait(min(left, 1.0))   # wakes on every step's end, or to look at the caller
-            self._running = True
-        try:
-            return self._run_step(req, epoch, deadline)
-        finally:
-            with self._cond:
-                self._running = False
-                self._cond.notify_all()
-
-    def _phase(self, step: int, phase: str) -> None:
-        self.progress = (step, phase, time.monotonic())   # one tuple: read without a lock
-
-    def _run_step(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
-        try:
-            return self._run_phases(req, epoch, deadline)
-        finally:
-            self._phase(req.step, "idle")
-
-    def _run_phases(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
-        ex = self.executor
-        clock = Clock()
-        t0 = time.perf_counter()
-        if req.shadow:   # a shadow spare: the ranks' reduced vector, applied as they apply it
-            t1 = t0
-            self._phase(req.step, "reduce")
-            total, sent = self.collective.receive(fence=req.fence, step=req.step, ranks=len(req.peers),
-                                                  size=ex.programs.grad_size + 1, deadline=deadline, clock=clock), 0
-        else:
-            self._phase(req.step, "grad")
-            # Each vector is the gradient sum, then the loss sum: reduced together, in the same tree order.
-            vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
-            self.faults.straggle(time.perf_counter() - t0)
-            self.faults.in_phase("grad")
-            t1 = time.perf_counter()
-            self._phase(req.step, "reduce")
-            total, sent = self.collective.run(
-                vecs, fence=req.fence, step=req.step, rank=req.rank, peers={p.rank: p for p in req.peers},
-                owners={node_of(nd): o for nd, o in zip(req.all_nodes, req.node_owner)},
-                top=root(ex.programs.num_microbatches), chunk_bytes=self.chunk_bytes, deadline=deadline,
-                between_phases=lambda: self.faults.in_phase("reduce"), clock=clock, shadows=list(req.shadows))
-        t2 = time.perf_counter()
-        self._phase(req.step, "apply")
-        with self._cond:
-            if self.epoch != epoch:
-                raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
-            ex.apply(total[:-1], clock)
-            self.faults.in_phase("apply")
-            self.next_step = req.step + 1
-            self._recent[req.step] = float(total[-1])
-            if req.checkpoint_directory or req.snapshot:   # written in the background from the immutable state
-                save_step(self._checkpoints(), req, ex, fingerprint=self.fingerprint, recent=self._recent,
-                          snapshots=self.snapshots, peers=self._peers, timeout=self.step_timeout)
-            for old in [k for k in self._recent if k < req.step - 4]:
-                del self._recent[old]
-        self.mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
-        t3 = time.perf_counter()
-        clock.lap("bookkeeping")
-        ck, snap = drain_saves(self._writer)
-        return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
-                            apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
-                            checkpoints_saved=ck.saved, checkpoint_error=ck.error, snapshots_saved=snap.saved,
-                            snapshots_copied=snap.followed, snapshot_error=snap.error)
-
     def _checkpoints(self) -> CheckpointWriter:
         if self._writer is None:
             chaos = functools.partial(while_saving, self.faults) if self.faults.enabled else None
             self._writer = CheckpointWriter(while_saving=chaos)
         return self._writer
-
-    def _push(self, peer: pb.Peer, parts: Iterator[Part], deadline: float) -> None:
-        """The collective's transport: one blocking push to a peer, over its data plane when it has one,
-        else a gRPC ``Push`` stream (with the chaos faults)."""
-        address = peer.address
-        if self.faults.partitioned():
-            raise StepAbortedError(-1, f"push to {address} failed: partitioned (chaos)")
-        if self.faults.take_corruption():
-            parts = corrupt_first(parts)
-        if peer.data_address:
-            try:
-                self.data.push(peer.data_address, parts, deadline)
-            except RemoteError as e:
-                raise StepAbortedError(-1, f"push to {address} refused: {e}") from e
-            except (OSError, ProtocolError) as e:   # reset, timed out, or closed by an abort
-                raise StepAbortedError(-1, f"push to {address} failed: {type(e).__name__}: {e}") from e
-            return
-        with self._peers.pushing(address) as stub:
-            try:
-                stub.Push(inline(parts), timeout=max(deadline - time.monotonic(), 0.001))
-            except grpc.RpcError as e:
-                raise StepAbortedError(-1, f"push to {address} failed: {e.code().name}: {e.details()}") from e
-            except ValueError as e:   # the channel was closed by an abort
-                raise StepAbortedError(-1, f"push to {address} cancelled: the step was aborted ({e})") from None

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.dataplane import DataClient, RemoteError
+from runtime.dataplane_client import DataClient, RemoteError
 from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.fault_injection import WorkerFaults, mid_stream
 from runtime.peers import PeerChannels

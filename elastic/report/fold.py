@@ -69,7 +69,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "events_dropped": ({}, {"count": TYPED}),
     "run_failed": ({"error": _ANY}, {}),
     "verdict": ({"verdict": TYPED, "verdict_reasons": TYPED, "trajectory": _ANY, "first_diverging_step": _ANY,
-                 "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY}, {"promises": TYPED}),
+                 "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY}, {"promises": TYPED, "run_state_replayed": TYPED}),
     "run_finished": ({"final_state_sha256": _ANY, "replica_hashes": _ANY, "client_peak_rss_bytes": _ANY}, {}),
 }
 
@@ -158,6 +158,7 @@ def build_report(events_or_path) -> dict:
         "exactly_once": None,
         "exactly_once_detail": {},
         "promises": [],
+        "run_state_replayed": None,
         "failure_reason": None,
         "security": {"refused_calls": 0, "by_method": {}, "refused_registrations": 0},
         "events_dropped": 0,
@@ -290,6 +291,7 @@ def build_report(events_or_path) -> dict:
                       "exactly_once_detail", "reference"):
                 report[k] = e[k]
             report["promises"] = e.get("promises", [])   # chaos.promise: one per recovery
+            report["run_state_replayed"] = e.get("run_state_replayed")
         elif kind == "run_finished":
             report.update(final_state_sha256=e["final_state_sha256"], replica_hashes=e["replica_hashes"],
                           client_peak_rss_bytes=e["client_peak_rss_bytes"], finished=True)

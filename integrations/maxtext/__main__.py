@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 import elastic
-from integrations.maxtext.config import devices_per_slice
+from integrations.maxtext.config_files import devices_per_slice
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 in the group ``elastic.configs``; :mod:`elastic.cli_support` asks every such
 loader whether it claims a config file (see its contract there). This one
 claims, when MaxText is installed, every YAML file MaxText's own loader takes
-for its own (:func:`integrations.maxtext.config.claims`): MaxText's
+for its own (:func:`integrations.maxtext.config_files.claims`): MaxText's
 ``base.yml`` and model files, files that inherit them, and files that set a
 key jax-elastic's schema does not define. It then loads the file with
 MaxText's own config code (:func:`integrations.maxtext.load_maxtext_config`)
@@ -34,18 +34,18 @@ class MaxTextConfigs:
     name = "maxtext"
 
     def claims(self, path: str, overrides: list[str] = ()) -> bool:
-        """True for a MaxText config file (see :func:`integrations.maxtext.config.claims`), with MaxText installed.
-        Imports neither JAX nor MaxText."""
+        """True for a MaxText config file (see :func:`integrations.maxtext.config_files.claims`), with MaxText
+        installed. Imports neither JAX nor MaxText."""
         p = pathlib.Path(path)
         if p.suffix not in (".yml", ".yaml") or not p.is_file() or importlib.util.find_spec("maxtext") is None:
             return False
-        from integrations.maxtext.config import claims
+        from integrations.maxtext.config_files import claims
 
         return claims(p, overrides)
 
     def devices_per_slice(self, path: str, overrides: list[str]) -> int:
         """The slice's device count as the user set it, read without starting JAX."""
-        from integrations.maxtext.config import devices_per_slice
+        from integrations.maxtext.config_files import devices_per_slice
 
         return devices_per_slice(pathlib.Path(path), list(overrides))
 

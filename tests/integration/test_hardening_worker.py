@@ -349,7 +349,7 @@ def test_a_worker_whose_parent_dies_during_a_long_compile_exits_at_once(tmp_path
 
 def test_refused_calls_are_counted_by_the_worker_and_reach_the_event_log(tmp_path):
     """Callers without (or with a wrong) secret are counted per method, peer host and reason, not per call."""
-    from runtime.controller import ControllerOptions
+    from runtime.controller_options import ControllerOptions
     from runtime.worker_group import WorkerGroup
 
     programs = tiny_programs()

@@ -9,7 +9,7 @@ from chaos import ChaosOptions, FaultInjector, RunShape, check_reachable, fault_
 from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
 from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate
-from elastic.config import load_config
+from elastic.config_loading import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((ROOT / "chaos" / "scenarios").glob("*.yml"))

@@ -7,14 +7,8 @@ import pickle
 import pytest
 import yaml
 
-from elastic.config import (
-    Config,
-    ConfigError,
-    builtin_config_path,
-    config_from_dict,
-    load_config,
-    parse_overrides,
-)
+from elastic.config import Config, ConfigError, config_from_dict
+from elastic.config_loading import builtin_config_path, load_config, parse_overrides
 
 
 def write(tmp_path, name, text):

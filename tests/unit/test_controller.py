@@ -6,9 +6,10 @@ import types
 import numpy as np
 import pytest
 
-from runtime import (CapacityExhaustedError, ControllerObserver, EventLog, ReplicaDivergenceError, StateLostError,
-                     read_events)
-from runtime.controller import Controller, ControllerOptions, Phase
+from runtime import (CapacityExhaustedError, ControllerObserver, EventLog, ReplicaDivergenceError, RunState,
+                     StateLostError, read_events)
+from runtime.controller import Controller, Phase
+from runtime.controller_options import ControllerOptions
 from tests.unit.fake_group import FakeGroup, loss_sum
 
 M = 4   # microbatches per step
@@ -33,7 +34,10 @@ def run(tmp_path, steps=8, faults=None, observer=None, stepwise=False, **opts):
         else:
             result = ctl.train(steps, seed=0)
     events.close()
-    return result, read_events(tmp_path / "events.jsonl"), group, phases
+    log = read_events(tmp_path / "events.jsonl")
+    replayed = RunState.replay(log)
+    assert replayed == ctl.state, f"the log does not rebuild the run state: {replayed.differences(ctl.state)}"
+    return result, log, group, phases
 
 
 def expected_losses(steps):

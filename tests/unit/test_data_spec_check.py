@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import elastic
-from elastic.config import ConfigError, load_config
+from elastic.config import ConfigError
+from elastic.config_loading import load_config
 from elastic.preflight import check_data_source
 
 CFG = load_config("tiny")   # 4 microbatches of per_device_batch_size 2 x ici_fsdp_parallelism 2 = 4 examples

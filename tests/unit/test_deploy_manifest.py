@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from elastic import cli
-from elastic.config import load_config
+from elastic.config_loading import load_config
 from elastic.options import SECRET_ENV, controller_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -80,7 +80,7 @@ def test_the_interrupted_step_starts_again_at_recovery():
 
 def test_a_run_with_goodput_recording_writes_the_events(tmp_path):
     from elastic.cli_support import bundled_trainer
-    from elastic.config import load_config
+    from elastic.config_loading import load_config
 
     cfg = load_config("tiny", ["steps=3", "dcn_data_parallelism=1", "ici_fsdp_parallelism=1",
                                "elastic_microbatches=1", "enable_goodput_recording=true", "run_name=gp",

@@ -15,7 +15,8 @@ import textwrap
 import jsonschema
 import pytest
 
-from elastic.config import Config, ConfigError, load_config
+from elastic.config import Config, ConfigError
+from elastic.config_loading import load_config
 from elastic.report import build_report, render_html, summary_text
 from runtime import EventLog, read_events
 

@@ -7,7 +7,8 @@ import pathlib
 import pytest
 
 from elastic import options
-from elastic.config import Config, ConfigError, load_config
+from elastic.config import Config, ConfigError
+from elastic.config_loading import load_config
 from elastic.models import TransformerConfig
 from elastic.options import NOT_FROM_CONFIG, READ_ELSEWHERE, controller_options, run_settings
 from runtime import ControllerOptions, TlsFiles
@@ -264,7 +265,8 @@ def test_controller_option_defaults_are_the_default_configs(tmp_path):
 
 
 def test_the_runtimes_reasons_are_printed_in_config_terms():
-    from runtime.policy import Placement, capacity_timed_out, decide_recovery
+    from runtime.plan import capacity_timed_out, decide_recovery
+    from runtime.policy import Placement
     p = Placement(epoch=1, active=("a", "b"), spares=())
     wait = decide_recovery(p, ("a",), {"a", "b"}, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
     register = capacity_timed_out(wait, 120.0, "register_timeout_seconds")

@@ -10,7 +10,8 @@ import pytest
 import chaos
 from chaos.harness import ChaosResult, plan
 from elastic.cli_support import make_trainer
-from elastic.config import MODEL_KEYS, ConfigError, load_config
+from elastic.config import MODEL_KEYS, ConfigError
+from elastic.config_loading import load_config
 from elastic.report import build_report
 
 FACTORIES = '''

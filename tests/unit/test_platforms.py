@@ -10,7 +10,9 @@ import pytest
 
 from elastic import options
 from elastic.cli_support import bundled_trainer, set_platform
-from elastic.config import HARDWARE, Config, ConfigError, load_config
+from elastic.config import Config, ConfigError
+from elastic.config_checks import HARDWARE
+from elastic.config_loading import load_config
 from runtime import PlatformMismatchError, ProtocolError, program_platforms, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc

@@ -54,9 +54,9 @@ def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
 
 # -- table-driven tests of every decision ----------------------------------------
 
-from runtime.policy import (Action, Failure, Placement, RecoveryDecision, capacity_timed_out, decide_grow,  # noqa: E402
-                            decide_recovery, decide_swap, is_suspect, may_relaunch, membership_change_due, plan_realign, reprobe_wait,
-                            watchdog_limit)
+from runtime.plan import (Action, Failure, RecoveryDecision, capacity_timed_out, decide_grow,  # noqa: E402
+                          decide_recovery, decide_swap, membership_change_due, plan_realign)
+from runtime.policy import Placement, is_suspect, may_relaunch, reprobe_wait, watchdog_limit  # noqa: E402
 
 P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
 ALL = set(P.members)
@@ -222,7 +222,7 @@ def _workers(*devices):
     ((2, 4), (), 2, Action.FAIL, (), (), "also registered: workers with [4] devices"),
 ])
 def test_decide_start(devices, lost, min_slices, action, active, spares, why):
-    from runtime.policy import decide_start
+    from runtime.plan import decide_start
 
     d = decide_start(2, 2, _workers(*devices), lost=lost, min_slices=min_slices)
     assert d.action is action and why in d.reason
@@ -293,7 +293,7 @@ def test_only_a_fail_carries_a_failure(case):
 
 
 def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures():
-    from runtime.policy import decide_start
+    from runtime.plan import decide_start
 
     wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
     assert wait.failure is None and capacity_timed_out(wait, 7.0).failure is Failure.CAPACITY
@@ -304,7 +304,7 @@ def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures()
                                            (Failure.STATE_LOST, "StateLostError")])
 def test_each_failure_raises_its_own_type(failure, error):
     from runtime import CapacityExhaustedError
-    from runtime.recovery import failed
+    from runtime.membership import failed
 
     err = failed(RecoveryDecision(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
     assert type(err).__name__ == error and isinstance(err, CapacityExhaustedError)

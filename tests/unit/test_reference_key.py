@@ -4,7 +4,7 @@ import dataclasses
 import pathlib
 
 from chaos.harness import reference_report
-from elastic.config import load_config
+from elastic.config_loading import load_config
 
 
 @dataclasses.dataclass

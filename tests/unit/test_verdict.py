@@ -8,7 +8,7 @@ M, STEPS = 4, 3
 LOSSES = [2.5, 2.25, 2.0]
 SHA = "ab" * 32
 VERDICT_KEYS = {"verdict", "verdict_reasons", "trajectory", "first_diverging_step", "exactly_once",
-                "exactly_once_detail", "promises"}
+                "exactly_once_detail", "promises", "run_state_replayed"}
 
 
 def commit(step, mbs=None, loss=1.0):

@@ -1,0 +1,135 @@
+"""plan_change: every membership change as one pure decision, table-tested (the rules inside each case:
+test_policy.py and test_tiers.py)."""
+
+import pytest
+
+from runtime.plan import Action, Change, Facts, Failure, plan_change
+from runtime.policy import Placement, WorkerInfo
+from runtime.tiers import Holding
+
+P = Placement(epoch=3, active=("a", "b"), spares=("s",))
+LIMITS = {"slices": 2, "min_slices": 1, "max_retries": 5, "recoveries": 1, "committed": 7}
+
+
+def recover(**facts):
+    return plan_change(Facts(Change.RECOVER, placement=P, **{**LIMITS, **facts}))
+
+
+# (facts, action, active, spares, tier, source, relaunch now, relaunch later)
+RECOVERIES = [
+    # a dead active slice, a spare: replace, the survivor supplies the state, the dead restart after a commit
+    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b"})}, Action.REPLACE, ("a", "s"), (), "replica",
+     "a", (), ("b",)),
+    # the spare shadows: it is a replica too, and the survivor is still preferred as the source
+    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b", "s"})}, Action.REPLACE, ("a", "s"), (),
+     "replica", "a", (), ("b",)),
+    # every active slice lost, a shadowing spare left: it takes over alone (shrink), from the shadow tier
+    ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b", "s"})}, Action.SHRINK, ("s",), (),
+     "shadow", "s", (), ("a", "b")),
+    # nobody died: a retry in a new epoch, nothing copied
+    ({"replicas": frozenset({"a", "b"})}, Action.RETRY, ("a", "b"), ("s",), "replica", "a", (), ()),
+    # no replica left, a snapshot and an older checkpoint: the snapshot is restored (the one tier rule)
+    ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b"}), "snapshots": (Holding("snapshot", 6),),
+      "checkpoints": (Holding("ckpt", 4),)}, Action.RESTORE, ("s",), (), "snapshot", "snapshot", (), ("a", "b")),
+    # only a checkpoint: restored
+    ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b"}), "checkpoints": (Holding("ckpt", 4),)},
+     Action.RESTORE, ("s",), (), "checkpoint", "ckpt", (), ("a", "b")),
+    # no state yet (the run starts): every member counts, the dead restart at once, nothing is copied
+    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b", "s"}), "has_state": False}, Action.REPLACE,
+     ("a", "s"), (), None, None, ("b",), ()),
+]
+
+
+@pytest.mark.parametrize("facts, action, active, spares, tier, source, now, later", RECOVERIES)
+def test_a_recovery_plans_the_placement_the_tier_and_the_relaunches(facts, action, active, spares, tier, source,
+                                                                    now, later):
+    plan = recover(**facts)
+    assert plan.action is action
+    assert (plan.placement.active, plan.placement.spares, plan.placement.epoch) == (active, spares, 4)
+    assert (plan.tier.tier if plan.tier else None, plan.tier.source if plan.tier else None) == (tier, source)
+    assert (plan.relaunch_now, plan.relaunch_later) == (now, later)
+    assert plan.decision.action is action and plan.decision.placement == plan.placement
+
+
+@pytest.mark.parametrize("facts, failure, reason", [
+    ({"dead": frozenset({"a", "b", "s"}), "replicas": frozenset({"a", "b"})}, Failure.STATE_LOST, "no live replica"),
+    ({"dead": frozenset({"b", "s"}), "replicas": frozenset({"a", "b"}), "min_slices": 2}, Failure.CAPACITY,
+     "min_slices is 2"),
+    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b"}), "recoveries": 6}, Failure.CAPACITY,
+     "gave up after 5"),
+])
+def test_a_recovery_that_cannot_go_on_fails_with_its_kind(facts, failure, reason):
+    plan = recover(**facts)
+    assert (plan.action, plan.failure) == (Action.FAIL, failure) and reason in plan.reason
+
+
+def test_a_wait_for_capacity_becomes_a_fail_at_its_deadline_not_before():
+    facts = {"dead": frozenset({"b", "s"}), "replicas": frozenset({"a", "b"}), "min_slices": 2, "may_wait": True,
+             "wait_until": 100.0, "wait_limit": "register_timeout_seconds", "wait_seconds": 30.0}
+    assert recover(**facts).action is Action.WAIT
+    plan = plan_change(Facts(Change.RECOVER, placement=P, **{**LIMITS, **facts}), now=100.0)
+    assert (plan.action, plan.failure, plan.limit) == (Action.FAIL, Failure.CAPACITY, "register_timeout_seconds")
+    assert "register_timeout_seconds=30" in plan.reason
+
+
+def workers(*ids):
+    return tuple(WorkerInfo(w, f"{w}:1", 1) for w in ids)
+
+
+@pytest.mark.parametrize("registered, lost, action, active", [
+    (("a", "b", "s"), (), Action.REPLACE, ("a", "b")),
+    (("a", "b", "s"), ("a",), Action.REPLACE, ("b", "s")),
+    (("a",), ("b", "s"), Action.SHRINK, ("a",)),
+    ((), ("a", "b", "s"), Action.FAIL, ()),
+])
+def test_the_start_places_what_registered(registered, lost, action, active):
+    plan = plan_change(Facts(Change.START, slices=2, devices_per_slice=1, min_slices=1,
+                             workers=workers(*registered), lost=lost))
+    assert (plan.action, plan.placement.active) == (action, active)
+
+
+@pytest.mark.parametrize("applied, losses, action, target, commits, rollbacks", [
+    ({"a": 7, "s": 7}, {"a": {}, "s": {}}, None, 7, (), ()),
+    ({"a": 8, "b": 7}, {"a": {7: 2.0}, "b": {}}, None, 7, (), ("a",)),
+    ({"a": 8, "b": 8}, {"a": {7: 2.0}, "b": {7: 2.0}}, None, 8, ((7, 2.0),), ()),
+    ({"a": 8, "b": 8}, {"a": {7: 2.0}, "b": {7: 3.0}}, Action.FAIL, 8, (), ()),
+    ({"a": 9, "b": 7}, {"a": {}, "b": {}}, Action.FAIL, 7, (), ()),
+])
+def test_a_realign_commits_what_every_survivor_applied_and_rolls_back_the_rest(applied, losses, action, target,
+                                                                               commits, rollbacks):
+    plan = plan_change(Facts(Change.REALIGN, placement=P, committed=7, applied=applied, losses=losses))
+    assert (plan.action, plan.target, plan.commits, plan.rollbacks) == (action, target, commits, rollbacks)
+
+
+@pytest.mark.parametrize("snapshots, checkpoints, tier, step", [
+    ((Holding("w1", 5),), (Holding("d", 4),), "snapshot", 5),
+    ((), (Holding("d", 4),), "checkpoint", 4),
+    ((Holding("w1", 9),), (), "fail", None),   # a snapshot ahead of the committed step is never used
+])
+def test_a_restore_chooses_from_what_the_fenced_members_hold(snapshots, checkpoints, tier, step):
+    plan = plan_change(Facts(Change.RESTORE, placement=P, committed=7, snapshots=snapshots, checkpoints=checkpoints))
+    assert (plan.tier.tier, plan.tier.step) == (tier, step)
+    assert plan.action is (Action.FAIL if tier == "fail" else Action.RESTORE)
+
+
+@pytest.mark.parametrize("placement, slices, active, spares", [
+    (Placement(3, ("a",), ("s", "t")), 2, ("a", "s"), ("t",)),
+    (Placement(3, ("a", "b"), ("s",)), 2, None, None),   # already whole: nothing changes
+    (Placement(3, ("a",), ()), 2, None, None),           # no spare to promote
+])
+def test_growing_promotes_spares_up_to_the_slice_count(placement, slices, active, spares):
+    plan = plan_change(Facts(Change.GROW, placement=placement, slices=slices))
+    assert (plan.placement.active if plan.placement else None) == active
+    assert (plan.placement.spares if plan.placement else None) == spares
+    assert plan.action is (Action.GROW if active else None)
+
+
+@pytest.mark.parametrize("slow, placement, active, reason", [
+    ("b", Placement(3, ("a", "b"), ("s",)), ("a", "s"), ""),
+    ("b", Placement(3, ("a", "b"), ()), None, "no spare"),
+    ("x", Placement(3, ("a", "b"), ("s",)), None, "no longer runs a slice"),
+])
+def test_a_swap_moves_the_stragglers_slice_or_says_why_not(slow, placement, active, reason):
+    plan = plan_change(Facts(Change.SWAP, placement=placement, slow=slow))
+    assert (plan.placement.active if plan.placement else None) == active
+    assert reason in plan.reason
