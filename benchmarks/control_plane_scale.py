@@ -4,16 +4,16 @@ Each simulated worker is what the controller sees of a worker, without JAX:
 its own gRPC server on loopback built by the runtime's ``rpc.make_server``
 with the run secret (so every call passes the real secret check), serving
 the standard ``grpc.health.v1`` Health service (Check and Watch, as
-``runtime.worker_process`` serves it) and the worker's ``Refusals`` RPC. It
+``runtime.worker.worker_process`` serves it) and the worker's ``Refusals`` RPC. It
 registers with the controller's real registration service
-(``runtime.registry.Registry`` on a server built as ``WorkerGroup`` builds
+(``runtime.control.registry.Registry`` on a server built as ``WorkerGroup`` builds
 it) and keeps the worker's lease on its controller: once the controller has
 called it, it fences itself (answers NOT_SERVING) when no Check or
 ``Refusals`` call came for ``elastic_worker_lease_seconds``. The workers run
 ``--per-process`` to a child process; a few small child processes of
 ``--group`` workers each are the victims.
 
-The client (this process) runs the real ``runtime.health.HealthMonitor``
+The client (this process) runs the real ``runtime.control.health.HealthMonitor``
 over all of them with the runtime's default settings
 (``elastic_heartbeat_seconds``, ``elastic_lease_seconds``,
 ``elastic_probe_retries``), then, per worker count:
@@ -64,17 +64,18 @@ import grpc  # noqa: E402
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
 
 from elastic.config_loading import load_config  # noqa: E402
-from runtime import EventLog, auth, rpc  # noqa: E402
+from runtime import EventLog
+from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb  # noqa: E402
 from runtime._proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
-from runtime.health import HealthMonitor  # noqa: E402
-from runtime.registry import Registry  # noqa: E402
+from runtime.control.health import HealthMonitor  # noqa: E402
+from runtime.control.registry import Registry  # noqa: E402
 
 TARGET_SECONDS = 2.0
 WORKERS_PER_CORE = 512       # above this many simulated workers per core, a count is skipped (see --force)
 THREADS_PER_WORKER = 4        # measured: about 2.4 in the simulated worker's process, 1 in the client
 RUN_ID = "control-plane-scale"
-# The calls from the controller that renew a worker's lease (runtime.worker.WorkerService.CONTROLLER_METHODS,
+# The calls from the controller that renew a worker's lease (runtime.worker.worker.WorkerService.CONTROLLER_METHODS,
 # of which the health monitor makes these two).
 LEASE_METHODS = ("/grpc.health.v1.Health/Check", "/jax_elastic.Worker/Refusals")
 
@@ -128,7 +129,7 @@ class SimulatedWorker(pb_grpc.WorkerServicer):
         return self.fenced
 
     def Refusals(self, request, context):
-        """As ``runtime.worker.WorkerService.Refusals``: the calls refused for their secret since the last ask."""
+        """As ``runtime.worker.worker.WorkerService.Refusals``: the calls refused for their secret since the last ask."""
         return pb.RefusalsReply(refusals=[pb.Refusal(method=m, peer=p, reason=r, count=n)
                                           for m, p, r, n in self.refusals.drain()])
 

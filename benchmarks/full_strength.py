@@ -2,7 +2,7 @@
 
 Runs `elastic chaos tiny` (4 slices x 2 devices + 1 spare, one kill after a
 few steps) alternately with `elastic_standby_workers=0` (a relaunch is forked
-from the run's zygote, `runtime/zygote.py`, and starts its JAX backend; it was a
+from the run's zygote, `runtime/launch/zygote.py`, and starts its JAX backend; it was a
 fresh Python + JAX process before the zygote) and `=1` (a relaunch takes over a
 process started ahead of need, backend up), all sharing one compilation cache
 (warmed by a first run that is not counted). From each faulted run's event log:

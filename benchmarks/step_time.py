@@ -141,7 +141,7 @@ def runtime(args) -> dict:
     gaps = [b - a for a, b in zip(commits, commits[1:])][WARMUP:]
     # Where a step goes, from the workers' own timings (the slowest worker's, per step).
     phases = {k: statistics.median(e[f"{k}_seconds"] for e in committed[WARMUP + 1:]) for k in ("grad", "reduce", "apply")}
-    # Finer (runtime.timing.Clock in the worker): median over steps of the slowest worker's time in each.
+    # Finer (runtime.core.timing.Clock in the worker): median over steps of the slowest worker's time in each.
     names = sorted({k for e in committed for k in e.get("phases", {})})
     fine = {k: statistics.median(e.get("phases", {}).get(k, 0.0) for e in committed[WARMUP + 1:]) for k in names}
     return {"median_step_seconds": statistics.median(gaps), "global_batch": report["global_batch_size"],

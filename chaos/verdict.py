@@ -101,7 +101,7 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
     ``trajectory``, ``first_diverging_step``, ``exactly_once``, ``exactly_once_detail``,
     ``promises`` (one per recovery: :meth:`chaos.promise.Promise.as_dict`) and ``run_state_replayed``.
 
-    ``live_state``: the :class:`~runtime.run_state.RunState` the run's controller ended with; the run passes
+    ``live_state``: the :class:`~runtime.control.run_state.RunState` the run's controller ended with; the run passes
     only if replaying ``events`` alone gives the same state (``run_state_replayed``: None when not given), so
     every chaos run proves its log is enough to rebuild the controller.
 

@@ -46,7 +46,7 @@ __all__ = [
 
 _LAZY = {"RunRecordsLostError": "elastic.trainer", "Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer",
          "wrap": "elastic.trainer", "build_report": "elastic.report",
-         # why a run ended (runtime.errors): what ``fit`` raises, for callers to branch on
+         # why a run ended (runtime.core.errors): what ``fit`` raises, for callers to branch on
          **{name: "runtime" for name in ("BadInputError", "CapacityExhaustedError", "ElasticError",
                                          "ElasticTrainingFailedError", "ReplicaDivergenceError", "StateLostError")}}
 

@@ -79,7 +79,7 @@ def _key(default: Any, *, role: tuple[str, ...], ge: float | None = None, gt: fl
 
 # A chunk is one gRPC message and the runtime caps messages at 64 MiB; below 4 KiB the
 # per-message overhead dominates a transfer. Workers refuse chunk sizes outside these
-# bounds (runtime.collective), so the config refuses them first, naming the key.
+# bounds (runtime.worker.collective), so the config refuses them first, naming the key.
 
 
 @dataclass(frozen=True)

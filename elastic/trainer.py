@@ -197,7 +197,7 @@ class _Job:
         return report
 
     def prestart_workers(self) -> None:
-        """Starts what this job's local workers are forked from (:mod:`runtime.zygote`) now, so its imports
+        """Starts what this job's local workers are forked from (:mod:`runtime.launch.zygote`) now, so its imports
         overlap whatever the caller does before ``fit`` (``fit`` starts it too, before tracing; nothing for
         other launchers). The chaos harness calls it before its reference run."""
         if self.config.elastic_launcher == "local":

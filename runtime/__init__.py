@@ -7,45 +7,45 @@ the runtime only through the names exported here.
 import importlib
 
 # The public names and the submodule each comes from, imported on first use (PEP 562): a worker process
-# (and the zygote every local worker is forked from) imports ``runtime.worker_process`` through this
+# (and the zygote every local worker is forked from) imports ``runtime.worker.worker_process`` through this
 # package and needs none of the controller's modules.
 _LAZY = {
-    "TlsFiles": ("runtime.auth", "TlsFiles"),
-    "Controller": ("runtime.controller", "Controller"),
-    "ControllerObserver": ("runtime.controller_options", "ControllerObserver"),
-    "ControllerOptions": ("runtime.controller_options", "ControllerOptions"),
-    "RunResult": ("runtime.controller_options", "RunResult"),
-    "peak_rss_bytes": ("runtime.controller_options", "peak_rss_bytes"),
-    "RunState": ("runtime.run_state", "RunState"),
-    "replay_run_state": ("runtime.run_state", "replay_file"),
-    **{name: ("runtime.errors", name) for name in (
+    "TlsFiles": ("runtime.wire.auth", "TlsFiles"),
+    "Controller": ("runtime.control.controller", "Controller"),
+    "ControllerObserver": ("runtime.control.controller_options", "ControllerObserver"),
+    "ControllerOptions": ("runtime.control.controller_options", "ControllerOptions"),
+    "RunResult": ("runtime.control.controller_options", "RunResult"),
+    "peak_rss_bytes": ("runtime.control.controller_options", "peak_rss_bytes"),
+    "RunState": ("runtime.control.run_state", "RunState"),
+    "replay_run_state": ("runtime.control.run_state", "replay_file"),
+    **{name: ("runtime.core.errors", name) for name in (
         "BadInputError", "CapacityExhaustedError", "ClusterUnreachableError", "ElasticError",
         "ElasticTrainingFailedError", "PlatformMismatchError", "ReplicaDivergenceError", "StateLostError",
         "ProgramExportError", "ProtocolError", "RegistrationTimeoutError", "StaleEpochError", "StepAbortedError", "WorkerError", "WorkerLostError")},
-    "checkpoint_directory_problem": ("runtime.checkpoint_storage", "directory_problem"),
-    "locate_checkpoint": ("runtime.checkpointing", "locate_checkpoint"),
-    "newest_checkpoint": ("runtime.checkpointing", "newest_checkpoint"),
-    "EventLog": ("runtime.events", "EventLog"),
-    "read_events": ("runtime.events", "read_events"),
-    "EVENT_KINDS": ("runtime.event_kinds", "EVENT_KINDS"),
-    "EVENT_COMMON_FIELDS": ("runtime.event_kinds", "COMMON_FIELDS"),
-    "LEGACY_EVENT_KINDS": ("runtime.event_kinds", "LEGACY_KINDS"),
-    "EventKind": ("runtime.event_kinds", "EventKind"),
-    "EventFieldType": ("runtime.event_kinds", "FieldType"),
-    "check_event": ("runtime.event_kinds", "check_event"),
-    **{name: ("runtime.parts", name) for name in (
+    "checkpoint_directory_problem": ("runtime.state.checkpoint_storage", "directory_problem"),
+    "locate_checkpoint": ("runtime.control.checkpointing", "locate_checkpoint"),
+    "newest_checkpoint": ("runtime.control.checkpointing", "newest_checkpoint"),
+    "EventLog": ("runtime.core.events", "EventLog"),
+    "read_events": ("runtime.core.events", "read_events"),
+    "EVENT_KINDS": ("runtime.core.event_kinds", "EVENT_KINDS"),
+    "EVENT_COMMON_FIELDS": ("runtime.core.event_kinds", "COMMON_FIELDS"),
+    "LEGACY_EVENT_KINDS": ("runtime.core.event_kinds", "LEGACY_KINDS"),
+    "EventKind": ("runtime.core.event_kinds", "EventKind"),
+    "EventFieldType": ("runtime.core.event_kinds", "FieldType"),
+    "check_event": ("runtime.core.event_kinds", "check_event"),
+    **{name: ("runtime.wire.parts", name) for name in (
         "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "MAX_STEPS_AHEAD", "MIN_CHUNK_BYTES")},
-    "FAULT_ACTIONS": ("runtime.fault_injection", "ACTIONS"),
-    "FAULT_PHASES": ("runtime.fault_injection", "PHASES"),
-    **{name: ("runtime.microbatch", name) for name in ("Node", "assign_microbatches", "tree_reduce", "tree_sum")},
-    **{name: ("runtime.platforms", name) for name in (
+    "FAULT_ACTIONS": ("runtime.worker.fault_injection", "ACTIONS"),
+    "FAULT_PHASES": ("runtime.worker.fault_injection", "PHASES"),
+    **{name: ("runtime.core.microbatch", name) for name in ("Node", "assign_microbatches", "tree_reduce", "tree_sum")},
+    **{name: ("runtime.core.platforms", name) for name in (
         "default_worker_platform", "local_platform", "program_platforms")},
-    "MESH_AXIS": ("runtime.programs", "MESH_AXIS"),
-    "ProgramSet": ("runtime.programs", "ProgramSet"),
-    "program_fingerprint": ("runtime.fingerprint", "program_fingerprint"),
-    "default_snapshot_root": ("runtime.snapshot", "default_root"),
-    "ray_available": ("runtime.ray_launcher", "ray_available"),
-    "ray_cluster_problem": ("runtime.ray_launcher", "cluster_problem"),
+    "MESH_AXIS": ("runtime.core.programs", "MESH_AXIS"),
+    "ProgramSet": ("runtime.core.programs", "ProgramSet"),
+    "program_fingerprint": ("runtime.core.fingerprint", "program_fingerprint"),
+    "default_snapshot_root": ("runtime.state.snapshot", "default_root"),
+    "ray_available": ("runtime.launch.ray_launcher", "ray_available"),
+    "ray_cluster_problem": ("runtime.launch.ray_launcher", "cluster_problem"),
 }
 
 
@@ -64,37 +64,37 @@ def __dir__():
 
 
 def run_reference(*args, **kwargs):
-    """The same math in one process (ground truth); see :func:`runtime.reference.run_reference`. Imports JAX."""
-    from runtime.reference import run_reference as run
+    """The same math in one process (ground truth); see :func:`runtime.worker.reference.run_reference`. Imports JAX."""
+    from runtime.worker.reference import run_reference as run
 
     return run(*args, **kwargs)
 
 
 def run_reference_process(*args, **kwargs):
-    """The same math in a child process with the slice's CPU devices; see :mod:`runtime.reference`."""
-    from runtime.reference import run_reference_process as run
+    """The same math in a child process with the slice's CPU devices; see :mod:`runtime.worker.reference`."""
+    from runtime.worker.reference import run_reference_process as run
 
     return run(*args, **kwargs)
 
 
 def prestart_workers(options) -> None:
     """Starts the local workers' zygote ahead of a run of ``options`` (a ``ControllerOptions``); see
-    :func:`runtime.launcher.prestart_workers`."""
-    from runtime.launcher import prestart_workers as prestart
+    :func:`runtime.launch.launcher.prestart_workers`."""
+    from runtime.launch.launcher import prestart_workers as prestart
 
     prestart(options)
 
 
 def enable_compilation_cache(path: str) -> str:
-    """JAX's persistent compilation cache at ``path`` for this process ("": off); see :mod:`runtime.compile_cache`."""
-    from runtime.compile_cache import enable
+    """JAX's persistent compilation cache at ``path`` for this process ("": off); see :mod:`runtime.core.compile_cache`."""
+    from runtime.core.compile_cache import enable
 
     return enable(path)
 
 
 def worker_main(argv=None) -> None:
     """The worker process's entry point (``elastic worker``); imports JAX, so set ``XLA_FLAGS`` first."""
-    from runtime.worker_process import main
+    from runtime.worker.worker_process import main
 
     main(argv)
 

@@ -149,7 +149,7 @@ def run(out: pathlib.Path, name: str, hardware: str, args, *, highest: bool = Tr
 
 def final_state(run_dir: str, step: int):
     """The leaves of the checkpoint a run wrote after its last step."""
-    from runtime.checkpoint import CheckpointStore
+    from runtime.state.checkpoint import CheckpointStore
 
     return CheckpointStore(os.path.join(run_dir, "checkpoints")).restore(step).leaves
 

@@ -51,5 +51,5 @@ for name in $needed; do
     install "$wheel" || exit 3
 done
 export PYTHONPATH="$SITE:$PWD"
-python3 -c "import elastic.cli, runtime.worker_process" || { echo "gpu_check.sh: this project does not import" >&2; exit 3; }
+python3 -c "import elastic.cli, runtime.worker.worker_process" || { echo "gpu_check.sh: this project does not import" >&2; exit 3; }
 python3 scripts/gpu_check.py "$@"

@@ -82,8 +82,7 @@ def pem(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1 (its own CA), made with the openssl command."""
     if shutil.which("openssl") is None:
         pytest.fail("the openssl command is needed to make a test certificate (Debian package openssl)")
-    from runtime import auth
-
+    from runtime.wire import auth
     d = tmp_path_factory.mktemp("pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                     "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=localhost",

@@ -9,7 +9,7 @@ nothing of the chaos package that emits them.
 Every event is checked once, before the fold, against :data:`READS` (each
 kind's fields that the fold, goodput or the renderers read) with the types the
 log's one schema declares for them (``runtime.EVENT_KINDS``, from
-``runtime/event_kinds.py``, which the writer checks every event against): a
+``runtime/core/event_kinds.py``, which the writer checks every event against): a
 malformed event (not an object, a missing field, a field of the wrong type, a
 time that is not a finite number) raises ``ValueError`` naming the event
 (1-based) and the field. The fold is laxer than the writer so that old logs
@@ -33,7 +33,7 @@ __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "
 REPORT_VERSION = 1
 
 
-#: Marks a field the fold reads with the type the schema declares for it (``runtime/event_kinds.py``).
+#: Marks a field the fold reads with the type the schema declares for it (``runtime/core/event_kinds.py``).
 TYPED = None
 #: Marks a field the fold copies into the report verbatim: any value folds (report schema validation judges it).
 _ANY = EventFieldType("anything", lambda v: True)
@@ -75,7 +75,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
 
 _UNDECLARED = sorted(f"{k}.{f}" for k, (need, may) in READS.items() for f in {**need, **may}
                      if k not in EVENT_KINDS or f not in EVENT_KINDS[k].fields())
-assert not _UNDECLARED, f"the fold reads fields runtime/event_kinds.py does not declare: {_UNDECLARED}"
+assert not _UNDECLARED, f"the fold reads fields runtime/core/event_kinds.py does not declare: {_UNDECLARED}"
 
 #: kind -> (required fields, optional fields), each with the type the fold checks: :data:`READS` with the
 #: schema's types filled in (besides ``t``, a finite number, and ``kind``, a string, which every event has).

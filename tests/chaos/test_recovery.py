@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from runtime import auth
+from runtime.wire import auth
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from tests.conftest import run_cli
@@ -56,8 +56,8 @@ def test_shrink_then_grow_back_when_the_relaunched_worker_joins(tmp_path):
 
 def test_a_process_without_the_run_secret_is_refused(tmp_path):
     """A fresh worker server (with a secret) refuses callers that lack it."""
-    from runtime import rpc
-    from runtime.worker import WorkerService
+    from runtime.wire import rpc
+    from runtime.worker.worker import WorkerService
 
     server, port = rpc.make_server(secret="s3cret")
     pb_grpc.add_WorkerServicer_to_server(WorkerService("run", "w"), server)

@@ -1,6 +1,6 @@
 """Worker hardening on real worker processes over real gRPC: the lease, prompt exits, security events.
 
-The controller is the real registration service (``runtime.registry.Registry``) on a real server, and
+The controller is the real registration service (``runtime.control.registry.Registry``) on a real server, and
 the test drives the worker with the controller's calls itself, so each test decides exactly who talks to the
 worker and when. Each worker's log is kept in the test's ``tmp_path``.
 """
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime import auth, rpc
+from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.events import EventLog, read_events
-from runtime.registry import Registry
+from runtime.core.events import EventLog, read_events
+from runtime.control.registry import Registry
 from tests.conftest import ROOT
 
 RUN = "run-hardening"
@@ -66,7 +66,7 @@ class Controller:
 
 
 def worker_command(controller: Controller, worker_id: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "runtime.worker_process", "--controller", controller.address, "--run-id", RUN,
+    return [sys.executable, "-m", "runtime.worker.worker_process", "--controller", controller.address, "--run-id", RUN,
             "--worker-id", worker_id, *extra]
 
 
@@ -349,8 +349,8 @@ def test_a_worker_whose_parent_dies_during_a_long_compile_exits_at_once(tmp_path
 
 def test_refused_calls_are_counted_by_the_worker_and_reach_the_event_log(tmp_path):
     """Callers without (or with a wrong) secret are counted per method, peer host and reason, not per call."""
-    from runtime.controller_options import ControllerOptions
-    from runtime.worker_group import WorkerGroup
+    from runtime.control.controller_options import ControllerOptions
+    from runtime.control.worker_group import WorkerGroup
 
     programs = tiny_programs()
     events = EventLog(tmp_path / "events.jsonl")

@@ -9,17 +9,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from runtime import rpc
-from runtime.health import HealthMonitor, failure_of
-from runtime.health_schedule import Schedule, wait_seconds
-from runtime.policy import reprobe_wait
+from runtime.wire import rpc
+from runtime.control.health import HealthMonitor, failure_of
+from runtime.control.health_schedule import Schedule, wait_seconds
+from runtime.control.policy import reprobe_wait
 from tests.conftest import ROOT
 
 SERVER = f"""
 import sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from runtime import rpc
+from runtime.wire import rpc
 server, port = rpc.make_server()
 servicer = health.HealthServicer()
 health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

@@ -8,7 +8,7 @@ import time
 import cloudpickle
 import numpy as np
 
-from runtime.reference import run_reference, run_reference_process
+from runtime.worker.reference import run_reference, run_reference_process
 from tests.conftest import processes
 from tests.integration.test_hardening_worker import tiny_programs
 

@@ -2,7 +2,7 @@
 
 One real worker process (chaos off, no lease) holds a freshly initialized state. Each example sends one
 malformed, truncated, oversized or out-of-order message and checks that it is refused with a status that
-``runtime.rpc.to_error`` maps to a typed error (never INTERNAL with a traceback), that the worker process lives,
+``runtime.wire.rpc.to_error`` maps to a typed error (never INTERNAL with a traceback), that the worker process lives,
 and that its state hash and applied step are what they were. The last test shows it still runs a valid step.
 Examples are derandomized (the same every run) and no example database is written.
 """
@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import auth, rpc
+from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.parts import checksum
-from runtime.state_copy import state_sha256
-from runtime.errors import ProtocolError, StaleEpochError, StepAbortedError
+from runtime.wire.parts import checksum
+from runtime.state.state_copy import state_sha256
+from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from tests.integration.test_hardening_worker import (RUN, SECRET, Controller, load_request, member, start_worker, stop,
                                                      tiny_programs)
 

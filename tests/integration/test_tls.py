@@ -4,7 +4,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime import auth, rpc
+from runtime.wire import auth, rpc
 from tests.conftest import run_cli
 
 

@@ -1,4 +1,4 @@
-"""An in-process stand-in for ``runtime.worker_group.WorkerGroup``: the controller's state machine without processes.
+"""An in-process stand-in for ``runtime.control.worker_group.WorkerGroup``: the controller's state machine without processes.
 
 Each fake worker holds a replica as a hash chain over the steps it applied,
 so two replicas agree exactly when they applied the same steps. A step's
@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import queue
 
-from runtime.errors import RegistrationTimeoutError, WorkerLostError
-from runtime.policy import WorkerInfo, may_relaunch
-from runtime.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
+from runtime.core.errors import RegistrationTimeoutError, WorkerLostError
+from runtime.control.policy import WorkerInfo, may_relaunch
+from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 
 
 def loss_sum(step: int) -> float:

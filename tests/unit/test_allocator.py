@@ -1,4 +1,4 @@
-"""runtime.allocator: a freed large buffer's pages are reused, not faulted in again (in a child process each)."""
+"""runtime.core.allocator: a freed large buffer's pages are reused, not faulted in again (in a child process each)."""
 
 import ctypes
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 CHILD = """
 import resource, sys
 import numpy as np
-from runtime.allocator import retain_freed_memory
+from runtime.core.allocator import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 

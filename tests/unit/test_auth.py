@@ -1,4 +1,4 @@
-"""runtime.auth against a real gRPC server on 127.0.0.1 (no mocks)."""
+"""runtime.wire.auth against a real gRPC server on 127.0.0.1 (no mocks)."""
 
 import datetime
 import ipaddress
@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from runtime.auth import (
+from runtime.wire.auth import (
     METADATA_KEY,
     Refusals,
     SecretServerInterceptor,
@@ -268,14 +268,14 @@ def test_refusals_keep_a_bounded_number_of_keys():
 
 def test_refusals_log_the_first_of_a_key_then_at_most_once_per_period(caplog):
     refusals = Refusals(log_seconds=3600)
-    with caplog.at_level("WARNING", logger="runtime.auth"):
+    with caplog.at_level("WARNING", logger="runtime.wire.auth"):
         for _ in range(100):
             refusals.record(ECHO, "ipv4:10.0.0.1:5", "missing run secret")
         refusals.record(ECHO, "ipv4:10.0.0.9:5", "wrong run secret")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "10.0.0.1" in lines[0] and "10.0.0.9" in lines[1]
     every = Refusals(log_seconds=0)
-    with caplog.at_level("WARNING", logger="runtime.auth"):
+    with caplog.at_level("WARNING", logger="runtime.wire.auth"):
         caplog.clear()
         for _ in range(3):
             every.record(ECHO, "ipv4:10.0.0.1:5", "missing run secret")

@@ -1,4 +1,4 @@
-"""runtime/checkpoint.py: persistent checkpoints with real orbax, on a local disk and on a real GCS protocol server.
+"""runtime/state/checkpoint.py: persistent checkpoints with real orbax, on a local disk and on a real GCS protocol server.
 
 GCS runs against fake-gcs-server on loopback (tests/gcs_emulator.py), through
 the same clients as production: tensorstore, gcsfs, google-cloud-storage.
@@ -22,14 +22,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime.checkpoint import (
+from runtime.state.checkpoint import (
     CheckpointPruneError,
     CheckpointSaveError,
     CheckpointStore,
     CheckpointTimeoutError,
 )
-from runtime.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError, Skipped
-from runtime.state_copy import state_sha256
+from runtime.state.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError, Skipped
+from runtime.state.state_copy import state_sha256
 from tests.gcs_emulator import GcsEmulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -149,8 +149,8 @@ def test_sync_save_commits_before_returning(tmp_path):
 _CHILD = r"""
 import os, signal, sys, time
 import numpy as np
-from runtime.checkpoint import CheckpointStore
-from runtime.state_copy import state_sha256
+from runtime.state.checkpoint import CheckpointStore
+from runtime.state.state_copy import state_sha256
 
 directory, mib = sys.argv[1], int(sys.argv[2])
 store = CheckpointStore(directory)          # a gs:// directory finds the emulator in $STORAGE_EMULATOR_HOST

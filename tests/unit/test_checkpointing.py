@@ -1,4 +1,4 @@
-"""The controller's side of persistent checkpoints (runtime.checkpointing), over a group that answers from a table
+"""The controller's side of persistent checkpoints (runtime.control.checkpointing), over a group that answers from a table
 and a real local checkpoint store."""
 
 import dataclasses
@@ -6,9 +6,9 @@ import types
 
 import numpy as np
 
-from runtime.checkpoint import CheckpointStore
-from runtime.checkpointing import Checkpointing
-from runtime.executor import state_sha256
+from runtime.state.checkpoint import CheckpointStore
+from runtime.control.checkpointing import Checkpointing
+from runtime.worker.executor import state_sha256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ def test_the_programs_fingerprint_ignores_source_locations_and_names_but_not_the
     import jax
     import jax.numpy as jnp
 
-    from runtime.fingerprint import legacy_programs_fingerprint, programs_fingerprint
+    from runtime.core.fingerprint import legacy_programs_fingerprint, programs_fingerprint
 
     code = "\n\n\ndef step(x):\n    return jnp.sin(x) * 2\n\n\ndef other(x):\n    return jnp.cos(x) * 2\n"
     ns = {"jnp": jnp}

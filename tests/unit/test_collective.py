@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.parts import REDUCE_SCATTER, chunk_bounds, inline, pieces
-from runtime.mailbox import Mailbox
-from runtime.errors import ProtocolError, StepAbortedError
-from runtime.microbatch import Node
+from runtime.wire.parts import REDUCE_SCATTER, chunk_bounds, inline, pieces
+from runtime.worker.mailbox import Mailbox
+from runtime.core.errors import ProtocolError, StepAbortedError
+from runtime.core.microbatch import Node
 
 FENCE = pb.Fence(run_id="r", epoch=1)
 
@@ -60,7 +60,7 @@ def test_the_fence_check_runs_on_every_chunk():
 
 
 def test_an_all_gather_piece_lands_in_the_buffer_it_was_asked_into_once():
-    from runtime.parts import ALL_GATHER
+    from runtime.wire.parts import ALL_GATHER
     out = np.zeros(16, np.float32)
     box = Mailbox()
     box.deliver_into(1, 0, ALL_GATHER, {1: out[8:]})
@@ -75,7 +75,7 @@ def test_an_all_gather_piece_lands_in_the_buffer_it_was_asked_into_once():
 
 
 def test_a_piece_of_another_size_or_epoch_never_lands_in_the_asked_buffer():
-    from runtime.parts import ALL_GATHER
+    from runtime.wire.parts import ALL_GATHER
     out = np.zeros(16, np.float32)
     box = Mailbox()
     box.deliver_into(1, 0, ALL_GATHER, {1: out[8:]})

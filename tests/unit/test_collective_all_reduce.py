@@ -1,4 +1,4 @@
-"""The all-reduce of runtime.collective, several ranks in threads over an in-memory transport."""
+"""The all-reduce of runtime.worker.collective, several ranks in threads over an in-memory transport."""
 
 import threading
 import time
@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.collective import ONE_ROUND_BYTES, AllReduce
-from runtime.parts import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, checked_chunk_bytes, checksum,
+from runtime.worker.collective import ONE_ROUND_BYTES, AllReduce
+from runtime.wire.parts import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, checked_chunk_bytes, checksum,
                            chunk_bounds, inline)
-from runtime.errors import ProtocolError, StepAbortedError
-from runtime.executor import add_f32
-from runtime.mailbox import Mailbox
-from runtime.microbatch import Node, assign_microbatches, root, tree_reduce
+from runtime.core.errors import ProtocolError, StepAbortedError
+from runtime.worker.executor import add_f32
+from runtime.worker.mailbox import Mailbox
+from runtime.core.microbatch import Node, assign_microbatches, root, tree_reduce
 
 FENCE = pb.Fence(run_id="r", epoch=1)
 SIZE = 1001   # not a multiple of any rank count: uneven chunks
@@ -27,7 +27,7 @@ def leaves(num_microbatches, seed=0):
 
 
 def canonical(values):
-    """``runtime.microbatch.tree_reduce`` of every microbatch in one place: the bits to match."""
+    """``runtime.core.microbatch.tree_reduce`` of every microbatch in one place: the bits to match."""
     return tree_reduce({Node(0, mb): v for mb, v in values.items()}, root(len(values)), add_f32)
 
 

@@ -1,4 +1,4 @@
-"""runtime.compile_cache: a program compiled by one process is loaded, not compiled, by the next."""
+"""runtime.core.compile_cache: a program compiled by one process is loaded, not compiled, by the next."""
 
 import json
 import os
@@ -11,7 +11,7 @@ _PROBE = r"""
 import json, sys
 import jax, jax.numpy as jnp
 from jax import monitoring
-from runtime.compile_cache import enable
+from runtime.core.compile_cache import enable
 
 hits = []
 monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
@@ -43,7 +43,7 @@ def test_an_empty_path_turns_the_cache_off(tmp_path):
 
 
 def test_a_program_set_is_known_as_held_only_once_marked_and_only_for_the_same_programs_and_devices(tmp_path):
-    from runtime.compile_cache import holds, mark_held
+    from runtime.core.compile_cache import holds, mark_held
 
     programs = {"grad": b"g", "apply": b"a"}
     assert not holds(str(tmp_path), programs, 2)

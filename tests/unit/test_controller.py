@@ -8,8 +8,8 @@ import pytest
 
 from runtime import (CapacityExhaustedError, ControllerObserver, EventLog, ReplicaDivergenceError, RunState,
                      StateLostError, read_events)
-from runtime.controller import Controller, Phase
-from runtime.controller_options import ControllerOptions
+from runtime.control.controller import Controller, Phase
+from runtime.control.controller_options import ControllerOptions
 from tests.unit.fake_group import FakeGroup, loss_sum
 
 M = 4   # microbatches per step

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import auth, rpc
+from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
-from runtime.parts import REDUCE_SCATTER, pieces
-from runtime.mailbox import Mailbox
-from runtime.state_copy import assemble_state, state_chunks, state_sha256
-from runtime.dataplane import DataServer
-from runtime.dataplane_client import DataClient, RemoteError
-from runtime.errors import ProtocolError, StaleEpochError
-from runtime.microbatch import Node
+from runtime.wire.parts import REDUCE_SCATTER, pieces
+from runtime.worker.mailbox import Mailbox
+from runtime.state.state_copy import assemble_state, state_chunks, state_sha256
+from runtime.wire.dataplane import DataServer
+from runtime.wire.dataplane_client import DataClient, RemoteError
+from runtime.core.errors import ProtocolError, StaleEpochError
+from runtime.core.microbatch import Node
 
 FENCE = pb.Fence(run_id="r", epoch=1)
 SECRET = "s3cret"
@@ -108,7 +108,7 @@ def test_malformed_frames_close_the_connection_and_the_server_keeps_serving(peer
     with socket.create_connection(("127.0.0.1", peer.server.port), timeout=5) as s:
         hello = s.recv(64)
         if not garbage.startswith(b"GET"):
-            from runtime.dataplane_wire import HELLO, handshake_mac
+            from runtime.wire.dataplane_wire import HELLO, handshake_mac
             s.sendall(HELLO.pack(b"JXDP", 1, handshake_mac(SECRET, hello[6:38])))
             assert s.recv(1) == b"\x01"
         s.sendall(garbage)
@@ -172,7 +172,7 @@ def test_mutual_tls_carries_a_push_and_refuses_a_plain_client(pem):
 @given(garbage=st.binary(max_size=300), frames=st.lists(st.tuples(st.integers(0, 7), st.binary(max_size=40),
                                                                   st.integers(0, 64)), max_size=4))
 def test_random_bytes_and_frames_after_the_handshake_never_harm_the_server(peer, garbage, frames):
-    from runtime.dataplane_wire import FRAME, HELLO, handshake_mac
+    from runtime.wire.dataplane_wire import FRAME, HELLO, handshake_mac
     with socket.create_connection(("127.0.0.1", peer.server.port), timeout=5) as s:
         hello = s.recv(HELLO.size)
         s.sendall(HELLO.pack(b"JXDP", 1, handshake_mac(SECRET, hello[6:38])))

@@ -1,4 +1,4 @@
-"""The event log's one schema (``runtime/event_kinds.py``) and the code that writes and reads it agree.
+"""The event log's one schema (``runtime/core/event_kinds.py``) and the code that writes and reads it agree.
 
 * Every kind emitted anywhere (``<log>.emit("kind", ...)`` in ``runtime``,
   ``elastic``, ``chaos``, ``integrations``) is declared, and every declared kind
@@ -80,7 +80,7 @@ def emitted_kinds() -> dict[str, list[str]]:
 def test_every_kind_emitted_anywhere_is_declared_and_every_declared_kind_is_emitted():
     emitted = emitted_kinds()
     undeclared = {k: v for k, v in emitted.items() if k not in EVENT_KINDS}
-    assert not undeclared, f"emitted but not declared in runtime/event_kinds.py: {undeclared}"
+    assert not undeclared, f"emitted but not declared in runtime/core/event_kinds.py: {undeclared}"
     # events_dropped is written by EventLog.close itself, not through emit.
     unused = set(EVENT_KINDS) - set(emitted) - set(LEGACY_EVENT_KINDS) - {"events_dropped"}
     assert not unused, f"declared but emitted nowhere (emit them, or list them in LEGACY_KINDS): {sorted(unused)}"

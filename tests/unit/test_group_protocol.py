@@ -1,12 +1,12 @@
-"""``WorkerGroup`` and the unit tests' fake group implement one ``runtime.group.Group``: every member, with the
+"""``WorkerGroup`` and the unit tests' fake group implement one ``runtime.control.group.Group``: every member, with the
 same parameters, so a test stepping the controller against the fake steps what production runs."""
 
 import inspect
 
 import pytest
 
-from runtime.group import Group
-from runtime.worker_group import WorkerGroup
+from runtime.control.group import Group
+from runtime.control.worker_group import WorkerGroup
 from tests.unit.fake_group import FakeGroup
 
 METHODS = sorted(name for name, value in vars(Group).items() if callable(value) and not name.startswith("_"))
@@ -30,7 +30,7 @@ def test_the_controllers_calls_are_all_in_the_protocol():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[2] / "runtime"
+    root = pathlib.Path(__file__).resolve().parents[2] / "runtime" / "control"
     used = set()
     for module in ("controller", "startup", "membership", "shadows", "snapshotting", "checkpointing", "watchdog"):
         text = (root / f"{module}.py").read_text()
@@ -39,8 +39,8 @@ def test_the_controllers_calls_are_all_in_the_protocol():
 
 
 def test_the_fake_has_the_protocols_attributes(tmp_path):
-    from runtime.controller_options import ControllerOptions
-    from runtime.events import EventLog
+    from runtime.control.controller_options import ControllerOptions
+    from runtime.core.events import EventLog
 
     options = ControllerOptions(slices=2, devices_per_slice=2, run_dir=str(tmp_path))
     fake = FakeGroup(options, EventLog(tmp_path / "events.jsonl"))

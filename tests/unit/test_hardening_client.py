@@ -327,7 +327,7 @@ def test_elastic_disabled_counts_no_spares():
 
 def test_worker_starts_are_paced_past_the_burst():
     """The token bucket's decisions, on a fake clock: a burst at once, then one start per 1/rate seconds."""
-    from runtime.launcher import LAUNCH_BURST, LAUNCH_RATE, _TokenBucket
+    from runtime.launch.launcher import LAUNCH_BURST, LAUNCH_RATE, _TokenBucket
 
     now = [0.0]
     slept = []

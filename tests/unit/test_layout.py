@@ -27,7 +27,7 @@ REPORT = "elastic.report"
 PUBLIC_USERS = ("elastic", "chaos", "integrations", "benchmarks", "scripts")
 # Benchmarks of one runtime module in isolation, exempt like tests: the health monitor and the
 # registry against thousands of simulated workers; the GPU check reads its runs' final checkpoints
-# with the runtime's own reader (runtime.checkpoint.CheckpointStore).
+# with the runtime's own reader (runtime.state.checkpoint.CheckpointStore).
 MEASURES_INTERNALS = ("benchmarks/control_plane_scale.py", "scripts/gpu_check.py")
 
 
@@ -111,10 +111,10 @@ def test_nothing_outside_runtime_reaches_into_its_modules():
 
 
 def test_imports_are_resolved_wherever_they_are_written():
-    src = ("import runtime.controller\nfrom runtime import worker\nfrom ..config import X\nfrom . import fold\n"
+    src = ("import runtime.control.controller\nfrom runtime import worker\nfrom ..config import X\nfrom . import fold\n"
            "def f():\n    from chaos.spec import KINDS\n")
     assert list(imports(src, "elastic.report")) == [
-        ("runtime.controller", None), ("runtime", ("worker",)), ("elastic.config", ("X",)),
+        ("runtime.control.controller", None), ("runtime", ("worker",)), ("elastic.config", ("X",)),
         ("elastic.report", ("fold",)), ("chaos.spec", ("KINDS",))]
 
 
@@ -170,3 +170,36 @@ def test_no_import_cycle_anywhere():
         if node not in state:
             visit(node, [node])
     assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
+
+
+# Inside runtime/: the layers of the two programs (each subpackage's __init__ docstring says the same). A module
+# imports only its own subpackage, the ones listed here, and the generated runtime._proto; runtime/__init__ (the
+# public surface, lazily) may name any of them.
+RUNTIME_LAYERS = {
+    "core": set(),
+    "wire": {"core"},
+    "state": {"core", "wire"},
+    "worker": {"core", "wire", "state"},
+    "launch": {"core", "wire", "worker"},
+    "control": {"core", "wire", "state", "launch"},
+}
+
+
+def test_runtime_is_its_subpackages_and_their_imports_flow_one_way():
+    flat = [rel(f) for f in (ROOT / "runtime").glob("*.py") if f.name != "__init__.py"]
+    assert not flat, f"a runtime module belongs in one of its subpackages {sorted(RUNTIME_LAYERS)}: {flat}"
+    found = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()} - {"_proto"}
+    assert found == set(RUNTIME_LAYERS), f"runtime's subpackages are {sorted(found)}: declare each in RUNTIME_LAYERS"
+    bad = []
+    for layer, allowed in RUNTIME_LAYERS.items():
+        assert ast.get_docstring(ast.parse((ROOT / "runtime" / layer / "__init__.py").read_text())), layer
+        for f in py_files(f"runtime/{layer}"):
+            for module, names in file_imports(f):
+                parts = module.split(".")
+                if parts[0] != "runtime" or parts[1:2] in ([layer], ["_proto"]):
+                    continue
+                if len(parts) == 1:   # from runtime import X: the package's public surface, i.e. every layer
+                    bad.append(f"{rel(f)} imports from runtime itself (import the module it lives in)")
+                elif parts[1] not in allowed:
+                    bad.append(f"{rel(f)} ({layer}) imports {module}")
+    assert not bad, bad

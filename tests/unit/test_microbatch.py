@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from runtime.executor import add_f32
-from runtime.microbatch import Node, assign_microbatches, decompose, root, tree_reduce, tree_sum
+from runtime.worker.executor import add_f32
+from runtime.core.microbatch import Node, assign_microbatches, decompose, root, tree_reduce, tree_sum
 
 
 def test_decompose_gives_maximal_aligned_blocks():

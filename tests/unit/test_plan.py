@@ -3,9 +3,9 @@ test_policy.py and test_tiers.py)."""
 
 import pytest
 
-from runtime.plan import Action, Change, Facts, Failure, plan_change
-from runtime.policy import Placement, WorkerInfo
-from runtime.tiers import Holding
+from runtime.control.plan import Action, Change, Facts, Failure, plan_change
+from runtime.control.policy import Placement, WorkerInfo
+from runtime.control.tiers import Holding
 
 P = Placement(epoch=3, active=("a", "b"), spares=("s",))
 LIMITS = {"slices": 2, "min_slices": 1, "max_retries": 5, "recoveries": 1, "committed": 7}

@@ -13,14 +13,15 @@ from elastic.cli_support import bundled_trainer, set_platform
 from elastic.config import Config, ConfigError
 from elastic.config_checks import HARDWARE
 from elastic.config_loading import load_config
-from runtime import PlatformMismatchError, ProtocolError, program_platforms, rpc
+from runtime import PlatformMismatchError, ProtocolError, program_platforms
+from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.executor import SliceExecutor
-from runtime.child_env import jax_child_env
-from runtime.launcher import LocalLauncher
-from runtime.platforms import canonical_platform, check_runnable, default_worker_platform, local_platform
-from runtime.worker import WorkerService
+from runtime.worker.executor import SliceExecutor
+from runtime.core.child_env import jax_child_env
+from runtime.launch.launcher import LocalLauncher
+from runtime.core.platforms import canonical_platform, check_runnable, default_worker_platform, local_platform
+from runtime.worker.worker import WorkerService
 
 
 # --------------------------------------------------------------------------- the config key

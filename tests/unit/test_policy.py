@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from runtime.microbatch import Node
-from runtime.policy import WorkerInfo, checkpoint_writer, place, plan_step
+from runtime.core.microbatch import Node
+from runtime.control.policy import WorkerInfo, checkpoint_writer, place, plan_step
 
 
 def workers(*devices):
@@ -28,7 +28,7 @@ def test_plan_step_assigns_subtrees_in_vslice_order():
 
 
 def test_holding_up_singles_out_the_worker_computing_while_peers_wait():
-    from runtime.policy import holding_up
+    from runtime.control.policy import holding_up
 
     waiting = {"w0": (7, "reduce", 3.0), "w1": (7, "grad", 3.1), "w2": (7, "reduce", 2.9)}
     assert holding_up(waiting, 7) == ["w1"]
@@ -41,7 +41,7 @@ def test_holding_up_singles_out_the_worker_computing_while_peers_wait():
 
 
 def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
-    from runtime.policy import StragglerDetector, StragglerPolicy
+    from runtime.control.policy import StragglerDetector, StragglerPolicy
 
     d = StragglerDetector(StragglerPolicy(factor=3.0, patience=2, min_seconds=0.0))
     slow = {"w0": 0.01, "w1": 0.05, "w2": 0.01}
@@ -54,9 +54,9 @@ def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
 
 # -- table-driven tests of every decision ----------------------------------------
 
-from runtime.plan import (Action, Failure, RecoveryDecision, capacity_timed_out, decide_grow,  # noqa: E402
+from runtime.control.plan import (Action, Failure, RecoveryDecision, capacity_timed_out, decide_grow,  # noqa: E402
                           decide_recovery, decide_swap, membership_change_due, plan_realign)
-from runtime.policy import Placement, is_suspect, may_relaunch, reprobe_wait, watchdog_limit  # noqa: E402
+from runtime.control.policy import Placement, is_suspect, may_relaunch, reprobe_wait, watchdog_limit  # noqa: E402
 
 P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
 ALL = set(P.members)
@@ -120,7 +120,8 @@ def test_running_out_of_retries_names_the_limit(recoveries, max_retries, why):
 
 def test_reasons_speak_the_runtimes_terms_not_the_configs():
     # runtime knows nothing of elastic: a reason names ControllerOptions fields, never a config key
-    src = (pathlib.Path(__file__).parents[2] / "runtime" / "policy.py").read_text()
+    src = "".join((pathlib.Path(__file__).parents[2] / "runtime" / "control" / f).read_text()
+                  for f in ("policy.py", "plan.py", "membership.py"))
     assert not re.findall(r"\belastic_\w+|\benable_checkpointing\b", src)
 
 
@@ -222,7 +223,7 @@ def _workers(*devices):
     ((2, 4), (), 2, Action.FAIL, (), (), "also registered: workers with [4] devices"),
 ])
 def test_decide_start(devices, lost, min_slices, action, active, spares, why):
-    from runtime.plan import decide_start
+    from runtime.control.plan import decide_start
 
     d = decide_start(2, 2, _workers(*devices), lost=lost, min_slices=min_slices)
     assert d.action is action and why in d.reason
@@ -293,7 +294,7 @@ def test_only_a_fail_carries_a_failure(case):
 
 
 def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures():
-    from runtime.plan import decide_start
+    from runtime.control.plan import decide_start
 
     wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
     assert wait.failure is None and capacity_timed_out(wait, 7.0).failure is Failure.CAPACITY
@@ -304,7 +305,7 @@ def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures()
                                            (Failure.STATE_LOST, "StateLostError")])
 def test_each_failure_raises_its_own_type(failure, error):
     from runtime import CapacityExhaustedError
-    from runtime.membership import failed
+    from runtime.control.membership import failed
 
     err = failed(RecoveryDecision(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
     assert type(err).__name__ == error and isinstance(err, CapacityExhaustedError)

@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from runtime.errors import ClusterUnreachableError
-from runtime.ray_launcher import _host_port, connect
+from runtime.core.errors import ClusterUnreachableError
+from runtime.launch.ray_launcher import _host_port, connect
 from tests.conftest import run_cli
 
 

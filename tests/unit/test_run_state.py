@@ -7,7 +7,7 @@ import pytest
 
 from chaos.verdict import judge
 from runtime import EventLog, RunState, read_events
-from runtime.policy import Placement
+from runtime.control.policy import Placement
 
 
 def ev(kind, **fields):

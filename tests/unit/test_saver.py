@@ -1,11 +1,11 @@
-"""The worker's background checkpoint writer (runtime.saver), over a store that records what it is given."""
+"""The worker's background checkpoint writer (runtime.worker.saver), over a store that records what it is given."""
 
 import threading
 
 import numpy as np
 
-from runtime.executor import state_sha256
-from runtime.saver import CheckpointWriter, Drained
+from runtime.worker.executor import state_sha256
+from runtime.worker.saver import CheckpointWriter, Drained
 
 
 class Store:
@@ -106,7 +106,7 @@ def test_a_warm_up_left_behind_by_a_killed_worker_is_removed_by_the_next_warm_up
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
     stuck = textwrap.dedent("""
         import threading, time
-        from runtime.saver import CheckpointWriter
+        from runtime.worker.saver import CheckpointWriter
         def store_for(path):   # the warm-up is under way: its directory exists; never finishes
             print("warming", flush=True)
             threading.Event().wait()
@@ -126,7 +126,7 @@ def test_a_warm_up_left_behind_by_a_killed_worker_is_removed_by_the_next_warm_up
     live.mkdir()
     again = textwrap.dedent("""
         import threading
-        from runtime.saver import CheckpointWriter
+        from runtime.worker.saver import CheckpointWriter
         class Store:
             def __init__(self, path): pass
             def save(self, *a, **k): pass
@@ -162,7 +162,7 @@ class _Faults:
 
 
 def test_an_armed_kill_save_cuts_off_the_save_being_written_on_local_disk_and_gcs():
-    from runtime.worker_state import strike_save_in_progress
+    from runtime.worker.worker_state import strike_save_in_progress
 
     for leftover in ("/ck/8.orbax-checkpoint-tmp-1712", "gs://b/run/8"):   # local: renamed at the end; GCS: in place
         writer = CheckpointWriter(store_for=lambda d: None)

@@ -1,7 +1,7 @@
-"""Shadow-spare bookkeeping (runtime.shadows) over a group whose step outcomes the test decides."""
+"""Shadow-spare bookkeeping (runtime.control.shadows) over a group whose step outcomes the test decides."""
 
-from runtime.errors import StepAbortedError
-from runtime.shadows import Shadows
+from runtime.core.errors import StepAbortedError
+from runtime.control.shadows import Shadows
 
 
 class Fut:

@@ -1,5 +1,5 @@
-"""runtime/snapshot.py: in-memory snapshot files (complete or absent, verified on read), their copies to another
-host, and the controller's bookkeeping of them (runtime/snapshotting.py, runtime.policy.snapshot_order)."""
+"""runtime/state/snapshot.py: in-memory snapshot files (complete or absent, verified on read), their copies to another
+host, and the controller's bookkeeping of them (runtime/control/snapshotting.py, runtime.control.policy.snapshot_order)."""
 
 import os
 
@@ -7,13 +7,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError
-from runtime.state_copy import state_sha256
-from runtime.events import EventLog, read_events
-from runtime.policy import Placement, snapshot_order
-from runtime.snapshot import KEEP, SnapshotStore, host_directory
-from runtime.snapshotting import Snapshotting
-from runtime.calls import WorkerStatus
+from runtime.state.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError
+from runtime.state.state_copy import state_sha256
+from runtime.core.events import EventLog, read_events
+from runtime.control.policy import Placement, snapshot_order
+from runtime.state.snapshot import KEEP, SnapshotStore, host_directory
+from runtime.control.snapshotting import Snapshotting
+from runtime.control.calls import WorkerStatus
 
 LEAVES = [np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((0, 4), np.int32),
           np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16), np.int32(7)]

@@ -1,4 +1,4 @@
-"""runtime/tiers.py: which tier a recovery takes the state from, and what elastic_backup_kind means."""
+"""runtime/control/tiers.py: which tier a recovery takes the state from, and what elastic_backup_kind means."""
 
 import random
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.tiers import BACKUP_KINDS, FAIL, TIERS, Holding, TierChoice, backup_tier, choose_source
+from runtime.control.tiers import BACKUP_KINDS, FAIL, TIERS, Holding, TierChoice, backup_tier, choose_source
 
 H = Holding
 

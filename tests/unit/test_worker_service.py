@@ -7,16 +7,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime import FAULT_ACTIONS, auth, rpc
+from runtime import FAULT_ACTIONS
+from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.parts import checksum, inline
-from runtime.state_copy import assemble_state, state_chunks, state_sha256
-from runtime.errors import ProtocolError
-from runtime.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
-from runtime.microbatch import assign_microbatches
-from runtime.requests import check_step_request
-from runtime.worker import WorkerService
+from runtime.wire.parts import checksum, inline
+from runtime.state.state_copy import assemble_state, state_chunks, state_sha256
+from runtime.core.errors import ProtocolError
+from runtime.worker.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
+from runtime.core.microbatch import assign_microbatches
+from runtime.wire.requests import check_step_request
+from runtime.worker.worker import WorkerService
 
 FENCE = pb.Fence(run_id="run", epoch=1)
 
@@ -269,7 +270,7 @@ def test_a_state_of_another_layout_or_hash_is_refused_before_it_is_adopted():
 
 
 def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memory_back(worker, tmp_path):
-    from runtime.snapshot import SnapshotStore
+    from runtime.state.snapshot import SnapshotStore
 
     service, stub = worker
     leaves = [np.arange(8, dtype=np.float32)]

@@ -1,4 +1,4 @@
-"""runtime.zygote: workers forked from one process that imported JAX once (real processes, no controller)."""
+"""runtime.launch.zygote: workers forked from one process that imported JAX once (real processes, no controller)."""
 
 import os
 import signal
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from runtime.child_env import jax_child_env
-from runtime.launcher import _tell
-from runtime.zygote import Zygote, ZygoteError
+from runtime.core.child_env import jax_child_env
+from runtime.launch.launcher import _tell
+from runtime.launch.zygote import Zygote, ZygoteError
 
 UNREACHABLE = ["--controller", "127.0.0.1:1", "--run-id", "r"]
 
@@ -97,7 +97,7 @@ def test_the_zygotes_death_costs_only_itself(zygote, tmp_path):
 
 
 def test_a_child_gets_the_environment_it_is_started_with_and_the_zygote_serves_the_next_run(tmp_path):
-    from runtime import zygote as zygotes
+    from runtime.launch import zygote as zygotes
 
     env = jax_child_env(2, "cpu")
     first = zygotes.acquire(env, str(tmp_path / "zygote.log"))

@@ -1,0 +1,218 @@
+"""The controller's calls to workers as plain values: what each call says and what its answer becomes.
+
+The worker group holds the stubs, knows the workers and decides whom to call;
+this module is the rest of a call, and keeps no state. It builds requests
+from plain values (a step plan, the programs, the run's options), turns
+replies into plain values (:class:`StepResult`, :class:`WorkerStatus`,
+:class:`LoadResult`), and waits on the futures of many calls at once, turning
+gRPC failures into the typed errors of :mod:`runtime.core.errors`. A death
+(:class:`Death`) and a step past its deadline (:class:`Stalled`) are values
+of the same kind: the controller gets them back from the group instead of
+callbacks, so nothing above the group knows about protocol buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import queue
+import time
+from collections.abc import Callable, Mapping
+
+import grpc
+
+from runtime.wire import rpc
+from runtime._proto import elastic_pb2 as pb
+from runtime.core.errors import WorkerLostError
+from runtime.control.policy import StepPlan
+from runtime.core.programs import ProgramSet
+
+__all__ = ["Death", "LoadResult", "Stalled", "StepResult", "WorkerStatus", "collect", "gather", "load_request",
+           "load_result", "step_outcomes", "step_requests", "step_result", "wait_until", "worker_status"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Death:
+    """A worker declared dead: who, why, and the cause (crash, hang, fenced, stuck, load_failed, unresponsive)."""
+
+    worker: str
+    reason: str
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One worker's reply to one step."""
+
+    loss_sum: float
+    grad_seconds: float = 0.0
+    reduce_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    bytes_sent: int = 0
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)   # finer: runtime.core.timing.Clock
+    checkpoints_saved: tuple[int, ...] = ()   # steps whose checkpoints this worker finished since its last reply
+    checkpoint_error: str = ""
+    snapshots_saved: tuple[int, ...] = ()
+    snapshots_copied: tuple[int, ...] = ()
+    snapshot_error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStatus:
+    """Where a replica stands after an abort: steps applied, the loss sums of the last ones and the steps of
+    the in-memory snapshots on its host."""
+
+    applied_steps: int
+    losses: dict[int, float]
+    snapshots: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    compile_seconds: float
+    devices_probed: int
+    probe_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Stalled:
+    """:meth:`runtime.control.worker_group.WorkerGroup.wait` reached its deadline; ``pending`` workers have not answered yet."""
+
+    pending: tuple[str, ...]
+
+
+# -- requests --------------------------------------------------------------------
+
+
+def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts, snapshot_root: str) -> pb.LoadRequest:
+    """The Load call of the run: its programs (each with its sha256), the data source and the worker's settings
+    from ``opts`` (the run's ``ControllerOptions``)."""
+    progs = [pb.Program(name=k, serialized=v, sha256=hashlib.sha256(v).hexdigest())
+             for k, v in programs.programs().items()]
+    return pb.LoadRequest(fence=fence, programs=progs, data_source=data_source,
+                          layout=programs.layout_json(), lease_seconds=opts.worker_lease_seconds,
+                          chunk_bytes=opts.chunk_bytes,
+                          checkpointing=bool(opts.checkpoint_directory and opts.checkpoint_period),
+                          snapshot_directory=snapshot_root)
+
+
+def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[str, str]],
+                  checkpoint: tuple[str, str, list[float]] | None = None, shadows=(),
+                  snapshot: tuple[str, str | None] | None = None) -> list[tuple[str, pb.StepRequest]]:
+    """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
+    shadow's. ``where(worker)``: its ``(address, data address)``; the other arguments as
+    :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them."""
+    peers = [pb.Peer(rank=r, address=a, data_address=d) for r, (a, d) in enumerate(map(where, plan.workers))]
+    shadow_peers = [pb.Peer(address=a, data_address=d) for a, d in map(where, shadows)]
+    all_nodes, owners = [], []
+    for r, nodes in enumerate(plan.nodes):
+        all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
+        owners += [r] * len(nodes)
+    writer, directory, sums = checkpoint or ("", "", ())
+    snapper, keeper = snapshot or ("", None)
+    keeper = pb.Peer(address=where(keeper)[0]) if keeper else None
+    out = []
+    for r, w in enumerate(plan.workers):
+        out.append((w, pb.StepRequest(fence=fence, step=plan.step, rank=r, peers=peers,
+                                      nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
+                                      all_nodes=all_nodes, node_owner=owners,
+                                      checkpoint_directory=directory if w == writer else "",
+                                      committed_loss_sums=sums if w == writer else (), shadows=shadow_peers,
+                                      snapshot=w == snapper, snapshot_peer=keeper if w == snapper else None)))
+    for w in shadows:
+        out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=peers, all_nodes=all_nodes,
+                                      node_owner=owners, shadow=True)))
+    return out
+
+
+# -- replies ---------------------------------------------------------------------
+
+
+def step_result(r: pb.StepReply) -> StepResult:
+    return StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent, dict(r.phases),
+                      tuple(r.checkpoints_saved), r.checkpoint_error, tuple(r.snapshots_saved),
+                      tuple(r.snapshots_copied), r.snapshot_error)
+
+
+def worker_status(r: pb.StatusReply) -> WorkerStatus:
+    return WorkerStatus(r.applied_steps, {l.step: l.loss_sum for l in r.recent}, tuple(r.snapshots))
+
+
+def load_result(r: pb.LoadReply) -> LoadResult:
+    return LoadResult(r.compile_seconds, r.devices_probed, r.probe_seconds)
+
+
+# -- waiting ---------------------------------------------------------------------
+
+
+def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, object] | Stalled:
+    """Waits for every RPC future; raises the typed error of the first to *fail*.
+
+    Completion order matters: when one worker fails, its peers typically fail
+    later with a timeout; the first failure is the cause. With ``deadline``
+    (monotonic), answers :class:`Stalled` if the futures are not all done by
+    then; waiting again on the same futures picks up where this one left.
+    """
+    done: queue.Queue = queue.Queue()
+    for w, f in futs.items():
+        f.add_done_callback(lambda f, w=w: done.put((w, f)))
+    out = {}
+    for _ in futs:
+        try:
+            w, f = done.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return Stalled(tuple(w for w, f in futs.items() if not f.done()))
+        try:
+            out[w] = f.result()
+        except grpc.FutureCancelledError:
+            raise WorkerLostError(w, "declared dead; its call was cancelled") from None
+        except grpc.RpcError as e:
+            raise rpc.to_error(w, e) from None
+    return out
+
+
+def wait_until(futs: dict[str, grpc.Future], deadline: float) -> None:
+    """Waits until every future of ``futs`` is done or ``deadline`` (monotonic) passed; raises nothing."""
+    for f in futs.values():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            f.result(timeout=left)
+        except Exception:  # noqa: BLE001 - only waiting: the caller reads each outcome
+            pass
+
+
+def collect(futs: dict[str, grpc.Future],
+            on_lost: Callable[[str, WorkerLostError], None]) -> tuple[dict[str, object], Exception | None]:
+    """Waits for every future of ``futs`` in turn: ``(the replies of those that succeeded, the first other error)``.
+
+    A cancelled call (its worker was declared dead meanwhile) is left out; so
+    is a worker lost during its call (``WorkerLostError``), handed to
+    ``on_lost`` as soon as it is found. Any other failure (the worker answered
+    with an error) is not raised but answered, the first in ``futs`` order.
+    """
+    out, raised = {}, None
+    for w, f in futs.items():
+        try:
+            out[w] = f.result()
+        except grpc.FutureCancelledError:
+            pass   # declared dead meanwhile
+        except grpc.RpcError as e:
+            error = rpc.to_error(w, e)
+            if isinstance(error, WorkerLostError):
+                on_lost(w, error)
+            else:
+                raised = raised or error
+    return out, raised
+
+
+def step_outcomes(ended: dict[str, grpc.Future]) -> dict[str, StepResult | Exception]:
+    """Each step future of ``ended`` (all done) as a :class:`StepResult` or the typed error."""
+    out: dict[str, StepResult | Exception] = {}
+    for w, f in ended.items():
+        try:
+            out[w] = step_result(gather({w: f})[w])
+        except Exception as e:  # noqa: BLE001 - handed back as a value (gather raised the typed error)
+            out[w] = e
+    return out

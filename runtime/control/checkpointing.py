@@ -1,0 +1,233 @@
+"""The persistent tier as the controller sees it: who writes which checkpoint, what was saved, what to load.
+
+The workers write and read checkpoints (:mod:`runtime.worker.saver`,
+:mod:`runtime.state.checkpoint`); the controller only decides and records:
+
+- :meth:`Checkpointing.order_for`: which replica writes after a step
+  (:func:`runtime.control.policy.checkpoint_writer`), with the loss sums the
+  checkpoint records beside the state (so a resumed run knows its losses);
+  :meth:`Checkpointing.next_writer` and :meth:`Checkpointing.unfinished_writer`:
+  who writes the next one, or is still writing one (the chaos ``kill_save``);
+- :meth:`Checkpointing.note`: ``checkpoint_saved`` / ``checkpoint_failed``
+  events for what the workers report, and the observer's hook;
+- :meth:`Checkpointing.newest`: the newest complete checkpoint at or before a
+  step (listing the store: a network round trip for ``gs://``, so only
+  when no replica is left, or at start for auto-resume);
+- :meth:`Checkpointing.load`: every given worker loads the same newest valid
+  one (a corrupt checkpoint is passed over for an older one, and said so);
+- :meth:`Checkpointing.finish`: waits for the saves in flight at the end of
+  a run, noting each as it completes, then removes what interrupted saves left.
+
+Its only state is the checkpoints ordered and not yet reported complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from runtime.core.errors import BadInputError
+from runtime.control.policy import checkpoint_writer
+
+__all__ = ["Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint"]
+
+# At the end of a run the saves in flight are waited for in rounds this long, each noting what completed: an
+# observer waiting for one checkpoint hears of it while the next is still being written.
+_FLUSH_ROUND_SECONDS = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What :meth:`Checkpointing.load` loaded: the ``step``, ``{worker: bytes read}`` (the workers that loaded
+    it), the ``loss_sums`` of steps 0..step-1 recorded with it ([] when it recorded none) and, when the same
+    model wrote it on another mesh, that mesh as ``(devices per slice, microbatches)`` (else None)."""
+
+    step: int
+    bytes: dict
+    loss_sums: list
+    written_on: tuple[int, int] | None = None
+
+
+class Checkpointing:
+    """The controller's side of persistent checkpoints (see the module docstring).
+
+    ``opts``: the run's ``ControllerOptions`` (``checkpoint_directory``,
+    ``checkpoint_period``, ``rpc_timeout_seconds``); ``notify(step)``: called
+    for each checkpoint reported complete (the controller's observer).
+    """
+
+    def __init__(self, group, opts, events, notify=None):
+        self.group, self.opts, self.events = group, opts, events
+        self.notify = notify or (lambda step: None)
+        self._ordered: dict[int, str] = {}   # checkpoint step -> its writer: ordered, not reported complete
+
+    @property
+    def directory(self) -> str:
+        return self.opts.checkpoint_directory
+
+    @property
+    def enabled(self) -> bool:
+        """The run writes checkpoints (a directory and a period)."""
+        return bool(self.opts.checkpoint_directory and self.opts.checkpoint_period > 0)
+
+    def writer(self, step: int, steps: int, workers) -> str | None:
+        """The worker of ``workers`` (a step's slices, in rank order) that writes after ``step``, or None."""
+        return checkpoint_writer(step, steps, self.opts.checkpoint_period if self.enabled else 0, workers)
+
+    def next_writer(self, first_step: int, steps: int, workers) -> str | None:
+        """The worker that writes the first checkpoint from step ``first_step`` on, if ``workers`` stay; None
+        when the run writes no more."""
+        if not self.enabled:
+            return None
+        return next((w for s in range(first_step, steps) if (w := self.writer(s, steps, workers))), None)
+
+    def unfinished_writer(self, workers) -> str | None:
+        """The worker of ``workers`` that writes the newest checkpoint ordered and not yet reported complete
+        (its save waits, or is being written); None when there is none."""
+        pending = [s for s, w in self._ordered.items() if w in workers]
+        return self._ordered[max(pending)] if pending else None
+
+    def order_for(self, step: int, steps: int, workers, loss_sums) -> tuple[str, str, list[float]] | None:
+        """``(writer, directory, committed loss sums)`` when step ``step`` ends a checkpoint period (or the
+        run), else None: what ``WorkerGroup.dispatch`` sends the writer."""
+        writer = self.writer(step, steps, workers)
+        if writer:
+            self._ordered[step + 1] = writer   # a step dispatched again (after a recovery) is ordered again
+        return (writer, self.directory, list(loss_sums)) if writer else None
+
+    def note(self, reports) -> None:
+        """Events for ``{worker: (steps whose checkpoints it finished, error or "")}``."""
+        for w, (saved, error) in reports.items():
+            for step in saved:
+                # Its older orders are done too, or were replaced while they waited (the writer keeps the newest).
+                for done in [s for s, writer in self._ordered.items() if writer == w and s <= step]:
+                    del self._ordered[done]
+                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.directory)
+                self.notify(step)
+            if error:
+                self.events.emit("checkpoint_failed", worker=w, error=error[:500])
+
+    def finish(self, workers, loss_sums) -> None:
+        """End of a run: waits (up to ``rpc_timeout_seconds``) for the saves ``workers`` have in flight, noting
+        each as it completes, then, when every one ended well (nobody writes now), removes the leftovers of
+        interrupted saves. ``loss_sums``: every committed step's. When the last step's checkpoint was ordered
+        from a worker no longer among ``workers`` and never reported (its writer died, the save cut off), the
+        first of ``workers`` saves it again first. A worker lost meanwhile raises its typed error
+        (``WorkerLostError``: the controller recovers and calls again)."""
+        if not self.enabled:
+            return
+        workers, last = list(workers), len(loss_sums)
+        save = None
+        if workers and last in self._ordered and self._ordered[last] not in workers:
+            save = (workers[0], self.directory, list(loss_sums))
+            self._ordered[last] = workers[0]
+        deadline, failed = time.monotonic() + self.opts.rpc_timeout_seconds, False
+        while workers:
+            left = max(deadline - time.monotonic(), 0.0)
+            flushed = self.group.flush_checkpoints(workers, min(_FLUSH_ROUND_SECONDS, left), save=save)
+            save = None
+            self.note({w: (saved, error) for w, (saved, error, _) in flushed.items()})
+            failed = failed or any(error for _, error, _ in flushed.values())
+            workers = [w for w, (_, _, idle) in flushed.items() if not idle]
+            if workers and left <= 0:
+                self.note({w: ([], f"still writing after {self.opts.rpc_timeout_seconds:g} s") for w in workers})
+                return   # what looks partial may be in flight; left for next time
+        if failed:
+            return   # a save failed: its leftovers are kept for whoever looks into it; removed next time
+        try:
+            removed = self._store().cleanup()
+        except Exception as e:  # noqa: BLE001 - leftovers are never restored; removing them is housekeeping
+            self._unavailable(e)
+            return
+        if removed:
+            self.events.emit("checkpoint_leftovers_removed", directory=self.directory, paths=removed)
+
+    def newest(self, at_most: int) -> int | None:
+        """The newest complete checkpoint at or before step ``at_most``; None without one (or checkpoints).
+
+        An unreadable store counts as none, with a ``checkpoint_unavailable`` event.
+        """
+        if not self.directory:
+            return None
+        try:
+            steps = [s for s in self._store().steps() if s <= at_most]
+        except Exception as e:  # noqa: BLE001 - an unreadable store is no backup; the decision says so
+            self._unavailable(e)
+            return None
+        return max(steps) if steps else None
+
+    def locate(self, path: str) -> tuple[str, int]:
+        """``(directory, step)`` of what ``load_full_state_path`` names; see :func:`locate_checkpoint`."""
+        return locate_checkpoint(path)
+
+    def load(self, workers, step: int, directory: str | None = None) -> Loaded:
+        """``workers`` load the newest valid checkpoint at or before ``step`` (of ``directory``, default the
+        run's own), all the same one.
+
+        A corrupt checkpoint is passed over for an older one
+        (``checkpoint_skipped`` events); members that ended on different
+        steps all load the oldest of them again. A worker lost meanwhile is
+        declared dead and left out of the answer; a checkpoint that cannot be
+        read at all raises the worker's error (``WorkerError``, naming it).
+        """
+        directory = directory or self.directory
+        replies = self.group.load_checkpoints(workers, directory, step)   # concurrently: each its copy
+        for w, r in replies.items():
+            for why in r.skipped:
+                self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
+        restored = min((r.applied_steps for r in replies.values()), default=step)
+        if any(r.applied_steps != restored for r in replies.values()):
+            replies = self.group.load_checkpoints(list(replies), directory, restored)
+        sums = next((list(r.loss_sums) for r in replies.values() if r.loss_sums), [])
+        other = next(((r.written_devices_per_slice, r.written_microbatches) for r in replies.values()
+                      if r.written_devices_per_slice), None)
+        return Loaded(restored, {w: r.bytes for w, r in replies.items()}, sums, other)
+
+    def _store(self):
+        from runtime.state.checkpoint import CheckpointStore   # orbax and tensorstore load only when checkpoints are on
+
+        return CheckpointStore(self.directory)
+
+    def _unavailable(self, e: Exception) -> None:
+        self.events.emit("checkpoint_unavailable", directory=self.directory, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def locate_checkpoint(path: str) -> tuple[str, int]:
+    """``(directory, step)`` of what ``load_full_state_path`` names: a checkpoint directory (its newest complete
+    checkpoint) or one step's directory (``<directory>/<step>``, which must be complete).
+
+    Called by the controller before it launches anything, and by the client's
+    preflight (``elastic.preflight``) before the run starts. Reads the
+    storage (a listing); imports no JAX. Raises ``BadInputError`` naming the
+    path when it cannot be read or holds no such checkpoint.
+    """
+    import os
+
+    from runtime.state.checkpoint import CheckpointStore
+
+    if "://" not in path and not os.path.exists(os.path.expanduser(path)):
+        raise BadInputError(f"load_full_state_path {path!r} does not exist")
+    head, _, tail = path.rstrip("/").rpartition("/")
+    try:
+        if tail.isdigit() and head and int(tail) in CheckpointStore(head).steps():
+            return head, int(tail)
+        steps = CheckpointStore(path).steps()
+    except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
+        raise BadInputError(f"load_full_state_path {path!r} cannot be read", cause=f"{type(e).__name__}: {e}") from None
+    if not steps:
+        raise BadInputError(f"load_full_state_path {path!r} holds no complete checkpoint")
+    return path, max(steps)
+
+
+def newest_checkpoint(directory: str, at_most: int) -> int | None:
+    """The newest complete checkpoint in ``directory`` at or before step ``at_most``; None without one, or
+    when the store cannot be read (the controller then counts it as none too). Imports no JAX."""
+    from runtime.state.checkpoint import CheckpointStore
+
+    if not directory:
+        return None
+    try:
+        steps = [s for s in CheckpointStore(directory).steps() if s <= at_most]
+    except Exception:  # noqa: BLE001 - an unreadable store holds nothing to resume from
+        return None
+    return max(steps) if steps else None

@@ -1,0 +1,393 @@
+"""The controller: the client side of a run, as a small state machine.
+
+Phases (:class:`Phase`)::
+
+    STARTING --> RUNNING <--> BOUNDARY           (membership changes between steps)
+                   |  ^
+                   v  |
+                RECOVERING                       (a worker was lost or a step aborted)
+                   |
+    RUNNING --> DONE                             (every step committed, replicas agree)
+
+Each call of :meth:`Controller.advance` runs one transition. The controller
+keeps the loop: it dispatches steps ahead, commits them in order, records
+them and finishes the run. Every membership change (the first placement, a
+recovery, growing back, a straggler's swap) is planned by
+:func:`runtime.control.plan.plan_change` and carried out by
+:class:`runtime.control.membership.Membership`. A failure is a value: deaths arrive on
+the group's queue, failed calls as typed errors, a stalled step as
+``Stalled``.
+
+What the controller knows of the run is one :class:`~runtime.control.run_state.RunState`
+(``self.state``), the fold of the events it writes: it subscribes to its own
+event log, so the log alone rebuilds it (``RunState.replay``).
+
+It never holds the training state: only programs (bytes), per-step losses
+and timings pass through it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+import uuid
+
+import numpy as np
+
+from runtime.wire import auth
+from runtime.control.calls import Stalled
+from runtime.control.checkpointing import Checkpointing
+from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
+from runtime.core.errors import ReplicaDivergenceError, StaleEpochError, StepAbortedError, WorkerLostError
+from runtime.core.events import EventLog
+from runtime.control.membership import Membership
+from runtime.control.plan import membership_change_due
+from runtime.control.policy import StepPlan, StragglerDetector, StragglerPolicy, plan_step, straggler_action, watchdog_limit
+from runtime.core.programs import ProgramSet
+from runtime.control.run_state import RunState
+from runtime.control.shadows import Shadows
+from runtime.control.snapshotting import Snapshotting
+from runtime.control.startup import start
+from runtime.core.timing import slowest_phases
+from runtime.control.watchdog import investigate
+from runtime.control.worker_group import WorkerGroup
+
+__all__ = ["Attempt", "Controller", "Phase"]
+
+# Errors that mean "a member was lost or the step cannot finish": the run recovers from them.
+RECOVERABLE = (WorkerLostError, StepAbortedError, StaleEpochError)
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"      # launch, register, place, load, initialize
+    RUNNING = "running"        # dispatch ahead, commit in order
+    BOUNDARY = "boundary"      # nothing in flight: warm newcomers, swap stragglers out, grow
+    RECOVERING = "recovering"  # a step failed: decide, realign, copy state to newcomers
+    DONE = "done"              # every step committed and the replicas agree
+
+
+@dataclasses.dataclass
+class Attempt:
+    """What this client process was asked for (not run state: a restarted client is asked again)."""
+
+    seed: int
+    on_step: object = None
+    max_seconds: float | None = None
+    t0: float = 0.0
+    deadline: float | None = None      # dispatching stops then (max_seconds, counted from the first step)
+
+
+class Controller:
+    """Drives one run. Use as a context manager; :meth:`train` does the work.
+
+    ``group``: the worker group to drive (default: a :class:`WorkerGroup` of
+    local worker processes); a test passes a fake one.
+    """
+
+    def __init__(self, programs: ProgramSet, data_source: bytes, options: ControllerOptions, events: EventLog,
+                 group=None):
+        self.programs = programs
+        self.opts = options
+        self.run_id = options.run_id or uuid.uuid4().hex[:12]
+        self.events = events
+        self.state = RunState()
+        events.subscribe(self._fold)
+        self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
+                                          options, events)
+        self.observer = ControllerObserver()
+        self.checkpoints = Checkpointing(self.group, options, events,
+                                         notify=lambda step: self.observer.checkpoint_saved(step))
+        self.snapshots = Snapshotting(self.group, options, events,
+                                      notify=lambda step: self.observer.snapshot_saved(step))
+        self.shadows = Shadows(self.group, events, options.shadow_spares)
+        self.membership = Membership(
+            self.group, options, events, checkpoints=self.checkpoints, snapshots=self.snapshots,
+            shadows=self.shadows, state=lambda: self.state,
+            record=lambda step, epoch, loss_sum: self._record(step, epoch, loss_sum, plan=self.plans.get(step),
+                                                              recovered=True),
+            before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
+        self.phase = Phase.STARTING
+        self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
+        self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
+        self.stragglers = StragglerDetector(StragglerPolicy(options.straggler_factor, options.straggler_patience))
+        self.step_seconds: collections.deque = collections.deque(maxlen=20)
+        self.last_commit = time.monotonic()
+        self.result: RunResult | None = None
+        self.attempt = Attempt(seed=0)
+        self._error: Exception | None = None
+
+    def _fold(self, event: dict) -> None:
+        self.state = self.state.apply(event)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return self.group.address
+
+    def __enter__(self) -> Controller:
+        self.group.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.observer.close()
+        self.group.close()
+        self.events.unsubscribe(self._fold)
+
+    # -- what observers may use (the chaos injector) -------------------------
+
+    @property
+    def placement(self):
+        """The adopted placement (None before the first)."""
+        return self.state.placement
+
+    @property
+    def losses(self) -> list[float]:
+        return list(self.state.losses)
+
+    @property
+    def recoveries(self) -> int:
+        return self.state.recoveries
+
+    @property
+    def dead(self) -> dict[str, str]:
+        """Workers declared dead, with why."""
+        return self.group.dead
+
+    def live_spares(self) -> tuple[str, ...]:
+        """Spares of the current placement not declared dead."""
+        return tuple(s for s in self.placement.spares if s not in self.dead) if self.placement else ()
+
+    def next_checkpoint_writer(self) -> str | None:
+        """A worker with a checkpoint save still ahead of it: the writer of the next checkpoint not yet
+        dispatched (if the placement stays), else of the newest one dispatched and not reported complete (its
+        save waits or is being written); None when no save remains (see ``runtime.control.policy.checkpoint_writer``)."""
+        if self.placement is None:
+            return None
+        live = [w for w in self.placement.active if w not in self.dead]
+        return (self.checkpoints.next_writer(self.state.dispatched, self.state.steps, self.placement.active)
+                or self.checkpoints.unfinished_writer(live))
+
+    def pid(self, worker_id: str) -> int:
+        """The process id a worker registered with; ``KeyError`` for an unknown worker."""
+        return self.group.pid(worker_id)
+
+    def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
+                     phase: str = "") -> None:
+        """Arms one worker-side fault (one of ``FAULT_ACTIONS``) on a worker started with chaos enabled.
+
+        Raises the typed error of the call (``WorkerLostError``, ``WorkerError``, ...) when it fails.
+        """
+        self.group.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase)
+
+    # -- the state machine -----------------------------------------------------
+
+    def train(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> RunResult:
+        """Runs ``steps`` steps from a fresh state; returns the run's summary.
+
+        Step ``s`` is committed when every active slice applied it. When a
+        worker is lost, in-flight steps are abandoned, the policy decides
+        (replace / shrink / wait / fail), and training resumes at the first
+        step not applied by every survivor: no committed step is lost or
+        applied twice. With ``max_seconds``, dispatching stops that long after
+        training started and the run ends at the last dispatched step
+        (``run_truncated``). Raises ``CapacityExhaustedError`` when the
+        policy gives up (``StateLostError``: no copy of the state left),
+        ``ReplicaDivergenceError`` when replicas disagree and
+        ``BadInputError`` for an unusable ``load_full_state_path`` (all
+        ``ElasticTrainingFailedError``).
+        """
+        self.begin(steps, seed, on_step, max_seconds)
+        while self.phase is not Phase.DONE:
+            self.advance()
+        return self.result
+
+    def begin(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> None:
+        """Sets up a run without starting it; :meth:`advance` then moves it one transition at a time."""
+        self.attempt = Attempt(seed=seed, on_step=on_step, max_seconds=max_seconds, t0=time.time())
+        self.phase = Phase.STARTING
+        self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
+                         devices_per_slice=self.opts.devices_per_slice, spares=self.opts.spares,
+                         microbatches=self.programs.num_microbatches, steps=steps, controller=self.address,
+                         controller_host=self.group.client_host)
+
+    def advance(self) -> Phase:
+        """Runs one transition of the current phase; returns the next phase.
+
+        A lost worker or an aborted step in ``RUNNING``, ``BOUNDARY`` or
+        ``RECOVERING`` leads to (another) ``RECOVERING``; any other error
+        propagates and ends the run.
+        """
+        handler = {Phase.STARTING: self._starting, Phase.RUNNING: self._running, Phase.BOUNDARY: self._boundary,
+                   Phase.RECOVERING: self._recovering}[self.phase]
+        try:
+            self.phase = handler()
+        except RECOVERABLE as err:
+            if self.phase is Phase.STARTING:
+                raise
+            self.pending.clear()
+            self._error, self.phase = err, Phase.RECOVERING
+        return self.phase
+
+    # -- STARTING --------------------------------------------------------------
+
+    def _starting(self) -> Phase:
+        """Launches, registers, places, loads and initializes (:func:`runtime.control.startup.start`)."""
+        start(self)
+        self.last_commit = time.monotonic()
+        if self.attempt.max_seconds:   # counted from the first step, not from launch
+            self.attempt.deadline = self.last_commit + self.attempt.max_seconds
+        return Phase.RUNNING
+
+    # -- RUNNING ---------------------------------------------------------------
+
+    def _running(self) -> Phase:
+        """Commits the oldest step in flight after filling the pipeline; drains it first when membership changes."""
+        for death in self.group.drain_deaths():
+            if death.worker in self.placement.active:
+                raise WorkerLostError(death.worker, death.reason)
+        s, a = self.state, self.attempt
+        if s.committed >= s.steps:
+            return self._finish()
+        if a.deadline is not None and time.monotonic() > a.deadline and s.steps > max(s.dispatched, 1):
+            self.events.emit("run_truncated", steps=max(s.dispatched, 1), reason=f"max_seconds={a.max_seconds:g} reached")
+        if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
+                                 warmed=self.group.warmed(), swaps=bool(s.swaps)) or \
+                self.shadows.behind(self.placement.spares, self.dead):
+            if self.pending:      # drain, so the change happens at a step boundary
+                self.group.start_warming()   # a newcomer loads its programs meanwhile
+                self._commit(*self.pending.popleft())
+                return Phase.RUNNING
+            return Phase.BOUNDARY
+        while len(self.pending) < self.opts.dispatch_depth and self.state.dispatched < self.state.steps:
+            self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches))
+        if self.pending:
+            self._commit(*self.pending.popleft())
+        return Phase.RUNNING
+
+    def _dispatch(self, plan: StepPlan) -> None:
+        shadows = self.shadows.feeding(self.placement.spares, self.dead)
+        steps = self.state.steps
+        futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.workers,
+                                                                    self.state.loss_sums),
+                                   shadows, self.snapshots.order_for(plan.step, steps, self.placement, len(shadows)))
+        self.shadows.dispatched(plan.step, {w: futs.pop(w) for w in shadows})
+        self.plans[plan.step] = plan
+        self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
+        self.pending.append((plan, futs, time.time()))
+
+    def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> None:
+        """Waits for a step (the watchdog looks once if it runs far past the median), checks and records it."""
+        limit = watchdog_limit(self.step_seconds, self.opts.watchdog_factor, self.opts.watchdog_min_seconds)
+        deadline = self.last_commit + limit[0] if limit else None
+        results = self.group.wait(futs, deadline)
+        if isinstance(results, Stalled):
+            self._investigate(plan, results.pending, median=limit[1])
+            results = self.group.wait(futs)
+        sums = {r.loss_sum for r in results.values()}
+        if len(sums) != 1:
+            raise ReplicaDivergenceError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
+        self._watch_stragglers(plan, results)
+        self.checkpoints.note({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
+        self.snapshots.note({w: (r.snapshots_saved, r.snapshots_copied, r.snapshot_error) for w, r in results.items()})
+        self.shadows.poll()
+        self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan,
+                     grad_seconds=max(r.grad_seconds for r in results.values()),
+                     reduce_seconds=max(r.reduce_seconds for r in results.values()),
+                     apply_seconds=max(r.apply_seconds for r in results.values()),
+                     bytes_sent=sum(r.bytes_sent for r in results.values()),
+                     phases=slowest_phases([r.phases for r in results.values()]))
+
+    def _record(self, step: int, epoch: int, loss_sum: float, *, t_dispatch=None, plan=None, **fields) -> None:
+        """Commits one step: the only place that emits ``step_committed``, calls ``on_step`` and the observer."""
+        loss = self.mean_loss(loss_sum)
+        if plan is not None:
+            fields["microbatches"] = plan.microbatches()
+        if t_dispatch is not None:
+            fields["seconds"] = time.time() - t_dispatch
+        now = time.monotonic()
+        if not fields.get("recovered"):
+            self.step_seconds.append(now - self.last_commit)
+        self.last_commit = now
+        deferred = self.state.deferred
+        self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, loss_sum=float(loss_sum), **fields)
+        self.plans.pop(step, None)
+        if self.attempt.on_step is not None:
+            self.attempt.on_step(step, loss)
+        self.observer.step_committed(step)
+        if deferred and not fields.get("recovered"):
+            for w in deferred:   # the recovery's first step is done: replacements may start now
+                self.group.relaunch(w)
+
+    def mean_loss(self, loss_sum: float, microbatches: int | None = None) -> float:
+        """The step's loss: the workers' canonical sum over microbatches, averaged in float32 as a plain loop would."""
+        return float(np.float32(loss_sum) / np.float32(microbatches or self.programs.num_microbatches))
+
+    def _investigate(self, plan: StepPlan, pending, median: float) -> None:
+        """The step watchdog fired: record what it found and fence out whom it names."""
+        f = investigate(self.group, plan, pending, replace_stragglers=self.opts.replace_stragglers,
+                        live_spare=bool(self.live_spares()))
+        self.events.emit("step_watchdog", step=plan.step, seconds=time.monotonic() - self.last_commit,
+                         median_seconds=median, pending=list(f.pending), suspects=list(f.suspects),
+                         progress={w: list(p) for w, p in f.progress.items()})
+        for w, seconds, action in f.stragglers:
+            self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
+                             action=action)
+        for w, reason, cause in f.fence:
+            self.group.declare_dead(w, reason, cause=cause)
+
+    def _watch_stragglers(self, plan: StepPlan, results) -> None:
+        per_mb = {w: results[w].grad_seconds / max(len(ids), 1) for w, ids in plan.microbatches().items()}
+        for w, seconds, median in self.stragglers.observe(per_mb):
+            action = straggler_action(self.opts.replace_stragglers, bool(self.live_spares()))
+            queued = action == "replaced" and w not in self.state.swaps   # moved onto a spare at the next boundary
+            self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
+                             action="replaced" if queued else "reported", **({"queued": True} if queued else {}))
+
+    def _finish(self) -> Phase:
+        """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
+        s = self.state
+        self.checkpoints.finish(self.placement.active, s.loss_sums)
+        hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
+        if len(set(hashes.values())) != 1:
+            raise ReplicaDivergenceError("replicas diverged", step=s.steps, cause=f"state hashes {hashes}")
+        self.result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
+                                final_state_sha256=next(iter(hashes.values())), replica_hashes=hashes,
+                                wall_seconds=time.time() - self.attempt.t0, client_peak_rss_bytes=peak_rss_bytes(),
+                                state_bytes=s.state_bytes)
+        self.events.emit("run_finished", steps_completed=self.result.steps_completed,
+                         final_state_sha256=self.result.final_state_sha256, replica_hashes=hashes,
+                         wall_seconds=self.result.wall_seconds, client_peak_rss_bytes=self.result.client_peak_rss_bytes)
+        return Phase.DONE
+
+    # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
+
+    def _recovering(self) -> Phase:
+        """One recovery attempt (:meth:`runtime.control.membership.Membership.recover`); training resumes where it says."""
+        self.pending = collections.deque()
+        self.membership.recover(self._error)
+        self.plans.clear()
+        self.last_commit = time.monotonic()   # the watchdog times the next step from here
+        self._error = None
+        return Phase.RUNNING
+
+    def _boundary(self) -> Phase:
+        """No step in flight: warm newcomers into spares, drop dead spares, swap stragglers out, grow."""
+        warmed = self.group.warm_newcomers()
+        p = self.placement
+        spares = tuple(s for s in p.spares if s not in self.dead) + tuple(warmed)
+        if spares != p.spares:
+            self.events.emit("placement_changed", epoch=p.epoch, active=list(p.active), spares=list(spares),
+                             why="spares")
+        for slow in self.state.swaps:
+            self.membership.swap(slow)
+        self.membership.grow()
+        self.membership.sync_shadows()
+        self.last_commit = time.monotonic()
+        return Phase.RUNNING
+

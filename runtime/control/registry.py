@@ -1,0 +1,86 @@
+"""The controller's registration service: workers announce themselves here.
+
+Contract: :class:`Registry` is the ``Controller`` gRPC servicer. It records
+each worker that may join (``worker_registered``) and wakes whoever waits on
+``cond``; it refuses, recorded as ``register_refused``, a worker of another
+run, an id already in use, or one the run has fenced (``refuse`` says why);
+it ends a registration that cannot describe a worker with INVALID_ARGUMENT
+(:meth:`Registry.malformed`, pure) and records nothing. ``refusals`` counts the
+calls the controller's server refused for their run secret.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from runtime.wire import auth
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.core.events import EventLog
+from runtime.control.policy import WorkerInfo
+
+__all__ = ["Registry"]
+
+
+class Registry(pb_grpc.ControllerServicer):
+    """Receives worker registrations (the controller's gRPC service).
+
+    A registration that cannot describe a worker (no id, an address that is
+    not ``host:port``, no devices, a pid that is not a process's) ends with
+    INVALID_ARGUMENT and is not recorded; one that may not join (another
+    run, an id already in use or fenced) is answered ``accepted=False`` and
+    recorded as ``register_refused``. ``refusals`` counts the calls the
+    controller's server refused for their run secret (pass it to
+    ``rpc.make_server``), drained by :meth:`runtime.control.worker_group.WorkerGroup.collect_security_events`.
+    """
+
+    def __init__(self, run_id: str, events: EventLog, refuse):
+        self.run_id = run_id
+        self.events = events
+        self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
+        self.workers: dict[str, WorkerInfo] = {}
+        self.cond = threading.Condition()
+        self.refusals = auth.Refusals()
+
+    def Register(self, request, context):
+        malformed = self.malformed(request)
+        if malformed:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"registration refused: {malformed}")
+        reason = ""
+        if request.run_id != self.run_id:
+            reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
+        elif request.worker_id in self.workers:
+            reason = self.refuse(request.worker_id) or f"worker id {request.worker_id!r} is already a member"
+        if reason:
+            self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
+            return pb.RegisterReply(accepted=False, reason=reason)
+        info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
+                          request.data_address, request.host)
+        with self.cond:
+            self.workers[info.worker_id] = info
+            self.cond.notify_all()
+        self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
+                         devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host)
+        return pb.RegisterReply(accepted=True)
+
+    @staticmethod
+    def malformed(r: pb.RegisterRequest) -> str:
+        """Why a registration cannot describe a worker ("" when it can). Pure."""
+        if not r.worker_id or len(r.worker_id) > 128 or not r.worker_id.isprintable():
+            return f"worker id {r.worker_id[:40]!r} is not 1..128 printable characters"
+        if not _host_port(r.address):
+            return f"address {r.address[:60]!r} is not host:port"
+        if r.data_address and not _host_port(r.data_address):
+            return f"data address {r.data_address[:60]!r} is not host:port"
+        if not 1 <= r.num_devices <= 1 << 16 or not r.platform or len(r.platform) > 32:
+            return f"{r.num_devices} devices of platform {r.platform[:40]!r}"
+        if not 1 < r.pid < 1 << 32:
+            return f"pid {r.pid} is not a process id"   # a chaos fault signals this pid: never 0, 1 or negative
+        return ""
+
+
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and len(address) <= 300 and address.isprintable() and port.isdigit() and 0 < int(port) < 65536

@@ -1,0 +1,268 @@
+"""The run's state as the controller knows it: one frozen value, a pure fold of the event log.
+
+:class:`RunState` holds everything the controller decides from: the
+placement and its epoch, the committed and dispatched frontiers, the losses
+(and the workers' loss sums), the replicas, the dead, the recovery count,
+the relaunches deferred to the next commit, the stragglers waiting for a
+swap, and the backups known to be complete (checkpoints, snapshots, shadow
+spares).
+
+It changes in one way only: an event. :meth:`RunState.apply` folds one event
+(as written to ``events.jsonl``: JSON-decoded) into a new value, and the
+controller subscribes to its own :class:`~runtime.core.events.EventLog`, so the
+state it reads is the fold of exactly the events it wrote, in the order the
+log holds them. :meth:`RunState.replay` rebuilds the same value from the log
+alone (what a restarted client does, and what the chaos harness checks at
+the end of every run). Kinds the fold does not read are passed over; a
+``run_started`` begins a new attempt (the log keeps every attempt; a resumed
+attempt gets its frontier and losses from ``run_resumed``).
+
+Nothing here reads a clock, a socket or a file: :func:`replay_file` is the
+one reader, at the edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from runtime.control.policy import Placement
+
+__all__ = ["RunState", "replay_file"]
+
+#: Recovery decisions that leave the placement as it was (the run waits, or ends).
+_UNADOPTED = ("wait", "fail")
+
+
+def _loss(x: Any) -> float:
+    return float("nan") if x is None else float(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """The controller's knowledge of the run (see the module docstring). Equal values mean the same run state
+    (NaN losses compare equal: they are compared by their bits)."""
+
+    run_id: str = ""
+    steps: int = 0                               # the steps this attempt runs to (run_truncated cuts it)
+    placement: Placement | None = None           # the adopted placement (its epoch is the membership epoch)
+    losses: tuple[float, ...] = ()               # per committed step (len: the committed frontier)
+    loss_sums: tuple[float, ...] = ()            # the workers' sums behind them (checkpoints keep these)
+    dispatched: int = 0                          # the next step to dispatch (the dispatch frontier)
+    replicas: frozenset[str] = frozenset()       # workers known to hold the state at the committed frontier
+    dead: frozenset[str] = frozenset()           # every worker declared dead in this attempt
+    recoveries: int = 0                          # recovery attempts so far (failures detected)
+    deferred: tuple[str, ...] = ()               # dead workers whose replacements start after the next commit
+    swaps: tuple[str, ...] = ()                  # stragglers to move onto spares at the next boundary
+    checkpoints: tuple[int, ...] = ()            # steps of the checkpoints reported complete, ascending
+    snapshots: tuple[tuple[int, str], ...] = ()  # (step, worker) of the snapshots reported kept, ascending
+    shadows: frozenset[str] = frozenset()        # spares given a copy of the committed state to shadow
+    state_bytes: int = 0
+
+    # -- what the controller reads --------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        """The committed frontier: steps ``0 .. committed - 1`` are committed."""
+        return len(self.losses)
+
+    @property
+    def in_flight(self) -> range:
+        """The steps dispatched and not committed."""
+        return range(self.committed, max(self.dispatched, self.committed))
+
+    @property
+    def epoch(self) -> int:
+        return self.placement.epoch if self.placement else 0
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, RunState):
+            return NotImplemented
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
+        for key in ("losses", "loss_sums"):
+            mine[key], theirs[key] = _bits(mine[key]), _bits(theirs[key])
+        return mine == theirs
+
+    __hash__ = None
+
+    def differences(self, other: RunState) -> dict[str, tuple[Any, Any]]:
+        """``{field: (mine, theirs)}`` of the fields that differ (for a test's or the harness's message)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in ("losses", "loss_sums"):
+                a, b = _bits(a), _bits(b)
+            if a != b:
+                out[f.name] = (a, b)
+        return out
+
+    # -- the fold ----------------------------------------------------------------
+
+    @classmethod
+    def replay(cls, events: Iterable[Mapping[str, Any]]) -> RunState:
+        """The state the events leave, from nothing (a run's whole log: the last attempt's state)."""
+        state = cls()
+        for e in events:
+            state = state.apply(e)
+        return state
+
+    def apply(self, e: Mapping[str, Any]) -> RunState:
+        """This state after event ``e`` (as written: JSON-decoded). Kinds the run state does not read return
+        ``self``."""
+        fold = _FOLDS.get(e.get("kind"))
+        return fold(self, e) if fold is not None else self
+
+
+def _bits(xs) -> tuple:
+    return tuple("nan" if isinstance(x, float) and math.isnan(x) else x for x in xs)
+
+
+def _replace(s: RunState, **changes) -> RunState:
+    return dataclasses.replace(s, **changes)
+
+
+def _active(s: RunState) -> frozenset[str]:
+    return frozenset(s.placement.active) if s.placement else frozenset()
+
+
+def _placement(e: Mapping[str, Any], spares=None) -> Placement:
+    return Placement(epoch=e["epoch"], active=tuple(e["active"]),
+                     spares=tuple(e["spares"] if spares is None else spares))
+
+
+def _run_started(s: RunState, e) -> RunState:
+    return RunState(run_id=e["run_id"], steps=e["steps"])
+
+
+def _first_placement(s: RunState, e) -> RunState:
+    return _replace(s, placement=_placement(e))
+
+
+def _placement_changed(s: RunState, e) -> RunState:
+    return _replace(s, placement=_placement(e))
+
+
+def _state_initialized(s: RunState, e) -> RunState:
+    return _replace(s, replicas=_active(s), state_bytes=e["state_bytes"])
+
+
+def _run_resumed(s: RunState, e) -> RunState:
+    sums = e.get("loss_sums")
+    return _replace(s, losses=tuple(map(_loss, e["losses"])),
+                    loss_sums=tuple(map(_loss, sums)) if sums is not None else (float("nan"),) * e["step"],
+                    dispatched=e["step"], replicas=_active(s), state_bytes=e["state_bytes"])
+
+
+def _truncated(s: RunState, e) -> RunState:
+    return _replace(s, steps=e["steps"])
+
+
+def _dispatched(s: RunState, e) -> RunState:
+    return _replace(s, dispatched=max(s.dispatched, e["step"] + 1))
+
+
+def _committed(s: RunState, e) -> RunState:
+    changes = {"losses": s.losses + (_loss(e["loss"]),), "loss_sums": s.loss_sums + (_loss(e.get("loss_sum")),)}
+    if not e.get("recovered"):
+        changes["deferred"] = ()   # the recovery's first step is done: its replacements start now
+    return _replace(s, **changes)
+
+
+def _worker_dead(s: RunState, e) -> RunState:
+    return _replace(s, dead=s.dead | {e["worker"]})
+
+
+def _failure(s: RunState, e) -> RunState:
+    return _replace(s, recoveries=s.recoveries + 1)
+
+
+def _decision(s: RunState, e) -> RunState:
+    if e["action"] in _UNADOPTED:
+        return s
+    return _replace(s, placement=_placement(e))
+
+
+def _deferred(s: RunState, e) -> RunState:
+    return _replace(s, deferred=s.deferred + tuple(w for w in e["workers"] if w not in s.deferred))
+
+
+def _recovered(s: RunState, e) -> RunState:
+    """The run is whole at ``resume_step``: every active slice holds it; later steps are undone."""
+    step = e["resume_step"]
+    active = _active(s)
+    return _replace(s, losses=s.losses[:step], loss_sums=s.loss_sums[:step], dispatched=step, replicas=active,
+                    shadows=frozenset() if e.get("restore_tier") in ("snapshot", "checkpoint")
+                    else s.shadows - active)
+
+
+def _remapped(s: RunState, e) -> RunState:
+    placement = _placement(e)
+    return _replace(s, placement=placement, replicas=frozenset(placement.active),
+                    shadows=s.shadows - frozenset(placement.active),
+                    swaps=tuple(w for w in s.swaps if w != e.get("slow")))
+
+
+def _straggler(s: RunState, e) -> RunState:
+    if e.get("queued") and e["worker"] not in s.swaps:
+        return _replace(s, swaps=s.swaps + (e["worker"],))
+    return s
+
+
+def _straggler_kept(s: RunState, e) -> RunState:
+    return _replace(s, swaps=tuple(w for w in s.swaps if w != e["worker"]))
+
+
+def _checkpoint_saved(s: RunState, e) -> RunState:
+    return _replace(s, checkpoints=tuple(sorted({*s.checkpoints, e["step"]})))
+
+
+def _snapshot_saved(s: RunState, e) -> RunState:
+    return _replace(s, snapshots=tuple(sorted({*s.snapshots, (e["step"], e["worker"])})))
+
+
+def _snapshot_copied(s: RunState, e) -> RunState:
+    if not e.get("peer"):
+        return s
+    return _replace(s, snapshots=tuple(sorted({*s.snapshots, (e["step"], e["peer"])})))
+
+
+def _shadow_synced(s: RunState, e) -> RunState:
+    return _replace(s, shadows=s.shadows | {e["dest"]})
+
+
+def _shadow_dropped(s: RunState, e) -> RunState:
+    return _replace(s, shadows=s.shadows - {e["worker"]})
+
+
+_FOLDS = {
+    "run_started": _run_started,
+    "placement": _first_placement,
+    "placement_changed": _placement_changed,
+    "state_initialized": _state_initialized,
+    "run_resumed": _run_resumed,
+    "run_truncated": _truncated,
+    "step_dispatched": _dispatched,
+    "step_committed": _committed,
+    "worker_dead": _worker_dead,
+    "failure_detected": _failure,
+    "recovery_decision": _decision,
+    "relaunch_deferred": _deferred,
+    "recovered": _recovered,
+    "grown": _remapped,
+    "straggler_replaced": _remapped,
+    "straggler": _straggler,
+    "straggler_kept": _straggler_kept,
+    "checkpoint_saved": _checkpoint_saved,
+    "snapshot_saved": _snapshot_saved,
+    "snapshot_copied": _snapshot_copied,
+    "shadow_synced": _shadow_synced,
+    "shadow_behind": _shadow_dropped,
+}
+
+
+def replay_file(path) -> RunState:
+    """The run state a run's ``events.jsonl`` leaves (read with :func:`runtime.core.events.read_events`)."""
+    from runtime.core.events import read_events
+    return RunState.replay(read_events(path))

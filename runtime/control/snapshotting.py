@@ -1,0 +1,103 @@
+"""The in-memory snapshot tier as the controller sees it: who snapshots when, what exists, what to restore.
+
+The workers write, copy and read snapshots (:mod:`runtime.state.snapshot`, in the
+background writer of :mod:`runtime.worker.saver`); the controller only decides
+and records:
+
+- :meth:`Snapshotting.order_for`: after which steps a snapshot is taken, by
+  which replica, and which worker on another host keeps its copy
+  (:func:`runtime.control.policy.snapshot_order`). Snapshots are the run's backup
+  while no spare shadows the state (:func:`runtime.control.tiers.backup_tier`);
+- :meth:`Snapshotting.note`: ``snapshot_saved`` / ``snapshot_copied`` /
+  ``snapshot_failed`` events for what the workers report, the newest step
+  known to be held, and the observer's hook;
+- :meth:`Snapshotting.holdings`: which members' hosts hold which snapshot
+  (their own answer, from ``Abort``), for :func:`runtime.control.tiers.choose_source`.
+
+It holds no state beyond what the workers reported.
+"""
+
+from __future__ import annotations
+
+from runtime.control.policy import Placement, snapshot_order
+from runtime.state.snapshot import KEEP
+from runtime.control.tiers import backup_tier
+
+__all__ = ["Snapshotting"]
+
+
+class Snapshotting:
+    """The controller's side of in-memory snapshots (see the module docstring).
+
+    ``opts``: the run's ``ControllerOptions`` (``snapshot_interval``,
+    ``backup_kind``); ``notify(step)``: called for each snapshot reported
+    in place (written, and copied to its peer when one was asked; the
+    controller's observer).
+    """
+
+    def __init__(self, group, opts, events, notify=None):
+        self.group, self.opts, self.events = group, opts, events
+        self.notify = notify or (lambda step: None)
+        self.held: dict[str, set[int]] = {}   # host -> snapshot steps reported written or copied there
+        self._ordered: dict[int, str | None] = {}   # snapshot step -> the worker asked to keep its copy (or None)
+
+    @property
+    def enabled(self) -> bool:
+        """The run takes snapshots (an interval, and somewhere to keep them)."""
+        return bool(self.group.snapshot_root)
+
+    def order_for(self, step: int, steps: int, placement: Placement, shadows: int) -> tuple[str, str | None] | None:
+        """``(writer, peer)`` when a snapshot follows step ``step``, else None; none while ``shadows`` spares
+        shadow the state (they are the backup then)."""
+        if not self.enabled or backup_tier(self.opts.backup_kind, shadow_spares=shadows) != "snapshot":
+            return None
+        order = snapshot_order(step, steps, self.opts.snapshot_interval, placement.active, placement.spares,
+                               {w: self.group.host_of(w) for w in placement.members})
+        if order:
+            self._ordered[step + 1] = order[1]
+            for old in sorted(self._ordered)[:-2 * KEEP]:
+                del self._ordered[old]
+        return order
+
+    def note(self, reports) -> None:
+        """Events for ``{worker: (snapshots written on its host, snapshots copied to their peer, error or "")}``."""
+        for w, (saved, copied, error) in reports.items():
+            for step in saved:
+                self._hold(self.group.host_of(w), step)
+                self.events.emit("snapshot_saved", worker=w, host=self.group.host_of(w), step=step)
+                if self._ordered.get(step) is None:   # no copy asked: in place now
+                    self.notify(step)
+            for step in copied:
+                peer = self._ordered.get(step)
+                if peer is not None:
+                    self._hold(self.group.host_of(peer), step)
+                self.events.emit("snapshot_copied", worker=w, peer=peer, host=peer and self.group.host_of(peer),
+                                 step=step)
+                self.notify(step)
+            if error:
+                self.events.emit("snapshot_failed", worker=w, error=error[:500])
+
+    def newest(self, at_most: int) -> int | None:
+        """The newest snapshot step at or before ``at_most`` that may be held on some host: reported written or
+        copied, or ordered after a step since committed (its writer applied that step and began the write; the
+        report may not have arrived before the writer died). None without one. The hosts' own answers
+        (:meth:`holdings`) decide what is restored."""
+        steps = [s for held in self.held.values() for s in held if s <= at_most]
+        steps += [s for s in self._ordered if s <= at_most]
+        return max(steps) if steps else None
+
+    @staticmethod
+    def holdings(statuses, at_most: int) -> dict[str, int]:
+        """``{worker: newest snapshot step at or before at_most on its host}`` from ``WorkerGroup.abort``'s
+        answer (workers whose host holds none are left out)."""
+        out = {}
+        for w, status in statuses.items():
+            steps = [s for s in status.snapshots if s <= at_most]
+            if steps:
+                out[w] = max(steps)
+        return out
+
+    def _hold(self, host: str, step: int) -> None:
+        held = self.held.setdefault(host, set())
+        held.add(step)
+        held.difference_update(sorted(held)[:-KEEP])   # a host keeps only the newest few (SnapshotStore)

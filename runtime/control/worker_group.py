@@ -1,0 +1,547 @@
+"""The worker group: every RPC, stub, channel and launcher call of one run.
+
+The controller decides; the group carries out. It owns the controller's gRPC
+service (worker registration), the launcher, one channel and stub per
+worker, the health monitor, and the futures of the steps in flight. What its
+calls say and what their answers become (plain values such as
+:class:`~runtime.control.calls.StepResult`, or the typed errors of
+:mod:`runtime.core.errors`) is :mod:`runtime.control.calls`, so nothing above it knows
+about protocol buffers.
+
+Deaths are values: whoever finds one (the health monitor, a failed probe, the
+step watchdog) calls :meth:`WorkerGroup.declare_dead`, which records it once,
+fails the worker's calls in flight, and puts a :class:`~runtime.control.calls.Death`
+on the queue that the controller drains (:meth:`WorkerGroup.drain_deaths`).
+Nothing here calls back into the controller.
+
+A test drives the controller with a fake group offering the same methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from runtime.core import compile_cache
+from runtime.wire import rpc
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.control.calls import (Death, LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
+                           load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
+from runtime.core.errors import RegistrationTimeoutError
+from runtime.core.events import EventLog
+from runtime.control.health import HealthMonitor
+from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
+from runtime.control.policy import StepPlan, WorkerInfo, may_relaunch
+from runtime.core.programs import ProgramSet
+from runtime.control.registry import Registry
+
+log = logging.getLogger("jax_elastic.worker_group")
+
+__all__ = ["WorkerGroup"]
+
+
+class WorkerGroup:
+    """The workers of one run, reached over gRPC. Thread-safe where noted; otherwise called by the controller.
+
+    ``opts`` is the run's ``ControllerOptions``. The group fences every call
+    with ``(run_id, epoch)``; the controller moves the epoch with
+    :meth:`fence_at`.
+    """
+
+    def __init__(self, run_id: str, secret: str, programs: ProgramSet, data_source: bytes, opts, events: EventLog):
+        self.run_id, self.secret, self.opts, self.events = run_id, secret, opts, events
+        self.programs, self.data_source = programs, data_source
+        self.epoch = 0
+        self.registry = Registry(run_id, events, refuse=self._why_fenced)
+        host = listen_host(opts)
+        self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
+                                           refusals=self.registry.refusals, max_message=1 << 20)
+        pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
+        self.address = f"{host}:{port}"
+        self.launcher = make_launcher(opts, run_id, self.address, secret,
+                                      on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
+        self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
+        self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
+                                     lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
+        self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
+        self._deaths: queue.Queue[Death] = queue.Queue()
+        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._inflight: dict[str, list[grpc.Future]] = {}
+        self._warming: dict[str, grpc.Future] = {}
+        self._relaunched: set[str] = set()
+        self._launched = 0
+        self._hosts: dict[str, str] = {}         # worker -> the (simulated) host it was launched on
+        # The run's in-memory snapshots, one directory per host under it (runtime.state.snapshot); "": none taken.
+        self.snapshot_root = (os.path.join(opts.snapshot_directory, run_id)
+                              if opts.snapshot_directory and opts.snapshot_interval else "")
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        self.server.start()
+        self.monitor.start()
+
+    def close(self) -> None:
+        """Reports refused calls, sends live workers home, kills declared-dead processes (a hung one may be
+        stopped), stops the server."""
+        try:
+            self.collect_security_events()
+        except Exception:  # noqa: BLE001 - reporting must not keep workers from going home
+            log.exception("could not collect the refused calls at close")
+        self.monitor.stop()
+        for wid in list(self._stubs):
+            if wid not in self.dead:
+                self._shutdown_call(wid, run_ended=True)
+        for wid in self.dead:
+            self.launcher.kill(wid)
+        self.launcher.stop_all()
+        self.server.stop(0)
+        if self.snapshot_root:   # every (simulated) host of a local launch is this machine: give the RAM back
+            shutil.rmtree(self.snapshot_root, ignore_errors=True)
+
+    def fence_at(self, epoch: int) -> None:
+        """Every later call carries ``epoch``: workers refuse calls of older epochs."""
+        self.epoch = epoch
+
+    def _fence(self) -> pb.Fence:
+        return pb.Fence(run_id=self.run_id, epoch=self.epoch)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = rpc.channel(address, self.secret, self.opts.tls)
+        return ch
+
+    # -- membership ----------------------------------------------------------
+
+    def launch(self, host: str = "") -> str:
+        """Starts one worker process on ``host`` (default: a simulated host of its own); returns its id (it
+        registers by itself)."""
+        wid = f"w{self._launched}"
+        # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
+        self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
+        self._launched += 1
+        self.launcher.launch(wid, self._hosts[wid])
+        return wid
+
+    def host_of(self, worker_id: str) -> str:
+        """The host a worker runs on (as it registered; else where it was launched; else its id)."""
+        info = self.registry.workers.get(worker_id)
+        return (info.host if info is not None and info.host else "") or self._hosts.get(worker_id, worker_id)
+
+    def relaunch(self, dead_worker: str) -> str | None:
+        """Starts a fresh process (a new worker id) in place of a dead one, once per dead worker, within limits.
+
+        None when nothing was started: already relaunched, past the limits, or
+        the workers are started by someone else (``elastic_launcher=none``:
+        the scheduler restarts them and they join as newcomers)."""
+        if dead_worker in self._relaunched or self.launcher.external:
+            return None
+        self._relaunched.add(dead_worker)
+        o = self.opts
+        if not may_relaunch(o.relaunch, self._launched, o.slices, o.spares, o.max_retries):
+            return None
+        wid = self.launch(self.host_of(dead_worker))   # on the same host: it finds the snapshots left there
+        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid, host=self._hosts[wid])
+        return wid
+
+    def wait_for_workers(self, n: int, timeout: float) -> list[WorkerInfo]:
+        """Blocks until ``n`` live workers registered, or no launched process is left to register; adopts them.
+
+        A process that exits before it registers is declared dead (cause
+        crash) and relaunched within the limits. Returns the live registered
+        workers (possibly fewer than ``n``: the caller decides whether that
+        is enough). ``RegistrationTimeoutError`` when none registered within
+        ``timeout``, or when some that are still running did not. Workers
+        started by someone else (``elastic_launcher=none``) are waited for
+        until ``timeout``; then those registered are answered.
+        """
+        deadline = time.monotonic() + timeout
+        self.launcher.prepare_standby()   # starts beside the run's own processes: a relaunch takes it over
+        if self.launcher.external:
+            join = f"elastic worker --controller {self.address} --run-id {self.run_id}"
+            self.events.emit("workers_awaited", count=n, controller=self.address, run_id=self.run_id, command=join)
+            log.warning("waiting up to %.0f s for %d workers to join: start each with `%s` and the run secret in "
+                        "ELASTIC_RUN_SECRET", timeout, n, join)
+        while True:
+            for wid, proc in list(self.launcher.procs.items()):
+                code = proc.poll()
+                if code is not None and wid not in self.registry.workers and wid not in self.dead:
+                    self.declare_dead(wid, f"exited with status {code} before registering", cause="crash")
+                    self.relaunch(wid)
+            with self.registry.cond:
+                live = [w for w in self.registry.workers.values() if w.worker_id not in self.dead]
+                waiting = [w for w, p in self.launcher.procs.items()
+                           if w not in self.registry.workers and w not in self.dead]
+                if len(live) >= n or not (waiting or self.launcher.external):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 and self.launcher.external and live:
+                    break
+                if left <= 0:
+                    how = (f"start them with `elastic worker --controller {self.address} --run-id {self.run_id}`"
+                           if self.launcher.external else "see the worker logs")
+                    raise RegistrationTimeoutError(f"{len(live)} of {n} workers registered within "
+                                                   f"{timeout:.0f} s; {how}")
+                self.registry.cond.wait(min(left, 0.2))
+        if not live:
+            raise RegistrationTimeoutError(f"no worker registered: {len(self.dead)} exited first; see the worker logs")
+        for w in live:
+            self._adopt(w)
+        return live
+
+    def wait_for_newcomer(self, timeout: float) -> None:
+        """Blocks up to ``timeout`` while no registered worker is waiting to be adopted."""
+        with self.registry.cond:
+            if not self.has_newcomers():
+                self.registry.cond.wait(timeout)
+
+    def has_newcomers(self) -> bool:
+        """A worker registered that the group has not adopted yet."""
+        return any(w not in self._stubs for w in list(self.registry.workers))
+
+    def warmed(self) -> bool:
+        """A newcomer finished loading (successfully or not)."""
+        return any(f.done() for f in list(self._warming.values()))
+
+    def _adopt(self, w: WorkerInfo) -> None:
+        self._stubs[w.worker_id] = pb_grpc.WorkerStub(self._channel(w.address))
+        self.monitor.watch(w.worker_id, w.address)
+
+    def _why_fenced(self, worker_id: str) -> str:
+        if worker_id in self.dead:
+            return (f"worker {worker_id} was declared dead ({self.dead[worker_id]}) and is fenced; the run is at "
+                    f"epoch {self.epoch}: a fresh process joins as a new worker")
+        return ""
+
+    def declare_dead(self, worker_id: str, reason: str, cause: str = "unresponsive") -> None:
+        """Thread-safe, idempotent. Records the death, fails the worker's calls in flight, queues a :class:`Death`.
+
+        The process is not killed: on a real cluster a partitioned host cannot
+        be reached either. Fencing keeps it harmless (older epoch; refused on
+        rejoin) and it fences itself when its lease on the controller lapses.
+        """
+        with self._lock:
+            if worker_id in self.dead:
+                return
+            self.dead[worker_id] = reason
+            futs = self._inflight.pop(worker_id, [])
+        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
+        self._deaths.put(Death(worker_id, reason, cause))
+        for f in futs:
+            f.cancel()
+
+    def drain_deaths(self) -> list[Death]:
+        """The deaths declared since the last drain, oldest first (the owner's queue)."""
+        out = []
+        while True:
+            try:
+                out.append(self._deaths.get_nowait())
+            except queue.Empty:
+                return out
+
+    def forget(self, worker_id: str) -> None:
+        """Stops watching a worker that left the placement (dead or sent home)."""
+        self.monitor.unwatch(worker_id)
+
+    def shutdown(self, worker_id: str) -> None:
+        """Sends a worker that left the placement home (best effort; it is fenced either way)."""
+        self.forget(worker_id)
+        self._shutdown_call(worker_id)
+        self.launcher.kill(worker_id)
+
+    def _shutdown_call(self, worker_id: str, run_ended: bool = False) -> None:
+        try:
+            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended),
+                                            timeout=2.0)
+        except grpc.RpcError:
+            pass
+
+    # -- health --------------------------------------------------------------
+
+    def is_alive(self, worker_id: str) -> bool:
+        """A health probe with the bounded retry; False once the worker is confirmed (or declared) dead."""
+        return self.monitor.is_alive(worker_id)
+
+    def probe(self, workers) -> dict[str, bool]:
+        """Probes ``workers`` in parallel; ``{worker: alive}``."""
+        workers = list(workers)
+        with futures.ThreadPoolExecutor(max_workers=max(len(workers), 1)) as pool:
+            return dict(zip(workers, pool.map(self.is_alive, workers)))
+
+    def collect_security_events(self, timeout: float = 2.0) -> list[dict]:
+        """Records the calls refused for their run secret since the last report, as ``security_refused`` events.
+
+        Thread-safe. Asks every watched worker now (the health monitor also
+        asks every ``refusals_seconds`` on its own), waiting at most
+        ``timeout`` seconds, and drains the controller server's own count
+        (``worker="controller"``). Each event: ``worker``, ``method``,
+        ``peer`` (host, no port), ``count`` and ``reason``; returns them.
+        """
+        events = self.monitor.collect_refusals(timeout)
+        for method, peer, reason, count in self.registry.refusals.drain():
+            events.append(self.events.emit("security_refused", worker="controller", method=method, peer=peer,
+                                           count=count, reason=reason))
+        return events
+
+    def progress(self, worker_id: str) -> tuple[int, str, float] | None:
+        """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer."""
+        try:
+            r = self._call(worker_id, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=2.0)
+        except Exception:   # noqa: BLE001 -- any failure means "no answer"; the caller probes it next
+            return None
+        return r.step, r.phase, r.seconds
+
+    # -- calls -----------------------------------------------------------------
+
+    def _call(self, worker_id: str, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self._stubs[worker_id], method)(request, timeout=timeout or self.opts.rpc_timeout_seconds)
+        except grpc.RpcError as e:
+            raise rpc.to_error(worker_id, e) from None
+
+    def _all(self, method: str, make_request, workers) -> dict[str, object]:
+        """Calls ``method`` on ``workers`` concurrently; see :func:`gather`."""
+        return gather({w: getattr(self._stubs[w], method).future(make_request(w), timeout=self.opts.rpc_timeout_seconds)
+                       for w in workers})
+
+    def _load_request(self) -> pb.LoadRequest:
+        return load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
+
+    def program_bytes(self) -> int:
+        return sum(len(v) for v in self.programs.programs().values())
+
+    def load(self, workers) -> dict[str, LoadResult]:
+        """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
+
+        Returns the workers that loaded. One that fails (or dies: its call is
+        cancelled when it is declared dead) is declared dead and left out.
+
+        With a shared compilation cache, the first worker loads alone, then
+        the others at once: it compiles each program and writes it to the
+        cache, the others read it instead of compiling the same programs side
+        by side (on a host shared by several workers, that is several times
+        the CPU for nothing). When the cache already holds these programs
+        (:func:`runtime.core.compile_cache.holds`: an earlier run or the reference
+        run loaded them), all load at once.
+        """
+        request = self._load_request()
+        workers = list(workers)
+        cache, programs = self.opts.compilation_cache_dir, self.programs.programs()
+        devices = self.programs.devices_per_slice
+        cold = not compile_cache.holds(cache, programs, devices)
+        leader = workers[:1] if cache and cold and len(workers) > 1 else []
+        replies = self._each("Load", lambda w: request, leader, "failed to load programs")
+        rest = [w for w in workers if w not in leader and w not in self.dead]
+        replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
+        if replies and cold:
+            compile_cache.mark_held(cache, programs, devices)
+        return {w: load_result(r) for w, r in replies.items()}
+
+    def init(self, workers, seed: int) -> dict[str, int]:
+        """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.
+
+        One that fails is declared dead and left out. Every replica initializes
+        from the same seed, so any worker can (re)initialize to the same bits.
+        """
+        replies = self._each("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed), workers,
+                             "failed to initialize its state")
+        return {w: r.state_bytes for w, r in replies.items()}
+
+    def _each(self, method: str, make_request, workers, what: str) -> dict[str, object]:
+        """Calls ``method`` on ``workers`` concurrently; returns the replies of those that succeeded.
+
+        A worker lost during the call (``WorkerLostError``) is declared dead
+        (``what`` says why); a declared-dead worker's call is cancelled, so a
+        hung one does not hold the others up. Any other failure (the worker
+        answered with an error: user code, a bad program) is raised after all
+        calls ended.
+        """
+        futs = {}
+        with self._lock:
+            for w in workers:
+                futs[w] = getattr(self._stubs[w], method).future(make_request(w),
+                                                                  timeout=self.opts.rpc_timeout_seconds)
+                self._inflight.setdefault(w, []).append(futs[w])
+                if w in self.dead:
+                    futs[w].cancel()
+        out, raised = collect(futs, lambda w, error: self.declare_dead(w, f"{what}: {error}"[:300], cause="crash"))
+        self._settle(futs)
+        if raised is not None:
+            raise raised
+        return out
+
+    def start_warming(self) -> None:
+        """Adopts newly registered workers and starts loading programs on them (no wait; any time, steps run on)."""
+        for w in list(self.registry.workers.values()):
+            if w.worker_id not in self._stubs:
+                self._adopt(w)
+                self._warming[w.worker_id] = self._stubs[w.worker_id].Load.future(
+                    self._load_request(), timeout=self.opts.rpc_timeout_seconds)
+
+    def warm_newcomers(self, block_until: float | None = None) -> list[str]:
+        """Adopts newly registered workers and loads programs on them; returns those warmed since the last call.
+
+        A newcomer that fails to load or probe its devices is declared dead.
+        With ``block_until`` (monotonic), waits that long for the loads.
+        """
+        self.start_warming()
+        warmed = []
+        for wid, fut in list(self._warming.items()):
+            if block_until is not None:
+                try:
+                    fut.result(timeout=max(block_until - time.monotonic(), 0.001))
+                except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+                    pass
+            if not fut.done():
+                continue
+            del self._warming[wid]
+            try:
+                reply = fut.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                self.events.emit("device_probe", worker=wid, ok=False, devices=0, seconds=0.0,
+                                 error=str(getattr(e, "details", lambda: e)())[:300])
+                self.declare_dead(wid, "failed to load programs or probe its devices", cause="load_failed")
+                continue
+            self.events.emit("device_probe", worker=wid, ok=True, devices=reply.devices_probed,
+                             seconds=reply.probe_seconds)
+            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
+            warmed.append(wid)
+        return warmed
+
+    # -- steps -----------------------------------------------------------------
+
+    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
+                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
+        """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
+
+        ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
+        this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
+        that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
+        shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
+        worker snapshots its state on its host after this step and streams a copy to ``peer``.
+        """
+        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot)
+        futs = {}
+        with self._lock:
+            for w, req in requests:
+                self._send_step(w, req, futs)
+        return futs
+
+    def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
+        """With the lock held: one Step call without waiting, tracked in flight (cancelled at once if dead)."""
+        futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
+        self._inflight.setdefault(w, []).append(futs[w])
+        if w in self.dead:
+            futs[w].cancel()
+
+    def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
+        """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a
+        :class:`StepResult` or the typed error; settles them."""
+        if deadline is not None:
+            wait_until(futs, deadline)
+        ended = {w: f for w, f in futs.items() if f.done()}
+        self._settle(ended)
+        return step_outcomes(ended)
+
+    def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
+        """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
+        try:
+            replies = gather(futs, deadline)
+        except Exception:
+            self._settle(futs)
+            raise
+        if isinstance(replies, Stalled):
+            return replies
+        self._settle(futs)
+        return {w: step_result(r) for w, r in replies.items()}
+
+    def _settle(self, futs: dict[str, grpc.Future]) -> None:
+        with self._lock:
+            for w, f in futs.items():
+                if f in self._inflight.get(w, []):
+                    self._inflight[w].remove(f)
+
+    def cancel_inflight(self) -> None:
+        """Abandons every step in flight (a recovery starts)."""
+        with self._lock:
+            futs = [f for fs in self._inflight.values() for f in fs]
+            self._inflight.clear()
+        for f in futs:
+            f.cancel()
+
+    # -- recovery --------------------------------------------------------------
+
+    def abort(self, workers) -> dict[str, WorkerStatus]:
+        """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
+        replies = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers)
+        return {w: worker_status(r) for w, r in replies.items()}
+
+    def rollback(self, worker_id: str, to_applied_steps: int) -> None:
+        """Undoes a replica's last applied step (it keeps one step of history)."""
+        self._call(worker_id, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=to_applied_steps))
+
+    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
+        reply = self._call(dest, "PullState", pb.PullStateRequest(
+            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
+            source_data_address=self._data_address(source)))
+        return reply.bytes, reply.sha256
+
+    def load_checkpoints(self, workers, directory: str, applied: int,
+                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which);
+        ``snapshot``: each the newest valid in-memory snapshot on its host instead (``directory`` unused).
+
+        One lost meanwhile is declared dead and left out (see :meth:`_each`)."""
+        what = "an in-memory snapshot" if snapshot else "a checkpoint"
+        return self._each("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
+            fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot), workers,
+            f"failed to load {what}")
+
+    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
+                          ) -> dict[str, tuple[list[int], str, bool]]:
+        """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved since
+        the last report, first error or "", idle: nothing left to write)}``. ``save``: ``(worker, directory,
+        committed loss sums)``: that worker first saves its state as it is now (a cut-off last checkpoint)."""
+        def request(w):
+            if save is not None and w == save[0]:
+                return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds, save_directory=save[1],
+                                             committed_loss_sums=save[2])
+            return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds)
+        replies = self._all("Checkpoints", request, workers)
+        return {w: (list(r.saved), r.error, r.idle) for w, r in replies.items()}
+
+    def _addresses(self, worker_id: str) -> tuple[str, str]:
+        """Where ``worker_id`` is reached: its gRPC address and its data address (:meth:`_data_address`)."""
+        return self.registry.workers[worker_id].address, self._data_address(worker_id)
+
+    def _data_address(self, worker_id: str) -> str:
+        """Where peers send ``worker_id`` tensors: its data plane, or "" (gRPC) when it has none or the run
+        asked for gRPC (``data_plane``)."""
+        return self.registry.workers[worker_id].data_address if self.opts.data_plane == "tcp" else ""
+
+    def hashes(self, workers) -> dict[str, tuple[int, str]]:
+        """``{worker: (applied steps, sha256 of its state)}``."""
+        replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()), workers)
+        return {w: (r.step, r.sha256) for w, r in replies.items()}
+
+    # -- for observers (the chaos injector) ------------------------------------
+
+    def pid(self, worker_id: str) -> int:
+        return self.registry.workers[worker_id].pid
+
+    def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
+                     phase: str = "") -> None:
+        self._call(worker_id, "Chaos", pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
+                                                       phase=phase), timeout=5.0)

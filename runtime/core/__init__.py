@@ -1,0 +1,6 @@
+"""The base both programs share: errors, the event log and its schema, microbatch trees, program sets,
+platforms, timing, fingerprints, the compilation cache, the owner watch, the allocator, the environment of
+a child process.
+
+May import: nothing of ``runtime`` (only the standard library and third-party packages).
+"""

@@ -1,0 +1,244 @@
+"""The schema of ``events.jsonl``: every event kind, its fields and their types, declared once.
+
+Who uses it: :meth:`runtime.core.events.EventLog.emit` checks every event against
+:data:`EVENT_KINDS` before writing it (an unknown kind, a missing required
+field, a field not declared, a field of the wrong type is a ``ValueError``: a
+programming error, which the tests catch, never a reason to write a malformed
+line); the report's fold (``elastic/report/fold.py``) checks what it reads
+against the same table, tolerating what old logs lack (unknown kinds, missing
+fields it does not read, fields not declared here).
+
+Types are judged on the event as it is written (after JSON encoding: a tuple
+is a list, a NumPy scalar a number), so the writer and every reader of the log
+agree. Each event also has ``t`` (wall seconds, a finite number) and ``kind``.
+
+Imports nothing of the project (``elastic``, ``chaos`` and ``integrations``
+declare their kinds here too: the log has one schema).
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+__all__ = ["COMMON_FIELDS", "EVENT_KINDS", "LEGACY_KINDS", "EventKind", "FieldType", "check_event"]
+
+
+class FieldType(NamedTuple):
+    """What an event field must hold: ``what`` names it in errors, ``ok`` tests a (JSON-decoded) value."""
+
+    what: str
+    ok: Callable[[Any], bool]
+
+
+def _is_number(v: Any) -> bool:
+    """A number (not a bool) a float can hold: inf and nan are, an int beyond the float range is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def _is_finite(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and _is_number(v) and v >= 0
+
+
+def _or_null(t: FieldType) -> FieldType:
+    return FieldType(f"{t.what} or null", lambda v: v is None or t.ok(v))
+
+
+ANY = FieldType("anything", lambda v: True)
+TEXT = FieldType("a string", lambda v: isinstance(v, str))
+TEXT_OR_NULL = _or_null(TEXT)
+BOOL = FieldType("true or false", lambda v: isinstance(v, bool))
+BOOL_OR_NULL = _or_null(BOOL)
+NUMBER = FieldType("a number", _is_number)
+NUMBER_OR_NULL = _or_null(NUMBER)
+FINITE = FieldType("a finite number", _is_finite)
+FINITE_OR_NULL = _or_null(FINITE)
+COUNT = FieldType("a whole number >= 0", _is_count)
+COUNT_OR_NULL = _or_null(COUNT)
+LIST = FieldType("a list", lambda v: isinstance(v, list))
+NAMES = FieldType("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+OBJECT = FieldType("an object", lambda v: isinstance(v, dict))
+OBJECT_OR_NULL = _or_null(OBJECT)
+NUMBERS_BY_NAME = FieldType("an object of numbers",
+                            lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()))
+
+#: Fields of every event: when (unix seconds) and what.
+COMMON_FIELDS: Mapping[str, FieldType] = MappingProxyType({"t": FINITE, "kind": TEXT})
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One kind of event: what it records, the fields every one has (``required``) and may have (``optional``)."""
+
+    name: str
+    doc: str
+    required: Mapping[str, FieldType] = field(default_factory=dict)
+    optional: Mapping[str, FieldType] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, FieldType]:
+        return {**self.required, **self.optional}
+
+
+def _kinds(*kinds: EventKind) -> Mapping[str, EventKind]:
+    table = {k.name: k for k in kinds}
+    assert len(table) == len(kinds), "an event kind is declared twice"
+    return MappingProxyType(table)
+
+
+_W = {"worker": TEXT}
+_COPY = {"source": TEXT, "dest": TEXT, "step": COUNT, "bytes": COUNT, "seconds": FINITE, "sha256": TEXT}
+_REMAP = {"epoch": COUNT, "promoted": NAMES, "active": NAMES, "spares": NAMES, "bytes_moved": COUNT, "step": COUNT}
+_FAULT = {"index": COUNT, "fault": TEXT, "fault_kind": TEXT, "step": COUNT}
+
+#: Every kind of event a run's log may hold, by name.
+EVENT_KINDS: Mapping[str, EventKind] = _kinds(
+    # -- the job (elastic.trainer: the distributed and the reference path alike) --------------------------
+    EventKind("job_started", "an attempt of the run starts (recorded once it may start)",
+              {"mode": TEXT, "config": OBJECT_OR_NULL, "global_batch_size": COUNT, "microbatches": COUNT}),
+    EventKind("programs_built", "the step programs were traced and exported",
+              {"seconds": FINITE, "program_bytes": NUMBERS_BY_NAME, "state_bytes": COUNT, "grad_size": COUNT},
+              {"fingerprints": OBJECT}),
+    EventKind("run_failed", "the attempt ended with an error", {"error": TEXT}),
+    # -- the controller's run ------------------------------------------------------------------------
+    EventKind("run_started", "the controller (or the reference path) starts its run",
+              {"run_id": TEXT, "slices": COUNT, "devices_per_slice": COUNT, "microbatches": COUNT, "steps": COUNT},
+              {"spares": COUNT, "controller": TEXT_OR_NULL, "controller_host": TEXT_OR_NULL}),
+    EventKind("placement", "the first placement of virtual slices on workers",
+              {"epoch": COUNT, "active": NAMES, "spares": NAMES, "seconds": FINITE}),
+    EventKind("programs_loaded", "every member loaded (compiled) the programs",
+              {"compile_seconds": NUMBERS_BY_NAME, "program_bytes": ANY}),
+    EventKind("state_initialized", "the train state was initialized from the seed",
+              {"seed": ANY, "state_bytes": COUNT}),
+    EventKind("run_resumed", "the run resumed from a checkpoint of an earlier attempt",
+              {"step": COUNT, "directory": TEXT, "tier": TEXT, "bytes": COUNT, "state_bytes": COUNT,
+               "resharded_from": OBJECT_OR_NULL, "losses": LIST, "losses_recorded": BOOL},
+              {"loss_sums": LIST}),
+    EventKind("run_truncated", "the run's deadline cut its step count", {"steps": COUNT, "reason": TEXT}),
+    EventKind("step_dispatched", "a step was sent to the active slices",
+              {"step": COUNT, "epoch": COUNT, "workers": NAMES}),
+    EventKind("step_committed", "a step's loss was committed (the one place: Controller._record)",
+              {"step": COUNT, "epoch": COUNT, "loss": NUMBER},
+              {"loss_sum": NUMBER, "seconds": NUMBER, "recovered": BOOL, "microbatches": OBJECT, "grad_seconds": NUMBER,
+               "reduce_seconds": NUMBER, "apply_seconds": NUMBER, "bytes_sent": COUNT, "phases": NUMBERS_BY_NAME}),
+    EventKind("step_watchdog", "a step took far longer than the median: what the watchdog found",
+              {"step": COUNT, "seconds": FINITE, "median_seconds": NUMBER_OR_NULL, "pending": NAMES,
+               "suspects": NAMES, "progress": OBJECT}),
+    EventKind("straggler", "a slow worker was seen", {
+        "worker": TEXT, "step": COUNT, "seconds": NUMBER, "median_seconds": NUMBER, "action": TEXT},
+        {"queued": BOOL}),   # true: its slice moves onto a spare at the next step boundary
+    EventKind("straggler_kept", "a straggler waiting for a swap stays where it is", {**_W, "reason": TEXT}),
+    EventKind("run_finished", "the run committed its last step",
+              {"steps_completed": COUNT, "final_state_sha256": TEXT_OR_NULL, "replica_hashes": OBJECT,
+               "wall_seconds": FINITE, "client_peak_rss_bytes": COUNT_OR_NULL}),
+    # -- failures and recovery -----------------------------------------------------------------------
+    EventKind("failure_detected", "a failure stopped the step loop",
+              {"error": TEXT, "detail": TEXT, "worker": TEXT_OR_NULL, "committed": COUNT}),
+    EventKind("recovery_decision", "what the policy decided to do about it",
+              {"action": TEXT, "reason": TEXT, "dead": NAMES, "epoch": COUNT, "active": NAMES, "spares": NAMES}),
+    EventKind("recovered", "the run is whole again and resumes",
+              {"path": TEXT, "epoch": COUNT, "resume_step": COUNT, "dead": NAMES, "bytes_moved": COUNT,
+               "seconds": FINITE}, {"restore_tier": TEXT}),
+    EventKind("relaunch_deferred", "dead workers whose replacements start after the next commit",
+              {"workers": NAMES}),
+    EventKind("rolled_back", "a replica dropped its uncommitted steps", {**_W, "to_step": COUNT}),
+    EventKind("checkpoint_restored", "no replica was left: a checkpoint came back",
+              {"step": COUNT, "bytes": COUNT, "steps_lost": COUNT, "directory": TEXT}),
+    EventKind("snapshot_restored", "no replica was left: a snapshot came back",
+              {"step": COUNT, "bytes": COUNT, "steps_lost": COUNT, "worker": TEXT, "host": TEXT_OR_NULL}),
+    EventKind("transfer_started", "a state copy between workers starts",
+              {"source": TEXT, "dest": TEXT, "step": COUNT}),
+    EventKind("state_transferred", "a state copy between workers ended (and its hash checked)", _COPY),
+    EventKind("placement_changed", "a step boundary changes the placement (spares warmed or dropped, a grow or a "
+              "swap begins)", {"epoch": COUNT, "active": NAMES, "spares": NAMES, "why": TEXT}),
+    EventKind("grown", "spares were promoted to bring the run back to its slice count", _REMAP),
+    EventKind("straggler_replaced", "a straggler's slice moved to a spare", {**_REMAP, "slow": TEXT}),
+    EventKind("capacity_wait", "too few workers: the run waits for more",
+              {"needed": COUNT, "timeout_seconds": NUMBER_OR_NULL},
+              {"seconds": FINITE_OR_NULL}),   # older logs: a wait reported when it ended
+    EventKind("capacity_wait_ended", "the wait for capacity ended (found or timed out)",
+              {"seconds": FINITE_OR_NULL, "found": NAMES}),
+    # -- backups: snapshots, checkpoints, shadows ------------------------------------------------------
+    EventKind("snapshot_saved", "a worker saved a snapshot", {**_W, "host": TEXT_OR_NULL, "step": COUNT}),
+    EventKind("snapshot_copied", "a worker copied its snapshot to a peer",
+              {**_W, "peer": TEXT_OR_NULL, "host": TEXT_OR_NULL, "step": COUNT}),
+    EventKind("snapshot_failed", "a snapshot save failed", {**_W, "error": TEXT}),
+    EventKind("snapshot_unusable", "a snapshot could not be restored", {**_W, "error": TEXT}),
+    EventKind("checkpoint_saved", "a checkpoint was committed", {**_W, "step": COUNT, "directory": TEXT}),
+    EventKind("checkpoint_failed", "a checkpoint save failed", {**_W, "error": TEXT}),
+    EventKind("checkpoint_skipped", "a checkpoint could not be read and was passed over", {**_W, "detail": TEXT}),
+    EventKind("checkpoint_unavailable", "the checkpoint directory cannot be used",
+              {"directory": TEXT, "error": TEXT}),
+    EventKind("checkpoint_leftovers_removed", "partial checkpoints of a dead writer were removed",
+              {"directory": TEXT, "paths": NAMES}),
+    EventKind("shadow_synced", "a spare got a copy of the committed state", _COPY),
+    EventKind("shadow_behind", "a shadowing spare fell behind", {**_W, "step": COUNT, "error": TEXT}),
+    # -- workers -------------------------------------------------------------------------------------
+    EventKind("workers_awaited", "the controller waits for workers started by hand",
+              {"count": COUNT, "controller": TEXT, "run_id": TEXT, "command": TEXT}),
+    EventKind("worker_registered", "a worker registered",
+              {**_W, "address": TEXT, "devices": COUNT, "platform": TEXT, "pid": COUNT, "host": TEXT_OR_NULL}),
+    EventKind("register_refused", "a registration was refused", {**_W, "rejoin": BOOL, "reason": TEXT}),
+    EventKind("device_probe", "a worker's devices were probed",
+              {**_W, "ok": BOOL, "devices": COUNT, "seconds": FINITE}, {"error": TEXT}),
+    EventKind("worker_warmed", "a newcomer compiled the programs", {**_W, "compile_seconds": FINITE}),
+    EventKind("worker_suspect", "a worker went silent", {**_W, "silent_seconds": NUMBER}),
+    EventKind("worker_dead", "a worker was declared dead", {**_W, "reason": TEXT, "cause": TEXT_OR_NULL}),
+    EventKind("worker_relaunched", "a dead worker was replaced by a new one",
+              {"replaces": TEXT, **_W}, {"host": TEXT_OR_NULL}),
+    EventKind("security_refused", "calls refused for want of credentials (a worker may batch them)",
+              {**_W, "method": TEXT_OR_NULL, "peer": TEXT_OR_NULL, "count": COUNT, "reason": TEXT_OR_NULL}),
+    # -- the log itself ------------------------------------------------------------------------------
+    EventKind("events_dropped", "events the log could not write (written by EventLog.close)",
+              {"count": COUNT, "error": TEXT}),
+    # -- chaos (the fault injector and the harness) ----------------------------------------------------
+    EventKind("chaos_started", "the fault injector attached to the run",
+              {"spec": TEXT, "seed": ANY, "mtbf_seconds": NUMBER_OR_NULL, "duration_seconds": NUMBER_OR_NULL,
+               "scenario": TEXT_OR_NULL}),
+    EventKind("fault_injected", "a fault was injected",
+              {**_FAULT, "workers": NAMES, "errors": OBJECT, "seconds": FINITE}),
+    EventKind("fault_skipped", "a fault could not be injected", {**_FAULT, "reason": TEXT}),
+    EventKind("verdict", "the chaos harness's verdict on the run (appended after it)",
+              {"verdict": TEXT_OR_NULL, "verdict_reasons": LIST, "trajectory": TEXT_OR_NULL,
+               "first_diverging_step": COUNT_OR_NULL, "exactly_once": BOOL_OR_NULL, "exactly_once_detail": OBJECT,
+               "reference": OBJECT_OR_NULL}, {"promises": LIST, "run_state_replayed": BOOL_OR_NULL}),
+)
+
+#: Kinds declared for the readers of old logs and emitted nowhere today (the source-walking test checks
+#: every other declared kind is emitted somewhere).
+LEGACY_KINDS: frozenset[str] = frozenset()
+
+
+def check_event(event: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` unless ``event`` (as written: JSON-decoded) is of a declared kind and has exactly
+    its declared fields, each of its type. For the writer (``EventLog.emit``); readers of old logs are laxer."""
+    for name, ftype in COMMON_FIELDS.items():
+        if name not in event or not ftype.ok(event[name]):
+            raise ValueError(f"event {name!r} must be {ftype.what}, got {reprlib.repr(event.get(name))}")
+    kind = EVENT_KINDS.get(event["kind"])
+    if kind is None:
+        raise ValueError(f"unknown event kind {event['kind']!r}: declare it in runtime/core/event_kinds.py")
+    declared = kind.fields()
+    missing = [n for n in kind.required if n not in event]
+    if missing:
+        raise ValueError(f"event {kind.name!r} has no {', '.join(map(repr, missing))} (runtime/core/event_kinds.py)")
+    unknown = [n for n in event if n not in declared and n not in COMMON_FIELDS]
+    if unknown:
+        raise ValueError(f"event {kind.name!r} has undeclared fields {', '.join(map(repr, unknown))} "
+                         "(declare them in runtime/core/event_kinds.py)")
+    for name, ftype in declared.items():
+        if name in event and not ftype.ok(event[name]):
+            raise ValueError(f"event {kind.name!r}: {name!r} must be {ftype.what}, got {reprlib.repr(event[name])}")

@@ -1,0 +1,263 @@
+"""Workers as Ray actors on an existing Ray cluster (``elastic_launcher=ray``).
+
+Ray places, starts and stops the processes; everything else is the runtime's
+usual protocol. Each worker is one actor (``max_restarts=0``: a dead worker
+is replaced by a new actor, with a new worker id, that joins as a spare),
+which serves the same gRPC worker as a local subprocess
+(:func:`runtime.worker.worker_process.serve`), bound to its node's IP address. Its
+JAX environment (device count, platform) is the actor's ``runtime_env``, so
+it is set before the actor imports JAX; its resources are one CPU, plus
+its devices as GPUs when the platform is ``gpu``.
+
+Ray's own failure signals feed the health monitor as one more source next to
+the lease: a watcher thread waits on every actor's ``serve`` call, and an
+actor that dies (its process killed, its node removed from the cluster) is
+reported at once through ``on_lost`` (``WorkerGroup.declare_dead``). A
+relaunched worker asks Ray for its dead predecessor's node (soft affinity),
+so it finds the in-memory snapshots that node keeps.
+
+Ray is an optional dependency (``pip install jax-elastic[ray]``): only this
+module imports it, and only when the launcher is chosen. The cluster is
+``address`` (``ray_address``), else ``$RAY_ADDRESS``, else a local one Ray
+starts. Worker logs are Ray's (its session's ``logs`` directory on each
+node). The run secret reaches the actors as an argument of their call: it is
+as visible as anything else in the cluster's control store.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+import threading
+
+__all__ = ["RayLauncher", "cluster_problem", "connect", "ray_available"]
+
+log = logging.getLogger("jax_elastic.ray")
+
+#: Env vars an actor's JAX reads (from :func:`runtime.core.child_env.jax_child_env`), passed as its runtime_env.
+_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "ELASTIC_CHAOS", "ELASTIC_COMPILATION_CACHE_DIR")
+
+
+def ray_available() -> str:
+    """"" when Ray can be imported here, else why not (for a clear error before a run starts)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as e:
+        return f"Ray is not installed ({e}); pip install 'jax-elastic[ray]'"
+    return ""
+
+
+def connect(address: str = "", timeout: float = 60.0) -> str:
+    """Connects this process to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``, else a local one Ray
+    starts), once; returns this node's IP address (where the controller listens for the actors).
+
+    A cluster named by ``host:port`` must answer within ``timeout`` seconds,
+    else ``ClusterUnreachableError`` names the address (Ray itself retries
+    for about 15 minutes). A loopback address keeps this process on loopback
+    too (Ray's node IP), so a cluster on 127.0.0.1 is reached without the
+    host's interface address.
+    """
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    where = _host_port(target)
+    if where is not None and _loopback(where[0]):
+        # Ray turns a loopback address into the host's interface address (so that other machines could
+        # reach it) unless this switch is off; a cluster bound to loopback is not listening there.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if not ray.is_initialized():
+        options = {}
+        if where is not None:
+            if problem := cluster_problem(address, timeout):
+                from runtime.core.errors import ClusterUnreachableError
+
+                raise ClusterUnreachableError(problem)
+            if _loopback(where[0]):
+                constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+                if constants is not None:   # Ray was imported before this call: the switch is read already
+                    constants.ENABLE_RAY_CLUSTER = False
+                options["_node_ip_address"] = where[0]
+        ray.init(address=target or None, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, **options)
+    return ray.util.get_node_ip_address()
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` (or ``ray://host:port``) cluster address; None for "", ``auto``,
+    ``local`` (Ray finds or starts the cluster itself)."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def cluster_problem(address: str, timeout: float = 60.0) -> str:
+    """Why the Ray cluster at ``address`` (else ``$RAY_ADDRESS``) cannot be reached within ``timeout`` seconds,
+    in one line naming the key and the address; "" when it answers, or when Ray is to find or start the
+    cluster itself (no ``host:port``). Imports no Ray: the client checks this before anything starts."""
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    where = _host_port(target)
+    if where is None:
+        return ""
+    import grpc
+
+    key = "ray_address" if address else "$RAY_ADDRESS"
+    hostport = f"{where[0]}:{where[1]}" if ":" not in where[0] else f"[{where[0]}]:{where[1]}"
+    channel = grpc.insecure_channel(hostport)
+    try:   # Ray's GCS (and its client server) speak gRPC: a listener that does not is no cluster either
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        return (f"{key}={target}: no Ray cluster answers there within {timeout:.0f} s (start one with "
+                "`ray start --head`, or give the address it prints)")
+    finally:
+        channel.close()
+    return ""
+
+
+class _Handle:
+    """A worker actor and its ``serve`` call, polled like a process (``poll()``: None while it serves)."""
+
+    def __init__(self, ray, actor, ref):
+        self.ray, self.actor, self.ref = ray, actor, ref
+
+    def poll(self) -> int | None:
+        ready, _ = self.ray.wait([self.ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            return int(self.ray.get(self.ref))
+        except Exception:  # noqa: BLE001 - the actor died (killed, its node gone): a crash
+            return -9
+
+
+def _serve(controller: str, run_id: str, worker_id: str, secret: str, chaos: bool,
+           tls: tuple[str, str, str] | None, cache_dir: str) -> int:
+    """The body of a worker actor's ``serve`` call: one worker, bound to this node's IP address."""
+    import ray
+
+    from runtime.core import compile_cache
+    from runtime.wire import auth
+    from runtime.worker.worker_process import serve
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s")
+    compile_cache.enable(cache_dir)
+    # The worker's host, where its in-memory snapshots live, is its Ray node.
+    return serve(controller, run_id, worker_id, host=ray.util.get_node_ip_address(), secret=secret, chaos=chaos,
+                 tls=auth.TlsFiles(*tls) if tls else None, host_name=ray.get_runtime_context().get_node_id())
+
+
+class RayLauncher:
+    """Starts each worker as a Ray actor (see the module docstring); the interface of ``LocalLauncher``.
+
+    ``on_lost(worker_id, reason)``: called from the watcher thread when Ray
+    reports a worker's actor dead or its call ended with a failure status.
+    """
+
+    external = False   # it starts (and relaunches) the workers itself
+    host = ""          # set on connecting: the Ray node this client runs on
+
+    def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, *, address: str = "",
+                 secret: str = "", chaos: bool = False, tls=None, compilation_cache_dir: str = "",
+                 platform: str = "", on_lost=None):
+        import ray
+
+        from runtime.core.child_env import jax_child_env
+
+        self.ray = ray
+        connect(address)
+        self.host = ray.get_runtime_context().get_node_id()   # a worker's ``host`` names its node the same way
+        self.run_id, self.controller_address = run_id, controller_address
+        self.devices, self.platform = devices_per_worker, platform
+        self.secret, self.chaos, self.tls = secret, chaos, tls
+        self.cache_dir = compilation_cache_dir
+        env = jax_child_env(devices_per_worker, platform)
+        env["ELASTIC_CHAOS"] = "1" if chaos else "0"
+        env["ELASTIC_COMPILATION_CACHE_DIR"] = compilation_cache_dir
+        self._env = {k: env[k] for k in _ENV if k in env}
+        self.on_lost = on_lost or (lambda worker_id, reason: None)
+        self.procs: dict[str, _Handle] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._actor = ray.remote(max_restarts=0, max_task_retries=0)(_WorkerActor)
+        self._watcher = threading.Thread(target=self._watch, name="ray-watcher", daemon=True)
+        self._watcher.start()
+
+    def launch(self, worker_id: str, host_name: str = "") -> _Handle:
+        """Asks Ray for an actor serving as ``worker_id``. ``host_name``: a Ray node id (the host a dead
+        predecessor registered) is asked for first (soft affinity: elsewhere when that node is gone)."""
+        ray = self.ray
+        options = {"num_cpus": 1, "runtime_env": {"env_vars": self._env}, "name": f"jax-elastic-{self.run_id}-"
+                   f"{worker_id}"}
+        if self.platform == "gpu":
+            options["num_gpus"] = self.devices
+        if re.fullmatch(r"[0-9a-f]{56}", host_name):
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=host_name, soft=True)
+        actor = self._actor.options(**options).remote()
+        tls = (self.tls.cert_file, self.tls.key_file, self.tls.ca_file) if self.tls is not None else None
+        ref = actor.serve.remote(self.controller_address, self.run_id, worker_id, self.secret, self.chaos, tls,
+                                 self.cache_dir)
+        handle = _Handle(ray, actor, ref)
+        with self._lock:
+            self.procs[worker_id] = handle
+        return handle
+
+    def prepare_standby(self) -> None:
+        """Ray keeps its own pool of worker processes; no standby here."""
+
+    def kill(self, worker_id: str) -> None:
+        """Kills a worker declared dead (its actor; a hung one too)."""
+        handle = self.procs.get(worker_id)
+        if handle is not None:
+            self.ray.kill(handle.actor, no_restart=True)
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Kills every actor left (live workers were told to shut down first), stops the watcher."""
+        self._stop.set()
+        for handle in list(self.procs.values()):
+            try:
+                self.ray.kill(handle.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._watcher.join(timeout)
+
+    def _watch(self) -> None:
+        """Reports each actor whose ``serve`` call ended badly: Ray's failure signal for that worker."""
+        ray = self.ray
+        reported: set[str] = set()
+        while not self._stop.is_set():
+            with self._lock:
+                refs = {h.ref: w for w, h in self.procs.items() if w not in reported}
+            if not refs:
+                self._stop.wait(0.2)
+                continue
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            for ref in ready:
+                worker = refs[ref]
+                reported.add(worker)
+                try:
+                    status = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - actor died, node removed, ...
+                    if not self._stop.is_set():
+                        self.on_lost(worker, f"ray: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    continue
+                if status not in (0, None) and not self._stop.is_set():
+                    self.on_lost(worker, f"ray: its worker exited with status {status}")
+
+
+class _WorkerActor:
+    """A jax-elastic worker inside a Ray actor (decorated with ``ray.remote`` by :class:`RayLauncher`)."""
+
+    def serve(self, *args) -> int:
+        return _serve(*args)

@@ -1,0 +1,165 @@
+"""The data plane's client side (:mod:`runtime.wire.dataplane`): a worker's connections to its peers' data servers.
+
+:class:`DataClient` pushes a step's pieces to a peer and reads a peer's
+state, over connections it keeps open and reuses per address, speaking
+:mod:`runtime.wire.dataplane_wire`. A refusal the peer sent (a status name and
+its message) is raised as :class:`RemoteError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+from runtime.wire import auth
+from runtime._proto import elastic_pb2 as pb
+from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, STATE, STATE_REQUEST,
+                                    VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head, recv_bytes,
+                                    send_frame, shut)
+from runtime.core.errors import ProtocolError
+from runtime.wire.parts import Part
+
+__all__ = ["DataClient", "RemoteError"]
+
+
+class RemoteError(Exception):
+    """The peer refused a request: ``code`` is the status name (``INVALID_ARGUMENT``, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class DataClient:
+    """Connections to peers' data servers, kept open and reused per address. Thread-safe.
+
+    Every call blocks at most until its ``time.monotonic()`` deadline and
+    raises :class:`RemoteError` when the peer refused it, ``OSError`` /
+    ``ConnectionError`` when the connection failed (the connection is then
+    dropped; the next call opens a new one). :meth:`abort_pushes` makes every
+    push in flight fail at once (a step was aborted).
+    """
+
+    def __init__(self, secret: str, tls: auth.TlsFiles | None):
+        self._secret = secret
+        self._tls = tls.ssl_client_context() if tls is not None else None
+        self._lock = threading.Lock()
+        self._idle: dict[str, list] = {}
+        self._pushing: set = set()
+
+    def close(self) -> None:
+        with self._lock:
+            socks = [s for ss in self._idle.values() for s in ss] + list(self._pushing)
+            self._idle.clear()
+        for s in socks:
+            shut(s)
+
+    def abort_pushes(self) -> None:
+        with self._lock:
+            socks = list(self._pushing)
+        for s in socks:
+            shut(s)
+
+    def push(self, address: str, parts: Iterator[Part], deadline: float) -> None:
+        """Streams ``parts`` (``TensorChunk`` headers) to ``address``; returns once the peer accepted them."""
+        with self._connection(address, deadline, pushing=True) as sock:
+            try:
+                for part in parts:
+                    send_frame(sock, PIECE, part.header.SerializeToString(), part.payload)
+                    _timeout(sock, deadline)
+                send_frame(sock, END)
+            except OSError:
+                _raise_reply(sock)   # the peer refused midway and closed: its reason, when it sent one
+                raise
+            kind, header, plen = read_frame_head(sock)
+            if kind != REPLY:
+                raise ProtocolError(f"expected a reply, got a frame of kind {kind}")
+            _check_reply(header, recv_bytes(sock, plen))
+
+    def get_state(self, address: str, request: pb.GetStateRequest, deadline: float) -> Iterator[Incoming]:
+        """The ``StateChunk`` s of a peer's state; raises :class:`RemoteError` (before or midway) on refusal."""
+        with self._connection(address, deadline) as sock:
+            send_frame(sock, STATE_REQUEST, request.SerializeToString())
+            stream = ChunkStream(sock, STATE, pb.StateChunk)
+            for chunk in stream:
+                yield chunk
+                _timeout(sock, deadline)
+            kind, header, payload = stream.end
+            if kind != REPLY:
+                raise ProtocolError(f"a state stream ended with a frame of kind {kind}")
+            _check_reply(header, payload)
+
+    @contextlib.contextmanager
+    def _connection(self, address: str, deadline: float, pushing: bool = False):
+        with self._lock:
+            idle = self._idle.get(address)
+            sock = idle.pop() if idle else None
+        if sock is None:
+            sock = self._connect(address, deadline)
+        _timeout(sock, deadline)
+        if pushing:
+            with self._lock:
+                self._pushing.add(sock)
+        ok = False
+        try:
+            yield sock
+            ok = True
+        finally:
+            with self._lock:
+                self._pushing.discard(sock)
+                if ok:
+                    self._idle.setdefault(address, []).append(sock)
+            if not ok:
+                shut(sock)
+
+    def _connect(self, address: str, deadline: float):
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=max(min(deadline - time.monotonic(),
+                                                                           HANDSHAKE_SECONDS), 0.001))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=host)
+            magic, version, nonce = HELLO.unpack(recv_bytes(sock, HELLO.size))
+            if magic != MAGIC or version != VERSION:
+                raise ConnectionError(f"{address} is not a data plane of version {VERSION}")
+            sock.sendall(HELLO.pack(MAGIC, VERSION, handshake_mac(self._secret, nonce) if self._secret else bytes(32)))
+            if recv_bytes(sock, 1) != b"\x01":
+                raise ConnectionError(f"{address} refused the data-plane handshake")
+        except ConnectionError as e:
+            shut(sock)
+            raise RemoteError("UNAUTHENTICATED", f"{address} refused the connection (wrong run secret?): {e}") \
+                from None
+        except BaseException:
+            shut(sock)
+            raise
+        return sock
+
+
+def _timeout(sock, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def _check_reply(header: bytes, payload: bytes) -> None:
+    code = header.decode(errors="replace")
+    if code != OK:
+        raise RemoteError(code, payload.decode(errors="replace"))
+
+
+def _raise_reply(sock) -> None:
+    """After a failed send: raises the peer's ``RemoteError`` if it sent one before closing, else returns."""
+    try:
+        sock.settimeout(0.5)
+        kind, header, plen = read_frame_head(sock)
+        payload = recv_bytes(sock, plen)
+    except (OSError, ProtocolError, struct.error):
+        return
+    if kind == REPLY:
+        _check_reply(header, payload)

@@ -1,0 +1,207 @@
+"""Runs a :class:`ProgramSet` on the local devices of one slice.
+
+Used by the worker (behind gRPC) and by the single-process reference run, so
+both execute exactly the same code on the same programs. Not thread-safe: the
+owner serializes calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from runtime.state.state_copy import state_sha256
+from runtime.core.microbatch import Node, tree_reduce
+from runtime.core.platforms import check_runnable, local_platform
+from runtime.core.programs import MESH_AXIS, ProgramSet
+from runtime.core.timing import Clock
+
+__all__ = ["SliceExecutor", "add_f32", "probe_devices"]
+
+
+def add_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The one addition used to combine gradient partials (IEEE float32)."""
+    return np.add(a, b, dtype=np.float32)
+
+
+class SliceExecutor:
+    """Holds one replica of the training state on ``devices``.
+
+    Call :meth:`load` once, then :meth:`init`, then any number of
+    ``grad``/``apply`` pairs. Errors from user programs propagate unchanged.
+    """
+
+    def __init__(self, programs: ProgramSet, data_source, devices=None):
+        devices = list(devices if devices is not None else jax.devices())
+        d = programs.devices_per_slice
+        if len(devices) < d:
+            raise ValueError(f"slice needs {d} devices, this process has {len(devices)}")
+        self.programs = programs
+        self.data = data_source
+        self.mesh = Mesh(np.array(devices[:d]), (MESH_AXIS,))
+        self.state = None
+        self.prev_state = None   # one step of history, for rollback after a failed step
+        self.steps_applied = 0
+        self._fns: dict[str, object] = {}
+        self._exported: dict[str, object] = {}
+        self._shardings: dict[str, list[NamedSharding]] = {}
+        self._digest: tuple[object, str] = (None, "")   # (the state it is of, its sha256)
+
+    # -- setup ---------------------------------------------------------------
+
+    def load(self) -> float:
+        """Deserializes and compiles every program; returns seconds spent.
+
+        Programs for a platform other than this slice's devices' are refused
+        before any compile (:class:`~runtime.core.errors.PlatformMismatchError`).
+        """
+        t0 = time.perf_counter()
+        local = local_platform(self.mesh.devices.flat)
+        for name, blob in self.programs.programs().items():
+            exp = jax.export.deserialize(bytearray(blob))
+            check_runnable(tuple(exp.platforms), local, f"the {name!r} program")
+            if exp.nr_devices != self.programs.devices_per_slice:
+                raise ValueError(f"program {name!r} is for {exp.nr_devices} devices, slice has "
+                                 f"{self.programs.devices_per_slice}")
+            self._exported[name] = exp
+            specs = self.programs.in_specs[name]
+            if len(specs) != len(exp.in_avals):
+                raise ValueError(f"program {name!r} takes {len(exp.in_avals)} inputs, layout names {len(specs)}")
+            self._shardings[name] = [self._sharding(d) for d in specs]
+            args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                    for a, s in zip(exp.in_avals, self._shardings[name])]
+            args, kwargs = jax.tree.unflatten(exp.in_tree, args)
+            self._fns[name] = jax.jit(exp.call).lower(*args, **kwargs).compile()
+        return time.perf_counter() - t0
+
+    def _sharding(self, dim: int | None) -> NamedSharding:
+        """Replicated, or dimension ``dim`` split over the slice's mesh axis."""
+        if dim is None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * dim), MESH_AXIS))
+
+    def _call(self, name: str, *args):
+        exp = self._exported[name]
+        flat, tree = jax.tree.flatten((args, {}))
+        if tree != exp.in_tree:
+            raise ValueError(f"program {name!r} expects inputs {exp.in_tree}, got {tree}")
+        placed = [x if isinstance(x, jax.Array) else jax.device_put(x, s)
+                  for x, s in zip(flat, self._shardings[name])]
+        args, _ = jax.tree.unflatten(tree, placed)
+        return self._fns[name](*args)
+
+    # -- the step ------------------------------------------------------------
+
+    def init(self, seed: int) -> int:
+        self.state = self._call("init", np.int32(seed))
+        self.prev_state = None
+        self.steps_applied = 0
+        return self.state_nbytes()
+
+    def grad(self, step: int, microbatch: int, clock: Clock | None = None) -> np.ndarray:
+        """The flat float32 gradient of one microbatch then its loss (``float32[P + 1]``), on the host.
+
+        ``clock`` gets ``data`` (the batch), ``grad_compute`` (the program,
+        its inputs' host->device included) and ``device_to_host``.
+        """
+        clock = clock if clock is not None else Clock()
+        batch = self.data.batch(step, microbatch)
+        clock.lap("data")
+        vec = self._call("grad", self.state, batch)
+        jax.block_until_ready(vec)
+        clock.lap("grad_compute")
+        out = np.asarray(vec, dtype=np.float32)
+        clock.lap("device_to_host")
+        return out
+
+    def partials(self, step: int, nodes, clock: Clock | None = None) -> dict:
+        """Canonical sums over each subtree in ``nodes``: ``{node: float32[P + 1]}`` (gradient sum, then loss sum).
+
+        Each microbatch's gradient is computed once, then summed in the
+        canonical tree order (see :mod:`runtime.core.microbatch`).
+        """
+        clock = clock if clock is not None else Clock()
+        out = {}
+        for node in nodes:
+            leaves = {Node(0, m): self.grad(step, m, clock) for m in node.ids}
+            out[node] = tree_reduce(leaves, node, add_f32)
+            clock.lap("local_sum")
+        return out
+
+    def apply(self, grad_sum: np.ndarray, clock: Clock | None = None) -> None:
+        """The optimizer update with the reduced gradient; ``clock`` gets ``apply`` (host->device included).
+
+        Waits for the new state, so a reply after it means the state is there.
+        """
+        new = self._call("apply", self.state, grad_sum)
+        jax.block_until_ready(new)
+        if clock is not None:
+            clock.lap("apply")
+        self.prev_state, self.state = self.state, new
+        self.steps_applied += 1
+
+    def rollback(self) -> None:
+        """Undoes the last :meth:`apply` (only one step of history is kept)."""
+        if self.prev_state is None:
+            raise ValueError(f"no step to roll back (at {self.steps_applied} applied steps)")
+        self.state, self.prev_state = self.prev_state, None
+        self.steps_applied -= 1
+
+    def host_state(self) -> list[np.ndarray]:
+        """The state leaves as host arrays (for a peer-to-peer transfer)."""
+        return [np.asarray(x) for x in self.state]
+
+    def set_state(self, leaves: list[np.ndarray], steps_applied: int, sha256: str = "") -> None:
+        """Adopts a state copied from another replica, placed on this slice's mesh.
+
+        ``sha256``: :func:`state_sha256` of ``leaves`` when the caller already
+        computed it (a transfer verifies it), so it is not computed again.
+        """
+        shardings = self._shardings["apply"][:-1]
+        exp = self._exported["apply"]
+        if len(leaves) != len(shardings):
+            raise ValueError(f"state has {len(leaves)} leaves, programs expect {len(shardings)}")
+        for i, (x, aval) in enumerate(zip(leaves, exp.in_avals)):
+            if x.shape != aval.shape or x.dtype != aval.dtype:
+                raise ValueError(f"state leaf {i}: got {x.shape} {x.dtype}, expected {aval.shape} {aval.dtype}")
+        self.state = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        self.prev_state = None
+        self.steps_applied = steps_applied
+        if sha256:
+            self._digest = (self.state, sha256)
+
+    # -- inspection ----------------------------------------------------------
+
+    def state_nbytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.state)))
+
+    def state_sha256(self) -> str:
+        """Hash of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_sha256`.
+
+        Computed once per state: a recovery asks for it several times (abort,
+        transfer, the check after it), and a state never changes in place.
+        """
+        state, digest = self._digest
+        if state is not self.state:
+            digest = state_sha256(jax.tree.leaves(self.state))
+            self._digest = (self.state, digest)
+        return digest
+
+
+def probe_devices() -> int:
+    """Runs a tiny program on every local device; returns how many gave the right answer.
+
+    Raises ``RuntimeError`` naming the first device that computed a wrong
+    result, so a worker with a bad device never joins the run.
+    """
+    n = 0
+    for d in jax.devices():
+        x = jax.device_put(np.arange(16, dtype=np.float32), d)
+        got = float(jax.jit(lambda v: (v * 2.0).sum())(x))
+        if got != 240.0:
+            raise RuntimeError(f"device probe failed on {d}: computed {got}, expected 240.0")
+        n += 1
+    return n

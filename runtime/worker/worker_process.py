@@ -1,0 +1,272 @@
+"""The worker process: serves a :class:`runtime.worker.worker.WorkerService` until the run lets it go.
+
+``python -m runtime.worker.worker_process --controller HOST:PORT --run-id RUN`` (what
+:class:`runtime.launch.launcher.LocalLauncher` starts) or ``elastic worker``. Binds
+port 0 unless told otherwise, registers its address with the controller, and
+exits when told to shut down, when the run's owner (the client that
+launched it, ``--owner-pid``; see :mod:`runtime.core.owner`) dies, or when it
+fenced itself and the controller refused to take it back.
+
+A worker that must go goes at once, whatever its other threads do: an XLA
+compile or a step cannot be interrupted, so :func:`main` ends the process
+with ``os._exit`` after a bounded cleanup instead of waiting for them (a
+normal interpreter exit joins every thread of the gRPC server's pool).
+
+Exit status: 0 told to shut down; 1 failed to start (the first registration
+was refused, the controller unreachable); 3 fenced itself and was refused
+(or could not ask) when it asked to come back; 4 the run's owner died.
+
+Set ``XLA_FLAGS`` (device count) before this module is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import socket
+import sys
+import time
+import uuid
+
+import grpc
+import jax
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from runtime.core import allocator, compile_cache
+from runtime.wire import auth, rpc
+from runtime.core.owner import Owner, set_title
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.wire.dataplane import DataServer
+from runtime.worker.fault_injection import PartitionInterceptor
+from runtime.worker.worker import WorkerService
+
+__all__ = ["serve", "main", "EXIT_SHUTDOWN", "EXIT_FAILED", "EXIT_FENCED", "EXIT_ORPHANED"]
+
+log = logging.getLogger("jax_elastic.worker")
+
+EXIT_SHUTDOWN, EXIT_FAILED, EXIT_FENCED, EXIT_ORPHANED = 0, 1, 3, 4
+STOP_GRACE_SECONDS = 0.5   # calls in flight get this long to finish when the worker goes
+
+
+def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
+          register_timeout: float = 60.0, owner: Owner | None = None, secret: str = "",
+          chaos: bool = False, tls=None, host_name: str = "") -> int:
+    """Runs a worker until told to shut down, its ``owner`` dies (None: no owner), or it fences itself.
+
+    Returns the process exit status once the server stopped (a bounded
+    wait; handlers still running, such as a compile, are left behind):
+    ``EXIT_SHUTDOWN`` after a shutdown, ``EXIT_FENCED`` after fencing itself
+    (it lost the controller's lease and was refused when it asked to come
+    back: the run has moved on without it), ``EXIT_ORPHANED`` when its
+    owner died. Raises ``SystemExit`` when the controller refuses the first
+    registration, and ``grpc.RpcError`` when it cannot be reached within
+    ``register_timeout`` seconds.
+
+    Only calls that passed the transport and the run secret renew the
+    worker's lease on its controller; a chaos partition drops calls before
+    either (see :func:`runtime.wire.rpc.make_server`).
+    """
+    allocator.retain_freed_memory()   # before the first step's buffers
+    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls, host=host_name)
+    server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
+                                    interceptors=[PartitionInterceptor(service.faults)],
+                                    refusals=service.refusals, on_authenticated=service.heard)
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.start()
+    address = f"{host}:{bound}"
+    data = DataServer(host, secret=secret, tls=tls, on_push=service.receive_push, on_state=service.state_parts,
+                      status_name=rpc.status_name, refusals=service.refusals, dropped=service.faults.partitioned)
+    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
+    devices = jax.devices()
+
+    def register(rejoin: bool, timeout: float = register_timeout) -> pb.RegisterReply:
+        return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
+                                                data_address=data.address,
+                                                num_devices=len(devices), platform=devices[0].platform,
+                                                pid=os.getpid(), rejoin=rejoin, host=service.host),
+                             timeout=timeout, wait_for_ready=True)
+
+    try:
+        reply = register(False)
+    except BaseException:
+        server.stop(0)
+        data.close()
+        raise
+    if not reply.accepted:
+        server.stop(0)
+        data.close()
+        raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
+    log.info("worker %s serving on %s with %d %s devices (%s)", worker_id, address, len(devices), devices[0].platform,
+             ", ".join(sorted({d.device_kind for d in devices})))
+    status = EXIT_SHUTDOWN
+    while not service.stopped.wait(0.2):
+        if owner is not None and not owner.alive():
+            log.warning("the run's owner (process %d) is gone; exiting", owner.pid)
+            status = EXIT_ORPHANED
+            if service.snapshots is not None:   # the run is over: its snapshots on this host serve nobody
+                service.snapshots.remove_all()
+            break
+        if service.lease_lapsed():
+            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            status = EXIT_FENCED
+            reply = _rejoin(service, register, register_timeout, owner)
+            log.warning("asked to rejoin after fencing: %s", "no answer" if reply is None else
+                        f"accepted={reply.accepted} {reply.reason}")
+            if reply is None or not reply.accepted:
+                break
+    health_servicer.enter_graceful_shutdown()
+    # Bounded: a handler stuck in a compile is cancelled for its caller and left behind.
+    server.stop(grace=STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
+    data.close()
+    service.data.close()
+    service.collective.close()
+    return status
+
+
+def _rejoin(service: WorkerService, register, timeout: float, owner: Owner | None):
+    """A fenced worker asks the controller to take it back (it will be refused while the run lives).
+
+    None when there is no answer within ``timeout`` seconds, or the owner died meanwhile.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if owner is not None and not owner.alive():
+            return None
+        if not service.faults.partitioned():
+            try:
+                return register(True, min(max(deadline - time.monotonic(), 0.1), 5.0))
+            except grpc.RpcError as e:
+                log.warning("rejoin failed: %s", e.code().name)
+        time.sleep(0.5)
+    return None
+
+
+def main(argv=None) -> None:
+    """Parses the command line, serves, and ends the process with :func:`serve`'s status (never returns).
+
+    Ends it with ``os._exit`` once :func:`serve` returned or raised, so no
+    thread still compiling or stepping keeps it alive.
+    """
+    ap = argparse.ArgumentParser(prog="elastic worker", description="Run a jax-elastic worker.")
+    ap.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--worker-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host-name", default="",
+                    help="the host this worker runs on, where its in-memory snapshots live (default: this machine's "
+                         "name; the local launcher names one simulated host per worker slot)")
+    ap.add_argument("--owner-pid", type=int, default=None,
+                    help="exit when this process (the run's client) dies; the local launcher passes its own pid")
+    ap.add_argument("--exit-with-parent", action="store_true",
+                    help="exit when the launching process dies (--owner-pid of the parent)")
+    ap.add_argument("--standby", action="store_true",
+                    help="start JAX, then wait for '<worker id> [<host name>]' on stdin, or in --identity-fifo "
+                         "(the launcher's standby processes)")
+    ap.add_argument("--identity-fifo", default="",
+                    help="a standby's named pipe to read its identity from (instead of stdin)")
+    ap.add_argument("--chaos", action="store_true", default=os.environ.get("ELASTIC_CHAOS") == "1",
+                    help="serve fault-injection calls from the chaos harness (default: $ELASTIC_CHAOS=1)")
+    for name, env in (("cert", "ELASTIC_TLS_CERT"), ("key", "ELASTIC_TLS_KEY"), ("ca", "ELASTIC_TLS_CA")):
+        ap.add_argument(f"--tls-{name}", default=os.environ.get(env, ""),
+                        help=f"PEM {name} file for mutual TLS (default: ${env})")
+    ap.add_argument("--compilation-cache-dir", default=os.environ.get("ELASTIC_COMPILATION_CACHE_DIR", ""),
+                    help="JAX's persistent compilation cache, shared with the run's other processes "
+                         "(default: $ELASTIC_COMPILATION_CACHE_DIR; empty: none)")
+    ap.add_argument("--secret", default=None,
+                    help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
+    args = ap.parse_args(argv)
+    secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
+    logging.basicConfig(level=logging.INFO, format=_log_format(args.worker_id), stream=sys.stderr)
+    owner_pid = args.owner_pid if args.owner_pid is not None else os.getppid() if args.exit_with_parent else None
+    owner = Owner(owner_pid) if owner_pid is not None else None
+    try:
+        compile_cache.enable(args.compilation_cache_dir)
+        if args.standby:
+            set_title(f"elastic-worker standby run={args.run_id}")
+            args.worker_id, args.host_name = _wait_for_identity(args.identity_fifo, owner)
+        set_title(f"elastic-worker run={args.run_id} worker={args.worker_id} host={args.host_name or '-'}")
+        status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, owner=owner,
+                       secret=secret, chaos=args.chaos, host_name=args.host_name,
+                       tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
+    except SystemExit as e:
+        log.error("%s", e.code)
+        status = e.code if isinstance(e.code, int) else EXIT_FAILED
+    except BaseException:   # noqa: BLE001 - reported here, then the process ends
+        log.exception("worker %s failed", args.worker_id)
+        status = EXIT_FAILED
+    _exit_now(status)
+
+
+def _log_format(worker_id: str) -> str:
+    return f"%(asctime)s {worker_id} %(levelname)s %(message)s"
+
+
+def _start_backend() -> None:
+    """Pays JAX's one-time costs of a first load now: the backend, and what calling an exported program sets up."""
+    x = jax.numpy.zeros((), jax.numpy.float32)
+    exported = jax.export.deserialize(jax.export.export(jax.jit(lambda v: v + 1))(x).serialize())
+    jax.block_until_ready(jax.jit(exported.call)(x))
+
+
+def _wait_for_identity(fifo: str, owner: Owner | None) -> tuple[str, str]:
+    """A standby: starts the devices, then waits for ``<worker id> [<host name>]`` on stdin, or in the named pipe
+    ``fifo``; exits 0 at end-of-file or an empty line (not needed), and 4 when its owner dies first."""
+    _start_backend()
+    log.info("standby process %d waiting for its worker id", os.getpid())
+    line = _read_identity(fifo, owner) if fifo else sys.stdin.readline()
+    worker_id, _, host_name = line.strip().partition(" ")
+    if not worker_id:
+        _exit_now(EXIT_SHUTDOWN)
+    logging.getLogger().handlers[0].setFormatter(logging.Formatter(_log_format(worker_id)))
+    log.info("standby process %d serves as worker %s", os.getpid(), worker_id)
+    return worker_id, host_name.strip()
+
+
+def _read_identity(fifo: str, owner: Owner | None) -> str:
+    """One line from the named pipe ``fifo`` (removed once read), watching the owner meanwhile.
+
+    The pipe is opened for reading and writing, so it never reads end-of-file
+    while no writer has it open: the launcher opens it only to write the line.
+    """
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    line, orphaned = b"", False
+    try:
+        while not line.endswith(b"\n"):
+            if owner is not None and not owner.alive():
+                orphaned = True
+                break
+            readable, _, _ = select.select([fd], [], [], 0.2)
+            if readable:
+                line += os.read(fd, 4096)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(fifo)
+        except OSError:
+            pass
+    if orphaned:
+        log.warning("the run's owner (process %d) is gone before this standby was needed; exiting", owner.pid)
+        _exit_now(EXIT_ORPHANED)
+    return line.decode()
+
+
+def _exit_now(status: int) -> None:
+    """Ends the process at once: flushes the logs, then ``os._exit`` (threads are not joined)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()

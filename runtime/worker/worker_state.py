@@ -1,0 +1,225 @@
+"""A worker's whole state coming in and going out other than by a step: copies, checkpoints and snapshots.
+
+:class:`runtime.worker.worker.WorkerService` keeps the gRPC methods, the fencing and
+its lock; the bodies of the operations that move a whole state live here,
+each given explicitly what it needs (the data client, the peer channels, the
+snapshot store, the faults, a timeout), so that the service reads as
+membership, loading and the step:
+
+- :func:`pull_state` (``PullState``): a spare or a relaunched worker copies a
+  live replica's state, over the data plane or gRPC ``GetState``
+  (:mod:`runtime.state.state_copy`), and adopts it only if it is the one asked for;
+- :func:`load_checkpoint` (``LoadCheckpoint``): the newest valid checkpoint
+  or snapshot at or before a step, refused when other programs wrote it;
+- :func:`keep_snapshot` (``KeepSnapshot``) and :func:`copy_snapshot`: a
+  snapshot's copy on another host, kept whole or not at all;
+- :func:`save_step`, :func:`drain_saves` and :func:`flush_checkpoints`
+  (``Checkpoints``): a step's state handed to the background writer
+  (:mod:`runtime.worker.saver`) with what it records (:func:`loss_sums`), and the
+  saves it reports; :func:`while_saving` and :func:`strike_save_in_progress`
+  are its chaos fault (``kill_save``: the save being written, or the next).
+
+Replacing the state stays with the service (its ``adopt`` callable), under its
+lock and refused while a step runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from runtime._proto import elastic_pb2 as pb
+from runtime.wire.dataplane_client import DataClient, RemoteError
+from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
+from runtime.worker.fault_injection import WorkerFaults, mid_stream
+from runtime.wire.peers import PeerChannels
+from runtime.core.programs import ProgramSet
+from runtime.worker.saver import CheckpointWriter, Drained
+from runtime.state.snapshot import SnapshotStore
+from runtime.state.state_copy import assemble_state
+
+if TYPE_CHECKING:
+    from runtime.worker.executor import SliceExecutor
+
+__all__ = ["copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint", "loss_sums",
+           "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
+
+
+def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers: PeerChannels, faults: WorkerFaults,
+               timeout: float, adopt) -> pb.PullStateReply:
+    """``PullState``: the state pulled from ``request.source_address``, checked against ``layout`` (the
+    ``[(shape, dtype)]`` of this worker's leaves), the step asked for and the expected hash, then given to
+    ``adopt(leaves, applied, digest)``. Raises, with the state unchanged, when any of them does not match."""
+    if not request.source_address:
+        raise ProtocolError("PullState without a source address")
+    t0 = time.perf_counter()
+    ask = pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps)
+    if request.source_data_address:
+        stream = data.get_state(request.source_data_address, ask, time.monotonic() + timeout)
+    else:
+        stream = peers.stub(request.source_address).GetState(ask, timeout=timeout)
+    try:
+        leaves, applied, digest = assemble_state(mid_stream(stream, faults.receiving_state), expect=layout)
+    except grpc.RpcError as e:
+        raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
+                                   f"{e.code().name}") from e
+    except (RemoteError, OSError) as e:
+        raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: {e}") from e
+    if applied != request.applied_steps:
+        raise ProtocolError(f"{request.source_address} sent a state at {applied} applied steps, "
+                            f"asked for {request.applied_steps}")
+    if request.expected_sha256 and digest != request.expected_sha256:
+        raise ProtocolError(f"the state from {request.source_address} does not hash to the expected "
+                            f"{request.expected_sha256[:12]}...")
+    adopt(leaves, applied, digest)
+    # The digest of the leaves now in place (the controller then checks every replica's own hash).
+    return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
+                             seconds=time.perf_counter() - t0)
+
+
+def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotStore | None, programs: ProgramSet,
+                    fingerprints: tuple[str, Callable[[], str]], layout, adopt) -> pb.PullStateReply:
+    """``LoadCheckpoint``: the newest valid checkpoint (or, with ``request.snapshot``, snapshot in
+    ``snapshots``) at or before ``request.applied_steps``, given to ``adopt(leaves, step, digest)`` unless
+    other programs than ``programs`` (with state ``layout``) wrote it. ``fingerprints``: the programs'
+    fingerprint, and a function giving the one checkpoints written before it record (asked only when the
+    first does not match)."""
+    from runtime.state.checkpoint import CheckpointStore
+
+    t0 = time.perf_counter()
+    if request.snapshot and snapshots is None:
+        raise StaleEpochError("this worker keeps no snapshots (the run takes none)")
+    store = snapshots if request.snapshot else CheckpointStore(request.directory)
+    (step, leaves, digest, meta), skipped = store.restore_newest_valid(at_most=request.applied_steps)
+    mesh = (programs.devices_per_slice, programs.num_microbatches)
+    written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
+    fingerprint, legacy = fingerprints
+    resharded = meta.get("fingerprint") not in ("", None, fingerprint) and meta["fingerprint"] != legacy()
+    if resharded and (written_on == mesh or None in written_on
+                      or [(tuple(x.shape), x.dtype) for x in leaves] != list(layout)):
+        raise ProtocolError(f"checkpoint {store.directory} step {step} was written by other programs "
+                            "(another model or optimizer); it cannot resume this run (to start afresh, "
+                            "use another run_name or remove that directory)")
+    adopt(leaves, step, digest)   # placed on this slice's devices, however many
+    return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
+                             seconds=time.perf_counter() - t0, applied_steps=step,
+                             skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped],
+                             loss_sums=loss_sums_of(meta, step),
+                             written_devices_per_slice=written_on[0] if resharded else 0,
+                             written_microbatches=written_on[1] if resharded else 0)
+
+
+def keep_snapshot(request_iterator, snapshots: SnapshotStore | None, check_fence) -> None:
+    """``KeepSnapshot``: a peer's snapshot pieces into ``snapshots``, once ``check_fence`` accepted the first."""
+    if snapshots is None:
+        raise StaleEpochError("this worker keeps no snapshots (not loaded, or the run takes none)")
+    fenced = False
+
+    def pieces():
+        nonlocal fenced
+        for p in request_iterator:
+            if not fenced:
+                check_fence(p.fence)
+                fenced = True
+            yield p.step, p.total_bytes, p.data
+    try:
+        snapshots.receive(pieces())
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def copy_snapshot(peers: PeerChannels, timeout: float, address: str, fence: pb.Fence, store: SnapshotStore,
+                  step: int) -> None:
+    """Streams the snapshot of ``step`` to the worker at ``address``, which keeps it on its host."""
+    pieces = (pb.SnapshotPiece(fence=fence, step=s, total_bytes=n, data=d) for s, n, d in store.pieces(step))
+    peers.stub(address).KeepSnapshot(pieces, timeout=timeout)
+
+
+def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExecutor, *, fingerprint: str,
+              recent: dict[int, float], snapshots: SnapshotStore | None, peers: PeerChannels, timeout: float) -> None:
+    """Right after step ``req.step`` applied (under the service's lock): hands the new state to ``writer`` for
+    the checkpoint and the snapshot ``req`` asks for, with what they record (the programs' ``fingerprint`` and
+    mesh, the loss sums); a snapshot's copy then goes to ``req.snapshot_peer``, when named."""
+    ex = executor
+    meta = {"fingerprint": fingerprint, "devices_per_slice": ex.programs.devices_per_slice,
+            "microbatches": ex.programs.num_microbatches,
+            "loss_sums": loss_sums(req.committed_loss_sums, recent, req.step)}
+    if req.checkpoint_directory:
+        writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta)
+    if req.snapshot:
+        peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
+        copy = functools.partial(copy_snapshot, peers, timeout, peer, req.fence) if peer else None
+        writer.submit(snapshots.directory, ex.steps_applied, ex.state, meta, store=snapshots, then=copy)
+
+
+def drain_saves(writer: CheckpointWriter | None) -> tuple[Drained, Drained]:
+    """The checkpoints, then the snapshots, ``writer`` finished (and their first error) since it was last asked."""
+    return (writer.drain(), writer.drain("snapshot")) if writer is not None else (Drained(), Drained())
+
+
+def flush_checkpoints(writer: CheckpointWriter | None, wait_seconds: float) -> pb.CheckpointsReply:
+    """``Checkpoints``: waits up to ``wait_seconds`` for the saves in flight, then reports them."""
+    if writer is None:
+        return pb.CheckpointsReply(idle=True)
+    idle = writer.wait(wait_seconds)
+    done = writer.drain()
+    return pb.CheckpointsReply(saved=done.saved, error=done.error, idle=idle)
+
+
+def loss_sums(committed, recent: dict[int, float], step: int) -> list[float]:
+    """The loss sums of steps 0..``step``: the committed ones the controller sent, then this worker's own
+    ``recent`` ones; [] when a step between is unknown here (a resumed run then reports those losses as NaN)."""
+    sums = list(committed)
+    for k in range(len(sums), step + 1):
+        if k not in recent:
+            return []
+        sums.append(recent[k])
+    return sums
+
+
+def loss_sums_of(metadata: dict, applied: int) -> list[float]:
+    """The loss sums a checkpoint of ``applied`` steps recorded: one float per step, else [] (not recorded,
+    or not of that length: the checkpoint's file is the truth about the state, not about the losses)."""
+    sums = metadata.get("loss_sums")
+    if (isinstance(sums, list) and len(sums) == applied
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in sums)):
+        return [float(x) for x in sums]
+    return []
+
+
+def while_saving(faults: WorkerFaults, store, step: int) -> None:
+    """Chaos (``kill_save``): with a kill armed for the save phase, dies once this save has begun in the store
+    (:func:`_partial`; up to 2 s), so the save is cut off half written."""
+    if not faults.armed_in("save"):
+        return
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and not _partial(store, step):
+        time.sleep(0.002)
+    faults.in_phase("save")
+
+
+def strike_save_in_progress(faults: WorkerFaults, writer: CheckpointWriter | None) -> None:
+    """Chaos (``kill_save``), right after the kill was armed: a checkpoint already being written is cut off too
+    (the worker dies while it is begun and not complete); when none is, or it completes first, the kill waits
+    for the next save (:func:`while_saving`). So an armed writer dies in the save it is writing or the next."""
+    current = writer.writing() if writer is not None else None
+    if current is None:
+        return
+    store, step = current
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and faults.armed_in("save") and writer.writing() == current:
+        if _partial(store, step):
+            faults.in_phase("save")
+            return
+        time.sleep(0.002)
+
+
+def _partial(store, step: int) -> bool:
+    """The save of ``step`` is begun and not complete in ``store``: its temporary directory exists (local disk:
+    ``<step>.orbax-checkpoint-tmp...``), or its directory without the commit file (GCS writes in place)."""
+    names = (p.rstrip("/").rsplit("/", 1)[-1] for p in store.leftovers())
+    return any(name == str(step) or name.startswith(f"{step}.") for name in names)
