@@ -1,9 +1,12 @@
 """The worker group: every RPC, stub, channel and launcher call of one run.
 
 The controller decides; the group carries out. It owns the controller's gRPC
-service (worker registration), the launcher, one channel and stub per
-worker, the health monitor, and the futures of the steps in flight. What its
-calls say and what their answers become (plain values such as
+service (worker registration), the launcher, one channel per worker, the
+health monitor, and the workers' membership: launching, waiting for them to
+register, adopting and warming newcomers, relaunching the dead. The calls to
+the adopted workers (one stub each, the futures of the calls in flight) are
+its :class:`~runtime.control.worker_calls.WorkerCalls`, which it delegates to.
+What those calls say and what their answers become (plain values such as
 :class:`~runtime.control.calls.StepResult`, or the typed errors of
 :mod:`runtime.core.errors`) is :mod:`runtime.control.calls`, so nothing above it knows
 about protocol buffers.
@@ -23,18 +26,15 @@ import logging
 import os
 import queue
 import shutil
-import threading
 import time
 from concurrent import futures
 
 import grpc
 
-from runtime.core import compile_cache
 from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.control.calls import (Death, LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
-                           load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
+from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 from runtime.core.errors import RegistrationTimeoutError
 from runtime.core.events import EventLog
 from runtime.control.health import HealthMonitor
@@ -42,6 +42,7 @@ from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.control.policy import StepPlan, WorkerInfo, may_relaunch
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
+from runtime.control.worker_calls import WorkerCalls
 
 log = logging.getLogger("jax_elastic.worker_group")
 
@@ -71,11 +72,9 @@ class WorkerGroup:
         self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
-        self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead
+        self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead (calls.record_death)
         self._deaths: queue.Queue[Death] = queue.Queue()
-        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        self._inflight: dict[str, list[grpc.Future]] = {}
         self._warming: dict[str, grpc.Future] = {}
         self._relaunched: set[str] = set()
         self._launched = 0
@@ -83,7 +82,9 @@ class WorkerGroup:
         # The run's in-memory snapshots, one directory per host under it (runtime.state.snapshot); "": none taken.
         self.snapshot_root = (os.path.join(opts.snapshot_directory, run_id)
                               if opts.snapshot_directory and opts.snapshot_interval else "")
-        self._lock = threading.Lock()
+        # Every call to an adopted worker: its stub, the fence it carries, the calls in flight.
+        self.calls = WorkerCalls(opts, self.registry, programs, data_source, self.snapshot_root, self._fence,
+                                 self.dead, self.declare_dead)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -99,9 +100,9 @@ class WorkerGroup:
         except Exception:  # noqa: BLE001 - reporting must not keep workers from going home
             log.exception("could not collect the refused calls at close")
         self.monitor.stop()
-        for wid in list(self._stubs):
+        for wid in self.calls.workers():
             if wid not in self.dead:
-                self._shutdown_call(wid, run_ended=True)
+                self.calls.send_home(wid, run_ended=True)
         for wid in self.dead:
             self.launcher.kill(wid)
         self.launcher.stop_all()
@@ -208,15 +209,53 @@ class WorkerGroup:
 
     def has_newcomers(self) -> bool:
         """A worker registered that the group has not adopted yet."""
-        return any(w not in self._stubs for w in list(self.registry.workers))
+        return any(not self.calls.reaches(w) for w in list(self.registry.workers))
 
     def warmed(self) -> bool:
         """A newcomer finished loading (successfully or not)."""
         return any(f.done() for f in list(self._warming.values()))
 
     def _adopt(self, w: WorkerInfo) -> None:
-        self._stubs[w.worker_id] = pb_grpc.WorkerStub(self._channel(w.address))
+        self.calls.adopt(w.worker_id, self._channel(w.address))
         self.monitor.watch(w.worker_id, w.address)
+
+    def start_warming(self) -> None:
+        """Adopts newly registered workers and starts loading programs on them (no wait; any time, steps run on)."""
+        for w in list(self.registry.workers.values()):
+            if not self.calls.reaches(w.worker_id):
+                self._adopt(w)
+                self._warming[w.worker_id] = self.calls.start_load(w.worker_id)
+
+    def warm_newcomers(self, block_until: float | None = None) -> list[str]:
+        """Adopts newly registered workers and loads programs on them; returns those warmed since the last call.
+
+        A newcomer that fails to load or probe its devices is declared dead.
+        With ``block_until`` (monotonic), waits that long for the loads.
+        """
+        self.start_warming()
+        warmed = []
+        for wid, fut in list(self._warming.items()):
+            if block_until is not None:
+                try:
+                    fut.result(timeout=max(block_until - time.monotonic(), 0.001))
+                except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
+                    pass
+            if not fut.done():
+                continue
+            del self._warming[wid]
+            try:
+                reply = fut.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                details = getattr(e, "details", None)   # an RpcError says why; a cancelled future does not
+                self.events.emit("device_probe", worker=wid, ok=False, devices=0, seconds=0.0,
+                                 error=str(e if details is None else details())[:300])
+                self.declare_dead(wid, "failed to load programs or probe its devices", cause="load_failed")
+                continue
+            self.events.emit("device_probe", worker=wid, ok=True, devices=reply.devices_probed,
+                             seconds=reply.probe_seconds)
+            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
+            warmed.append(wid)
+        return warmed
 
     def _why_fenced(self, worker_id: str) -> str:
         if worker_id in self.dead:
@@ -231,11 +270,9 @@ class WorkerGroup:
         be reached either. Fencing keeps it harmless (older epoch; refused on
         rejoin) and it fences itself when its lease on the controller lapses.
         """
-        with self._lock:
-            if worker_id in self.dead:
-                return
-            self.dead[worker_id] = reason
-            futs = self._inflight.pop(worker_id, [])
+        futs = self.calls.record_death(worker_id, reason)   # atomic with every call sent: see WorkerCalls
+        if futs is None:
+            return
         self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
         self._deaths.put(Death(worker_id, reason, cause))
         for f in futs:
@@ -257,15 +294,8 @@ class WorkerGroup:
     def shutdown(self, worker_id: str) -> None:
         """Sends a worker that left the placement home (best effort; it is fenced either way)."""
         self.forget(worker_id)
-        self._shutdown_call(worker_id)
+        self.calls.send_home(worker_id)
         self.launcher.kill(worker_id)
-
-    def _shutdown_call(self, worker_id: str, run_ended: bool = False) -> None:
-        try:
-            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended),
-                                            timeout=2.0)
-        except grpc.RpcError:
-            pass
 
     # -- health --------------------------------------------------------------
 
@@ -295,246 +325,66 @@ class WorkerGroup:
         return events
 
     def progress(self, worker_id: str) -> tuple[int, str, float] | None:
-        """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer."""
-        try:
-            r = self._call(worker_id, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=2.0)
-        except Exception:   # noqa: BLE001 -- any failure means "no answer"; the caller probes it next
-            return None
-        return r.step, r.phase, r.seconds
+        """Where a worker is in its step; see :meth:`WorkerCalls.progress`."""
+        return self.calls.progress(worker_id)
 
-    # -- calls -----------------------------------------------------------------
-
-    def _call(self, worker_id: str, method: str, request, timeout: float | None = None):
-        try:
-            return getattr(self._stubs[worker_id], method)(request, timeout=timeout or self.opts.rpc_timeout_seconds)
-        except grpc.RpcError as e:
-            raise rpc.to_error(worker_id, e) from None
-
-    def _all(self, method: str, make_request, workers) -> dict[str, object]:
-        """Calls ``method`` on ``workers`` concurrently; see :func:`gather`."""
-        return gather({w: getattr(self._stubs[w], method).future(make_request(w), timeout=self.opts.rpc_timeout_seconds)
-                       for w in workers})
-
-    def _load_request(self) -> pb.LoadRequest:
-        return load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
+    # -- programs and state (the calls: runtime.control.worker_calls) ----------
 
     def program_bytes(self) -> int:
-        return sum(len(v) for v in self.programs.programs().values())
+        return self.calls.program_bytes()
 
     def load(self, workers) -> dict[str, LoadResult]:
-        """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
-
-        Returns the workers that loaded. One that fails (or dies: its call is
-        cancelled when it is declared dead) is declared dead and left out.
-
-        With a shared compilation cache, the first worker loads alone, then
-        the others at once: it compiles each program and writes it to the
-        cache, the others read it instead of compiling the same programs side
-        by side (on a host shared by several workers, that is several times
-        the CPU for nothing). When the cache already holds these programs
-        (:func:`runtime.core.compile_cache.holds`: an earlier run or the reference
-        run loaded them), all load at once.
-        """
-        request = self._load_request()
-        workers = list(workers)
-        cache, programs = self.opts.compilation_cache_dir, self.programs.programs()
-        devices = self.programs.devices_per_slice
-        cold = not compile_cache.holds(cache, programs, devices)
-        leader = workers[:1] if cache and cold and len(workers) > 1 else []
-        replies = self._each("Load", lambda w: request, leader, "failed to load programs")
-        rest = [w for w in workers if w not in leader and w not in self.dead]
-        replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
-        if replies and cold:
-            compile_cache.mark_held(cache, programs, devices)
-        return {w: load_result(r) for w, r in replies.items()}
+        """Ships programs and the data source to ``workers``; see :meth:`WorkerCalls.load`."""
+        return self.calls.load(workers)
 
     def init(self, workers, seed: int) -> dict[str, int]:
-        """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.
-
-        One that fails is declared dead and left out. Every replica initializes
-        from the same seed, so any worker can (re)initialize to the same bits.
-        """
-        replies = self._each("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed), workers,
-                             "failed to initialize its state")
-        return {w: r.state_bytes for w, r in replies.items()}
-
-    def _each(self, method: str, make_request, workers, what: str) -> dict[str, object]:
-        """Calls ``method`` on ``workers`` concurrently; returns the replies of those that succeeded.
-
-        A worker lost during the call (``WorkerLostError``) is declared dead
-        (``what`` says why); a declared-dead worker's call is cancelled, so a
-        hung one does not hold the others up. Any other failure (the worker
-        answered with an error: user code, a bad program) is raised after all
-        calls ended.
-        """
-        futs = {}
-        with self._lock:
-            for w in workers:
-                futs[w] = getattr(self._stubs[w], method).future(make_request(w),
-                                                                  timeout=self.opts.rpc_timeout_seconds)
-                self._inflight.setdefault(w, []).append(futs[w])
-                if w in self.dead:
-                    futs[w].cancel()
-        out, raised = collect(futs, lambda w, error: self.declare_dead(w, f"{what}: {error}"[:300], cause="crash"))
-        self._settle(futs)
-        if raised is not None:
-            raise raised
-        return out
-
-    def start_warming(self) -> None:
-        """Adopts newly registered workers and starts loading programs on them (no wait; any time, steps run on)."""
-        for w in list(self.registry.workers.values()):
-            if w.worker_id not in self._stubs:
-                self._adopt(w)
-                self._warming[w.worker_id] = self._stubs[w.worker_id].Load.future(
-                    self._load_request(), timeout=self.opts.rpc_timeout_seconds)
-
-    def warm_newcomers(self, block_until: float | None = None) -> list[str]:
-        """Adopts newly registered workers and loads programs on them; returns those warmed since the last call.
-
-        A newcomer that fails to load or probe its devices is declared dead.
-        With ``block_until`` (monotonic), waits that long for the loads.
-        """
-        self.start_warming()
-        warmed = []
-        for wid, fut in list(self._warming.items()):
-            if block_until is not None:
-                try:
-                    fut.result(timeout=max(block_until - time.monotonic(), 0.001))
-                except (grpc.RpcError, grpc.FutureCancelledError, grpc.FutureTimeoutError):
-                    pass
-            if not fut.done():
-                continue
-            del self._warming[wid]
-            try:
-                reply = fut.result()
-            except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                self.events.emit("device_probe", worker=wid, ok=False, devices=0, seconds=0.0,
-                                 error=str(getattr(e, "details", lambda: e)())[:300])
-                self.declare_dead(wid, "failed to load programs or probe its devices", cause="load_failed")
-                continue
-            self.events.emit("device_probe", worker=wid, ok=True, devices=reply.devices_probed,
-                             seconds=reply.probe_seconds)
-            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
-            warmed.append(wid)
-        return warmed
-
-    # -- steps -----------------------------------------------------------------
-
-    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
-                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
-        """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
-
-        ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
-        this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
-        that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
-        shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
-        worker snapshots its state on its host after this step and streams a copy to ``peer``.
-        """
-        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot)
-        futs = {}
-        with self._lock:
-            for w, req in requests:
-                self._send_step(w, req, futs)
-        return futs
-
-    def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
-        """With the lock held: one Step call without waiting, tracked in flight (cancelled at once if dead)."""
-        futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
-        self._inflight.setdefault(w, []).append(futs[w])
-        if w in self.dead:
-            futs[w].cancel()
-
-    def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
-        """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a
-        :class:`StepResult` or the typed error; settles them."""
-        if deadline is not None:
-            wait_until(futs, deadline)
-        ended = {w: f for w, f in futs.items() if f.done()}
-        self._settle(ended)
-        return step_outcomes(ended)
-
-    def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
-        """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
-        try:
-            replies = gather(futs, deadline)
-        except Exception:
-            self._settle(futs)
-            raise
-        if isinstance(replies, Stalled):
-            return replies
-        self._settle(futs)
-        return {w: step_result(r) for w, r in replies.items()}
-
-    def _settle(self, futs: dict[str, grpc.Future]) -> None:
-        with self._lock:
-            for w, f in futs.items():
-                if f in self._inflight.get(w, []):
-                    self._inflight[w].remove(f)
-
-    def cancel_inflight(self) -> None:
-        """Abandons every step in flight (a recovery starts)."""
-        with self._lock:
-            futs = [f for fs in self._inflight.values() for f in fs]
-            self._inflight.clear()
-        for f in futs:
-            f.cancel()
-
-    # -- recovery --------------------------------------------------------------
-
-    def abort(self, workers) -> dict[str, WorkerStatus]:
-        """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
-        replies = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers)
-        return {w: worker_status(r) for w, r in replies.items()}
+        """Each worker initializes its replica from ``seed``; see :meth:`WorkerCalls.init`."""
+        return self.calls.init(workers, seed)
 
     def rollback(self, worker_id: str, to_applied_steps: int) -> None:
         """Undoes a replica's last applied step (it keeps one step of history)."""
-        self._call(worker_id, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=to_applied_steps))
+        self.calls.rollback(worker_id, to_applied_steps)
 
     def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
         """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
-        reply = self._call(dest, "PullState", pb.PullStateRequest(
-            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
-            source_data_address=self._data_address(source)))
-        return reply.bytes, reply.sha256
-
-    def load_checkpoints(self, workers, directory: str, applied: int,
-                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
-        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which);
-        ``snapshot``: each the newest valid in-memory snapshot on its host instead (``directory`` unused).
-
-        One lost meanwhile is declared dead and left out (see :meth:`_each`)."""
-        what = "an in-memory snapshot" if snapshot else "a checkpoint"
-        return self._each("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
-            fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot), workers,
-            f"failed to load {what}")
-
-    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
-                          ) -> dict[str, tuple[list[int], str, bool]]:
-        """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved since
-        the last report, first error or "", idle: nothing left to write)}``. ``save``: ``(worker, directory,
-        committed loss sums)``: that worker first saves its state as it is now (a cut-off last checkpoint)."""
-        def request(w):
-            if save is not None and w == save[0]:
-                return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds, save_directory=save[1],
-                                             committed_loss_sums=save[2])
-            return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds)
-        replies = self._all("Checkpoints", request, workers)
-        return {w: (list(r.saved), r.error, r.idle) for w, r in replies.items()}
-
-    def _addresses(self, worker_id: str) -> tuple[str, str]:
-        """Where ``worker_id`` is reached: its gRPC address and its data address (:meth:`_data_address`)."""
-        return self.registry.workers[worker_id].address, self._data_address(worker_id)
-
-    def _data_address(self, worker_id: str) -> str:
-        """Where peers send ``worker_id`` tensors: its data plane, or "" (gRPC) when it has none or the run
-        asked for gRPC (``data_plane``)."""
-        return self.registry.workers[worker_id].data_address if self.opts.data_plane == "tcp" else ""
+        return self.calls.transfer(source, dest, applied)
 
     def hashes(self, workers) -> dict[str, tuple[int, str]]:
         """``{worker: (applied steps, sha256 of its state)}``."""
-        replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()), workers)
-        return {w: (r.step, r.sha256) for w, r in replies.items()}
+        return self.calls.hashes(workers)
+
+    def load_checkpoints(self, workers, directory: str, applied: int,
+                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load a checkpoint (or a snapshot); see :meth:`WorkerCalls.load_checkpoints`."""
+        return self.calls.load_checkpoints(workers, directory, applied, snapshot)
+
+    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
+                          ) -> dict[str, tuple[list[int], str, bool]]:
+        """Waits for the checkpoints ``workers`` are writing; see :meth:`WorkerCalls.flush_checkpoints`."""
+        return self.calls.flush_checkpoints(workers, wait_seconds, save=save)
+
+    # -- steps -------------------------------------------------------------------
+
+    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
+                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
+        """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch`."""
+        return self.calls.dispatch(plan, checkpoint, shadows, snapshot)
+
+    def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
+        """The steps of ``futs`` that ended (by ``deadline``), each a :class:`StepResult` or the typed error."""
+        return self.calls.poll(futs, deadline)
+
+    def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
+        """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
+        return self.calls.wait(futs, deadline)
+
+    def cancel_inflight(self) -> None:
+        """Abandons every step in flight (a recovery starts)."""
+        self.calls.cancel_inflight()
+
+    def abort(self, workers) -> dict[str, WorkerStatus]:
+        """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
+        return self.calls.abort(workers)
 
     # -- for observers (the chaos injector) ------------------------------------
 
@@ -543,5 +393,4 @@ class WorkerGroup:
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
                      phase: str = "") -> None:
-        self._call(worker_id, "Chaos", pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
-                                                       phase=phase), timeout=5.0)
+        self.calls.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase)

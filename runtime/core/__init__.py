@@ -2,5 +2,5 @@
 platforms, timing, fingerprints, the compilation cache, the owner watch, the allocator, the environment of
 a child process.
 
-May import: nothing of ``runtime`` (only the standard library and third-party packages).
+May import: only itself (and the standard library and third-party packages).
 """

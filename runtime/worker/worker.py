@@ -88,7 +88,6 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         self.executor: SliceExecutor | None = None
         self.mailbox = Mailbox()
         self.chunk_bytes = DEFAULT_CHUNK_BYTES  # set by Load
-        self.next_step = 0
         self._running = False
         self._recent: dict[int, float] = {}   # step -> loss sum, last few applied
         self._cond = threading.Condition()
@@ -109,6 +108,11 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.worker.saver), on first use
         self.snapshots: SnapshotStore | None = None   # this host's snapshots of the run (runtime.state.snapshot)
 
+
+    @property
+    def next_step(self) -> int:
+        """The step this worker runs next: its executor's applied steps (one count of them, kept there)."""
+        return self.executor.steps_applied if self.executor is not None else 0
     def _guard(self, context, fn):
         try:
             return fn()
@@ -208,7 +212,6 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 if self._running:
                     raise StaleEpochError("a step is running; abort it before initializing")
                 nbytes = self.executor.init(request.seed)
-                self.next_step = 0
                 self._recent.clear()
             return pb.InitReply(state_bytes=nbytes)
         return self._guard(context, init)
@@ -258,7 +261,6 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 elif ex.steps_applied != request.to_applied_steps:
                     raise ProtocolError(f"cannot roll back from {ex.steps_applied} to {request.to_applied_steps} "
                                         "applied steps (one step of history is kept)")
-                self.next_step = ex.steps_applied
                 return self._status()
         return self._guard(context, rollback)
 
@@ -324,7 +326,6 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             if self._running:
                 raise StaleEpochError("a step is running; cannot replace the state")
             self.executor.set_state(leaves, applied, sha256=digest)
-            self.next_step = applied
             self._recent.clear()
 
     def Checkpoints(self, request, context):

@@ -62,7 +62,7 @@ class Stepping:
     mailbox: Mailbox
     collective: AllReduce
     chunk_bytes: int
-    next_step: int
+    next_step: int                     # (a property of the service: its executor's applied steps)
     progress: tuple[int, str, float]   # (step, phase, since): what the worker does now, for ``Progress``
     fingerprint: str
     snapshots: SnapshotStore | None
@@ -147,7 +147,6 @@ class Stepping:
                 raise StepAbortedError(req.step, f"aborted by epoch {self.epoch} before apply")
             ex.apply(total[:-1], clock)
             self.faults.in_phase("apply")
-            self.next_step = req.step + 1
             self._recent[req.step] = float(total[-1])
             if req.checkpoint_directory or req.snapshot:   # written in the background from the immutable state
                 save_step(self._checkpoints(), req, ex, fingerprint=self.fingerprint, recent=self._recent,

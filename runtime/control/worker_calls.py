@@ -1,0 +1,297 @@
+"""The calls the worker group makes to its adopted workers: one stub per worker and the calls in flight.
+
+:class:`~runtime.control.worker_group.WorkerGroup` decides who is a member
+(launch, registration, warming, deaths) and delegates every call to an
+adopted worker here: loading programs, initializing, dispatching and waiting
+for steps, aborts, rollbacks, state transfers, hashes, checkpoints, progress
+and chaos. What a call says and what its answer becomes is
+:mod:`runtime.control.calls`; this module holds the stubs, fences each call
+with the group's ``(run_id, epoch)`` and tracks the futures in flight, so a
+worker declared dead has its calls cancelled (:meth:`WorkerCalls.record_death`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from runtime.core import compile_cache
+from runtime.wire import rpc
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.control.calls import (LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
+                                   load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
+from runtime.control.policy import StepPlan
+from runtime.core.programs import ProgramSet
+from runtime.control.registry import Registry
+
+__all__ = ["WorkerCalls"]
+
+
+class WorkerCalls:
+    """The stubs of the adopted workers and their calls in flight. Thread-safe where noted.
+
+    ``fence`` gives the fence every call carries (the group's epoch);
+    ``dead`` is the group's ``{worker: why}`` (read here, written only by
+    :meth:`record_death`); ``declare_dead(worker, reason, cause)`` is called
+    for a worker lost during a call.
+    """
+
+    def __init__(self, opts, registry: Registry, programs: ProgramSet, data_source: bytes, snapshot_root: str,
+                 fence: Callable[[], pb.Fence], dead: dict[str, str], declare_dead: Callable[..., None]):
+        self.opts, self.registry = opts, registry
+        self.programs, self.data_source, self.snapshot_root = programs, data_source, snapshot_root
+        self._fence, self._dead, self._declare_dead = fence, dead, declare_dead
+        self._stubs: dict[str, pb_grpc.WorkerStub] = {}
+        self._inflight: dict[str, list[grpc.Future]] = {}
+        self._lock = threading.Lock()
+
+    # -- the workers reached -----------------------------------------------------
+
+    def adopt(self, worker_id: str, channel: grpc.Channel) -> None:
+        """Later calls reach ``worker_id`` over ``channel``."""
+        self._stubs[worker_id] = pb_grpc.WorkerStub(channel)
+
+    def reaches(self, worker_id: str) -> bool:
+        """``worker_id`` was adopted."""
+        return worker_id in self._stubs
+
+    def workers(self) -> list[str]:
+        """Every adopted worker, dead or alive."""
+        return list(self._stubs)
+
+    def record_death(self, worker_id: str, reason: str) -> list[grpc.Future] | None:
+        """Thread-safe. Records ``worker_id`` as dead and takes its calls in flight (for the caller to cancel);
+        None when it already was. Atomic with every send: a call sent to a dead worker is cancelled at once."""
+        with self._lock:
+            if worker_id in self._dead:
+                return None
+            self._dead[worker_id] = reason
+            return self._inflight.pop(worker_id, [])
+
+    def send_home(self, worker_id: str, run_ended: bool = False) -> None:
+        """The Shutdown call (best effort: a worker that does not answer is fenced either way)."""
+        try:
+            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended),
+                                            timeout=2.0)
+        except grpc.RpcError:
+            pass
+
+    # -- calls -----------------------------------------------------------------
+
+    def _call(self, worker_id: str, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self._stubs[worker_id], method)(request, timeout=timeout or self.opts.rpc_timeout_seconds)
+        except grpc.RpcError as e:
+            raise rpc.to_error(worker_id, e) from None
+
+    def _all(self, method: str, make_request, workers) -> dict[str, object]:
+        """Calls ``method`` on ``workers`` concurrently; see :func:`gather`."""
+        return gather({w: getattr(self._stubs[w], method).future(make_request(w), timeout=self.opts.rpc_timeout_seconds)
+                       for w in workers})
+
+    def _each(self, method: str, make_request, workers, what: str) -> dict[str, object]:
+        """Calls ``method`` on ``workers`` concurrently; returns the replies of those that succeeded.
+
+        A worker lost during the call (``WorkerLostError``) is declared dead
+        (``what`` says why); a declared-dead worker's call is cancelled, so a
+        hung one does not hold the others up. Any other failure (the worker
+        answered with an error: user code, a bad program) is raised after all
+        calls ended.
+        """
+        futs = {}
+        with self._lock:
+            for w in workers:
+                futs[w] = getattr(self._stubs[w], method).future(make_request(w),
+                                                                  timeout=self.opts.rpc_timeout_seconds)
+                self._inflight.setdefault(w, []).append(futs[w])
+                if w in self._dead:
+                    futs[w].cancel()
+        out, raised = collect(futs, lambda w, error: self._declare_dead(w, f"{what}: {error}"[:300], cause="crash"))
+        self._settle(futs)
+        if raised is not None:
+            raise raised
+        return out
+
+    def _settle(self, futs: dict[str, grpc.Future]) -> None:
+        with self._lock:
+            for w, f in futs.items():
+                if f in self._inflight.get(w, []):
+                    self._inflight[w].remove(f)
+
+    def progress(self, worker_id: str) -> tuple[int, str, float] | None:
+        """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer."""
+        try:
+            r = self._call(worker_id, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=2.0)
+        except Exception:   # noqa: BLE001 -- any failure means "no answer"; the caller probes it next
+            return None
+        return r.step, r.phase, r.seconds
+
+    # -- programs and state ----------------------------------------------------
+
+    def _load_request(self) -> pb.LoadRequest:
+        return load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
+
+    def program_bytes(self) -> int:
+        return sum(len(v) for v in self.programs.programs().values())
+
+    def start_load(self, worker_id: str) -> grpc.Future:
+        """The Load call to one worker (a newcomer warming), without waiting and not tracked in flight."""
+        return self._stubs[worker_id].Load.future(self._load_request(), timeout=self.opts.rpc_timeout_seconds)
+
+    def load(self, workers) -> dict[str, LoadResult]:
+        """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
+
+        Returns the workers that loaded. One that fails (or dies: its call is
+        cancelled when it is declared dead) is declared dead and left out.
+
+        With a shared compilation cache, the first worker loads alone, then
+        the others at once: it compiles each program and writes it to the
+        cache, the others read it instead of compiling the same programs side
+        by side (on a host shared by several workers, that is several times
+        the CPU for nothing). When the cache already holds these programs
+        (:func:`runtime.core.compile_cache.holds`: an earlier run or the reference
+        run loaded them), all load at once.
+        """
+        request = self._load_request()
+        workers = list(workers)
+        cache, programs = self.opts.compilation_cache_dir, self.programs.programs()
+        devices = self.programs.devices_per_slice
+        cold = not compile_cache.holds(cache, programs, devices)
+        leader = workers[:1] if cache and cold and len(workers) > 1 else []
+        replies = self._each("Load", lambda w: request, leader, "failed to load programs")
+        rest = [w for w in workers if w not in leader and w not in self._dead]
+        replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
+        if replies and cold:
+            compile_cache.mark_held(cache, programs, devices)
+        return {w: load_result(r) for w, r in replies.items()}
+
+    def init(self, workers, seed: int) -> dict[str, int]:
+        """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.
+
+        One that fails is declared dead and left out. Every replica initializes
+        from the same seed, so any worker can (re)initialize to the same bits.
+        """
+        replies = self._each("Init", lambda w: pb.InitRequest(fence=self._fence(), seed=seed), workers,
+                             "failed to initialize its state")
+        return {w: r.state_bytes for w, r in replies.items()}
+
+    # -- steps -----------------------------------------------------------------
+
+    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
+                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
+        """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
+
+        ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
+        this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
+        that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
+        shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
+        worker snapshots its state on its host after this step and streams a copy to ``peer``.
+        """
+        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot)
+        futs = {}
+        with self._lock:
+            for w, req in requests:
+                self._send_step(w, req, futs)
+        return futs
+
+    def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
+        """With the lock held: one Step call without waiting, tracked in flight (cancelled at once if dead)."""
+        futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
+        self._inflight.setdefault(w, []).append(futs[w])
+        if w in self._dead:
+            futs[w].cancel()
+
+    def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
+        """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a
+        :class:`StepResult` or the typed error; settles them."""
+        if deadline is not None:
+            wait_until(futs, deadline)
+        ended = {w: f for w, f in futs.items() if f.done()}
+        self._settle(ended)
+        return step_outcomes(ended)
+
+    def wait(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult] | Stalled:
+        """Waits for a dispatched step: its results, :class:`Stalled` at ``deadline``, or the first typed error."""
+        try:
+            replies = gather(futs, deadline)
+        except Exception:
+            self._settle(futs)
+            raise
+        if isinstance(replies, Stalled):
+            return replies
+        self._settle(futs)
+        return {w: step_result(r) for w, r in replies.items()}
+
+    def cancel_inflight(self) -> None:
+        """Abandons every step in flight (a recovery starts)."""
+        with self._lock:
+            futs = [f for fs in self._inflight.values() for f in fs]
+            self._inflight.clear()
+        for f in futs:
+            f.cancel()
+
+    # -- recovery --------------------------------------------------------------
+
+    def abort(self, workers) -> dict[str, WorkerStatus]:
+        """Fences ``workers`` into the current epoch (their step in flight stops); returns where each stands."""
+        replies = self._all("Abort", lambda w: pb.AbortRequest(fence=self._fence()), workers)
+        return {w: worker_status(r) for w, r in replies.items()}
+
+    def rollback(self, worker_id: str, to_applied_steps: int) -> None:
+        """Undoes a replica's last applied step (it keeps one step of history)."""
+        self._call(worker_id, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=to_applied_steps))
+
+    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
+        reply = self._call(dest, "PullState", pb.PullStateRequest(
+            fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
+            source_data_address=self._data_address(source)))
+        return reply.bytes, reply.sha256
+
+    def load_checkpoints(self, workers, directory: str, applied: int,
+                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which);
+        ``snapshot``: each the newest valid in-memory snapshot on its host instead (``directory`` unused).
+
+        One lost meanwhile is declared dead and left out (see :meth:`_each`)."""
+        what = "an in-memory snapshot" if snapshot else "a checkpoint"
+        return self._each("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
+            fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot), workers,
+            f"failed to load {what}")
+
+    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
+                          ) -> dict[str, tuple[list[int], str, bool]]:
+        """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved since
+        the last report, first error or "", idle: nothing left to write)}``. ``save``: ``(worker, directory,
+        committed loss sums)``: that worker first saves its state as it is now (a cut-off last checkpoint)."""
+        def request(w):
+            if save is not None and w == save[0]:
+                return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds, save_directory=save[1],
+                                             committed_loss_sums=save[2])
+            return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds)
+        replies = self._all("Checkpoints", request, workers)
+        return {w: (list(r.saved), r.error, r.idle) for w, r in replies.items()}
+
+    def _addresses(self, worker_id: str) -> tuple[str, str]:
+        """Where ``worker_id`` is reached: its gRPC address and its data address (:meth:`_data_address`)."""
+        return self.registry.workers[worker_id].address, self._data_address(worker_id)
+
+    def _data_address(self, worker_id: str) -> str:
+        """Where peers send ``worker_id`` tensors: its data plane, or "" (gRPC) when it has none or the run
+        asked for gRPC (``data_plane``)."""
+        return self.registry.workers[worker_id].data_address if self.opts.data_plane == "tcp" else ""
+
+    def hashes(self, workers) -> dict[str, tuple[int, str]]:
+        """``{worker: (applied steps, sha256 of its state)}``."""
+        replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()), workers)
+        return {w: (r.step, r.sha256) for w, r in replies.items()}
+
+    # -- chaos -------------------------------------------------------------------
+
+    def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
+                     phase: str = "") -> None:
+        self._call(worker_id, "Chaos", pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
+                                                       phase=phase), timeout=5.0)
