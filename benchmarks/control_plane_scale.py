@@ -129,7 +129,8 @@ class SimulatedWorker(pb_grpc.WorkerServicer):
         return self.fenced
 
     def Refusals(self, request, context):
-        """As ``runtime.worker.worker.WorkerService.Refusals``: the calls refused for their secret since the last ask."""
+        """As ``runtime.worker.worker.WorkerService.Refusals``: the calls refused for their secret since the last
+        ask."""
         return pb.RefusalsReply(refusals=[pb.Refusal(method=m, peer=p, reason=r, count=n)
                                           for m, p, r, n in self.refusals.drain()])
 

@@ -86,7 +86,8 @@ def prestart_workers(options) -> None:
 
 
 def enable_compilation_cache(path: str) -> str:
-    """JAX's persistent compilation cache at ``path`` for this process ("": off); see :mod:`runtime.core.compile_cache`."""
+    """JAX's persistent compilation cache at ``path`` for this process ("": off); see
+    :mod:`runtime.core.compile_cache`."""
     from runtime.core.compile_cache import enable
 
     return enable(path)

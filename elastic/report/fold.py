@@ -69,7 +69,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "events_dropped": ({}, {"count": TYPED}),
     "run_failed": ({"error": _ANY}, {}),
     "verdict": ({"verdict": TYPED, "verdict_reasons": TYPED, "trajectory": _ANY, "first_diverging_step": _ANY,
-                 "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY}, {"promises": TYPED, "run_state_replayed": TYPED}),
+                 "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY},
+                {"promises": TYPED, "run_state_replayed": TYPED}),
     "run_finished": ({"final_state_sha256": _ANY, "replica_hashes": _ANY, "client_peak_rss_bytes": _ANY}, {}),
 }
 

@@ -76,7 +76,8 @@ class LoadResult:
 
 @dataclasses.dataclass(frozen=True)
 class Stalled:
-    """:meth:`runtime.control.worker_group.WorkerGroup.wait` reached its deadline; ``pending`` workers have not answered yet."""
+    """:meth:`runtime.control.worker_group.WorkerGroup.wait` reached its deadline; ``pending`` workers have not
+    answered yet."""
 
     pending: tuple[str, ...]
 

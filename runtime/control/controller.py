@@ -44,7 +44,8 @@ from runtime.core.errors import ReplicaDivergenceError, StaleEpochError, StepAbo
 from runtime.core.events import EventLog
 from runtime.control.membership import Membership
 from runtime.control.plan import membership_change_due
-from runtime.control.policy import StepPlan, StragglerDetector, StragglerPolicy, plan_step, straggler_action, watchdog_limit
+from runtime.control.policy import (StepPlan, StragglerDetector, StragglerPolicy, plan_step, straggler_action,
+                                    watchdog_limit)
 from runtime.core.programs import ProgramSet
 from runtime.control.run_state import RunState
 from runtime.control.shadows import Shadows
@@ -166,7 +167,7 @@ class Controller:
     def next_checkpoint_writer(self) -> str | None:
         """A worker with a checkpoint save still ahead of it: the writer of the next checkpoint not yet
         dispatched (if the placement stays), else of the newest one dispatched and not reported complete (its
-        save waits or is being written); None when no save remains (see ``runtime.control.policy.checkpoint_writer``)."""
+        save waits or is being written); None when no save remains (``runtime.control.policy.checkpoint_writer``)."""
         if self.placement is None:
             return None
         live = [w for w in self.placement.active if w not in self.dead]
@@ -255,7 +256,8 @@ class Controller:
         if s.committed >= s.steps:
             return self._finish()
         if a.deadline is not None and time.monotonic() > a.deadline and s.steps > max(s.dispatched, 1):
-            self.events.emit("run_truncated", steps=max(s.dispatched, 1), reason=f"max_seconds={a.max_seconds:g} reached")
+            self.events.emit("run_truncated", steps=max(s.dispatched, 1),
+                             reason=f"max_seconds={a.max_seconds:g} reached")
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
                                  warmed=self.group.warmed(), swaps=bool(s.swaps)) or \
                 self.shadows.behind(self.placement.spares, self.dead):
@@ -368,7 +370,8 @@ class Controller:
     # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
 
     def _recovering(self) -> Phase:
-        """One recovery attempt (:meth:`runtime.control.membership.Membership.recover`); training resumes where it says."""
+        """One recovery attempt (:meth:`runtime.control.membership.Membership.recover`); training resumes where it
+        says."""
         self.pending = collections.deque()
         self.membership.recover(self._error)
         self.plans.clear()

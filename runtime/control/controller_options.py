@@ -70,8 +70,8 @@ class ControllerOptions:
     platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
     load_full_state_path: str = ""         # start from this checkpoint (a store, or <store>/<step>) if none to resume
     snapshot_directory: str = ""           # in-memory snapshots: the directory on each host that keeps them
-    snapshot_interval: int = 0             # a snapshot after every this many steps; 0: none (runtime.control.snapshotting)
-    backup_kind: str = "snapshot"          # the backup while no spare shadows the state (runtime.control.tiers.backup_tier)
+    snapshot_interval: int = 0             # a snapshot after every this many steps; 0: none (control.snapshotting)
+    backup_kind: str = "snapshot"          # the backup while no spare shadows the state (control.tiers.backup_tier)
 
 
 class ControllerObserver:
@@ -82,7 +82,8 @@ class ControllerObserver:
     """
 
     def attach(self, controller) -> None:
-        """The controller (a ``runtime.control.controller.Controller``) started; workers are registered, placed and loaded."""
+        """The controller (a ``runtime.control.controller.Controller``) started; workers are registered, placed
+        and loaded."""
 
     def step_committed(self, step: int) -> None:
         """Step ``step`` was committed (once per commit, in step order)."""

@@ -138,7 +138,8 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     if len(active) < min_slices:
         if may_wait:
             return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, min_slices "
-                                                            f"is {min_slices}: waiting for capacity", limit="min_slices")
+                                                            f"is {min_slices}: waiting for capacity",
+                                    limit="min_slices")
         return RecoveryDecision(Action.FAIL, new, f"{len(active)} slices left, min_slices is "
                                                   f"{min_slices} and no spare is available", failure=Failure.CAPACITY,
                                 limit="min_slices")

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from runtime.control.policy import Placement
 
-__all__ = ["RunState", "replay_file"]
+__all__ = ["RunState", "Series", "replay_file"]
 
 #: Recovery decisions that leave the placement as it was (the run waits, or ends).
 _UNADOPTED = ("wait", "fail")
@@ -38,6 +38,54 @@ _UNADOPTED = ("wait", "fail")
 
 def _loss(x: Any) -> float:
     return float("nan") if x is None else float(x)
+
+
+class Series(Sequence):
+    """An immutable sequence of floats that appends in O(1): a view of the first ``len`` items of a list it may
+    share with the views it came from. ``appended(x)`` and ``upto(n)`` answer new views and never change this
+    one (an append past a shorter view's end copies first). Compares equal to any sequence of the same floats,
+    NaN equal to NaN (losses are compared by their bits, as the trajectory check does)."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: Iterable[float] = ()):
+        self._items = [float(x) for x in items]
+        self._n = len(self._items)
+
+    @classmethod
+    def _view(cls, items: list, n: int) -> Series:
+        new = cls.__new__(cls)
+        new._items, new._n = items, n
+        return new
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._items[:self._n][i])
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._items[i % self._n]
+
+    def appended(self, x: float) -> Series:
+        if len(self._items) == self._n:   # this view ends the list: extend it in place
+            self._items.append(x)
+            return Series._view(self._items, self._n + 1)
+        return Series._view(self._items[:self._n] + [x], self._n + 1)
+
+    def upto(self, n: int) -> Series:
+        return self if n >= self._n else Series._view(self._items, max(n, 0))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str) or len(other) != self._n:
+            return NotImplemented if not isinstance(other, Sequence) else False
+        return _bits(self) == _bits(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Series({list(self)!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +96,8 @@ class RunState:
     run_id: str = ""
     steps: int = 0                               # the steps this attempt runs to (run_truncated cuts it)
     placement: Placement | None = None           # the adopted placement (its epoch is the membership epoch)
-    losses: tuple[float, ...] = ()               # per committed step (len: the committed frontier)
-    loss_sums: tuple[float, ...] = ()            # the workers' sums behind them (checkpoints keep these)
+    losses: Series = dataclasses.field(default_factory=Series)      # per committed step (len: committed frontier)
+    loss_sums: Series = dataclasses.field(default_factory=Series)   # the workers' sums behind them (checkpoints)
     dispatched: int = 0                          # the next step to dispatch (the dispatch frontier)
     replicas: frozenset[str] = frozenset()       # workers known to hold the state at the committed frontier
     dead: frozenset[str] = frozenset()           # every worker declared dead in this attempt
@@ -80,10 +128,7 @@ class RunState:
     def __eq__(self, other) -> bool:
         if not isinstance(other, RunState):
             return NotImplemented
-        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
-        for key in ("losses", "loss_sums"):
-            mine[key], theirs[key] = _bits(mine[key]), _bits(theirs[key])
-        return mine == theirs
+        return not self.differences(other)
 
     __hash__ = None
 
@@ -115,12 +160,15 @@ class RunState:
         return fold(self, e) if fold is not None else self
 
 
-def _bits(xs) -> tuple:
+def _bits(xs: Iterable) -> tuple:
     return tuple("nan" if isinstance(x, float) and math.isnan(x) else x for x in xs)
 
 
 def _replace(s: RunState, **changes) -> RunState:
-    return dataclasses.replace(s, **changes)
+    """``dataclasses.replace`` without its per-field checks (RunState has none): a fold runs twice a step."""
+    new = object.__new__(RunState)
+    new.__dict__.update(s.__dict__, **changes)
+    return new
 
 
 def _active(s: RunState) -> frozenset[str]:
@@ -150,8 +198,8 @@ def _state_initialized(s: RunState, e) -> RunState:
 
 def _run_resumed(s: RunState, e) -> RunState:
     sums = e.get("loss_sums")
-    return _replace(s, losses=tuple(map(_loss, e["losses"])),
-                    loss_sums=tuple(map(_loss, sums)) if sums is not None else (float("nan"),) * e["step"],
+    return _replace(s, losses=Series(map(_loss, e["losses"])),
+                    loss_sums=Series(map(_loss, sums) if sums is not None else [float("nan")] * e["step"]),
                     dispatched=e["step"], replicas=_active(s), state_bytes=e["state_bytes"])
 
 
@@ -164,7 +212,8 @@ def _dispatched(s: RunState, e) -> RunState:
 
 
 def _committed(s: RunState, e) -> RunState:
-    changes = {"losses": s.losses + (_loss(e["loss"]),), "loss_sums": s.loss_sums + (_loss(e.get("loss_sum")),)}
+    changes = {"losses": s.losses.appended(_loss(e["loss"])),
+               "loss_sums": s.loss_sums.appended(_loss(e.get("loss_sum")))}
     if not e.get("recovered"):
         changes["deferred"] = ()   # the recovery's first step is done: its replacements start now
     return _replace(s, **changes)
@@ -192,7 +241,7 @@ def _recovered(s: RunState, e) -> RunState:
     """The run is whole at ``resume_step``: every active slice holds it; later steps are undone."""
     step = e["resume_step"]
     active = _active(s)
-    return _replace(s, losses=s.losses[:step], loss_sums=s.loss_sums[:step], dispatched=step, replicas=active,
+    return _replace(s, losses=s.losses.upto(step), loss_sums=s.loss_sums.upto(step), dispatched=step, replicas=active,
                     shadows=frozenset() if e.get("restore_tier") in ("snapshot", "checkpoint")
                     else s.shadows - active)
 

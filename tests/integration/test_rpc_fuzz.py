@@ -1,44 +1,31 @@
-"""Bounded fuzz of every Worker RPC and the controller's Register, from a caller that has the run secret.
+"""Bounded fuzz of the Worker's RPCs with well-formed messages that break its rules, from a caller with the run secret.
 
-One real worker process (chaos off, no lease) holds a freshly initialized state. Each example sends one
-malformed, truncated, oversized or out-of-order message and checks that it is refused with a status that
-``runtime.wire.rpc.to_error`` maps to a typed error (never INTERNAL with a traceback), that the worker process lives,
-and that its state hash and applied step are what they were. The last test shows it still runs a valid step.
-Examples are derandomized (the same every run) and no example database is written.
+One real worker process (chaos off, no lease; ``_rpc_fuzz_target.py``) holds a freshly initialized state. Each
+example sends one message with a wrong fence, a broken Load, an impossible step plan, a bad Push stream, or a state
+call out of order (a step it does not have, a source that is no worker or that lies about the state), and checks that
+it is refused with a status that ``runtime.wire.rpc.to_error`` maps to a typed error (never INTERNAL with a
+traceback), that the worker process lives, and that its state hash and applied step are what they were. The last test
+shows it still runs a valid step. Undecodable bytes, oversized messages and the controller's Register are fuzzed in
+``test_rpc_fuzz_wire.py``. Examples are derandomized (the same every run) and no example database is written.
 """
 
-import dataclasses
 import hashlib
 import json
 
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
-from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.wire.parts import checksum
 from runtime.state.state_copy import state_sha256
-from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
-from tests.integration.test_hardening_worker import (RUN, SECRET, Controller, load_request, member, start_worker, stop,
-                                                     tiny_programs)
+from tests.integration._rpc_fuzz_target import EPOCH, FUZZ, M, P, ROOT_NODE, TYPED, Target, fence, open_target
+from tests.integration.test_hardening_worker import RUN, load_request
 
-EPOCH = 10                      # the worker's epoch during the fuzz; lower ones are old
-M, P = 2, 8                     # microbatches and gradient size of the tiny programs
-ROOT_NODE = pb.Node(level=1, index=0)
-TYPED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED,
-         grpc.StatusCode.RESOURCE_EXHAUSTED}
-FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
-
-
-def fence(epoch=EPOCH, run_id=RUN):
-    return pb.Fence(run_id=run_id, epoch=epoch)
 
 
 BAD_FENCES = st.one_of(
@@ -47,71 +34,9 @@ BAD_FENCES = st.one_of(
 )
 
 
-class LyingSource(pb_grpc.WorkerServicer):
-    """A peer with the run secret whose GetState streams whatever the test sets in ``chunks``."""
-
-    def __init__(self):
-        self.chunks: list[pb.StateChunk] = []
-        self.server, port = rpc.make_server(secret=SECRET)
-        pb_grpc.add_WorkerServicer_to_server(self, self.server)
-        self.server.start()
-        self.address = f"127.0.0.1:{port}"
-
-    def GetState(self, request, context):
-        yield from self.chunks
-
-
-@dataclasses.dataclass
-class Target:
-    proc: object
-    log: object
-    address: str
-    stub: pb_grpc.WorkerStub
-    controller: Controller
-    programs: object
-    initial: tuple
-    state: list            # the worker's state chunks, as GetState streams them
-    liar: LyingSource
-
-    def refused(self, call, allow_ok: bool = False):
-        """Runs ``call``; it must fail with a typed status (or, with ``allow_ok``, may succeed). Returns the code."""
-        try:
-            call()
-        except grpc.RpcError as e:
-            details = e.details() or ""
-            assert e.code() in TYPED, (e.code(), details[-2000:])
-            assert "Traceback" not in details, details[-2000:]
-            assert isinstance(rpc.to_error("w0", e), (ProtocolError, StaleEpochError, StepAbortedError))
-            return e.code()
-        assert allow_ok, "a malformed call was accepted"
-        return grpc.StatusCode.OK
-
-    def unharmed(self):
-        assert self.proc.poll() is None, f"the worker died ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
-        reply = self.stub.StateHash(pb.HashRequest(fence=fence()), timeout=10)
-        assert (reply.step, reply.sha256) == self.initial
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    controller = Controller(tmp, max_message=1 << 20)
-    log = tmp / "worker-w0.log"
-    proc = start_worker(controller, "w0", log)
-    liar = LyingSource()
-    try:
-        info = controller.wait_for("w0")
-        stub = member(info.address)
-        programs = tiny_programs(M)
-        stub.Load(load_request(programs, fence=fence()), timeout=120)
-        stub.Init(pb.InitRequest(fence=fence(), seed=0), timeout=60)
-        reply = stub.StateHash(pb.HashRequest(fence=fence()), timeout=10)
-        state = list(stub.GetState(pb.GetStateRequest(fence=fence(), applied_steps=0), timeout=30))
-        yield Target(proc, log, info.address, stub, controller, programs, (reply.step, reply.sha256), state, liar)
-    finally:
-        stop(proc)
-        liar.server.stop(0)
-        controller.close()
+    yield from open_target(tmp_path_factory)
 
 
 # -- fences ---------------------------------------------------------------------------
@@ -425,109 +350,6 @@ def test_a_pull_from_a_source_that_lies_about_the_state_is_refused(target, data)
         fence=fence(), source_address=t.liar.address, applied_steps=0, expected_sha256=expected), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     t.unharmed()
-
-
-# -- bytes that are no message at all, and messages over the limit -------------------------
-
-
-WORKER_METHODS = {name: m for name, m in pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name.items()}
-
-
-@FUZZ
-@given(data=st.data())
-def test_random_bytes_as_any_message_are_refused(target, data):
-    channel = auth.secure_channel(grpc.insecure_channel(target.address), SECRET)
-    try:
-        name = data.draw(st.sampled_from(sorted(WORKER_METHODS)), label="method")
-        method = WORKER_METHODS[name]
-        path = f"/jax_elastic.Worker/{name}"
-        blobs = data.draw(st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=3), label="bytes")
-        if method.client_streaming:
-            call = lambda: channel.stream_unary(path)(iter(blobs), timeout=10)   # noqa: E731
-        elif method.server_streaming:
-            call = lambda: list(channel.unary_stream(path)(blobs[0], timeout=10))   # noqa: E731
-        else:
-            call = lambda: channel.unary_unary(path)(blobs[0], timeout=10)   # noqa: E731
-        # Refusals takes an empty message: any bytes that parse are a valid request.
-        target.refused(call, allow_ok=name == "Refusals")
-    finally:
-        channel.close()
-    target.unharmed()
-
-
-@FUZZ
-@given(blob=st.binary(min_size=1, max_size=300))
-def test_random_bytes_as_a_registration_are_refused(target, blob):
-    channel = auth.secure_channel(grpc.insecure_channel(target.controller.address), SECRET)
-    try:
-        try:
-            register = channel.unary_unary("/jax_elastic.Controller/Register")
-            reply = pb.RegisterReply.FromString(register(blob, timeout=10))
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
-        else:
-            assert not reply.accepted
-    finally:
-        channel.close()
-    assert set(target.controller.registry.workers) == {"w0"}
-
-
-def test_messages_over_the_size_limit_are_refused_by_every_server(target):
-    unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    worker = pb_grpc.WorkerStub(auth.secure_channel(grpc.insecure_channel(target.address, options=unlimited), SECRET))
-    big = load_request(target.programs, fence=fence())
-    big.data_source = b"\0" * (rpc.MAX_MESSAGE + 1)
-    assert target.refused(lambda: worker.Load(big, timeout=60)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    controller = pb_grpc.ControllerStub(auth.secure_channel(
-        grpc.insecure_channel(target.controller.address, options=unlimited), SECRET))
-    with pytest.raises(grpc.RpcError) as info:   # the controller's server here allows 1 MiB
-        controller.Register(pb.RegisterRequest(run_id=RUN, worker_id="w9", address="127.0.0.1:1", num_devices=1,
-                                               platform="x" * (2 << 20), pid=2), timeout=10)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert isinstance(rpc.to_error("controller", info.value), ProtocolError)
-    target.unharmed()
-
-
-# -- the controller's Register ---------------------------------------------------------------
-
-
-def _registration(draw) -> pb.RegisterRequest:
-    req = pb.RegisterRequest(run_id=RUN, worker_id="fuzz", address="127.0.0.1:5000", num_devices=1, platform="cpu",
-                             pid=1234)
-    defect = draw(st.sampled_from(["worker_id", "address", "num_devices", "platform", "pid", "huge"]))
-    if defect == "worker_id":
-        req.worker_id = draw(st.sampled_from(["", "x" * 129, "a\nb", "\0"]))
-    elif defect == "address":
-        req.address = draw(st.sampled_from(["", "host", ":5000", "h:0", "h:65536", "h:-1", "h:port", "h:5000\n"]))
-    elif defect == "num_devices":
-        req.num_devices = draw(st.one_of(st.integers(-(1 << 31), 0), st.integers((1 << 16) + 1, (1 << 31) - 1)))
-    elif defect == "platform":
-        req.platform = draw(st.sampled_from(["", "x" * 33]))
-    elif defect == "pid":
-        req.pid = draw(st.one_of(st.integers(-(1 << 63), 1), st.integers(1 << 32, (1 << 63) - 1)))
-    else:
-        req.worker_id = "y" * draw(st.integers(129, 100_000))
-    return req
-
-
-@FUZZ
-@given(data=st.data())
-def test_malformed_registrations_are_refused_and_not_recorded(target, data):
-    controller = pb_grpc.ControllerStub(rpc.channel(target.controller.address, SECRET))
-    req = _registration(data.draw)
-    with pytest.raises(grpc.RpcError) as info:
-        controller.Register(req, timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert isinstance(rpc.to_error("controller", info.value), ProtocolError)
-    assert set(target.controller.registry.workers) == {"w0"}
-
-
-def test_a_registration_of_another_run_is_answered_not_accepted(target):
-    controller = pb_grpc.ControllerStub(rpc.channel(target.controller.address, SECRET))
-    reply = controller.Register(pb.RegisterRequest(run_id="other", worker_id="w5", address="127.0.0.1:5000",
-                                                   num_devices=1, platform="cpu", pid=1234), timeout=10)
-    assert not reply.accepted and "other" in reply.reason
-    assert set(target.controller.registry.workers) == {"w0"}
 
 
 # -- afterwards ---------------------------------------------------------------------------

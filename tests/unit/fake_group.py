@@ -1,4 +1,5 @@
-"""An in-process stand-in for ``runtime.control.worker_group.WorkerGroup``: the controller's state machine without processes.
+"""An in-process stand-in for ``runtime.control.worker_group.WorkerGroup``: the controller's state machine
+without processes.
 
 Each fake worker holds a replica as a hash chain over the steps it applied,
 so two replicas agree exactly when they applied the same steps. A step's

@@ -1,4 +1,5 @@
-"""runtime/state/checkpoint.py: persistent checkpoints with real orbax, on a local disk and on a real GCS protocol server.
+"""runtime/state/checkpoint.py: persistent checkpoints with real orbax, on a local disk and on a real GCS protocol
+server.
 
 GCS runs against fake-gcs-server on loopback (tests/gcs_emulator.py), through
 the same clients as production: tensorstore, gcsfs, google-cloud-storage.

@@ -1,5 +1,5 @@
-"""The controller's side of persistent checkpoints (runtime.control.checkpointing), over a group that answers from a table
-and a real local checkpoint store."""
+"""The controller's side of persistent checkpoints (runtime.control.checkpointing), over a group that answers from
+a table and a real local checkpoint store."""
 
 import dataclasses
 import types

@@ -122,3 +122,19 @@ def test_the_chaos_verdict_fails_when_the_log_does_not_rebuild_the_live_state(eq
     assert (verdict["verdict"] == "pass") is equal
     if not equal:
         assert "replayed from events.jsonl differs" in " ".join(verdict["verdict_reasons"])
+
+
+def test_a_series_appends_without_changing_the_views_it_came_from():
+    from runtime.control.run_state import Series
+
+    a = Series([1.0, 2.0])
+    b = a.appended(3.0)
+    short = b.upto(1)
+    c = short.appended(9.0)          # past a shorter view's end: a copy, so b keeps its 2.0, 3.0
+    d = b.appended(4.0)
+    assert (list(a), list(b), list(short), list(c), list(d)) == (
+        [1.0, 2.0], [1.0, 2.0, 3.0], [1.0], [1.0, 9.0], [1.0, 2.0, 3.0, 4.0])
+    assert b == (1.0, 2.0, 3.0) and b[-1] == 3.0 and b[1:] == (2.0, 3.0) and b != (1.0, 2.0)
+    assert Series([float("nan")]) == [float("nan")], "losses compare by their bits"
+    with pytest.raises(IndexError):
+        b[3]

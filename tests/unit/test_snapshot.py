@@ -1,5 +1,6 @@
 """runtime/state/snapshot.py: in-memory snapshot files (complete or absent, verified on read), their copies to another
-host, and the controller's bookkeeping of them (runtime/control/snapshotting.py, runtime.control.policy.snapshot_order)."""
+host, and the controller's bookkeeping of them (runtime/control/snapshotting.py,
+runtime.control.policy.snapshot_order)."""
 
 import os
 
