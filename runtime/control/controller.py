@@ -44,15 +44,14 @@ from runtime.core.errors import ReplicaDivergenceError, StaleEpochError, StepAbo
 from runtime.core.events import EventLog
 from runtime.control.membership import Membership
 from runtime.control.plan import membership_change_due
-from runtime.control.policy import (StepPlan, StragglerDetector, StragglerPolicy, plan_step, straggler_action,
-                                    watchdog_limit)
+from runtime.control.policy import StepPlan, plan_step
 from runtime.core.programs import ProgramSet
 from runtime.control.run_state import RunState
 from runtime.control.shadows import Shadows
 from runtime.control.snapshotting import Snapshotting
 from runtime.control.startup import start
 from runtime.core.timing import slowest_phases
-from runtime.control.watchdog import investigate
+from runtime.control.watchdog import SlowSteps
 from runtime.control.worker_group import WorkerGroup
 
 __all__ = ["Attempt", "Controller", "Phase"]
@@ -112,9 +111,8 @@ class Controller:
         self.phase = Phase.STARTING
         self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
         self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
-        self.stragglers = StragglerDetector(StragglerPolicy(options.straggler_factor, options.straggler_patience))
-        self.step_seconds: collections.deque = collections.deque(maxlen=20)
-        self.last_commit = time.monotonic()
+        self.slow = SlowSteps(self.group, events, options, live_spare=lambda: bool(self.live_spares()),
+                              queued=lambda: self.state.swaps)
         self.result: RunResult | None = None
         self.attempt = Attempt(seed=0)
         self._error: Exception | None = None
@@ -240,9 +238,9 @@ class Controller:
     def _starting(self) -> Phase:
         """Launches, registers, places, loads and initializes (:func:`runtime.control.startup.start`)."""
         start(self)
-        self.last_commit = time.monotonic()
+        self.slow.restart()
         if self.attempt.max_seconds:   # counted from the first step, not from launch
-            self.attempt.deadline = self.last_commit + self.attempt.max_seconds
+            self.attempt.deadline = self.slow.last_commit + self.attempt.max_seconds
         return Phase.RUNNING
 
     # -- RUNNING ---------------------------------------------------------------
@@ -285,16 +283,15 @@ class Controller:
 
     def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> None:
         """Waits for a step (the watchdog looks once if it runs far past the median), checks and records it."""
-        limit = watchdog_limit(self.step_seconds, self.opts.watchdog_factor, self.opts.watchdog_min_seconds)
-        deadline = self.last_commit + limit[0] if limit else None
+        deadline, median = self.slow.deadline()
         results = self.group.wait(futs, deadline)
         if isinstance(results, Stalled):
-            self._investigate(plan, results.pending, median=limit[1])
+            self.slow.stalled(plan, results.pending, median)
             results = self.group.wait(futs)
         sums = {r.loss_sum for r in results.values()}
         if len(sums) != 1:
             raise ReplicaDivergenceError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
-        self._watch_stragglers(plan, results)
+        self.slow.observe(plan, results)
         self.checkpoints.note({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
         self.snapshots.note({w: (r.snapshots_saved, r.snapshots_copied, r.snapshot_error) for w, r in results.items()})
         self.shadows.poll()
@@ -312,10 +309,7 @@ class Controller:
             fields["microbatches"] = plan.microbatches()
         if t_dispatch is not None:
             fields["seconds"] = time.time() - t_dispatch
-        now = time.monotonic()
-        if not fields.get("recovered"):
-            self.step_seconds.append(now - self.last_commit)
-        self.last_commit = now
+        self.slow.committed(bool(fields.get("recovered")))
         deferred = self.state.deferred
         self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, loss_sum=float(loss_sum), **fields)
         self.plans.pop(step, None)
@@ -329,27 +323,6 @@ class Controller:
     def mean_loss(self, loss_sum: float, microbatches: int | None = None) -> float:
         """The step's loss: the workers' canonical sum over microbatches, averaged in float32 as a plain loop would."""
         return float(np.float32(loss_sum) / np.float32(microbatches or self.programs.num_microbatches))
-
-    def _investigate(self, plan: StepPlan, pending, median: float) -> None:
-        """The step watchdog fired: record what it found and fence out whom it names."""
-        f = investigate(self.group, plan, pending, replace_stragglers=self.opts.replace_stragglers,
-                        live_spare=bool(self.live_spares()))
-        self.events.emit("step_watchdog", step=plan.step, seconds=time.monotonic() - self.last_commit,
-                         median_seconds=median, pending=list(f.pending), suspects=list(f.suspects),
-                         progress={w: list(p) for w, p in f.progress.items()})
-        for w, seconds, action in f.stragglers:
-            self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
-                             action=action)
-        for w, reason, cause in f.fence:
-            self.group.declare_dead(w, reason, cause=cause)
-
-    def _watch_stragglers(self, plan: StepPlan, results) -> None:
-        per_mb = {w: results[w].grad_seconds / max(len(ids), 1) for w, ids in plan.microbatches().items()}
-        for w, seconds, median in self.stragglers.observe(per_mb):
-            action = straggler_action(self.opts.replace_stragglers, bool(self.live_spares()))
-            queued = action == "replaced" and w not in self.state.swaps   # moved onto a spare at the next boundary
-            self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
-                             action="replaced" if queued else "reported", **({"queued": True} if queued else {}))
 
     def _finish(self) -> Phase:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
@@ -375,7 +348,7 @@ class Controller:
         self.pending = collections.deque()
         self.membership.recover(self._error)
         self.plans.clear()
-        self.last_commit = time.monotonic()   # the watchdog times the next step from here
+        self.slow.restart()   # the watchdog times the next step from here
         self._error = None
         return Phase.RUNNING
 
@@ -391,6 +364,6 @@ class Controller:
             self.membership.swap(slow)
         self.membership.grow()
         self.membership.sync_shadows()
-        self.last_commit = time.monotonic()
+        self.slow.restart()
         return Phase.RUNNING
 

@@ -186,7 +186,8 @@ class StragglerDetector:
         self._streak: dict[str, int] = {}
 
     def observe(self, seconds: Mapping[str, float]) -> list[tuple[str, float, float]]:
-        """One step's ``{worker: seconds per microbatch}``; returns ``(worker, seconds, median of others)`` flagged now."""
+        """One step's ``{worker: seconds per microbatch}``; returns ``(worker, seconds, median of others)``
+        flagged now."""
         flagged = []
         if len(seconds) < 2:
             return flagged

@@ -88,6 +88,15 @@ def test_every_kind_emitted_anywhere_is_declared_and_every_declared_kind_is_emit
     assert "checkpoint_restored" in emitted and "snapshot_restored" in emitted   # through RESTORED_EVENT
 
 
+def test_a_membership_changes_three_events_are_each_emitted_from_one_place():
+    """Every start, recovery and restore goes through runtime.control.membership.Membership, which alone writes
+    what a recovery records (one method each)."""
+    emitted = emitted_kinds()
+    for kind in ("failure_detected", "recovery_decision", "recovered"):
+        assert len(emitted[kind]) == 1 and emitted[kind][0].startswith("runtime/control/membership.py"), (
+            kind, emitted[kind])
+
+
 def test_every_field_the_report_reads_is_declared():
     for kind, (need, may) in READS.items():
         assert kind in EVENT_KINDS, kind
