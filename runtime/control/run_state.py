@@ -12,8 +12,9 @@ It changes in one way only: an event. :meth:`RunState.apply` folds one event
 controller subscribes to its own :class:`~runtime.core.events.EventLog`, so the
 state it reads is the fold of exactly the events it wrote, in the order the
 log holds them. :meth:`RunState.replay` rebuilds the same value from the log
-alone (what a restarted client does, and what the chaos harness checks at
-the end of every run). Kinds the fold does not read are passed over; a
+alone (the basis for re-attaching a restarted client, not built yet; the
+chaos harness checks it at the end of every run). Kinds the fold does not
+read are passed over; a
 ``run_started`` begins a new attempt (the log keeps every attempt; a resumed
 attempt gets its frontier and losses from ``run_resumed``).
 
