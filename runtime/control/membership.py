@@ -63,7 +63,10 @@ class Membership:
         self.group, self.opts, self.events = group, opts, events
         self.checkpoints, self.snapshots, self.shadows = checkpoints, snapshots, shadows
         self.state, self.record, self.before_transfer = state, record, before_transfer
-        self._checkpoints: tuple[Holding, ...] = ()
+
+    def _dead(self, placement: Placement) -> list[str]:
+        """The members of ``placement`` declared dead, sorted."""
+        return sorted(w for w in placement.members if w in self.group.dead)
 
     # -- the three events of a change (each emitted here only) ---------------------
 
@@ -76,12 +79,11 @@ class Membership:
         self.events.emit("recovery_decision", action=plan.action.value, reason=plan.reason, dead=list(dead),
                          epoch=p.epoch, active=list(p.active), spares=list(p.spares))
 
-    def _recovered(self, plan: ChangePlan, old: Placement, started: float, resume_step: int, moved: int = 0,
+    def _recovered(self, plan: ChangePlan, dead: list[str], started: float, resume_step: int, moved: int = 0,
                    tier: str | None = None) -> None:
         fields = {"restore_tier": tier} if tier else {}
         self.events.emit("recovered", path=plan.action.value, epoch=self.state().epoch, resume_step=resume_step,
-                         dead=sorted(w for w in old.members if w in self.group.dead), bytes_moved=moved,
-                         seconds=time.time() - started, **fields)
+                         dead=dead, bytes_moved=moved, seconds=time.time() - started, **fields)
 
     # -- the cases -------------------------------------------------------------------
 
@@ -102,12 +104,11 @@ class Membership:
         self.events.emit("placement", epoch=p.epoch, active=list(p.active), spares=list(p.spares),
                          seconds=time.time() - started)
         if lost:
-            self._recovered(plan, Placement(0, tuple(lost)), started, 0)
+            self._recovered(plan, sorted(lost), started, 0)
 
     def before_state(self, during: str) -> None:
         """Members lost while the run starts (no state yet): replace, shrink or wait; the dead start again now."""
-        placement = self.state().placement
-        dead = [w for w in placement.members if w in self.group.dead]
+        dead = self._dead(self.state().placement)
         if not dead:
             return
         err = WorkerLostError(dead[0], f"lost while {during}: {self.group.dead[dead[0]]}")
@@ -131,7 +132,7 @@ class Membership:
             if not alive:
                 group.declare_dead(w, f"no answer after {type(err).__name__}")
         replicas = frozenset(old.members) if not has_state else s.replicas | shadows
-        plan = self._plan_recovery(old, replicas, has_state)
+        plan, facts = self._plan_recovery(old, replicas, has_state)
         self._adopt(plan.placement)
         for w in plan.relaunch_now + plan.relaunch_later:
             group.forget(w)
@@ -140,32 +141,32 @@ class Membership:
         if plan.relaunch_later:
             self.events.emit("relaunch_deferred", workers=list(plan.relaunch_later))
         if not has_state:
-            self._recovered(plan, old, started, 0)
+            self._recovered(plan, self._dead(old), started, 0)
         elif plan.action is Action.RESTORE:
-            self._restore(plan, old, started)
+            self._restore(plan, facts.checkpoints, old, started)
         else:
             self._realign(plan, old, replicas, started)
 
-    def _plan_recovery(self, old: Placement, replicas: frozenset[str], has_state: bool) -> ChangePlan:
-        """Asks for the recovery plan; below the minimum, waits for capacity while it says ``WAIT``."""
+    def _plan_recovery(self, old: Placement, replicas: frozenset[str], has_state: bool) -> tuple[ChangePlan, Facts]:
+        """Asks for the recovery plan; below the minimum, waits for capacity while it says ``WAIT``. Answers the
+        plan and the facts it came from (their backups were listed once: a restore loads from them)."""
         s, o, group = self.state(), self.opts, self.group
         live_replica = any(w in replicas and w not in group.dead for w in old.active)
         backups = {} if live_replica or not has_state else self._backups(s.committed)
-        self._checkpoints = backups.get("checkpoints", ())   # what a restore may load (listed once)
-        facts = Facts(Change.RECOVER, placement=old, committed=s.committed, dead=frozenset(group.dead),
-                      replicas=replicas, recoveries=s.recoveries, slices=o.slices, min_slices=o.min_slices,
-                      max_retries=o.max_retries, has_state=has_state, **backups)
         # Capacity may come: a worker may join within capacity_timeout_seconds, and with every replica lost the
         # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint).
         backup = bool(backups.get("snapshots") or backups.get("checkpoints"))
-        facts = dataclasses.replace(facts, may_wait=o.capacity_timeout_seconds > 0 or (backup and o.relaunch))
+        facts = Facts(Change.RECOVER, placement=old, committed=s.committed, dead=frozenset(group.dead),
+                      replicas=replicas, recoveries=s.recoveries, slices=o.slices, min_slices=o.min_slices,
+                      max_retries=o.max_retries, has_state=has_state,
+                      may_wait=o.capacity_timeout_seconds > 0 or (backup and o.relaunch), **backups)
         plan = plan_change(facts)
-        self._decision(plan, sorted(w for w in old.members if w in group.dead))
+        self._decision(plan, self._dead(old))
         if plan.action is Action.WAIT:
             plan = self._wait_for_capacity(facts, plan)
         if plan.action is Action.FAIL:
             raise failed(plan.decision, "cannot recover", step=s.committed)
-        return plan
+        return plan, facts
 
     def _backups(self, committed: int) -> dict:
         snap, ckpt = self.snapshots.newest(committed), self.checkpoints.newest(committed)
@@ -196,7 +197,7 @@ class Membership:
                                         dead=frozenset(group.dead))
             plan = plan_change(facts, time.monotonic())
             if plan.action is not Action.FAIL:
-                self._decision(plan, sorted(w for w in p.members if w in group.dead))
+                self._decision(plan, self._dead(p))
         self.events.emit("capacity_wait_ended", seconds=time.time() - t0, found=found)
         return plan
 
@@ -219,16 +220,17 @@ class Membership:
         source = plan.tier.source
         moved = self.copy_to_newcomers(source, realign.target, holders=survivors)
         self._recheck_shadows(source)
-        self._recovered(plan, old, started, realign.target, moved, plan.tier.tier)
+        self._recovered(plan, self._dead(old), started, realign.target, moved, plan.tier.tier)
 
-    def _restore(self, plan: ChangePlan, old: Placement, started: float) -> None:
+    def _restore(self, plan: ChangePlan, checkpoints: tuple[Holding, ...], old: Placement, started: float) -> None:
         """No replica is left: the newest snapshot or checkpoint comes back (to every active slice: loaded, or
-        copied from the one that loaded it); training resumes at its step."""
+        copied from the one that loaded it); training resumes at its step. ``checkpoints``: those the plan's
+        facts listed."""
         committed, new = self.state().committed, plan.placement
         statuses = self.group.abort(new.members)
         held = self.snapshots.holdings(statuses, committed)   # a spare's host may keep the copy
         facts = Facts(Change.RESTORE, placement=new, committed=committed,
-                      snapshots=tuple(Holding(w, n) for w, n in held.items()), checkpoints=self._checkpoints)
+                      snapshots=tuple(Holding(w, n) for w, n in held.items()), checkpoints=checkpoints)
         choice = plan_change(facts).tier
         got = None
         if choice.tier == "snapshot":
@@ -250,7 +252,7 @@ class Membership:
         where = ({"directory": self.checkpoints.directory} if tier == "checkpoint" else
                  {"worker": holders[0], "host": self.group.host_of(holders[0])})
         self.events.emit(RESTORED_EVENT[tier], step=step, bytes=nbytes, steps_lost=committed - step, **where)
-        self._recovered(plan, old, started, step, moved, tier)
+        self._recovered(plan, self._dead(old), started, step, moved, tier)
 
     def _load_snapshot(self, worker: str, step: int) -> tuple:
         replies = self.group.load_checkpoints([worker], "", step, snapshot=True)

@@ -18,7 +18,7 @@ read are passed over; a
 ``run_started`` begins a new attempt (the log keeps every attempt; a resumed
 attempt gets its frontier and losses from ``run_resumed``).
 
-Nothing here reads a clock, a socket or a file: :func:`replay_file` is the
+Nothing here reads a clock, a socket or a file but :func:`replay_file`, the
 one reader, at the edge.
 """
 
@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from runtime.control.policy import Placement
+from runtime.core.events import read_events
 
 __all__ = ["RunState", "Series", "replay_file"]
 
@@ -79,9 +80,9 @@ class Series(Sequence):
         return self if n >= self._n else Series._view(self._items, max(n, 0))
 
     def __eq__(self, other) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, str) or len(other) != self._n:
-            return NotImplemented if not isinstance(other, Sequence) else False
-        return _bits(self) == _bits(other)
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(other) == self._n and _bits(self) == _bits(other)
 
     __hash__ = None
 
@@ -314,5 +315,4 @@ _FOLDS = {
 
 def replay_file(path) -> RunState:
     """The run state a run's ``events.jsonl`` leaves (read with :func:`runtime.core.events.read_events`)."""
-    from runtime.core.events import read_events
     return RunState.replay(read_events(path))
