@@ -126,6 +126,10 @@ class Config:
     elastic_relaunch: bool = _key(True, role=(RUNTIME, RECOVERY))  # local launcher restarts dead workers as spares
     # a worker cut off from the controller this long fences itself
     elastic_worker_lease_seconds: float = _key(5.0, role=(RUNTIME,), gt=0)
+    # a worker whose client is gone keeps its state this long for a restarted client of the run to re-attach
+    # it (the same command, the same run_name), then exits; 0: it exits at once (a client restart then resumes
+    # from the newest checkpoint)
+    elastic_client_grace_seconds: float = _key(120.0, role=(RUNTIME, RECOVERY), ge=0)
     # grad phase slower than factor x median of the others
     elastic_straggler_factor: float = _key(3.0, role=(RUNTIME,), gt=1)
     # consecutive slow steps before a straggler is reported
@@ -355,7 +359,7 @@ def no_recovery_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return {"elastic_spares": 0, "elastic_min_slice_count": values["dcn_data_parallelism"],
             "elastic_timeout_seconds": 0.0, "elastic_max_retries": 0, "elastic_relaunch": False,
             "elastic_replace_stragglers": False, "elastic_shadow_spares": False, "elastic_snapshot_interval": 0,
-            "elastic_standby_workers": 0}
+            "elastic_standby_workers": 0, "elastic_client_grace_seconds": 0.0}
 
 
 def _no_recovery_value(key: str, values: Mapping[str, Any]) -> Any:

@@ -60,6 +60,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_probe_retries": "probe_retries",
     "elastic_relaunch": "relaunch",
     "elastic_worker_lease_seconds": "worker_lease_seconds",
+    "elastic_client_grace_seconds": "client_grace_seconds",
     "elastic_straggler_factor": "straggler_factor",
     "elastic_straggler_patience": "straggler_patience",
     "elastic_replace_stragglers": "replace_stragglers",
@@ -114,8 +115,8 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's (worker_preload: the
-# trainer's data source module).
-NOT_FROM_CONFIG = frozenset({"run_dir", "secret", "worker_preload"})
+# trainer's data source module; generation: the run directory's client record, elastic.client_record).
+NOT_FROM_CONFIG = frozenset({"run_dir", "secret", "worker_preload", "generation"})
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import errno
 import fcntl
 import os
 import pathlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -288,11 +289,24 @@ def _lock(path: pathlib.Path) -> int:
     except BlockingIOError:
         holder = _read_holder(fd)
         os.close(fd)
+        pid = int(holder.strip(" ()pid") or 0) if holder else 0
+        if pid and _stopped(pid):
+            return _take_over(path, pid)
         raise ConfigError(f"run directory {path} is in use by another run{holder}; wait for it to finish or "
                           f"choose another run_name (config key 'run_name')") from None
     except OSError as e:
         os.close(fd)
         raise _unusable(path, e, "base_output_directory") from None
+    return _hold(path, fd)
+
+
+def _hold(path: pathlib.Path, fd: int) -> int:
+    """The locked ``fd`` of ``path``'s lock file, with this process written in it; stale locks of stopped
+    clients that have ended since are removed."""
+    for stale in path.glob(f"{_LOCK_NAME}.stale-*"):
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            stale.unlink(missing_ok=True)
     try:   # who holds it, for the message another run gets
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -300,6 +314,51 @@ def _lock(path: pathlib.Path) -> int:
         os.close(fd)
         raise _unusable(path, e, "base_output_directory") from None
     return fd
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a terminal's Ctrl-Z, a debugger): it holds its run
+    directory but drives nothing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _take_over(path: pathlib.Path, pid: int) -> int:
+    """The run directory's lock is held by ``pid``, a stopped client: this one takes the run over.
+
+    The stopped client keeps its lock on the old lock file, renamed aside
+    (``.lock.stale-<pid>``); this one locks a new one. Should the stopped
+    client wake, every worker refuses it (this client's generation is newer)
+    and it exits without writing to the run directory. Serialized by a second
+    lock, so two clients never both take over."""
+    guard = os.open(path / f"{_LOCK_NAME}.takeover", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"run directory {path} is being taken over by another client; choose another "
+                              "run_name (config key 'run_name')") from None
+        fd = os.open(path / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return _hold(path, fd)   # the stopped client ended meanwhile
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+        if holder != f" (pid {pid})" or not _stopped(pid):
+            raise ConfigError(f"run directory {path} is in use by another run{holder}; wait for it to finish or "
+                              f"choose another run_name (config key 'run_name')")
+        os.replace(path / _LOCK_NAME, path / f"{_LOCK_NAME}.stale-{pid}")
+        fd = os.open(path / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print(f"elastic: the client holding {path} (pid {pid}) is stopped: this one takes the run over (the "
+              "stopped one is refused by every worker if it resumes)", file=sys.stderr)
+        return _hold(path, fd)
+    finally:
+        os.close(guard)
 
 
 def _read_holder(fd: int) -> str:

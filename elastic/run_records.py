@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
 
 from elastic.config import ConfigError
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, ProgramSet, read_events
 
-__all__ = ["RunRecordsLostError", "continues", "open_log", "read_history", "records_lost", "refuse_other_programs",
-           "render"]
+__all__ = ["RunRecordsLostError", "client_died", "continues", "open_log", "read_history", "records_lost",
+           "refuse_other_programs", "render"]
 
 
 class RunRecordsLostError(ElasticError):
@@ -101,6 +102,24 @@ def continues(history: list[dict], opts, steps: int) -> bool:
     return bool(opts.checkpoint_directory and _checkpoints_recorded(history, opts.checkpoint_directory, steps))
 
 
+def client_died(history: list[dict]) -> bool:
+    """Whether the log's last attempt was a distributed one whose client died: it neither finished nor failed
+    (a failed attempt sent its workers home; a dead client's may still wait for a new one). Attempts that
+    were refused the re-attach (other programs: nothing changed on the workers) are passed over."""
+    attempts = [a for a in _attempts(history) if not _refused_attach(a)]
+    if not attempts:
+        return False
+    last = attempts[-1]
+    started = next((e for e in last if e.get("kind") == "job_started"), {})
+    return started.get("mode") == "distributed" and not any(e.get("kind") in ("run_finished", "run_failed")
+                                                            for e in last)
+
+
+def _refused_attach(attempt: list[dict]) -> bool:
+    return any(e.get("kind") == "run_failed" and str(e.get("error", "")).startswith("AttachRefusedError")
+               for e in attempt)
+
+
 def refuse_other_programs(history: list[dict], fingerprints: dict | None, programs: ProgramSet, directory: str,
                            steps: int, config: dict, run_dir: pathlib.Path) -> None:
     """Refuses, before anything is written, a resume the workers would refuse: the newest checkpoint this run
@@ -145,10 +164,19 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
         "its schedule a fixed length); to start afresh, use another run_name")
 
 
-def open_log(run_dir: pathlib.Path, *, append: bool) -> EventLog:
+def open_log(run_dir: pathlib.Path, *, append: bool, take_over: bool = False) -> EventLog:
     """The run's event log: appended to (this attempt continues the run it holds), or new (the previous
-    log and worker logs under the same name go first)."""
+    log and worker logs under the same name go first).
+
+    ``take_over`` (a restarted client taking the run back): the log is copied to a new file that replaces
+    it, so an earlier client of the run that still has the old one open (a stopped process that wakes up)
+    writes only to a file that is no longer the run's: it can never interleave with this client's events."""
     try:
+        if take_over:
+            path = run_dir / "events.jsonl"
+            tmp = run_dir / f".events.jsonl.{os.getpid()}.tmp"
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, path)
         if not append:
             (run_dir / "events.jsonl").unlink(missing_ok=True)
             for old in (run_dir / "logs").glob("worker-*.log"):

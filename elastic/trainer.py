@@ -24,15 +24,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from elastic import _programs, marker, run_records
+from elastic import _programs, marker, reattach, run_records
 from elastic.config import Config
 from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
 from elastic.preflight import (RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path,
                                claim_run_directory)
 from elastic.run_records import RunRecordsLostError
-from runtime import (Controller, ElasticError, ProgramExportError, ProgramSet, enable_compilation_cache,
-                     local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
+from runtime import (ClientSupersededError, Controller, ElasticError, ProgramExportError, ProgramSet,
+                     enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
                      run_reference_process)
 
 __all__ = ["RunRecordsLostError", "Trainer", "wrap", "WrappedStep"]
@@ -149,9 +149,9 @@ class _Job:
         try:
             history = run_records.read_history(run_dir)
             t0 = time.time()
-            opts = None
+            opts, again = None, None
             if not reference:
-                opts = self._controller_options(run_dir)
+                opts, again = reattach.client_options(run_dir, history, self._controller_options(run_dir))
                 check_load_full_state_path(opts.load_full_state_path, opts.checkpoint_directory, settings.steps)
                 prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
@@ -159,12 +159,15 @@ class _Job:
             checkpointed = opts is not None and bool(opts.checkpoint_directory)
             fingerprints = _programs.program_fingerprints(programs) if checkpointed else None
             if opts is not None:
-                run_records.refuse_other_programs(history, fingerprints, programs, opts.checkpoint_directory, settings.steps,
-                                       cfg.to_dict(model_keys=self.reports_model_keys), run_dir)
-            events = run_records.open_log(run_dir, append=not reference and run_records.continues(history, opts, settings.steps))
+                run_records.refuse_other_programs(history, fingerprints, programs, opts.checkpoint_directory,
+                                                  settings.steps, cfg.to_dict(model_keys=self.reports_model_keys),
+                                                  run_dir)
+            append = not reference and run_records.continues(history, opts, settings.steps)
+            events = run_records.open_log(run_dir, append=append, take_over=again is not None)
         except BaseException:
             claim.release()
             raise
+        superseded = False
         try:
             events.emit("job_started", t=t0, mode="reference" if reference else "distributed",
                         config=cfg.to_dict(model_keys=self.reports_model_keys),
@@ -176,19 +179,25 @@ class _Job:
             if reference:
                 self._fit_reference(programs, events, on_step)
             else:
-                with Controller(programs, cloudpickle.dumps(self.data), opts, events) as ctl:
+                events.subscribe(reattach.announce)
+                with Controller(programs, cloudpickle.dumps(self.data), opts, events, reattach=again) as ctl:
+                    reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
                     if observer is not None:
                         ctl.observer = observer
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
+        except ClientSupersededError:
+            superseded = True   # another client drives the run: its files are that client's now
+            raise
         except ElasticError as e:
             events.emit("run_failed", error=f"{type(e).__name__}: {in_config_terms(str(e))}")
             raise
         finally:
             events.close()
             try:
-                report, unwritten = run_records.render(run_dir, events.dropped)
-                if settings.goodput_recording:
-                    _record_goodput(run_dir, settings.goodput_cloud_logging)
+                if not superseded:
+                    report, unwritten = run_records.render(run_dir, events.dropped)
+                    if settings.goodput_recording:
+                        _record_goodput(run_dir, settings.goodput_cloud_logging)
             finally:
                 claim.release()
         lost = run_records.records_lost(run_dir, report, events, unwritten)

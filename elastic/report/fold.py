@@ -145,6 +145,8 @@ def build_report(events_or_path) -> dict:
         "resumed_from": None,
         "checkpoints_skipped": [],
         "steps_lost": 0,
+        "client_restarts": 0,
+        "client_downtime_seconds": 0.0,
         "slices_at_end": None,
         "seed": None,
         "faults": [],
@@ -177,11 +179,12 @@ def build_report(events_or_path) -> dict:
             last_commit_t = None
         attempt["ended_at"] = e["t"] - t_first
         if attempt["started_from"] is None and (
-                kind in ("run_resumed", "step_committed")
+                kind in ("run_resumed", "step_committed", "client_attached")
                 or (kind == "state_initialized" and report["mode"] != "reference")):
             # Where this attempt's state came from; committed steps after that point are recomputed.
-            origin = e["step"] if kind in ("run_resumed", "step_committed") else 0
-            tier = (e["tier"] if kind == "run_resumed" else "seed"
+            origin = (e["step"] if kind in ("run_resumed", "step_committed") else e["committed"]
+                      if kind == "client_attached" else 0)
+            tier = (e["tier"] if kind == "run_resumed" else "live" if kind == "client_attached" else "seed"
                     if kind == "state_initialized" or report["mode"] == "reference" else None)   # None: not recorded
             attempt["started_from"] = {"tier": tier, "step": origin,
                                        "directory": e["directory"] if kind == "run_resumed" else None}
@@ -201,6 +204,13 @@ def build_report(events_or_path) -> dict:
             report.update(run_id=e["run_id"], slices=e["slices"], devices_per_slice=e["devices_per_slice"],
                           steps_requested=e["steps"])
             attempt.update(run_id=e["run_id"], steps_requested=e["steps"])
+        elif kind == "client_attached":
+            report.update(run_id=e["run_id"], steps_requested=e["steps"])
+            report["client_restarts"] += 1
+            report["client_downtime_seconds"] += e["downtime_seconds"]
+            attempt.update(run_id=e["run_id"], steps_requested=e["steps"],
+                           reattached={"generation": e["generation"], "workers": sorted(e["workers"]),
+                                       "lost": list(e["lost"]), "downtime_seconds": e["downtime_seconds"]})
         elif kind == "programs_loaded":
             report["compile_seconds"] = max(e["compile_seconds"].values(), default=0.0)
         elif kind == "state_initialized":
@@ -334,7 +344,7 @@ def _new_attempt(report: dict, e: dict, t_first: float) -> dict:
                "gap_before_s": None if previous is None else e["t"] - t_first - previous["ended_at"],
                "after": None if previous is None else ("finished" if previous["finished"] else "died"
                                                        if previous["end"] is None else previous["end"]),
-               "started_from": None, "steps_committed": 0, "steps_recomputed": 0, "end": None,
+               "started_from": None, "reattached": None, "steps_committed": 0, "steps_recomputed": 0, "end": None,
                "finished": False, "failure_reason": None, "_last_step": None}
     if previous is not None:
         report.update(finished=False, failure_reason=None, final_state_sha256=None, replica_hashes={},

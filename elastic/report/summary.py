@@ -46,7 +46,10 @@ def attempt_text(a: dict) -> str:
              "failed": "restarted after a failure"}.get(str(a.get("after")), "started again")
     gap = a.get("gap_before_s")
     start = a.get("started_from")
+    again = a.get("reattached")
     where = ("no state yet" if not isinstance(start, dict)
+             else f"re-attached {len(again.get('workers') or [])} live workers at step {start.get('step')}"
+             if isinstance(again, dict)
              else f"from {start.get('tier') or 'an unrecorded state'} at step {start.get('step')}")
     text = f"{after}" + (f" ({_seconds(gap)} later)" if isinstance(gap, (int, float)) else "") + f", {where}"
     if a.get("steps_recomputed"):

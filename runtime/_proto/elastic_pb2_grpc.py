@@ -131,6 +131,11 @@ class WorkerStub:
                 request_serializer=elastic__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=elastic__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/jax_elastic.Worker/Attach',
+                request_serializer=elastic__pb2.AttachRequest.SerializeToString,
+                response_deserializer=elastic__pb2.AttachReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/jax_elastic.Worker/Abort',
                 request_serializer=elastic__pb2.AbortRequest.SerializeToString,
@@ -216,6 +221,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Shutdown(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -318,6 +329,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=elastic__pb2.ShutdownRequest.FromString,
                     response_serializer=elastic__pb2.Empty.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=elastic__pb2.AttachRequest.FromString,
+                    response_serializer=elastic__pb2.AttachReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -510,6 +526,33 @@ class Worker:
             '/jax_elastic.Worker/Shutdown',
             elastic__pb2.ShutdownRequest.SerializeToString,
             elastic__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Attach',
+            elastic__pb2.AttachRequest.SerializeToString,
+            elastic__pb2.AttachReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,10 +37,12 @@ import uuid
 import numpy as np
 
 from runtime.wire import auth
+from runtime.control.attach import Reattach, attach
 from runtime.control.calls import Stalled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
-from runtime.core.errors import ReplicaDivergenceError, StaleEpochError, StepAbortedError, WorkerLostError
+from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, StaleEpochError, StepAbortedError,
+                                 WorkerLostError)
 from runtime.core.events import EventLog
 from runtime.control.membership import Membership
 from runtime.control.plan import membership_change_due
@@ -83,16 +85,20 @@ class Controller:
     """Drives one run. Use as a context manager; :meth:`train` does the work.
 
     ``group``: the worker group to drive (default: a :class:`WorkerGroup` of
-    local worker processes); a test passes a fake one.
+    local worker processes); a test passes a fake one. ``reattach``: the run
+    a restarted client takes back (:class:`runtime.control.attach.Reattach`:
+    the state replayed from its log); its ``STARTING`` attaches the live
+    workers instead of launching new ones (:func:`runtime.control.attach.attach`).
     """
 
     def __init__(self, programs: ProgramSet, data_source: bytes, options: ControllerOptions, events: EventLog,
-                 group=None):
+                 group=None, reattach: Reattach | None = None):
         self.programs = programs
         self.opts = options
-        self.run_id = options.run_id or uuid.uuid4().hex[:12]
+        self.reattach = reattach
+        self.run_id = reattach.state.run_id if reattach else options.run_id or uuid.uuid4().hex[:12]
         self.events = events
-        self.state = RunState()
+        self.state = reattach.state if reattach else RunState()
         events.subscribe(self._fold)
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
                                           options, events)
@@ -130,12 +136,17 @@ class Controller:
         self.group.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, tb) -> None:
+        self.close(superseded=isinstance(error, ClientSupersededError))
 
-    def close(self) -> None:
+    def close(self, superseded: bool = False) -> None:
+        """Ends the run's side of this client: the workers are sent home, unless this client was
+        ``superseded`` (a newer client drives them: they are left alone)."""
         self.observer.close()
-        self.group.close()
+        if superseded:
+            self.group.detach()
+        else:
+            self.group.close()
         self.events.unsubscribe(self._fold)
 
     # -- what observers may use (the chaos injector) -------------------------
@@ -210,10 +221,12 @@ class Controller:
         """Sets up a run without starting it; :meth:`advance` then moves it one transition at a time."""
         self.attempt = Attempt(seed=seed, on_step=on_step, max_seconds=max_seconds, t0=time.time())
         self.phase = Phase.STARTING
+        if self.reattach is not None:   # the same run goes on: attach records it (client_attached)
+            return
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
                          devices_per_slice=self.opts.devices_per_slice, spares=self.opts.spares,
                          microbatches=self.programs.num_microbatches, steps=steps, controller=self.address,
-                         controller_host=self.group.client_host)
+                         controller_host=self.group.client_host, generation=self.opts.generation)
 
     def advance(self) -> Phase:
         """Runs one transition of the current phase; returns the next phase.
@@ -236,8 +249,12 @@ class Controller:
     # -- STARTING --------------------------------------------------------------
 
     def _starting(self) -> Phase:
-        """Launches, registers, places, loads and initializes (:func:`runtime.control.startup.start`)."""
-        start(self)
+        """Launches, registers, places, loads and initializes (:func:`runtime.control.startup.start`); a restarted
+        client attaches the live workers instead (:func:`runtime.control.attach.attach`)."""
+        if self.reattach is not None:
+            attach(self, self.reattach.downtime_seconds, self.reattach.previous_pid)
+        else:
+            start(self)
         self.slow.restart()
         if self.attempt.max_seconds:   # counted from the first step, not from launch
             self.attempt.deadline = self.slow.last_commit + self.attempt.max_seconds

@@ -51,6 +51,8 @@ class ControllerOptions:
     relaunch: bool = True
     secret: str = ""
     worker_lease_seconds: float = 5.0      # a worker fences itself after this long without the controller
+    client_grace_seconds: float = 120.0    # a worker whose client is gone waits this long for a restarted one
+    generation: int = 0                    # this client's generation of the run (a restarted client: one more)
     capacity_timeout_seconds: float = 60.0  # below min_slices: wait this long for a worker to join (0: don't)
     straggler_factor: float = 3.0
     straggler_patience: int = 3

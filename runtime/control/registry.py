@@ -36,8 +36,8 @@ class Registry(pb_grpc.ControllerServicer):
     ``rpc.make_server``), drained by :meth:`runtime.control.worker_group.WorkerGroup.collect_security_events`.
     """
 
-    def __init__(self, run_id: str, events: EventLog, refuse):
-        self.run_id = run_id
+    def __init__(self, run_id: str, events: EventLog, refuse, generation: int = 0):
+        self.run_id, self.generation = run_id, generation
         self.events = events
         self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
         self.workers: dict[str, WorkerInfo] = {}
@@ -53,17 +53,25 @@ class Registry(pb_grpc.ControllerServicer):
             reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
         elif request.worker_id in self.workers:
             reason = self.refuse(request.worker_id) or f"worker id {request.worker_id!r} is already a member"
+        elif request.rejoin:   # fenced by an earlier client of the run: this one attaches those it knows
+            reason = (f"the run's client restarted (generation {self.generation}); it attaches the workers its "
+                      "event log names")
         if reason:
             self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
-            return pb.RegisterReply(accepted=False, reason=reason)
+            return pb.RegisterReply(accepted=False, reason=reason, generation=self.generation)
         info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
                           request.data_address, request.host)
+        self.add(info)
+        self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
+                         devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host,
+                         data_address=info.data_address)
+        return pb.RegisterReply(accepted=True, generation=self.generation)
+
+    def add(self, info: WorkerInfo) -> None:
+        """Records a worker as registered (a registration, or one a restarted client attached)."""
         with self.cond:
             self.workers[info.worker_id] = info
             self.cond.notify_all()
-        self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
-                         devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host)
-        return pb.RegisterReply(accepted=True)
 
     @staticmethod
     def malformed(r: pb.RegisterRequest) -> str:

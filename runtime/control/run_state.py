@@ -12,8 +12,9 @@ It changes in one way only: an event. :meth:`RunState.apply` folds one event
 controller subscribes to its own :class:`~runtime.core.events.EventLog`, so the
 state it reads is the fold of exactly the events it wrote, in the order the
 log holds them. :meth:`RunState.replay` rebuilds the same value from the log
-alone (the basis for re-attaching a restarted client, not built yet; the
-chaos harness checks it at the end of every run). Kinds the fold does not
+alone: a restarted client re-attaches the run's live workers from it
+(:mod:`runtime.control.attach`; a ``client_attached`` continues the attempt),
+and the chaos harness checks it at the end of every run. Kinds the fold does not
 read are passed over; a
 ``run_started`` begins a new attempt (the log keeps every attempt; a resumed
 attempt gets its frontier and losses from ``run_resumed``).
@@ -29,7 +30,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from runtime.control.policy import Placement
+from runtime.control.policy import Placement, WorkerInfo
 from runtime.core.events import read_events
 
 __all__ = ["RunState", "Series", "replay_file"]
@@ -110,6 +111,10 @@ class RunState:
     snapshots: tuple[tuple[int, str], ...] = ()  # (step, worker) of the snapshots reported kept, ascending
     shadows: frozenset[str] = frozenset()        # spares given a copy of the committed state to shadow
     state_bytes: int = 0
+    # The workers registered in this attempt, by id: where they serve and who they are (a restarted client
+    # attaches them from here): {worker: WorkerInfo}.
+    registered: Mapping[str, WorkerInfo] = dataclasses.field(default_factory=dict)
+    generation: int = 0                          # the client generation driving the run (a restart: one more)
 
     # -- what the controller reads --------------------------------------------
 
@@ -183,7 +188,21 @@ def _placement(e: Mapping[str, Any], spares=None) -> Placement:
 
 
 def _run_started(s: RunState, e) -> RunState:
-    return RunState(run_id=e["run_id"], steps=e["steps"])
+    return RunState(run_id=e["run_id"], steps=e["steps"], generation=e.get("generation", 0))
+
+
+def _registered(s: RunState, e) -> RunState:
+    info = WorkerInfo(e["worker"], e["address"], e["devices"], e["platform"], e["pid"], e.get("data_address", ""),
+                      e.get("host") or "")
+    return _replace(s, registered={**s.registered, info.worker_id: info})
+
+
+def _client_attached(s: RunState, e) -> RunState:
+    """A restarted client took the run over: the same attempt goes on (nothing reset), the workers that
+    answered it registered anew (their addresses), those that did not are dead (their own events say so)."""
+    workers = {w: WorkerInfo(w, i["address"], i["devices"], i["platform"], i["pid"], i.get("data_address", ""),
+                             i.get("host") or "") for w, i in e["workers"].items()}
+    return _replace(s, steps=e["steps"], generation=e["generation"], registered={**s.registered, **workers})
 
 
 def _first_placement(s: RunState, e) -> RunState:
@@ -289,6 +308,8 @@ def _shadow_dropped(s: RunState, e) -> RunState:
 
 _FOLDS = {
     "run_started": _run_started,
+    "client_attached": _client_attached,
+    "worker_registered": _registered,
     "placement": _first_placement,
     "placement_changed": _placement_changed,
     "state_initialized": _state_initialized,

@@ -86,6 +86,11 @@ class Snapshotting:
         steps += [s for s in self._ordered if s <= at_most]
         return max(steps) if steps else None
 
+    def known(self, held) -> None:
+        """A restarted client learns the snapshots its log recorded: ``(step, host)`` pairs."""
+        for step, host in held:
+            self._hold(host, step)
+
     @staticmethod
     def holdings(statuses, at_most: int) -> dict[str, int]:
         """``{worker: newest snapshot step at or before at_most on its host}`` from ``WorkerGroup.abort``'s

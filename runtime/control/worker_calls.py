@@ -92,7 +92,7 @@ class WorkerCalls:
         return gather({w: getattr(self._stubs[w], method).future(make_request(w), timeout=self.opts.rpc_timeout_seconds)
                        for w in workers})
 
-    def _each(self, method: str, make_request, workers, what: str) -> dict[str, object]:
+    def _each(self, method: str, make_request, workers, what: str, timeout: float | None = None) -> dict[str, object]:
         """Calls ``method`` on ``workers`` concurrently; returns the replies of those that succeeded.
 
         A worker lost during the call (``WorkerLostError``) is declared dead
@@ -105,7 +105,7 @@ class WorkerCalls:
         with self._lock:
             for w in workers:
                 futs[w] = getattr(self._stubs[w], method).future(make_request(w),
-                                                                  timeout=self.opts.rpc_timeout_seconds)
+                                                                  timeout=timeout or self.opts.rpc_timeout_seconds)
                 self._inflight.setdefault(w, []).append(futs[w])
                 if w in self._dead:
                     futs[w].cancel()
@@ -167,6 +167,12 @@ class WorkerCalls:
         if replies and cold:
             compile_cache.mark_held(cache, programs, devices)
         return {w: load_result(r) for w, r in replies.items()}
+
+    def attach(self, workers, request: pb.AttachRequest, timeout: float) -> dict[str, pb.AttachReply]:
+        """A restarted client's ``Attach`` to ``workers`` (adopted first); answers the replies of those that
+        took the new generation. One that does not answer within ``timeout`` is declared dead; a refusal
+        (another programs' fingerprint, a newer client) is raised after all calls ended."""
+        return self._each("Attach", lambda w: request, workers, "did not answer the restarted client", timeout)
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.

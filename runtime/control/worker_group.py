@@ -35,18 +35,22 @@ from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
-from runtime.core.errors import RegistrationTimeoutError
+from runtime.core.errors import AttachRefusedError, ProtocolError, RegistrationTimeoutError
 from runtime.core.events import EventLog
 from runtime.control.health import HealthMonitor
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.control.policy import StepPlan, WorkerInfo, may_relaunch
+from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
 from runtime.control.worker_calls import WorkerCalls
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["WorkerGroup"]
+__all__ = ["ATTACH_SECONDS", "WorkerGroup"]
+
+#: How long a restarted client waits for each worker of the log to answer its Attach.
+ATTACH_SECONDS = 15.0
 
 
 class WorkerGroup:
@@ -61,7 +65,8 @@ class WorkerGroup:
         self.run_id, self.secret, self.opts, self.events = run_id, secret, opts, events
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
-        self.registry = Registry(run_id, events, refuse=self._why_fenced)
+        self.generation = opts.generation
+        self.registry = Registry(run_id, events, refuse=self._why_fenced, generation=opts.generation)
         host = listen_host(opts)
         self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
                                            refusals=self.registry.refusals, max_message=1 << 20)
@@ -92,6 +97,12 @@ class WorkerGroup:
         self.server.start()
         self.monitor.start()
 
+    def detach(self) -> None:
+        """This client was taken over (a newer generation drives the run): stops its own server and monitor,
+        and leaves every worker alone (they serve the new client; none of them is this process's to stop)."""
+        self.monitor.stop()
+        self.server.stop(0)
+
     def close(self) -> None:
         """Reports refused calls, sends live workers home, kills declared-dead processes (a hung one may be
         stopped), stops the server."""
@@ -115,7 +126,7 @@ class WorkerGroup:
         self.epoch = epoch
 
     def _fence(self) -> pb.Fence:
-        return pb.Fence(run_id=self.run_id, epoch=self.epoch)
+        return pb.Fence(run_id=self.run_id, epoch=self.epoch, generation=self.generation)
 
     def _channel(self, address: str) -> grpc.Channel:
         ch = self._channels.get(address)
@@ -134,6 +145,35 @@ class WorkerGroup:
         self._launched += 1
         self.launcher.launch(wid, self._hosts[wid])
         return wid
+
+    def attach(self, known: dict[str, WorkerInfo], registered) -> dict[str, pb.AttachReply]:
+        """A restarted client takes over the live workers of ``known`` (``{worker: WorkerInfo}`` from the
+        log; ``registered``: every worker the attempt had, to number new ones after them): each adopts this
+        client's generation and answers what it holds; one that does not answer is declared dead.
+        ``AttachRefusedError`` when one runs other programs (see :mod:`runtime.control.attach`)."""
+        numbers = [int(w[1:]) for w in registered if w[:1] == "w" and w[1:].isdigit()]
+        self._launched = max([self._launched, *(n + 1 for n in numbers)])
+        for w, info in known.items():
+            self._hosts[w] = info.host
+            self.calls.adopt(w, self._channel(info.address))
+        request = pb.AttachRequest(fence=self._fence(), controller=self.address,
+                                   fingerprint=programs_fingerprint(self.programs.programs()),
+                                   owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,
+                                   lease_seconds=self.opts.worker_lease_seconds,
+                                   client_grace_seconds=self.opts.client_grace_seconds)
+        timeout = min(self.opts.rpc_timeout_seconds, ATTACH_SECONDS)
+        try:
+            replies = self.calls.attach(list(known), request, timeout)
+        except ProtocolError as e:
+            raise AttachRefusedError(f"cannot re-attach run {self.run_id}: {e}; the programs changed since its "
+                                     "client died (the model, or a config key they depend on): run the same "
+                                     "command again, or start afresh with another run_name") from None
+        for w, r in replies.items():
+            info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
+            self.registry.add(info)
+            self.monitor.watch(w, info.address)
+            self.launcher.adopt(w, r.pid)
+        return replies
 
     def host_of(self, worker_id: str) -> str:
         """The host a worker runs on (as it registered; else where it was launched; else its id)."""

@@ -23,6 +23,9 @@ __all__ = [
     "ClusterUnreachableError",
     "ProtocolError",
     "PlatformMismatchError",
+    "ClientSupersededError",
+    "ClientLostError",
+    "AttachRefusedError",
 ]
 
 
@@ -77,6 +80,17 @@ class StaleEpochError(ElasticError):
     """A message from an older membership epoch (or another run) was refused."""
 
 
+class ClientSupersededError(ElasticError):
+    """This client was taken over: a newer client of the same run (a restart, started while this one was
+    stopped or cut off) drives its workers now, and every worker refuses this one. Never retried: the process
+    exits without touching the run's workers or its files."""
+
+
+class ClientLostError(ElasticError):
+    """The run's client was lost (killed, crashed) and a restarted one took its workers over: the failure a
+    re-attach recovers from, like a worker's loss. Not raised: recorded as ``failure_detected``."""
+
+
 class AuthenticationError(ElasticError, PermissionError):
     """A peer or client did not present this run's secret."""
 
@@ -97,6 +111,11 @@ class PlatformMismatchError(ProtocolError):
 
 class ProgramExportError(ElasticError):
     """The step could not be exported with ``jax.export``; says why and what to do."""
+
+
+class AttachRefusedError(ElasticError):
+    """A restarted client cannot take over the run's live workers: they run other programs (the model or a
+    config key its programs depend on changed since the client died). Nothing on the workers changed."""
 
 
 class ClusterUnreachableError(ElasticError, ConnectionError):

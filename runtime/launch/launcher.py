@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 from runtime.launch import zygote as zygotes
 from runtime.core.child_env import jax_child_env
+from runtime.core.owner import Owner
 
 __all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "listen_host",
            "make_launcher", "preload_of", "prestart_workers"]
@@ -188,7 +190,8 @@ class LocalLauncher:
                 self._zygote_lost(zygote, env, e)
         with open(path, "ab") as log_file:
             return subprocess.Popen([sys.executable, "-m", "runtime.worker.worker_process", *argv], env=env,
-                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)   # outlives a signal to the client's group
 
     def _zygote_for(self, env: dict[str, str]) -> zygotes.Zygote | None:
         """The zygote to fork the next worker from; None: start a process of its own (no zygote, or its
@@ -226,6 +229,12 @@ class LocalLauncher:
                 log.warning("worker processes start on their own from now on: no new zygote (%s)", e)
                 self._use_zygote = False
 
+    def adopt(self, worker_id: str, pid: int) -> None:
+        """A worker an earlier client of the run launched, attached by this one: it is stopped and killed like
+        this launcher's own (by its pid: it is no child of this process)."""
+        if pid > 1 and worker_id not in self.procs:
+            self.procs[worker_id] = Adopted(pid)
+
     def kill(self, worker_id: str) -> None:
         """SIGKILLs a worker declared dead (works on a stopped process too)."""
         p = self.procs.get(worker_id)
@@ -253,6 +262,42 @@ class LocalLauncher:
         if self._zygote is not None:
             zygotes.release(self._zygote)   # the next run of this process forks from it too
             self._zygote = None
+
+
+class Adopted:
+    """A worker process this process did not start (an earlier client of the run did), with the part of
+    ``subprocess.Popen``'s interface the launcher uses; watched without being its parent
+    (:class:`runtime.core.owner.Owner`: a pidfd, immune to pid reuse)."""
+
+    def __init__(self, pid: int):
+        self.pid, self._watch = pid, Owner(pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._watch.alive():
+            self.returncode = -signal.SIGKILL   # not our child: its status is its parent's to read
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker process {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
 
 def _tell(fifo: str, line: str) -> bool:
@@ -339,6 +384,9 @@ class ExternalLauncher:
 
     def prepare_standby(self) -> None:
         """No standby processes outside the local launcher."""
+
+    def adopt(self, worker_id: str, pid: int) -> None:
+        """Nothing to adopt: the scheduler owns the processes."""
 
     def kill(self, worker_id: str) -> None:
         """Not ours to kill: a worker declared dead is fenced, and fences itself after its lease."""

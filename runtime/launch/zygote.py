@@ -356,6 +356,7 @@ def _fork(msg: dict, worker_process, zygote_fds: list[int]) -> int:
         return pid
     status = 1
     try:   # the child: a worker from here on
+        os.setsid()   # a session of its own: a signal to the client's process group (a terminal closing) misses it
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         log = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -31,8 +31,8 @@ from concurrent import futures
 import grpc
 
 from runtime.wire import auth
-from runtime.core.errors import (AuthenticationError, ProtocolError, StaleEpochError, StepAbortedError, WorkerError,
-                            WorkerLostError)
+from runtime.core.errors import (AuthenticationError, ClientSupersededError, ProtocolError, StaleEpochError,
+                                 StepAbortedError, WorkerError, WorkerLostError)
 
 log = logging.getLogger("jax_elastic.rpc")
 
@@ -51,6 +51,7 @@ _CODES = {
     StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
     ProtocolError: grpc.StatusCode.INVALID_ARGUMENT,
     StepAbortedError: grpc.StatusCode.ABORTED,
+    ClientSupersededError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -181,6 +182,8 @@ def to_error(worker_id: str, err: grpc.RpcError) -> Exception:
         return StaleEpochError(f"worker {worker_id} refused: {details}")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return ProtocolError(f"worker {worker_id} rejected a message: {code.name}: {details}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return ClientSupersededError(f"worker {worker_id} refused this client: {details}")
     if code == grpc.StatusCode.ABORTED:
         return StepAbortedError(-1, f"worker {worker_id}: {details}")
     if code == grpc.StatusCode.UNAUTHENTICATED:

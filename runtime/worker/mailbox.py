@@ -148,6 +148,14 @@ class Mailbox:
                 self._drop(key)
             self._cond.notify_all()
 
+    def restart(self, epoch: int) -> None:
+        """A new client generation took over (no step runs): every piece goes, epochs count from ``epoch``."""
+        with self._cond:
+            for key in set(self._box) | {k for k, _ in self._into}:
+                self._drop(key)
+            self.epoch = epoch
+            self._cond.notify_all()
+
     def discard_before(self, step: int) -> None:
         """Drops pieces of steps before ``step`` (they can no longer be used: the worker moved past them)."""
         with self._cond:

@@ -50,6 +50,7 @@ from runtime.worker.executor import SliceExecutor, add_f32, probe_devices
 from runtime.worker.fault_injection import WorkerFaults, mid_stream
 from runtime.worker.mailbox import Mailbox
 from runtime.core.microbatch import root
+from runtime.core.owner import Owner
 from runtime.wire.peers import PeerChannels
 from runtime.core.fingerprint import legacy_programs_fingerprint, programs_fingerprint
 from runtime.wire.requests import decode_programs, unpickle_source
@@ -100,6 +101,13 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         self.lease = 0.0                      # seconds without the controller before fencing; 0: off
         self.last_contact = time.monotonic()
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
+        self.generation = 0                   # the client generation served (a restarted client attaches a newer)
+        self.client_grace = 0.0               # seconds it waits for a new client once its client is gone
+        self.client_lost_at: float | None = None
+        self.owner = None                     # the client process watched (runtime.core.owner.Owner), if any
+        self.controller = ""                  # host:port the worker registers with (a new client may move it)
+        self.identity = pb.AttachReply()      # who this worker is, as an Attach answers it (set by serve)
+        self.serving = lambda ok: None        # the health service's status (set by serve)
         self.progress = (-1, "idle", time.monotonic())
         self.refusals = auth.Refusals(log)    # calls refused for their secret, until the controller asks
         self._state_layout: list | None = None   # [(shape, dtype)] of the state leaves, from the programs
@@ -135,8 +143,10 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         def load():
             self.check_fence(request.fence)
             chunk_bytes = checked_chunk_bytes(request.chunk_bytes)
-            if not (math.isfinite(request.lease_seconds) and request.lease_seconds >= 0):
-                raise ProtocolError(f"lease_seconds={request.lease_seconds} is not a number of seconds >= 0")
+            for name in ("lease_seconds", "client_grace_seconds"):
+                value = getattr(request, name)
+                if not (math.isfinite(value) and value >= 0):
+                    raise ProtocolError(f"{name}={value} is not a number of seconds >= 0")
             programs, state_layout = decode_programs(request)
             source = unpickle_source(request.data_source)
             if request.snapshot_directory and not os.path.isabs(request.snapshot_directory):
@@ -164,6 +174,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
             self.lease = request.lease_seconds
+            self.client_grace = request.client_grace_seconds
             self.last_contact = time.monotonic()
             return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
         return self._guard(context, load)
@@ -232,6 +243,41 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             self.stopped.set()
             return pb.Empty()
         return self._guard(context, stop)
+
+    def Attach(self, request, context):
+        """A restarted client of this run takes this worker over (a newer generation; see
+        :meth:`~runtime.worker.worker_fence.Fencing.attach`) and learns what it holds.
+
+        Refused, with nothing changed, when this worker loaded other programs
+        than the client's (INVALID_ARGUMENT: the model changed) or the
+        generation is not newer (a stale client: PERMISSION_DENIED)."""
+        def attach():
+            for name in ("lease_seconds", "client_grace_seconds"):
+                value = getattr(request, name)
+                if not (math.isfinite(value) and value >= 0):
+                    raise ProtocolError(f"{name}={value} is not a number of seconds >= 0")
+            if request.fingerprint and self.fingerprint and request.fingerprint != self.fingerprint:
+                raise ProtocolError(f"worker {self.worker_id} runs other programs (fingerprint "
+                                    f"{self.fingerprint[:12]}), the client brings {request.fingerprint[:12]}")
+            previous = self.generation
+            self.attach(request.fence)
+            self.lease, self.client_grace = request.lease_seconds, request.client_grace_seconds
+            if request.controller:
+                self.controller = request.controller
+            if request.owner_pid > 1:
+                self.owner = Owner(request.owner_pid)
+            log.warning("client generation %d of run %s attached this worker (was %d)", self.generation,
+                        self.run_id, previous)
+            with self._cond:
+                status = self._status()
+            reply = pb.AttachReply()
+            reply.CopyFrom(self.identity)
+            reply.applied_steps, reply.sha256 = status.applied_steps, status.sha256
+            reply.recent.extend(status.recent)
+            reply.snapshots.extend(status.snapshots)
+            reply.fingerprint, reply.previous_generation = self.fingerprint, previous
+            return reply
+        return self._guard(context, attach)
 
     def Abort(self, request, context):
         def abort():

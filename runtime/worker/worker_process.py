@@ -5,7 +5,12 @@
 port 0 unless told otherwise, registers its address with the controller, and
 exits when told to shut down, when the run's owner (the client that
 launched it, ``--owner-pid``; see :mod:`runtime.core.owner`) dies, or when it
-fenced itself and the controller refused to take it back.
+fenced itself and the controller refused to take it back. A worker given a
+client grace (``elastic_client_grace_seconds``, with its programs) outlives
+its client instead: fenced, holding its state, it waits that long for a
+restarted client of the run to attach it, then exits as it would have.
+Locally launched workers run in a session of their own, so a signal to the
+client's process group (a terminal closing) does not reach them.
 
 A worker that must go goes at once, whatever its other threads do: an XLA
 compile or a step cannot be interrupted, so :func:`main` ends the process
@@ -14,7 +19,8 @@ normal interpreter exit joins every thread of the gRPC server's pool).
 
 Exit status: 0 told to shut down; 1 failed to start (the first registration
 was refused, the controller unreachable); 3 fenced itself and was refused
-(or could not ask) when it asked to come back; 4 the run's owner died.
+(or could not ask) when it asked to come back, or its grace ran out after
+its lease lapsed; 4 the run's owner died (at once, or when the grace ran out).
 
 Set ``XLA_FLAGS`` (device count) before this module is imported.
 """
@@ -82,15 +88,22 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     address = f"{host}:{bound}"
     data = DataServer(host, secret=secret, tls=tls, on_push=service.receive_push, on_state=service.state_parts,
                       status_name=rpc.status_name, refusals=service.refusals, dropped=service.faults.partitioned)
-    stub = pb_grpc.ControllerStub(rpc.channel(controller, secret, tls))
     devices = jax.devices()
+    service.controller, service.owner = controller, owner
+    service.identity = pb.AttachReply(worker_id=worker_id, pid=os.getpid(), host=service.host,
+                                      num_devices=len(devices), platform=devices[0].platform, address=address,
+                                      data_address=data.address)
+    stubs: dict[str, pb_grpc.ControllerStub] = {}
 
     def register(rejoin: bool, timeout: float = register_timeout) -> pb.RegisterReply:
-        return stub.Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
-                                                data_address=data.address,
-                                                num_devices=len(devices), platform=devices[0].platform,
-                                                pid=os.getpid(), rejoin=rejoin, host=service.host),
-                             timeout=timeout, wait_for_ready=True)
+        where = service.controller   # a restarted client may listen elsewhere (its Attach says where)
+        if where not in stubs:
+            stubs[where] = pb_grpc.ControllerStub(rpc.channel(where, secret, tls))
+        return stubs[where].Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
+                                                        data_address=data.address,
+                                                        num_devices=len(devices), platform=devices[0].platform,
+                                                        pid=os.getpid(), rejoin=rejoin, host=service.host),
+                                     timeout=timeout, wait_for_ready=True)
 
     try:
         reply = register(False)
@@ -102,30 +115,78 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         server.stop(0)
         data.close()
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
+    service.generation = reply.generation   # the client generation it joined (a fresh worker serves it)
     log.info("worker %s serving on %s with %d %s devices (%s)", worker_id, address, len(devices), devices[0].platform,
              ", ".join(sorted({d.device_kind for d in devices})))
-    status = EXIT_SHUTDOWN
-    while not service.stopped.wait(0.2):
-        if owner is not None and not owner.alive():
-            log.warning("the run's owner (process %d) is gone; exiting", owner.pid)
-            status = EXIT_ORPHANED
-            if service.snapshots is not None:   # the run is over: its snapshots on this host serve nobody
-                service.snapshots.remove_all()
-            break
-        if service.lease_lapsed():
-            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            status = EXIT_FENCED
-            reply = _rejoin(service, register, register_timeout, owner)
-            log.warning("asked to rejoin after fencing: %s", "no answer" if reply is None else
-                        f"accepted={reply.accepted} {reply.reason}")
-            if reply is None or not reply.accepted:
-                break
+    status = _serve_run(service, register, register_timeout, health_servicer)
     health_servicer.enter_graceful_shutdown()
     # Bounded: a handler stuck in a compile is cancelled for its caller and left behind.
     server.stop(grace=STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
     data.close()
     service.data.close()
     service.collective.close()
+    return status
+
+
+def _serve_run(service: WorkerService, register, register_timeout: float, health_servicer) -> int:
+    """Watches the run until this worker must go; returns its exit status.
+
+    It goes when told to shut down; when its owner died or its lease lapsed,
+    at once without a client grace (or programs to keep), else once the grace
+    ran out with no new client attached; when it fenced itself and its
+    client, asked, refused to take it back (the run moved on without it).
+    """
+    orphaned = False   # the grace began with the owner's death (exit 4 at its end)
+    last_ask = 0.0
+    service.serving = lambda ok: health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if ok
+                                                     else health_pb2.HealthCheckResponse.NOT_SERVING)
+    while not service.stopped.wait(0.2):
+        owner = service.owner
+        if owner is not None and not owner.alive():
+            service.owner = None
+            why = f"the run's owner (process {owner.pid}) is gone"
+            if not service.lose_client(why):
+                log.warning("%s; exiting", why)
+                return _run_over(service, EXIT_ORPHANED)
+            orphaned = True
+        if service.client_lost_at is not None:   # within the grace: a new client may attach this worker
+            if service.grace_over():
+                log.warning("no client of run %s attached this worker within %.0f s; exiting", service.run_id,
+                            service.client_grace)
+                return _run_over(service, EXIT_ORPHANED if orphaned else EXIT_FENCED)
+            if time.monotonic() - last_ask > 1.0 and not service.faults.partitioned():
+                last_ask = time.monotonic()
+                reply = _ask(register)
+                if reply is not None and not reply.accepted and reply.generation == service.generation \
+                        and service.client_lost_at is not None:
+                    log.warning("asked to rejoin after fencing: refused: %s", reply.reason)
+                    return _run_over(service, EXIT_FENCED)   # its client lives and went on without it
+            continue
+        if service.lease_lapsed():
+            orphaned = False
+            service.serving(False)
+            if service.lose_client(service.fenced):
+                continue
+            reply = _rejoin(service, register, register_timeout, service.owner)
+            log.warning("asked to rejoin after fencing: %s", "no answer" if reply is None else
+                        f"accepted={reply.accepted} {reply.reason}")
+            if reply is None or not reply.accepted:
+                return EXIT_FENCED
+    return EXIT_SHUTDOWN
+
+
+def _ask(register) -> pb.RegisterReply | None:
+    """One short rejoin request during the grace; None when no client answers."""
+    try:
+        return register(True, 1.0)
+    except grpc.RpcError:
+        return None
+
+
+def _run_over(service: WorkerService, status: int) -> int:
+    """The worker leaves the run for good: its snapshots on this host serve nobody now."""
+    if service.snapshots is not None:
+        service.snapshots.remove_all()
     return status
 
 

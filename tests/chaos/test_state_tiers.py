@@ -194,7 +194,9 @@ def test_a_save_cut_off_by_its_writers_death_is_never_counted_and_is_removed(sto
 
 
 def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_name(tmp_path):
-    args = ["run", *SMALL, "steps=40", "run_name=rs", f"base_output_directory={tmp_path}", "--quiet"]
+    # elastic_client_grace_seconds=0: the workers exit with their client, as before the grace (no re-attach)
+    args = ["run", *SMALL, "steps=40", "elastic_client_grace_seconds=0", "run_name=rs",
+            f"base_output_directory={tmp_path}", "--quiet"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     run_dir = tmp_path / "rs"
@@ -208,7 +210,12 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
                 break
         time.sleep(0.05)
     assert len(saved) >= 2 and first.poll() is None, "the first run ended before two checkpoints were saved"
-    os.killpg(first.pid, signal.SIGKILL)   # the client and every worker it started, at once
+    # The client and every worker it started, at once (the workers run in sessions of their own).
+    for pid in [first.pid] + [e["pid"] for e in _events(run_dir) if e["kind"] == "worker_registered"]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     first.wait()
     committed = sum(e["kind"] == "step_committed" for e in _events(run_dir))
     assert committed < 40

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import queue
 
+from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import RegistrationTimeoutError, WorkerLostError
 from runtime.control.policy import WorkerInfo, may_relaunch
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
@@ -72,6 +73,24 @@ class FakeGroup:
     def close(self):
         pass
 
+    def detach(self):
+        self.calls.append("detach")
+
+    def attach(self, known, registered):
+        """A restarted client's attach: the workers of ``known`` that live (this group's ``replicas``, shared
+        with the dead client's group by the test) take it; the others are declared dead."""
+        self._launched = max([self._launched, *(int(w[1:]) + 1 for w in registered)])
+        out = {}
+        for w in known:
+            if w not in self.replicas or not self._reachable(w):
+                self.declare_dead(w, "did not answer the restarted client", cause="crash")
+                continue
+            r = self.replicas[w]
+            self.adopted.add(w)
+            out[w] = pb.AttachReply(worker_id=w, address=f"fake:{w}", num_devices=self.devices, platform="cpu",
+                                    pid=2, host="", applied_steps=r.applied if r else -1)
+        return out
+
     def fence_at(self, epoch):
         assert epoch >= self.epoch, f"epoch went back from {self.epoch} to {epoch}"
         self.epoch = epoch
@@ -102,7 +121,10 @@ class FakeGroup:
         if not live:
             raise RegistrationTimeoutError(f"0 of {n}")
         self.adopted |= set(live)
-        return [WorkerInfo(w, f"fake:{w}", self.devices) for w in live]
+        for w in live:
+            self.events.emit("worker_registered", worker=w, address=f"fake:{w}", devices=self.devices,
+                             platform="cpu", pid=2, host="")
+        return [WorkerInfo(w, f"fake:{w}", self.devices, pid=2) for w in live]
 
     def wait_for_newcomer(self, timeout):
         pass

@@ -174,9 +174,10 @@ def test_elastic_disabled_means_no_recovery(base):
     on = controller_options(base, "run")
     off = controller_options(base.replace(elastic_enabled=False), "run")
     assert (off.max_retries, off.spares, off.relaunch, off.min_slices, off.capacity_timeout_seconds,
-            off.replace_stragglers, off.standby_workers) == (0, 0, False, base.slices, 0.0, False, 0)
+            off.replace_stragglers, off.standby_workers, off.client_grace_seconds) == (0, 0, False, base.slices, 0.0,
+                                                                                       False, 0, 0.0)
     recovery = {"max_retries", "spares", "relaunch", "min_slices", "capacity_timeout_seconds", "replace_stragglers",
-                "standby_workers"}
+                "standby_workers", "client_grace_seconds"}
     same = {f.name for f in dataclasses.fields(ControllerOptions)} - recovery
     assert {k: getattr(off, k) for k in same} == {k: getattr(on, k) for k in same}  # detection stays on
 

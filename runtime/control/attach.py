@@ -1,0 +1,72 @@
+"""A restarted client takes its run back: the ``STARTING`` phase of a client that re-attaches live workers.
+
+The client that held the run died (SIGKILL, OOM, a preempted VM); its
+workers outlived it for their client grace, fenced, holding the state and
+the programs. A new client of the same run (the same command, the same
+``run_name``) rebuilds the run's state from the event log alone
+(:meth:`~runtime.control.run_state.RunState.replay`), then :func:`attach`:
+
+1. asks every worker the log names (registered and not dead) to take its new
+   generation (``Attach``): from then on each refuses the old client, should
+   it wake; each answers its applied steps, state hash, recent loss sums and
+   snapshots. A worker that loaded other programs refuses, with nothing
+   changed (:class:`~runtime.core.errors.AttachRefusedError`: the model
+   changed); one that does not answer is declared dead;
+2. records ``client_attached`` (the same attempt goes on: the fold resets
+   nothing);
+3. brings the run whole as after any failure
+   (:meth:`runtime.control.membership.Membership.recover`): the steps every
+   survivor applied are committed (the dead client may have applied steps
+   it never recorded), those one ahead roll back, dead members are replaced
+   from spares or relaunched, and with no survivor the newest snapshot or
+   checkpoint comes back. Training goes on at the first uncommitted step.
+
+No checkpoint or snapshot is read while a live replica is left; the
+trajectory is the one an uninterrupted run takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runtime.core.errors import ClientLostError
+
+__all__ = ["Reattach", "attach", "can_attach"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reattach:
+    """What a restarted client knows of the run it takes back: the state its log leaves
+    (:class:`~runtime.control.run_state.RunState`), how long ago the dead client last wrote, and its pid."""
+
+    state: object
+    downtime_seconds: float = 0.0
+    previous_pid: int | None = None
+
+
+def can_attach(state) -> bool:
+    """Whether the replayed ``state`` is of a run a restarted client can take back: placed, with a state
+    (initialized or resumed) that live workers may hold, not finished."""
+    return state.placement is not None and bool(state.replicas) and state.committed < state.steps
+
+
+def attach(ctl, downtime_seconds: float, previous_pid: int | None = None) -> None:
+    """Takes the run of ``ctl`` (a :class:`runtime.control.controller.Controller` whose ``state`` is the
+    replayed one) over from its dead client; see the module docstring."""
+    s, group, o = ctl.state, ctl.group, ctl.opts
+    known = {w: info for w, info in s.registered.items() if w not in s.dead}
+    replies = group.attach(known, s.registered)
+    ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=s.steps,
+                    controller=ctl.address, previous_pid=previous_pid,
+                    workers={w: {"address": r.address, "data_address": r.data_address, "devices": r.num_devices,
+                                 "platform": r.platform, "pid": r.pid, "host": r.host,
+                                 "applied_steps": r.applied_steps} for w, r in sorted(replies.items())},
+                    lost=sorted(set(known) - set(replies)), committed=s.committed,
+                    downtime_seconds=max(downtime_seconds, 0.0))
+    ctl.snapshots.known({(step, group.host_of(w)) for step, w in s.snapshots})
+    ctl.observer.attach(ctl)
+    alive = sorted(replies)
+    ctl.membership.recover(ClientLostError(
+        f"the run's client was lost; client generation {o.generation} attached {len(alive)} of {len(known)} "
+        f"workers ({', '.join(alive) or 'none'})"), has_state=True)
+

@@ -1,0 +1,98 @@
+"""The client survives its own crash: ``elastic run`` SIGKILLed mid-run, then run again with the same command.
+
+Real processes from outside, as a user meets them: the client is killed with
+SIGKILL (its workers are not touched: they run in sessions of their own);
+the same command run again within the workers' client grace re-attaches the
+live workers, says so, and finishes bit-identical to the reference with no
+step lost and no checkpoint or snapshot read. A command whose programs
+differ (a changed learning rate) is refused with one line and changes
+nothing on the workers, which the right command then re-attaches. With no
+client, every worker exits once its grace ran out, leaving nothing behind:
+no process, no in-memory snapshot.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT, live_events, processes, run_cli
+
+RUN = ["run", "tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
+
+
+def _start(args, tmp_path) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "elastic.cli", *args, f"base_output_directory={tmp_path}",
+                             "--quiet"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _kill_client_after(proc: subprocess.Popen, run_dir: pathlib.Path, committed: int) -> list[int]:
+    """SIGKILLs the client once ``committed`` steps are in its log; returns its workers' pids."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if sum(e["kind"] == "step_committed" for e in live_events(run_dir)) >= committed:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before {committed} steps: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return [e["pid"] for e in live_events(run_dir) if e["kind"] == "worker_registered"]
+
+
+def _alive(pids) -> list[int]:
+    live = processes()
+    return [p for p in pids if p in live]
+
+
+def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_is_refused(tmp_path):
+    args = [*RUN, "steps=120", "run_name=rc"]
+    run_dir = tmp_path / "rc"
+    pids = _kill_client_after(_start(args, tmp_path), run_dir, 20)
+    assert len(_alive(pids)) == 2, "the workers died with their client"
+    before = live_events(run_dir)
+
+    # The model changed (another learning rate: another apply program): refused, nothing changes on the workers.
+    refused, _ = run_cli([*args, "learning_rate=0.5"], tmp_path, check=False)
+    assert refused.returncode == 1
+    [line] = [x for x in refused.stderr.splitlines() if "cannot re-attach" in x]
+    assert "programs" in line and "run_name" in line, line
+    assert len(_alive(pids)) == 2
+    assert live_events(run_dir)[:len(before)] == before   # the log was appended to, never rewritten
+
+    proc, report = run_cli(args, tmp_path)   # the same command again
+    assert "re-attached 2 live workers" in proc.stderr
+    assert report["finished"] and report["steps_completed"] == 120 and report["steps_lost"] == 0
+    assert report["checkpoint_restores"] == report["snapshot_restores"] == 0
+    assert report["client_restarts"] == 1 and report["client_downtime_seconds"] > 0
+    last = report["attempts"][-1]
+    assert last["reattached"]["workers"] == ["w0", "w1"] and last["started_from"]["tier"] == "live"
+    assert not any(e["kind"] in ("state_transferred", "checkpoint_restored", "snapshot_restored")
+                   for e in live_events(run_dir)[len(before):])
+
+    _, ref = run_cli([*RUN, "steps=120", "run_name=ref", "--reference"], tmp_path)
+    assert report["final_state_sha256"] == ref["final_state_sha256"]
+    assert report["losses"] == ref["losses"]
+    assert not _alive(pids)   # sent home at the end
+
+
+def test_with_no_client_every_worker_exits_after_its_grace_and_leaves_nothing(tmp_path):
+    shm = tmp_path / "shm"
+    args = [*RUN, "steps=400", "run_name=gone", "elastic_client_grace_seconds=3", "elastic_snapshot_interval=2",
+            f"elastic_snapshot_directory={shm}"]
+    run_dir = tmp_path / "gone"
+    pids = _kill_client_after(_start(args, tmp_path), run_dir, 10)
+    assert any(shm.rglob("*")), "no snapshot was kept"
+    assert len(_alive(pids)) == 2, "the workers died with their client, not after their grace"
+    deadline = time.monotonic() + 30
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pids), "a worker outlived its client grace"
+    assert not [p for p in shm.rglob("*") if p.is_file()], "a worker left its snapshots behind"
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-w*.log"))
+    assert "no client of run" in logs and "keeping the state" in logs
+    assert json.loads((run_dir / "client.json").read_text())["generation"] == 0

@@ -1,0 +1,117 @@
+"""A restarted client re-attaches the live workers of a run whose client died: the controller against a fake
+group whose workers outlive their client (the dead client's group and the new one share them)."""
+
+import dataclasses
+import types
+
+from runtime import EventLog, Reattach, RunState, can_attach, read_events
+from runtime.control.controller import Controller, Phase
+from runtime.control.controller_options import ControllerOptions
+from tests.unit.fake_group import FakeGroup
+from tests.unit.test_controller import M, committed_steps, expected_losses, kinds
+
+PROGRAMS = types.SimpleNamespace(num_microbatches=M)
+STEPS = 8
+
+
+def _options(tmp_path, **opts):
+    return ControllerOptions(**{"slices": 2, "devices_per_slice": 2, "run_dir": str(tmp_path), "spares": 1,
+                                "watchdog_min_seconds": 0.0, **opts})
+
+
+def _client_dies_after(tmp_path, committed: int, **opts):
+    """A first client runs until ``committed`` steps committed, then dies (nothing of it runs again); its
+    workers (the group's replicas) live on. Returns its group and the log's path."""
+    options = _options(tmp_path, **opts)
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path)
+    group = FakeGroup(options, events)
+    ctl = Controller(PROGRAMS, b"", options, events, group=group)
+    ctl.begin(STEPS, seed=0)
+    while ctl.state.committed < committed:
+        ctl.advance()
+    events.close()   # SIGKILL: the log ends here, the controller is never closed
+    return group, path
+
+
+def _restart(tmp_path, dead_group, path, prepare=None):
+    """A new client of the same run: replays the log, attaches the workers the dead client's group left."""
+    history = read_events(path)
+    state = RunState.replay(history)
+    assert can_attach(state)
+    options = dataclasses.replace(_options(tmp_path), generation=1)
+    events = EventLog(path)
+    group = FakeGroup(options, events)
+    group.replicas = dead_group.replicas   # the same worker processes
+    group.crashed = dead_group.crashed
+    if prepare is not None:
+        prepare(group)
+    ctl = Controller(PROGRAMS, b"", options, events, group=group, reattach=Reattach(state, downtime_seconds=1.5))
+    with ctl:
+        result = ctl.train(STEPS, seed=0)
+    events.close()
+    log = read_events(path)
+    replayed = RunState.replay(log)
+    assert replayed == ctl.state, f"the log does not rebuild the run state: {replayed.differences(ctl.state)}"
+    return result, log[len(history):], log
+
+
+def test_the_restarted_client_goes_on_from_the_live_workers_with_no_step_lost(tmp_path):
+    group, path = _client_dies_after(tmp_path, 3)
+    result, new, log = _restart(tmp_path, group, path)
+    assert result.losses == expected_losses(STEPS)
+    assert committed_steps(log) == list(range(STEPS))   # each step committed once, across both clients
+    [attached] = kinds(new, "client_attached")
+    assert attached["generation"] == 1 and sorted(attached["workers"]) == ["w0", "w1", "w2"]
+    assert attached["lost"] == [] and attached["committed"] == 3
+    assert kinds(new, "run_started") == []            # the same attempt goes on
+    assert not kinds(new, "state_transferred") and not kinds(new, "checkpoint_restored")
+    [recovered] = kinds(new, "recovered")
+    assert recovered["resume_step"] == 3 and recovered["bytes_moved"] == 0
+
+
+def test_a_step_the_dead_client_never_recorded_is_committed_or_rolled_back(tmp_path):
+    group, path = _client_dies_after(tmp_path, 3)
+    for w in ("w0", "w1"):   # both applied step 3; its commit never reached the log
+        group.replicas[w].apply(3)
+    group.replicas["w0"].apply(4)   # w0 also applied step 4, which w1 did not
+    result, new, log = _restart(tmp_path, group, path)
+    assert result.losses == expected_losses(STEPS)
+    assert committed_steps(log) == list(range(STEPS))
+    [step3] = [e for e in new if e["kind"] == "step_committed" and e["step"] == 3]
+    assert step3.get("recovered")   # committed from what the survivors applied, not run again
+    assert [(e["worker"], e["to_step"]) for e in kinds(new, "rolled_back")] == [("w0", 4)]
+
+
+def test_a_worker_lost_while_the_client_was_down_is_replaced_like_any_loss(tmp_path):
+    group, path = _client_dies_after(tmp_path, 3)
+    group.crashed.add("w1")
+    result, new, log = _restart(tmp_path, group, path)
+    assert result.losses == expected_losses(STEPS)
+    [attached] = kinds(new, "client_attached")
+    assert attached["lost"] == ["w1"] and sorted(attached["workers"]) == ["w0", "w2"]
+    [decision] = kinds(new, "recovery_decision")
+    assert decision["action"] == "replace" and decision["active"] == ["w0", "w2"]
+    assert [(t["source"], t["dest"]) for t in kinds(new, "state_transferred")] == [("w0", "w2")]
+
+
+def test_with_no_worker_left_the_restart_fails_as_any_loss_of_every_replica_does(tmp_path):
+    """No live replica, no snapshot, no checkpoint: the run cannot go on (a real client then starts again
+    from a checkpoint when it has one: elastic.reattach only re-attaches a run whose workers may wait)."""
+    group, path = _client_dies_after(tmp_path, 3, relaunch=False)
+    group.crashed.update(group.replicas)
+    try:
+        _restart(tmp_path, group, path)
+    except Exception as e:   # noqa: BLE001
+        assert type(e).__name__ in ("StateLostError", "CapacityExhaustedError"), e
+    else:
+        raise AssertionError("a restart with every worker gone and no backup went on")
+
+
+def test_a_log_without_a_state_yet_is_not_re_attached(tmp_path):
+    options = _options(tmp_path)
+    events = EventLog(tmp_path / "events.jsonl")
+    ctl = Controller(PROGRAMS, b"", options, events, group=FakeGroup(options, events))
+    ctl.begin(STEPS, seed=0)
+    events.close()
+    assert ctl.phase is Phase.STARTING and not can_attach(RunState.replay(read_events(tmp_path / "events.jsonl")))
