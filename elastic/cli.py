@@ -53,11 +53,14 @@ def _cmd_run(args) -> int:
             raise
         print(f"elastic: run failed: {e}", file=sys.stderr)   # a step that cannot be exported, traced here
         return 1
-    from runtime import ElasticError
+    from runtime import ClientSupersededError, ElasticError
 
     with progress(cfg.steps, args.quiet) as on_step:
         try:
             report = trainer.fit(reference=args.reference, on_step=on_step)
+        except ClientSupersededError as e:   # another client drives the run: nothing of it is this one's
+            print(f"elastic: this client stops, another one took the run over: {e}", file=sys.stderr)
+            return 1
         except ElasticError as e:
             from elastic.options import in_config_terms
             print(f"elastic: run failed: {in_config_terms(str(e))}", file=sys.stderr)

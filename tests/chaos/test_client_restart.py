@@ -96,3 +96,37 @@ def test_with_no_client_every_worker_exits_after_its_grace_and_leaves_nothing(tm
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-w*.log"))
     assert "no client of run" in logs and "keeping the state" in logs
     assert json.loads((run_dir / "client.json").read_text())["generation"] == 0
+
+
+def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wakes(tmp_path):
+    """Split brain: the client is stopped (SIGSTOP: a hung process, Ctrl-Z), a supervisor starts the same command
+    again, which takes the run over; when the stopped one wakes, every worker refuses it and it exits with one
+    line, writing nothing to the run directory: the new client finishes the run bit-identical."""
+    args = [*RUN, "steps=150", "run_name=zb", "elastic_client_grace_seconds=30"]
+    run_dir = tmp_path / "zb"
+    zombie = _start(args, tmp_path)
+    deadline = time.monotonic() + 240
+    while sum(e["kind"] == "step_committed" for e in live_events(run_dir)) < 15 and time.monotonic() < deadline:
+        assert zombie.poll() is None, zombie.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.kill(zombie.pid, signal.SIGSTOP)
+    try:
+        successor = _start(args, tmp_path)
+        while not any(e["kind"] == "client_attached" for e in live_events(run_dir)):
+            assert successor.poll() is None, successor.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.kill(zombie.pid, signal.SIGCONT)
+    assert zombie.wait(60) == 1
+    said = zombie.stderr.read().decode()
+    assert "another one took the run over" in said and "taken over by generation 1" in said, said[-2000:]
+    assert successor.wait(240) == 0, successor.stderr.read().decode()[-3000:]
+    taken = successor.stderr.read().decode()
+    assert "is stopped: this one takes the run over" in taken and "re-attached 2 live workers" in taken, taken
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["finished"] and report["steps_lost"] == 0 and report["client_restarts"] == 1
+    events = live_events(run_dir)
+    assert [e["kind"] for e in events].count("run_finished") == 1 and events[-1]["kind"] == "run_finished"
+    _, ref = run_cli([*RUN, "steps=150", "run_name=ref", "--reference"], tmp_path)
+    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]

@@ -3,9 +3,11 @@
 The client starts with a fixed address, run id and secret and launches nothing. Three ``elastic worker``
 processes are started by hand (two slices and a spare), plus one with a wrong secret, which is refused. Once
 steps are committed an active worker is SIGKILLed: the spare takes its slice, and a fourth worker started like a
-restarted pod joins as the new spare. The workers share the client's compilation cache (a shared volume in a
-cluster), so the newcomer loads the programs instead of compiling them. The run ends bit-identical to the
-reference, and every worker it did not lose exits 0 when it ends.
+restarted pod joins as the new spare. Then the client itself is SIGKILLed and started again with the same command
+(a Job's pod restarted with ``restartPolicy: OnFailure``): it re-attaches the workers, which waited for it. The
+workers share the client's compilation cache (a shared volume in a cluster), so the newcomer loads the programs
+instead of compiling them. The run ends bit-identical to the reference, and every worker it did not lose exits 0
+when it ends.
 """
 
 import json
@@ -43,11 +45,11 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), ELASTIC_RUN_SECRET=SECRET)
     env.pop("XLA_FLAGS", None)
     run_dir = tmp_path / "m"
-    client = subprocess.Popen(
-        [sys.executable, "-m", "elastic.cli", "run", *MODEL, "elastic_spares=1", "elastic_launcher=none",
-         f"elastic_controller_address=127.0.0.1:{port}", f"elastic_run_id={RUN_ID}", "run_name=m",
-         f"base_output_directory={tmp_path}", "--quiet"],
-        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "client.log", "wb"))
+    command = [sys.executable, "-m", "elastic.cli", "run", *MODEL, "elastic_spares=1", "elastic_launcher=none",
+               f"elastic_controller_address=127.0.0.1:{port}", f"elastic_run_id={RUN_ID}", "run_name=m",
+               f"base_output_directory={tmp_path}", "elastic_client_grace_seconds=60", "--quiet"]
+    client = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "client.log", "wb"))
     workers: dict[str, subprocess.Popen] = {}
 
     def start(name: str, secret: str = SECRET) -> None:
@@ -68,7 +70,12 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
         _wait_for("step 8", lambda: sum(e["kind"] == "step_committed" for e in live_events(run_dir)) >= 8)
         workers[victim].kill()
         start("pod-d")   # what the scheduler does for a pod that died: a new one, with a new name
-        assert client.wait(timeout=240) == 0, (tmp_path / "client.log").read_text()[-3000:]
+        _wait_for("the new spare", lambda: any(e["kind"] == "worker_warmed" for e in live_events(run_dir)))
+        client.kill()   # the client's pod dies too; the Job starts it again with the same command
+        client.wait()
+        client = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                  stderr=open(tmp_path / "client-2.log", "wb"))
+        assert client.wait(timeout=240) == 0, (tmp_path / "client-2.log").read_text()[-3000:]
         codes = {name: p.wait(timeout=30) for name, p in workers.items()}
     finally:
         for p in [client, *workers.values()]:
@@ -80,8 +87,12 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
     report = json.loads((run_dir / "report.json").read_text())
     events = live_events(run_dir)
     assert report["finished"] and report["steps_completed"] == 800 and report["steps_lost"] == 0
-    (failure,) = report["failures"]
+    failure, restart = report["failures"]
     assert failure["workers"] == [victim] and failure["path"] == "replace", failure
+    assert restart["error"] == "ClientLostError" and report["client_restarts"] == 1
+    assert report["attempts"][1]["reattached"]["workers"] == sorted({"pod-a", "pod-b", "pod-c", "pod-d"} - {victim})
+    assert "re-attached 3 live workers" in (tmp_path / "client-2.log").read_text()
+    assert report["checkpoint_restores"] == report["snapshot_restores"] == 0
     assert any(e["kind"] == "worker_warmed" and e["worker"] == "pod-d" for e in events)   # the new spare
     assert not any(e["kind"] == "worker_relaunched" for e in events)   # the client launches nothing
     (awaited,) = [e for e in events if e["kind"] == "workers_awaited"]
