@@ -57,6 +57,10 @@ def announce(event: dict) -> None:
     if event.get("kind") != "client_attached":
         return
     workers, lost = event["workers"], event["lost"]
+    if not workers:
+        print(f"elastic: no live worker of run {event['run_id']} answered (lost: {', '.join(lost) or 'none'}): the "
+              "run restores its newest snapshot or checkpoint", file=sys.stderr)
+        return
     print(f"elastic: re-attached {len(workers)} live worker{'s' * (len(workers) != 1)} of run {event['run_id']} "
           f"(client generation {event['generation']}, {event['downtime_seconds']:.1f} s after the last client's "
           f"last event){'; lost: ' + ', '.join(lost) if lost else ''}; {event['committed']} steps were committed "

@@ -179,15 +179,15 @@ def build_report(events_or_path) -> dict:
             last_commit_t = None
         attempt["ended_at"] = e["t"] - t_first
         if attempt["started_from"] is None and (
-                kind in ("run_resumed", "step_committed", "client_attached")
+                kind in ("run_resumed", "step_committed", "checkpoint_restored", "snapshot_restored")
+                or (kind == "client_attached" and e["workers"])
                 or (kind == "state_initialized" and report["mode"] != "reference")):
             # Where this attempt's state came from; committed steps after that point are recomputed.
-            origin = (e["step"] if kind in ("run_resumed", "step_committed") else e["committed"]
-                      if kind == "client_attached" else 0)
-            tier = (e["tier"] if kind == "run_resumed" else "live" if kind == "client_attached" else "seed"
+            origin = e["committed"] if kind == "client_attached" else e.get("step", 0)
+            tier = (e["tier"] if kind == "run_resumed" else "live" if kind == "client_attached"
+                    else kind.removesuffix("_restored") if kind.endswith("_restored") else "seed"
                     if kind == "state_initialized" or report["mode"] == "reference" else None)   # None: not recorded
-            attempt["started_from"] = {"tier": tier, "step": origin,
-                                       "directory": e["directory"] if kind == "run_resumed" else None}
+            attempt["started_from"] = {"tier": tier, "step": origin, "directory": e.get("directory")}
             before = report["steps_completed"]
             attempt["steps_recomputed"] = max(0, before - origin)
             report["steps_lost"] += attempt["steps_recomputed"]

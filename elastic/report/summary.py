@@ -49,7 +49,7 @@ def attempt_text(a: dict) -> str:
     again = a.get("reattached")
     where = ("no state yet" if not isinstance(start, dict)
              else f"re-attached {len(again.get('workers') or [])} live workers at step {start.get('step')}"
-             if isinstance(again, dict)
+             if isinstance(again, dict) and again.get("workers")
              else f"from {start.get('tier') or 'an unrecorded state'} at step {start.get('step')}")
     text = f"{after}" + (f" ({_seconds(gap)} later)" if isinstance(gap, (int, float)) else "") + f", {where}"
     if a.get("steps_recomputed"):
