@@ -56,7 +56,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None) -> Non
     s, group, o = ctl.state, ctl.group, ctl.opts
     known = {w: info for w, info in s.registered.items() if w not in s.dead}
     replies = group.attach(known, s.registered)
-    ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=s.steps,
+    ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
                     workers={w: {"address": r.address, "data_address": r.data_address, "devices": r.num_devices,
                                  "platform": r.platform, "pid": r.pid, "host": r.host,

@@ -75,6 +75,7 @@ class Attempt:
     """What this client process was asked for (not run state: a restarted client is asked again)."""
 
     seed: int
+    steps: int = 0                     # the steps asked for (a restarted client may ask for more)
     on_step: object = None
     max_seconds: float | None = None
     t0: float = 0.0
@@ -219,7 +220,7 @@ class Controller:
 
     def begin(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> None:
         """Sets up a run without starting it; :meth:`advance` then moves it one transition at a time."""
-        self.attempt = Attempt(seed=seed, on_step=on_step, max_seconds=max_seconds, t0=time.time())
+        self.attempt = Attempt(seed=seed, steps=steps, on_step=on_step, max_seconds=max_seconds, t0=time.time())
         self.phase = Phase.STARTING
         if self.reattach is not None:   # the same run goes on: attach records it (client_attached)
             return

@@ -20,7 +20,7 @@ and lock (the attributes it declares). Every request of the run passes
   lease (:meth:`Fencing.heard`), never a peer's.
 
 **The client's grace.** A worker whose client is gone (its owner process
-died, or its lease lapsed) and that holds programs keeps them and its state
+died, or its lease lapsed) and that holds a state keeps it and its programs
 for ``client_grace_seconds`` (:meth:`Fencing.lose_client`), fenced: no step
 of the old client applies. A restarted client of the same run takes it back
 with a newer generation (:meth:`Fencing.attach`); when the grace runs out
@@ -117,9 +117,11 @@ class Fencing:
     # -- the client's grace ------------------------------------------------------
 
     def lose_client(self, why: str) -> bool:
-        """The client is gone (``why``): with a grace and programs to keep, fences this worker and starts the
-        grace (True); else False (the worker exits now, as without a grace)."""
-        if not self.client_grace or getattr(self, "executor", None) is None:
+        """The client is gone (``why``): with a grace and a state to keep, fences this worker and starts the
+        grace (True); else False (the worker exits now, as without a grace: a worker without a state, a spare
+        that only loaded the programs, is relaunched by the next client if it needs one)."""
+        executor = getattr(self, "executor", None)
+        if not self.client_grace or executor is None or executor.state is None:
             return False
         if self.client_lost_at is None:
             self.client_lost_at = time.monotonic()
