@@ -296,3 +296,70 @@ def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memo
     assert service.snapshots.steps() == [4]
     stub.Shutdown(pb.ShutdownRequest(fence=FENCE, run_ended=True), timeout=10)
     assert not (tmp_path / "peer-host").exists()
+
+
+# --------------------------------------------------------------------------- client generations and the grace
+
+
+def test_an_older_client_generation_is_refused_as_superseded_and_a_newer_one_must_attach(worker):
+    service, stub = worker
+    service.generation = 2
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=1)), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "taken over by generation 2" in \
+        info.value.details()
+    with pytest.raises(grpc.RpcError) as info:   # a newer one is not served before its Attach
+        stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=3)), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has not attached" in info.value.details()
+    stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=2)), timeout=10)
+
+
+def test_attach_adopts_the_newer_generation_unfences_and_answers_who_it_is(worker):
+    service, stub = worker
+    service.identity = pb.AttachReply(worker_id="w", address="127.0.0.1:1", num_devices=1, platform="cpu", pid=7)
+    service.fenced, service.client_lost_at = "no word from the controller", 1.0
+    seen = []
+    service.serving = seen.append
+    reply = stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1), controller="h:9",
+                                         lease_seconds=3.0, client_grace_seconds=30.0), timeout=10)
+    assert (reply.worker_id, reply.address, reply.applied_steps, reply.previous_generation) == ("w", "127.0.0.1:1",
+                                                                                                 -1, 0)
+    assert (service.generation, service.epoch, service.fenced, service.client_lost_at) == (1, 5, "", None)
+    assert (service.controller, service.lease, service.client_grace) == ("h:9", 3.0, 30.0) and seen == [True]
+    for generation in (1, 0):   # the same generation again, or an older one: a stale client
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=6, generation=generation)), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert service.generation == 1 and service.epoch == 5
+
+
+def test_attach_with_other_programs_is_refused_and_changes_nothing(worker):
+    service, stub = worker
+    service.fingerprint = "a" * 64
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1), fingerprint="b" * 64),
+                    timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "other programs" in info.value.details()
+    assert service.generation == 0 and service.epoch == 0
+
+
+def test_only_a_worker_holding_a_state_waits_out_its_grace(monkeypatch):
+    import types
+
+    service = WorkerService("run", "w")
+    try:
+        service.client_grace = 0.0
+        service.executor = types.SimpleNamespace(state=object())
+        assert not service.lose_client("gone")   # no grace: it exits at once, as before
+        service.client_grace = 30.0
+        service.executor = types.SimpleNamespace(state=None)
+        assert not service.lose_client("gone")   # programs but no state: nothing to wait with
+        service.executor = types.SimpleNamespace(state=object())
+        clock = [100.0]
+        monkeypatch.setattr("runtime.worker.worker_fence.time.monotonic", lambda: clock[0])
+        assert service.lose_client("the run's owner is gone")
+        assert service.fenced == "the run's owner is gone" and not service.grace_over()
+        clock[0] += 30.5
+        assert service.grace_over()
+    finally:
+        service.collective.close()
