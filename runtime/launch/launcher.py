@@ -264,7 +264,7 @@ class LocalLauncher:
             self._zygote = None
 
 
-class Adopted:
+class Adopted(zygotes.Signalled):
     """A worker process this process did not start (an earlier client of the run did), with the part of
     ``subprocess.Popen``'s interface the launcher uses; watched without being its parent
     (:class:`runtime.core.owner.Owner`: a pidfd, immune to pid reuse)."""
@@ -285,19 +285,6 @@ class Adopted:
                 raise subprocess.TimeoutExpired(f"worker process {self.pid}", timeout)
             time.sleep(0.05)
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def _tell(fifo: str, line: str) -> bool:

@@ -57,7 +57,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["Child", "Zygote", "ZygoteError", "acquire", "prestart", "release"]
+__all__ = ["Child", "Signalled", "Zygote", "ZygoteError", "acquire", "prestart", "release"]
 
 READY_SECONDS = 120.0   # how long a start may wait for the zygote's imports
 #: Imported by the zygote beside the worker's own modules: what JAX imports on its first lowering of an
@@ -71,7 +71,30 @@ class ZygoteError(OSError):
     """The zygote did not start, or stopped answering."""
 
 
-class Child:
+class Signalled:
+    """A process this one may signal but is not the parent of: ``send_signal``, ``kill`` and ``terminate`` as
+    ``subprocess.Popen``'s, once ``poll`` (a subclass's) says it still runs."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Child(Signalled):
     """One forked worker: ``pid``, ``poll``, ``wait``, ``kill``, ``terminate`` (as ``subprocess.Popen``'s).
 
     Its end is reported by the zygote; once the zygote is gone, by looking
@@ -100,19 +123,6 @@ class Child:
                 raise subprocess.TimeoutExpired(f"worker process {self.pid}", timeout)
             self._ended.wait(0.1 if left is None else min(left, 0.1))
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 class Zygote:
