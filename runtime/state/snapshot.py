@@ -166,8 +166,13 @@ class SnapshotStore:
         return removed
 
     def remove_all(self) -> None:
-        """Removes this directory and every snapshot in it (the run is over: the RAM is given back)."""
+        """Removes this directory and every snapshot in it (the run is over: the RAM is given back), and the
+        run's directory above it once no other host's is left there."""
         shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(os.path.abspath(self._dir)))
+        except OSError:
+            pass   # another host's snapshots are still there (or it is gone already)
 
     # -- reading ---------------------------------------------------------------
 
