@@ -182,6 +182,16 @@ class RunDirectory:
         self.path = path
         self._fd: int | None = lock_fd
 
+    def held(self) -> bool:
+        """Whether this process still holds the run directory: its lock file is the one there (a client that
+        found this one stopped took the run over by renaming it aside)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.fstat(self._fd).st_ino == os.stat(self.path / _LOCK_NAME).st_ino
+        except OSError:
+            return False
+
     def release(self) -> None:
         """Drops the lock (idempotent); another run may take the directory from now on."""
         if self._fd is not None:

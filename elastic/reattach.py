@@ -23,9 +23,9 @@ import sys
 import time
 
 from elastic import client_record, run_records
-from runtime import Reattach, RunState, can_attach
+from runtime import ClientSupersededError, Reattach, RunState, can_attach
 
-__all__ = ["announce", "client_options", "record_client"]
+__all__ = ["announce", "client_options", "record_client", "take_back"]
 
 
 def client_options(run_dir: pathlib.Path, history: list[dict], opts):
@@ -50,6 +50,23 @@ def record_client(run_dir: pathlib.Path, ctl, opts) -> None:
     keep = ctl.group.secret if opts.launcher != "none" else ""
     client_record.write(run_dir, client_record.ClientRecord(run_id=ctl.run_id, generation=opts.generation,
                                                             controller=ctl.address, pid=os.getpid()), secret=keep)
+
+
+def take_back(run_dir: pathlib.Path, claim, events, ctl, opts):
+    """``Controller.take_back`` for a client whose workers fenced themselves while it was silent: it may take
+    its run back as ``generation`` only while the run directory is still its own (its lock file and event log
+    are the ones there: a client that found it stopped takes both over); else ``ClientSupersededError``."""
+    def back(generation: int) -> None:
+        log = pathlib.Path(run_dir) / "events.jsonl"
+        try:
+            ours = events.fileno() is not None and os.fstat(events.fileno()).st_ino == os.stat(log).st_ino
+        except OSError:
+            ours = False
+        if not (claim.held() and ours):
+            raise ClientSupersededError(f"run {ctl.run_id} was taken over by another client while this one was "
+                                        "stopped (the run directory is its own now)")
+        record_client(run_dir, ctl, dataclasses.replace(opts, generation=generation))
+    return back
 
 
 def announce(event: dict) -> None:

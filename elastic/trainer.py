@@ -32,8 +32,8 @@ from elastic.preflight import (RunDirectory, check_config_capacity, check_data_s
                                claim_run_directory)
 from elastic.run_records import RunRecordsLostError
 from runtime import (ClientSupersededError, Controller, ElasticError, ProgramExportError, ProgramSet,
-                     enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms, read_events, run_reference,
-                     run_reference_process)
+                     enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms,
+                     read_events, run_reference, run_reference_process)
 
 __all__ = ["RunRecordsLostError", "Trainer", "wrap", "WrappedStep"]
 
@@ -182,6 +182,7 @@ class _Job:
                 events.subscribe(reattach.announce)
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events, reattach=again) as ctl:
                     reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
+                    ctl.take_back = reattach.take_back(run_dir, claim, events, ctl, opts)
                     if observer is not None:
                         ctl.observer = observer
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)

@@ -50,11 +50,13 @@ def can_attach(state) -> bool:
     return state.placement is not None and bool(state.replicas) and state.committed < state.steps
 
 
-def attach(ctl, downtime_seconds: float, previous_pid: int | None = None) -> None:
+def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, first: bool = True) -> None:
     """Takes the run of ``ctl`` (a :class:`runtime.control.controller.Controller` whose ``state`` is the
-    replayed one) over from its dead client; see the module docstring."""
+    replayed one) over from its dead client; see the module docstring. ``first=False``: the client takes its
+    own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
-    known = {w: info for w, info in s.registered.items() if w not in s.dead}
+    # Not dead, or declared dead only for having fenced themselves (this client was the silent one).
+    known = {w: info for w, info in s.registered.items() if w not in s.dead or w in group.fenced}
     replies = group.attach(known, s.registered)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
@@ -64,7 +66,8 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None) -> Non
                     lost=sorted(set(known) - set(replies)), committed=s.committed,
                     downtime_seconds=max(downtime_seconds, 0.0))
     ctl.snapshots.known({(step, group.host_of(w)) for step, w in s.snapshots})
-    ctl.observer.attach(ctl)
+    if first:
+        ctl.observer.attach(ctl)
     alive = sorted(replies)
     ctl.membership.recover(ClientLostError(
         f"the run's client was lost; client generation {o.generation} attached {len(alive)} of {len(known)} "

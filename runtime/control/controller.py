@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import os
 import time
 import uuid
 
@@ -42,7 +43,7 @@ from runtime.control.calls import Stalled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
 from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, StaleEpochError, StepAbortedError,
-                                 WorkerLostError)
+                                 WorkerFencedError, WorkerLostError)
 from runtime.core.events import EventLog
 from runtime.control.membership import Membership
 from runtime.control.plan import membership_change_due
@@ -123,9 +124,15 @@ class Controller:
         self.result: RunResult | None = None
         self.attempt = Attempt(seed=0)
         self._error: Exception | None = None
+        # take_back(generation): this client may take its run back as ``generation`` (its workers fenced
+        # themselves while it was silent): records it, or raises ClientSupersededError when the run is
+        # another client's now. None: it may not (the run then recovers as from any refusal, and fails).
+        self.take_back = None
+        self._last_event_t = time.time()
 
     def _fold(self, event: dict) -> None:
         self.state = self.state.apply(event)
+        self._last_event_t = event.get("t", self._last_event_t)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -240,12 +247,31 @@ class Controller:
                    Phase.RECOVERING: self._recovering}[self.phase]
         try:
             self.phase = handler()
+        except WorkerFencedError as err:
+            if self.phase is Phase.STARTING or self.take_back is None or not self.opts.client_grace_seconds:
+                raise
+            self.phase = self._take_back(err)
         except RECOVERABLE as err:
             if self.phase is Phase.STARTING:
                 raise
             self.pending.clear()
             self._error, self.phase = err, Phase.RECOVERING
         return self.phase
+
+    def _take_back(self, err: WorkerFencedError) -> Phase:
+        """Its workers fenced themselves (``err``): this client was silent longer than their lease, stopped or
+        cut off, and they wait for a client. While the run is still its own (``take_back`` checks), it takes
+        it back as the next client generation, exactly as a restarted client would
+        (:func:`runtime.control.attach.attach`: the workers that answer, realigned; the others replaced)."""
+        generation = self.opts.generation + 1
+        self.take_back(generation)   # ClientSupersededError: another client owns the run now
+        self.opts = dataclasses.replace(self.opts, generation=generation)
+        self.group.new_generation(generation)
+        self.pending.clear()
+        self.plans.clear()
+        attach(self, time.time() - self._last_event_t, os.getpid(), first=False)
+        self.slow.restart()
+        return Phase.RUNNING
 
     # -- STARTING --------------------------------------------------------------
 
@@ -267,6 +293,8 @@ class Controller:
         """Commits the oldest step in flight after filling the pipeline; drains it first when membership changes."""
         for death in self.group.drain_deaths():
             if death.worker in self.placement.active:
+                if death.cause == "fenced":   # alive, waiting to be taken back: see _take_back
+                    raise WorkerFencedError(f"worker {death.worker} fenced itself: {death.reason}")
                 raise WorkerLostError(death.worker, death.reason)
         s, a = self.state, self.attempt
         if s.committed >= s.steps:

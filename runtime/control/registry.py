@@ -36,8 +36,9 @@ class Registry(pb_grpc.ControllerServicer):
     ``rpc.make_server``), drained by :meth:`runtime.control.worker_group.WorkerGroup.collect_security_events`.
     """
 
-    def __init__(self, run_id: str, events: EventLog, refuse, generation: int = 0):
+    def __init__(self, run_id: str, events: EventLog, refuse, generation: int = 0, waits=lambda worker: False):
         self.run_id, self.generation = run_id, generation
+        self.waits = waits   # worker id -> whether a fenced worker asking to rejoin should wait to be taken back
         self.events = events
         self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
         self.workers: dict[str, WorkerInfo] = {}
@@ -48,9 +49,11 @@ class Registry(pb_grpc.ControllerServicer):
         malformed = self.malformed(request)
         if malformed:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"registration refused: {malformed}")
-        reason = ""
+        reason, wait = "", False
         if request.run_id != self.run_id:
             reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
+        elif request.rejoin and self.waits(request.worker_id):
+            reason, wait = "this client takes its fenced workers back (Attach): wait for it", True
         elif request.worker_id in self.workers:
             reason = self.refuse(request.worker_id) or f"worker id {request.worker_id!r} is already a member"
         elif request.rejoin:   # fenced by an earlier client of the run: this one attaches those it knows
@@ -58,7 +61,7 @@ class Registry(pb_grpc.ControllerServicer):
                       "event log names")
         if reason:
             self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
-            return pb.RegisterReply(accepted=False, reason=reason, generation=self.generation)
+            return pb.RegisterReply(accepted=False, reason=reason, generation=self.generation, wait=wait)
         info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
                           request.data_address, request.host)
         self.add(info)

@@ -202,7 +202,8 @@ def _client_attached(s: RunState, e) -> RunState:
     answered it registered anew (their addresses), those that did not are dead (their own events say so)."""
     workers = {w: WorkerInfo(w, i["address"], i["devices"], i["platform"], i["pid"], i.get("data_address", ""),
                              i.get("host") or "") for w, i in e["workers"].items()}
-    return _replace(s, steps=e["steps"], generation=e["generation"], registered={**s.registered, **workers})
+    return _replace(s, steps=e["steps"], generation=e["generation"], registered={**s.registered, **workers},
+                    dead=s.dead - frozenset(workers))
 
 
 def _first_placement(s: RunState, e) -> RunState:

@@ -71,6 +71,11 @@ class WorkerCalls:
             self._dead[worker_id] = reason
             return self._inflight.pop(worker_id, [])
 
+    def revive(self, worker_id: str) -> None:
+        """Thread-safe. A worker declared dead only for having fenced itself was taken back (Attach): alive."""
+        with self._lock:
+            self._dead.pop(worker_id, None)
+
     def send_home(self, worker_id: str, run_ended: bool = False) -> None:
         """The Shutdown call (best effort: a worker that does not answer is fenced either way)."""
         try:

@@ -66,7 +66,8 @@ class WorkerGroup:
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
         self.generation = opts.generation
-        self.registry = Registry(run_id, events, refuse=self._why_fenced, generation=opts.generation)
+        self.registry = Registry(run_id, events, refuse=self._why_fenced, generation=opts.generation,
+                                 waits=self._may_take_back)
         host = listen_host(opts)
         self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
                                            refusals=self.registry.refusals, max_message=1 << 20)
@@ -78,6 +79,7 @@ class WorkerGroup:
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead (calls.record_death)
+        self.fenced: set[str] = set()            # the dead that only fenced themselves (a client may take them back)
         self._deaths: queue.Queue[Death] = queue.Queue()
         self._channels: dict[str, grpc.Channel] = {}
         self._warming: dict[str, grpc.Future] = {}
@@ -121,6 +123,10 @@ class WorkerGroup:
         if self.snapshot_root:   # every (simulated) host of a local launch is this machine: give the RAM back
             shutil.rmtree(self.snapshot_root, ignore_errors=True)
 
+    def new_generation(self, generation: int) -> None:
+        """Every later call carries client generation ``generation`` (this client takes its run back)."""
+        self.generation = self.registry.generation = generation
+
     def fence_at(self, epoch: int) -> None:
         """Every later call carries ``epoch``: workers refuse calls of older epochs."""
         self.epoch = epoch
@@ -155,7 +161,11 @@ class WorkerGroup:
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
         for w, info in known.items():
             self._hosts[w] = info.host
-            self.calls.adopt(w, self._channel(info.address))
+            if not self.calls.reaches(w):
+                self.calls.adopt(w, self._channel(info.address))
+            if w in self.fenced:   # declared dead only for having fenced itself: asked again (dead again if lost)
+                self.calls.revive(w)
+                self.fenced.discard(w)
         request = pb.AttachRequest(fence=self._fence(), controller=self.address,
                                    fingerprint=programs_fingerprint(self.programs.programs()),
                                    owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,
@@ -297,6 +307,12 @@ class WorkerGroup:
             warmed.append(wid)
         return warmed
 
+    def _may_take_back(self, worker_id: str) -> bool:
+        """A fenced worker asking to rejoin waits: it is a member this client has not let go, or one declared
+        dead only for having fenced itself, and a client with a grace takes such workers back."""
+        return bool(self.opts.client_grace_seconds) and worker_id in self.registry.workers and (
+            worker_id not in self.dead or worker_id in self.fenced)
+
     def _why_fenced(self, worker_id: str) -> str:
         if worker_id in self.dead:
             return (f"worker {worker_id} was declared dead ({self.dead[worker_id]}) and is fenced; the run is at "
@@ -313,6 +329,8 @@ class WorkerGroup:
         futs = self.calls.record_death(worker_id, reason)   # atomic with every call sent: see WorkerCalls
         if futs is None:
             return
+        if cause == "fenced":
+            self.fenced.add(worker_id)
         self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
         self._deaths.put(Death(worker_id, reason, cause))
         for f in futs:

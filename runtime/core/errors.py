@@ -25,6 +25,7 @@ __all__ = [
     "PlatformMismatchError",
     "ClientSupersededError",
     "ClientLostError",
+    "WorkerFencedError",
     "AttachRefusedError",
 ]
 
@@ -89,6 +90,12 @@ class ClientSupersededError(ElasticError):
 class ClientLostError(ElasticError):
     """The run's client was lost (killed, crashed) and a restarted one took its workers over: the failure a
     re-attach recovers from, like a worker's loss. Not raised: recorded as ``failure_detected``."""
+
+
+class WorkerFencedError(StaleEpochError):
+    """The worker fenced itself: this client was silent longer than the worker's lease (it was stopped, or
+    cut off) and the worker now waits, holding its state, for a client to attach it. The client, if it still
+    owns the run, takes it back as a new generation (as a restarted client would)."""
 
 
 class AuthenticationError(ElasticError, PermissionError):

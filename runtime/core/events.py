@@ -109,6 +109,11 @@ class EventLog:
                     listener(written)
         return event
 
+    def fileno(self) -> int | None:
+        """The descriptor the log writes to (None once closed): whose file it is, for a client checking that
+        the run's log is still the one it writes."""
+        return self._fd
+
     def subscribe(self, listener) -> None:
         """Calls ``listener(event)`` with every later event as written (JSON-decoded), in the order of the log,
         under the log's lock (so a listener sees the events in the file's order; it must be quick and must not

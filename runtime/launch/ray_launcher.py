@@ -9,8 +9,32 @@ JAX environment (device count, platform) is the actor's ``runtime_env``, so
 it is set before the actor imports JAX; its resources are one CPU, plus
 its devices as GPUs when the platform is ``gpu``.
 
+Actors are detached (``lifetime="detached"``), each named
+``jax-elastic-{run_id}-{worker_id}`` (:func:`actor_name`) in the namespace
+``jax-elastic`` (:data:`NAMESPACE`: a driver's own namespace is anonymous
+unless it names one, so a restarted client would not see them there). They
+outlive the client (the Ray driver) that created them: when it dies, its
+workers keep their state for the client grace
+(``elastic_client_grace_seconds``, counted from their lease lapsing) as
+local workers do; the same command run again reaches them by the gRPC
+addresses of the run's log and re-attaches them, and
+:meth:`RayLauncher.adopt` finds each actor by its name (``ray.get_actor``),
+so the new client kills and stops them like its own. That needs a cluster
+that outlives the client (``ray start``): a local Ray instance started by the
+client dies with it, actors and all.
+
+A detached actor never outlives its run: once its ``serve`` call returned
+(told to shut down, fenced and refused, its grace over with no client, or
+failed) the actor ends itself (``ray.actor.exit_actor``, from a call of its
+own so that ``serve`` still answers its status); one that gets no ``serve``
+call within :data:`CLAIM_SECONDS` of starting (its driver died in between)
+ends itself too; and the client kills the actors it stops, sends home or
+declares dead (``ray.kill``).
+
 Ray's own failure signals feed the health monitor as one more source next to
-the lease: a watcher thread waits on every actor's ``serve`` call, and an
+the lease: a watcher thread waits on every actor's ``serve`` call (an
+adopted actor's ``serve`` call belongs to the dead driver, so on its ``watch``
+call instead, asked again every :data:`WATCH_SECONDS`), and an
 actor that dies (its process killed, its node removed from the cluster) is
 reported at once through ``on_lost`` (``WorkerGroup.declare_dead``). A
 relaunched worker asks Ray for its dead predecessor's node (soft affinity),
@@ -32,9 +56,22 @@ import os
 import re
 import threading
 
-__all__ = ["RayLauncher", "cluster_problem", "connect", "ray_available"]
+__all__ = ["NAMESPACE", "RayLauncher", "actor_name", "cluster_problem", "connect", "ray_available"]
 
 log = logging.getLogger("jax_elastic.ray")
+
+#: The Ray namespace of every worker actor: a restarted client (another Ray job, in a namespace of its own unless
+#: it names one) finds the actors of its run there by name.
+NAMESPACE = "jax-elastic"
+#: How long one ``watch`` call of an adopted actor waits for its ``serve`` call to end before the watcher asks
+#: again (a call whose client died holds one of the actor's threads that long at most).
+WATCH_SECONDS = 10.0
+#: How long a new actor waits for its ``serve`` call before it ends itself: a driver that died between creating a
+#: detached actor and handing it that call (Ray hands it once the actor is up) leaves nobody else to end it.
+CLAIM_SECONDS = 60.0
+#: Threads of an actor: its ``serve`` call, the ``watch`` call of each client that adopted it (the live one, and
+#: a dead one's for at most ``WATCH_SECONDS``), its own ``leave`` call.
+_CONCURRENCY = 8
 
 #: Env vars an actor's JAX reads (from :func:`runtime.core.child_env.jax_child_env`), passed as its runtime_env.
 _ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "ELASTIC_CHAOS", "ELASTIC_COMPILATION_CACHE_DIR")
@@ -124,20 +161,29 @@ def cluster_problem(address: str, timeout: float = 60.0) -> str:
     return ""
 
 
-class _Handle:
-    """A worker actor and its ``serve`` call, polled like a process (``poll()``: None while it serves)."""
+def actor_name(run_id: str, worker_id: str) -> str:
+    """The name of the actor serving as ``worker_id`` in run ``run_id`` (in :data:`NAMESPACE`)."""
+    return f"jax-elastic-{run_id}-{worker_id}"
 
-    def __init__(self, ray, actor, ref):
-        self.ray, self.actor, self.ref = ray, actor, ref
+
+class _Handle:
+    """A worker actor and the call that ends with its worker, polled like a process (``poll()``: None while
+    it serves). ``ref``: its ``serve`` call; for an actor an earlier client launched (``adopted``), its latest
+    ``watch`` call, which answers None while the worker still serves (the watcher then asks again)."""
+
+    def __init__(self, ray, actor, ref, adopted: bool = False):
+        self.ray, self.actor, self.ref, self.adopted = ray, actor, ref, adopted
 
     def poll(self) -> int | None:
-        ready, _ = self.ray.wait([self.ref], timeout=0)
+        ref = self.ref
+        ready, _ = self.ray.wait([ref], timeout=0)
         if not ready:
             return None
         try:
-            return int(self.ray.get(self.ref))
+            status = self.ray.get(ref)
         except Exception:  # noqa: BLE001 - the actor died (killed, its node gone): a crash
             return -9
+        return None if status is None else int(status)
 
 
 def _serve(controller: str, run_id: str, worker_id: str, secret: str, chaos: bool,
@@ -188,16 +234,17 @@ class RayLauncher:
         self.procs: dict[str, _Handle] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._actor = ray.remote(max_restarts=0, max_task_retries=0)(_WorkerActor)
+        self._actor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=_CONCURRENCY)(_WorkerActor)
         self._watcher = threading.Thread(target=self._watch, name="ray-watcher", daemon=True)
         self._watcher.start()
 
     def launch(self, worker_id: str, host_name: str = "") -> _Handle:
-        """Asks Ray for an actor serving as ``worker_id``. ``host_name``: a Ray node id (the host a dead
-        predecessor registered) is asked for first (soft affinity: elsewhere when that node is gone)."""
+        """Asks Ray for an actor serving as ``worker_id`` (detached, named: see the module docstring).
+        ``host_name``: a Ray node id (the host a dead predecessor registered) is asked for first (soft
+        affinity: elsewhere when that node is gone)."""
         ray = self.ray
-        options = {"num_cpus": 1, "runtime_env": {"env_vars": self._env}, "name": f"jax-elastic-{self.run_id}-"
-                   f"{worker_id}"}
+        options = {"num_cpus": 1, "runtime_env": {"env_vars": self._env}, "lifetime": "detached",
+                   "name": actor_name(self.run_id, worker_id), "namespace": NAMESPACE}
         if self.platform == "gpu":
             options["num_gpus"] = self.devices
         if re.fullmatch(r"[0-9a-f]{56}", host_name):
@@ -216,6 +263,23 @@ class RayLauncher:
     def prepare_standby(self) -> None:
         """Ray keeps its own pool of worker processes; no standby here."""
 
+    def adopt(self, worker_id: str, pid: int) -> None:
+        """A worker an earlier client of the run launched, attached by this one: its actor, found by name, is
+        killed and stopped like this launcher's own, and watched through its ``watch`` call (the ``serve``
+        call's result would go to the dead driver). ``pid`` is not needed: the name is the run's and the
+        worker's. An actor not found (gone since it answered) is left to the health monitor."""
+        if worker_id in self.procs:
+            return
+        try:
+            actor = self.ray.get_actor(actor_name(self.run_id, worker_id), namespace=NAMESPACE)
+        except ValueError as e:
+            log.warning("worker %s (process %d) has no actor of run %s in the Ray cluster: %s", worker_id, pid,
+                        self.run_id, str(e).splitlines()[0][:200])
+            return
+        handle = _Handle(self.ray, actor, actor.watch.remote(WATCH_SECONDS), adopted=True)
+        with self._lock:
+            self.procs[worker_id] = handle
+
     def kill(self, worker_id: str) -> None:
         """Kills a worker declared dead (its actor; a hung one too)."""
         handle = self.procs.get(worker_id)
@@ -233,31 +297,79 @@ class RayLauncher:
         self._watcher.join(timeout)
 
     def _watch(self) -> None:
-        """Reports each actor whose ``serve`` call ended badly: Ray's failure signal for that worker."""
+        """Reports each actor whose ``serve`` (or, adopted, ``watch``) call ended badly: Ray's failure signal
+        for that worker."""
         ray = self.ray
         reported: set[str] = set()
         while not self._stop.is_set():
             with self._lock:
-                refs = {h.ref: w for w, h in self.procs.items() if w not in reported}
+                refs = {h.ref: (w, h) for w, h in self.procs.items() if w not in reported}
             if not refs:
                 self._stop.wait(0.2)
                 continue
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
             for ref in ready:
-                worker = refs[ref]
-                reported.add(worker)
+                worker, handle = refs[ref]
                 try:
                     status = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - actor died, node removed, ...
+                    reported.add(worker)
                     if not self._stop.is_set():
                         self.on_lost(worker, f"ray: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     continue
+                if status is None and handle.adopted:   # it still serves: watch on
+                    handle.ref = handle.actor.watch.remote(WATCH_SECONDS)
+                    continue
+                reported.add(worker)
                 if status not in (0, None) and not self._stop.is_set():
                     self.on_lost(worker, f"ray: its worker exited with status {status}")
 
 
 class _WorkerActor:
-    """A jax-elastic worker inside a Ray actor (decorated with ``ray.remote`` by :class:`RayLauncher`)."""
+    """A jax-elastic worker inside a Ray actor (decorated with ``ray.remote`` by :class:`RayLauncher`): one
+    ``serve`` call for its life, then the actor ends itself; ``watch`` calls meanwhile from the clients that
+    adopted it."""
+
+    def __init__(self, claim_seconds: float = CLAIM_SECONDS):
+        self._started, self._done = threading.Event(), threading.Event()
+        self._status: int | None = None
+        threading.Thread(target=self._unclaimed, args=(claim_seconds,), name="unclaimed", daemon=True).start()
 
     def serve(self, *args) -> int:
-        return _serve(*args)
+        """Serves the worker; returns its exit status (to the client that launched it, if it still lives).
+        Then the actor leaves: detached, nothing else would end it once its client is gone."""
+        self._started.set()
+        try:
+            self._status = _serve(*args)
+            return self._status
+        except BaseException:
+            self._status = 1   # EXIT_FAILED; the error goes to the caller
+            raise
+        finally:
+            self._done.set()
+            self._leave()
+
+    def watch(self, timeout: float) -> int | None:
+        """Waits up to ``timeout`` seconds for ``serve`` to end: its status, or None while the worker serves."""
+        self._done.wait(timeout)
+        return self._status
+
+    def leave(self) -> None:
+        """Ends this actor once its calls running now (``serve``, ``watch``) returned their answers."""
+        import ray
+
+        ray.actor.exit_actor()
+
+    def _unclaimed(self, seconds: float) -> None:
+        if not self._started.wait(seconds):
+            log.warning("no serve call within %.0f s of starting (its client died first?): this actor ends", seconds)
+            self._leave()
+
+    @staticmethod
+    def _leave() -> None:
+        import ray
+
+        try:   # a call of its own: exit_actor in ``serve`` would drop the status it returns
+            ray.get_runtime_context().current_actor.leave.remote()
+        except Exception:  # noqa: BLE001 - the actor is going anyway (killed, or Ray is shutting down)
+            log.exception("the worker actor could not end itself")

@@ -32,7 +32,7 @@ import grpc
 
 from runtime.wire import auth
 from runtime.core.errors import (AuthenticationError, ClientSupersededError, ProtocolError, StaleEpochError,
-                                 StepAbortedError, WorkerError, WorkerLostError)
+                                 StepAbortedError, WorkerError, WorkerFencedError, WorkerLostError)
 
 log = logging.getLogger("jax_elastic.rpc")
 
@@ -46,6 +46,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_metadata_size", MAX_METADATA),
     ("grpc.enable_retries", 0),
 ]
+
+_KIND_KEY = "elastic-error"   # trailing metadata naming an error's kind finer than its status code
 
 _CODES = {
     StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -166,10 +168,19 @@ def status_name(exc: BaseException) -> str:
 def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
     """Server side: ends the RPC with the status code that names ``exc``'s kind."""
     code = status_of(exc)
+    if isinstance(exc, WorkerFencedError):   # a kind within its code: said in the trailing metadata
+        context.set_trailing_metadata(((_KIND_KEY, "fenced"),))
     if code != grpc.StatusCode.INTERNAL:
         context.abort(code, str(exc))
     text = "".join(traceback.format_exception(exc))
     context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}\n{text}")
+
+
+def _trailing(err: grpc.RpcError):
+    try:
+        return err.trailing_metadata() or ()
+    except (AttributeError, ValueError):   # an error that is not a call's
+        return ()
 
 
 def to_error(worker_id: str, err: grpc.RpcError) -> Exception:
@@ -179,7 +190,8 @@ def to_error(worker_id: str, err: grpc.RpcError) -> Exception:
         message, _, tb = details.partition("\n")
         return WorkerError(worker_id, message, tb)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return StaleEpochError(f"worker {worker_id} refused: {details}")
+        kind = WorkerFencedError if (_KIND_KEY, "fenced") in tuple(_trailing(err)) else StaleEpochError
+        return kind(f"worker {worker_id} refused: {details}")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return ProtocolError(f"worker {worker_id} rejected a message: {code.name}: {details}")
     if code == grpc.StatusCode.PERMISSION_DENIED:

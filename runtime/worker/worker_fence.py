@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.core.errors import ClientSupersededError, StaleEpochError
+from runtime.core.errors import ClientSupersededError, StaleEpochError, WorkerFencedError
 
 if TYPE_CHECKING:
     from runtime.wire.dataplane_client import DataClient
@@ -81,7 +81,7 @@ class Fencing:
             raise StaleEpochError(f"message of client generation {fence.generation}, which has not attached this "
                                   f"worker (it serves generation {self.generation})")
         if self.fenced:
-            raise StaleEpochError(f"worker {self.worker_id} fenced itself: {self.fenced}")
+            raise WorkerFencedError(f"worker {self.worker_id} fenced itself: {self.fenced}")
         with self._cond:
             if fence.epoch < self.epoch:
                 raise StaleEpochError(f"message from epoch {fence.epoch}, worker is at epoch {self.epoch}")

@@ -157,8 +157,8 @@ def _serve_run(service: WorkerService, register, register_timeout: float, health
             if time.monotonic() - last_ask > 1.0 and not service.faults.partitioned():
                 last_ask = time.monotonic()
                 reply = _ask(register)
-                if reply is not None and not reply.accepted and reply.generation == service.generation \
-                        and service.client_lost_at is not None:
+                if reply is not None and not reply.accepted and not reply.wait \
+                        and reply.generation == service.generation and service.client_lost_at is not None:
                     log.warning("asked to rejoin after fencing: refused: %s", reply.reason)
                     return _run_over(service, EXIT_FENCED)   # its client lives and went on without it
             continue

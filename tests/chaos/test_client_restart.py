@@ -130,3 +130,29 @@ def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wake
     assert [e["kind"] for e in events].count("run_finished") == 1 and events[-1]["kind"] == "run_finished"
     _, ref = run_cli([*RUN, "steps=150", "run_name=ref", "--reference"], tmp_path)
     assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]
+
+
+def test_a_client_stopped_past_its_workers_lease_takes_its_run_back_when_it_wakes(tmp_path):
+    """No supervisor: the client is stopped longer than the workers' lease (a debugger, Ctrl-Z then fg), so
+    every worker fences itself and waits; woken, the client finds them fenced and, the run directory still
+    being its own, takes its run back as the next generation, as a restarted client would."""
+    args = [*RUN, "steps=150", "run_name=tb", "elastic_worker_lease_seconds=1", "elastic_client_grace_seconds=30"]
+    run_dir = tmp_path / "tb"
+    client = _start(args, tmp_path)
+    deadline = time.monotonic() + 240
+    while sum(e["kind"] == "step_committed" for e in live_events(run_dir)) < 15 and time.monotonic() < deadline:
+        assert client.poll() is None, client.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.kill(client.pid, signal.SIGSTOP)
+    time.sleep(3)   # past the workers' lease: they fence themselves
+    os.kill(client.pid, signal.SIGCONT)
+    assert client.wait(240) == 0, client.stderr.read().decode()[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["finished"] and report["steps_lost"] == 0 and report["client_restarts"] == 1
+    [attached] = [e for e in live_events(run_dir) if e["kind"] == "client_attached"]
+    assert attached["generation"] == 1 and sorted(attached["workers"]) == ["w0", "w1"]
+    assert json.loads((run_dir / "client.json").read_text())["generation"] == 1
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-w*.log"))
+    assert "keeping the state" in logs   # they had fenced themselves
+    _, ref = run_cli([*RUN, "steps=150", "run_name=ref", "--reference"], tmp_path)
+    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]

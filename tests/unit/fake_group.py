@@ -56,6 +56,7 @@ class FakeGroup:
         self.opts, self.events, self.faults, self.devices = opts, events, dict(faults or {}), devices
         self.epoch = 0
         self.dead: dict[str, str] = {}
+        self.fenced: set[str] = set()
         self.replicas: dict[str, _Replica | None] = {}   # registered workers; None until initialized
         self.crashed: set[str] = set()
         self.hung: set[str] = set()
@@ -90,6 +91,9 @@ class FakeGroup:
             out[w] = pb.AttachReply(worker_id=w, address=f"fake:{w}", num_devices=self.devices, platform="cpu",
                                     pid=2, host="", applied_steps=r.applied if r else -1)
         return out
+
+    def new_generation(self, generation):
+        self.generation = generation
 
     def fence_at(self, epoch):
         assert epoch >= self.epoch, f"epoch went back from {self.epoch} to {epoch}"
