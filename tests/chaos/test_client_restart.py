@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT, live_events, processes, run_cli
 
 RUN = ["run", "tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
@@ -44,13 +46,20 @@ def _kill_client_after(proc: subprocess.Popen, run_dir: pathlib.Path, committed:
     return [e["pid"] for e in live_events(run_dir) if e["kind"] == "worker_registered"]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free reference of the runs here (150 steps), in one process."""
+    _, ref = run_cli([*RUN, "steps=150", "run_name=ref", "--reference"], tmp_path_factory.mktemp("ref"))
+    return ref
+
+
 def _alive(pids) -> list[int]:
     live = processes()
     return [p for p in pids if p in live]
 
 
-def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_is_refused(tmp_path):
-    args = [*RUN, "steps=120", "run_name=rc"]
+def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_is_refused(tmp_path, reference):
+    args = [*RUN, "steps=150", "run_name=rc"]
     run_dir = tmp_path / "rc"
     pids = _kill_client_after(_start(args, tmp_path), run_dir, 20)
     assert len(_alive(pids)) == 2, "the workers died with their client"
@@ -66,7 +75,7 @@ def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_
 
     proc, report = run_cli(args, tmp_path)   # the same command again
     assert "re-attached 2 live workers" in proc.stderr
-    assert report["finished"] and report["steps_completed"] == 120 and report["steps_lost"] == 0
+    assert report["finished"] and report["steps_completed"] == 150 and report["steps_lost"] == 0
     assert report["checkpoint_restores"] == report["snapshot_restores"] == 0
     assert report["client_restarts"] == 1 and report["client_downtime_seconds"] > 0
     last = report["attempts"][-1]
@@ -74,9 +83,8 @@ def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_
     assert not any(e["kind"] in ("state_transferred", "checkpoint_restored", "snapshot_restored")
                    for e in live_events(run_dir)[len(before):])
 
-    _, ref = run_cli([*RUN, "steps=120", "run_name=ref", "--reference"], tmp_path)
-    assert report["final_state_sha256"] == ref["final_state_sha256"]
-    assert report["losses"] == ref["losses"]
+    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["losses"] == reference["losses"]
     assert not _alive(pids)   # sent home at the end
 
 
@@ -98,7 +106,7 @@ def test_with_no_client_every_worker_exits_after_its_grace_and_leaves_nothing(tm
     assert json.loads((run_dir / "client.json").read_text())["generation"] == 0
 
 
-def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wakes(tmp_path):
+def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wakes(tmp_path, reference):
     """Split brain: the client is stopped (SIGSTOP: a hung process, Ctrl-Z), a supervisor starts the same command
     again, which takes the run over; when the stopped one wakes, every worker refuses it and it exits with one
     line, writing nothing to the run directory: the new client finishes the run bit-identical."""
@@ -128,11 +136,11 @@ def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wake
     assert report["finished"] and report["steps_lost"] == 0 and report["client_restarts"] == 1
     events = live_events(run_dir)
     assert [e["kind"] for e in events].count("run_finished") == 1 and events[-1]["kind"] == "run_finished"
-    _, ref = run_cli([*RUN, "steps=150", "run_name=ref", "--reference"], tmp_path)
-    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]
+    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["losses"] == reference["losses"]
 
 
-def test_a_client_stopped_past_its_workers_lease_takes_its_run_back_when_it_wakes(tmp_path):
+def test_a_client_stopped_past_its_workers_lease_takes_its_run_back_when_it_wakes(tmp_path, reference):
     """No supervisor: the client is stopped longer than the workers' lease (a debugger, Ctrl-Z then fg), so
     every worker fences itself and waits; woken, the client finds them fenced and, the run directory still
     being its own, takes its run back as the next generation, as a restarted client would."""
@@ -154,5 +162,5 @@ def test_a_client_stopped_past_its_workers_lease_takes_its_run_back_when_it_wake
     assert json.loads((run_dir / "client.json").read_text())["generation"] == 1
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-w*.log"))
     assert "keeping the state" in logs   # they had fenced themselves
-    _, ref = run_cli([*RUN, "steps=150", "run_name=ref", "--reference"], tmp_path)
-    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]
+    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["losses"] == reference["losses"]
