@@ -8,6 +8,7 @@
 - :mod:`chaos.verdict`: did a faulted run train exactly like a fault-free one?
 - :mod:`chaos.injector`: fires faults at a live run (a ``runtime.ControllerObserver``).
 - :mod:`chaos.harness`: reference run, faulted run and verdict (``elastic chaos``, :func:`run_job` for any job).
+- :mod:`chaos.supervisor`: a faulted run with client faults: its clients as child processes, restarted.
 - :mod:`chaos.pytest_plugin`: the ``elastic_chaos`` fixture (a ``pytest11`` entry point).
 - :mod:`chaos.cli`: the ``elastic chaos`` subcommand, found through the ``elastic.commands`` entry point.
 

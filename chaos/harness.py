@@ -3,7 +3,10 @@
 :func:`run_chaos` runs the config's fault-free reference in this process
 (or reuses a cached one with the same math), then the same config on local
 workers with a :class:`chaos.injector.FaultInjector` attached, then judges
-the faulted run against the reference (:func:`chaos.verdict.judge`). The
+the faulted run against the reference (:func:`chaos.verdict.judge`). A plan
+with client faults (``kill:client``, ``hang(resume=S):client``) runs its
+client in child processes that this one supervises and restarts
+(:mod:`chaos.supervisor`); any other plan runs in this process. The
 verdict goes into the faulted run's event log (a ``verdict`` event), so
 ``report.json`` and ``report.html`` -- and ``elastic report`` later -- carry
 it. Soak mode (``mtbf_seconds``/``duration_seconds``) draws random faults
@@ -31,6 +34,7 @@ from chaos.reach import RunShape, check_reachable
 from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import random_faults
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
+from chaos.supervisor import job_blob, run_clients, supervision_reasons
 from chaos.verdict import judge
 from elastic.config import MATH_KEYS, Config, ConfigError
 from elastic.config_loading import parse_overrides
@@ -192,29 +196,43 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     """
     faults = fault_plan(cfg, options)
     cfg = _fresh_run(cfg).replace(elastic_chaos=True)
+    supervised = any(f.hits_client for f in faults)   # the client is killed or stopped: it runs in a child
+    if supervised and not cfg.run_name:   # every client of the run must find the same run directory
+        cfg = cfg.replace(run_name=trainer_for(cfg).run_dir().name)
     job = trainer_for(cfg)
-    job.prestart_workers()   # the workers' imports overlap the reference and the tracing
+    if not supervised:
+        job.prestart_workers()   # the workers' imports overlap the reference and the tracing (a client's own)
     job.programs()           # traced once: the reference's digest and the faulted run share them
+    if supervised:
+        job_blob(job)        # its clients get it pickled: a job that cannot be is refused before the reference
     trainer_for = job.with_config
     soak = options.duration_seconds if options.mtbf_seconds else None
     reference = None
     if not soak:
         reference, ref_dir = reference_report(trainer_for, cfg, cfg.steps)
     trainer = trainer_for(cfg)
-    injector = FaultInjector(faults, seed=options.seed, info={
-        "spec": ",".join(f.spec() for f in faults), "seed": options.seed, "mtbf_seconds": options.mtbf_seconds,
-        "duration_seconds": options.duration_seconds, "scenario": options.scenario})
-    try:
-        trainer.fit(on_step=on_step, observer=injector, max_seconds=soak)
-    except ElasticError:
-        pass   # recorded as run_failed; the verdict says why
+    info = {"spec": ",".join(f.spec() for f in faults), "seed": options.seed, "mtbf_seconds": options.mtbf_seconds,
+            "duration_seconds": options.duration_seconds, "scenario": options.scenario}
+    ends = []
+    if supervised:
+        live, ends = run_clients(trainer, faults, seed=options.seed, info=info, run_dir=trainer.run_dir(),
+                                 on_step=on_step)
+    else:
+        injector = FaultInjector(faults, seed=options.seed, info=info)
+        try:
+            trainer.fit(on_step=on_step, observer=injector, max_seconds=soak)
+        except ElasticError:
+            pass   # recorded as run_failed; the verdict says why
+        live = injector.ctl.state if injector.ctl is not None else None   # the controller is closed: its final state
     run_dir = trainer.run_dir()
     events = read_events(run_dir / "events.jsonl")
     report = build_report(events)
     if soak:
         reference, ref_dir = reference_report(trainer_for, cfg, max(report["steps_completed"], 1))
-    live = injector.ctl.state if injector.ctl is not None else None   # the controller is closed: its final state
     verdict = judge(report, reference, events, rtol=options.rtol, live_state=live)
+    supervision = supervision_reasons(ends, [f.spec() for f in faults])
+    if supervision:   # what the clients did that the log cannot show (a stale client not refused, ...)
+        verdict.update(verdict="fail", verdict_reasons=verdict["verdict_reasons"] + supervision)
     verdict["reference"] = {"run_dir": str(ref_dir), "losses": reference["losses"],
                             "final_state_sha256": reference["final_state_sha256"]}
     log = EventLog(run_dir / "events.jsonl")

@@ -36,7 +36,11 @@ whole run.
 
 A log may hold several attempts of the run (``job_started`` each, see
 ``attempts`` in docs/report.md): each starts afresh, with only the
-checkpoints of earlier ones left.
+checkpoints of earlier ones left, except one whose restarted client
+re-attached the live workers (``client_attached``): that one goes on with
+what the dead client had, its open recovery included (the client's loss,
+``ClientLostError``, is a failure like any other, and one during a recovery
+belongs to it).
 
 Pure: :func:`promises` reads a list of events and the run's config dict.
 """
@@ -51,6 +55,9 @@ __all__ = ["KINDS", "Promise", "promises"]
 #: The promises, best first.
 KINDS = ("replica", "shadow", "snapshot", "checkpoint", "none")
 _SKIPPED_STEP = re.compile(r"step (\d+) ")   # the runtime's checkpoint_skipped detail: "step N (path): why"
+# What a client may write after job_started before it starts an attempt or re-attaches the live workers
+# (client_attached; the workers that did not answer it are declared dead first).
+_BEFORE_START = frozenset({"programs_built", "chaos_started", "worker_suspect", "worker_dead", "security_refused"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,16 +130,24 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
     found: list[_Recovery] = []
     current: _Recovery | None = None
     failures = 0
+    starting = False   # a job_started was seen: a new attempt, unless its client re-attaches the live workers
     for e in events:
         kind = e.get("kind")
-        if kind == "job_started":   # an attempt of the run starts (new processes): only its checkpoints carry over
+        if kind == "job_started":
+            starting = True
+            continue
+        if kind == "client_attached":
+            starting = False   # the same attempt goes on: the live workers keep the state (and any open recovery)
+        elif starting and kind not in _BEFORE_START:
+            # An attempt of the run starts (new processes): only its checkpoints carry over.
+            starting = False
             if current is not None:
                 _close(current, dead, copies, corrupt, recovered=False)
                 current = None
             active, spares, dead, replicas, shadows = [], [], set(), set(), set()
             have_state, frontier, high = False, 0, 0
             copies["snapshot"] = set()
-        elif kind == "placement":
+        if kind == "placement":
             active, spares = list(e.get("active") or []), list(e.get("spares") or [])
         elif kind in ("state_initialized", "run_resumed"):
             have_state = True

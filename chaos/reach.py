@@ -27,7 +27,18 @@ The rules, with the reason each error gives (``docs/chaos-guide.md``):
   ``N < steps`` (no snapshot follows the last step).
 * ``@transfer`` needs a worker that can join (recovery enabled, and a spare or
   ``elastic_relaunch``) and something that can lose a worker first: another
-  fault that is not itself ``@transfer``, or a soak's random faults.
+  fault that is not itself ``@transfer`` and hits workers (a client fault
+  loses none), or a soak's random faults.
+* A fault on the ``client`` needs workers that outlive their client
+  (``elastic_client_grace_seconds`` > 0) and a run with a state they keep
+  and steps left: not ``@step=0`` (before the first state), not
+  ``@checkpoint=N`` when the first checkpoint of step N or later is the run's
+  last (saved once every step is committed), not in soak mode (the soak's
+  duration is one client's). ``hang(resume=S):client`` needs ``S`` clear of
+  the workers' lease (``elastic_worker_lease_seconds``, L): ``S <= L - 1`` s
+  (the client goes on) or ``S > L`` (its workers fence themselves; a new
+  client takes the run over), not in between, where the workers may or may
+  not have fenced themselves when it wakes.
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ class RunShape:
     checkpoints: bool = False               # ``enable_checkpointing``: the run writes persistent checkpoints
     checkpoint_period: int = 0              # ``checkpoint_period``: a checkpoint after every N steps (and the last)
     snapshot_interval: int = 0              # ``elastic_snapshot_interval``: in-memory snapshots every N steps
+    client_grace_seconds: float = 120.0     # ``elastic_client_grace_seconds``: workers outlive their client so long
+    worker_lease_seconds: float = 5.0       # ``elastic_worker_lease_seconds``: a silent client's workers fence then
 
     @classmethod
     def of(cls, cfg, *, duration_seconds: float | None = None, mtbf_seconds: float | None = None) -> RunShape:
@@ -64,7 +77,9 @@ class RunShape:
                    recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
                    duration_seconds=duration_seconds if soak else None, random_faults=soak,
                    checkpoints=cfg.enable_checkpointing, checkpoint_period=cfg.checkpoint_period,
-                   snapshot_interval=cfg.elastic_snapshot_interval)
+                   snapshot_interval=cfg.elastic_snapshot_interval,
+                   client_grace_seconds=cfg.elastic_client_grace_seconds,
+                   worker_lease_seconds=cfg.elastic_worker_lease_seconds)
 
 
 def check_reachable(faults: Sequence[Fault], shape: RunShape) -> None:
@@ -92,8 +107,7 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
         return (f"checkpoint={when.checkpoint} is never reached: the run's newest checkpoint holds at most "
                 f"{shape.steps} steps")
     if fault.kind == "kill_save" and when.checkpoint is not None and shape.checkpoint_period > 0:
-        first = min(-(-max(when.checkpoint, 1) // shape.checkpoint_period) * shape.checkpoint_period, shape.steps)
-        if first >= shape.steps:
+        if _first_checkpoint(when.checkpoint, shape) >= shape.steps:
             return (f"kill_save cuts off a save that follows checkpoint={when.checkpoint}, and none does: the first "
                     f"checkpoint of step {when.checkpoint} or later is the run's last (step {shape.steps}; "
                     f"checkpoint_period={shape.checkpoint_period})")
@@ -108,13 +122,53 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
                 f"(dcn_data_parallelism={shape.slices}, slices 0..{shape.slices - 1})")
     if target.kind == "role" and target.value == "spare" and shape.spares == 0:
         return "role=spare names nobody: the run has no spares (elastic_spares=0)"
+    if target.kind == "client":
+        reason = _client_unreachable(fault, shape)
+        if reason:
+            return reason
     if when.transfer:
         if not shape.recovery:
             return "no state transfer can happen: no worker can ever join the run (elastic_enabled=false)"
         if shape.spares == 0 and not shape.relaunch:
             return ("no state transfer can happen: no worker can ever join the run "
                     "(elastic_spares=0 and elastic_relaunch=false)")
-        if not shape.random_faults and all(f.when.transfer for f in (faults or (fault,))):
+        if not shape.random_faults and all(f.when.transfer or f.hits_client for f in (faults or (fault,))):
             return ("no state transfer can happen: a transfer follows a lost worker, and no other fault "
-                    "in the list can lose one (add e.g. kill:slice=1@step=3 before it)")
+                    "in the list can lose one (add e.g. kill:slice=1@step=3 before it; a client fault loses none)")
     return None
+
+
+#: ``hang(resume=S):client`` with ``S`` in (lease - this, lease]: the workers may or may not fence themselves.
+CLIENT_HANG_MARGIN_SECONDS = 1.0
+
+
+def _client_unreachable(fault: Fault, shape: RunShape) -> str | None:
+    when = fault.when
+    what = fault.spec().partition("@")[0]
+    if shape.random_faults:
+        return f"{what} does not run in soak mode (--mtbf): a restarted client would start a new soak duration"
+    if not shape.client_grace_seconds:
+        return (f"{what} needs workers that outlive their client, and elastic_client_grace_seconds=0 sends them "
+                "home with it (set it above 0: the seconds they wait for a new client)")
+    if when.step == 0:
+        return (f"{what}@step=0 strikes before the run has a state its workers could keep for a new client: use "
+                "step=1 or later")
+    if when.checkpoint is not None and shape.checkpoint_period > 0 \
+            and _first_checkpoint(when.checkpoint, shape) >= shape.steps:
+        return (f"checkpoint={when.checkpoint}: the first checkpoint of step {when.checkpoint} or later is the "
+                f"run's last (step {shape.steps}), saved once every step is committed: nothing is left for a new "
+                "client to take over (use a smaller step, or @step=N)")
+    if fault.kind == "hang":
+        seconds, lease = fault.option("resume"), shape.worker_lease_seconds
+        below = max(lease - CLIENT_HANG_MARGIN_SECONDS, 0.0)
+        if below < seconds <= lease:
+            return (f"resume={format_duration(seconds)} is too close to the workers' lease "
+                    f"(elastic_worker_lease_seconds={format_duration(lease)}): they may or may not fence themselves "
+                    f"before the client wakes; use at most {format_duration(below)} (the client goes on) or more "
+                    f"than {format_duration(lease)} (a new client takes the run over)")
+    return None
+
+
+def _first_checkpoint(step: int, shape: RunShape) -> int:
+    """The step of the first checkpoint the run saves of step ``step`` or later (the last step's at most)."""
+    return min(-(-max(step, 1) // shape.checkpoint_period) * shape.checkpoint_period, shape.steps)

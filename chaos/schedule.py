@@ -112,6 +112,9 @@ def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, .
         if not active and not spares:
             raise TargetError("no worker to hit")
         return (*active, *spares)
+    if kind == "client":
+        raise TargetError("target client names no worker: the client is the process driving the run (the "
+                          "injector strikes it itself, under the chaos supervisor)")
     raise TargetError(f"cannot resolve target {target.spec()!r}")
 
 

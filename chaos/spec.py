@@ -3,7 +3,13 @@
 A fault list reads ``KIND[(OPTIONS)][:TARGET]@WHEN``, comma separated, e.g.::
 
     kill@step=10,hang(resume=3s):slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40,
-    kill_save@step=5,kill:everything@checkpoint=12,kill:all@snapshot=20
+    kill_save@step=5,kill:everything@checkpoint=12,kill:all@snapshot=20,
+    kill:client@step=25,hang(resume=8s):client@step=30,kill:client@transfer
+
+The target ``client`` is the process driving the run (the one calling
+``fit``), not a worker: ``kill:client`` SIGKILLs it, ``hang(resume=S):client``
+stops it for S seconds; the chaos harness plays the supervisor that restarts
+it (:mod:`chaos.supervisor`).
 
 Contract:
 
@@ -12,7 +18,8 @@ Contract:
   text) and the offending piece. It checks grammar and combinations
   (``@transfer`` only with ``kill``/``hang`` and ``role=source``/``role=dest``;
   ``role=source``/``role=dest`` only with ``@transfer``; ``role=writer`` only
-  with ``kill_save``, whose default target it is).
+  with ``kill_save``, whose default target it is; the target ``client`` only
+  with ``kill`` (no options) and ``hang`` (with ``resume``), at any trigger).
 * :func:`validate` re-checks faults built any way and also rejects what the
   runtime cannot do (none today: every kind is injectable). The caller (the
   chaos runner) calls it before starting a run;
@@ -35,6 +42,7 @@ import re
 from runtime import FAULT_PHASES
 
 __all__ = [
+    "CLIENT_KINDS",
     "INJECTABLE_KINDS",
     "KINDS",
     "ROLES",
@@ -58,10 +66,14 @@ KINDS = ("kill", "hang", "straggle", "partition", "corrupt", "kill_save")
 _NOT_INJECTABLE: dict[str, str] = {}
 #: The kinds a run can be faulted with today (random schedules draw from these).
 INJECTABLE_KINDS = tuple(k for k in KINDS if k not in _NOT_INJECTABLE)
-TARGET_KINDS = ("slice", "worker", "role", "random", "all", "everything")
+TARGET_KINDS = ("slice", "worker", "role", "random", "all", "everything", "client")
 ROLES = ("active", "spare", "source", "dest", "writer")
 TRANSFER_KINDS = ("kill", "hang")
 TRANSFER_ROLES = ("source", "dest")
+#: The kinds that can hit the client (target ``client``): SIGKILL, or SIGSTOP for ``resume`` seconds.
+CLIENT_KINDS = ("kill", "hang")
+# Targets that take no value.
+_BARE_TARGETS = ("random", "all", "everything", "client")
 
 # Options each kind accepts, with their defaults (None: no default, the option changes behaviour).
 _OPTIONS: dict[str, dict[str, float | None]] = {
@@ -72,9 +84,12 @@ _OPTIONS: dict[str, dict[str, float | None]] = {
     "corrupt": {},
     "kill_save": {},  # its writer dies mid-save: the save it writes at WHEN, or its next one
 }
-if set(_OPTIONS) != set(KINDS) or not set(_NOT_INJECTABLE) <= set(KINDS) or not set(TRANSFER_KINDS) <= set(KINDS):
-    raise RuntimeError("chaos.spec: the fault kinds of _OPTIONS, _NOT_INJECTABLE and TRANSFER_KINDS must be KINDS")
+if set(_OPTIONS) != set(KINDS) or not set(_NOT_INJECTABLE) <= set(KINDS) or not set(TRANSFER_KINDS) <= set(KINDS) \
+        or not set(CLIENT_KINDS) <= set(KINDS):
+    raise RuntimeError("chaos.spec: the fault kinds of _OPTIONS, _NOT_INJECTABLE, TRANSFER_KINDS and CLIENT_KINDS "
+                       "must be KINDS")
 _DURATION_OPTIONS = frozenset({"resume", "for"})
+_DURATION_NAMES = frozenset({"seconds", "for", "duration", "time"})   # what a hang's length is mistaken for
 # Options whose value is a word from a fixed list (kept as text).
 _CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {"phase": FAULT_PHASES}
 _INT = re.compile(r"[0-9]+")
@@ -91,7 +106,7 @@ class FaultSpecError(ValueError):
 class Target:
     """Whom a fault hits; resolved to worker ids at injection time (``chaos.schedule``)."""
 
-    kind: str  # "slice" | "worker" | "role" | "random" | "all" | "everything"
+    kind: str  # "slice" | "worker" | "role" | "random" | "all" | "everything" | "client"
     value: int | str | None = None  # slice index, worker id, role name, or None
 
     def spec(self) -> str:
@@ -142,6 +157,11 @@ class Fault:
                 return value
         return default if default is not None else allowed[name]
 
+    @property
+    def hits_client(self) -> bool:
+        """Whether this fault hits the run's client (target ``client``) rather than workers."""
+        return self.target.kind == "client"
+
     def spec(self) -> str:
         """Canonical text of this fault; ``parse_faults(f.spec()) == [f]``."""
         text = self.kind
@@ -186,7 +206,7 @@ def parse_faults(text: str) -> list[Fault]:
             fault = _parse_one(piece.strip())
             _check(fault)
         except FaultSpecError as e:
-            raise FaultSpecError(f"{where}: {e}") from None
+            raise FaultSpecError(f"{where}: {e}{_split_hint(piece, pieces[i:i + 1])}") from None
         faults.append(fault)
     return faults
 
@@ -224,6 +244,17 @@ def split_faults(text: str) -> list[str]:
     return pieces
 
 
+def _split_hint(piece: str, following: list[str]) -> str:
+    """For a fault without '@' followed by a piece that is no fault: a comma cut it in two (``kill:client,x=0``)."""
+    if "@" in piece or not following:
+        return ""
+    nxt = following[0].strip()
+    word = re.match(r"\w*", nxt).group(0)
+    if not nxt or word in KINDS:
+        return ""
+    return f" (a comma separates faults, so {nxt!r} was read as another fault; a fault has one ':TARGET')"
+
+
 def _parse_one(piece: str) -> Fault:
     head, at, when_text = piece.partition("@")
     if not at:
@@ -245,7 +276,7 @@ def _parse_one(piece: str) -> Fault:
         raise FaultSpecError(f"unexpected {rest!r} after kind {kind!r} (expected '(OPTIONS)', ':TARGET' or '@WHEN')")
     when = _parse_when(when_text.strip())
     if rest:
-        target = _parse_target(rest[1:].strip())
+        target = _parse_target(rest[1:].strip(), kind)
     else:
         target = Target("role", "source") if when.transfer else Target("role", "writer") if kind == "kill_save" \
             else Target("random")
@@ -262,7 +293,8 @@ def _parse_options(kind: str, text: str) -> dict[str, float]:
         if not name or not eq or not value:
             raise FaultSpecError(f"bad option {item.strip()!r} (expected name=value)")
         if name not in allowed:
-            raise FaultSpecError(f"unknown option {name!r} for {kind} (options: {_names(allowed)})")
+            hint = " (how long a hang lasts is resume=DURATION)" if kind == "hang" and name in _DURATION_NAMES else ""
+            raise FaultSpecError(f"unknown option {name!r} for {kind} (options: {_names(allowed)}){hint}")
         if name in out:
             raise FaultSpecError(f"option {name!r} given twice")
         if name in _DURATION_OPTIONS:
@@ -277,13 +309,17 @@ def _parse_options(kind: str, text: str) -> dict[str, float]:
     return out
 
 
-def _parse_target(text: str) -> Target:
+def _parse_target(text: str, kind: str = "kill") -> Target:
+    if "(" in text:   # options after the target: 'hang:client(resume=8s)'
+        name, _, options = text.partition("(")
+        raise FaultSpecError(f"options go right after the kind, before ':TARGET': "
+                             f"{kind}({options.rstrip(')').strip()}):{name.strip()}, not {kind}:{text}")
     name, eq, value = (s.strip() for s in text.partition("="))
     if name not in TARGET_KINDS:
         raise FaultSpecError(f"unknown target {name!r} (expected {_names(TARGET_KINDS)})")
-    if name in ("random", "all", "everything"):
+    if name in _BARE_TARGETS:
         if eq:
-            raise FaultSpecError(f"target {name!r} takes no value, got {text!r}")
+            raise FaultSpecError(_no_value(name, text))
         return Target(name)
     if not value:
         raise FaultSpecError(f"target {name!r} needs a value ({name}=...)")
@@ -334,8 +370,8 @@ def _check(f: Fault) -> None:
         raise FaultSpecError(f"target worker needs an id of letters, digits, '_', '.', '-', got {t.value!r}")
     if t.kind == "role" and not (isinstance(t.value, str) and t.value in ROLES):
         raise FaultSpecError(f"unknown role {t.value!r} (expected {_names(ROLES)})")
-    if t.kind in ("random", "all", "everything") and t.value is not None:
-        raise FaultSpecError(f"target {t.kind!r} takes no value, got {t.value!r}")
+    if t.kind in _BARE_TARGETS and t.value is not None:
+        raise FaultSpecError(_no_value(t.kind, t.value))
     if not isinstance(w.transfer, bool):
         raise FaultSpecError(f"when.transfer must be True or False, got {w.transfer!r}")
     if sum((w.step is not None, w.time is not None, w.transfer, w.checkpoint is not None,
@@ -348,9 +384,11 @@ def _check(f: Fault) -> None:
     if w.time is not None and not ((seconds := _real(w.time)) is not None and seconds >= 0):
         raise FaultSpecError(f"time must be a finite number of seconds >= 0, got {w.time!r}")
     is_transfer_role = t.kind == "role" and t.value in TRANSFER_ROLES
+    if t.kind == "client" and f.kind not in CLIENT_KINDS:
+        raise FaultSpecError(f"only kill and hang hit the client (the process driving the run), not {f.kind!r}")
     if w.transfer and f.kind not in TRANSFER_KINDS:
         raise FaultSpecError(f"@transfer works only with kill and hang, not {f.kind!r}")
-    if w.transfer and not is_transfer_role:
+    if w.transfer and not is_transfer_role and t.kind != "client":
         raise FaultSpecError(f"@transfer needs target role=source or role=dest, got {t.spec()!r}")
     if is_transfer_role and not w.transfer:
         raise FaultSpecError(f"target role={t.value} exists only during a transfer: use @transfer")
@@ -384,6 +422,26 @@ def _check(f: Fault) -> None:
         if not (number >= 1.0 if name == "factor" else number > 0.0):
             bound = ">= 1" if name == "factor" else "> 0"
             raise FaultSpecError(f"option {name!r} must be {bound}, got {value!r}")
+    if t.kind == "client":
+        _check_client(f)
+
+
+def _check_client(f: Fault) -> None:
+    """The options of a fault on the ``client``: ``kill`` none, ``hang`` ``resume`` (how long it stays stopped)."""
+    names = [k for k, _ in f.options]
+    if f.kind == "kill" and f.options:
+        raise FaultSpecError("kill:client takes no options: the client is SIGKILLed at once (phase= is a worker's "
+                             "step phase)")
+    if f.kind == "hang" and "resume" not in names:
+        raise FaultSpecError("hang:client needs resume=DURATION, how long the client stays stopped (e.g. "
+                             "hang(resume=8s):client@step=10); a client that never wakes is kill:client")
+
+
+def _no_value(name: str, got) -> str:
+    if name == "client":
+        return (f"target 'client' takes no value, got {got!r}: it is the one process driving the run "
+                "(e.g. kill:client@step=10); to hit a worker, use slice=N or worker=ID")
+    return f"target {name!r} takes no value, got {got!r}"
 
 
 def _real(x) -> float | None:

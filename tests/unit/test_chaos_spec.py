@@ -72,7 +72,8 @@ def test_spec_is_canonical():
 
 @pytest.mark.parametrize("text,message", [
     ("kill@step=10,hang:slise=2@step=20",
-     "fault 2 'hang:slise=2@step=20': unknown target 'slise' (expected slice, worker, role, random, all, everything)"),
+     "fault 2 'hang:slise=2@step=20': unknown target 'slise' (expected slice, worker, role, random, all, everything, "
+     "client)"),
     ("kil@step=1", "unknown kind 'kil'"),
     ("kill@stp=1", "bad when 'stp=1'"),
     ("kill", "missing '@WHEN'"),
