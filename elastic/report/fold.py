@@ -382,7 +382,9 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
     failures = report["failures"]
     for f in failures:
         causes = {e.get("cause") for e in events if e["kind"] == "worker_dead" and e["worker"] in f["workers"]}
-        if causes:
+        if f["error"] == "ClientLostError":   # the client was lost, whatever else its restart found lost
+            f["kind"] = "client"
+        elif causes:
             f["kind"] = "hang" if "hang" in causes else "straggler" if "stuck" in causes else "crash"
     for fault in report["faults"]:
         if fault["injected_at"] is None:
@@ -394,10 +396,14 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
                 fault["detected_after_s"] = hits[0]["t"] - t_first - fault["injected_at"]
                 fault["path"] = "replace" if hits[0]["action"] == "replaced" else None
             continue
+        client = not fault["workers"] and fault["kind"] in ("kill", "hang")   # kill:client, hang:client
         for f in failures:
             if f["detected_at"] < fault["injected_at"] - 1e-6:
                 continue
-            if f["workers"] and not set(f["workers"]) & set(fault["workers"]) and fault["kind"] != "corrupt":
+            if client:
+                if f["error"] != "ClientLostError":
+                    continue   # a client fault causes the client's loss (which the restart recovers from)
+            elif f["workers"] and not set(f["workers"]) & set(fault["workers"]) and fault["kind"] != "corrupt":
                 continue
             seen = [dead_at[w] for w in fault["workers"] if w in dead_at and dead_at[w] >= fault["injected_at"]]
             detected = min(seen + [f["detected_at"]])
@@ -405,6 +411,7 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
                          bytes_moved=f["bytes_moved"])
             if f["recovered_after_s"] is not None:
                 fault["recovered_after_s"] = f["detected_at"] + f["recovered_after_s"] - fault["injected_at"]
-            f["kind"] = FAILURE_KIND_OF_FAULT.get(fault["kind"], f["kind"])
+            if not client and f["kind"] != "client":
+                f["kind"] = FAILURE_KIND_OF_FAULT.get(fault["kind"], f["kind"])
             f["detected_after_s"] = fault["detected_after_s"]
             break

@@ -42,7 +42,7 @@ def resumed_text(report: dict) -> str:
 
 def attempt_text(a: dict) -> str:
     """One later attempt in words: how the one before ended, the gap, where its state came from, what it redid."""
-    after = {"finished": "extended a finished run", "died": "restarted after the client died",
+    after = {"finished": "extended a finished run", "died": "restarted after the client was lost",
              "failed": "restarted after a failure"}.get(str(a.get("after")), "started again")
     gap = a.get("gap_before_s")
     start = a.get("started_from")
@@ -86,7 +86,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         if f.get("skipped"):
             rows.append((f"fault {f['index']}", f"{f['spec']}: skipped ({f['skipped']})"[:120]))
         else:
-            rows.append((f"fault {f['index']}", f"{f['spec']} -> {','.join(f['workers'])}: detected "
+            rows.append((f"fault {f['index']}", f"{f['spec']} -> {','.join(f['workers']) or 'client'}: detected "
                          f"{_seconds(f['detected_after_s'])}, recovered {_seconds(f['recovered_after_s'])}"
                          + (f" ({f['path']})" if f.get("path") else "")))
     if report.get("trajectory") is not None:

@@ -51,6 +51,34 @@ def test_a_fault_is_folded_by_the_fault_kind_its_event_recorded():
     assert skipped["kind"] == "kill" and skipped["skipped"] == "no spare left" and skipped["injected_at"] is None
 
 
+def test_a_client_fault_is_matched_to_the_client_s_loss_and_a_worker_lost_meanwhile_to_its_own():
+    """kill:client, then a worker killed while the client was down: the restart's one failure (ClientLostError,
+    losing w1 too) is the client's; both faults are matched to it, and the run reports the restart."""
+    events = [ev(0, "job_started", mode="distributed", config={}, global_batch_size=4, microbatches=2),
+              ev(0, "run_started", run_id="r", slices=2, devices_per_slice=1, steps=6), *commits(0.1, 0, 3),
+              ev(1.0, "fault_injected", index=0, fault="kill:slice=1@step=3", fault_kind="kill", workers=["w1"],
+                 step=3, errors={}, seconds=0.1),
+              ev(1.0, "fault_injected", index=1, fault="kill:client@step=3", fault_kind="kill", workers=[],
+                 step=3, errors={}, seconds=0.1),
+              ev(3.0, "job_started", mode="distributed", config={}, global_batch_size=4, microbatches=2),
+              ev(3.5, "worker_dead", worker="w1", reason="did not answer the restarted client", cause="crash"),
+              ev(3.5, "client_attached", run_id="r", generation=1, steps=6, workers={"w0": {}}, lost=["w1"],
+                 committed=3, downtime_seconds=2.5),
+              ev(3.5, "failure_detected", error="ClientLostError", detail="restart", committed=3),
+              ev(3.6, "recovery_decision", action="shrink", dead=["w1"], active=["w0"]),
+              ev(3.7, "recovered", path="shrink", resume_step=3, bytes_moved=0),
+              *commits(3.8, 3, 3)]
+    report = build_report(events)
+    [failure] = report["failures"]
+    assert failure["kind"] == "client" and failure["path"] == "shrink"
+    worker, client = report["faults"]
+    assert worker["path"] == client["path"] == "shrink" and client["recovered_after_s"] is not None
+    assert report["client_restarts"] == 1 and report["client_downtime_seconds"] == 2.5 and report["steps_lost"] == 0
+    second = report["attempts"][1]
+    assert second["started_from"] == {"tier": "live", "step": 3, "directory": None}
+    assert second["reattached"] == {"generation": 1, "workers": ["w0"], "lost": ["w1"], "downtime_seconds": 2.5}
+
+
 # --------------------------------------------------------------------------- attempts: one log across restarts
 
 D = "/runs/x/checkpoints"
@@ -157,7 +185,7 @@ def test_the_summary_and_the_html_say_where_each_later_attempt_resumed_and_what_
     report = build_report(events)
     text = summary_text(report, width=200)
     assert "resumed from" in text and f"checkpoint at step 30 ({D})" in text
-    assert "attempt 2" in text and "restarted after the client died" in text and "7 committed steps recomputed" in text
+    assert "attempt 2" in text and "restarted after the client was lost" in text and "7 committed steps recomputed" in text
     page = render_html(report, events)
     assert "run name <b>x</b>" in page and "config <b>" not in page   # the run's name, labelled as such
     assert "2 attempts" in page and "<h2>Attempts</h2>" in page
