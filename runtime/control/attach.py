@@ -55,8 +55,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     replayed one) over from its dead client; see the module docstring. ``first=False``: the client takes its
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
-    # Not dead, or declared dead only for having fenced themselves (this client was the silent one).
-    known = {w: info for w, info in s.registered.items() if w not in s.dead or w in group.fenced}
+    known = {w: info for w, info in s.registered.items() if w not in s.dead}   # the fenced are not dead
     replies = group.attach(known, s.registered)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,

@@ -292,9 +292,13 @@ class Controller:
     def _running(self) -> Phase:
         """Commits the oldest step in flight after filling the pipeline; drains it first when membership changes."""
         for death in self.group.drain_deaths():
-            if death.worker in self.placement.active:
-                if death.cause == "fenced":   # alive, waiting to be taken back: see _take_back
+            if death.cause == "fenced":   # alive, waiting to be taken back (see _take_back), unless it was already
+                if death.worker in self.group.fenced and death.worker in self.placement.members:
                     raise WorkerFencedError(f"worker {death.worker} fenced itself: {death.reason}")
+                continue
+            if death.worker not in self.dead:   # answered an Attach since: alive after all
+                continue
+            if death.worker in self.placement.active:
                 raise WorkerLostError(death.worker, death.reason)
         s, a = self.state, self.attempt
         if s.committed >= s.steps:

@@ -27,7 +27,7 @@ class Group(Protocol):
     snapshot_root: str
     #: ``{worker: why}`` of every worker declared dead (written only by :meth:`declare_dead`).
     dead: dict[str, str]
-    #: The dead that were only fenced (they wait, holding their state, for a client to take them back).
+    #: Members that fenced themselves and wait, holding their state, for this client to take them back.
     fenced: set[str]
 
     # -- lifecycle and membership

@@ -176,8 +176,18 @@ class WorkerCalls:
     def attach(self, workers, request: pb.AttachRequest, timeout: float) -> dict[str, pb.AttachReply]:
         """A restarted client's ``Attach`` to ``workers`` (adopted first); answers the replies of those that
         took the new generation. One that does not answer within ``timeout`` is declared dead; a refusal
-        (another programs' fingerprint, a newer client) is raised after all calls ended."""
-        return self._each("Attach", lambda w: request, workers, "did not answer the restarted client", timeout)
+        (another programs' fingerprint, a newer client) is raised after all calls ended.
+
+        Not cancelled by a death declared meanwhile (the health monitor may find a fenced worker NOT_SERVING
+        while its Attach is on the way): the answer decides, and one that answers is alive again."""
+        futs = {w: self._stubs[w].Attach.future(request, timeout=timeout) for w in workers}
+        out, raised = collect(futs, lambda w, error: self._declare_dead(
+            w, f"did not answer the restarted client: {error}"[:300], cause="crash"))
+        if raised is not None:
+            raise raised
+        for w in out:
+            self.revive(w)
+        return out
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.

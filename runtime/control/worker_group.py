@@ -79,7 +79,7 @@ class WorkerGroup:
         self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead (calls.record_death)
-        self.fenced: set[str] = set()            # the dead that only fenced themselves (a client may take them back)
+        self.fenced: set[str] = set()            # members that fenced themselves and wait: this client takes them back
         self._deaths: queue.Queue[Death] = queue.Queue()
         self._channels: dict[str, grpc.Channel] = {}
         self._warming: dict[str, grpc.Future] = {}
@@ -163,9 +163,6 @@ class WorkerGroup:
             self._hosts[w] = info.host
             if not self.calls.reaches(w):
                 self.calls.adopt(w, self._channel(info.address))
-            if w in self.fenced:   # declared dead only for having fenced itself: asked again (dead again if lost)
-                self.calls.revive(w)
-                self.fenced.discard(w)
         request = pb.AttachRequest(fence=self._fence(), controller=self.address,
                                    fingerprint=programs_fingerprint(self.programs.programs()),
                                    owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,
@@ -180,6 +177,7 @@ class WorkerGroup:
                                      "command again, or start afresh with another run_name") from None
         for w, r in replies.items():
             info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
+            self.fenced.discard(w)   # alive, a member again (WorkerCalls.attach revived it)
             self.registry.add(info)
             self.monitor.watch(w, info.address)
             self.launcher.adopt(w, r.pid)
@@ -308,10 +306,10 @@ class WorkerGroup:
         return warmed
 
     def _may_take_back(self, worker_id: str) -> bool:
-        """A fenced worker asking to rejoin waits: it is a member this client has not let go, or one declared
-        dead only for having fenced itself, and a client with a grace takes such workers back."""
-        return bool(self.opts.client_grace_seconds) and worker_id in self.registry.workers and (
-            worker_id not in self.dead or worker_id in self.fenced)
+        """A fenced worker waits to be taken back (its rejoin is told to wait; the health monitor's finding is
+        no death): it is a member this client has not let go, and the run has a client grace."""
+        return bool(self.opts.client_grace_seconds) and worker_id in self.registry.workers and \
+            worker_id not in self.dead
 
     def _why_fenced(self, worker_id: str) -> str:
         if worker_id in self.dead:
@@ -326,11 +324,16 @@ class WorkerGroup:
         be reached either. Fencing keeps it harmless (older epoch; refused on
         rejoin) and it fences itself when its lease on the controller lapses.
         """
+        if cause == "fenced" and self._may_take_back(worker_id):
+            # Alive, holding its state, waiting for a client: not a death; this client takes it back.
+            if worker_id not in self.fenced:
+                self.fenced.add(worker_id)
+                self.events.emit("worker_fenced", worker=worker_id, reason=reason)
+                self._deaths.put(Death(worker_id, reason, cause))
+            return
         futs = self.calls.record_death(worker_id, reason)   # atomic with every call sent: see WorkerCalls
         if futs is None:
             return
-        if cause == "fenced":
-            self.fenced.add(worker_id)
         self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
         self._deaths.put(Death(worker_id, reason, cause))
         for f in futs:

@@ -201,6 +201,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {**_W, "ok": BOOL, "devices": COUNT, "seconds": FINITE}, {"error": TEXT}),
     EventKind("worker_warmed", "a newcomer compiled the programs", {**_W, "compile_seconds": FINITE}),
     EventKind("worker_suspect", "a worker went silent", {**_W, "silent_seconds": NUMBER}),
+    EventKind("worker_fenced", "a member fenced itself (its client was silent past its lease) and waits: the client "
+              "takes it back (a new generation)", {**_W, "reason": TEXT}),
     EventKind("worker_dead", "a worker was declared dead", {**_W, "reason": TEXT, "cause": TEXT_OR_NULL}),
     EventKind("worker_relaunched", "a dead worker was replaced by a new one",
               {"replaces": TEXT, **_W}, {"host": TEXT_OR_NULL}),
