@@ -191,7 +191,7 @@ class LocalLauncher:
         with open(path, "ab") as log_file:
             return subprocess.Popen([sys.executable, "-m", "runtime.worker.worker_process", *argv], env=env,
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)   # outlives a signal to the client's group
+                                    process_group=0)   # outlives a signal to the client's process group
 
     def _zygote_for(self, env: dict[str, str]) -> zygotes.Zygote | None:
         """The zygote to fork the next worker from; None: start a process of its own (no zygote, or its

@@ -366,7 +366,10 @@ def _fork(msg: dict, worker_process, zygote_fds: list[int]) -> int:
         return pid
     status = 1
     try:   # the child: a worker from here on
-        os.setsid()   # a session of its own: a signal to the client's process group (a terminal closing) misses it
+        # A process group of its own: a signal to the client's (Ctrl-C, a terminal closing) misses it. Not a
+        # session of its own: the kernel's autogroup scheduler would then weigh each worker like a whole
+        # session, so local workers' share of a shared host would change with their number.
+        os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         log = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -9,7 +9,7 @@ fenced itself and the controller refused to take it back. A worker given a
 client grace (``elastic_client_grace_seconds``, with its programs) outlives
 its client instead: fenced, holding its state, it waits that long for a
 restarted client of the run to attach it, then exits as it would have.
-Locally launched workers run in a session of their own, so a signal to the
+Locally launched workers run in a process group of their own, so a signal to the
 client's process group (a terminal closing) does not reach them.
 
 A worker that must go goes at once, whatever its other threads do: an XLA

@@ -1,7 +1,7 @@
 """The client survives its own crash: ``elastic run`` SIGKILLed mid-run, then run again with the same command.
 
 Real processes from outside, as a user meets them: the client is killed with
-SIGKILL (its workers are not touched: they run in sessions of their own);
+SIGKILL (its workers are not touched: they run in process groups of their own);
 the same command run again within the workers' client grace re-attaches the
 live workers, says so, and finishes bit-identical to the reference with no
 step lost and no checkpoint or snapshot read. A command whose programs

@@ -210,7 +210,7 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
                 break
         time.sleep(0.05)
     assert len(saved) >= 2 and first.poll() is None, "the first run ended before two checkpoints were saved"
-    # The client and every worker it started, at once (the workers run in sessions of their own).
+    # The client and every worker it started, at once (the workers run in process groups of their own).
     for pid in [first.pid] + [e["pid"] for e in _events(run_dir) if e["kind"] == "worker_registered"]:
         try:
             os.kill(pid, signal.SIGKILL)
