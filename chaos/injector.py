@@ -307,7 +307,9 @@ class FaultInjector(ControllerObserver):
                 self._timers.append(timer)
         elif how == "kill_in_phase":
             phase = "save" if fault.kind == "kill_save" else str(fault.option("phase"))
-            self.ctl.inject_fault(worker, how, phase=phase)
+            # kill_save@checkpoint=N: a save still ahead of checkpoint N, never an older one still being written.
+            after = fault.when.checkpoint if fault.kind == "kill_save" and fault.when.checkpoint else 0
+            self.ctl.inject_fault(worker, how, phase=phase, after_step=after)
         elif how == "straggle":
             self.ctl.inject_fault(worker, how, factor=fault.option("factor"), seconds=fault.option("for"))
         elif how == "partition":

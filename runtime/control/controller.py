@@ -196,12 +196,14 @@ class Controller:
         return self.group.pid(worker_id)
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
-                     phase: str = "") -> None:
+                     phase: str = "", after_step: int = 0) -> None:
         """Arms one worker-side fault (one of ``FAULT_ACTIONS``) on a worker started with chaos enabled.
+        ``after_step`` (``kill_in_phase`` ``save``): only a save of a later step counts.
 
         Raises the typed error of the call (``WorkerLostError``, ``WorkerError``, ...) when it fails.
         """
-        self.group.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase)
+        self.group.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase,
+                                after_step=after_step)
 
     # -- the state machine -----------------------------------------------------
 

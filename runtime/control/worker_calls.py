@@ -313,6 +313,6 @@ class WorkerCalls:
     # -- chaos -------------------------------------------------------------------
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
-                     phase: str = "") -> None:
+                     phase: str = "", after_step: int = 0) -> None:
         self._call(worker_id, "Chaos", pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
-                                                       phase=phase), timeout=5.0)
+                                                       phase=phase, after_step=after_step), timeout=5.0)

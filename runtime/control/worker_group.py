@@ -453,5 +453,5 @@ class WorkerGroup:
         return self.registry.workers[worker_id].pid
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
-                     phase: str = "") -> None:
-        self.calls.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase)
+                     phase: str = "", after_step: int = 0) -> None:
+        self.calls.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase, after_step=after_step)

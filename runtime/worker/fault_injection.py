@@ -56,8 +56,10 @@ class WorkerFaults:
         self._on_send_state: str | None = None
         self._on_receive_state: str | None = None
         self._kill_in_phase: str | None = None
+        self.save_after = 0   # kill_in_phase "save": only the save of a later step counts
 
-    def arm(self, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "") -> None:
+    def arm(self, action: str, factor: float = 0.0, seconds: float = 0.0, phase: str = "",
+            after_step: int = 0) -> None:
         """Arms one fault (one of :data:`ACTIONS`; ``clear`` disarms all).
 
         Raises ``PermissionError`` when chaos is off on this worker, and
@@ -88,7 +90,7 @@ class WorkerFaults:
             elif action == "kill_on_receive_state":
                 self._on_receive_state = "kill"
             elif action == "kill_in_phase":
-                self._kill_in_phase = phase
+                self._kill_in_phase, self.save_after = phase, after_step
             else:
                 self._disarm()
 

@@ -201,7 +201,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
     def Chaos(self, request, context):
         def arm():
             try:
-                self.faults.arm(request.action, request.factor, request.seconds, request.phase)
+                self.faults.arm(request.action, request.factor, request.seconds, request.phase, request.after_step)
             except PermissionError as e:
                 raise StaleEpochError(str(e)) from None
             if request.action == "kill_in_phase" and request.phase == "save":   # the save being written counts

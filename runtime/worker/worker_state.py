@@ -192,12 +192,20 @@ def loss_sums_of(metadata: dict, applied: int) -> list[float]:
 
 
 def while_saving(faults: WorkerFaults, store, step: int) -> None:
-    """Chaos (``kill_save``): with a kill armed for the save phase, dies once this save has begun in the store
-    (:func:`_partial`; up to 2 s), so the save is cut off half written."""
-    if not faults.armed_in("save"):
+    """Chaos (``kill_save``): with a kill armed for the save phase (a save of a step after ``faults.save_after``),
+    dies once this save has begun in the store (:func:`_partial`), so the save is cut off half written. A save
+    that completes before it is seen begun is let be (the kill waits for the next); one never seen either way
+    within 2 s is struck then."""
+    if not faults.armed_in("save") or step <= faults.save_after:
         return
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and not _partial(store, step):
+    deadline, polls = time.monotonic() + 2.0, 0
+    while time.monotonic() < deadline:
+        if _partial(store, step):
+            faults.in_phase("save")
+            return
+        polls += 1
+        if polls % 10 == 0 and step in store.steps():
+            return   # committed before it was seen half written: the next save is struck
         time.sleep(0.002)
     faults.in_phase("save")
 
@@ -210,6 +218,8 @@ def strike_save_in_progress(faults: WorkerFaults, writer: CheckpointWriter | Non
     if current is None:
         return
     store, step = current
+    if step <= faults.save_after:
+        return   # an older save, still being written: the kill waits for a save still ahead
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline and faults.armed_in("save") and writer.writing() == current:
         if _partial(store, step):

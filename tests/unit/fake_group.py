@@ -295,7 +295,7 @@ class FakeGroup:
     def pid(self, worker_id):
         return 0
 
-    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase=""):
+    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
         raise AssertionError("the fake group injects no faults: give them to its constructor")
 
     def poll(self, futs, deadline=None):

@@ -48,8 +48,9 @@ class Controller:
     def pid(self, worker_id):
         return self.pids[worker_id]
 
-    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase=""):
+    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
         assert action in FAULT_ACTIONS
+        assert after_step == 0 or (action, phase) == ("kill_in_phase", "save")
         if self.fail:
             raise self.fail
         self.armed.append((worker_id, action, factor, seconds, phase))

@@ -151,8 +151,8 @@ class _Saving:
 
 
 class _Faults:
-    def __init__(self):
-        self.struck = []
+    def __init__(self, save_after=0):
+        self.struck, self.save_after = [], save_after
 
     def armed_in(self, phase):
         return phase == "save" and not self.struck
@@ -179,3 +179,8 @@ def test_an_armed_kill_save_cuts_off_the_save_being_written_on_local_disk_and_gc
     threading.Timer(0.05, lambda: setattr(store, "saving", None)).start()       # ...and then it completes
     strike_save_in_progress(faults, done)
     assert faults.struck == []   # still armed: the next save is cut off (while_saving)
+    older = CheckpointWriter(store_for=lambda d: None)
+    older._stores["/ck"] = _Saving(8, ["/ck/8.orbax-checkpoint-tmp-1712"])
+    faults = _Faults(save_after=8)   # kill_save@checkpoint=8: the save of step 8 is let finish
+    strike_save_in_progress(faults, older)
+    assert faults.struck == []
