@@ -40,7 +40,8 @@ import elastic
 from elastic.config import MAXTEXT, MODEL, keys_with
 from integrations.maxtext.config_files import check_chain_ends, parse_overrides, read_chain
 
-__all__ = ["MAXTEXT_VERSION", "MODEL_KEYS", "SHARED_KEYS", "UNSUPPORTED", "check_supported", "load_maxtext_config"]
+__all__ = ["MAXTEXT_VERSION", "MODEL_KEYS", "RESILIENCE_KEYS", "SHARED_KEYS", "UNSUPPORTED", "check_supported",
+           "load_maxtext_config"]
 
 MAXTEXT_VERSION = "0.2.5"
 
@@ -107,6 +108,24 @@ UNSUPPORTED: Mapping[str, Any] = {
     "load_parameters_path": "",   # a jax-elastic state is whole (parameters and optimizer): load_full_state_path
 }
 
+# MaxText's own resilience keys, which jax-elastic carries out with its tiers (MaxText's trainer does not run,
+# so it gets their defaults): key -> what jax-elastic does with it (docs/maxtext.md, "MaxText's resilience keys").
+RESILIENCE_KEYS: Mapping[str, str] = {
+    "enable_emergency_checkpoint": "in-memory snapshots every local_checkpoint_period steps, kept in "
+                                   "local_checkpoint_directory on each worker's host with a copy on a peer host "
+                                   "(elastic_snapshot_interval, elastic_snapshot_directory); the persistent tier "
+                                   "is enable_checkpointing / checkpoint_period, as in MaxText",
+    "enable_multi_tier_checkpointing": "the same local tier, and persistent checkpoints every "
+                                       "multi_tier_checkpointing_backup_interval_steps steps (enable_checkpointing, "
+                                       "checkpoint_period)",
+    "local_checkpoint_directory": "where each host keeps its snapshots (an absolute path)",
+    "local_checkpoint_period": "steps between snapshots (> 0 with either key above)",
+    "multi_tier_checkpointing_backup_interval_steps": "steps between persistent checkpoints (multi-tier)",
+    "multi_tier_checkpointing_backup_interval_minutes": "refused: jax-elastic schedules checkpoints by steps",
+    "enable_single_replica_ckpt_restoring": "accepted, nothing to do: a restore always has one reader per "
+                                            "checkpoint and copies the state to the other replicas peer to peer",
+}
+
 # MaxText's (MaxText-only) parallelism keys: a jax-elastic slice is a 1-D FSDP mesh.
 _MESH_PREFIXES = ("ici_", "dcn_")
 
@@ -150,7 +169,7 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
               "init_weights_seed": seed, "base_output_directory": output,
               "log_config": bool(user_value("log_config", False)), **_MAXTEXT_GETS}
     # MaxText gets these values, its own defaults for the runtime keys, and none of jax-elastic's own keys.
-    hidden = elastic_only | set(forced) | set(_RUNTIME_KEYS)
+    hidden = elastic_only | set(forced) | set(_RUNTIME_KEYS) | set(RESILIENCE_KEYS)
     cli = [f"{k}={text}" for k, (_, text) in items.items() if k not in hidden]
     cli += [f"{k}={_cli_text(v)}" for k, v in forced.items()]
     mt = _maxtext_validate(pyconfig, path, hidden, cli)
@@ -170,6 +189,7 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
     if values.get("elastic_min_slice_count") == -1:   # MaxText's "every slice"
         values["elastic_min_slice_count"] = slices
     values["elastic_microbatches"] = _microbatches(user, slices)
+    values.update(_resilience(user))
     for key in (set(user) & elastic_keys & maxtext_keys) - MODEL_KEYS - set(SHARED_KEYS):
         values[key] = user[key][0]   # a shared key not classified yet: both see the user's value
     try:
@@ -242,6 +262,58 @@ def _refuse_mesh(user) -> None:
             f"config key 'num_slices' ({user['num_slices'][0]!r}, in {user['num_slices'][1]}) contradicts "
             "'dcn_data_parallelism': under jax-elastic the slice count is dcn_data_parallelism (virtual slices); "
             "drop num_slices")
+
+
+def _resilience(user: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """jax-elastic's values for MaxText's resilience keys the user set (:data:`RESILIENCE_KEYS`), checked with
+    MaxText's own rules; a ConfigError naming the key otherwise."""
+    def get(key, default=None):
+        return user[key][0] if key in user else default
+
+    def where(key):
+        return f"{key}={user[key][0]!r} (in {user[key][1]})"
+
+    emergency, multi = bool(get("enable_emergency_checkpoint", False)), bool(get("enable_multi_tier_checkpointing",
+                                                                                 False))
+    out: dict[str, Any] = {}
+    if get("multi_tier_checkpointing_backup_interval_minutes") is not None:
+        raise elastic.ConfigError(f"config key {where('multi_tier_checkpointing_backup_interval_minutes')}: "
+                                  "jax-elastic schedules checkpoints by steps; set "
+                                  "multi_tier_checkpointing_backup_interval_steps instead")
+    local = [k for k in ("local_checkpoint_directory", "local_checkpoint_period") if get(k)]
+    if not (emergency or multi):
+        if local:
+            raise elastic.ConfigError(f"config key {where(local[0])} has no effect without "
+                                      "enable_emergency_checkpoint=true or enable_multi_tier_checkpointing=true")
+        return out
+    on = "enable_emergency_checkpoint" if emergency else "enable_multi_tier_checkpointing"
+    period, directory = get("local_checkpoint_period", 0), get("local_checkpoint_directory", "")
+    if not isinstance(period, int) or isinstance(period, bool) or period <= 0:
+        raise elastic.ConfigError(f"config key 'local_checkpoint_period' must be a whole number > 0 with {on}=true "
+                                  f"(MaxText's rule), got {period!r}")
+    if not directory or not str(directory).startswith("/"):
+        raise elastic.ConfigError(f"config key 'local_checkpoint_directory' must be an absolute path on every "
+                                  f"worker's host with {on}=true, got {directory!r}")
+    for key, want in (("elastic_snapshot_interval", period), ("elastic_snapshot_directory", str(directory))):
+        if key in user and user[key][0] != want:
+            raise elastic.ConfigError(f"config keys {where(key)} and {on}=true contradict: MaxText's "
+                                      f"local_checkpoint_* keys set {key}; drop one")
+    out.update(elastic_snapshot_interval=period, elastic_snapshot_directory=str(directory))
+    if multi:
+        backup = get("multi_tier_checkpointing_backup_interval_steps")
+        if not isinstance(backup, int) or isinstance(backup, bool) or backup <= 0:
+            raise elastic.ConfigError("config key 'multi_tier_checkpointing_backup_interval_steps' must be a whole "
+                                      f"number > 0 with enable_multi_tier_checkpointing=true, got {backup!r}")
+        if "checkpoint_period" in user and user["checkpoint_period"][0] != backup:
+            raise elastic.ConfigError(f"config keys {where('checkpoint_period')} and "
+                                      f"{where('multi_tier_checkpointing_backup_interval_steps')} contradict: the "
+                                      "backup interval is the persistent checkpoints' period; drop one")
+        if get("enable_checkpointing") is False and user["enable_checkpointing"][1] == "overrides":
+            raise elastic.ConfigError(f"config keys {where('enable_checkpointing')} and "
+                                      "enable_multi_tier_checkpointing=true contradict: its backups are persistent "
+                                      "checkpoints")
+        out.update(enable_checkpointing=True, checkpoint_period=backup)
+    return out
 
 
 def check_supported(mt, user: Mapping[str, tuple[Any, str]] | None = None) -> None:

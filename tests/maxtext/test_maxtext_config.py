@@ -135,3 +135,28 @@ def test_command_line_refuses_bad_keys_in_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'stpes'" in err and "did you mean 'steps'" in err
     assert main([str(TINY / "missing.yml")]) == 2
+
+
+def test_maxtexts_emergency_checkpoint_keys_mean_in_memory_snapshots_on_each_host(tmp_path):
+    ec, mt = load("enable_emergency_checkpoint=true", f"local_checkpoint_directory={tmp_path}",
+                  "local_checkpoint_period=3", "dcn_data_parallelism=2")
+    assert (ec.elastic_snapshot_interval, ec.elastic_snapshot_directory) == (3, str(tmp_path))
+    assert not mt.enable_emergency_checkpoint   # MaxText's trainer does not run: jax-elastic keeps the tier
+    assert "local_checkpoint_period" in error("enable_emergency_checkpoint=true",
+                                              f"local_checkpoint_directory={tmp_path}")
+    assert "absolute path" in error("enable_emergency_checkpoint=true", "local_checkpoint_period=2")
+    assert "has no effect" in error("local_checkpoint_period=2")
+    assert "contradict" in error("enable_emergency_checkpoint=true", f"local_checkpoint_directory={tmp_path}",
+                                 "local_checkpoint_period=2", "elastic_snapshot_interval=5")
+
+
+def test_maxtexts_multi_tier_keys_add_persistent_checkpoints_at_the_backup_interval(tmp_path):
+    ec, _ = load("enable_multi_tier_checkpointing=true", f"local_checkpoint_directory={tmp_path}",
+                 "local_checkpoint_period=2", "multi_tier_checkpointing_backup_interval_steps=6")
+    assert (ec.elastic_snapshot_interval, ec.enable_checkpointing, ec.checkpoint_period) == (2, True, 6)
+    assert "by steps" in error("enable_multi_tier_checkpointing=true", f"local_checkpoint_directory={tmp_path}",
+                               "local_checkpoint_period=2", "multi_tier_checkpointing_backup_interval_minutes=5")
+    assert "backup_interval_steps" in error("enable_multi_tier_checkpointing=true",
+                                            f"local_checkpoint_directory={tmp_path}", "local_checkpoint_period=2")
+    ec, _ = load("enable_single_replica_ckpt_restoring=true")   # what jax-elastic always does
+    assert ec.elastic_snapshot_interval == 0
