@@ -71,10 +71,13 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     """
     _check_pair(elastic_config, maxtext_config)
     if data is None:
-        if maxtext_config.dataset_type != "synthetic":
+        kind = getattr(maxtext_config.dataset_type, "value", maxtext_config.dataset_type)   # an enum in MaxText
+        if kind != "synthetic":
             raise elastic.ConfigError(
-                f"config key 'dataset_type' is {maxtext_config.dataset_type!r}: only MaxText's synthetic data is "
-                "built in under jax-elastic; set dataset_type=synthetic or pass make_job(..., data=SOURCE)")
+                f"config key 'dataset_type' is {kind!r}: only MaxText's synthetic data is built in under "
+                "jax-elastic yet; set dataset_type=synthetic, or bring your data as a jax-elastic data source: "
+                "make_job(elastic_config, maxtext_config, data=SOURCE), from Python or from the command line "
+                "with elastic_trainer=MODULE:FUNCTION, FUNCTION(elastic_config, maxtext_config) returning that job")
         data = SyntheticSource.from_configs(elastic_config, maxtext_config)
     pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice)
     job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config)
