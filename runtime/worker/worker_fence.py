@@ -73,8 +73,7 @@ class Fencing:
 
     def check_fence(self, fence: pb.Fence) -> None:
         """Refuses other runs and older epochs; adopts a newer epoch."""
-        if fence.run_id != self.run_id:
-            raise StaleEpochError(f"message for run {fence.run_id!r}, this worker serves {self.run_id!r}")
+        self._same_run(fence)
         if fence.generation != self.generation:
             if fence.generation < self.generation:
                 raise ClientSupersededError(self.superseded(fence.generation))
@@ -89,6 +88,10 @@ class Fencing:
                 self.epoch = fence.epoch
                 self._abort_step(fence.epoch)
 
+    def _same_run(self, fence: pb.Fence) -> None:
+        if fence.run_id != self.run_id:
+            raise StaleEpochError(f"message for run {fence.run_id!r}, this worker serves {self.run_id!r}")
+
     def superseded(self, generation: int) -> str:
         return (f"client generation {generation} of run {self.run_id} was taken over by generation "
                 f"{self.generation}: another client drives this run now")
@@ -96,8 +99,7 @@ class Fencing:
     def attach(self, fence: pb.Fence) -> None:
         """A restarted client (a newer generation) takes this worker over, fenced or not: from now on only its
         calls are served. The old client's step in flight gives up; the state stays as it is."""
-        if fence.run_id != self.run_id:
-            raise StaleEpochError(f"message for run {fence.run_id!r}, this worker serves {self.run_id!r}")
+        self._same_run(fence)
         if fence.generation <= self.generation:
             raise ClientSupersededError(self.superseded(fence.generation) if fence.generation < self.generation
                                         else f"client generation {fence.generation} already attached this worker")

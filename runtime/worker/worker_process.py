@@ -6,7 +6,7 @@ port 0 unless told otherwise, registers its address with the controller, and
 exits when told to shut down, when the run's owner (the client that
 launched it, ``--owner-pid``; see :mod:`runtime.core.owner`) dies, or when it
 fenced itself and the controller refused to take it back. A worker given a
-client grace (``elastic_client_grace_seconds``, with its programs) outlives
+client grace (``elastic_client_grace_seconds``) and holding a state outlives
 its client instead: fenced, holding its state, it waits that long for a
 restarted client of the run to attach it, then exits as it would have.
 Locally launched workers run in a process group of their own, so a signal to the
@@ -132,7 +132,7 @@ def _serve_run(service: WorkerService, register, register_timeout: float, health
     """Watches the run until this worker must go; returns its exit status.
 
     It goes when told to shut down; when its owner died or its lease lapsed,
-    at once without a client grace (or programs to keep), else once the grace
+    at once without a client grace (or a state to keep), else once the grace
     ran out with no new client attached; when it fenced itself and its
     client, asked, refused to take it back (the run moved on without it).
     """

@@ -33,14 +33,18 @@ def _start(args, tmp_path) -> subprocess.Popen:
                              "--quiet"], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def _wait_for_committed(proc: subprocess.Popen, run_dir: pathlib.Path, committed: int) -> None:
+    """Waits (up to 240 s) until ``committed`` steps are in the run's log, the client still running."""
+    deadline = time.monotonic() + 240
+    while sum(e["kind"] == "step_committed" for e in live_events(run_dir)) < committed:
+        assert proc.poll() is None, f"the run ended before {committed} steps: {proc.stderr.read().decode()[-2000:]}"
+        assert time.monotonic() < deadline, f"no {committed} steps within 240 s"
+        time.sleep(0.05)
+
+
 def _kill_client_after(proc: subprocess.Popen, run_dir: pathlib.Path, committed: int) -> list[int]:
     """SIGKILLs the client once ``committed`` steps are in its log; returns its workers' pids."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if sum(e["kind"] == "step_committed" for e in live_events(run_dir)) >= committed:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the run ended before {committed} steps: {proc.stderr.read().decode()[-2000:]}"
+    _wait_for_committed(proc, run_dir, committed)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     return [e["pid"] for e in live_events(run_dir) if e["kind"] == "worker_registered"]
@@ -113,10 +117,8 @@ def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wake
     args = [*RUN, "steps=150", "run_name=zb", "elastic_client_grace_seconds=30"]
     run_dir = tmp_path / "zb"
     zombie = _start(args, tmp_path)
-    deadline = time.monotonic() + 240
-    while sum(e["kind"] == "step_committed" for e in live_events(run_dir)) < 15 and time.monotonic() < deadline:
-        assert zombie.poll() is None, zombie.stderr.read().decode()[-2000:]
-        time.sleep(0.05)
+    deadline = time.monotonic() + 240   # for the first client's steps and the successor's attach together
+    _wait_for_committed(zombie, run_dir, 15)
     os.kill(zombie.pid, signal.SIGSTOP)
     try:
         successor = _start(args, tmp_path)
@@ -147,10 +149,7 @@ def test_a_client_stopped_past_its_workers_lease_takes_its_run_back_when_it_wake
     args = [*RUN, "steps=150", "run_name=tb", "elastic_worker_lease_seconds=1", "elastic_client_grace_seconds=30"]
     run_dir = tmp_path / "tb"
     client = _start(args, tmp_path)
-    deadline = time.monotonic() + 240
-    while sum(e["kind"] == "step_committed" for e in live_events(run_dir)) < 15 and time.monotonic() < deadline:
-        assert client.poll() is None, client.stderr.read().decode()[-2000:]
-        time.sleep(0.05)
+    _wait_for_committed(client, run_dir, 15)
     os.kill(client.pid, signal.SIGSTOP)
     time.sleep(3)   # past the workers' lease: they fence themselves
     os.kill(client.pid, signal.SIGCONT)
