@@ -26,6 +26,7 @@ from elastic.marker import cross_slice_mean
 __all__ = [
     "BadInputError",
     "CapacityExhaustedError",
+    "CheckpointTree",
     "Config",
     "ConfigError",
     "DataSource",
@@ -47,6 +48,7 @@ __all__ = [
 _LAZY = {"RunRecordsLostError": "elastic.trainer", "Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer",
          "wrap": "elastic.trainer", "build_report": "elastic.report",
          # why a run ended (runtime.core.errors): what ``fit`` raises, for callers to branch on
+         "CheckpointTree": "runtime",   # how checkpoints name the state's leaves (elastic.wrap(checkpoint_tree=))
          **{name: "runtime" for name in ("BadInputError", "CapacityExhaustedError", "ElasticError",
                                          "ElasticTrainingFailedError", "ReplicaDivergenceError", "StateLostError")}}
 

@@ -87,6 +87,7 @@ def build_programs(
     devices_per_slice: int,
     num_microbatches: int,
     platform: str = "cpu",       # jax.export's name: cpu, cuda, rocm, tpu
+    checkpoint_tree=None,        # runtime.state.checkpoint_tree.CheckpointTree: how checkpoints name the leaves
 ) -> ProgramSet:
     """Traces and exports init / grad / apply for a slice of ``devices_per_slice`` devices of ``platform``."""
     d = devices_per_slice
@@ -101,6 +102,7 @@ def build_programs(
         raise ProgramExportError(f"could not trace the init function: {type(e).__name__}: {e}") from e
     state_shapes, treedef = jax.tree.flatten(tree_shapes)
     state_dim_list = [shard_dim(s.shape, d) for s in state_shapes]
+    _check_tree(checkpoint_tree, state_shapes)
 
     def init(seed):
         return jax.tree.leaves(init_state(jax.random.key(seed)))
@@ -143,7 +145,20 @@ def build_programs(
         state_bytes=int(state_bytes),
         batch_spec={k: [list(s.shape), np.dtype(s.dtype).str] for k, s in batch_shapes.items()},
         in_specs={"init": [None], "grad": state_dim_list + batch_dims, "apply": state_dim_list + [None]},
+        checkpoint_tree=None if checkpoint_tree is None else checkpoint_tree.to_json(),
     )
+
+
+def _check_tree(tree, state_shapes) -> None:
+    """A checkpoint tree must place this state's leaves, each in a dtype of its size."""
+    if tree is None:
+        return
+    if len(tree) != len(state_shapes):
+        raise ProgramExportError(f"the checkpoint tree places {len(tree)} leaves; the state has {len(state_shapes)}")
+    for i, ((dtype, _), s) in enumerate(zip(tree.leaves, state_shapes)):
+        if dtype is not None and np.dtype(dtype).itemsize != np.dtype(s.dtype).itemsize:
+            raise ProgramExportError(f"the checkpoint tree stores state leaf {i} ({s.dtype}) as {dtype}: a stored "
+                                     "dtype must be the same size")
 
 
 def program_fingerprints(programs: ProgramSet) -> dict[str, str]:

@@ -292,9 +292,10 @@ class WrappedStep(_Job):
     after the mark may depend only on the state and the reduced gradients.
     """
 
-    def __init__(self, train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss"):
+    def __init__(self, train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss",
+                 checkpoint_tree=None):
         self.train_step, self.init_state, self.data, self.config = train_step, init_state, data, config
-        self.loss_key = loss_key
+        self.loss_key, self.checkpoint_tree = loss_key, checkpoint_tree
 
     def _build(self) -> ProgramSet:
         step, loss_key = self.train_step, self.loss_key
@@ -320,12 +321,17 @@ class WrappedStep(_Job):
         _check_apply_ignores_batch(step, state_shapes, batch_shapes, grad_shapes)
         return _programs.build_programs(init_state=self.init_state, grad_fn=grad_fn, apply_fn=apply_fn,
                                         batch_spec=spec, devices_per_slice=self.settings.devices_per_slice,
-                                        num_microbatches=self.settings.microbatches, platform=self._platform())
+                                        num_microbatches=self.settings.microbatches, platform=self._platform(),
+                                        checkpoint_tree=self.checkpoint_tree)
 
 
-def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss") -> WrappedStep:
-    """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``."""
-    return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key)
+def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss",
+         checkpoint_tree=None) -> WrappedStep:
+    """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``. ``checkpoint_tree``:
+    how persistent checkpoints name the state's leaves (a ``runtime.state.checkpoint_tree.CheckpointTree``, one
+    entry per leaf of ``init_state``'s tree; default a flat list), e.g. so another trainer can read them."""
+    return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key,
+                       checkpoint_tree=checkpoint_tree)
 
 
 def _modules_of(data) -> tuple[str, ...]:

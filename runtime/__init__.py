@@ -45,6 +45,7 @@ _LAZY = {
         "default_worker_platform", "local_platform", "program_platforms")},
     "MESH_AXIS": ("runtime.core.programs", "MESH_AXIS"),
     "ProgramSet": ("runtime.core.programs", "ProgramSet"),
+    "CheckpointTree": ("runtime.state.checkpoint_tree", "CheckpointTree"),
     "program_fingerprint": ("runtime.core.fingerprint", "program_fingerprint"),
     "default_snapshot_root": ("runtime.state.snapshot", "default_root"),
     "ray_available": ("runtime.launch.ray_launcher", "ray_available"),
@@ -106,6 +107,7 @@ def worker_main(argv=None) -> None:
 __all__ = [
     "BadInputError",
     "CapacityExhaustedError",
+    "CheckpointTree",
     "ClusterUnreachableError",
     "Controller",
     "checkpoint_directory_problem",

@@ -69,20 +69,25 @@ SHARED_KEYS: Mapping[str, str] = {
                            "MaxText: default",
     "jax_cache_dir": "jax-elastic's compilation cache; MaxText: '' (it would set the cache process-wide)",
     "enable_goodput_recording": "jax-elastic's goodput events; MaxText: false (its trainer loop does not run)",
-    "enable_checkpointing": "jax-elastic's persistent checkpoints; MaxText: false (its trainer loop does not run)",
-    "checkpoint_period": "jax-elastic (steps between persistent checkpoints); MaxText: its default",
-    "load_full_state_path": "jax-elastic: the run starts from that jax-elastic checkpoint; MaxText: its default "
-                            "'' (MaxText's own checkpoints are not read: the run restores jax-elastic's format)",
+    "enable_checkpointing": "jax-elastic's persistent checkpoints, in MaxText's layout (unset: MaxText's default, "
+                            "true); MaxText: false (its trainer loop does not run)",
+    "checkpoint_period": "jax-elastic (steps between persistent checkpoints; unset: MaxText's default, 10000); "
+                         "MaxText: its default",
+    "load_full_state_path": "jax-elastic: the run starts from that checkpoint, jax-elastic's or MaxText's "
+                            "(<dir>/<step>/items, <dir>/<step> or <dir>); MaxText: its default ''",
     "hardware": "both, the user's value: jax-elastic exports its programs for it, MaxText checks its options "
                 "against it (unset: jax-elastic's '', MaxText's 'tpu'); gpu_multiprocess is refused",
 }
 
 # Shared keys that steer only jax-elastic's runtime: the user's value goes to jax-elastic (its default when
-# unset, not MaxText's); MaxText gets the value here, or its own default where there is none.
+# unset, not MaxText's, but for _MAXTEXT_DEFAULTS); MaxText gets the value here, or its own default where there is
+# none.
 _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
-                 "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing", "checkpoint_period",
-                 "load_full_state_path")
+                 "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing",
+                 "checkpoint_period", "load_full_state_path")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
+# Runtime keys whose unset value is MaxText's default, not jax-elastic's: a MaxText run checkpoints unless told not.
+_MAXTEXT_DEFAULTS = ("enable_checkpointing", "checkpoint_period")
 if set(SHARED_KEYS) != keys_with(MAXTEXT) - MODEL_KEYS or not set(_RUNTIME_KEYS) <= set(SHARED_KEYS):
     raise ImportError(f"integrations.maxtext: SHARED_KEYS {sorted(SHARED_KEYS)} and the schema's maxtext role "
                       f"{sorted(keys_with(MAXTEXT) - MODEL_KEYS)} disagree")
@@ -186,6 +191,8 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
     for key in _RUNTIME_KEYS:
         if key in user and key in elastic_keys:
             values[key] = user[key][0]
+        elif key in _MAXTEXT_DEFAULTS:
+            values[key] = types.MaxTextConfig.model_fields[key].default
     if values.get("elastic_min_slice_count") == -1:   # MaxText's "every slice"
         values["elastic_min_slice_count"] = slices
     values["elastic_microbatches"] = _microbatches(user, slices)

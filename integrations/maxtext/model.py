@@ -33,8 +33,10 @@ import contextlib
 import numpy as np
 
 import elastic
+from integrations.maxtext.checkpoints import checkpoint_tree
 from integrations.maxtext.config import check_supported
-from integrations.maxtext.data import MAXTEXT_PRNG_IMPL, SyntheticSource
+from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
+from integrations.maxtext.text_data import source_for
 
 __all__ = ["import_maxtext", "make_job"]
 
@@ -58,9 +60,11 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
 
     ``data``: a jax-elastic data source whose microbatches have MaxText's batch
     keys (``integrations.maxtext.data.KEYS``) with ``microbatch_size`` rows of
-    ``max_target_length`` tokens; default MaxText's synthetic data
-    (:class:`~integrations.maxtext.data.SyntheticSource`), the only dataset
-    built in. Called in the client, which needs ``devices_per_slice`` local
+    ``max_target_length`` tokens; default the config's own dataset
+    (:func:`~integrations.maxtext.text_data.source_for`: MaxText's synthetic
+    data, grain ArrayRecord or Parquet files, local Parquet for ``hf``).
+    Persistent checkpoints are written in MaxText's layout
+    (:mod:`integrations.maxtext.checkpoints`). Called in the client, which needs ``devices_per_slice`` local
     JAX devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
     JAX starts; ``python -m integrations.maxtext`` sets it). The programs are
     traced and exported here, under MaxText's JAX settings, so ``fit`` only
@@ -70,17 +74,11 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     ``ProgramExportError`` when MaxText's step cannot be exported.
     """
     _check_pair(elastic_config, maxtext_config)
-    if data is None:
-        kind = getattr(maxtext_config.dataset_type, "value", maxtext_config.dataset_type)   # an enum in MaxText
-        if kind != "synthetic":
-            raise elastic.ConfigError(
-                f"config key 'dataset_type' is {kind!r}: only MaxText's synthetic data is built in under "
-                "jax-elastic yet; set dataset_type=synthetic, or bring your data as a jax-elastic data source: "
-                "make_job(elastic_config, maxtext_config, data=SOURCE), from Python or from the command line "
-                "with elastic_trainer=MODULE:FUNCTION, FUNCTION(elastic_config, maxtext_config) returning that job")
-        data = SyntheticSource.from_configs(elastic_config, maxtext_config)
+    if data is None:   # MaxText's dataset_type: synthetic, grain (ArrayRecord, Parquet), hf (local Parquet)
+        data = source_for(elastic_config, maxtext_config)
     pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice)
-    job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config)
+    job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config,
+                       checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
     with _maxtext_jax(maxtext_config):
         job.programs()   # trace and export now, under MaxText's PRNG and mesh-typing settings
     return job
@@ -105,8 +103,8 @@ class _Pieces:
         self.mesh = Mesh(np.array(local[:devices]).reshape(shape), tuple(config.mesh_axes),
                          axis_types=(AxisType.Auto,) * len(shape))
         abstract = nnx.eval_shape(lambda: self._create(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
-        self.graphdef, shapes = nnx.split(abstract)
-        self.is_key = jax.tree.map(lambda s: bool(jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)), shapes)
+        self.graphdef, self.shapes = nnx.split(abstract)
+        self.is_key = jax.tree.map(lambda s: bool(jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)), self.shapes)
 
     def _create(self, rng_key):
         """MaxText's ``create_train_state_fn`` (train_utils.setup_train_loop) seeded with ``rng_key``."""

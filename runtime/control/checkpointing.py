@@ -194,7 +194,8 @@ class Checkpointing:
 
 def locate_checkpoint(path: str) -> tuple[str, int]:
     """``(directory, step)`` of what ``load_full_state_path`` names: a checkpoint directory (its newest complete
-    checkpoint) or one step's directory (``<directory>/<step>``, which must be complete).
+    checkpoint) or one step's directory (``<directory>/<step>``, or MaxText's ``<directory>/<step>/items``,
+    which must be complete).
 
     Called by the controller before it launches anything, and by the client's
     preflight (``elastic.preflight``) before the run starts. Reads the
@@ -207,10 +208,11 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
 
     if "://" not in path and not os.path.exists(os.path.expanduser(path)):
         raise BadInputError(f"load_full_state_path {path!r} does not exist")
-    head, _, tail = path.rstrip("/").rpartition("/")
+    path = path.rstrip("/").removesuffix("/items")   # MaxText's form of one step's checkpoint: <step>/items
+    head, _, tail = path.rpartition("/")
     try:
-        if tail.isdigit() and head and int(tail) in CheckpointStore(head).steps():
-            return head, int(tail)
+        if tail.isdigit() and head and (step := CheckpointStore(head).step_held(tail)) is not None:
+            return head, step   # MaxText's <d> holds step d + 1
         steps = CheckpointStore(path).steps()
     except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
         raise BadInputError(f"load_full_state_path {path!r} cannot be read", cause=f"{type(e).__name__}: {e}") from None

@@ -36,16 +36,22 @@ class ProgramSet:
     state_bytes: int        # bytes of the training state on one replica
     batch_spec: dict        # key -> [shape, dtype] of one microbatch
     in_specs: dict          # program -> per flat input: sharded dim or None (replicated)
+    # How a persistent checkpoint names the state's leaves (runtime.state.checkpoint_tree.CheckpointTree's JSON);
+    # None: a flat list. A MaxText model's is MaxText's own layout.
+    checkpoint_tree: dict | None = None
 
     def layout_json(self) -> bytes:
-        return json.dumps({
+        layout = {
             "devices_per_slice": self.devices_per_slice,
             "num_microbatches": self.num_microbatches,
             "grad_size": self.grad_size,
             "state_bytes": self.state_bytes,
             "batch_spec": self.batch_spec,
             "in_specs": self.in_specs,
-        }).encode()
+        }
+        if self.checkpoint_tree is not None:
+            layout["checkpoint_tree"] = self.checkpoint_tree
+        return json.dumps(layout).encode()
 
     def programs(self) -> dict[str, bytes]:
         return {"init": self.init, "grad": self.grad, "apply": self.apply}

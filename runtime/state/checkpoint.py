@@ -64,7 +64,9 @@ import numpy as np
 from runtime.state import checkpoint_orbax
 from runtime.state.checkpoint_record import (CheckpointError, CheckpointNotFoundError, Restored, Skipped, _describe,
                                        make_record, newest_valid)
-from runtime.state.checkpoint_storage import COMMIT_FILE, checked_directory, discard, entries, forget_listings, rmtree
+from runtime.state.checkpoint_storage import (COMMIT_FILE, checked_directory, discard, entries, foreign, forget_listings,
+                                             rmtree, step_of)
+from runtime.state.checkpoint_tree import CheckpointTree
 
 __all__ = ["CheckpointPruneError", "CheckpointSaveError", "CheckpointStore", "CheckpointTimeoutError"]
 
@@ -126,7 +128,8 @@ class CheckpointStore:
     """
 
     def __init__(self, directory: str, *, max_to_keep: int | None = None, async_save: bool = True,
-                 timeout_s: float = 600.0, gcs_endpoint: str | None = None):
+                 timeout_s: float = 600.0, gcs_endpoint: str | None = None, tree: CheckpointTree | None = None,
+                 layout=None):
         from etils import epath
 
         directory, self._gcs = checked_directory(str(directory), gcs_endpoint)
@@ -142,14 +145,26 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self._saving: tuple[int, str] | None = None  # (step, path) of the save in flight or not yet reported
         self._error: CheckpointError | None = None
+        self.tree, self.layout = tree, layout   # how leaves are named (None: a flat list), the state's layout
 
     @property
     def directory(self) -> str:
         return str(self._dir)
 
     def path(self, step: int) -> str:
-        """Where the checkpoint of ``step`` is (or would be)."""
+        """Where the checkpoint of ``step`` this store writes is (or would be)."""
         return str(self._dir / str(step))
+
+    def _location(self, step: int):
+        """Where the complete checkpoint of ``step`` is: this store's own ``<step>``, else one MaxText's
+        trainer wrote (``<step - 1>``: see :func:`~runtime.state.checkpoint_storage.step_of`); None if neither."""
+        own = self._dir / str(step)
+        if (own / COMMIT_FILE).exists() and not foreign(own):
+            return own
+        theirs = self._dir / str(step - 1)
+        if step >= 1 and (theirs / COMMIT_FILE).exists() and foreign(theirs):
+            return theirs
+        return None
 
     @property
     def saving(self) -> int | None:
@@ -223,7 +238,7 @@ class CheckpointStore:
             forget_listings(self._dir)
             self._dir.mkdir(parents=True, exist_ok=True)
             discard(self._dir, step, self._gcs)   # an earlier save of this step, complete or not
-            checkpoint_orbax.write(self._dir / str(step), leaves, record)
+            checkpoint_orbax.write(self._dir / str(step), leaves, record, self.tree)
         except Exception as e:  # noqa: BLE001 - handed to wait()/save(), which raise it
             self._error = CheckpointSaveError(path, step, _describe(e))
             self._error.__cause__ = e
@@ -237,7 +252,7 @@ class CheckpointStore:
     def _prune(self, keep: int) -> None:
         if self.max_to_keep is None:
             return
-        steps = self.steps()
+        steps = sorted(int(p.name) for p, complete in entries(self._dir) if complete and not foreign(p))   # own
         newest = set(steps[-self.max_to_keep:]) | {keep}
         for s in steps:
             if s not in newest:
@@ -246,8 +261,15 @@ class CheckpointStore:
     # -- listing ---------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """The steps of every complete (committed) checkpoint, ascending; reads the storage each call."""
-        return sorted(int(p.name) for p, complete in entries(self._dir) if complete)
+        """The steps of every complete (committed) checkpoint, ascending, MaxText's own among them
+        (:func:`~runtime.state.checkpoint_storage.step_of`); reads the storage each call."""
+        return sorted({step_of(p) for p, complete in entries(self._dir) if complete})
+
+    def step_held(self, name: str) -> int | None:
+        """The step the entry ``name`` (``<d>``) holds when it is a complete checkpoint (:func:`step_of`), else
+        None."""
+        path = self._dir / name
+        return step_of(path) if name.isdigit() and (path / COMMIT_FILE).exists() else None
 
     def leftovers(self) -> list[str]:
         """Paths of interrupted saves and removals (what :meth:`cleanup` would remove)."""
@@ -283,7 +305,7 @@ class CheckpointStore:
             step = steps[-1]
         else:
             forget_listings(self._dir)
-            if not (self._dir / str(step) / COMMIT_FILE).exists():
+            if self._location(int(step)) is None:
                 raise CheckpointNotFoundError(self.directory, step, f"complete ones: {self.steps() or 'none'}")
         return self._read(int(step))
 
@@ -297,4 +319,7 @@ class CheckpointStore:
         return newest_valid(self.directory, self.steps(), self._read, at_most, "none was ever committed here")
 
     def _read(self, step: int) -> Restored:
-        return checkpoint_orbax.read(self._dir / str(step), step)
+        location = self._location(step)
+        if location is None:
+            raise CheckpointNotFoundError(self.directory, step, f"complete ones: {self.steps() or 'none'}")
+        return checkpoint_orbax.read(location, step, self.tree, self.layout)

@@ -7,11 +7,18 @@ record rebuilds them), as numpy arrays written without orbax's defensive copy.
 
 - :func:`write` saves both synchronously at a step's path; orbax commits it
   (a temporary name, the commit file last, then the rename; see
-  :mod:`runtime.state.checkpoint_storage`).
+  :mod:`runtime.state.checkpoint_storage`). With a
+  :class:`~runtime.state.checkpoint_tree.CheckpointTree` the leaves are the
+  named tree ``items`` instead of ``state`` (MaxText's layout, for a MaxText
+  model), and the record holds the tree, so any reader of the record can
+  take them back out.
 - :func:`read` reads the record, checks it, reads the arrays and verifies
   them against the record and its digest, raising
   :class:`~runtime.state.checkpoint_record.CheckpointCorruptError` naming the path
-  when anything cannot be read or does not match.
+  when anything cannot be read or does not match. A checkpoint with no
+  record but an ``items`` tree (one MaxText's trainer wrote) is read with the
+  tree and layout the reader's programs give, checked against the step its
+  directory stands for, and given the digest of what was read.
 
 orbax keeps process-wide state for a save in flight, so every use of a
 checkpointer holds one lock (:data:`_ORBAX_LOCK`): a process reads or writes
@@ -28,28 +35,69 @@ import threading
 import numpy as np
 
 from runtime.state.checkpoint_record import CheckpointCorruptError, Restored, _describe, check_record, verified
+from runtime.state.checkpoint_tree import CheckpointTree, from_items, map_skeleton, step_in, to_items
+from runtime.state.state_copy import state_sha256
 
-__all__ = ["read", "write"]
+__all__ = ["ITEMS", "RECORD", "read", "write"]
 
-_STATE, _META = "state", "meta"
+_STATE = "state"
+#: The record's item, and the named tree's (MaxText's name for its state).
+RECORD, ITEMS = "meta", "items"
+_META = RECORD
 
 
-def write(path, leaves: list[np.ndarray], record: dict) -> None:
-    """Writes ``leaves`` and their ``record`` as the checkpoint at ``path`` (an ``etils.epath`` path); returns
-    once orbax has committed it, raises what orbax raised otherwise."""
-    stored = [x for x in leaves if x.size]   # orbax refuses empty arrays; the record rebuilds them
-    items = {_META: _ocp().args.JsonSave(record)}
-    if stored:
-        items[_STATE] = _ocp().args.PyTreeSave(stored)
+def write(path, leaves: list[np.ndarray], record: dict, tree: CheckpointTree | None = None) -> None:
+    """Writes ``leaves`` and their ``record`` as the checkpoint at ``path`` (an ``etils.epath`` path), as the
+    named ``tree`` when given; returns once orbax has committed it, raises what orbax raised otherwise."""
+    items = {}
+    if tree is not None:
+        record = {**record, "tree": tree.to_json()}
+        items[ITEMS] = _ocp().args.PyTreeSave(to_items(leaves, tree))
+    else:
+        stored = [x for x in leaves if x.size]   # orbax refuses empty arrays; the record rebuilds them
+        if stored:
+            items[_STATE] = _ocp().args.PyTreeSave(stored)
+    items[_META] = _ocp().args.JsonSave(record)
     with _checkpointer() as checkpointer:
         checkpointer.save(path, args=_ocp().args.Composite(**items))
 
 
-def read(path, step: int) -> Restored:
+def read(path, step: int, tree: CheckpointTree | None = None, layout=None) -> Restored:
     """Reads and verifies the checkpoint of ``step`` at ``path`` (an ``etils.epath`` path); raises
-    :class:`CheckpointCorruptError` naming ``path`` when it cannot be read or fails verification."""
+    :class:`CheckpointCorruptError` naming ``path`` when it cannot be read or fails verification. ``tree`` and
+    ``layout`` (the state's ``[(shape, dtype)]``) read a checkpoint that has no record (MaxText's)."""
     with _checkpointer() as checkpointer:
+        if not (path / _META).exists() and (path / ITEMS).exists():
+            return _read_foreign(checkpointer, path, step, tree, layout)
         return _read_with(checkpointer, path, step)
+
+
+def _read_foreign(checkpointer, location, step: int, tree: CheckpointTree | None, layout) -> Restored:
+    """A checkpoint another program wrote in the ``items`` layout: read with this state's tree and layout."""
+    path = str(location)
+    if tree is None or layout is None:
+        raise CheckpointCorruptError(path, "it has no jax-elastic record, and this model's programs name no "
+                                           "checkpoint tree to read its 'items' with")
+    items = _restore_items(checkpointer, location, tree, path)
+    try:
+        held = step_in(items, tree)
+        leaves = from_items(items, tree, [(tuple(s), np.dtype(d)) for s, d in layout])
+    except ValueError as e:
+        raise CheckpointCorruptError(path, str(e)) from None
+    if held is not None and held != step:
+        raise CheckpointCorruptError(path, f"it holds step {held}; its directory stands for step {step}")
+    digest = state_sha256(leaves)
+    return Restored(step, leaves, digest, {"step": step, "created": None, "written_by": "another program"})
+
+
+def _restore_items(checkpointer, location, tree: CheckpointTree, path: str):
+    ocp = _ocp()
+    args = map_skeleton(tree.skeleton, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
+    try:
+        return checkpointer.restore(
+            location, args=ocp.args.Composite(**{ITEMS: ocp.args.PyTreeRestore(restore_args=args)}))[ITEMS]
+    except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable; the error says why
+        raise CheckpointCorruptError(path, f"its 'items' cannot be read ({_describe(e)})") from e
 
 
 def _read_with(checkpointer, location, step: int) -> Restored:
@@ -59,6 +107,17 @@ def _read_with(checkpointer, location, step: int) -> Restored:
     except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable; the error says why
         raise CheckpointCorruptError(path, f"its record cannot be read ({_describe(e)})") from e
     layout = check_record(record, step, path)
+    if isinstance(record, dict) and record.get("tree") is not None:
+        try:
+            tree = CheckpointTree.from_json(record["tree"])
+        except ValueError as e:
+            raise CheckpointCorruptError(path, f"its record's tree is malformed ({e})") from None
+        items = _restore_items(checkpointer, location, tree, path)
+        try:
+            leaves = from_items(items, tree, layout)
+        except ValueError as e:
+            raise CheckpointCorruptError(path, str(e)) from None
+        return verified(step, leaves, layout, record, path)
     stored = [i for i, (shape, _) in enumerate(layout) if math.prod(shape)]
     arrays: list = []
     if stored:

@@ -11,6 +11,12 @@
   both kinds; :func:`discard` removes one, taking it out of the listing
   first, so an interrupted removal leaves a leftover, never a listed
   checkpoint with missing files.
+- :func:`step_of`: the step a complete entry holds. jax-elastic's
+  ``<step>`` holds the state after ``step`` applied steps, beside its record
+  (``meta``). A directory MaxText's trainer wrote (``items``, no record) is
+  named by the step whose update it holds, so ``<d>`` is the state after
+  ``d + 1`` applied steps (MaxText's ``step`` leaf holds ``d + 1``; the
+  reader checks it); :func:`foreign` tells them apart.
 
 Writing and reading a checkpoint's contents is :mod:`runtime.state.checkpoint_orbax`'s.
 Nothing here imports orbax or JAX (paths are ``etils.epath`` paths the caller
@@ -24,7 +30,7 @@ import re
 import time
 
 __all__ = ["COMMIT_FILE", "GCS_ENDPOINT_ENV", "TMP_SUFFIX", "checked_directory", "directory_problem", "discard",
-           "entries", "forget_listings", "rmtree", "use_gcs_endpoint"]
+           "entries", "foreign", "forget_listings", "rmtree", "step_of", "use_gcs_endpoint"]
 
 #: The environment variable naming a GCS endpoint (an emulator) when ``gcs_endpoint`` is not given;
 #: google-cloud-storage and gcsfs read it too.
@@ -107,6 +113,17 @@ def entries(directory) -> list:
         elif TMP_SUFFIX in p.name and _STEP_NAME.fullmatch(p.name.split(".", 1)[0]):
             out.append((p, False))
     return out
+
+
+def foreign(path) -> bool:
+    """Whether the step directory ``path`` is one MaxText's trainer wrote: an ``items`` tree and no jax-elastic
+    record beside it."""
+    return not (path / "meta").exists() and (path / "items").exists()
+
+
+def step_of(path) -> int:
+    """The applied steps of the state the complete step directory ``path`` holds (see the module docstring)."""
+    return int(path.name) + (1 if foreign(path) else 0)
 
 
 def discard(directory, step: int, gcs: bool) -> None:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from runtime.state.checkpoint_tree import CheckpointTree
 from runtime.state.state_copy import state_sha256
 from runtime.core.microbatch import Node, tree_reduce
 from runtime.core.platforms import check_runnable, local_platform
@@ -40,6 +41,9 @@ class SliceExecutor:
         if len(devices) < d:
             raise ValueError(f"slice needs {d} devices, this process has {len(devices)}")
         self.programs = programs
+        # How persistent checkpoints name the state's leaves (None: a flat list); one object for the program set.
+        self.checkpoint_tree = (None if programs.checkpoint_tree is None
+                                else CheckpointTree.from_json(programs.checkpoint_tree))
         self.data = data_source
         self.mesh = Mesh(np.array(devices[:d]), (MESH_AXIS,))
         self.state = None

@@ -34,10 +34,10 @@ from runtime.worker.executor import state_sha256
 __all__ = ["KINDS", "WARM_PREFIX", "CheckpointWriter", "Drained", "remove_dead_warm_ups"]
 
 
-def _store(directory: str):
+def _store(directory: str, tree=None):
     from runtime.state.checkpoint import CheckpointStore   # orbax loads only in a worker that writes checkpoints
 
-    return CheckpointStore(directory)
+    return CheckpointStore(directory, tree=tree)
 
 
 #: The kinds of save a writer makes.
@@ -93,7 +93,7 @@ class CheckpointWriter:
     def __init__(self, store_for=None, while_saving=None):
         self._store_for = store_for or _store
         self._while_saving = while_saving   # called as while_saving(store, step) once a checkpoint started (chaos)
-        self._stores: dict[str, object] = {}
+        self._stores: dict[tuple, object] = {}
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple] = {}   # kind -> the save waiting its turn
         self._busy = False
@@ -101,9 +101,10 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, directory: str, step: int, device_leaves: list, metadata: dict, *, store=None,
-               then=None) -> None:
+               then=None, tree=None) -> None:
         """Queues a save of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``, with
-        ``metadata`` (the programs' fingerprint) recorded beside it.
+        ``metadata`` (the programs' fingerprint) recorded beside it; ``tree``: the programs' checkpoint tree
+        (``runtime.state.checkpoint_tree.CheckpointTree``; None: a flat list).
 
         ``store``: a snapshot store to save into (the kind is then
         "snapshot"); default a checkpoint store of ``directory``. ``then``:
@@ -112,7 +113,7 @@ class CheckpointWriter:
         """
         kind = "snapshot" if store is not None else "checkpoint"
         with self._cond:
-            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then)
+            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then, tree)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 self._thread.start()
@@ -164,15 +165,16 @@ class CheckpointWriter:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._waiting))
                 kind = next(iter(self._waiting))
-                directory, step, leaves, metadata, store, then = self._waiting.pop(kind)
+                directory, step, leaves, metadata, store, then, tree = self._waiting.pop(kind)
                 self._busy = True
             stage = "save"
             try:
                 host = [np.asarray(x) for x in leaves]
-                if store is None:
-                    store = self._stores.get(directory)
+                if store is None:   # one store per directory and tree (a program set's tree is one object)
+                    store = self._stores.get((directory, id(tree)))
                     if store is None:
-                        store = self._stores[directory] = self._store_for(directory)
+                        store = self._stores[directory, id(tree)] = (
+                            self._store_for(directory, tree) if tree is not None else self._store_for(directory))
                 store.save(step, host, sha256=state_sha256(host), metadata=metadata)
                 if self._while_saving is not None and kind == "checkpoint":
                     self._while_saving(store, step)

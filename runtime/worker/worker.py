@@ -363,7 +363,8 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             self._need_executor()
             return load_checkpoint(request, snapshots=self.snapshots, programs=self.executor.programs,
                                    fingerprints=(self.fingerprint, lambda: legacy_programs_fingerprint(self._blobs)),
-                                   layout=self._state_layout, adopt=self._adopt_state)
+                                   layout=self._state_layout, adopt=self._adopt_state,
+                                   tree=self.executor.checkpoint_tree)
         return self._guard(context, load)
 
     def _adopt_state(self, leaves, applied: int, digest: str) -> None:

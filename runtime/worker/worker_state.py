@@ -26,6 +26,7 @@ lock and refused while a step runs.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -82,18 +83,19 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
 
 
 def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotStore | None, programs: ProgramSet,
-                    fingerprints: tuple[str, Callable[[], str]], layout, adopt) -> pb.PullStateReply:
+                    fingerprints: tuple[str, Callable[[], str]], layout, adopt, tree=None) -> pb.PullStateReply:
     """``LoadCheckpoint``: the newest valid checkpoint (or, with ``request.snapshot``, snapshot in
     ``snapshots``) at or before ``request.applied_steps``, given to ``adopt(leaves, step, digest)`` unless
     other programs than ``programs`` (with state ``layout``) wrote it. ``fingerprints``: the programs'
     fingerprint, and a function giving the one checkpoints written before it record (asked only when the
-    first does not match)."""
+    first does not match). ``tree``: how the programs' checkpoints name the leaves (reads a checkpoint
+    MaxText's trainer wrote)."""
     from runtime.state.checkpoint import CheckpointStore
 
     t0 = time.perf_counter()
     if request.snapshot and snapshots is None:
         raise StaleEpochError("this worker keeps no snapshots (the run takes none)")
-    store = snapshots if request.snapshot else CheckpointStore(request.directory)
+    store = snapshots if request.snapshot else CheckpointStore(request.directory, tree=tree, layout=layout)
     (step, leaves, digest, meta), skipped = store.restore_newest_valid(at_most=request.applied_steps)
     mesh = (programs.devices_per_slice, programs.num_microbatches)
     written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
@@ -149,7 +151,7 @@ def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExec
             "microbatches": ex.programs.num_microbatches,
             "loss_sums": loss_sums(req.committed_loss_sums, recent, req.step)}
     if req.checkpoint_directory:
-        writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta)
+        writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta, tree=ex.checkpoint_tree)
     if req.snapshot:
         peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
         copy = functools.partial(copy_snapshot, peers, timeout, peer, req.fence) if peer else None
@@ -172,8 +174,11 @@ def flush_checkpoints(writer: CheckpointWriter | None, wait_seconds: float) -> p
 
 def loss_sums(committed, recent: dict[int, float], step: int) -> list[float]:
     """The loss sums of steps 0..``step``: the committed ones the controller sent, then this worker's own
-    ``recent`` ones; [] when a step between is unknown here (a resumed run then reports those losses as NaN)."""
+    ``recent`` ones; [] when a step between is unknown here (a resumed run then reports those losses as NaN),
+    or unknown to the controller too (a run resumed from a checkpoint that recorded none: NaN there)."""
     sums = list(committed)
+    if any(math.isnan(x) for x in sums):
+        return []
     for k in range(len(sums), step + 1):
         if k not in recent:
             return []

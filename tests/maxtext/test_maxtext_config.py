@@ -165,9 +165,9 @@ def test_maxtexts_multi_tier_keys_add_persistent_checkpoints_at_the_backup_inter
 def test_a_dataset_other_than_synthetic_is_refused_in_one_line_naming_the_routes():
     from integrations.maxtext import make_job
 
-    ec, mt = load("dataset_type=grain", "grain_train_files=/data/train*.arrayrecord")
+    ec, mt = load("dataset_type=tfds")   # grain and hf (local files) are built in: integrations.maxtext.text_data
     with pytest.raises(elastic.ConfigError) as e:
         make_job(ec, mt)
     msg = str(e.value)
-    assert "\n" not in msg and "'dataset_type' is 'grain'" in msg and "<" not in msg   # no enum repr
+    assert "\n" not in msg and "'dataset_type' is 'tfds'" in msg and "<" not in msg   # no enum repr
     assert "elastic_trainer=MODULE:FUNCTION" in msg and "data=SOURCE" in msg
