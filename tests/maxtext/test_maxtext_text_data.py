@@ -16,6 +16,7 @@ import elastic  # noqa: E402
 from integrations.maxtext import load_maxtext_config  # noqa: E402
 from integrations.maxtext.data import KEYS  # noqa: E402
 from integrations.maxtext.text_data import PackedIndex, TextSource, _packed, source_for  # noqa: E402
+from tests.maxtext.text_files import documents, write_arrayrecord, write_parquet  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "integrations" / "maxtext" / "configs" / "tiny.yml"
@@ -23,39 +24,6 @@ TOKENIZERS = pathlib.Path(__import__("maxtext").__file__).parent / "assets" / "t
 LLAMA2 = TOKENIZERS / "tokenizer.llama2"   # sentencepiece, 32000 pieces, pad id -1 (MaxText pads with -1)
 QWEN3 = TOKENIZERS / "qwen3-tokenizer"     # a Hugging Face tokenizer directory
 LENGTH = 32                                # max_target_length of these tests
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
-
-
-def documents(n=40, seed=0) -> list[str]:
-    """``n`` texts of about 6 to 20 tokens, every 7th of 25 to 60 (longer than LENGTH: truncated or chunked)."""
-    rng = np.random.default_rng(seed)
-    sizes = [int(rng.integers(10, 25)) if i % 7 == 3 else int(rng.integers(0, 6)) for i in range(n)]
-    return [" ".join(rng.choice(WORDS, size=size)) + f" document {i}." for i, size in enumerate(sizes)]
-
-
-def write_arrayrecord(path: pathlib.Path, docs, *, tokens=None) -> None:
-    from array_record.python.array_record_module import ArrayRecordWriter
-    from maxtext.input_pipeline.protos import example_pb2
-
-    writer = ArrayRecordWriter(str(path), "group_size:1")
-    for i, doc in enumerate(docs):
-        example = example_pb2.Example()
-        if tokens is None:
-            example.features.feature["text"].bytes_list.value.append(doc.encode())
-        else:
-            example.features.feature["text"].int64_list.value.extend(tokens[i])
-        writer.write(example.SerializeToString())
-    writer.close()
-
-
-def write_parquet(path: pathlib.Path, docs, *, row_group_size=7, column="text") -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({column: docs, "id": list(range(len(docs)))}), str(path), row_group_size=row_group_size)
-
-
 class Over:
     """MaxText's config with some keys changed (only read here), so most tests share one load of it."""
 
