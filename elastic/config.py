@@ -173,6 +173,11 @@ class Config:
     # MaxText's key: start from this jax-elastic checkpoint (a checkpoint directory: its newest complete one; or
     # one step's directory, <dir>/<step>) when the run's own directory holds none to resume from. "": fresh.
     load_full_state_path: str = _key("", role=(MATH, RUNTIME, MAXTEXT))
+    # MaxText's key: a fresh start (nothing to resume) takes its parameters from this checkpoint, a step's
+    # directory (<dir>/<step>[/items]) or a parameter-only checkpoint (<dir>[/items]): the leaves the model's
+    # checkpoint tree places under "params" (MaxText's models name theirs); the optimizer state and the step
+    # are the seed's (fine-tuning). Not with load_full_state_path. "": the seed's parameters.
+    load_parameters_path: str = _key("", role=(MATH, RUNTIME, MAXTEXT))
     elastic_goodput_cloud_logging: bool = _key(False, role=(OUTPUT,))
     # In-memory snapshots (MaxText's elastic_backup_kind): while no spare shadows the state, one replica writes
     # its state to its host's memory (/dev/shm) every elastic_snapshot_interval steps (0: never), and a copy

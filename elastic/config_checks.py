@@ -81,9 +81,12 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
     if m and m < slices:
         return (f"config key {at('elastic_microbatches')} must be >= {at('dcn_data_parallelism')}: "
                 "every slice needs at least one microbatch per step")
-    for key in ("elastic_checkpoint_directory", "load_full_state_path"):
+    for key in ("elastic_checkpoint_directory", "load_full_state_path", "load_parameters_path"):
         if values[key] and (problem := checkpoint_directory_problem(values[key])):
             return f"config key {at(key)} {problem}"
+    if values["load_full_state_path"] and values["load_parameters_path"]:
+        return (f"config keys {at('load_full_state_path')} and {at('load_parameters_path')} contradict: set one "
+                "(a full state already holds its parameters)")
     if values["elastic_controller_address"] and (problem := _address_problem(values["elastic_controller_address"])):
         return f"config key {at('elastic_controller_address')} {problem}"
     if values["elastic_run_id"] and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", values["elastic_run_id"]):

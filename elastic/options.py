@@ -82,7 +82,7 @@ _STANDBY_KEY = "elastic_standby_workers"  # -> standby_workers, -1 resolved (Con
 _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.compilation_cache_dir)
 # -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
 _CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory",
-                    "load_full_state_path")
+                    "load_full_state_path", "load_parameters_path")
 _SNAPSHOT_KEYS = ("elastic_snapshot_directory",)
 _ADDRESS_KEY = "elastic_controller_address"   # -> host and port ("": 127.0.0.1, any port)
 #: Where the run secret comes from when the workers are started by someone else (elastic_launcher=none).
@@ -135,6 +135,7 @@ class RunSettings:
     goodput_recording: bool    # write goodput_log.jsonl (ml-goodput-measurement events) at the end of the run
     goodput_cloud_logging: bool  # ... and send them to Cloud Logging
     platform: str              # JAX platform of the programs (cpu, cuda, tpu); "": JAX's choice in this process
+    parameters_from: str = ""  # load_parameters_path, absolute (a fresh start's parameters; the reference's too)
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -145,7 +146,8 @@ def run_settings(cfg: Config) -> RunSettings:
                        max_local_workers=cfg.elastic_max_local_workers,
                        compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer,
                        goodput_recording=cfg.enable_goodput_recording,
-                       goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg))
+                       goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg),
+                       parameters_from=_absolute(cfg.load_parameters_path))
 
 
 #: The config key ``hardware`` (MaxText's names) -> the JAX platform programs are exported for.
@@ -217,6 +219,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
                              platform=export_platform(cfg), load_full_state_path=_absolute(cfg.load_full_state_path),
+                             load_parameters_path=_absolute(cfg.load_parameters_path),
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})

@@ -44,6 +44,7 @@ __all__ = [
     "check_config_capacity",
     "check_data_source",
     "check_load_full_state_path",
+    "check_load_parameters_path",
     "check_local_capacity",
     "check_output_directory",
     "claim_run_directory",
@@ -249,6 +250,24 @@ def check_load_full_state_path(path: str, checkpoint_directory: str, steps: int)
         locate_checkpoint(path)
     except BadInputError as e:
         raise ConfigError(f"config key {str(e).splitlines()[0]}") from None
+
+
+def check_load_parameters_path(path: str, programs, checkpoint_directory: str = "", steps: int = 0) -> None:
+    """Refuses ``load_parameters_path`` (``path``) when a fresh start would read it and cannot: it does not
+    exist, holds no ``items`` tree, or the model's checkpoints name no parameters (``programs``' checkpoint
+    tree has no ``params`` subtree). Nothing to check without a path, or when the run resumes from its own
+    ``checkpoint_directory`` (it then never reads ``path``, as MaxText does). One-line ``ConfigError``."""
+    if not path or (checkpoint_directory and newest_checkpoint(checkpoint_directory, steps) is not None):
+        return
+    tree = programs.checkpoint_tree
+    if not (isinstance(tree, dict) and isinstance(tree.get("skeleton"), dict) and "params" in tree["skeleton"]):
+        raise ConfigError("config key load_parameters_path: this model's checkpoints name no parameters (no "
+                          "'params' in its checkpoint tree; elastic.wrap(..., checkpoint_tree=) names them); "
+                          "use load_full_state_path with a whole state")
+    root = path.rstrip("/").removesuffix("/items")
+    if "://" not in root and not os.path.isdir(os.path.join(root, "items")):
+        what = "does not exist" if not os.path.exists(path) else "holds no 'items' tree (a checkpoint's <dir>/<step>)"
+        raise ConfigError(f"config key load_parameters_path {path!r} {what}")
 
 
 def check_output_directory(base_output_directory: str, run_name: str) -> None:

@@ -29,7 +29,7 @@ from elastic.config import Config
 from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
 from elastic.preflight import (RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path,
-                               claim_run_directory)
+                               check_load_parameters_path, claim_run_directory)
 from elastic.run_records import RunRecordsLostError
 from runtime import (ClientSupersededError, Controller, ElasticError, ProgramExportError, ProgramSet,
                      enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms,
@@ -155,6 +155,8 @@ class _Job:
                 check_load_full_state_path(opts.load_full_state_path, opts.checkpoint_directory, settings.steps)
                 prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
+            check_load_parameters_path(settings.parameters_from, programs, opts.checkpoint_directory if opts else "",
+                                       settings.steps)
             built = time.time()
             checkpointed = opts is not None and bool(opts.checkpoint_directory)
             fingerprints = _programs.program_fingerprints(programs) if checkpointed else None
@@ -242,11 +244,12 @@ class _Job:
                 and local_platform() in program_platforms(programs.init)):
             enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
             losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
-                                           on_step=step_done)
+                                           on_step=step_done, parameters_from=settings.parameters_from)
         else:   # this process's JAX has fewer devices than a slice, or another platform: a child process gets them
             losses, digest = run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
                                                    seed=settings.seed, on_step=step_done,
-                                                   compilation_cache_dir=settings.compilation_cache_dir)
+                                                   compilation_cache_dir=settings.compilation_cache_dir,
+                                                   parameters_from=settings.parameters_from)
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
         events.emit("run_finished", steps_completed=len(losses), final_state_sha256=digest,
                     replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,

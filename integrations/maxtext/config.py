@@ -75,6 +75,9 @@ SHARED_KEYS: Mapping[str, str] = {
                          "MaxText: its default",
     "load_full_state_path": "jax-elastic: the run starts from that checkpoint, jax-elastic's or MaxText's "
                             "(<dir>/<step>/items, <dir>/<step> or <dir>); MaxText: its default ''",
+    "load_parameters_path": "jax-elastic: a fresh start takes its parameters from that checkpoint (a full one's "
+                            "or MaxText's parameter-only <dir>/items), optimizer and step from the seed; "
+                            "MaxText: its default ''",
     "hardware": "both, the user's value: jax-elastic exports its programs for it, MaxText checks its options "
                 "against it (unset: jax-elastic's '', MaxText's 'tpu'); gpu_multiprocess is refused",
 }
@@ -84,7 +87,7 @@ SHARED_KEYS: Mapping[str, str] = {
 # none.
 _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
                  "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing",
-                 "checkpoint_period", "load_full_state_path")
+                 "checkpoint_period", "load_full_state_path", "load_parameters_path")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
 # Runtime keys whose unset value is MaxText's default, not jax-elastic's: a MaxText run checkpoints unless told not.
 _MAXTEXT_DEFAULTS = ("enable_checkpointing", "checkpoint_period")
@@ -110,7 +113,6 @@ UNSUPPORTED: Mapping[str, Any] = {
     "routed_bias_update_rate": 0.0,
     "moe_dropless_fallback": None,
     "quantization": "",
-    "load_parameters_path": "",   # a jax-elastic state is whole (parameters and optimizer): load_full_state_path
 }
 
 # MaxText's own resilience keys, which jax-elastic carries out with its tiers (MaxText's trainer does not run,

@@ -71,6 +71,7 @@ class ControllerOptions:
     shadow_spares: bool = False            # spares shadow the state (runtime.control.shadows)
     platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
     load_full_state_path: str = ""         # start from this checkpoint (a store, or <store>/<step>) if none to resume
+    load_parameters_path: str = ""         # a fresh start takes its parameters from this checkpoint (<dir>[/items])
     snapshot_directory: str = ""           # in-memory snapshots: the directory on each host that keeps them
     snapshot_interval: int = 0             # a snapshot after every this many steps; 0: none (control.snapshotting)
     backup_kind: str = "snapshot"          # the backup while no spare shadows the state (control.tiers.backup_tier)

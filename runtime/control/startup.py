@@ -52,7 +52,8 @@ def start(ctl) -> None:
             break
         ctl.membership.before_state("restoring the checkpoint" if resume else "initializing the state")
     if resume is None:
-        ctl.events.emit("state_initialized", seed=ctl.attempt.seed, state_bytes=max(sizes.values()))
+        more = {"parameters_from": ctl.opts.load_parameters_path} if ctl.opts.load_parameters_path else {}
+        ctl.events.emit("state_initialized", seed=ctl.attempt.seed, state_bytes=max(sizes.values()), **more)
     else:
         resumed(ctl, loaded, resume[0], max(sizes.values()))
     if ctl.shadows.enabled:   # the spares start with the same state: from the seed, or the same checkpoint
@@ -76,10 +77,15 @@ def resume_from(ctl) -> tuple[str, int] | None:
     return None
 
 def first_state(ctl, workers, resume: tuple[str, int] | None) -> Loaded:
-    """``workers`` initialize from the seed (``resume`` None: ``Loaded`` of step 0, no losses) or load the
-    checkpoint ``(directory, step)``; those that did are in the answer's ``bytes``."""
+    """``workers`` initialize from the seed (``resume`` None: ``Loaded`` of step 0, no losses; with
+    ``load_parameters_path`` their parameters then replaced by that checkpoint's) or load the checkpoint
+    ``(directory, step)``; those that did are in the answer's ``bytes``."""
     if resume is None:
-        return Loaded(0, ctl.group.init(workers, ctl.attempt.seed), [])
+        sizes = ctl.group.init(workers, ctl.attempt.seed)
+        if ctl.opts.load_parameters_path and sizes:
+            loaded = ctl.group.load_checkpoints(list(sizes), ctl.opts.load_parameters_path, 0, parameters_only=True)
+            sizes = {w: sizes[w] for w in loaded}
+        return Loaded(0, sizes, [])
     return ctl.checkpoints.load(workers, resume[1], resume[0])
 
 def resumed(ctl, loaded: Loaded, directory: str, state_bytes: int) -> None:

@@ -272,16 +272,18 @@ class WorkerCalls:
             source_data_address=self._data_address(source)))
         return reply.bytes, reply.sha256
 
-    def load_checkpoints(self, workers, directory: str, applied: int,
-                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
+    def load_checkpoints(self, workers, directory: str, applied: int, snapshot: bool = False,
+                         parameters_only: bool = False) -> dict[str, pb.PullStateReply]:
         """``workers`` each load the newest valid checkpoint at or before ``applied`` (each reply says which);
-        ``snapshot``: each the newest valid in-memory snapshot on its host instead (``directory`` unused).
+        ``snapshot``: each the newest valid in-memory snapshot on its host instead (``directory`` unused);
+        ``parameters_only``: each replaces its state's parameters by those of the checkpoint at ``directory``.
 
         One lost meanwhile is declared dead and left out (see :meth:`_each`)."""
-        what = "an in-memory snapshot" if snapshot else "a checkpoint"
+        what = ("an in-memory snapshot" if snapshot else "the parameters of a checkpoint" if parameters_only
+                else "a checkpoint")
         return self._each("LoadCheckpoint", lambda w: pb.LoadCheckpointRequest(
-            fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot), workers,
-            f"failed to load {what}")
+            fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot,
+            parameters_only=parameters_only), workers, f"failed to load {what}")
 
     def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
                           ) -> dict[str, tuple[list[int], str, bool]]:

@@ -414,10 +414,10 @@ class WorkerGroup:
         """``{worker: (applied steps, sha256 of its state)}``."""
         return self.calls.hashes(workers)
 
-    def load_checkpoints(self, workers, directory: str, applied: int,
-                         snapshot: bool = False) -> dict[str, pb.PullStateReply]:
-        """``workers`` each load a checkpoint (or a snapshot); see :meth:`WorkerCalls.load_checkpoints`."""
-        return self.calls.load_checkpoints(workers, directory, applied, snapshot)
+    def load_checkpoints(self, workers, directory: str, applied: int, snapshot: bool = False,
+                         parameters_only: bool = False) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load a checkpoint (a snapshot, or parameters); see :meth:`WorkerCalls.load_checkpoints`."""
+        return self.calls.load_checkpoints(workers, directory, applied, snapshot, parameters_only)
 
     def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
                           ) -> dict[str, tuple[list[int], str, bool]]:

@@ -125,8 +125,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"epoch": COUNT, "active": NAMES, "spares": NAMES, "seconds": FINITE}),
     EventKind("programs_loaded", "every member loaded (compiled) the programs",
               {"compile_seconds": NUMBERS_BY_NAME, "program_bytes": ANY}),
-    EventKind("state_initialized", "the train state was initialized from the seed",
-              {"seed": ANY, "state_bytes": COUNT}),
+    EventKind("state_initialized", "the train state was initialized from the seed (its parameters then replaced "
+              "by those of parameters_from: load_parameters_path)",
+              {"seed": ANY, "state_bytes": COUNT}, {"parameters_from": TEXT}),
     EventKind("run_resumed", "the run resumed from a checkpoint of an earlier attempt",
               {"step": COUNT, "directory": TEXT, "tier": TEXT, "bytes": COUNT, "state_bytes": COUNT,
                "resharded_from": OBJECT_OR_NULL, "losses": LIST, "losses_recorded": BOOL},

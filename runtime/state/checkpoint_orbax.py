@@ -35,10 +35,10 @@ import threading
 import numpy as np
 
 from runtime.state.checkpoint_record import CheckpointCorruptError, Restored, _describe, check_record, verified
-from runtime.state.checkpoint_tree import CheckpointTree, from_items, map_skeleton, step_in, to_items
+from runtime.state.checkpoint_tree import CheckpointTree, from_items, map_skeleton, step_in, take, to_items
 from runtime.state.state_copy import state_sha256
 
-__all__ = ["ITEMS", "RECORD", "read", "write"]
+__all__ = ["ITEMS", "RECORD", "read", "read_parameters", "write"]
 
 _STATE = "state"
 #: The record's item, and the named tree's (MaxText's name for its state).
@@ -70,6 +70,29 @@ def read(path, step: int, tree: CheckpointTree | None = None, layout=None) -> Re
         if not (path / _META).exists() and (path / ITEMS).exists():
             return _read_foreign(checkpointer, path, step, tree, layout)
         return _read_with(checkpointer, path, step)
+
+
+def read_parameters(path, tree: CheckpointTree, layout, subtree: str = "params") -> dict[int, np.ndarray]:
+    """``{leaf index: array}`` of the leaves ``tree`` places under ``subtree``, read from the ``items`` of the
+    checkpoint at ``path`` (one step's directory, or a parameter-only checkpoint such as MaxText's; other
+    entries of its tree are not read); :class:`CheckpointCorruptError` naming ``path`` when they cannot be."""
+    ocp, where = _ocp(), str(path)
+    part = tree.skeleton.get(subtree) if isinstance(tree.skeleton, dict) else None
+    if part is None:
+        raise CheckpointCorruptError(where, f"this model's checkpoint tree has no {subtree!r} subtree to read")
+    if not (path / ITEMS).exists():
+        raise CheckpointCorruptError(where, f"it holds no {ITEMS!r} tree")
+    args = {subtree: map_skeleton(part, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
+    with _checkpointer() as checkpointer:
+        try:
+            items = checkpointer.restore(path, args=ocp.args.Composite(**{ITEMS: ocp.args.PyTreeRestore(
+                item=map_skeleton(args, lambda _: 0), restore_args=args, partial_restore=True)}))[ITEMS]
+        except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable; the error says why
+            raise CheckpointCorruptError(where, f"its {ITEMS}/{subtree} cannot be read ({_describe(e)})") from e
+    try:
+        return take(items[subtree], part, tree, [(tuple(s), np.dtype(d)) for s, d in layout], (subtree,))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorruptError(where, str(e)) from None
 
 
 def _read_foreign(checkpointer, location, step: int, tree: CheckpointTree | None, layout) -> Restored:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["CheckpointTree", "from_items", "map_skeleton", "step_in", "to_items"]
+__all__ = ["CheckpointTree", "from_items", "map_skeleton", "step_in", "take", "to_items"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +105,22 @@ def from_items(items, tree: CheckpointTree, layout: Sequence[tuple[tuple[int, ..
     naming the first place that is missing or does not fit."""
     if len(layout) != len(tree):
         raise ValueError(f"the checkpoint tree places {len(tree)} leaves, the state has {len(layout)}")
-    out: list = [None] * len(tree)
+    got = take(items, tree.skeleton, tree, layout)
+    return [got[i] for i in range(len(tree))]
 
-    def take(index: int, path: tuple) -> None:
+
+def take(items, skeleton, tree: CheckpointTree, layout, prefix: tuple = ()) -> dict[int, np.ndarray]:
+    """``{leaf index: array}`` of the leaves ``skeleton`` places (``tree``'s skeleton, or its subtree at
+    ``prefix``), out of ``items`` read back (the same part of the checkpoint's tree), each of ``layout``'s
+    shape and dtype; ``ValueError`` naming the first place that is missing or does not fit."""
+    out: dict[int, np.ndarray] = {}
+
+    def one(index: int, path: tuple) -> None:
         shape, want = layout[index]
         if not np.prod(shape, dtype=np.int64):
             out[index] = np.empty(shape, want)
             return
-        node = _lookup(items, path)
+        node = _lookup(items, path, prefix)
         dtype, key_impl = tree.leaves[index]
         if key_impl is not None and _is_key(node):
             import jax
@@ -122,11 +130,11 @@ def from_items(items, tree: CheckpointTree, layout: Sequence[tuple[tuple[int, ..
         if dtype is not None and x.dtype == np.dtype(dtype):
             x = _view(x, np.dtype(want))
         if tuple(x.shape) != tuple(shape) or x.dtype != np.dtype(want):
-            raise ValueError(f"the checkpoint's {'/'.join(map(str, path))} is {x.dtype}{list(x.shape)}, "
+            raise ValueError(f"the checkpoint's {'/'.join(map(str, prefix + path))} is {x.dtype}{list(x.shape)}, "
                              f"the state's leaf {index} {np.dtype(want)}{list(shape)}")
         out[index] = x
 
-    _walk(tree.skeleton, take, (), with_path=True)
+    _walk(skeleton, one, (), with_path=True)
     return out
 
 
@@ -137,13 +145,13 @@ def step_in(items, tree: CheckpointTree) -> int | None:
     return int(np.asarray(_lookup(items, tree.step_path)))
 
 
-def _lookup(items, path: tuple):
+def _lookup(items, path: tuple, prefix: tuple = ()):
     node = items
     for key in path:
         try:
             node = node[int(key)] if isinstance(node, (list, tuple)) else node[key]
         except (KeyError, IndexError, TypeError, ValueError):
-            raise ValueError(f"the checkpoint has no {'/'.join(map(str, path))}") from None
+            raise ValueError(f"the checkpoint has no {'/'.join(map(str, prefix + path))}") from None
     return node
 
 

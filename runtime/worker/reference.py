@@ -34,12 +34,19 @@ __all__ = ["run_reference", "run_reference_process"]
 
 
 def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
-                  on_step: Callable[[int, float], None] | None = None, start_step: int = 0) -> tuple[list[float], str]:
-    """Trains ``steps`` steps; returns (per-step mean losses, final state sha256)."""
+                  on_step: Callable[[int, float], None] | None = None, start_step: int = 0,
+                  parameters_from: str = "") -> tuple[list[float], str]:
+    """Trains ``steps`` steps; returns (per-step mean losses, final state sha256). ``parameters_from``: the
+    initialized state's parameters are that checkpoint's (``load_parameters_path``), as on the workers."""
     ex = SliceExecutor(programs, data_source)
     ex.load()
     compile_cache.mark_held(compile_cache.enabled(), programs.programs(), programs.devices_per_slice)
     ex.init(seed)
+    if parameters_from:
+        from runtime.worker.worker_state import with_parameters
+
+        leaves, _ = with_parameters(ex, parameters_from, [(tuple(x.shape), x.dtype) for x in ex.state])
+        ex.set_state(leaves, ex.steps_applied)
     top = root(programs.num_microbatches)
     losses = []
     for step in range(start_step, start_step + steps):
@@ -57,8 +64,8 @@ REFERENCE_RETRIES = 2
 
 
 def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int, seed: int,
-                          compilation_cache_dir: str = "",
-                          on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], str]:
+                          compilation_cache_dir: str = "", on_step: Callable[[int, float], None] | None = None,
+                          parameters_from: str = "") -> tuple[list[float], str]:
     """:func:`run_reference` in a child process with ``programs.devices_per_slice`` devices of the programs' platform.
 
     CPU programs get that many simulated CPU devices; programs for an
@@ -80,7 +87,7 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     platforms = program_platforms(programs.init)
     env = jax_child_env(programs.devices_per_slice, platforms[0] if len(platforms) == 1 else "")
     request = pickle.dumps({"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
-                            "cache": compilation_cache_dir})
+                            "cache": compilation_cache_dir, "parameters_from": parameters_from})
     heard: dict[int, float] = {}
 
     def step_done(step: int, loss: float) -> None:
@@ -146,7 +153,7 @@ def _child() -> None:
 
     try:
         losses, digest = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
-                                       on_step=step_done)
+                                       on_step=step_done, parameters_from=req["parameters_from"])
     except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

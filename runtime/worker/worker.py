@@ -58,7 +58,8 @@ from runtime.worker.saver import CheckpointWriter
 from runtime.state.snapshot import SnapshotStore, host_directory
 from runtime.state.state_copy import state_chunks
 from runtime.worker.worker_fence import Fencing
-from runtime.worker.worker_state import (flush_checkpoints, keep_snapshot, load_checkpoint, pull_state, save_step,
+from runtime.worker.worker_state import (flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters, pull_state,
+                                         save_step,
                                   strike_save_in_progress, while_saving)
 from runtime.worker.worker_step import Stepping
 
@@ -361,6 +362,8 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         def load():
             self.check_fence(request.fence)
             self._need_executor()
+            if request.parameters_only:
+                return load_parameters(request, self.executor, self._state_layout, self._adopt_state)
             return load_checkpoint(request, snapshots=self.snapshots, programs=self.executor.programs,
                                    fingerprints=(self.fingerprint, lambda: legacy_programs_fingerprint(self._blobs)),
                                    layout=self._state_layout, adopt=self._adopt_state,

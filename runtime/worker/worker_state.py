@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.dataplane_client import DataClient, RemoteError
@@ -41,7 +42,7 @@ from runtime.wire.peers import PeerChannels
 from runtime.core.programs import ProgramSet
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.snapshot import SnapshotStore
-from runtime.state.state_copy import assemble_state
+from runtime.state.state_copy import assemble_state, state_sha256
 
 if TYPE_CHECKING:
     from runtime.worker.executor import SliceExecutor
@@ -113,6 +114,38 @@ def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotSto
                              loss_sums=loss_sums_of(meta, step),
                              written_devices_per_slice=written_on[0] if resharded else 0,
                              written_microbatches=written_on[1] if resharded else 0)
+
+
+def load_parameters(request: pb.LoadCheckpointRequest, executor, layout, adopt) -> pb.PullStateReply:
+    """``LoadCheckpoint`` with ``parameters_only`` (``load_parameters_path``): the leaves the programs'
+    checkpoint tree places under ``params`` are replaced by the checkpoint's at ``request.directory``, the rest
+    of the state held now (the initialized optimizer) and its applied steps are kept, through
+    ``adopt(leaves, step, digest)``."""
+    t0 = time.perf_counter()
+    leaves, read = with_parameters(executor, request.directory, layout)
+    digest = state_sha256(leaves)
+    adopt(leaves, executor.steps_applied, digest)
+    return pb.PullStateReply(sha256=digest, bytes=read, seconds=time.perf_counter() - t0,
+                             applied_steps=executor.steps_applied)
+
+
+def with_parameters(executor, directory: str, layout) -> tuple[list[np.ndarray], int]:
+    """``executor``'s state (host copies) with the leaves its programs' checkpoint tree places under
+    ``params`` read from the checkpoint at ``directory`` (``<dir>`` or ``<dir>/items``), and the bytes read;
+    the reference run does the same after its init."""
+    from etils import epath
+
+    from runtime.state.checkpoint_orbax import read_parameters
+
+    tree = executor.checkpoint_tree
+    if tree is None:
+        raise ProtocolError("these programs name no checkpoint tree, so no parameters can be picked out of a "
+                            "checkpoint (load_parameters_path needs a model whose checkpoints are named, e.g. "
+                            "MaxText's)")
+    if executor.state is None:
+        raise StaleEpochError("this worker holds no state yet")
+    params = read_parameters(epath.Path(directory.rstrip("/").removesuffix("/items")), tree, layout)
+    return [params.get(i, np.asarray(x)) for i, x in enumerate(executor.state)], sum(x.nbytes for x in params.values())
 
 
 def keep_snapshot(request_iterator, snapshots: SnapshotStore | None, check_fence) -> None:

@@ -7,7 +7,9 @@ starts from that checkpoint (``load_full_state_path`` in MaxText's
 MaxText's layout; MaxText's trainer then auto-resumes from jax-elastic's run
 directory and trains steps 4-5. The six losses equal MaxText's trainer
 running all six steps, float for float: the whole train state (weights,
-AdamW moments, step count, RNG streams) crossed both ways exactly.
+AdamW moments, step count, RNG streams) crossed both ways exactly. And
+``load_parameters_path`` fine-tunes from the weights of MaxText's checkpoint
+exactly as MaxText's trainer does.
 """
 
 import json
@@ -27,14 +29,15 @@ TINY = ROOT / "integrations" / "maxtext" / "configs" / "tiny.yml"
 SCHEDULE = ["learning_rate_schedule_steps=6"]   # every link keeps the 6-step run's learning-rate schedule
 
 
-def maxtext_trainer(tmp_path, name: str, run_dir: pathlib.Path, steps: int, checkpoints: bool) -> subprocess.Popen:
+def maxtext_trainer(tmp_path, name: str, run_dir: pathlib.Path, steps: int, checkpoints: bool,
+                    extra=()) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     args = [sys.executable, "-m", "maxtext.trainers.pre_train.train", str(TINY), f"steps={steps}", *SCHEDULE,
             f"base_output_directory={run_dir.parent}", f"run_name={run_dir.name}", "jax_cache_dir=",
             f"dump_hlo_local_dir={tmp_path / 'dump'}", f"metrics_file={tmp_path / f'{name}.jsonl'}",
             "log_config=false", f"enable_checkpointing={str(checkpoints).lower()}", "checkpoint_period=2",
-            "async_checkpointing=false", "skip_jax_distributed_system=true"]
+            "async_checkpointing=false", "skip_jax_distributed_system=true", *extra]
     return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=open(tmp_path / f"{name}.log", "w"),
                             stderr=subprocess.STDOUT)
 
@@ -44,14 +47,27 @@ def finished(proc: subprocess.Popen, tmp_path, name: str) -> list[float]:
     return [json.loads(line)["learning/loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
 
 
-def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def maxtext_run(tmp_path_factory):
+    """MaxText's trainer, 2 steps with checkpoints: ``(its checkpoint <1>/items, its losses, the work dir)``."""
+    tmp_path = tmp_path_factory.mktemp("maxtext")
+    losses = finished(maxtext_trainer(tmp_path, "first", tmp_path / "maxtext" / "r", 2, checkpoints=True),
+                      tmp_path, "first")
+    theirs = tmp_path / "maxtext" / "r" / "checkpoints" / "1" / "items"   # MaxText's: the state after step 1
+    assert theirs.is_dir()
+    return theirs, losses
+
+
+def elastic_losses(run_dir: pathlib.Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "events.jsonl").read_text().splitlines()
+            if '"step_committed"' in line]
+
+
+def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")   # main sets a slice's device count (1 here); restored after the test
+    theirs, first_losses = maxtext_run
     straight = maxtext_trainer(tmp_path, "straight", tmp_path / "straight" / "r", 6, checkpoints=False)
-    first = maxtext_trainer(tmp_path, "first", tmp_path / "maxtext" / "r", 2, checkpoints=True)
     try:
-        first_losses = finished(first, tmp_path, "first")
-        theirs = tmp_path / "maxtext" / "r" / "checkpoints" / "1" / "items"   # MaxText's: the state after step 1
-        assert theirs.is_dir()
         elastic_dir = tmp_path / "elastic" / "r"
         assert main([str(TINY), "steps=4", *SCHEDULE, f"base_output_directory={elastic_dir.parent}", "run_name=r",
                      "enable_checkpointing=true", "checkpoint_period=4", f"load_full_state_path={theirs}"]) == 0
@@ -60,17 +76,46 @@ def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(tmp_path, mon
         resumed = next(e for e in events if e["kind"] == "run_resumed")
         assert (resumed["step"], resumed["tier"]) == (2, "checkpoint")
         assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4]
-        ours = [e["loss"] for e in events if e["kind"] == "step_committed"]
+        ours = elastic_losses(elastic_dir)
         last = finished(maxtext_trainer(tmp_path, "last", elastic_dir, 6, checkpoints=True), tmp_path, "last")
         assert "restoring from this run's directory step 4" in (tmp_path / "last.log").read_text()
         reference = finished(straight, tmp_path, "straight")
     finally:
-        for proc in (straight, first):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if straight.poll() is None:
+            straight.kill()
+            straight.wait()
     chain = first_losses + ours + last
     with capsys.disabled():
         print(f"\nMaxText 6 steps:                 {reference}\nMaxText 2 -> jax-elastic 2 -> MaxText 2: {chain}")
     assert [len(first_losses), len(ours), len(last)] == [2, 2, 2]
     assert chain == reference   # float32 values, compared exactly
+
+
+def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimizer(maxtext_run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """MaxText's trainer and jax-elastic (workers, and the one-process reference) both fine-tune from the
+    weights of MaxText's checkpoint: step 0, AdamW's moments from scratch; the same losses, exactly."""
+    monkeypatch.setenv("XLA_FLAGS", "")
+    theirs, _ = maxtext_run
+    maxtext = maxtext_trainer(tmp_path, "tune", tmp_path / "tune" / "r", 3, checkpoints=False,
+                              extra=[f"load_parameters_path={theirs}"])
+    try:
+        common = [str(TINY), "steps=3", *SCHEDULE, f"base_output_directory={tmp_path}", f"load_parameters_path={theirs}"]
+        assert main([*common, "run_name=workers"]) == 0
+        assert main([*common, "run_name=reference", "--reference"]) == 0
+        tuned = finished(maxtext, tmp_path, "tune")
+    finally:
+        if maxtext.poll() is None:
+            maxtext.kill()
+            maxtext.wait()
+    events = [json.loads(line) for line in (tmp_path / "workers" / "events.jsonl").read_text().splitlines()]
+    assert [e.get("parameters_from") for e in events if e["kind"] == "state_initialized"] == [str(theirs)]
+    with capsys.disabled():
+        print(f"\nMaxText from its weights: {tuned}\njax-elastic from them:    {elastic_losses(tmp_path / 'workers')}")
+    assert len(tuned) == 3
+    assert elastic_losses(tmp_path / "workers") == elastic_losses(tmp_path / "reference") == tuned
+    fresh = [5.3839030265808105, 5.376120567321777]   # MaxText's first losses from the seed: not these weights'
+    assert tuned[:2] != fresh
+    assert main([str(TINY), "steps=1", f"base_output_directory={tmp_path}", "run_name=bad",
+                 f"load_parameters_path={tmp_path}"]) == 2   # no items tree there: one line naming the key
+    assert "config key load_parameters_path" in capsys.readouterr().err

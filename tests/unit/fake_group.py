@@ -301,7 +301,7 @@ class FakeGroup:
     def poll(self, futs, deadline=None):
         raise AssertionError("the fake group has no shadow spares (their steps are polled)")
 
-    def load_checkpoints(self, workers, directory, applied, snapshot=False):
+    def load_checkpoints(self, workers, directory, applied, snapshot=False, parameters_only=False):
         raise AssertionError("the fake group holds no checkpoints or snapshots")
 
     def flush_checkpoints(self, workers, wait_seconds, *, save=None):

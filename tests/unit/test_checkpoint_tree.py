@@ -115,3 +115,28 @@ def test_a_foreign_checkpoint_whose_step_leaf_disagrees_with_its_directory_is_pa
 def test_loss_sums_unknown_to_the_controller_are_not_recorded():
     assert loss_sums([1.0, float("nan")], {2: 3.0}, 2) == []   # a run resumed from a checkpoint without them
     assert loss_sums([1.0, 2.0], {2: 3.0}, 2) == [1.0, 2.0, 3.0]
+
+
+def test_parameters_are_read_alone_from_a_full_or_a_parameter_only_checkpoint(tmp_path):
+    from etils import epath
+
+    from runtime.state.checkpoint_orbax import read_parameters
+
+    state = leaves(4)
+    CheckpointStore(str(tmp_path / "full"), tree=TREE, async_save=False).save(4, state, sha256=state_sha256(state))
+    got = read_parameters(epath.Path(tmp_path / "full" / "4"), TREE, LAYOUT)
+    assert list(got) == [0] and np.array_equal(got[0], state[0])   # params/params/w only: not opt_state's w
+    weights = np.arange(6, dtype=np.float32).reshape(3, 2)   # MaxText's parameter-only checkpoint: items/params
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+        ckpt.save(tmp_path / "params", args=ocp.args.Composite(
+            items=ocp.args.PyTreeSave({"params": {"params": {"w": weights}}})))
+    assert np.array_equal(read_parameters(epath.Path(tmp_path / "params"), TREE, LAYOUT)[0], weights)
+    with pytest.raises(CheckpointCorruptError, match="no 'params' subtree"):
+        read_parameters(epath.Path(tmp_path / "params"), CheckpointTree({"w": 0}, ((None, None),)), LAYOUT[:1])
+    with pytest.raises(CheckpointCorruptError, match="holds no 'items' tree"):
+        read_parameters(epath.Path(tmp_path), TREE, LAYOUT)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:   # the right name, the wrong shape
+        ckpt.save(tmp_path / "bad", args=ocp.args.Composite(
+            items=ocp.args.PyTreeSave({"params": {"params": {"w": np.zeros((2, 2), np.float32)}}})))
+    with pytest.raises(CheckpointCorruptError, match=r"params/params/w is float32\[2, 2\]"):
+        read_parameters(epath.Path(tmp_path / "bad"), TREE, LAYOUT)
