@@ -64,8 +64,8 @@ import numpy as np
 from runtime.state import checkpoint_orbax
 from runtime.state.checkpoint_record import (CheckpointError, CheckpointNotFoundError, Restored, Skipped, _describe,
                                        make_record, newest_valid)
-from runtime.state.checkpoint_storage import (COMMIT_FILE, checked_directory, discard, entries, foreign, forget_listings,
-                                             rmtree, step_of)
+from runtime.state.checkpoint_storage import (COMMIT_FILE, checked_directory, discard, entries, foreign,
+                                             forget_listings, rmtree, step_of)
 from runtime.state.checkpoint_tree import CheckpointTree
 
 __all__ = ["CheckpointPruneError", "CheckpointSaveError", "CheckpointStore", "CheckpointTimeoutError"]

@@ -91,8 +91,8 @@ def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, 
     assert chain == reference   # float32 values, compared exactly
 
 
-def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimizer(maxtext_run, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimizer(maxtext_run, tmp_path,
+                                                                                  monkeypatch, capsys):
     """MaxText's trainer and jax-elastic (workers, and the one-process reference) both fine-tune from the
     weights of MaxText's checkpoint: step 0, AdamW's moments from scratch; the same losses, exactly."""
     monkeypatch.setenv("XLA_FLAGS", "")

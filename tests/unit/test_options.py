@@ -87,8 +87,8 @@ def test_a_key_without_a_place_fails_the_import_check(monkeypatch):
 
 def test_every_controller_option_is_fed_by_a_key_or_declared_not_from_config():
     fed = set(options._TO_CONTROLLER.values()) | {"tls", "compilation_cache_dir", "checkpoint_directory",
-                                                  "checkpoint_period", "platform", "load_full_state_path", "load_parameters_path",
-                                                  "snapshot_directory", "host", "port", "standby_workers"}
+                                                  "checkpoint_period", "platform", "load_full_state_path",
+                                                  "load_parameters_path", "snapshot_directory", "host", "port", "standby_workers"}
     fields = {f.name for f in dataclasses.fields(ControllerOptions)}
     assert fed <= fields, f"mapped to options that do not exist: {sorted(fed - fields)}"
     assert fields - fed == NOT_FROM_CONFIG, (
