@@ -29,9 +29,26 @@ import numpy as np
 
 import elastic
 
-__all__ = ["ArrayRecordDocuments", "ParquetDocuments", "Tokenizer", "enum_value"]
+__all__ = ["ArrayRecordDocuments", "ParquetDocuments", "Tokenizer", "Unshipped", "enum_value"]
 
 _ROW_GROUP_CACHE = 4  # decoded Parquet row groups a process keeps
+
+
+class Unshipped:
+    """Pickles without what each process builds for itself: the attributes in ``_unshipped`` (name -> a
+    factory of the empty value: caches, open files, a loaded model) start empty, and ``_lock`` anew."""
+
+    _unshipped: tuple[tuple[str, Any], ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update({name: empty() for name, empty in self._unshipped})
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
 
 def enum_value(x: Any) -> Any:
@@ -81,13 +98,15 @@ class ArrayRecordDocuments:
         return f"ArrayRecordDocuments({len(self.files)} file(s), {len(self)} records, column={self.column!r})"
 
 
-class ParquetDocuments:
+class ParquetDocuments(Unshipped):
     """Documents of Parquet files: column ``column`` of each row, read with pyarrow one row group at a time and
     checked with MaxText's ``KeepFeatures`` (values as grain's ``ParquetIterDataset`` gives them).
 
     The client reads each file's metadata once (rows per row group); a process opens files lazily and keeps a few
     decoded row groups. Pickling drops open files and caches.
     """
+
+    _unshipped = (("_files", dict), ("_cache", collections.OrderedDict))   # open files, decoded row groups
 
     def __init__(self, files: Sequence[str], column: str, tokenize: bool):
         import pyarrow.parquet as pq
@@ -152,16 +171,6 @@ class ParquetDocuments:
                 self._cache.popitem(last=False)
             return values
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_files"], state["_cache"] = {}, collections.OrderedDict()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
     def __repr__(self) -> str:
         return f"ParquetDocuments({len(self.files)} file(s), {self._len} rows, column={self.column!r})"
 
@@ -178,13 +187,15 @@ def _wrong_kind(tokenize: bool, column: str, where: str) -> str:
 
 
 @dataclasses.dataclass
-class Tokenizer:
+class Tokenizer(Unshipped):
     """MaxText's tokenizer, built lazily in each process from its config keys (pickling drops the model).
 
     ``pipeline="grain"``: ``get_tokenizer_and_pad_id`` (``tokenizer_type`` sentencepiece, huggingface or
     tiktoken); :meth:`encode` gives all tokens. ``pipeline="hf"``: the Hugging Face pipeline's ``AutoTokenizer``
     and ``tokenization`` with truncation to ``max_length`` (MaxText ignores ``tokenizer_type`` there).
     """
+
+    _unshipped = (("_model", lambda: None),)   # the tokenizer itself, built in each process
 
     path: str
     type: str
@@ -257,13 +268,4 @@ class Tokenizer:
             tokens = model.encode(text)
         return np.asarray(tokens, np.int32)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_model"] = None
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 

@@ -81,13 +81,12 @@ import math
 import os
 import pathlib
 import threading
-from typing import Any
 
 import numpy as np
 
 import elastic
 from integrations.maxtext.data import KEYS, SyntheticSource
-from integrations.maxtext.documents import ArrayRecordDocuments, ParquetDocuments, Tokenizer, enum_value
+from integrations.maxtext.documents import ArrayRecordDocuments, ParquetDocuments, Tokenizer, Unshipped, enum_value
 
 __all__ = ["PACKING_BINS", "PackedIndex", "TextSource", "source_for"]
 
@@ -184,12 +183,14 @@ def _pack(sizes: np.ndarray, length: int, *, bins: int, max_segments: int | None
 # --------------------------------------------------------------------------- the source
 
 
-class TextSource:
+class TextSource(Unshipped):
     """MaxText's batch rows of documents, by ``(step, microbatch)`` (see the module docstring).
 
     Build it with :func:`source_for` (or :meth:`build`). ``batch`` is pure: it depends only on its arguments
     and on what was fixed in the client (files, index, seed, tokenizer).
     """
+
+    _unshipped = (("_perms", dict), ("_tokens", collections.OrderedDict))   # caches
 
     def __init__(self, documents, tokenizer: Tokenizer, index: PackedIndex, *, length: int, microbatch_size: int,
                  microbatches: int, packing: bool, shuffle_seed: int | None = None):
@@ -300,16 +301,6 @@ class TextSource:
             kept = {e: p for e, p in self._perms.items() if abs(e - epoch) <= 1}
             self._perms = {**kept, epoch: perm}   # rebinding keeps readers in other threads safe
         return perm
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_perms"], state["_tokens"] = {}, collections.OrderedDict()   # caches
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"TextSource({self.documents!r}, {self.index.documents} documents in {self.index.rows} rows of "
