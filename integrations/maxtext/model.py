@@ -38,7 +38,12 @@ from integrations.maxtext.config import check_supported
 from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
 from integrations.maxtext.text_data import source_for
 
-__all__ = ["import_maxtext", "make_job"]
+__all__ = ["MICROBATCH_KEY", "MicrobatchIndexed", "draws_random", "import_maxtext", "make_job"]
+
+#: The batch key holding a microbatch's global index (``int32``, one per row) when the forward pass draws random
+#: numbers (:func:`draws_random`); :func:`make_job` adds it to the data source and the train step removes it
+#: before MaxText's loss sees the batch.
+MICROBATCH_KEY = "elastic_microbatch"
 
 # The MaxText modules make_job uses; several print as they import (stubs of optional dependencies, transformers).
 _MAXTEXT_MODULES = ("maxtext.common.train_state_nnx", "maxtext.utils.model_creation_utils",
@@ -63,6 +68,9 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     ``max_target_length`` tokens; default the config's own dataset
     (:func:`~integrations.maxtext.text_data.source_for`: MaxText's synthetic
     data, grain ArrayRecord or Parquet files, local Parquet for ``hf``).
+    When the forward pass draws random numbers (:func:`draws_random`) the
+    source is wrapped in :class:`MicrobatchIndexed`, which adds each
+    microbatch's index (:data:`MICROBATCH_KEY`) for its dropout streams.
     Persistent checkpoints are written in MaxText's layout
     (:mod:`integrations.maxtext.checkpoints`). Called in the client, which needs ``devices_per_slice`` local
     JAX devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
@@ -76,7 +84,9 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     _check_pair(elastic_config, maxtext_config)
     if data is None:   # MaxText's dataset_type: synthetic, grain (ArrayRecord, Parquet), hf (local Parquet)
         data = source_for(elastic_config, maxtext_config)
-    pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice)
+    if draws_random(maxtext_config):   # each microbatch draws its own dropout masks: the step needs its index
+        data = MicrobatchIndexed(data, elastic_config.microbatch_size)
+    pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice, elastic_config.microbatches)
     job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config,
                        checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
     with _maxtext_jax(maxtext_config):
@@ -87,7 +97,7 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
 class _Pieces:
     """MaxText's train state factory and step for one virtual slice of ``devices`` devices."""
 
-    def __init__(self, config, devices: int):
+    def __init__(self, config, devices: int, microbatches: int = 1):
         import jax
         from flax import nnx
         from jax.sharding import AxisType, Mesh
@@ -98,7 +108,7 @@ class _Pieces:
                 f"this process has {len(local)} JAX device(s) but a slice has {devices} (ici_fsdp_parallelism): "
                 f"MaxText's model is built on a slice's mesh; start Python with "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} (before JAX starts)")
-        self.config = config
+        self.config, self.microbatches = config, int(microbatches)
         shape = tuple(config.ici_parallelism)   # fsdp = devices, every other axis 1 (load_maxtext_config)
         self.mesh = Mesh(np.array(local[:devices]).reshape(shape), tuple(config.mesh_axes),
                          axis_types=(AxisType.Auto,) * len(shape))
@@ -126,7 +136,8 @@ class _Pieces:
         return self._to_arrays(nnx.state(self._create(_maxtext_key(key))))
 
     def train_step(self, state, batch):
-        """MaxText's NNX ``train_step`` (dense path), marked where its raw gradients are complete."""
+        """MaxText's NNX ``train_step`` (its path without gradient accumulation), marked where its raw gradients
+        are complete; microbatch ``batch[MICROBATCH_KEY]`` draws its own random numbers (module docstring)."""
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -135,14 +146,21 @@ class _Pieces:
         from maxtext.utils import maxtext_utils
 
         config = self.config
+        batch = dict(batch)
+        index = batch.pop(MICROBATCH_KEY, None)
         ts = nnx.merge(self.graphdef, self._from_arrays(state))
         nnx.pop(ts.model, nnx.Intermediate)
         model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+        if index is None:
+            updated = nnx.Not(nnx.Any(nnx.Param, nnx.Intermediate))   # MaxText's non_param_rest
+        else:
+            rest = _microbatch_streams(rest, index[0], self.microbatches)
+            updated = nnx.Not(nnx.Any(nnx.Param, nnx.Intermediate, nnx.RngKey))   # the step's keys stay
 
         def loss_of(params, rest, data):
             local = nnx.merge(model_graphdef, params, rest, copy=True)
             loss, aux = maxtext_train.loss_fn(local, config, dict(data), None, None, is_train=True)
-            return loss, (aux, nnx.state(local, nnx.Not(nnx.Any(nnx.Param, nnx.Intermediate))))
+            return loss, (aux, nnx.state(local, updated))
 
         with logical_axis_rules(config.logical_axis_rules):
             (loss, (_, non_param)), raw_grads = jax.value_and_grad(loss_of, has_aux=True)(params, rest, batch)
@@ -165,6 +183,60 @@ class _Pieces:
 
         return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x, impl=MAXTEXT_PRNG_IMPL) if k else x,
                             state, self.is_key)
+
+
+def draws_random(config) -> bool:
+    """Whether MaxText's forward pass in training draws random numbers: dropout (``enable_dropout`` and
+    ``dropout_rate`` > 0) or random expert routing (``use_random_routing``)."""
+    dropout = bool(getattr(config, "enable_dropout", False)) and float(getattr(config, "dropout_rate", 0.0)) > 0
+    return dropout or bool(getattr(config, "use_random_routing", False))
+
+
+class MicrobatchIndexed:
+    """A data source whose microbatches also carry their global index: ``batch(step, m)[MICROBATCH_KEY]`` is
+    ``m`` once for each of the microbatch's ``rows`` (``int32``), beside the wrapped ``source``'s keys. Pure and
+    picklable as ``source`` is."""
+
+    def __init__(self, source, rows: int):
+        if MICROBATCH_KEY in source.element_spec():
+            raise elastic.ConfigError(f"the data source already has a batch key {MICROBATCH_KEY!r}; the MaxText "
+                                      "integration adds it (a microbatch's index, for its dropout masks)")
+        self.source, self.rows = source, int(rows)
+
+    def element_spec(self):
+        return {**self.source.element_spec(), MICROBATCH_KEY: ((self.rows,), np.dtype(np.int32))}
+
+    def batch(self, step: int, microbatch: int):
+        return {**self.source.batch(step, microbatch), MICROBATCH_KEY: np.full((self.rows,), microbatch, np.int32)}
+
+    def __repr__(self) -> str:
+        return f"MicrobatchIndexed({self.source!r})"
+
+
+def _microbatch_streams(rest, index, microbatches: int):
+    """``rest`` (the model's non-parameter state) with microbatch ``index``'s RNG stream keys: each ``RngKey``
+    itself for microbatch 0, else the ``index``-th of ``microbatches`` keys split from it.
+
+    Split, not ``fold_in``: under MaxText's ``unsafe_rbg`` a fold is an XOR with a hash of the value, so folding
+    the microbatch into a key that the stream then folds its count into would make microbatch ``a`` at count
+    ``b`` draw what microbatch ``b`` draws at count ``a``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    index = jnp.asarray(index, jnp.int32)
+
+    def streams(x):
+        if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x
+        flat = x.reshape(-1)
+        split = jax.vmap(lambda k: jax.random.split(k, max(microbatches, 2)))(flat)   # (keys, microbatches)
+        own = jax.random.key_data(jnp.take(split, jnp.clip(index, 0, microbatches - 1), axis=1))
+        data = jax.random.key_data(flat)
+        chosen = jnp.where(index == 0, data, own)
+        return jax.random.wrap_key_data(chosen, impl=jax.random.key_impl(x)).reshape(x.shape)
+
+    return jax.tree.map(streams, rest)
 
 
 def _maxtext_key(key):

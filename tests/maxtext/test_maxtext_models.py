@@ -1,0 +1,160 @@
+"""MaxText models beyond the dense decoder: a tiny mixture of experts with dropout, under jax-elastic.
+
+``integrations/maxtext/configs/tiny_moe.yml`` is MaxText's Mixtral decoder layer (``decoder_block: mixtral``)
+at width 32: 2 layers, 4 experts, top-2, MaxText's dense dispatch with ``capacity_factor: 1.0`` (tokens over an
+expert's capacity drop) and a load-balancing loss (``load_balance_loss_weight: 0.01``). The tests add
+``dropout_rate=0.1``:
+
+* one slice, one microbatch: jax-elastic's ``--reference`` run equals MaxText's own trainer loss by loss, to
+  the bit (routing, capacity, load-balancing loss and dropout masks all as MaxText's);
+* a worker killed on 2 slices + 1 spare with 4 microbatches a step: the chaos verdict passes (the trajectory is
+  bit-identical to the fault-free run, every microbatch used once), so each microbatch's dropout masks depend
+  on its global index only, never on which slice runs it;
+* the 4 microbatches of a step draw 4 different dropout masks (the same rows give 4 different losses), each
+  the same every time;
+* the config really drops tokens (the claim of its capacity factor).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("maxtext")   # the MaxText integration's requirements (integrations/maxtext/requirements.txt)
+
+from integrations.maxtext.__main__ import main  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY_MOE = ROOT / "integrations" / "maxtext" / "configs" / "tiny_moe.yml"
+DROPOUT = "dropout_rate=0.1"
+STEPS = 3
+
+
+def maxtext_trainer(tmp_path, *overrides) -> subprocess.Popen:
+    """MaxText's own trainer on TINY_MOE, writing its per-step scalars to metrics.jsonl."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # compile from scratch: nothing shared with the run under test
+    args = [sys.executable, "-m", "maxtext.trainers.pre_train.train", str(TINY_MOE), *overrides,
+            f"base_output_directory={tmp_path / 'maxtext'}", "run_name=reference", "jax_cache_dir=",
+            f"dump_hlo_local_dir={tmp_path / 'dump'}", f"metrics_file={tmp_path / 'metrics.jsonl'}", "log_config=false"]
+    return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=open(tmp_path / "maxtext.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def test_moe_with_dropout_on_one_slice_reproduces_maxtext_trainer_bit_for_bit(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "")   # main sets a slice's device count (1 here); restored after the test
+    overrides = [f"steps={STEPS}", DROPOUT]
+    proc = maxtext_trainer(tmp_path, *overrides)   # runs beside the jax-elastic run below
+    try:
+        assert main([str(TINY_MOE), *overrides, f"base_output_directory={tmp_path}", "run_name=elastic",
+                     "--reference"]) == 0
+        assert f"{STEPS}/{STEPS} steps" in capsys.readouterr().out
+        ours = [json.loads(line)["loss"] for line in (tmp_path / "elastic" / "events.jsonl").read_text().splitlines()
+                if '"step_committed"' in line]
+        assert proc.wait(timeout=300) == 0, (tmp_path / "maxtext.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    theirs = [m["learning/loss"] for m in metrics]
+    with capsys.disabled():
+        print(f"\nMaxText trainer: {theirs}\njax-elastic:     {ours}\nMaxText's load-balancing loss: "
+              f"{[m['learning/moe_lb_loss'] for m in metrics]}")
+    # MaxText's step is the MoE one: its loss is the language-model loss plus the load-balancing loss ...
+    for m in metrics:
+        assert m["learning/moe_lb_loss"] > 0
+        assert m["learning/loss"] == pytest.approx(m["learning/lm_loss"] + m["learning/moe_lb_loss"], abs=1e-6)
+    log = (tmp_path / "maxtext.log").read_text()
+    assert "Applying potential token dropping with a batch expert_capacity of 8" in log   # capacity_factor's path
+    # ... and jax-elastic's one slice is that step, dropout masks included, to the bit.
+    assert len(ours) == len(theirs) == STEPS
+    assert ours == theirs   # float32 values, compared exactly
+
+
+def test_worker_kill_with_moe_dropout_and_four_microbatches_passes(tmp_path):
+    # 2 slices x 2 microbatches each + 1 spare; the kill moves a slice's microbatches (and their dropout masks)
+    # to the spare. No relaunch and no standby process (fewer processes on CI).
+    _, report = run_cli(["chaos", str(TINY_MOE), "steps=4", DROPOUT, "elastic_microbatches=4",
+                         "dcn_data_parallelism=2", "elastic_spares=1", "elastic_relaunch=false",
+                         "elastic_standby_workers=0", "run_name=kill", "--faults", "kill@step=2"], tmp_path)
+    assert report["verdict"] == "pass", report.get("verdict_reasons")
+    assert (report["steps_completed"], report["steps_lost"], report["checkpoint_restores"]) == (4, 0, 0)
+    assert report["trajectory"] == "identical" and report["exactly_once"]
+    assert [f["path"] for f in report["faults"]] == ["replace"]
+    assert report["config"]["dcn_data_parallelism"] == 2 and report["config"]["elastic_microbatches"] == 4
+
+
+@pytest.fixture
+def moe_dropout(monkeypatch):
+    """(elastic config, MaxText config) of TINY_MOE with dropout and 4 microbatches, one device per slice."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")   # if JAX has not started yet
+    from integrations.maxtext import load_maxtext_config
+
+    return load_maxtext_config(str(TINY_MOE), ["steps=2", DROPOUT, "elastic_microbatches=4"])
+
+
+def test_each_microbatch_draws_its_own_dropout_masks(moe_dropout):
+    import jax
+
+    from integrations.maxtext import make_job
+    from integrations.maxtext.model import MICROBATCH_KEY
+
+    ec, mt = moe_dropout
+    job = make_job(ec, mt)
+    assert job.data.batch(1, 2)[MICROBATCH_KEY].tolist() == [2] * ec.microbatch_size   # the global index, per row
+    programs = job.programs()
+    state = jax.export.deserialize(programs.init).call(np.int32(ec.seed))
+    grad = jax.export.deserialize(programs.grad)
+    rows = job.data.batch(0, 0)
+
+    def loss_and_grads(m):   # the grad program on microbatch 0's rows, as microbatch m
+        out = np.asarray(grad.call(state, {**rows, MICROBATCH_KEY: np.full_like(rows[MICROBATCH_KEY], m)}))
+        return float(out[-1]), out
+
+    losses = [loss_and_grads(m)[0] for m in range(ec.microbatches)]
+    print(f"\nthe same rows as microbatches 0..3: losses {losses}")
+    assert len(set(losses)) == ec.microbatches, losses   # before: every microbatch drew microbatch 0's masks
+    again = loss_and_grads(1)[1]
+    assert np.array_equal(loss_and_grads(1)[1], again)   # and the same masks every time
+
+
+def test_tiny_moe_drops_tokens_over_expert_capacity(moe_dropout):
+    """What tiny_moe.yml claims: with capacity_factor 1.0 some tokens find their expert full (MaxText's dense
+    dispatch mask leaves them out), at initialisation already."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.layers import moe
+    from maxtext.trainers.pre_train import train as maxtext_train
+
+    from integrations.maxtext.data import SyntheticSource
+    from integrations.maxtext.model import _maxtext_jax, _Pieces
+
+    ec, mt = moe_dropout
+    dispatched = []
+    generate_masks = moe.RoutedMoE.generate_masks
+
+    def counting(self, top_k_indices, softmax_probs):
+        dispatch, combine = generate_masks(self, top_k_indices, softmax_probs)
+        jax.debug.callback(lambda n, k: dispatched.append((int(n), int(k))), jnp.sum(dispatch > 0),
+                           top_k_indices.size)
+        return dispatch, combine
+
+    with pytest.MonkeyPatch.context() as patch, _maxtext_jax(mt):
+        patch.setattr(moe.RoutedMoE, "generate_masks", counting)
+        pieces = _Pieces(mt, 1)
+        model = nnx.merge(pieces.graphdef, pieces._from_arrays(pieces.init_state(jax.random.key(ec.seed)))).model
+        batch = {k: jnp.asarray(v) for k, v in SyntheticSource.from_configs(ec, mt).batch(0, 0).items()}
+        with logical_axis_rules(mt.logical_axis_rules):
+            maxtext_train.loss_fn(model, mt, batch, None, None, is_train=True)
+    print(f"\n(token-expert pairs dispatched, routed) per MoE layer: {dispatched}")
+    assert len(dispatched) == mt.base_num_decoder_layers
+    assert all(k == ec.microbatch_size * mt.max_target_length * mt.num_experts_per_tok for _, k in dispatched)
+    assert all(0 < n < k for n, k in dispatched), dispatched   # some, not all, tokens dropped in every layer
