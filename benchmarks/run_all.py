@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     # More steps than its default 150: on a loaded host a fresh relaunched worker can take longer to be warm.
     "full_strength": ("full_strength.py", ["--steps", "400"], ["--repeats", "1", "--steps", "400"]),
     "transfer": ("transfer.py", [], []),
+    "digest": ("digest.py", [], ["--repeats", "3"]),
     "recovery_latency": ("recovery_latency.py", [], ["--repeats", "2"]),
     "recovery_vs_restart": ("recovery_vs_restart.py", [], ["--kills", "2"]),
     "control_plane_scale": ("control_plane_scale.py", [], ["--counts", "1024", "--window", "5"]),

@@ -49,7 +49,7 @@ def main():
     copy = memcpy_bytes_per_second(nbytes)
     rate = nbytes / seconds
     print(f"state transfer: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.0f} ms = {rate / 1e6:.0f} MB/s "
-          f"(PullState over loopback, chunked, xxh3_64 per chunk, sha256 of the state checked)")
+          f"(PullState over loopback, chunked, xxh3_64 per chunk, the state digest checked)")
     print(f"memory copy (numpy.copyto, same size, this process): {copy / 1e6:.0f} MB/s")
     print(f"transfer / memcpy: {rate / copy:.3f}")
 

@@ -39,7 +39,7 @@ from chaos.verdict import judge
 from elastic.config import MATH_KEYS, Config, ConfigError
 from elastic.config_loading import parse_overrides
 from elastic.report import build_report, render_run
-from runtime import ElasticError, EventLog, read_events
+from runtime import STATE_DIGEST, ElasticError, EventLog, read_events
 
 __all__ = ["ChaosOptions", "ChaosResult", "fault_plan", "plan", "run_chaos", "run_job", "reference_report"]
 
@@ -147,8 +147,10 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
     that affects the math (the keys with the ``math`` role in
     :class:`elastic.config.Config`; slice count excluded: the result is bit-identical
     for any slice count, as long as the microbatch count M is the same). So
-    an edited model or optimizer never reuses a stale reference.
-    ``trainer_for(cfg)`` builds the trainer.
+    an edited model or optimizer never reuses a stale reference, nor one
+    whose final state digest is of another algorithm than this runtime's
+    (a reference from before the digest changed: it would never compare
+    identical). ``trainer_for(cfg)`` builds the trainer.
     """
     math = {k: v for k, v in cfg.to_dict().items() if k in MATH_KEYS}   # the schema's math role
     math.update(steps=steps, elastic_microbatches=cfg.microbatches)
@@ -164,7 +166,8 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
     cached = run_dir / "report.json"
     if cached.exists():
         report = json.loads(cached.read_text())
-        if report.get("finished") and report.get("steps_completed") == steps:
+        if (report.get("finished") and report.get("steps_completed") == steps
+                and report.get("digest_algorithm") == STATE_DIGEST):
             return report, run_dir
     return trainer.fit(reference=True), run_dir
 
@@ -234,7 +237,7 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     if supervision:   # what the clients did that the log cannot show (a stale client not refused, ...)
         verdict.update(verdict="fail", verdict_reasons=verdict["verdict_reasons"] + supervision)
     verdict["reference"] = {"run_dir": str(ref_dir), "losses": reference["losses"],
-                            "final_state_sha256": reference["final_state_sha256"]}
+                            "final_state_digest": reference["final_state_digest"]}
     log = EventLog(run_dir / "events.jsonl")
     try:
         log.emit("verdict", **verdict)

@@ -74,12 +74,13 @@ def exactly_once(events: list[dict], microbatches: int, steps: int) -> tuple[boo
     return ok, {k: v[:_DETAIL_LIMIT] for k, v in detail.items()}
 
 
-def compare_trajectory(losses: list[float], reference_losses: list[float], *, final_sha: str | None,
-                       reference_sha: str | None, rtol: float = 1e-5) -> tuple[str, int | None]:
-    """Compare per-step losses (and final state hashes) with a reference run.
+def compare_trajectory(losses: list[float], reference_losses: list[float], *, final_digest: str | None,
+                       reference_digest: str | None, rtol: float = 1e-5) -> tuple[str, int | None]:
+    """Compare per-step losses (and final state digests) with a reference run.
 
     Returns ``("identical", None)`` when the lists have the same length, every
-    loss is bit-equal and both final hashes are known and equal;
+    loss is bit-equal and both final digests are known and equal (digests of
+    two algorithms never are: each names its own);
     ``("within_tolerance", None)`` when the lists have the same length and every
     ``|loss - ref| <= rtol * |ref|``; else ``("diverged", k)`` with ``k`` the first
     step beyond tolerance, or the length of the shorter list when one ends first.
@@ -90,7 +91,7 @@ def compare_trajectory(losses: list[float], reference_losses: list[float], *, fi
     if len(losses) != len(reference_losses):
         return "diverged", min(len(losses), len(reference_losses))
     bit_equal = all(_bits(a) == _bits(b) for a, b in zip(losses, reference_losses))
-    if bit_equal and final_sha is not None and final_sha == reference_sha:
+    if bit_equal and final_digest is not None and final_digest == reference_digest:
         return "identical", None
     return "within_tolerance", None
 
@@ -153,8 +154,8 @@ def judge(report: dict, reference: dict | None, events: list[dict], *, rtol: flo
     trajectory, first = None, None
     if reference is not None:
         losses, ref_losses = list(report.get("losses") or []), list(reference.get("losses") or [])
-        trajectory, first = compare_trajectory(losses, ref_losses, final_sha=report.get("final_state_sha256"),
-                                               reference_sha=reference.get("final_state_sha256"), rtol=rtol)
+        trajectory, first = compare_trajectory(losses, ref_losses, final_digest=report.get("final_state_digest"),
+                                               reference_digest=reference.get("final_state_digest"), rtol=rtol)
         if not reference.get("finished"):
             reasons.append(f"the reference run did not finish ({len(ref_losses)} losses), "
                            "so the trajectory cannot be trusted.")

@@ -251,7 +251,7 @@ class _Job:
                                                    compilation_cache_dir=settings.compilation_cache_dir,
                                                    parameters_from=settings.parameters_from)
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
-        events.emit("run_finished", steps_completed=len(losses), final_state_sha256=digest,
+        events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
                     replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
                     client_peak_rss_bytes=peak_rss_bytes())
 

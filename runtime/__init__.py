@@ -48,6 +48,7 @@ _LAZY = {
     "CheckpointTree": ("runtime.state.checkpoint_tree", "CheckpointTree"),
     "program_fingerprint": ("runtime.core.fingerprint", "program_fingerprint"),
     "default_snapshot_root": ("runtime.state.snapshot", "default_root"),
+    "STATE_DIGEST": ("runtime.state.state_copy", "DIGEST"),
     "ray_available": ("runtime.launch.ray_launcher", "ray_available"),
     "ray_cluster_problem": ("runtime.launch.ray_launcher", "cluster_problem"),
 }
@@ -140,6 +141,7 @@ __all__ = [
     "ReplicaDivergenceError",
     "RunResult",
     "RunState",
+    "STATE_DIGEST",
     "Reattach",
     "can_attach",
     "replay_run_state",

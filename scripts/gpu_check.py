@@ -138,7 +138,7 @@ def run(out: pathlib.Path, name: str, hardware: str, args, *, highest: bool = Tr
         return result
     report = json.loads(report_path.read_text())
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    result.update(losses=report["losses"], sha256=report["final_state_sha256"],
+    result.update(losses=report["losses"], digest=report["final_state_digest"],
                   registered=[{k: e[k] for k in ("worker", "platform", "devices")}
                               for e in events if e["kind"] == "worker_registered"],
                   probed=[{k: e[k] for k in ("worker", "ok", "devices")} for e in events if e["kind"] == "device_probe"],
@@ -182,7 +182,7 @@ def compare_states(gpu, cpu) -> dict:
 
 def identical(a: dict, b: dict) -> bool:
     """Two runs' results are the same bits: every loss and the final state digest."""
-    return a["losses"] == b["losses"] and a["sha256"] == b["sha256"]
+    return a["losses"] == b["losses"] and a["digest"] == b["digest"]
 
 
 def max_rel(a, b) -> float:
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if "error" not in gpu and "error" not in ref:
         same = identical(gpu, ref)
         print(f"gpu vs gpu-reference: {'bit-identical' if same else 'DIFFERENT'} "
-              f"(final state {gpu['sha256'][:16]} vs {ref['sha256'][:16]})", flush=True)
+              f"(final state {gpu['digest'][:25]} vs {ref['digest'][:25]})", flush=True)
         summary["bit_identical"] = same
         if not same:
             # Is the GPU itself not reproducible (atomics in scatter-add, autotuned kernels)? Run the reference

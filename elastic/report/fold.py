@@ -30,7 +30,9 @@ from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, read_event
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
 
-REPORT_VERSION = 1
+#: 2: the final state's digest names its algorithm (``final_state_digest``, ``digest_algorithm``); 1 had
+#: ``final_state_sha256``. Logs written before fold into version 2 all the same (their sha256 digest named).
+REPORT_VERSION = 2
 
 
 #: Marks a field the fold reads with the type the schema declares for it (``runtime/core/event_kinds.py``).
@@ -71,7 +73,9 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "verdict": ({"verdict": TYPED, "verdict_reasons": TYPED, "trajectory": _ANY, "first_diverging_step": _ANY,
                  "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY},
                 {"promises": TYPED, "run_state_replayed": TYPED}),
-    "run_finished": ({"final_state_sha256": _ANY, "replica_hashes": _ANY, "client_peak_rss_bytes": _ANY}, {}),
+    # final_state_digest, or in logs from before it named its algorithm, final_state_sha256 (bare sha256 hex).
+    "run_finished": ({"replica_hashes": _ANY, "client_peak_rss_bytes": _ANY},
+                     {"final_state_digest": TYPED, "final_state_sha256": TYPED}),
 }
 
 _UNDECLARED = sorted(f"{k}.{f}" for k, (need, may) in READS.items() for f in {**need, **may}
@@ -129,7 +133,8 @@ def build_report(events_or_path) -> dict:
         "steps_requested": None,
         "steps_completed": 0,
         "losses": [],
-        "final_state_sha256": None,
+        "final_state_digest": None,
+        "digest_algorithm": None,
         "replica_hashes": {},
         "wall_seconds": None,
         "client_peak_rss_bytes": None,
@@ -304,8 +309,9 @@ def build_report(events_or_path) -> dict:
             report["promises"] = e.get("promises", [])   # chaos.promise: one per recovery
             report["run_state_replayed"] = e.get("run_state_replayed")
         elif kind == "run_finished":
-            report.update(final_state_sha256=e["final_state_sha256"], replica_hashes=e["replica_hashes"],
-                          client_peak_rss_bytes=e["client_peak_rss_bytes"], finished=True)
+            digest, hashes = _final_digests(e)
+            report.update(final_state_digest=digest, digest_algorithm=digest.partition(":")[0] if digest else None,
+                          replica_hashes=hashes, client_peak_rss_bytes=e["client_peak_rss_bytes"], finished=True)
             attempt.update(end="finished", finished=True)
             report["wall_seconds"] = e["t"] - t_first
     last_steps = [a.pop("_last_step") for a in report["attempts"]]
@@ -347,10 +353,21 @@ def _new_attempt(report: dict, e: dict, t_first: float) -> dict:
                "started_from": None, "reattached": None, "steps_committed": 0, "steps_recomputed": 0, "end": None,
                "finished": False, "failure_reason": None, "_last_step": None}
     if previous is not None:
-        report.update(finished=False, failure_reason=None, final_state_sha256=None, replica_hashes={},
-                      resumed_from=None, client_peak_rss_bytes=None, wall_seconds=None)
+        report.update(finished=False, failure_reason=None, final_state_digest=None, digest_algorithm=None,
+                      replica_hashes={}, resumed_from=None, client_peak_rss_bytes=None, wall_seconds=None)
     attempts.append(attempt)
     return attempt
+
+
+def _final_digests(e: dict) -> tuple[str | None, Any]:
+    """A ``run_finished`` event's final state digest and replica digests, each ``"<algorithm>:<hex>"``: as
+    written, or in a log from before digests named their algorithm, its sha256 hex digits named so."""
+    if "final_state_digest" in e:
+        return e["final_state_digest"], e["replica_hashes"]
+    old, hashes = e.get("final_state_sha256"), e["replica_hashes"]
+    if isinstance(hashes, dict):
+        hashes = {w: f"sha256:{h}" if isinstance(h, str) else h for w, h in hashes.items()}
+    return (f"sha256:{old}" if isinstance(old, str) else None), hashes
 
 
 def _died(attempt: dict, last_step: int | None, *, last: bool) -> str:

@@ -144,8 +144,8 @@ def _facts(report: dict, gp: dict) -> str:
         rows.append(("attempts", str(len(attempts))))
     cells = [f"<td>{esc(k)}</td><td>{esc(v)}</td>" for k, v in rows]
     body = "".join("<tr>" + "".join(cells[i:i + 3]) + "</tr>" for i in range(0, len(cells), 3))
-    sha = report.get("final_state_sha256")
-    body += (f"<tr><td>final state sha256</td><td colspan='5'><code>{esc(sha or '— (not finished)')}</code>"
+    digest = report.get("final_state_digest")   # "<algorithm>:<hex>"
+    body += (f"<tr><td>final state digest</td><td colspan='5'><code>{esc(digest or '— (not finished)')}</code>"
              "</td></tr>")
     return f"<div class='card'><h2>Key facts</h2><table class='facts'>{body}</table></div>"
 

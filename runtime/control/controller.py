@@ -380,15 +380,15 @@ class Controller:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
         s = self.state
         self.checkpoints.finish(self.placement.active, s.loss_sums)
-        hashes = {w: sha for w, (_, sha) in self.group.hashes(self.placement.active).items()}
+        hashes = {w: digest for w, (_, digest) in self.group.hashes(self.placement.active).items()}
         if len(set(hashes.values())) != 1:
             raise ReplicaDivergenceError("replicas diverged", step=s.steps, cause=f"state hashes {hashes}")
         self.result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
-                                final_state_sha256=next(iter(hashes.values())), replica_hashes=hashes,
+                                final_state_digest=next(iter(hashes.values())), replica_hashes=hashes,
                                 wall_seconds=time.time() - self.attempt.t0, client_peak_rss_bytes=peak_rss_bytes(),
                                 state_bytes=s.state_bytes)
         self.events.emit("run_finished", steps_completed=self.result.steps_completed,
-                         final_state_sha256=self.result.final_state_sha256, replica_hashes=hashes,
+                         final_state_digest=self.result.final_state_digest, replica_hashes=hashes,
                          wall_seconds=self.result.wall_seconds, client_peak_rss_bytes=self.result.client_peak_rss_bytes)
         return Phase.DONE
 

@@ -108,8 +108,8 @@ class ControllerObserver:
 class RunResult:
     steps_completed: int
     losses: list[float]
-    final_state_sha256: str
-    replica_hashes: dict[str, str]
+    final_state_digest: str              # runtime.state.state_copy.state_digest: "<algorithm>:<hex>"
+    replica_hashes: dict[str, str]       # each active replica's digest (all equal)
     wall_seconds: float
     client_peak_rss_bytes: int
     state_bytes: int

@@ -309,14 +309,14 @@ class Membership:
             t0 = time.time()
             self.before_transfer(source, dest)
             self.events.emit("transfer_started", source=source, dest=dest, step=step)
-            nbytes, sha = self.group.transfer(source, dest, step)
+            nbytes, digest = self.group.transfer(source, dest, step)
             self.events.emit("state_transferred", source=source, dest=dest, step=step, bytes=nbytes,
-                             seconds=time.time() - t0, sha256=sha)
+                             seconds=time.time() - t0, digest=digest)
             moved += nbytes
         hashes = self.group.hashes(active)
-        if {s for s, _ in hashes.values()} != {step} or len({sha for _, sha in hashes.values()}) != 1:
+        if {s for s, _ in hashes.values()} != {step} or len({d for _, d in hashes.values()}) != 1:
             raise ReplicaDivergenceError("replicas disagree after recovery", step=step,
-                                         cause=str({w: (s, sha[:12]) for w, (s, sha) in hashes.items()}))
+                                         cause=str({w: (s, d[:21]) for w, (s, d) in hashes.items()}))
         return moved
 
     def sync_shadows(self) -> None:
@@ -328,10 +328,10 @@ class Membership:
         source = next(w for w in s.placement.active if w in s.replicas)
         for dest in behind:
             t0 = time.time()
-            nbytes, sha = self.group.transfer(source, dest, s.committed)
+            nbytes, digest = self.group.transfer(source, dest, s.committed)
             self.shadows.synced(dest, s.committed)
             self.events.emit("shadow_synced", source=source, dest=dest, step=s.committed, bytes=nbytes,
-                             seconds=time.time() - t0, sha256=sha)
+                             seconds=time.time() - t0, digest=digest)
 
     def _recheck_shadows(self, source: str) -> None:
         """After a recovery: the promoted shadows are active now; a spare that still shadows keeps doing so only

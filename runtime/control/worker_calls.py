@@ -266,11 +266,11 @@ class WorkerCalls:
         self._call(worker_id, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=to_applied_steps))
 
     def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
-        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, digest)``."""
         reply = self._call(dest, "PullState", pb.PullStateRequest(
             fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
             source_data_address=self._data_address(source)))
-        return reply.bytes, reply.sha256
+        return reply.bytes, reply.digest
 
     def load_checkpoints(self, workers, directory: str, applied: int, snapshot: bool = False,
                          parameters_only: bool = False) -> dict[str, pb.PullStateReply]:
@@ -308,9 +308,9 @@ class WorkerCalls:
         return self.registry.workers[worker_id].data_address if self.opts.data_plane == "tcp" else ""
 
     def hashes(self, workers) -> dict[str, tuple[int, str]]:
-        """``{worker: (applied steps, sha256 of its state)}``."""
+        """``{worker: (applied steps, digest of its state)}``."""
         replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()), workers)
-        return {w: (r.step, r.sha256) for w, r in replies.items()}
+        return {w: (r.step, r.digest) for w, r in replies.items()}
 
     # -- chaos -------------------------------------------------------------------
 

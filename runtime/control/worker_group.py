@@ -407,11 +407,11 @@ class WorkerGroup:
         self.calls.rollback(worker_id, to_applied_steps)
 
     def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
-        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, sha256)``."""
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, digest)``."""
         return self.calls.transfer(source, dest, applied)
 
     def hashes(self, workers) -> dict[str, tuple[int, str]]:
-        """``{worker: (applied steps, sha256 of its state)}``."""
+        """``{worker: (applied steps, digest of its state)}``."""
         return self.calls.hashes(workers)
 
     def load_checkpoints(self, workers, directory: str, applied: int, snapshot: bool = False,

@@ -100,7 +100,8 @@ def _kinds(*kinds: EventKind) -> Mapping[str, EventKind]:
 
 
 _W = {"worker": TEXT}
-_COPY = {"source": TEXT, "dest": TEXT, "step": COUNT, "bytes": COUNT, "seconds": FINITE, "sha256": TEXT}
+_COPY = {"source": TEXT, "dest": TEXT, "step": COUNT, "bytes": COUNT, "seconds": FINITE, "digest": TEXT}
+_OLD_COPY = {"sha256": TEXT}   # logs from before the digest named its algorithm, instead of digest
 _REMAP = {"epoch": COUNT, "promoted": NAMES, "active": NAMES, "spares": NAMES, "bytes_moved": COUNT, "step": COUNT}
 _FAULT = {"index": COUNT, "fault": TEXT, "fault_kind": TEXT, "step": COUNT}
 
@@ -147,8 +148,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
         {"queued": BOOL}),   # true: its slice moves onto a spare at the next step boundary
     EventKind("straggler_kept", "a straggler waiting for a swap stays where it is", {**_W, "reason": TEXT}),
     EventKind("run_finished", "the run committed its last step",
-              {"steps_completed": COUNT, "final_state_sha256": TEXT_OR_NULL, "replica_hashes": OBJECT,
-               "wall_seconds": FINITE, "client_peak_rss_bytes": COUNT_OR_NULL}),
+              {"steps_completed": COUNT, "final_state_digest": TEXT_OR_NULL, "replica_hashes": OBJECT,
+               "wall_seconds": FINITE, "client_peak_rss_bytes": COUNT_OR_NULL},
+              {"final_state_sha256": TEXT_OR_NULL}),   # older logs, instead of final_state_digest: sha256 hex
     # -- failures and recovery -----------------------------------------------------------------------
     EventKind("failure_detected", "a failure stopped the step loop",
               {"error": TEXT, "detail": TEXT, "worker": TEXT_OR_NULL, "committed": COUNT}),
@@ -166,7 +168,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"step": COUNT, "bytes": COUNT, "steps_lost": COUNT, "worker": TEXT, "host": TEXT_OR_NULL}),
     EventKind("transfer_started", "a state copy between workers starts",
               {"source": TEXT, "dest": TEXT, "step": COUNT}),
-    EventKind("state_transferred", "a state copy between workers ended (and its hash checked)", _COPY),
+    EventKind("state_transferred", "a state copy between workers ended (and its digest checked)", _COPY, _OLD_COPY),
     EventKind("placement_changed", "a step boundary changes the placement (spares warmed or dropped, a grow or a "
               "swap begins)", {"epoch": COUNT, "active": NAMES, "spares": NAMES, "why": TEXT}),
     EventKind("grown", "spares were promoted to bring the run back to its slice count", _REMAP),
@@ -189,7 +191,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"directory": TEXT, "error": TEXT}),
     EventKind("checkpoint_leftovers_removed", "partial checkpoints of a dead writer were removed",
               {"directory": TEXT, "paths": NAMES}),
-    EventKind("shadow_synced", "a spare got a copy of the committed state", _COPY),
+    EventKind("shadow_synced", "a spare got a copy of the committed state", _COPY, _OLD_COPY),
     EventKind("shadow_behind", "a shadowing spare fell behind", {**_W, "step": COUNT, "error": TEXT}),
     # -- workers -------------------------------------------------------------------------------------
     EventKind("workers_awaited", "the controller waits for workers started by hand",

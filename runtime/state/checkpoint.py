@@ -5,7 +5,7 @@ Contract:
 * A checkpoint is the state of one replica after ``step`` applied steps
   (``step`` is also the data position): its leaves as full, unsharded host
   arrays (any mesh can load them; resharding is the caller's concern), the
-  :func:`runtime.state.state_copy.state_sha256` digest of those leaves, and the
+  :func:`runtime.state.state_copy.state_digest` digest of those leaves, and the
   caller's JSON metadata (by convention ``"fingerprint"``: which programs
   wrote it). Dtypes, shapes and bits come back exactly, bfloat16 included.
   The record of them (step, digest, leaf layout, metadata) and its checks
@@ -174,10 +174,10 @@ class CheckpointStore:
 
     # -- writing ---------------------------------------------------------------
 
-    def save(self, step: int, leaves, *, sha256: str, metadata: dict | None = None) -> None:
+    def save(self, step: int, leaves, *, digest: str, metadata: dict | None = None) -> None:
         """Starts writing ``leaves`` (the state after ``step`` applied steps) as the checkpoint of ``step``.
 
-        ``sha256``: :func:`runtime.state.state_copy.state_sha256` of ``leaves``
+        ``digest``: :func:`runtime.state.state_copy.state_digest` of ``leaves``
         (recorded, and checked by every restore). ``metadata``: JSON-able
         (``"fingerprint"``: the programs; ``"step"`` and ``"created"`` are
         the store's). Waits for the previous save first and raises its error
@@ -185,7 +185,7 @@ class CheckpointStore:
         same step already there is replaced (a run is deterministic: the
         same step is the same state).
         """
-        step, leaves, record = make_record(step, leaves, sha256=sha256, metadata=metadata)
+        step, leaves, record = make_record(step, leaves, digest=digest, metadata=metadata)
         with self._lock:
             self._join(self.timeout_s)
             path = self.path(step)

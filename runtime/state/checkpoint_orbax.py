@@ -36,7 +36,7 @@ import numpy as np
 
 from runtime.state.checkpoint_record import CheckpointCorruptError, Restored, _describe, check_record, verified
 from runtime.state.checkpoint_tree import CheckpointTree, from_items, map_skeleton, step_in, take, to_items
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 
 __all__ = ["ITEMS", "RECORD", "read", "read_parameters", "write"]
 
@@ -109,7 +109,7 @@ def _read_foreign(checkpointer, location, step: int, tree: CheckpointTree | None
         raise CheckpointCorruptError(path, str(e)) from None
     if held is not None and held != step:
         raise CheckpointCorruptError(path, f"it holds step {held}; its directory stands for step {step}")
-    digest = state_sha256(leaves)
+    digest = state_digest(leaves)
     return Restored(step, leaves, digest, {"step": step, "created": None, "written_by": "another program"})
 
 

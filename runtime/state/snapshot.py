@@ -94,9 +94,10 @@ class SnapshotStore:
 
     # -- writing ---------------------------------------------------------------
 
-    def save(self, step: int, leaves, *, sha256: str, metadata: dict | None = None) -> None:
-        """Writes the snapshot of ``step`` (complete when this returns), then drops all but the newest ``keep``."""
-        step, leaves, record = make_record(step, leaves, sha256=sha256, metadata=metadata)
+    def save(self, step: int, leaves, *, digest: str, metadata: dict | None = None) -> None:
+        """Writes the snapshot of ``step`` (complete when this returns), then drops all but the newest ``keep``.
+        ``digest``: :func:`runtime.state.state_copy.state_digest` of ``leaves`` (recorded, checked by every read)."""
+        step, leaves, record = make_record(step, leaves, digest=digest, metadata=metadata)
         header = json.dumps(record, allow_nan=False).encode()
         with self._writing(step) as w:
             f = w.file

@@ -2,53 +2,94 @@
 
 A spare or a relaunched worker takes its state from a live replica
 (``PullState``): the source cuts its leaves into :class:`runtime.wire.parts.Part`
-s (views, each with its xxh3_64 checksum and the state's sha256), any
+s (views, each with its xxh3_64 checksum and the state's digest), any
 transport carries them (the data plane or gRPC ``GetState``), and the
 receiver checks and assembles them into aligned leaves it can place on its
-devices without a copy. :func:`state_sha256` is also the digest replicas
-compare, and checkpoints and snapshots record.
+devices without a copy, hashing them as they arrive. :func:`state_digest` is
+also the digest replicas compare, the report records, and checkpoints and
+snapshots record.
+
+A digest names its algorithm (``"xxh3_128:<32 hex digits>"``), so a record
+written with another one (``"sha256:<64 hex digits>"``: checkpoints and
+snapshots of format 1) is still verified with the algorithm it was made
+with. The digest guards against corruption and divergence, not against a
+forger: peers are authenticated by the run secret or mutual TLS, and a
+writer of the checkpoint directory could rewrite a sha256 as easily as the
+leaves (docs/performance.md, "The state digest").
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Iterator
 from concurrent import futures
 
 import numpy as np
+import xxhash
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.parts import Part, checksum, host_buffer, payload_of
 from runtime.core.errors import ProtocolError
 
-__all__ = ["assemble_state", "state_chunks", "state_sha256"]
+__all__ = ["DIGEST", "DIGEST_ALGORITHMS", "assemble_state", "digest_algorithm", "state_chunks", "state_digest"]
+
+#: The algorithm of the state digest: what replicas compare, a transfer checks, the report records, and new
+#: checkpoints and snapshots record. xxh3_128 hashes faster than memcpy copies, on one core (5-7x sha256 here).
+DIGEST = "xxh3_128"
+#: Every algorithm a digest may name, with its hasher and its hex digest's length: the current one, and
+#: sha256 (the digest before, which checkpoints and snapshots of record format 1 hold).
+DIGEST_ALGORITHMS = {"xxh3_128": (xxhash.xxh3_128, 32), "sha256": (hashlib.sha256, 64)}
 
 
-def state_sha256(leaves) -> str:
-    """Hash of state leaves as host arrays: each leaf's ``(shape, dtype.str)`` then its bytes, in order.
+def state_digest(leaves, algorithm: str = DIGEST) -> str:
+    """``"<algorithm>:<hex>"`` of state leaves as host arrays: each leaf's ``(shape, dtype.str)`` then its bytes,
+    in order (the same on every replica, whichever device layout it has).
 
-    :meth:`runtime.worker.executor.SliceExecutor.state_sha256` is this function of
-    its state's leaves, so a replica's hash and a copy's agree.
+    :meth:`runtime.worker.executor.SliceExecutor.state_digest` is this function of
+    its state's leaves, so a replica's digest and a copy's agree. ``algorithm``:
+    one of :data:`DIGEST_ALGORITHMS` (another: ValueError); ``"sha256"`` gives
+    the digest of format-1 records (their bare hex digits, prefixed).
     """
-    h = hashlib.sha256()
+    h = _hasher(algorithm)
     for leaf in leaves:
         arr = np.asarray(leaf)
         h.update(_layout_text(arr.shape, arr.dtype))
         h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))   # no copy; any dtype
-    return h.hexdigest()
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def digest_algorithm(digest: str) -> str:
+    """The algorithm ``digest`` (a :func:`state_digest` value) was made with; ValueError, naming what is wrong,
+    when it is not ``"<algorithm>:<hex>"`` of a known algorithm with its number of lowercase hex digits."""
+    algorithm, _, hexdigits = digest.partition(":") if isinstance(digest, str) else ("", "", "")
+    if algorithm not in DIGEST_ALGORITHMS:
+        raise ValueError(f"a state digest is '<algorithm>:<hex digits>' with an algorithm of "
+                         f"{sorted(DIGEST_ALGORITHMS)}, got {digest!r}")
+    width = DIGEST_ALGORITHMS[algorithm][1]
+    if not re.fullmatch(f"[0-9a-f]{{{width}}}", hexdigits):
+        raise ValueError(f"a {algorithm} state digest has {width} lowercase hex digits, got {digest!r}")
+    return algorithm
+
+
+def _hasher(algorithm: str):
+    try:
+        return DIGEST_ALGORITHMS[algorithm][0]()
+    except KeyError:
+        raise ValueError(f"unknown state digest algorithm {algorithm!r} (known: {sorted(DIGEST_ALGORITHMS)})") from None
 
 
 def _layout_text(shape, dtype) -> bytes:
-    """What :func:`state_sha256` hashes before a leaf's bytes."""
+    """What :func:`state_digest` hashes before a leaf's bytes."""
     return str((tuple(shape), np.dtype(dtype).str)).encode()
 
 
 def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int,
-                 sha256: str = "") -> Iterator[Part]:
+                 digest: str = "") -> Iterator[Part]:
     """Cuts state leaves into checksummed parts (views of the leaves) for a peer-to-peer transfer.
 
-    ``sha256``: :func:`state_sha256` of ``leaves``, sent along in every chunk
+    ``digest``: :func:`state_digest` of ``leaves``, sent along in every chunk
     so the receiver can check what it assembled before adopting it.
     """
     for i, leaf in enumerate(leaves):
@@ -57,7 +98,7 @@ def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int,
             blob = raw[off:off + chunk_bytes]
             yield Part(pb.StateChunk(leaf=i, num_leaves=len(leaves), shape=leaf.shape, dtype=leaf.dtype.str,
                                      total_bytes=leaf.nbytes, offset=off, xxh3=checksum(blob),
-                                     applied_steps=applied_steps, sha256=sha256), blob)
+                                     applied_steps=applied_steps, digest=digest), blob)
 
 
 _PLAIN_KINDS = "biufcV"   # raw bytes may be viewed as these (never as Python objects)
@@ -89,13 +130,16 @@ def _leaf_layout(c: pb.StateChunk, expect) -> tuple[tuple[int, ...], np.dtype]:
     return shape, dtype
 
 
-def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[np.ndarray], int, str]:
-    """Rebuilds the leaves of :func:`state_chunks`: ``(leaves, applied steps, their sha256)``.
+def assemble_state(chunks: Iterator[pb.StateChunk], expect=None,
+                   algorithm: str = DIGEST) -> tuple[list[np.ndarray], int, str]:
+    """Rebuilds the leaves of :func:`state_chunks`: ``(leaves, applied steps, their digest)``.
 
     ``ProtocolError`` on any inconsistency. ``expect``: ``[(shape, dtype)]``
     of every leaf; when given, a stream of another layout is refused before
-    anything is allocated. When the stream carries the source's ``sha256``,
-    the assembled leaves must hash to it. The leaves are hashed once, here:
+    anything is allocated. When the stream carries the source's ``digest``,
+    it must be one of ``algorithm`` (:func:`state_digest`'s; a stream that
+    announces another is refused at its first chunk) and the assembled leaves
+    must hash to it. The leaves are hashed once, here, as they arrive:
     callers compare with the digest returned.
     """
     bufs: dict[int, np.ndarray] = {}
@@ -103,18 +147,20 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[n
     filled: dict[int, int] = {}
     num = applied = claimed = None
     # Hashed as it arrives while chunks come in order (state_chunks sends them so), on a thread of its
-    # own (hashlib lets go of the GIL): one chunk's hash overlaps the reading of the next instead of
+    # own (xxhash and hashlib let go of the GIL): one chunk's hash overlaps the reading of the next instead of
     # following the whole stream. Out of order, the leaves are hashed at the end.
-    h, at = hashlib.sha256(), (0, 0)   # the next (leaf, byte offset) in order; None once out of order
+    h, at = _hasher(algorithm), (0, 0)   # the next (leaf, byte offset) in order; None once out of order
     hashing = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-hash")
     try:
         for c in chunks:
             if num is None:
-                num, applied, claimed = c.num_leaves, c.applied_steps, c.sha256
+                num, applied, claimed = c.num_leaves, c.applied_steps, c.digest
+                if claimed:
+                    _check_claim(claimed, algorithm)
                 if expect is not None and num != len(expect):
                     raise ProtocolError(f"state of {num} leaves, this worker's programs expect {len(expect)}")
-            elif (c.num_leaves, c.applied_steps, c.sha256) != (num, applied, claimed):
-                raise ProtocolError("state stream changed leaf count, step or hash midway")
+            elif (c.num_leaves, c.applied_steps, c.digest) != (num, applied, claimed):
+                raise ProtocolError("state stream changed leaf count, step or digest midway")
             if not 0 <= c.leaf < num:
                 raise ProtocolError(f"state leaf {c.leaf} out of range [0, {num})")
             if c.leaf not in bufs:
@@ -142,7 +188,17 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None) -> tuple[list[n
     if num is None or len(bufs) != num or any(filled[i] != bufs[i].size for i in bufs):
         raise ProtocolError("state stream ended before every leaf arrived")
     leaves = [bufs[i].view(meta[i][1]).reshape(meta[i][0]) for i in range(num)]
-    digest = h.hexdigest() if at == (num, 0) else state_sha256(leaves)
+    digest = f"{algorithm}:{h.hexdigest()}" if at == (num, 0) else state_digest(leaves, algorithm)
     if claimed and digest != claimed:
         raise ProtocolError("the state received does not hash to what its source announced")
     return leaves, applied, digest
+
+
+def _check_claim(claimed: str, algorithm: str) -> None:
+    """A stream's announced digest must be a digest of ``algorithm``; ``ProtocolError`` saying why not."""
+    try:
+        announced = digest_algorithm(claimed)
+    except ValueError as e:
+        raise ProtocolError(f"the state stream announces a malformed digest: {e}") from None
+    if announced != algorithm:
+        raise ProtocolError(f"the state stream announces a {announced} digest; this worker checks {algorithm}")

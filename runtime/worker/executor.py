@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.state.checkpoint_tree import CheckpointTree
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 from runtime.core.microbatch import Node, tree_reduce
 from runtime.core.platforms import check_runnable, local_platform
 from runtime.core.programs import MESH_AXIS, ProgramSet
@@ -52,7 +52,7 @@ class SliceExecutor:
         self._fns: dict[str, object] = {}
         self._exported: dict[str, object] = {}
         self._shardings: dict[str, list[NamedSharding]] = {}
-        self._digest: tuple[object, str] = (None, "")   # (the state it is of, its sha256)
+        self._digest: tuple[object, str] = (None, "")   # (the state it is of, its digest)
 
     # -- setup ---------------------------------------------------------------
 
@@ -158,10 +158,10 @@ class SliceExecutor:
         """The state leaves as host arrays (for a peer-to-peer transfer)."""
         return [np.asarray(x) for x in self.state]
 
-    def set_state(self, leaves: list[np.ndarray], steps_applied: int, sha256: str = "") -> None:
+    def set_state(self, leaves: list[np.ndarray], steps_applied: int, digest: str = "") -> None:
         """Adopts a state copied from another replica, placed on this slice's mesh.
 
-        ``sha256``: :func:`state_sha256` of ``leaves`` when the caller already
+        ``digest``: :func:`state_digest` of ``leaves`` when the caller already
         computed it (a transfer verifies it), so it is not computed again.
         """
         shardings = self._shardings["apply"][:-1]
@@ -174,23 +174,23 @@ class SliceExecutor:
         self.state = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
         self.prev_state = None
         self.steps_applied = steps_applied
-        if sha256:
-            self._digest = (self.state, sha256)
+        if digest:
+            self._digest = (self.state, digest)
 
     # -- inspection ----------------------------------------------------------
 
     def state_nbytes(self) -> int:
         return int(sum(x.nbytes for x in jax.tree.leaves(self.state)))
 
-    def state_sha256(self) -> str:
-        """Hash of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_sha256`.
+    def state_digest(self) -> str:
+        """Digest of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_digest`.
 
         Computed once per state: a recovery asks for it several times (abort,
         transfer, the check after it), and a state never changes in place.
         """
         state, digest = self._digest
         if state is not self.state:
-            digest = state_sha256(jax.tree.leaves(self.state))
+            digest = state_digest(jax.tree.leaves(self.state))
             self._digest = (self.state, digest)
         return digest
 

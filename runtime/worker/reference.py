@@ -36,7 +36,7 @@ __all__ = ["run_reference", "run_reference_process"]
 def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
                   on_step: Callable[[int, float], None] | None = None, start_step: int = 0,
                   parameters_from: str = "") -> tuple[list[float], str]:
-    """Trains ``steps`` steps; returns (per-step mean losses, final state sha256). ``parameters_from``: the
+    """Trains ``steps`` steps; returns (per-step mean losses, final state digest). ``parameters_from``: the
     initialized state's parameters are that checkpoint's (``load_parameters_path``), as on the workers."""
     ex = SliceExecutor(programs, data_source)
     ex.load()
@@ -56,7 +56,7 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
-    return losses, ex.state_sha256()
+    return losses, ex.state_digest()
 
 
 #: How many times a reference child killed by a signal (OOM killer, an operator, a chaos test) is started again.
@@ -109,7 +109,7 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
 
 
 def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[int, tuple | None, list[str]]:
-    """One reference child: (exit status, (losses, sha256) or None, its last stderr lines)."""
+    """One reference child: (exit status, (losses, digest) or None, its last stderr lines)."""
     with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
         inp.write(request)
         inp.seek(0)
@@ -122,7 +122,7 @@ def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[in
                 if "step" in msg:
                     step_done(msg["step"], msg["loss"])
                 elif "losses" in msg:
-                    result = msg["losses"], msg["sha256"]
+                    result = msg["losses"], msg["digest"]
         except BaseException:
             proc.kill()   # step_done refused a step (or we were interrupted): the child is of no more use
             raise
@@ -157,7 +157,7 @@ def _child() -> None:
     except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
-    print(json.dumps({"losses": losses, "sha256": digest}), flush=True)
+    print(json.dumps({"losses": losses, "digest": digest}), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The controller marks one step of one replica with a checkpoint directory
 (``StepRequest.snapshot``). Right after applying that step the worker hands
 its new state (device arrays: immutable, never donated) to a
 :class:`CheckpointWriter`; the writer's thread copies it to the host, hashes
-it (:func:`runtime.worker.executor.state_sha256`, the digest every replica
+it (:func:`runtime.state.state_copy.state_digest`, the digest every replica
 compares) and saves it into its store (:class:`runtime.state.checkpoint.CheckpointStore`
 or :class:`runtime.state.snapshot.SnapshotStore`), which lists a save only once it
 is complete; then it runs the save's follow-up, if any (a snapshot's copy to
@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from runtime.worker.executor import state_sha256
+from runtime.state.state_copy import state_digest
 
 __all__ = ["KINDS", "WARM_PREFIX", "CheckpointWriter", "Drained", "remove_dead_warm_ups"]
 
@@ -135,7 +135,7 @@ class CheckpointWriter:
                 with tempfile.TemporaryDirectory(prefix=f"{WARM_PREFIX}{os.getpid()}-") as d:
                     store = self._store_for(os.path.join(d, "warm"))
                     leaf = np.zeros(1, np.float32)
-                    store.save(0, [leaf], sha256=state_sha256([leaf]), metadata={})
+                    store.save(0, [leaf], digest=state_digest([leaf]), metadata={})
                     store.wait()
             except Exception:  # noqa: BLE001 - only a warm-up: a real save reports its own errors
                 pass
@@ -175,7 +175,7 @@ class CheckpointWriter:
                     if store is None:
                         store = self._stores[directory, id(tree)] = (
                             self._store_for(directory, tree) if tree is not None else self._store_for(directory))
-                store.save(step, host, sha256=state_sha256(host), metadata=metadata)
+                store.save(step, host, digest=state_digest(host), metadata=metadata)
                 if self._while_saving is not None and kind == "checkpoint":
                     self._while_saving(store, step)
                 store.wait()

@@ -233,7 +233,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             self._need_state()
             with self._cond:
-                return pb.HashReply(sha256=self.executor.state_sha256(), step=self.executor.steps_applied)
+                return pb.HashReply(digest=self.executor.state_digest(), step=self.executor.steps_applied)
         return self._guard(context, digest)
 
     def Shutdown(self, request, context):
@@ -273,7 +273,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 status = self._status()
             reply = pb.AttachReply()
             reply.CopyFrom(self.identity)
-            reply.applied_steps, reply.sha256 = status.applied_steps, status.sha256
+            reply.applied_steps, reply.digest = status.applied_steps, status.digest
             reply.recent.extend(status.recent)
             reply.snapshots.extend(status.snapshots)
             reply.fingerprint, reply.previous_generation = self.fingerprint, previous
@@ -312,7 +312,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         return self._guard(context, rollback)
 
     def GetState(self, request, context):
-        """Peer (over gRPC): streams this replica's state (checksummed chunks, each naming the state's sha256)."""
+        """Peer (over gRPC): streams this replica's state (checksummed chunks, each naming the state's digest)."""
         try:
             parts = self.state_parts(request)
         except Exception as e:  # noqa: BLE001
@@ -333,15 +333,15 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                                       f"asked for {request.applied_steps}")
             leaves = self.executor.host_state()
             applied = self.executor.steps_applied
-            digest = self.executor.state_sha256()   # cached: the controller's Abort usually computed it
+            digest = self.executor.state_digest()   # cached: the controller's Abort usually computed it
         return mid_stream(state_chunks(leaves, applied, self.chunk_bytes, digest), self.faults.sending_state)
 
     def PullState(self, request, context):
         """Controller: replace this replica's state with a copy pulled from ``source_address``.
 
         The copy is adopted only if it has this worker's state layout, the
-        step asked for, the hash its source announced and, when given,
-        ``expected_sha256``; otherwise (INVALID_ARGUMENT) the state is unchanged.
+        step asked for, the digest its source announced and, when given,
+        ``expected_digest``; otherwise (INVALID_ARGUMENT) the state is unchanged.
         """
         def pull():
             self.check_fence(request.fence)
@@ -375,7 +375,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         with self._cond:
             if self._running:
                 raise StaleEpochError("a step is running; cannot replace the state")
-            self.executor.set_state(leaves, applied, sha256=digest)
+            self.executor.set_state(leaves, applied, digest=digest)
             self._recent.clear()
 
     def Checkpoints(self, request, context):
@@ -434,7 +434,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         ex = self.executor
         has = ex is not None and ex.state is not None
         return pb.StatusReply(applied_steps=ex.steps_applied if has else -1,
-                              sha256=ex.state_sha256() if has else "",
+                              digest=ex.state_digest() if has else "",
                               recent=[pb.StepLoss(step=k, loss_sum=v) for k, v in sorted(self._recent.items())],
                               snapshots=self.snapshots.steps() if self.snapshots is not None else [])
 

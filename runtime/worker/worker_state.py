@@ -42,7 +42,7 @@ from runtime.wire.peers import PeerChannels
 from runtime.core.programs import ProgramSet
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.snapshot import SnapshotStore
-from runtime.state.state_copy import assemble_state, state_sha256
+from runtime.state.state_copy import assemble_state, state_digest
 
 if TYPE_CHECKING:
     from runtime.worker.executor import SliceExecutor
@@ -54,7 +54,7 @@ __all__ = ["copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot",
 def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers: PeerChannels, faults: WorkerFaults,
                timeout: float, adopt) -> pb.PullStateReply:
     """``PullState``: the state pulled from ``request.source_address``, checked against ``layout`` (the
-    ``[(shape, dtype)]`` of this worker's leaves), the step asked for and the expected hash, then given to
+    ``[(shape, dtype)]`` of this worker's leaves), the step asked for and the expected digest, then given to
     ``adopt(leaves, applied, digest)``. Raises, with the state unchanged, when any of them does not match."""
     if not request.source_address:
         raise ProtocolError("PullState without a source address")
@@ -74,12 +74,12 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
     if applied != request.applied_steps:
         raise ProtocolError(f"{request.source_address} sent a state at {applied} applied steps, "
                             f"asked for {request.applied_steps}")
-    if request.expected_sha256 and digest != request.expected_sha256:
+    if request.expected_digest and digest != request.expected_digest:
         raise ProtocolError(f"the state from {request.source_address} does not hash to the expected "
-                            f"{request.expected_sha256[:12]}...")
+                            f"{request.expected_digest[:21]}...")
     adopt(leaves, applied, digest)
-    # The digest of the leaves now in place (the controller then checks every replica's own hash).
-    return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
+    # The digest of the leaves now in place (the controller then checks every replica's own digest).
+    return pb.PullStateReply(digest=digest, bytes=sum(x.nbytes for x in leaves),
                              seconds=time.perf_counter() - t0)
 
 
@@ -108,7 +108,7 @@ def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotSto
                             "(another model or optimizer); it cannot resume this run (to start afresh, "
                             "use another run_name or remove that directory)")
     adopt(leaves, step, digest)   # placed on this slice's devices, however many
-    return pb.PullStateReply(sha256=digest, bytes=sum(x.nbytes for x in leaves),
+    return pb.PullStateReply(digest=digest, bytes=sum(x.nbytes for x in leaves),
                              seconds=time.perf_counter() - t0, applied_steps=step,
                              skipped=[f"step {s.step} ({s.path}): {s.reason}" for s in skipped],
                              loss_sums=loss_sums_of(meta, step),
@@ -123,9 +123,9 @@ def load_parameters(request: pb.LoadCheckpointRequest, executor, layout, adopt) 
     ``adopt(leaves, step, digest)``."""
     t0 = time.perf_counter()
     leaves, read = with_parameters(executor, request.directory, layout)
-    digest = state_sha256(leaves)
+    digest = state_digest(leaves)
     adopt(leaves, executor.steps_applied, digest)
-    return pb.PullStateReply(sha256=digest, bytes=read, seconds=time.perf_counter() - t0,
+    return pb.PullStateReply(digest=digest, bytes=read, seconds=time.perf_counter() - t0,
                              applied_steps=executor.steps_applied)
 
 

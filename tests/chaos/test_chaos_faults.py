@@ -34,7 +34,7 @@ def passed(report, steps=STEPS):
     assert report["steps_completed"] == steps and report["steps_lost"] == 0
     assert report["checkpoint_restores"] == 0
     assert report["trajectory"] == "identical" and report["exactly_once"] is True
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["losses"] == report["reference"]["losses"]
 
 

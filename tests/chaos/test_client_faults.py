@@ -50,7 +50,7 @@ def passed(report, events, restarts=1):
     assert report["checkpoint_restores"] == report["snapshot_restores"] == 0
     assert report["trajectory"] == "identical" and report["exactly_once"] is True
     assert report["run_state_replayed"] is True   # the last client's state, sent back to the harness
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["client_restarts"] == restarts and report["client_downtime_seconds"] > 0
     assert all(p["kind"] == "replica" and p["kept"] for p in report["promises"]), report["promises"]
     assert [e["kind"] for e in events].count("run_finished") == 1

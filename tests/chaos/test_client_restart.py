@@ -87,7 +87,7 @@ def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_
     assert not any(e["kind"] in ("state_transferred", "checkpoint_restored", "snapshot_restored")
                    for e in live_events(run_dir)[len(before):])
 
-    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["final_state_digest"] == reference["final_state_digest"]
     assert report["losses"] == reference["losses"]
     assert not _alive(pids)   # sent home at the end
 
@@ -138,7 +138,7 @@ def test_a_stopped_client_is_taken_over_and_refused_by_every_worker_when_it_wake
     assert report["finished"] and report["steps_lost"] == 0 and report["client_restarts"] == 1
     events = live_events(run_dir)
     assert [e["kind"] for e in events].count("run_finished") == 1 and events[-1]["kind"] == "run_finished"
-    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["final_state_digest"] == reference["final_state_digest"]
     assert report["losses"] == reference["losses"]
 
 
@@ -161,5 +161,5 @@ def test_a_client_stopped_past_its_workers_lease_takes_its_run_back_when_it_wake
     assert json.loads((run_dir / "client.json").read_text())["generation"] == 1
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-w*.log"))
     assert "keeping the state" in logs   # they had fenced themselves
-    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["final_state_digest"] == reference["final_state_digest"]
     assert report["losses"] == reference["losses"]

@@ -21,7 +21,7 @@ def guarantees(report, steps=6):
     assert report["steps_completed"] == steps and report["steps_lost"] == 0
     assert report["checkpoint_restores"] == 0 and report["exactly_once"] is True
     assert report["losses"] == report["reference"]["losses"]
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert "vocab_size" not in report["config"] and "learning_rate" not in report["config"]
 
 

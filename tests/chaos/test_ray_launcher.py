@@ -139,7 +139,7 @@ def test_a_killed_driver_leaves_its_actors_to_the_same_command_which_re_attaches
                    for e in after), [e["kind"] for e in after]
     assert not _actors_gone(cluster.address, run_id, 30), "an actor outlived its run"
     _, ref = run_cli([*RUN, "steps=60", "run_name=ref", "--reference"], tmp_path)
-    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]
+    assert report["final_state_digest"] == ref["final_state_digest"] and report["losses"] == ref["losses"]
 
     # A driver killed for good: its actors live on for their grace (10 s after their 5 s lease), then exit.
     gone = tmp_path / "gone"
@@ -187,7 +187,7 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_clus
     events = live_events(run_dir)
     assert report["verdict"] == "pass" and report["trajectory"] == "identical", report["verdict_reasons"]
     assert report["steps_completed"] == 600 and report["steps_lost"] == 0
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     on_node = {w for w, h in hosts.items() if h == removed.node_id}
     dead = {e["worker"]: e["reason"] for e in events if e["kind"] == "worker_dead"}
     assert on_node <= set(dead) and len(report["failures"]) >= 2, (on_node, dead)

@@ -55,7 +55,7 @@ def test_kills_while_compiling_and_while_initializing_lose_no_step(tmp_path):
     assert report["verdict"] == "pass", report["verdict_reasons"]
     assert report["steps_completed"] == 4 and report["steps_lost"] == 0
     assert report["losses"] == report["reference"]["losses"]
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     lost = sorted(w for f in report["failures"] for w in f["workers"])
     assert "w0" in lost and len(lost) == 2, report["failures"]
     assert all(f["path"] == "replace" and f["step"] == 0 for f in report["failures"]), report["failures"]

@@ -59,7 +59,7 @@ def test_a_shadowing_spare_replaces_every_active_slice_with_no_step_lost(tmp_pat
     assert sorted(failure["workers"]) == ["w0", "w1"] and failure["path"] == "shrink"
     assert report["steps_lost"] == 0 and report["checkpoint_restores"] == 0
     assert report["verdict"] == "pass" and report["trajectory"] == "identical"
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     events = _events(pathlib.Path(tmp_path) / "sh")
     assert not any(e["kind"] in ("transfer_started", "shadow_behind") for e in events)
 
@@ -78,7 +78,7 @@ def test_losing_every_replica_restores_the_newest_in_memory_snapshot_bit_identic
     report = json.loads((run_dir / "report.json").read_text())
     events = _events(run_dir)
     assert report["finished"] and report["steps_completed"] == 24, report["verdict_reasons"]
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["trajectory"] == "identical" and report["losses"] == report["reference"]["losses"]
     (restored,) = [e for e in events if e["kind"] == "snapshot_restored"]
     assert report["snapshot_restores"] == 1 and report["checkpoint_restores"] == 0
@@ -126,7 +126,7 @@ def test_losing_every_copy_in_memory_restores_the_newest_checkpoint_bit_identica
     report = json.loads((run_dir / "report.json").read_text())
     events = _events(run_dir)
     assert report["finished"] and report["steps_completed"] == 40, report["verdict_reasons"]
-    assert report["final_state_sha256"] == report["reference"]["final_state_sha256"]
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["losses"] == report["reference"]["losses"]
     restored = [e for e in events if e["kind"] == "checkpoint_restored"]
     assert len(restored) == 1 and report["checkpoint_restores"] == 1
@@ -241,7 +241,7 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
     assert report["steps_lost"] == second_attempt["steps_recomputed"] == reached - complete[-2] > 0
 
     _, ref = run_cli(["run", *SMALL, "steps=40", "run_name=ref", "--reference"], tmp_path)
-    assert report["final_state_sha256"] == ref["final_state_sha256"]
+    assert report["final_state_digest"] == ref["final_state_digest"]
     assert report["losses"] == ref["losses"]   # the first steps' losses came back from the checkpoint
 
 
@@ -273,7 +273,7 @@ def test_a_checkpoint_resumes_on_another_mesh_within_tolerance(tmp_path):
                         f"load_full_state_path={checkpoints}/8"], tmp_path)
     assert other["resumed_from"]["step"] == 8 and other["resumed_from"]["directory"] == str(checkpoints)
     assert other["resumed_from"]["comparison"] == "bit-identical"
-    assert other["final_state_sha256"] == report["final_state_sha256"] and other["losses"] == report["losses"]
+    assert other["final_state_digest"] == report["final_state_digest"] and other["losses"] == report["losses"]
     proc, _ = run_cli(["run", "tiny", "run_name=none", f"load_full_state_path={tmp_path}/nothing"], tmp_path,
                       check=False)
     assert proc.returncode == 2 and "load_full_state_path" in proc.stderr and "does not exist" in proc.stderr

@@ -72,7 +72,7 @@ class Target:
     def unharmed(self):
         assert self.proc.poll() is None, f"the worker died ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}"
         reply = self.stub.StateHash(pb.HashRequest(fence=fence()), timeout=10)
-        assert (reply.step, reply.sha256) == self.initial
+        assert (reply.step, reply.digest) == self.initial
 
 
 def open_target(tmp_path_factory):
@@ -90,7 +90,7 @@ def open_target(tmp_path_factory):
         stub.Init(pb.InitRequest(fence=fence(), seed=0), timeout=60)
         reply = stub.StateHash(pb.HashRequest(fence=fence()), timeout=10)
         state = list(stub.GetState(pb.GetStateRequest(fence=fence(), applied_steps=0), timeout=30))
-        yield Target(proc, log, info.address, stub, controller, programs, (reply.step, reply.sha256), state, liar)
+        yield Target(proc, log, info.address, stub, controller, programs, (reply.step, reply.digest), state, liar)
     finally:
         stop(proc)
         liar.server.stop(0)

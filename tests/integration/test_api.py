@@ -39,7 +39,7 @@ def test_wrap_of_a_fused_step_matches_the_trainer_bit_for_bit(tmp_path):
                      config=cfg.replace(run_name="wrapped")).fit()
     assert b["steps_completed"] == 3
     assert b["losses"] == a["losses"]
-    assert b["final_state_sha256"] == a["final_state_sha256"]
+    assert b["final_state_digest"] == a["final_state_digest"]
 
 
 def test_wrap_refuses_a_step_whose_update_reads_the_batch(tmp_path):

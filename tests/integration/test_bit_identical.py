@@ -21,9 +21,9 @@ def test_any_slice_count_matches_the_reference_bit_for_bit(reference, slices, tm
     assert report["slices"] == slices and report["devices_per_slice"] == 2
     assert report["steps_completed"] == 6
     assert report["losses"] == reference["losses"]
-    assert report["final_state_sha256"] == reference["final_state_sha256"]
+    assert report["final_state_digest"] == reference["final_state_digest"]
     assert set(report["replica_hashes"]) == {f"w{i}" for i in range(slices)}
-    assert set(report["replica_hashes"].values()) == {report["final_state_sha256"]}
+    assert set(report["replica_hashes"].values()) == {report["final_state_digest"]}
 
 
 def test_the_loss_falls_over_thirty_steps_on_four_workers(tmp_path):

@@ -100,4 +100,4 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
     assert not any(e["kind"] == "worker_registered" and e["worker"] == "pod-intruder" for e in events)
 
     _, ref = run_cli(["run", *MODEL, "run_name=ref", "--reference"], tmp_path)
-    assert report["final_state_sha256"] == ref["final_state_sha256"] and report["losses"] == ref["losses"]
+    assert report["final_state_digest"] == ref["final_state_digest"] and report["losses"] == ref["losses"]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.parts import checksum
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 from tests.integration._rpc_fuzz_target import EPOCH, FUZZ, M, P, ROOT_NODE, TYPED, Target, fence, open_target
 from tests.integration.test_hardening_worker import RUN, load_request
 
@@ -297,16 +297,18 @@ def test_a_pull_from_an_address_that_is_no_worker_is_refused(target, address):
 
 
 def _lies(draw, state: list[pb.StateChunk]) -> tuple[list[pb.StateChunk], str]:
-    """A state stream that lies in one way, and the ``expected_sha256`` to ask for."""
+    """A state stream that lies in one way, and the ``expected_digest`` to ask for."""
     chunks = [pb.StateChunk.FromString(c.SerializeToString()) for c in state]
-    honest = chunks[0].sha256
+    honest = chunks[0].digest
     lie = draw(st.sampled_from(["claimed_hash", "content", "consistent_but_unexpected", "dtype", "shape",
                                 "total_bytes", "applied", "short", "checksum", "leaves"]))
     expected = ""
     c = chunks[0]
     if lie == "claimed_hash":
-        for x in chunks:
-            x.sha256 = hashlib.sha256(draw(st.binary(max_size=8))).hexdigest()
+        wrong = hashlib.sha256(draw(st.binary(max_size=8))).hexdigest()
+        claim = draw(st.sampled_from([f"xxh3_128:{wrong[:32]}", f"sha256:{wrong}", wrong, "xxh3_128:", "md5:00"]))
+        for x in chunks:   # another state's digest, one of another algorithm, or no digest at all
+            x.digest = claim
     elif lie in ("content", "consistent_but_unexpected"):
         data = bytearray(c.data)
         data[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
@@ -314,7 +316,7 @@ def _lies(draw, state: list[pb.StateChunk]) -> tuple[list[pb.StateChunk], str]:
         if lie == "consistent_but_unexpected":   # a self-consistent state, not the one the controller expects
             leaf = np.frombuffer(c.data, dtype=np.dtype(c.dtype)).reshape(tuple(c.shape))
             for x in chunks:
-                x.sha256 = state_sha256([leaf])
+                x.digest = state_digest([leaf])
             expected = honest
     elif lie == "dtype":
         c.dtype = draw(st.sampled_from(["<f8", "<i4", "|O", "<U2", "bogus", "", "<V4"]))
@@ -338,7 +340,7 @@ def _lies(draw, state: list[pb.StateChunk]) -> tuple[list[pb.StateChunk], str]:
 
 
 def test_a_transfer_announces_the_hash_the_worker_reports_for_its_state(target):
-    assert {c.sha256 for c in target.state} == {target.initial[1]}
+    assert {c.digest for c in target.state} == {target.initial[1]}
 
 
 @FUZZ
@@ -347,7 +349,7 @@ def test_a_pull_from_a_source_that_lies_about_the_state_is_refused(target, data)
     t = target
     t.liar.chunks, expected = _lies(data.draw, t.state)
     code = t.refused(lambda: t.stub.PullState(pb.PullStateRequest(
-        fence=fence(), source_address=t.liar.address, applied_steps=0, expected_sha256=expected), timeout=30))
+        fence=fence(), source_address=t.liar.address, applied_steps=0, expected_digest=expected), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     t.unharmed()
 

@@ -45,7 +45,7 @@ def test_extending_a_finished_run_appends_an_attempt_and_matches_an_uninterrupte
                                                                  f"base_output_directory={tmp_path}"]))
     uninterrupted = ref.fit(reference=True)
     assert report["losses"] == uninterrupted["losses"]
-    assert report["final_state_sha256"] == uninterrupted["final_state_sha256"]
+    assert report["final_state_digest"] == uninterrupted["final_state_digest"]
 
 
 def schedule_trainer(config):

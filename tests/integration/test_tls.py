@@ -13,7 +13,7 @@ def test_a_run_over_mutual_tls_matches_the_plaintext_run(tmp_path, pem):
             f"elastic_tls_ca_file={pem.ca_file}"]
     _, tls = run_cli(["run", "tiny", "steps=3", "dcn_data_parallelism=2", "run_name=tls", *keys], tmp_path)
     _, ref = run_cli(["run", "tiny", "steps=3", "--reference", "run_name=ref"], tmp_path)
-    assert tls["steps_completed"] == 3 and tls["final_state_sha256"] == ref["final_state_sha256"]
+    assert tls["steps_completed"] == 3 and tls["final_state_digest"] == ref["final_state_digest"]
 
 
 def test_a_tls_server_refuses_a_plaintext_caller(pem):

@@ -30,7 +30,7 @@ from runtime.state.checkpoint import (
     CheckpointTimeoutError,
 )
 from runtime.state.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError, Skipped
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 from tests.gcs_emulator import GcsEmulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def state(seed: int = 0) -> list[np.ndarray]:
 
 
 def save(store: CheckpointStore, step: int, leaves, **meta) -> None:
-    store.save(step, leaves, sha256=state_sha256(leaves), metadata={"fingerprint": "prog-1", **meta})
+    store.save(step, leaves, digest=state_digest(leaves), metadata={"fingerprint": "prog-1", **meta})
 
 
 def assert_same(got, want):
@@ -114,7 +114,7 @@ def test_round_trip_is_bit_identical(place):
         step, got, digest, meta = restored
         assert step == 7
         assert_same(got, leaves)
-        assert digest == state_sha256(leaves)
+        assert digest == state_digest(leaves)
         assert meta["fingerprint"] == "prog-1" and meta["note"] == {"lr": 0.5} and meta["step"] == 7
         assert before <= meta["created"] <= time.time()
 
@@ -151,16 +151,16 @@ _CHILD = r"""
 import os, signal, sys, time
 import numpy as np
 from runtime.state.checkpoint import CheckpointStore
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 
 directory, mib = sys.argv[1], int(sys.argv[2])
 store = CheckpointStore(directory)          # a gs:// directory finds the emulator in $STORAGE_EMULATOR_HOST
 small = [np.arange(16, dtype=np.float32)]
-store.save(1, small, sha256=state_sha256(small), metadata={"fingerprint": "child"})
+store.save(1, small, digest=state_digest(small), metadata={"fingerprint": "child"})
 store.wait(120)
 rng = np.random.default_rng(0)
 big = [rng.random((mib << 20) // 32, dtype=np.float32) for _ in range(8)]
-store.save(2, big, sha256=state_sha256(big), metadata={"fingerprint": "child"})
+store.save(2, big, digest=state_digest(big), metadata={"fingerprint": "child"})
 deadline = time.monotonic() + 120
 while not store.leftovers():                # step 2 is being written (it cannot commit for a long while)
     if time.monotonic() > deadline:
@@ -311,7 +311,7 @@ def test_a_flipped_bit_is_caught_by_the_digest(tmp_path):
 
 def test_an_unreadable_record_is_refused_and_no_valid_checkpoint_says_why(tmp_path):
     store = _saved(tmp_path, steps=(4,))
-    [record] = [p for p in (tmp_path / "4" / "meta").rglob("*") if p.is_file() and b"sha256" in p.read_bytes()]
+    [record] = [p for p in (tmp_path / "4" / "meta").rglob("*") if p.is_file() and b"\"digest\"" in p.read_bytes()]
     record.write_bytes(b"{not json")
     with pytest.raises(CheckpointCorruptError, match="record cannot be read"):
         store.restore(4)
@@ -371,15 +371,15 @@ def test_a_failed_removal_of_an_old_checkpoint_is_reported_after_the_commit(tmp_
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     store = CheckpointStore(str(tmp_path))
     leaves = state()
-    digest = state_sha256(leaves)
-    with pytest.raises(ValueError, match="sha256"):
-        store.save(1, leaves, sha256="abc")
+    digest = state_digest(leaves)
+    with pytest.raises(ValueError, match="state digest"):
+        store.save(1, leaves, digest="abc")
     with pytest.raises(ValueError, match="store's own"):
-        store.save(1, leaves, sha256=digest, metadata={"step": 3})
+        store.save(1, leaves, digest=digest, metadata={"step": 3})
     with pytest.raises(ValueError, match="JSON"):
-        store.save(1, leaves, sha256=digest, metadata={"x": object()})
+        store.save(1, leaves, digest=digest, metadata={"x": object()})
     with pytest.raises(ValueError, match="step"):
-        store.save(-1, leaves, sha256=digest)
+        store.save(-1, leaves, digest=digest)
     with pytest.raises(ValueError, match="max_to_keep"):
         CheckpointStore(str(tmp_path), max_to_keep=0)
     with pytest.raises(ValueError, match="bucket"):
@@ -414,7 +414,7 @@ def test_two_saves_in_one_process_at_once_both_commit(tmp_path):
     leaves = [np.arange(5000, dtype=np.float32), np.ones((3, 7), np.int32)]
     stores = [CheckpointStore(str(tmp_path / f"d{i}")) for i in range(3)]
     for i, store in enumerate(stores):
-        store.save(i + 1, leaves, sha256=state_sha256(leaves), metadata={"i": i})
+        store.save(i + 1, leaves, digest=state_digest(leaves), metadata={"i": i})
     for i, store in enumerate(stores):
         store.wait()
         assert store.steps() == [i + 1] and store.restore().metadata["i"] == i

@@ -17,7 +17,7 @@ from runtime.control.checkpointing import locate_checkpoint
 from runtime.state.checkpoint import CheckpointStore
 from runtime.state.checkpoint_record import CheckpointCorruptError
 from runtime.state.checkpoint_tree import CheckpointTree, from_items, to_items
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 from runtime.worker.worker_state import loss_sums
 
 KEY_IMPL = "threefry2x32"   # key data: uint32[..., 2]
@@ -64,7 +64,7 @@ def test_items_hold_each_leaf_at_its_place_in_its_stored_dtype_and_come_back_as_
     assert str(items["nnx_aux"]["rngs"]["key"].dtype) == "key<fry>"
     back = from_items(items, TREE, LAYOUT)
     assert [(x.shape, x.dtype) for x in back] == [(tuple(s), d) for s, d in LAYOUT]
-    assert state_sha256(back) == state_sha256(state)
+    assert state_digest(back) == state_digest(state)
     with pytest.raises(ValueError, match="no params/params/w"):
         from_items({**items, "params": {"params": {}}}, TREE, LAYOUT)
     with pytest.raises(ValueError, match=r"opt_state/0/mu/params/w is float32\[2, 3\]"):
@@ -75,10 +75,10 @@ def test_items_hold_each_leaf_at_its_place_in_its_stored_dtype_and_come_back_as_
 def test_a_store_with_a_tree_writes_the_named_layout_beside_its_record_and_reads_it_back(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt"), tree=TREE, async_save=False)
     state = leaves(4)
-    store.save(4, state, sha256=state_sha256(state), metadata={"fingerprint": "f"})
+    store.save(4, state, digest=state_digest(state), metadata={"fingerprint": "f"})
     assert sorted(p.name for p in (tmp_path / "ckpt" / "4").iterdir() if p.is_dir()) == ["items", "meta"]
     step, back, digest, meta = CheckpointStore(str(tmp_path / "ckpt")).restore(4)   # the record holds the tree
-    assert (step, digest, meta["fingerprint"]) == (4, state_sha256(state), "f")
+    assert (step, digest, meta["fingerprint"]) == (4, state_digest(state), "f")
     # Another reader of orbax's pytree sees MaxText's names, the step as int32 and the key typed.
     theirs = ocp.PyTreeCheckpointer().restore(tmp_path / "ckpt" / "4" / "items")
     assert int(theirs["step"]) == 4 and theirs["step"].dtype == np.int32
@@ -91,10 +91,10 @@ def test_a_checkpoint_another_program_wrote_is_listed_under_the_step_it_holds_an
     write_theirs(directory, 3, leaves(4))   # MaxText's <3>: the state after step 3, i.e. 4 applied steps
     mine = CheckpointStore(str(directory), tree=TREE, layout=LAYOUT, async_save=False)
     state = leaves(6)
-    mine.save(6, state, sha256=state_sha256(state))
+    mine.save(6, state, digest=state_digest(state))
     assert mine.steps() == [4, 6] == CheckpointStore(str(directory)).steps()   # a listing needs no tree
     step, back, digest, meta = mine.restore(4)
-    assert step == 4 and digest == state_sha256(leaves(4)) and meta["written_by"] == "another program"
+    assert step == 4 and digest == state_digest(leaves(4)) and meta["written_by"] == "another program"
     assert mine.restore_newest_valid(at_most=5)[0].step == 4
     with pytest.raises(CheckpointCorruptError, match="no jax-elastic record"):
         CheckpointStore(str(directory)).restore(4)
@@ -123,7 +123,7 @@ def test_parameters_are_read_alone_from_a_full_or_a_parameter_only_checkpoint(tm
     from runtime.state.checkpoint_orbax import read_parameters
 
     state = leaves(4)
-    CheckpointStore(str(tmp_path / "full"), tree=TREE, async_save=False).save(4, state, sha256=state_sha256(state))
+    CheckpointStore(str(tmp_path / "full"), tree=TREE, async_save=False).save(4, state, digest=state_digest(state))
     got = read_parameters(epath.Path(tmp_path / "full" / "4"), TREE, LAYOUT)
     assert list(got) == [0] and np.array_equal(got[0], state[0])   # params/params/w only: not opt_state's w
     weights = np.arange(6, dtype=np.float32).reshape(3, 2)   # MaxText's parameter-only checkpoint: items/params

@@ -8,7 +8,7 @@ import numpy as np
 
 from runtime.state.checkpoint import CheckpointStore
 from runtime.control.checkpointing import Checkpointing
-from runtime.worker.executor import state_sha256
+from runtime.state.state_copy import state_digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def test_newest_lists_complete_checkpoints_and_an_unreadable_store_is_none(tmp_p
     store = CheckpointStore(directory, async_save=False)
     leaves = [np.arange(4, dtype=np.float32)]
     for step in (4, 8, 12):
-        store.save(step, leaves, sha256=state_sha256(leaves))
+        store.save(step, leaves, digest=state_digest(leaves))
     events = Events()
     ck = Checkpointing(Group(), Opts(checkpoint_directory=directory), events)
     assert ck.newest(12) == 12 and ck.newest(11) == 8 and ck.newest(3) is None
@@ -102,7 +102,7 @@ def test_newest_lists_complete_checkpoints_and_an_unreadable_store_is_none(tmp_p
 def test_finish_removes_the_leftovers_of_cut_saves_only_when_nobody_writes(tmp_path):
     directory = tmp_path / "ck"
     leaves = [np.arange(4, dtype=np.float32)]
-    CheckpointStore(str(directory), async_save=False).save(4, leaves, sha256=state_sha256(leaves))
+    CheckpointStore(str(directory), async_save=False).save(4, leaves, digest=state_digest(leaves))
     (directory / "8.orbax-checkpoint-tmp").mkdir()   # what a writer killed mid-save leaves
     busy, events = Group(flushed={"b": [([], "", False)]}), Events()   # b writes on past the deadline
     Checkpointing(busy, Opts(checkpoint_directory=str(directory), rpc_timeout_seconds=0.2), events).finish(["a", "b"], [0.5] * 8)

@@ -70,7 +70,7 @@ def test_a_fault_free_run_commits_every_step_once_in_order(tmp_path):
 def test_a_kill_is_replaced_by_the_spare_with_no_step_lost(tmp_path, fault_free):
     result, events, group, phases = run(tmp_path, faults={3: ("kill", "w1")}, stepwise=True)
     assert result.losses == fault_free.losses
-    assert result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.final_state_digest == fault_free.final_state_digest
     assert committed_steps(events) == list(range(8))
     [decision] = kinds(events, "recovery_decision")
     assert decision["action"] == "replace" and decision["dead"] == ["w1"] and decision["active"] == ["w0", "w2"]
@@ -84,7 +84,7 @@ def test_a_kill_is_replaced_by_the_spare_with_no_step_lost(tmp_path, fault_free)
 
 def test_a_kill_without_a_spare_shrinks_onto_the_survivor(tmp_path, fault_free):
     result, events, group, _ = run(tmp_path, faults={2: ("kill", "w0")}, spares=0, relaunch=False)
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     [recovered] = kinds(events, "recovered")
     assert recovered["path"] == "shrink" and recovered["bytes_moved"] == 0
     assert list(result.replica_hashes) == ["w1"]
@@ -92,7 +92,7 @@ def test_a_kill_without_a_spare_shrinks_onto_the_survivor(tmp_path, fault_free):
 
 def test_a_hang_is_found_by_the_step_watchdog_and_replaced(tmp_path, fault_free):
     result, events, group, _ = run(tmp_path, faults={5: ("hang", "w0")})
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     [alarm] = kinds(events, "step_watchdog")
     assert alarm["step"] == 5 and alarm["suspects"] == ["w0"] and alarm["pending"] == ["w0"]
     [dead] = kinds(events, "worker_dead")
@@ -103,7 +103,7 @@ def test_a_hang_is_found_by_the_step_watchdog_and_replaced(tmp_path, fault_free)
 def test_survivors_one_step_apart_are_realigned_by_a_rollback(tmp_path, fault_free):
     result, events, group, _ = run(tmp_path, slices=3, spares=0, relaunch=False,
                                    faults={4: ("kill_after_apply", "w2")})
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     [rolled] = kinds(events, "rolled_back")
     assert rolled == {**rolled, "worker": "w0", "to_step": 4}
     assert committed_steps(events) == list(range(8))
@@ -122,7 +122,7 @@ class KillDuringTransfer(ControllerObserver):
 def test_a_kill_of_the_receiving_spare_mid_transfer_is_recovered_by_another_attempt(tmp_path, fault_free):
     result, events, group, phases = run(tmp_path, spares=2, faults={3: ("kill", "w1")},
                                         observer=KillDuringTransfer("dest"), stepwise=True)
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     assert [d["action"] for d in kinds(events, "recovery_decision")] == ["replace", "replace"]
     assert [d["active"] for d in kinds(events, "recovery_decision")] == [["w0", "w2"], ["w0", "w3"]]
     epochs = [d["epoch"] for d in kinds(events, "recovery_decision")]
@@ -148,7 +148,7 @@ def test_recovery_gives_up_after_max_retries(tmp_path):
 
 def test_a_relaunched_worker_grows_the_run_back_at_a_step_boundary(tmp_path, fault_free):
     result, events, group, phases = run(tmp_path, spares=0, faults={2: ("kill", "w1")}, stepwise=True)
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     assert kinds(events, "recovered")[0]["path"] == "shrink"
     [grown] = kinds(events, "grown")
     assert grown["promoted"] == ["w2"] and grown["active"] == ["w0", "w2"]
@@ -190,7 +190,7 @@ def test_max_seconds_counts_from_the_first_step_not_from_launch(tmp_path):
 @pytest.mark.parametrize("phase", ["register", "load", "init"])
 def test_a_kill_during_startup_is_replaced_and_recorded_like_any_failure(tmp_path, fault_free, phase):
     result, events, group, phases = run(tmp_path, faults={phase: ("kill", "w1")}, stepwise=True)
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     [failure] = kinds(events, "failure_detected")
     assert failure["worker"] == "w1" and failure["committed"] == 0
     [decision] = kinds(events, "recovery_decision")
@@ -203,7 +203,7 @@ def test_a_kill_during_startup_is_replaced_and_recorded_like_any_failure(tmp_pat
 
 def test_a_kill_during_load_without_a_spare_starts_narrower_and_grows_back(tmp_path, fault_free):
     result, events, group, phases = run(tmp_path, spares=0, faults={"load": ("kill", "w0")}, stepwise=True)
-    assert result.losses == fault_free.losses and result.final_state_sha256 == fault_free.final_state_sha256
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
     assert [d["action"] for d in kinds(events, "recovery_decision")] == ["shrink"]
     [grown] = kinds(events, "grown")
     assert grown["promoted"] == ["w2"] and sorted(result.replica_hashes) == ["w1", "w2"]

@@ -15,7 +15,7 @@ from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.parts import REDUCE_SCATTER, pieces
 from runtime.worker.mailbox import Mailbox
-from runtime.state.state_copy import assemble_state, state_chunks, state_sha256
+from runtime.state.state_copy import assemble_state, state_chunks, state_digest
 from runtime.wire.dataplane import DataServer
 from runtime.wire.dataplane_client import DataClient, RemoteError
 from runtime.core.errors import ProtocolError, StaleEpochError
@@ -40,7 +40,7 @@ class Peer:
     def state(self, request):
         if request.applied_steps != 3:
             raise StaleEpochError(f"state is at 3 applied steps, asked for {request.applied_steps}")
-        return state_chunks(self.leaves, 3, chunk_bytes=1024, sha256=state_sha256(self.leaves))
+        return state_chunks(self.leaves, 3, chunk_bytes=1024, digest=state_digest(self.leaves))
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_a_state_read_is_assembled_and_hash_checked(peer):
     leaves, applied, digest = assemble_state(client.get_state(peer.server.address,
                                                               pb.GetStateRequest(fence=FENCE, applied_steps=3),
                                                               deadline()))
-    assert applied == 3 and digest == state_sha256(peer.leaves)
+    assert applied == 3 and digest == state_digest(peer.leaves)
     np.testing.assert_array_equal(leaves[0], peer.leaves[0])
     with pytest.raises(RemoteError) as err:
         list(client.get_state(peer.server.address, pb.GetStateRequest(fence=FENCE, applied_steps=5), deadline()))

@@ -48,7 +48,8 @@ NAT = st.integers(0, 50)
 BIG = st.integers(0, 2**40)
 SECONDS = st.floats(0, 1e4)
 TEXT = st.text(max_size=12)
-SHA = st.one_of(st.text("0123456789abcdef", min_size=1, max_size=8), st.just("ab" * 32))
+SHA = st.one_of(st.text("0123456789abcdef", min_size=1, max_size=8), st.just("ab" * 32))   # logs before digests
+DIGEST = st.sampled_from(["xxh3_128:" + "ab" * 16, "sha256:" + "ab" * 32])              # named their algorithm: SHA
 LOSS = st.one_of(st.floats(-1e6, 1e6), st.floats())   # a diverging run can log inf or nan
 PATH = st.sampled_from(["replace", "shrink", "retry", "wait", "fail"])
 
@@ -78,7 +79,7 @@ KINDS = {
     "checkpoint_restored": ({"step": NAT, "tier": st.sampled_from(["memory", "disk"])}, {}),
     "transfer_started": ({"source": WORKER, "dest": WORKER, "step": NAT}, {}),
     "state_transferred": ({"source": WORKER, "dest": WORKER, "step": NAT, "bytes": BIG, "seconds": SECONDS,
-                           "sha256": SHA}, {}),
+                           "digest": DIGEST}, {"sha256": SHA}),
     "recovered": ({"path": PATH, "resume_step": NAT, "bytes_moved": BIG},
                   {"epoch": NAT, "dead": WORKERS, "seconds": SECONDS}),
     "grown": ({"epoch": NAT, "promoted": WORKERS, "active": WORKERS, "bytes_moved": BIG, "step": NAT}, {}),
@@ -108,9 +109,11 @@ KINDS = {
                  "exactly_once_detail": st.dictionaries(st.sampled_from(["missing", "duplicated"]),
                                                         st.lists(st.lists(NAT, min_size=2, max_size=2), max_size=2)),
                  "reference": st.one_of(st.none(), st.fixed_dictionaries({
-                     "run_dir": TEXT, "losses": st.lists(LOSS, max_size=3), "final_state_sha256": SHA}))}, {}),
-    "run_finished": ({"steps_completed": NAT, "final_state_sha256": SHA, "replica_hashes": st.dictionaries(WORKER, SHA),
-                      "wall_seconds": SECONDS, "client_peak_rss_bytes": BIG}, {}),
+                     "run_dir": TEXT, "losses": st.lists(LOSS, max_size=3), "final_state_digest": DIGEST}))}, {}),
+    # final_state_digest today; final_state_sha256 instead in logs from before the digest named its algorithm.
+    "run_finished": ({"steps_completed": NAT, "replica_hashes": st.dictionaries(WORKER, DIGEST),
+                      "wall_seconds": SECONDS, "client_peak_rss_bytes": BIG},
+                     {"final_state_digest": DIGEST, "final_state_sha256": SHA}),
 }
 
 

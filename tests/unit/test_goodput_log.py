@@ -27,7 +27,7 @@ def _log(failure=False):
                    {"t": t + 2.0, "kind": "recovered"}]
             t += 3.0
         ev.append({"t": t, "kind": "step_committed", "step": step, "epoch": 0, "loss": 1.0})
-    ev.append({"t": t + 0.5, "kind": "run_finished", "steps_completed": 10, "final_state_sha256": "x",
+    ev.append({"t": t + 0.5, "kind": "run_finished", "steps_completed": 10, "final_state_digest": "x",
                "replica_hashes": {}, "client_peak_rss_bytes": 0})
     return ev
 

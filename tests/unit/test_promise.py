@@ -160,7 +160,7 @@ def _report(events, **changes):
     lost = sum(1 for i, e in enumerate(events) if e["kind"] == "step_committed" and
                e["step"] < max([x["step"] + 1 for x in events[:i] if x["kind"] == "step_committed"] or [0]))
     report = {"steps_requested": 20, "steps_completed": 20, "finished": True, "losses": [1.0] * 20,
-              "final_state_sha256": "ab", "steps_lost": lost, "config": CFG, "microbatches": None,
+              "final_state_digest": "ab", "steps_lost": lost, "config": CFG, "microbatches": None,
               "snapshot_restores": sum(e["kind"] == "snapshot_restored" for e in events),
               "checkpoint_restores": sum(e["kind"] == "checkpoint_restored" for e in events)}
     report.update(changes)

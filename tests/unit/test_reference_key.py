@@ -70,3 +70,27 @@ def test_keys_without_the_math_role_leave_the_reference_alone(tmp_path):
     assert set(math) <= MATH_KEYS
     for k, v in math.items():
         assert key(tmp_path, **{k: v}) != same, k
+
+
+def test_a_cached_reference_is_reused_only_when_its_digest_is_of_this_runtimes_algorithm(tmp_path):
+    import json
+
+    from runtime import STATE_DIGEST
+
+    cfg = load_config("tiny", [f"base_output_directory={tmp_path}"])
+    job = lambda c: Job(c, b"grad", Data())  # noqa: E731
+    reference_report(job, cfg, cfg.steps)
+    name = Job.fits[-1]
+    cached = tmp_path / name / "report.json"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    digest = f"{STATE_DIGEST}:{'ab' * 16}"
+    cached.write_text(json.dumps({"finished": True, "steps_completed": cfg.steps, "final_state_digest": digest,
+                                  "digest_algorithm": STATE_DIGEST}))
+    fits = len(Job.fits)
+    report, _ = reference_report(job, cfg, cfg.steps)
+    assert len(Job.fits) == fits and report["final_state_digest"] == digest   # reused
+    # One cached before the digest named its algorithm (report_version 1: a sha256): it would never compare
+    # identical to this run's digest, so the reference runs again.
+    cached.write_text(json.dumps({"finished": True, "steps_completed": cfg.steps, "final_state_sha256": "ab" * 32}))
+    reference_report(job, cfg, cfg.steps)
+    assert len(Job.fits) == fits + 1 and Job.fits[-1] == name

@@ -9,6 +9,11 @@ def ev(t, kind, **fields):
     return {"t": 1_700_000_000.0 + t, "kind": kind, **fields}
 
 
+def X(pair: str) -> str:
+    """A state digest as the runtime writes it (``runtime.state.state_copy.state_digest``): xxh3_128, 32 hex digits."""
+    return "xxh3_128:" + pair * 16
+
+
 def commits(t0, first, n):
     return [ev(t0 + 0.1 * i, "step_committed", step=first + i, loss=2.0 - 0.1 * (first + i)) for i in range(n)]
 
@@ -109,7 +114,7 @@ def killed_then_resumed():
         ev(21, "run_resumed", step=30, directory=D, tier="checkpoint", bytes=128, state_bytes=64,
            losses=[loss(s) for s in range(30)], losses_recorded=True, resharded_from=None)]
     second += [ev(21.5 + 0.1 * i, "step_committed", step=s, loss=loss(s)) for i, s in enumerate(range(30, 40))]
-    second.append(ev(23, "run_finished", final_state_sha256="ab" * 32, replica_hashes={}, client_peak_rss_bytes=1))
+    second.append(ev(23, "run_finished", final_state_digest=X("ab"), replica_hashes={}, client_peak_rss_bytes=1))
     return first, second
 
 
@@ -161,16 +166,19 @@ def test_extending_a_finished_run_loses_nothing_and_the_idle_time_is_not_the_run
     first = attempt_start(0, "r1", steps=4) + [ev(2.5, "state_initialized", seed=0, state_bytes=64)]
     first += [ev(3 + s, "step_committed", step=s, loss=loss(s)) for s in range(4)]
     first += [ev(6.5, "checkpoint_saved", worker="w0", step=4, directory=D),
-              ev(7, "run_finished", final_state_sha256="cd" * 32, replica_hashes={}, client_peak_rss_bytes=1)]
-    later = 10_000.0   # extended hours later
+              # written by a build from before the digest named its algorithm: a sha256 of bare hex digits
+              ev(7, "run_finished", final_state_sha256="cd" * 32, replica_hashes={"w0": "cd" * 32},
+                 client_peak_rss_bytes=1)]
+    later = 10_000.0   # extended hours later (by this build)
     second = attempt_start(later, "r2", steps=6) + [
         ev(later + 3, "run_resumed", step=4, directory=D, tier="checkpoint", bytes=64, state_bytes=64,
            losses=[loss(s) for s in range(4)], losses_recorded=True)]
     second += [ev(later + 4 + s, "step_committed", step=4 + s, loss=loss(4 + s)) for s in range(2)]
-    second.append(ev(later + 6, "run_finished", final_state_sha256="ef" * 32, replica_hashes={},
+    second.append(ev(later + 6, "run_finished", final_state_digest=X("ef"), replica_hashes={"w0": X("ef")},
                      client_peak_rss_bytes=1))
     report = build_report(first + second)
-    assert report["steps_lost"] == 0 and report["steps_completed"] == 6 and report["final_state_sha256"] == "ef" * 32
+    assert report["steps_lost"] == 0 and report["steps_completed"] == 6 and report["final_state_digest"] == X("ef")
+    assert report["digest_algorithm"] == "xxh3_128" and report["replica_hashes"] == {"w0": X("ef")}
     assert report["attempts"][1]["after"] == "finished" and report["attempts"][1]["steps_recomputed"] == 0
     assert abs(report["wall_seconds"] - 13) < 1e-6   # 7 s + 6 s: the hours in between were nobody's
     assert abs(report["goodput"]["wall_seconds"] - 13) < 1e-6
@@ -200,15 +208,30 @@ def test_the_timeline_cuts_the_idle_time_before_an_extension_out_of_its_axis():
 
     first = attempt_start(0, "r1", steps=2) + [ev(2.5, "state_initialized", seed=0, state_bytes=64)]
     first += [ev(3 + s, "step_committed", step=s, loss=loss(s)) for s in range(2)]
-    first.append(ev(5, "run_finished", final_state_sha256="cd" * 32, replica_hashes={}, client_peak_rss_bytes=1))
+    first.append(ev(5, "run_finished", final_state_digest=X("cd"), replica_hashes={}, client_peak_rss_bytes=1))
     second = attempt_start(86_400, "r2", steps=3) + [
         ev(86_403, "run_resumed", step=2, directory=D, tier="checkpoint", bytes=64, state_bytes=64,
            losses=[loss(0), loss(1)], losses_recorded=True)]
     second += [ev(86_404, "step_committed", step=2, loss=loss(2)),
-               ev(86_405, "run_finished", final_state_sha256="ef" * 32, replica_hashes={}, client_peak_rss_bytes=1)]
+               ev(86_405, "run_finished", final_state_digest=X("ef"), replica_hashes={}, client_peak_rss_bytes=1)]
     page = render_html(build_report(first + second), first + second)
     timeline = page[page.index("<svg id='timeline'"):]
     timeline = timeline[:timeline.index("</svg>")]
     ticks = [float(x) for x in re.findall(r"text-anchor='middle' fill='#444' >([0-9.]+)</text>", timeline)]
     assert ticks and max(ticks) <= 10, ticks   # 10 s of run on the axis, not a day
     assert "attempt 2 (idle 86395" in timeline
+
+
+def test_a_log_from_before_the_digest_named_its_algorithm_folds_with_its_sha256_named():
+    events = [ev(0, "run_started", run_id="r", slices=2, devices_per_slice=1, steps=1), *commits(0.1, 0, 1),
+              ev(1, "run_finished", final_state_sha256="ab" * 32, replica_hashes={"w0": "ab" * 32, "w1": "ab" * 32},
+                 client_peak_rss_bytes=1)]
+    report = build_report(events)
+    assert report["final_state_digest"] == "sha256:" + "ab" * 32 and report["digest_algorithm"] == "sha256"
+    assert report["replica_hashes"] == {"w0": "sha256:" + "ab" * 32, "w1": "sha256:" + "ab" * 32}
+    assert report["report_version"] == 2 and "final_state_sha256" not in report
+
+
+def test_an_unfinished_run_names_no_digest_and_no_algorithm():
+    report = build_report([ev(0, "run_started", run_id="r", slices=1, devices_per_slice=1, steps=2), *commits(0.1, 0, 1)])
+    assert report["final_state_digest"] is None and report["digest_algorithm"] is None

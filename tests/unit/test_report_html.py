@@ -14,7 +14,7 @@ from elastic.report import CHROMIUM, chromium_dom, chromium_screenshot, goodput,
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 EVIL = "<script>alert('x')</script>"
-SHA = "ab" * 32
+DIGEST = "xxh3_128:" + "ab" * 16
 
 
 def ev(t, kind, **fields):
@@ -35,7 +35,7 @@ def faulted_events():
     events += [ev(6.3 + 0.2 * i, "step_committed", step=4 + i, loss=2.6 - 0.1 * i) for i in range(3)]
     events += [ev(7.0, "grown", active=["w0", "w2"], promoted=["w2"], bytes_moved=1024, step=7)]
     events += [ev(7.2 + 0.2 * i, "step_committed", step=7 + i, loss=2.3 - 0.1 * i) for i in range(3)]
-    events += [ev(7.8, "run_finished", final_state_sha256=SHA)]
+    events += [ev(7.8, "run_finished", final_state_digest=DIGEST)]
     return events
 
 
@@ -43,10 +43,11 @@ def full_report(events):
     """A report with every field of the schema filled in, as for a chaos run with a reference."""
     losses = [e["loss"] for e in events if e["kind"] == "step_committed"]
     return {
-        "report_version": 1, "mode": "distributed", "run_id": "r1", "seed": 0,
+        "report_version": 2, "mode": "distributed", "run_id": "r1", "seed": 0,
         "config": {"run_name": "tiny", "steps": 10}, "slices": 2, "devices_per_slice": 2, "microbatches": 4,
         "global_batch_size": 16, "steps_requested": 10, "steps_completed": 10, "losses": losses,
-        "final_state_sha256": SHA, "replica_hashes": {"w0": SHA, "w2": SHA}, "wall_seconds": 7.8,
+        "final_state_digest": DIGEST, "digest_algorithm": "xxh3_128", "replica_hashes": {"w0": DIGEST, "w2": DIGEST},
+        "wall_seconds": 7.8,
         "client_peak_rss_bytes": 250_000_000, "state_bytes": 259_972,
         "program_bytes": {"init": 1, "grad": 2, "apply": 3}, "compile_seconds": 3.2, "step_seconds_median": 0.2,
         "finished": True, "failure_reason": None,
@@ -65,7 +66,7 @@ def full_report(events):
         "goodput": goodput(events),
         "chaos": {"spec": "crash w1 @ step 4", "seed": 7, "mtbf_seconds": None, "duration_seconds": None,
                   "scenario": None},
-        "reference": {"run_dir": "ref", "losses": losses, "final_state_sha256": SHA},
+        "reference": {"run_dir": "ref", "losses": losses, "final_state_digest": DIGEST},
         "verdict": "pass", "verdict_reasons": [f"losses identical to the reference {EVIL}"],
         "trajectory": "identical", "first_diverging_step": None, "exactly_once": True,
         "exactly_once_detail": {"duplicated": [], "missing": []},
@@ -105,6 +106,18 @@ def test_faulted_and_fault_free_reports_validate():
     validate(fault_free_report(events))
 
 
+def test_a_report_of_version_1_with_its_sha256_still_validates():
+    report = full_report(faulted_events())
+    del report["final_state_digest"], report["digest_algorithm"], report["reference"]["final_state_digest"]
+    old = "ab" * 32
+    report.update(report_version=1, final_state_sha256=old, replica_hashes={"w0": old, "w2": old})
+    report["reference"]["final_state_sha256"] = old
+    validate(report)
+    report["report_version"] = 2   # from version 2 the digest must name its algorithm
+    with pytest.raises(jsonschema.ValidationError, match="final_state_digest"):
+        validate(report)
+
+
 def test_unknown_top_level_key_fails_validation():
     report = full_report(faulted_events())
     report["surprise"] = 1
@@ -118,6 +131,8 @@ def test_unknown_top_level_key_fails_validation():
     lambda r: r["goodput"]["badput_seconds"].pop("compile"),
     lambda r: r.update(verdict="maybe"),
     lambda r: r["stragglers"][0].update(action="ignored"),
+    lambda r: r.pop("digest_algorithm"),
+    lambda r: r.update(digest_algorithm="md5"),
 ])
 def test_schema_rejects_missing_and_out_of_vocabulary_fields(mutate):
     report = copy.deepcopy(full_report(faulted_events()))
@@ -137,7 +152,7 @@ def test_html_is_self_contained_and_escaped():
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
     assert "<script" not in page.lower() and "<link" not in page.lower() and "@import" not in page
     assert "&lt;script&gt;" in page
-    for text in ("PASS", "crash w1 @ step 4", "recovered: shrink", "detected: w1", "WorkerLostError", SHA,
+    for text in ("PASS", "crash w1 @ step 4", "recovered: shrink", "detected: w1", "WorkerLostError", DIGEST,
                  "Stragglers", "reference"):
         assert text in page, text
 
@@ -157,7 +172,7 @@ def test_html_renders_fault_free_reference_mode_and_unfinished_runs():
 
     cut = events[:12]
     unfinished = fault_free_report(cut)
-    unfinished.update(finished=False, final_state_sha256=None, wall_seconds=None, failure_reason=EVIL,
+    unfinished.update(finished=False, final_state_digest=None, wall_seconds=None, failure_reason=EVIL,
                       goodput=goodput(cut))
     page = render_html(unfinished, cut)
     assert "did not finish" in page and "&lt;script&gt;" in page and "<script" not in page

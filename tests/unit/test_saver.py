@@ -4,7 +4,7 @@ import threading
 
 import numpy as np
 
-from runtime.worker.executor import state_sha256
+from runtime.state.state_copy import state_digest
 from runtime.worker.saver import CheckpointWriter, Drained
 
 
@@ -13,13 +13,13 @@ class Store:
         self.directory, self.saved, self.gate, self.fail = directory, [], gate, fail
         self.entered = threading.Event()
 
-    def save(self, step, leaves, *, sha256, metadata):
+    def save(self, step, leaves, *, digest, metadata):
         self.entered.set()
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:
             raise OSError("disk full")
-        self.saved.append((step, [x.copy() for x in leaves], sha256, metadata))
+        self.saved.append((step, [x.copy() for x in leaves], digest, metadata))
 
     def wait(self):
         pass
@@ -32,7 +32,7 @@ def test_a_checkpoint_is_written_in_the_background_with_its_digest():
     writer.submit("/ck", 4, leaves, {"fingerprint": "fp"})
     assert writer.wait(5)
     (step, got, digest, meta), = stores["/ck"].saved
-    assert step == 4 and digest == state_sha256(got) == state_sha256([np.asarray(x) for x in leaves])
+    assert step == 4 and digest == state_digest(got) == state_digest([np.asarray(x) for x in leaves])
     assert meta == {"fingerprint": "fp"}
     assert writer.drain() == Drained([4]) and writer.drain() == Drained()
 

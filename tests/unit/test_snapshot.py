@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runtime.state.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError
-from runtime.state.state_copy import state_sha256
+from runtime.state.state_copy import state_digest
 from runtime.core.events import EventLog, read_events
 from runtime.control.policy import Placement, snapshot_order
 from runtime.state.snapshot import KEEP, SnapshotStore, host_directory
@@ -21,7 +21,7 @@ LEAVES = [np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((0, 4), np.int3
 
 
 def save(store, step, leaves=LEAVES, **meta):
-    store.save(step, leaves, sha256=state_sha256([np.asarray(x) for x in leaves]), metadata=meta)
+    store.save(step, leaves, digest=state_digest([np.asarray(x) for x in leaves]), metadata=meta)
 
 
 def test_a_snapshot_reads_back_bit_for_bit_with_its_metadata_and_only_the_newest_stay(tmp_path):
@@ -32,7 +32,7 @@ def test_a_snapshot_reads_back_bit_for_bit_with_its_metadata_and_only_the_newest
     got = store.restore()
     assert got.step == 12 and got.metadata["fingerprint"] == "fp" and got.metadata["loss_sums"] == [1.0] * 12
     assert [(x.shape, x.dtype) for x in got.leaves] == [(np.shape(x), np.asarray(x).dtype) for x in LEAVES]
-    assert got.sha256 == state_sha256([np.asarray(x) for x in LEAVES])
+    assert got.digest == state_digest([np.asarray(x) for x in LEAVES])
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(got.leaves, LEAVES))
     assert store.restore(8).step == 8
     with pytest.raises(CheckpointNotFoundError, match="snapshots here: \\[8, 12\\]"):
@@ -64,7 +64,7 @@ def test_a_copy_is_listed_only_once_every_byte_arrived(tmp_path):
     source, dest = SnapshotStore(str(tmp_path / "h0")), SnapshotStore(str(tmp_path / "h1"))
     save(source, 8)
     assert dest.receive(source.pieces(8, piece_bytes=7)) == 8
-    assert dest.steps() == [8] and dest.restore().sha256 == source.restore().sha256
+    assert dest.steps() == [8] and dest.restore().digest == source.restore().digest
     pieces = list(source.pieces(8, piece_bytes=7))
     cases = [(pieces[:-1], "ended after"), (pieces + [pieces[-1]], "longer than"),
              ([(9, n, d) for _, n, d in pieces[:1]] + pieces[1:], "changed its step"),

@@ -6,7 +6,7 @@ from chaos.verdict import compare_trajectory, exactly_once, judge
 
 M, STEPS = 4, 3
 LOSSES = [2.5, 2.25, 2.0]
-SHA = "ab" * 32
+DIGEST = "xxh3_128:" + "ab" * 16
 VERDICT_KEYS = {"verdict", "verdict_reasons", "trajectory", "first_diverging_step", "exactly_once",
                 "exactly_once_detail", "promises", "run_state_replayed"}
 
@@ -25,13 +25,13 @@ def clean_events():
 
 def clean_report(**changes):
     report = {"steps_requested": STEPS, "steps_completed": STEPS, "finished": True, "losses": list(LOSSES),
-              "final_state_sha256": SHA, "steps_lost": 0, "checkpoint_restores": 0, "microbatches": M,
+              "final_state_digest": DIGEST, "steps_lost": 0, "checkpoint_restores": 0, "microbatches": M,
               "config": {"steps": STEPS}}
     report.update(changes)
     return report
 
 
-REFERENCE = {"finished": True, "losses": list(LOSSES), "final_state_sha256": SHA, "microbatches": M}
+REFERENCE = {"finished": True, "losses": list(LOSSES), "final_state_digest": DIGEST, "microbatches": M}
 
 
 def test_a_clean_run_passes():
@@ -49,7 +49,7 @@ def test_without_a_reference_the_trajectory_is_not_judged():
 
 
 def test_a_run_that_failed_names_the_step_and_the_error():
-    report = clean_report(steps_completed=1, finished=False, losses=LOSSES[:1], final_state_sha256=None,
+    report = clean_report(steps_completed=1, finished=False, losses=LOSSES[:1], final_state_digest=None,
                           failure_reason="ElasticTrainingFailedError: cannot recover: no spare")
     result = judge(report, REFERENCE, clean_events()[:2])
     assert result["verdict"] == "fail"
@@ -132,24 +132,24 @@ def test_exactly_once_is_unknown_without_microbatch_records():
 
 
 @pytest.mark.parametrize("losses,sha,expected", [
-    ([1.0, 0.5, 0.25], SHA, ("identical", None)),
+    ([1.0, 0.5, 0.25], DIGEST, ("identical", None)),
     ([1.0, 0.5, 0.25], "cd" * 32, ("within_tolerance", None)),  # equal losses, different state
     ([1.0, 0.5, 0.25], None, ("within_tolerance", None)),
-    ([1.0, 0.5 * (1 + 5e-6), 0.25], SHA, ("within_tolerance", None)),
-    ([1.0, 0.5 * (1 + 5e-5), 0.25], SHA, ("diverged", 1)),
-    ([1.1, 0.5, 0.25], SHA, ("diverged", 0)),
-    ([1.0, 0.5], SHA, ("diverged", 2)),
-    ([1.0, 0.5, 0.25, 0.125], SHA, ("diverged", 3)),
-    ([1.0, float("nan"), 0.25], SHA, ("diverged", 1)),
+    ([1.0, 0.5 * (1 + 5e-6), 0.25], DIGEST, ("within_tolerance", None)),
+    ([1.0, 0.5 * (1 + 5e-5), 0.25], DIGEST, ("diverged", 1)),
+    ([1.1, 0.5, 0.25], DIGEST, ("diverged", 0)),
+    ([1.0, 0.5], DIGEST, ("diverged", 2)),
+    ([1.0, 0.5, 0.25, 0.125], DIGEST, ("diverged", 3)),
+    ([1.0, float("nan"), 0.25], DIGEST, ("diverged", 1)),
 ])
 def test_compare_trajectory(losses, sha, expected):
-    assert compare_trajectory(losses, [1.0, 0.5, 0.25], final_sha=sha, reference_sha=SHA) == expected
+    assert compare_trajectory(losses, [1.0, 0.5, 0.25], final_digest=sha, reference_digest=DIGEST) == expected
 
 
 def test_compare_trajectory_rtol_is_relative_to_the_reference():
-    assert compare_trajectory([101.0], [100.0], final_sha=None, reference_sha=None, rtol=0.02) == \
+    assert compare_trajectory([101.0], [100.0], final_digest=None, reference_digest=None, rtol=0.02) == \
         ("within_tolerance", None)
-    assert compare_trajectory([101.0], [100.0], final_sha=None, reference_sha=None, rtol=0.005) == ("diverged", 0)
+    assert compare_trajectory([101.0], [100.0], final_digest=None, reference_digest=None, rtol=0.005) == ("diverged", 0)
 
 
 def test_a_fault_that_was_never_injected_fails_the_verdict():

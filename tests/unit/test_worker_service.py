@@ -12,7 +12,7 @@ from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.wire.parts import checksum, inline
-from runtime.state.state_copy import assemble_state, state_chunks, state_sha256
+from runtime.state.state_copy import assemble_state, state_chunks, state_digest
 from runtime.core.errors import ProtocolError
 from runtime.worker.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
 from runtime.core.microbatch import assign_microbatches
@@ -251,16 +251,16 @@ def test_a_bfloat16_state_crosses_a_transfer_as_bfloat16():
     chunks = list(inline(state_chunks([leaf, other], 4, 5)))
     leaves, applied, digest = assemble_state(iter(chunks), expect=[((2, 3), leaf.dtype), ((3,), np.float32)])
     assert applied == 4 and leaves[0].dtype == leaf.dtype and (leaves[0] == leaf).all() and (leaves[1] == other).all()
-    assert digest == state_sha256([leaf, other])
+    assert digest == state_digest([leaf, other])
 
 
 def test_a_state_of_another_layout_or_hash_is_refused_before_it_is_adopted():
     leaf = np.arange(8, dtype=np.float32)
-    good = list(inline(state_chunks([leaf], 2, 16, state_sha256([leaf]))))
+    good = list(inline(state_chunks([leaf], 2, 16, state_digest([leaf]))))
     assert (assemble_state(iter(good), expect=[((8,), np.float32)])[0][0] == leaf).all()
     with pytest.raises(ProtocolError, match="expect"):
         assemble_state(iter(good), expect=[((4, 2), np.float32)])
-    lying = list(inline(state_chunks([leaf], 2, 16, state_sha256([leaf + 1]))))
+    lying = list(inline(state_chunks([leaf], 2, 16, state_digest([leaf + 1]))))
     with pytest.raises(ProtocolError, match="hash"):
         assemble_state(iter(lying), expect=[((8,), np.float32)])
     huge = [pb.StateChunk.FromString(c.SerializeToString()) for c in good]
@@ -275,7 +275,7 @@ def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memo
     service, stub = worker
     leaves = [np.arange(8, dtype=np.float32)]
     source = SnapshotStore(str(tmp_path / "writer-host"))
-    source.save(4, leaves, sha256=state_sha256(leaves), metadata={})
+    source.save(4, leaves, digest=state_digest(leaves), metadata={})
 
     def pieces(cut=0):
         got = [pb.SnapshotPiece(fence=FENCE, step=s, total_bytes=n, data=d) for s, n, d in source.pieces(4, 16)]
@@ -290,7 +290,7 @@ def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memo
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in info.value.details()
     assert service.snapshots.steps() == [] and service.snapshots.leftovers() == []
     stub.KeepSnapshot(pieces(), timeout=10)
-    assert service.snapshots.steps() == [4] and service.snapshots.restore().sha256 == state_sha256(leaves)
+    assert service.snapshots.steps() == [4] and service.snapshots.restore().digest == state_digest(leaves)
 
     stub.Shutdown(pb.ShutdownRequest(fence=FENCE), timeout=10)   # sent home mid-run: its host keeps them
     assert service.snapshots.steps() == [4]
