@@ -100,7 +100,8 @@ def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimize
     maxtext = maxtext_trainer(tmp_path, "tune", tmp_path / "tune" / "r", 3, checkpoints=False,
                               extra=[f"load_parameters_path={theirs}"])
     try:
-        common = [str(TINY), "steps=3", *SCHEDULE, f"base_output_directory={tmp_path}", f"load_parameters_path={theirs}"]
+        common = [str(TINY), "steps=3", *SCHEDULE, f"base_output_directory={tmp_path}",
+                  f"load_parameters_path={theirs}"]
         assert main([*common, "run_name=workers"]) == 0
         assert main([*common, "run_name=reference", "--reference"]) == 0
         tuned = finished(maxtext, tmp_path, "tune")
@@ -116,6 +117,3 @@ def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimize
     assert elastic_losses(tmp_path / "workers") == elastic_losses(tmp_path / "reference") == tuned
     fresh = [5.3839030265808105, 5.376120567321777]   # MaxText's first losses from the seed: not these weights'
     assert tuned[:2] != fresh
-    assert main([str(TINY), "steps=1", f"base_output_directory={tmp_path}", "run_name=bad",
-                 f"load_parameters_path={tmp_path}"]) == 2   # no items tree there: one line naming the key
-    assert "config key load_parameters_path" in capsys.readouterr().err

@@ -4,7 +4,6 @@ import dataclasses
 import pathlib
 import pickle
 import re
-import time
 
 import numpy as np
 import pytest
@@ -324,18 +323,3 @@ def test_refusals_are_one_line_naming_the_key(data, configs):
     # MaxText stops after num_epoch epochs (default 1); a run that needs more rows is refused before it starts.
     msg = refusal(dataclasses.replace(ec, steps=1000), mt, num_epoch=1)
     assert "'num_epoch' (1): 1000 steps of 8 rows need 8000 rows" in msg and "set num_epoch >= " in msg
-
-
-def test_make_job_trains_on_arrayrecord_documents(data, tmp_path):
-    """MaxText's tiny model (vocab 32000 for llama2's tokenizer), 2 steps on the ArrayRecord documents."""
-    root, _ = data
-    from integrations.maxtext import make_job
-
-    t = time.monotonic()
-    ec, mt = load_maxtext_config(TINY, [
-        "dataset_type=grain", "grain_file_type=arrayrecord", f"grain_train_files={root}/*.array_record",
-        f"tokenizer_path={LLAMA2}", "vocab_size=32000", "steps=2", f"base_output_directory={tmp_path}"])
-    report = make_job(ec, mt).fit(reference=True)
-    losses = report["losses"]
-    print(f"make_job + fit(reference=True), 2 steps: {time.monotonic() - t:.1f} s, losses {losses}")
-    assert len(losses) == 2 and all(np.isfinite(losses)) and losses[0] > 5   # about ln(32000) = 10.4 at first

@@ -140,3 +140,26 @@ def test_parameters_are_read_alone_from_a_full_or_a_parameter_only_checkpoint(tm
             items=ocp.args.PyTreeSave({"params": {"params": {"w": np.zeros((2, 2), np.float32)}}})))
     with pytest.raises(CheckpointCorruptError, match=r"params/params/w is float32\[2, 2\]"):
         read_parameters(epath.Path(tmp_path / "bad"), TREE, LAYOUT)
+
+
+def test_load_parameters_path_is_refused_in_one_line_when_a_fresh_start_could_not_read_it(tmp_path):
+    import types
+
+    from elastic import ConfigError
+    from elastic.preflight import check_load_parameters_path
+
+    named = types.SimpleNamespace(checkpoint_tree=TREE.to_json())
+    flat = types.SimpleNamespace(checkpoint_tree=None)
+    state = leaves(4)
+    CheckpointStore(str(tmp_path / "ckpt"), tree=TREE, async_save=False).save(4, state, digest=state_digest(state))
+    check_load_parameters_path(str(tmp_path / "ckpt" / "4"), named)            # a step of a named checkpoint
+    check_load_parameters_path(str(tmp_path / "ckpt" / "4" / "items"), named)  # MaxText's form of it
+    check_load_parameters_path("", flat)                                       # nothing asked
+    with pytest.raises(ConfigError, match="load_parameters_path: this model's checkpoints name no parameters"):
+        check_load_parameters_path(str(tmp_path / "ckpt" / "4"), flat)
+    with pytest.raises(ConfigError, match=r"load_parameters_path '.*ckpt' holds no 'items' tree"):
+        check_load_parameters_path(str(tmp_path / "ckpt"), named)
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_load_parameters_path(str(tmp_path / "nowhere"), named)
+    # A run that resumes its own checkpoints never reads it (as MaxText): nothing to refuse.
+    check_load_parameters_path(str(tmp_path / "nowhere"), named, str(tmp_path / "ckpt"), 10)
