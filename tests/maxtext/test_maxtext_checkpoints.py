@@ -13,60 +13,48 @@ exactly as MaxText's trainer does.
 """
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("maxtext")   # the MaxText integration's requirements (integrations/maxtext/requirements.txt)
 
 from integrations.maxtext.__main__ import main  # noqa: E402
+from tests.maxtext.trainers import elastic_losses, finished, maxtext_trainer, stop  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ROOT / "integrations" / "maxtext" / "configs" / "tiny.yml"
 SCHEDULE = ["learning_rate_schedule_steps=6"]   # every link keeps the 6-step run's learning-rate schedule
 
 
-def maxtext_trainer(tmp_path, name: str, run_dir: pathlib.Path, steps: int, checkpoints: bool,
-                    extra=()) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    args = [sys.executable, "-m", "maxtext.trainers.pre_train.train", str(TINY), f"steps={steps}", *SCHEDULE,
-            f"base_output_directory={run_dir.parent}", f"run_name={run_dir.name}", "jax_cache_dir=",
-            f"dump_hlo_local_dir={tmp_path / 'dump'}", f"metrics_file={tmp_path / f'{name}.jsonl'}",
-            "log_config=false", f"enable_checkpointing={str(checkpoints).lower()}", "checkpoint_period=2",
-            "async_checkpointing=false", "skip_jax_distributed_system=true", *extra]
-    return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=open(tmp_path / f"{name}.log", "w"),
-                            stderr=subprocess.STDOUT)
+def trainer(tmp_path, name: str, run_dir: pathlib.Path, steps: int, checkpoints: bool,
+            extra=()) -> subprocess.Popen:
+    """MaxText's trainer on TINY in ``run_dir``, synchronous checkpoints every 2 steps when ``checkpoints``."""
+    return maxtext_trainer(TINY, tmp_path, f"steps={steps}", *SCHEDULE,
+                           f"enable_checkpointing={str(checkpoints).lower()}", "checkpoint_period=2",
+                           "async_checkpointing=false", "skip_jax_distributed_system=true", *extra,
+                           name=name, run_dir=run_dir)
 
 
-def finished(proc: subprocess.Popen, tmp_path, name: str) -> list[float]:
-    assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-    return [json.loads(line)["learning/loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+def losses(proc: subprocess.Popen, tmp_path, name: str) -> list[float]:
+    return [m["learning/loss"] for m in finished(proc, tmp_path, name)]
 
 
 @pytest.fixture(scope="module")
 def maxtext_run(tmp_path_factory):
-    """MaxText's trainer, 2 steps with checkpoints: ``(its checkpoint <1>/items, its losses, the work dir)``."""
+    """MaxText's trainer, 2 steps with checkpoints: ``(its checkpoint <1>/items, its losses)``."""
     tmp_path = tmp_path_factory.mktemp("maxtext")
-    losses = finished(maxtext_trainer(tmp_path, "first", tmp_path / "maxtext" / "r", 2, checkpoints=True),
-                      tmp_path, "first")
+    first = losses(trainer(tmp_path, "first", tmp_path / "maxtext" / "r", 2, checkpoints=True), tmp_path, "first")
     theirs = tmp_path / "maxtext" / "r" / "checkpoints" / "1" / "items"   # MaxText's: the state after step 1
     assert theirs.is_dir()
-    return theirs, losses
-
-
-def elastic_losses(run_dir: pathlib.Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "events.jsonl").read_text().splitlines()
-            if '"step_committed"' in line]
+    return theirs, first
 
 
 def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")   # main sets a slice's device count (1 here); restored after the test
     theirs, first_losses = maxtext_run
-    straight = maxtext_trainer(tmp_path, "straight", tmp_path / "straight" / "r", 6, checkpoints=False)
+    straight = trainer(tmp_path, "straight", tmp_path / "straight" / "r", 6, checkpoints=False)
     try:
         elastic_dir = tmp_path / "elastic" / "r"
         assert main([str(TINY), "steps=4", *SCHEDULE, f"base_output_directory={elastic_dir.parent}", "run_name=r",
@@ -77,13 +65,11 @@ def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, 
         assert (resumed["step"], resumed["tier"]) == (2, "checkpoint")
         assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4]
         ours = elastic_losses(elastic_dir)
-        last = finished(maxtext_trainer(tmp_path, "last", elastic_dir, 6, checkpoints=True), tmp_path, "last")
+        last = losses(trainer(tmp_path, "last", elastic_dir, 6, checkpoints=True), tmp_path, "last")
         assert "restoring from this run's directory step 4" in (tmp_path / "last.log").read_text()
-        reference = finished(straight, tmp_path, "straight")
+        reference = losses(straight, tmp_path, "straight")
     finally:
-        if straight.poll() is None:
-            straight.kill()
-            straight.wait()
+        stop(straight)
     chain = first_losses + ours + last
     with capsys.disabled():
         print(f"\nMaxText 6 steps:                 {reference}\nMaxText 2 -> jax-elastic 2 -> MaxText 2: {chain}")
@@ -97,18 +83,16 @@ def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimize
     weights of MaxText's checkpoint: step 0, AdamW's moments from scratch; the same losses, exactly."""
     monkeypatch.setenv("XLA_FLAGS", "")
     theirs, _ = maxtext_run
-    maxtext = maxtext_trainer(tmp_path, "tune", tmp_path / "tune" / "r", 3, checkpoints=False,
+    maxtext = trainer(tmp_path, "tune", tmp_path / "tune" / "r", 3, checkpoints=False,
                               extra=[f"load_parameters_path={theirs}"])
     try:
         common = [str(TINY), "steps=3", *SCHEDULE, f"base_output_directory={tmp_path}",
                   f"load_parameters_path={theirs}"]
         assert main([*common, "run_name=workers"]) == 0
         assert main([*common, "run_name=reference", "--reference"]) == 0
-        tuned = finished(maxtext, tmp_path, "tune")
+        tuned = losses(maxtext, tmp_path, "tune")
     finally:
-        if maxtext.poll() is None:
-            maxtext.kill()
-            maxtext.wait()
+        stop(maxtext)
     events = [json.loads(line) for line in (tmp_path / "workers" / "events.jsonl").read_text().splitlines()]
     assert [e.get("parameters_from") for e in events if e["kind"] == "state_initialized"] == [str(theirs)]
     with capsys.disabled():

@@ -17,11 +17,7 @@ That the config really drops tokens (the claim of its capacity factor) is checke
 first test: jax-elastic's losses equal its bits, so the same tokens drop.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -30,6 +26,7 @@ pytest.importorskip("maxtext")   # the MaxText integration's requirements (integ
 
 from integrations.maxtext.__main__ import main  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
+from tests.maxtext.trainers import elastic_losses, finished, maxtext_trainer, stop  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY_MOE = ROOT / "integrations" / "maxtext" / "configs" / "tiny_moe.yml"
@@ -37,33 +34,18 @@ DROPOUT = "dropout_rate=0.1"
 STEPS = 3
 
 
-def maxtext_trainer(tmp_path, *overrides) -> subprocess.Popen:
-    """MaxText's own trainer on TINY_MOE, writing its per-step scalars to metrics.jsonl."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)   # compile from scratch: nothing shared with the run under test
-    args = [sys.executable, "-m", "maxtext.trainers.pre_train.train", str(TINY_MOE), *overrides,
-            f"base_output_directory={tmp_path / 'maxtext'}", "run_name=reference", "jax_cache_dir=",
-            f"dump_hlo_local_dir={tmp_path / 'dump'}", f"metrics_file={tmp_path / 'metrics.jsonl'}", "log_config=false"]
-    return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=open(tmp_path / "maxtext.log", "w"),
-                            stderr=subprocess.STDOUT)
-
-
 def test_moe_with_dropout_on_one_slice_reproduces_maxtext_trainer_bit_for_bit(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")   # main sets a slice's device count (1 here); restored after the test
     overrides = [f"steps={STEPS}", DROPOUT]
-    proc = maxtext_trainer(tmp_path, *overrides)   # runs beside the jax-elastic run below
+    proc = maxtext_trainer(TINY_MOE, tmp_path, *overrides)   # runs beside the jax-elastic run below
     try:
         assert main([str(TINY_MOE), *overrides, f"base_output_directory={tmp_path}", "run_name=elastic",
                      "--reference"]) == 0
         assert f"{STEPS}/{STEPS} steps" in capsys.readouterr().out
-        ours = [json.loads(line)["loss"] for line in (tmp_path / "elastic" / "events.jsonl").read_text().splitlines()
-                if '"step_committed"' in line]
-        assert proc.wait(timeout=300) == 0, (tmp_path / "maxtext.log").read_text()[-3000:]
+        ours = elastic_losses(tmp_path / "elastic")
+        metrics = finished(proc, tmp_path)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        stop(proc)
     theirs = [m["learning/loss"] for m in metrics]
     with capsys.disabled():
         print(f"\nMaxText trainer: {theirs}\njax-elastic:     {ours}\nMaxText's load-balancing loss: "
