@@ -76,19 +76,14 @@ def read_parameters(path, tree: CheckpointTree, layout, subtree: str = "params")
     """``{leaf index: array}`` of the leaves ``tree`` places under ``subtree``, read from the ``items`` of the
     checkpoint at ``path`` (one step's directory, or a parameter-only checkpoint such as MaxText's; other
     entries of its tree are not read); :class:`CheckpointCorruptError` naming ``path`` when they cannot be."""
-    ocp, where = _ocp(), str(path)
+    where = str(path)
     part = tree.skeleton.get(subtree) if isinstance(tree.skeleton, dict) else None
     if part is None:
         raise CheckpointCorruptError(where, f"this model's checkpoint tree has no {subtree!r} subtree to read")
     if not (path / ITEMS).exists():
         raise CheckpointCorruptError(where, f"it holds no {ITEMS!r} tree")
-    args = {subtree: map_skeleton(part, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
     with _checkpointer() as checkpointer:
-        try:
-            items = checkpointer.restore(path, args=ocp.args.Composite(**{ITEMS: ocp.args.PyTreeRestore(
-                item=map_skeleton(args, lambda _: 0), restore_args=args, partial_restore=True)}))[ITEMS]
-        except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable; the error says why
-            raise CheckpointCorruptError(where, f"its {ITEMS}/{subtree} cannot be read ({_describe(e)})") from e
+        items = _restore_items(checkpointer, path, {subtree: part}, where, partial=True)
     try:
         return take(items[subtree], part, tree, [(tuple(s), np.dtype(d)) for s, d in layout], (subtree,))
     except (ValueError, KeyError, TypeError) as e:
@@ -101,7 +96,7 @@ def _read_foreign(checkpointer, location, step: int, tree: CheckpointTree | None
     if tree is None or layout is None:
         raise CheckpointCorruptError(path, "it has no jax-elastic record, and this model's programs name no "
                                            "checkpoint tree to read its 'items' with")
-    items = _restore_items(checkpointer, location, tree, path)
+    items = _restore_items(checkpointer, location, tree.skeleton, path)
     try:
         held = step_in(items, tree)
         leaves = from_items(items, tree, [(tuple(s), np.dtype(d)) for s, d in layout])
@@ -113,12 +108,15 @@ def _read_foreign(checkpointer, location, step: int, tree: CheckpointTree | None
     return Restored(step, leaves, digest, {"step": step, "created": None, "written_by": "another program"})
 
 
-def _restore_items(checkpointer, location, tree: CheckpointTree, path: str):
+def _restore_items(checkpointer, location, skeleton, path: str, partial: bool = False):
+    """The part of the ``items`` tree at ``location`` that ``skeleton`` places (``partial``: the checkpoint's tree
+    may hold more, which is not read), leaves as numpy arrays."""
     ocp = _ocp()
-    args = map_skeleton(tree.skeleton, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
+    args = map_skeleton(skeleton, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
+    restore = (ocp.args.PyTreeRestore(item=map_skeleton(skeleton, lambda _: 0), restore_args=args, partial_restore=True)
+               if partial else ocp.args.PyTreeRestore(restore_args=args))
     try:
-        return checkpointer.restore(
-            location, args=ocp.args.Composite(**{ITEMS: ocp.args.PyTreeRestore(restore_args=args)}))[ITEMS]
+        return checkpointer.restore(location, args=ocp.args.Composite(**{ITEMS: restore}))[ITEMS]
     except Exception as e:  # noqa: BLE001 - any failure to read makes it unusable; the error says why
         raise CheckpointCorruptError(path, f"its 'items' cannot be read ({_describe(e)})") from e
 
@@ -135,7 +133,7 @@ def _read_with(checkpointer, location, step: int) -> Restored:
             tree = CheckpointTree.from_json(record["tree"])
         except ValueError as e:
             raise CheckpointCorruptError(path, f"its record's tree is malformed ({e})") from None
-        items = _restore_items(checkpointer, location, tree, path)
+        items = _restore_items(checkpointer, location, tree.skeleton, path)
         try:
             leaves = from_items(items, tree, layout)
         except ValueError as e:
