@@ -36,13 +36,13 @@ import numpy as np
 
 from runtime.state.checkpoint_record import CheckpointCorruptError, Restored, _describe, check_record, verified
 from runtime.state.checkpoint_tree import CheckpointTree, from_items, map_skeleton, step_in, take, to_items
+from runtime.state.checkpoint_storage import RECORD_ITEM, TREE_ITEM
 from runtime.state.state_copy import state_digest
 
 __all__ = ["ITEMS", "RECORD", "read", "read_parameters", "write"]
 
 _STATE = "state"
-#: The record's item, and the named tree's (MaxText's name for its state).
-RECORD, ITEMS = "meta", "items"
+RECORD, ITEMS = RECORD_ITEM, TREE_ITEM   # the record's item, and the named tree's
 _META = RECORD
 
 

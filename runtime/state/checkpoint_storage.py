@@ -29,13 +29,16 @@ import os
 import re
 import time
 
-__all__ = ["COMMIT_FILE", "GCS_ENDPOINT_ENV", "TMP_SUFFIX", "checked_directory", "directory_problem", "discard",
-           "entries", "foreign", "forget_listings", "rmtree", "step_of", "use_gcs_endpoint"]
+__all__ = ["COMMIT_FILE", "GCS_ENDPOINT_ENV", "RECORD_ITEM", "TMP_SUFFIX", "TREE_ITEM", "checked_directory",
+           "directory_problem", "discard", "entries", "foreign", "forget_listings", "rmtree", "step_of",
+           "use_gcs_endpoint"]
 
 #: The environment variable naming a GCS endpoint (an emulator) when ``gcs_endpoint`` is not given;
 #: google-cloud-storage and gcsfs read it too.
 GCS_ENDPOINT_ENV = "STORAGE_EMULATOR_HOST"
 
+#: A checkpoint's orbax items: jax-elastic's record, and the state as a named tree (MaxText's name for it).
+RECORD_ITEM, TREE_ITEM = "meta", "items"
 COMMIT_FILE = "commit_success.txt"           # the commit marker (orbax.checkpoint.path.atomicity.COMMIT_SUCCESS_FILE)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"         # orbax's temporary-name suffix (atomicity.TMP_DIR_SUFFIX)
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
@@ -118,7 +121,7 @@ def entries(directory) -> list:
 def foreign(path) -> bool:
     """Whether the step directory ``path`` is one MaxText's trainer wrote: an ``items`` tree and no jax-elastic
     record beside it."""
-    return not (path / "meta").exists() and (path / "items").exists()
+    return not (path / RECORD_ITEM).exists() and (path / TREE_ITEM).exists()
 
 
 def step_of(path) -> int:
