@@ -42,7 +42,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "digest": ("digest.py", [], ["--repeats", "3"]),
     "recovery_latency": ("recovery_latency.py", [], ["--repeats", "2"]),
     "recovery_vs_restart": ("recovery_vs_restart.py", [], ["--kills", "2"]),
-    "control_plane_scale": ("control_plane_scale.py", [], ["--counts", "1024", "--window", "5"]),
+    "control_plane_scale": ("control_plane_scale.py", [], ["--counts", "256,1024", "--window", "5"]),
     "backup_cost": ("backup_cost.py", [], ["--repeats", "1", "--steps", "40"]),
 }
 

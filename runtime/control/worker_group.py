@@ -37,7 +37,7 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 from runtime.core.errors import AttachRefusedError, ProtocolError, RegistrationTimeoutError
 from runtime.core.events import EventLog
-from runtime.control.health import HealthMonitor
+from runtime.control.health import Dialer, HealthMonitor
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.control.policy import StepPlan, WorkerInfo, may_relaunch
 from runtime.core.fingerprint import programs_fingerprint
@@ -76,7 +76,7 @@ class WorkerGroup:
         self.launcher = make_launcher(opts, run_id, self.address, secret,
                                       on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
         self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
-        self.monitor = HealthMonitor(self._channel, self.declare_dead, interval=opts.heartbeat_seconds,
+        self.monitor = HealthMonitor(Dialer(secret, opts.tls), self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead (calls.record_death)
         self.fenced: set[str] = set()            # members that fenced themselves and wait: this client takes them back

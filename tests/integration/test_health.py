@@ -1,18 +1,21 @@
 """The health monitor: on a real process, the Watch stream reports a crash without waiting for a poll;
 its schedule (who is probed when, what an answer means) as pure bookkeeping."""
 
+import contextlib
 import subprocess
 import sys
 import threading
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime.wire import rpc
-from runtime.control.health import HealthMonitor, failure_of
+from runtime._proto import elastic_pb2 as pb
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.control.health import Dialer, HealthMonitor, failure_of
 from runtime.control.health_schedule import Schedule, wait_seconds
 from runtime.control.policy import reprobe_wait
+from runtime.wire import auth, rpc
 from tests.conftest import ROOT
 
 SERVER = f"""
@@ -42,7 +45,7 @@ def test_a_crash_ends_the_watch_stream_and_is_declared_at_once():
             declared.set()
 
         # Polls every 60 s with a 120 s lease: only the Watch stream can report within the wait below.
-        monitor = HealthMonitor(rpc.channel, on_dead, interval=60.0, lease=120.0, retries=2)
+        monitor = HealthMonitor(Dialer(), on_dead, interval=60.0, lease=120.0, retries=2)
         monitor.start()
         monitor.watch("w", f"127.0.0.1:{port}")
         assert monitor.is_alive("w", timeout=5.0)
@@ -53,6 +56,122 @@ def test_a_crash_ends_the_watch_stream_and_is_declared_at_once():
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- the monitor's I/O on its event loop: in-process servers on port 0 ---------------------------------
+
+SECRET = "health-test-secret"
+
+
+class RefusalsOnly(pb_grpc.WorkerServicer):
+    """The worker's ``Refusals`` RPC, as the worker answers it: the calls refused since the last ask."""
+
+    def __init__(self, refusals: auth.Refusals):
+        self.refusals = refusals
+
+    def Refusals(self, request, context):
+        return pb.RefusalsReply(refusals=[pb.Refusal(method=m, peer=p, reason=r, count=n)
+                                          for m, p, r, n in self.refusals.drain()])
+
+
+@contextlib.contextmanager
+def worker_server():
+    """A server built as the worker's (the run secret checked on every call) serving health and Refusals."""
+    refusals = auth.Refusals()
+    server, port = rpc.make_server(secret=SECRET, refusals=refusals)
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    pb_grpc.add_WorkerServicer_to_server(RefusalsOnly(refusals), server)
+    server.start()
+    try:
+        yield server, f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def monitor_of(dialer, on_dead=lambda *args: None, retries=0):
+    """A monitor whose polls (every 60 s, spread over the interval) stay out of the way."""
+    return HealthMonitor(dialer, on_dead, interval=60.0, lease=120.0, retries=retries)
+
+
+def test_calls_carry_the_run_secret_and_the_calls_refused_without_it_are_reported():
+    ours, stranger = monitor_of(Dialer(SECRET)), monitor_of(Dialer("not-the-secret"))
+    with worker_server() as (_, address):
+        ours.start()
+        stranger.start()   # two monitors, two event loops, one process
+        try:
+            ours.watch("w", address)
+            stranger.watch("w", address)
+            assert ours.is_alive("w", timeout=5.0)
+            assert not stranger.is_alive("w", timeout=5.0)   # UNAUTHENTICATED: no answer from that worker
+            events = ours.collect_refusals(timeout=5.0)
+        finally:
+            ours.stop()
+            stranger.stop()
+    assert {(e["worker"], e["method"], e["reason"]) for e in events} >= {
+        ("w", "/grpc.health.v1.Health/Check", "wrong run secret")}
+    assert all(e["kind"] == "security_refused" and e["count"] >= 1 for e in events)
+
+
+def test_on_dead_comes_once_on_the_monitors_thread_which_may_unwatch_but_not_wait_for_the_monitor():
+    calls, declared = [], threading.Event()
+
+    def on_dead(worker, reason, cause):
+        calls.append((worker, cause, threading.current_thread().name))
+        monitor.unwatch(worker)   # hands the change to the loop: fine from here
+        try:
+            monitor.is_alive(worker)
+        except RuntimeError as e:
+            calls.append(str(e))
+        declared.set()
+
+    monitor = monitor_of(Dialer(SECRET), on_dead)
+    with worker_server() as (server, address):
+        monitor.start()
+        try:
+            monitor.watch("w", address)
+            assert monitor.is_alive("w", timeout=5.0)
+            server.stop(0)   # the stream ends, the probe that follows is refused, and the re-probe too
+            assert declared.wait(20.0), "the stopped server was not declared dead"
+        finally:
+            monitor.stop()
+    assert calls[0] == ("w", "crash", "health-monitor")
+    assert "not from its own thread" in calls[1] and len(calls) == 2
+
+
+def test_unwatch_stop_and_start_say_what_they_leave():
+    dead = []
+    monitor = monitor_of(Dialer(SECRET), lambda *args: dead.append(args))
+    with worker_server() as (_, address):
+        with pytest.raises(RuntimeError, match="start"):
+            monitor.is_alive("w")
+        monitor.start()
+        monitor.watch("w", address)
+        assert monitor.is_alive("w", timeout=5.0)
+        monitor.unwatch("w")
+        assert not monitor.is_alive("w", timeout=5.0)   # not watched
+        monitor.watch("w", address)
+        assert monitor.is_alive("w", timeout=5.0)       # watched afresh
+        monitor.stop()
+        monitor.stop()                                   # idempotent
+        assert not monitor.is_alive("w")                 # stopped: nothing is watched
+        assert monitor.collect_refusals(timeout=1.0) == []
+        monitor.watch("w", address)                      # ignored once stopped
+    assert dead == []
+
+
+def test_the_monitor_takes_a_dialer_and_a_bad_tls_file_is_refused_at_watch(tmp_path):
+    with pytest.raises(TypeError, match="Dialer"):
+        monitor_of(rpc.channel)
+    missing = str(tmp_path / "missing.pem")
+    monitor = monitor_of(Dialer(SECRET, auth.TlsFiles(missing, missing, missing)))
+    monitor.start()
+    try:
+        with pytest.raises(FileNotFoundError, match="missing.pem"):
+            monitor.watch("w", "127.0.0.1:1")
+    finally:
+        monitor.stop()
 
 
 # -- the monitor's schedule: pure bookkeeping, time passed in (nothing here waits) ------------------
