@@ -1,12 +1,16 @@
-"""State transfer worker -> worker on loopback against this machine's memory-copy bandwidth, in one invocation.
+"""State transfer worker -> worker on one host against this machine's memory-copy bandwidth, in one invocation.
 
 Runs `elastic chaos` on a ~10 M parameter transformer (2 slices x 1 device +
 1 spare) with one kill, so the spare pulls the whole training state
-(parameters and Adam moments) from a live replica (`PullState`: chunked,
-checksummed, hash-checked), and reads `state_transferred` (bytes, seconds)
-from the event log. Measures `numpy.copyto` of a buffer of the same size in
-this process (median of 5) as the memory-copy bandwidth. Prints both and the
-ratio transfer / memcpy last.
+(parameters and Adam moments) from a live replica (`PullState`), twice: the
+same-host path (`elastic_shared_memory=true`, the default: the spare copies
+the leaves out of the source's memory, one copy by the kernel, hashed as it
+lands) and the data plane's TCP stream (`elastic_shared_memory=false`:
+chunked, checksummed, hash-checked; the path between hosts). Reads
+`state_transferred` (bytes, seconds, transport) from each event log.
+Measures `numpy.copyto` of a buffer of the same size in this process
+(median of 5) as the memory-copy bandwidth. Prints each path, memcpy, and
+the ratios transfer / memcpy last.
 Usage: .venv/bin/python benchmarks/transfer.py [key=value ...]
 """
 
@@ -22,7 +26,7 @@ MODEL = ["base_emb_dim=384", "base_num_decoder_layers=4", "base_mlp_dim=1536", "
          "max_target_length=128", "base_num_query_heads=6"]
 
 
-def transfer(overrides: list[str]) -> tuple[int, float]:
+def transfer(overrides: list[str]) -> tuple[int, float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         _, events = run_elastic(pathlib.Path(tmp), "t", ["chaos", "tiny", "steps=8", "dcn_data_parallelism=2",
                                                          "ici_fsdp_parallelism=1", "elastic_spares=1", *MODEL,
@@ -30,7 +34,7 @@ def transfer(overrides: list[str]) -> tuple[int, float]:
     moved = [e for e in events if e["kind"] == "state_transferred"]
     if not moved:
         raise SystemExit("no state was transferred")
-    return moved[0]["bytes"], moved[0]["seconds"]
+    return moved[0]["bytes"], moved[0]["seconds"], moved[0].get("transport", "?")
 
 
 def memcpy_bytes_per_second(nbytes: int) -> float:
@@ -45,13 +49,16 @@ def memcpy_bytes_per_second(nbytes: int) -> float:
 
 
 def main():
-    nbytes, seconds = transfer(sys.argv[1:])
+    rates = {}
+    for shared in ("true", "false"):
+        nbytes, seconds, transport = transfer([f"elastic_shared_memory={shared}", *sys.argv[1:]])
+        rates[transport] = nbytes / seconds
+        print(f"state transfer ({transport}): {nbytes / 1e6:.1f} MB in {seconds * 1e3:.0f} ms = "
+              f"{rates[transport] / 1e6:.0f} MB/s (PullState, the state digest checked)", flush=True)
     copy = memcpy_bytes_per_second(nbytes)
-    rate = nbytes / seconds
-    print(f"state transfer: {nbytes / 1e6:.1f} MB in {seconds * 1e3:.0f} ms = {rate / 1e6:.0f} MB/s "
-          f"(PullState over loopback, chunked, xxh3_64 per chunk, the state digest checked)")
     print(f"memory copy (numpy.copyto, same size, this process): {copy / 1e6:.0f} MB/s")
-    print(f"transfer / memcpy: {rate / copy:.3f}")
+    for transport, rate in rates.items():
+        print(f"transfer / memcpy, {transport}: {rate / copy:.3f}")
 
 
 if __name__ == "__main__":

@@ -151,6 +151,9 @@ class Config:
     # How gradients and states travel between workers: "tcp" (the data plane: sockets, no copies)
     # or "grpc" (Push/GetState streams; for networks that let only the gRPC port through).
     elastic_data_plane: str = _key("tcp", role=(RUNTIME,), choices=("tcp", "grpc"))
+    # A state copied between two workers on one host goes straight from the source's memory into the reader's
+    # (one copy, by the kernel: runtime.wire.cross_memory) where the host allows it; false: always the data plane.
+    elastic_shared_memory: bool = _key(True, role=(RUNTIME,))
     # MaxText's key: the platform the programs are exported for and the workers run on: cpu, gpu (CUDA) or tpu.
     # "": the platform the workers get from the environment (JAX_PLATFORMS, else cpu). See HARDWARE.
     hardware: str = _key("", role=(MATH, RUNTIME, MAXTEXT))

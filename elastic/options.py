@@ -68,6 +68,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_step_watchdog_min_seconds": "watchdog_min_seconds",
     "elastic_chaos": "chaos",
     "elastic_data_plane": "data_plane",
+    "elastic_shared_memory": "shared_memory",
     "elastic_shadow_spares": "shadow_spares",
     "elastic_snapshot_interval": "snapshot_interval",
     "elastic_backup_kind": "backup_kind",

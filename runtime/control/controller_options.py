@@ -66,6 +66,7 @@ class ControllerOptions:
     standby_workers: int = 1               # processes started ahead of need, for relaunches (local launcher)
     worker_preload: tuple[str, ...] = ()   # modules the local launcher's zygote imports once for every worker
     data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.wire.dataplane) or "grpc" (Push)
+    shared_memory: bool = True             # state copies on one host from memory to memory (runtime.wire.cross_memory)
     checkpoint_directory: str = ""         # persistent checkpoints (runtime.state.checkpoint); "": none
     checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none
     shadow_spares: bool = False            # spares shadow the state (runtime.control.shadows)

@@ -309,9 +309,9 @@ class Membership:
             t0 = time.time()
             self.before_transfer(source, dest)
             self.events.emit("transfer_started", source=source, dest=dest, step=step)
-            nbytes, digest = self.group.transfer(source, dest, step)
+            nbytes, digest, transport = self.group.transfer(source, dest, step)
             self.events.emit("state_transferred", source=source, dest=dest, step=step, bytes=nbytes,
-                             seconds=time.time() - t0, digest=digest)
+                             seconds=time.time() - t0, digest=digest, transport=transport)
             moved += nbytes
         hashes = self.group.hashes(active)
         if {s for s, _ in hashes.values()} != {step} or len({d for _, d in hashes.values()}) != 1:
@@ -328,10 +328,10 @@ class Membership:
         source = next(w for w in s.placement.active if w in s.replicas)
         for dest in behind:
             t0 = time.time()
-            nbytes, digest = self.group.transfer(source, dest, s.committed)
+            nbytes, digest, transport = self.group.transfer(source, dest, s.committed)
             self.shadows.synced(dest, s.committed)
             self.events.emit("shadow_synced", source=source, dest=dest, step=s.committed, bytes=nbytes,
-                             seconds=time.time() - t0, digest=digest)
+                             seconds=time.time() - t0, digest=digest, transport=transport)
 
     def _recheck_shadows(self, source: str) -> None:
         """After a recovery: the promoted shadows are active now; a spare that still shadows keeps doing so only

@@ -265,12 +265,14 @@ class WorkerCalls:
         """Undoes a replica's last applied step (it keeps one step of history)."""
         self._call(worker_id, "Rollback", pb.RollbackRequest(fence=self._fence(), to_applied_steps=to_applied_steps))
 
-    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
-        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, digest)``."""
+    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str, str]:
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, digest, transport)``
+        (``transport``: how it came, ``shared_memory``, ``tcp`` or ``grpc``)."""
+        data_address = self._data_address(source)
         reply = self._call(dest, "PullState", pb.PullStateRequest(
             fence=self._fence(), source_address=self.registry.workers[source].address, applied_steps=applied,
-            source_data_address=self._data_address(source)))
-        return reply.bytes, reply.digest
+            source_data_address=data_address, shared_memory=self.opts.shared_memory and bool(data_address)))
+        return reply.bytes, reply.digest, reply.transport
 
     def load_checkpoints(self, workers, directory: str, applied: int, snapshot: bool = False,
                          parameters_only: bool = False) -> dict[str, pb.PullStateReply]:

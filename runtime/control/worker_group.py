@@ -406,8 +406,8 @@ class WorkerGroup:
         """Undoes a replica's last applied step (it keeps one step of history)."""
         self.calls.rollback(worker_id, to_applied_steps)
 
-    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str]:
-        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, digest)``."""
+    def transfer(self, source: str, dest: str, applied: int) -> tuple[int, str, str]:
+        """``dest`` pulls the state of live replica ``source`` peer to peer; returns ``(bytes, digest, transport)``."""
         return self.calls.transfer(source, dest, applied)
 
     def hashes(self, workers) -> dict[str, tuple[int, str]]:

@@ -101,7 +101,9 @@ def _kinds(*kinds: EventKind) -> Mapping[str, EventKind]:
 
 _W = {"worker": TEXT}
 _COPY = {"source": TEXT, "dest": TEXT, "step": COUNT, "bytes": COUNT, "seconds": FINITE, "digest": TEXT}
-_OLD_COPY = {"sha256": TEXT}   # logs from before the digest named its algorithm, instead of digest
+# Logs from before the digest named its algorithm have sha256 instead of digest; transport (shared_memory, tcp,
+# grpc: how the copy travelled) is in logs since same-host copies.
+_COPY_OPTIONAL = {"sha256": TEXT, "transport": TEXT}
 _REMAP = {"epoch": COUNT, "promoted": NAMES, "active": NAMES, "spares": NAMES, "bytes_moved": COUNT, "step": COUNT}
 _FAULT = {"index": COUNT, "fault": TEXT, "fault_kind": TEXT, "step": COUNT}
 
@@ -168,7 +170,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"step": COUNT, "bytes": COUNT, "steps_lost": COUNT, "worker": TEXT, "host": TEXT_OR_NULL}),
     EventKind("transfer_started", "a state copy between workers starts",
               {"source": TEXT, "dest": TEXT, "step": COUNT}),
-    EventKind("state_transferred", "a state copy between workers ended (and its digest checked)", _COPY, _OLD_COPY),
+    EventKind("state_transferred", "a state copy between workers ended (and its digest checked)", _COPY, _COPY_OPTIONAL),
     EventKind("placement_changed", "a step boundary changes the placement (spares warmed or dropped, a grow or a "
               "swap begins)", {"epoch": COUNT, "active": NAMES, "spares": NAMES, "why": TEXT}),
     EventKind("grown", "spares were promoted to bring the run back to its slice count", _REMAP),
@@ -191,7 +193,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"directory": TEXT, "error": TEXT}),
     EventKind("checkpoint_leftovers_removed", "partial checkpoints of a dead writer were removed",
               {"directory": TEXT, "paths": NAMES}),
-    EventKind("shadow_synced", "a spare got a copy of the committed state", _COPY, _OLD_COPY),
+    EventKind("shadow_synced", "a spare got a copy of the committed state", _COPY, _COPY_OPTIONAL),
     EventKind("shadow_behind", "a shadowing spare fell behind", {**_W, "step": COUNT, "error": TEXT}),
     # -- workers -------------------------------------------------------------------------------------
     EventKind("workers_awaited", "the controller waits for workers started by hand",

@@ -5,7 +5,10 @@ A spare or a relaunched worker takes its state from a live replica
 s (views, each with its xxh3_64 checksum and the state's digest), any
 transport carries them (the data plane or gRPC ``GetState``), and the
 receiver checks and assembles them into aligned leaves it can place on its
-devices without a copy, hashing them as they arrive. :func:`state_digest` is
+devices without a copy, hashing them as they arrive. On one host the reader
+copies the leaves out of the source's memory instead (:func:`shared_state`
+names where they lie, :func:`copy_shared_state` copies and checks them:
+one copy, made by the kernel, hashed as it lands). :func:`state_digest` is
 also the digest replicas compare, the report records, and checkpoints and
 snapshots record.
 
@@ -30,10 +33,12 @@ import numpy as np
 import xxhash
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.wire.parts import Part, checksum, host_buffer, payload_of
+from runtime.wire.cross_memory import fresh_buffer, read_into
+from runtime.wire.parts import HOST_ALIGNMENT, Part, checksum, host_buffer, payload_of
 from runtime.core.errors import ProtocolError
 
-__all__ = ["DIGEST", "DIGEST_ALGORITHMS", "assemble_state", "digest_algorithm", "state_chunks", "state_digest"]
+__all__ = ["DIGEST", "DIGEST_ALGORITHMS", "assemble_state", "copy_shared_state", "digest_algorithm", "shared_state",
+           "state_chunks", "state_digest"]
 
 #: The algorithm of the state digest: what replicas compare, a transfer checks, the report records, and new
 #: checkpoints and snapshots record. xxh3_128 hashes faster than memcpy copies, on one core (5-7x sha256 here).
@@ -104,29 +109,30 @@ def state_chunks(leaves: list[np.ndarray], applied_steps: int, chunk_bytes: int,
 _PLAIN_KINDS = "biufcV"   # raw bytes may be viewed as these (never as Python objects)
 
 
-def _leaf_layout(c: pb.StateChunk, expect) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype a state chunk announces for its leaf, checked; ``ProtocolError`` if not plausible.
+def _leaf_layout(leaf: int, shape, dtype_str: str, nbytes: int, expect) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype announced for state leaf ``leaf`` (of ``nbytes``), checked; ``ProtocolError`` if not
+    plausible.
 
     With ``expect``, the announced layout must be the expected one, and the
     expected dtype is used (``dtype.str`` does not name extension types
     such as bfloat16, which travel as ``<V2``).
     """
-    shape = tuple(int(n) for n in c.shape)
+    shape = tuple(int(n) for n in shape)
     if expect is not None:
-        want_shape, want_dtype = tuple(expect[c.leaf][0]), np.dtype(expect[c.leaf][1])
-        if (shape, c.dtype) != (want_shape, want_dtype.str):
-            raise ProtocolError(f"state leaf {c.leaf}: got {list(shape)} {c.dtype}, this worker's programs expect "
+        want_shape, want_dtype = tuple(expect[leaf][0]), np.dtype(expect[leaf][1])
+        if (shape, dtype_str) != (want_shape, want_dtype.str):
+            raise ProtocolError(f"state leaf {leaf}: got {list(shape)} {dtype_str}, this worker's programs expect "
                                 f"{list(want_shape)} {want_dtype.str}")
         dtype = want_dtype
     else:
         try:
-            dtype = np.dtype(c.dtype)
+            dtype = np.dtype(dtype_str)
         except (TypeError, ValueError):
-            raise ProtocolError(f"state leaf {c.leaf}: {c.dtype!r} is not a dtype") from None
+            raise ProtocolError(f"state leaf {leaf}: {dtype_str!r} is not a dtype") from None
         if dtype.kind not in _PLAIN_KINDS or dtype.itemsize == 0 or any(n < 0 for n in shape):
-            raise ProtocolError(f"state leaf {c.leaf}: shape {list(shape)} x {dtype} is not a plain array")
-    if math.prod(shape) * dtype.itemsize != c.total_bytes:
-        raise ProtocolError(f"state leaf {c.leaf}: shape {list(shape)} x {dtype} is not {c.total_bytes} bytes")
+            raise ProtocolError(f"state leaf {leaf}: shape {list(shape)} x {dtype} is not a plain array")
+    if math.prod(shape) * dtype.itemsize != nbytes:
+        raise ProtocolError(f"state leaf {leaf}: shape {list(shape)} x {dtype} is not {nbytes} bytes")
     return shape, dtype
 
 
@@ -164,7 +170,7 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None,
             if not 0 <= c.leaf < num:
                 raise ProtocolError(f"state leaf {c.leaf} out of range [0, {num})")
             if c.leaf not in bufs:
-                meta[c.leaf] = _leaf_layout(c, expect)
+                meta[c.leaf] = _leaf_layout(c.leaf, c.shape, c.dtype, c.total_bytes, expect)
                 bufs[c.leaf] = host_buffer(c.total_bytes, np.uint8)   # aligned: placed on the devices without a copy
                 filled[c.leaf] = 0
             buf = bufs[c.leaf]
@@ -202,3 +208,79 @@ def _check_claim(claimed: str, algorithm: str) -> None:
         raise ProtocolError(f"the state stream announces a malformed digest: {e}") from None
     if announced != algorithm:
         raise ProtocolError(f"the state stream announces a {announced} digest; this worker checks {algorithm}")
+
+
+def shared_state(leaves: list[np.ndarray], applied_steps: int, digest: str) -> pb.SharedState:
+    """Source side of a same-host copy: where each of ``leaves`` (C-contiguous host arrays) lies in this process.
+
+    The caller keeps ``leaves`` alive, unchanged, until the reader is done.
+    """
+    out = pb.SharedState(applied_steps=applied_steps, digest=digest)
+    for leaf in leaves:
+        if not leaf.flags.c_contiguous:
+            raise ValueError("a shared state leaf must be C-contiguous")
+        out.leaves.add(shape=leaf.shape, dtype=leaf.dtype.str, address=leaf.ctypes.data, nbytes=leaf.nbytes)
+    return out
+
+
+#: A same-host copy goes in system calls of at most this many bytes: each one's hash overlaps the next's copy.
+SHARED_PIECE_BYTES = 8 << 20
+_MAX_IOV = 512   # pieces per call (the kernel takes up to 1024)
+
+
+def copy_shared_state(state: pb.SharedState, pid: int, expect=None, algorithm: str = DIGEST,
+                      midway=lambda: None) -> tuple[list[np.ndarray], int, str]:
+    """Reader side of a same-host copy: the leaves ``state`` names, copied out of process ``pid`` into new aligned
+    memory (placed on the devices without a copy), checked as :func:`assemble_state` checks a stream
+    (``expect``, the announced digest, which they must hash to): ``(leaves, applied steps, digest)``.
+
+    One copy, by the kernel (:func:`runtime.wire.cross_memory.read_into`), in
+    pieces of :data:`SHARED_PIECE_BYTES`, each hashed on a thread of its own
+    while the next is copied. ``midway()`` is called after the first piece
+    (chaos). Raises ``ProtocolError`` for a state that does not check,
+    :class:`runtime.wire.cross_memory.CrossMemoryUnavailable` when this host
+    forbids the read, ``OSError`` when the source went away.
+    """
+    num = len(state.leaves)
+    if not num:
+        raise ProtocolError("a shared state of no leaves")
+    if expect is not None and num != len(expect):
+        raise ProtocolError(f"state of {num} leaves, this worker's programs expect {len(expect)}")
+    if state.digest:
+        _check_claim(state.digest, algorithm)
+    meta = [_leaf_layout(i, x.shape, x.dtype, x.nbytes, expect) for i, x in enumerate(state.leaves)]
+    offsets, end = [], 0
+    for x in state.leaves:
+        offsets.append(end)
+        end += -(-x.nbytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+    memory = fresh_buffer(end)
+    # The pieces in state order, then the calls that copy them: consecutive pieces up to SHARED_PIECE_BYTES.
+    calls, batch, size = [], [], 0
+    for i, x in enumerate(state.leaves):
+        for off in range(0, max(x.nbytes, 1), SHARED_PIECE_BYTES):
+            n = min(SHARED_PIECE_BYTES, x.nbytes - off)
+            if batch and (size + n > SHARED_PIECE_BYTES or len(batch) == _MAX_IOV):
+                calls.append(batch)
+                batch, size = [], 0
+            batch.append((i, off, memory[offsets[i] + off:offsets[i] + off + n]))
+            size += n
+    calls.append(batch)
+    h = _hasher(algorithm)
+    hashing = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-hash")
+    try:
+        for k, call in enumerate(calls):
+            read_into(pid, [(dest, state.leaves[i].address + off) for i, off, dest in call if dest.nbytes])
+            for i, off, dest in call:
+                if off == 0:
+                    hashing.submit(h.update, _layout_text(*meta[i]))
+                hashing.submit(h.update, dest)
+            if k == 0:
+                midway()
+    finally:
+        hashing.shutdown(wait=True)
+    digest = f"{algorithm}:{h.hexdigest()}"
+    if state.digest and digest != state.digest:
+        raise ProtocolError("the state copied does not hash to what its source announced")
+    leaves = [memory[o:o + x.nbytes].view(dtype).reshape(shape)
+              for o, x, (shape, dtype) in zip(offsets, state.leaves, meta)]
+    return leaves, state.applied_steps, digest

@@ -10,6 +10,15 @@ sockets: the payload is written from the sender's numpy buffer (a
 ``memoryview``, no copy) and read with ``recv_into`` straight into its
 destination buffer.
 
+On Linux, when it has a run secret and a way to serve states in place, the
+server also listens on an abstract Unix socket named after its TCP address
+(:func:`runtime.wire.cross_memory.local_name`): a reader on the same host
+connects there, and a state read asked for with ``shared_memory`` is
+answered with where the leaves lie, for the reader to copy them out of this
+process's memory in one copy (:mod:`runtime.wire.cross_memory`). Only a
+process of the same user may connect there, and only after the same
+handshake.
+
 This module is the server side (:class:`DataServer`, one per worker). The
 wire format (handshake, frames, streams) is :mod:`runtime.wire.dataplane_wire`'s;
 the client side, a worker's connections to its peers' servers, is
@@ -30,17 +39,18 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
 
-from runtime.wire import auth
+from runtime.wire import auth, cross_memory
 from runtime._proto import elastic_pb2 as pb
-from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, STATE, STATE_REQUEST,
-                                    VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head, recv_bytes,
-                                    send_frame, shut)
+from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, SHARED, STATE,
+                                         STATE_REQUEST, VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head,
+                                         recv_bytes, send_frame, shut)
 from runtime.core.errors import ProtocolError
 from runtime.wire.parts import Part
 
@@ -49,6 +59,7 @@ __all__ = ["DataServer"]
 log = logging.getLogger("jax_elastic.dataplane")
 
 MAX_CONNECTIONS = 256                 # peers keep a few each; beyond this a caller is refused
+SHARED_READ_SECONDS = 300.0           # longest a same-host reader may take to copy a state (it goes at memory speed)
 
 
 class DataServer:
@@ -57,16 +68,23 @@ class DataServer:
     ``on_push(chunks)`` consumes one push stream (an iterator of
     :class:`Incoming` ``TensorChunk`` s) and raises to refuse it;
     ``on_state(request)`` returns the :class:`Part` s of the state a
-    ``GetStateRequest`` asks for, or raises. ``status_name(exc)`` names the
-    status of a raised exception. ``refusals`` counts connections refused for
-    their secret.
+    ``GetStateRequest`` asks for, or raises. ``on_shared_state(request)``,
+    when given, serves the same request made with ``shared_memory`` on the
+    local socket: a generator that yields the ``SharedState`` (raising
+    instead when it cannot), keeps those leaves where they are until the
+    reader is done, and is then closed; ``local_address`` is that socket's
+    name ("" when there is none: no secret, not Linux, or not asked for).
+    ``status_name(exc)`` names the status of a raised exception.
+    ``refusals`` counts connections refused for their secret.
     """
 
     def __init__(self, host: str, *, secret: str, tls: auth.TlsFiles | None,
                  on_push: Callable[[Iterator[Incoming]], None], on_state: Callable[[pb.GetStateRequest], Iterator[Part]],
                  status_name: Callable[[BaseException], str], refusals: auth.Refusals | None = None,
-                 dropped: Callable[[], bool] = lambda: False, port: int = 0):
+                 dropped: Callable[[], bool] = lambda: False, port: int = 0,
+                 on_shared_state: Callable[[pb.GetStateRequest], Iterator[pb.SharedState]] | None = None):
         self._secret, self._on_push, self._on_state = secret, on_push, on_state
+        self._on_shared_state = on_shared_state
         self._status_name, self._refusals, self._dropped = status_name, refusals, dropped
         self._tls = tls.ssl_server_context() if tls is not None else None
         self._listener = socket.create_server((host, port), backlog=128)
@@ -75,22 +93,40 @@ class DataServer:
         self._lock = threading.Lock()
         self._conns: set = set()
         self._closed = False
-        threading.Thread(target=self._accept, name="dataplane-accept", daemon=True).start()
+        self._local = None
+        self.local_address = ""
+        if on_shared_state is not None and secret and cross_memory.supported():
+            self._local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._local.bind(cross_memory.local_name(self.address))
+                self._local.listen(16)
+                self.local_address = cross_memory.local_name(self.address)
+            except OSError as e:   # a stale name (cannot happen for a live TCP port) or no abstract namespace
+                log.info("data plane: no local socket (%s); same-host reads use TCP", e)
+                self._local.close()
+                self._local = None
+        threading.Thread(target=self._accept, args=(self._listener,), name="dataplane-accept", daemon=True).start()
+        if self._local is not None:
+            threading.Thread(target=self._accept, args=(self._local,), name="dataplane-accept-local",
+                             daemon=True).start()
 
     def close(self) -> None:
         """Stops accepting and closes every connection (their requests fail for their callers)."""
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        for listener in (self._listener, self._local):
+            if listener is not None:
+                with contextlib.suppress(OSError):
+                    listener.close()
         for conn in conns:
             shut(conn)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        local = listener.family == socket.AF_UNIX
         while True:
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except OSError:
                 return   # closed
             with self._lock:
@@ -101,15 +137,34 @@ class DataServer:
                     shut(conn)   # a caller opening connections without end gets no more threads
                     continue
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, f"ipv4:{peer[0]}:{peer[1]}"),
-                             name="dataplane-conn", daemon=True).start()
+            if local:
+                pid, _uid = cross_memory.peer_credentials(conn)
+                target, args = self._serve_local, (conn, pid)
+            else:
+                target, args = self._serve, (conn, f"ipv4:{peer[0]}:{peer[1]}")
+            threading.Thread(target=target, args=args, name="dataplane-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve_local(self, conn: socket.socket, pid: int) -> None:
+        """A connection on the local socket: the same handshake and requests, from a process of this user only
+        (no TLS: it never leaves the host), and state reads may be shared."""
+        peer = f"local:pid {pid}"
+        if cross_memory.peer_credentials(conn)[1] != os.getuid():
+            if self._refusals is not None:
+                self._refusals.record("DataPlane/connect", peer, "a process of another user")
+            with self._lock:
+                self._conns.discard(conn)
+            shut(conn)
+            return
+        self._serve(conn, peer, reader=pid)
+
+    def _serve(self, conn: socket.socket, peer: str, reader: int = 0) -> None:
+        """Serves one connection; ``reader``: the pid of a same-host peer (the local socket), else 0."""
         sock = conn
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not reader:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HANDSHAKE_SECONDS)
-            if self._tls is not None:
+            if self._tls is not None and not reader:
                 sock = self._tls.wrap_socket(conn, server_side=True)
             if not self._handshake(sock, peer):
                 return
@@ -122,7 +177,7 @@ class DataServer:
                 if head[0] == PIECE:
                     served = self._push(sock, head)
                 elif head[0] == STATE_REQUEST:
-                    served = self._state(sock, head)
+                    served = self._state(sock, head, reader)
                 else:
                     raise ProtocolError(f"a stream cannot start with a frame of kind {head[0]}")
         except (OSError, ProtocolError, ConnectionError, struct.error) as e:
@@ -166,7 +221,28 @@ class DataServer:
         self._reply(sock, None)
         return True
 
-    def _state(self, sock, head) -> bool:
+    def _shared_state(self, sock, request: pb.GetStateRequest, reader: int) -> bool:
+        """Serves one shared state read (see the module's wire notes); False when the connection must close."""
+        if not reader or self._on_shared_state is None:
+            raise ProtocolError("a shared state read is only served on the local socket")
+        shared = self._on_shared_state(request)
+        try:
+            state = next(shared)   # raises (refused) before anything is sent
+            with cross_memory.readable_by(reader):
+                send_frame(sock, SHARED, state.SerializeToString())
+                for _ in shared:   # the source's own part midway (a chaos fault may strike here)
+                    pass
+                sock.settimeout(SHARED_READ_SECONDS)   # a reader that stops answering does not pin the leaves
+                kind, header, plen = read_frame_head(sock)   # the reader copies meanwhile, then says so
+                sock.settimeout(None)
+                if kind != END or header or plen:
+                    raise ProtocolError(f"expected the end of a shared state read, got a frame of kind {kind}")
+        finally:
+            shared.close()   # the leaves may go now
+        self._reply(sock, None)
+        return True
+
+    def _state(self, sock, head, reader: int) -> bool:
         """Serves one state read; False when the connection must close."""
         try:
             if head[2]:
@@ -175,6 +251,8 @@ class DataServer:
                 request = pb.GetStateRequest.FromString(head[1])
             except Exception as e:  # noqa: BLE001
                 raise ProtocolError(f"a state request does not parse ({type(e).__name__})") from None
+            if request.shared_memory:
+                return self._shared_state(sock, request, reader)
             parts = iter(self._on_state(request))
             part = next(parts, None)
             while part is not None:

@@ -9,21 +9,25 @@ its message) is raised as :class:`RemoteError`.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-from runtime.wire import auth
+from runtime.wire import auth, cross_memory
 from runtime._proto import elastic_pb2 as pb
-from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, STATE, STATE_REQUEST,
-                                    VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head, recv_bytes,
-                                    send_frame, shut)
+from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, SHARED, STATE,
+                                         STATE_REQUEST, VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head,
+                                         recv_bytes, send_frame, shut)
 from runtime.core.errors import ProtocolError
 from runtime.wire.parts import Part
 
-__all__ = ["DataClient", "RemoteError"]
+__all__ = ["DataClient", "NotLocal", "RemoteError"]
+
+T = TypeVar("T")
 
 
 class RemoteError(Exception):
@@ -32,6 +36,12 @@ class RemoteError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
+
+
+class NotLocal(Exception):
+    """A shared state read cannot be made: the source is on another host (or in another network namespace),
+    serves no local socket, or this host does not let one process read another. Nothing was changed on either
+    side; read the state over TCP instead."""
 
 
 class DataClient:
@@ -93,6 +103,62 @@ class DataClient:
                 raise ProtocolError(f"a state stream ended with a frame of kind {kind}")
             _check_reply(header, payload)
 
+    def read_shared_state(self, address: str, request: pb.GetStateRequest, deadline: float,
+                          copy: Callable[[pb.SharedState, int], T]) -> T:
+        """Reads the state of the data server at ``address`` out of its memory, when it is on this host.
+
+        Connects to its local socket, asks for ``request`` with
+        ``shared_memory``, and calls ``copy(state, pid)`` with the
+        ``SharedState`` and the source's pid (as the kernel saw it connect);
+        the source keeps its leaves in place until ``copy`` returns. Returns
+        what ``copy`` returned once the source confirmed it held them to the
+        end. Raises :class:`NotLocal` when it cannot be done this way (no
+        source socket on this host, a source process of another user, or
+        ``copy`` raised :class:`runtime.wire.cross_memory.CrossMemoryUnavailable`),
+        :class:`RemoteError` when the source refused, ``OSError`` /
+        ``ConnectionError`` when the copy failed midway.
+        """
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except (OSError, AttributeError) as e:
+            raise NotLocal(f"no Unix sockets here: {e}") from None
+        try:
+            _timeout(sock, deadline)
+            try:
+                sock.connect(cross_memory.local_name(address))
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                raise NotLocal(f"{address} has no local socket on this host ({e.strerror})") from None
+            pid, uid = cross_memory.peer_credentials(sock)
+            if uid != os.getuid() or pid <= 0:
+                raise NotLocal(f"the local socket of {address} belongs to another user or pid namespace")
+            self._greet(sock, address)
+            _timeout(sock, deadline)
+            send_frame(sock, STATE_REQUEST, pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps,
+                                                               shared_memory=True).SerializeToString())
+            kind, header, plen = read_frame_head(sock)
+            if kind == REPLY:
+                _check_reply(header, recv_bytes(sock, plen))
+                raise ProtocolError("a shared state read was answered OK without a state")
+            if kind != SHARED or plen:
+                raise ProtocolError(f"expected a shared state, got a frame of kind {kind}")
+            try:
+                state = pb.SharedState.FromString(header)
+            except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
+                raise ProtocolError(f"a shared state does not parse ({type(e).__name__})") from None
+            try:
+                result = copy(state, pid)
+            except cross_memory.CrossMemoryUnavailable as e:
+                raise NotLocal(f"this host does not let a worker read another's memory: {e}") from None
+            _timeout(sock, deadline)
+            send_frame(sock, END)
+            kind, header, plen = read_frame_head(sock)
+            if kind != REPLY:
+                raise ProtocolError(f"a shared state read ended with a frame of kind {kind}")
+            _check_reply(header, recv_bytes(sock, plen))
+            return result
+        finally:
+            shut(sock)
+
     @contextlib.contextmanager
     def _connection(self, address: str, deadline: float, pushing: bool = False):
         with self._lock:
@@ -124,6 +190,15 @@ class DataClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=host)
+            self._greet(sock, address)
+        except BaseException:
+            shut(sock)
+            raise
+        return sock
+
+    def _greet(self, sock, address: str) -> None:
+        """The handshake on a new connection; :class:`RemoteError` (UNAUTHENTICATED) when the server refuses it."""
+        try:
             magic, version, nonce = HELLO.unpack(recv_bytes(sock, HELLO.size))
             if magic != MAGIC or version != VERSION:
                 raise ConnectionError(f"{address} is not a data plane of version {VERSION}")
@@ -131,13 +206,8 @@ class DataClient:
             if recv_bytes(sock, 1) != b"\x01":
                 raise ConnectionError(f"{address} refused the data-plane handshake")
         except ConnectionError as e:
-            shut(sock)
             raise RemoteError("UNAUTHENTICATED", f"{address} refused the connection (wrong run secret?): {e}") \
                 from None
-        except BaseException:
-            shut(sock)
-            raise
-        return sock
 
 
 def _timeout(sock, deadline: float) -> None:

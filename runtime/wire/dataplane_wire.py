@@ -21,6 +21,12 @@ Wire format (little-endian):
 - A state read: ``STATE_REQUEST`` (``GetStateRequest``); the server answers
   ``STATE`` frames (``StateChunk`` headers) then a ``REPLY``, or a ``REPLY``
   with the error.
+- A shared state read (on the server's local socket only, same host;
+  :mod:`runtime.wire.cross_memory`): ``STATE_REQUEST`` with
+  ``shared_memory``; the server answers one ``SHARED`` frame (a
+  ``SharedState``: where each leaf lies in its memory) or a ``REPLY`` with
+  the error; the reader copies the leaves itself, sends ``END`` and the
+  server answers a ``REPLY`` (until then it keeps the leaves in place).
 
 A frame no peer of ours sends (unknown kind, a header over 64 KiB, a payload
 over :data:`MAX_PAYLOAD`) is a :class:`~runtime.core.errors.ProtocolError`.
@@ -39,13 +45,13 @@ import numpy as np
 from runtime.core.errors import ProtocolError
 
 __all__ = ["END", "FRAME", "HANDSHAKE_SECONDS", "HELLO", "MAGIC", "MAX_HEADER", "MAX_PAYLOAD", "OK", "PIECE", "REPLY",
-           "STATE", "STATE_REQUEST", "VERSION", "ChunkStream", "Incoming", "handshake_mac", "read_exact",
+           "SHARED", "STATE", "STATE_REQUEST", "VERSION", "ChunkStream", "Incoming", "handshake_mac", "read_exact",
            "read_frame_head", "recv_bytes", "send_frame", "shut"]
 
 MAGIC, VERSION = b"JXDP", 1
 HELLO = struct.Struct("<4sH32s")      # magic, version, then the nonce (server) or the MAC (client)
 FRAME = struct.Struct("<BIQ")         # kind, header bytes, payload bytes
-PIECE, END, STATE_REQUEST, STATE, REPLY = 1, 2, 3, 4, 5
+PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED = 1, 2, 3, 4, 5, 6
 MAX_HEADER = 64 << 10
 MAX_PAYLOAD = 64 << 20                # as rpc.MAX_MESSAGE: a chunk is at most collective.MAX_CHUNK_BYTES
 HANDSHAKE_SECONDS = 10.0
@@ -87,7 +93,7 @@ def send_frame(sock, kind: int, header: bytes = b"", payload=b"") -> None:
 def read_frame_head(sock) -> tuple[int, bytes, int]:
     """``(kind, header bytes, payload bytes)``; :class:`ProtocolError` for a frame no peer of ours sends."""
     kind, hlen, plen = FRAME.unpack(recv_bytes(sock, FRAME.size))
-    if kind not in (PIECE, END, STATE_REQUEST, STATE, REPLY) or hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+    if kind not in (PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED) or hlen > MAX_HEADER or plen > MAX_PAYLOAD:
         raise ProtocolError(f"malformed data-plane frame (kind {kind}, header {hlen} bytes, payload {plen} bytes)")
     return kind, recv_bytes(sock, hlen), plen
 

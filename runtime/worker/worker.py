@@ -39,6 +39,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
+
 from runtime.wire import auth, rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
@@ -56,7 +58,7 @@ from runtime.core.fingerprint import legacy_programs_fingerprint, programs_finge
 from runtime.wire.requests import decode_programs, unpickle_source
 from runtime.worker.saver import CheckpointWriter
 from runtime.state.snapshot import SnapshotStore, host_directory
-from runtime.state.state_copy import state_chunks
+from runtime.state.state_copy import shared_state, state_chunks
 from runtime.worker.worker_fence import Fencing
 from runtime.worker.worker_state import (flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters, pull_state,
                                          save_step,
@@ -325,6 +327,20 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         Raises, before anything is sent, when the request is fenced off or
         the state is not at that step.
         """
+        leaves, applied, digest = self._state_at(request)
+        return mid_stream(state_chunks(leaves, applied, self.chunk_bytes, digest), self.faults.sending_state)
+
+    def shared_state(self, request: pb.GetStateRequest) -> Iterator[pb.SharedState]:
+        """The data plane's same-host read of this replica's state (``DataServer``'s ``on_shared_state``): yields
+        where its host leaves lie, then (the reader copying them) the chaos point midway; they stay alive until
+        the data server closes this generator. Raises, before yielding, as :meth:`state_parts`."""
+        leaves, applied, digest = self._state_at(request)
+        leaves = [np.require(x, requirements='C') for x in leaves]   # (ascontiguousarray makes a scalar 1-d)
+        yield shared_state(leaves, applied, digest)
+        self.faults.sending_state()
+
+    def _state_at(self, request: pb.GetStateRequest) -> tuple[list, int, str]:
+        """``(host leaves, applied steps, digest)`` of this replica's state, if at the step ``request`` asks for."""
         self.check_fence(request.fence)
         self._need_state()
         with self._cond:
@@ -334,7 +350,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             leaves = self.executor.host_state()
             applied = self.executor.steps_applied
             digest = self.executor.state_digest()   # cached: the controller's Abort usually computed it
-        return mid_stream(state_chunks(leaves, applied, self.chunk_bytes, digest), self.faults.sending_state)
+        return leaves, applied, digest
 
     def PullState(self, request, context):
         """Controller: replace this replica's state with a copy pulled from ``source_address``.

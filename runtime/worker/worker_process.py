@@ -87,7 +87,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     server.start()
     address = f"{host}:{bound}"
     data = DataServer(host, secret=secret, tls=tls, on_push=service.receive_push, on_state=service.state_parts,
-                      status_name=rpc.status_name, refusals=service.refusals, dropped=service.faults.partitioned)
+                      on_shared_state=service.shared_state, status_name=rpc.status_name, refusals=service.refusals,
+                      dropped=service.faults.partitioned)
     devices = jax.devices()
     service.controller, service.owner = controller, owner
     service.identity = pb.AttachReply(worker_id=worker_id, pid=os.getpid(), host=service.host,

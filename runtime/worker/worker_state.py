@@ -7,8 +7,9 @@ snapshot store, the faults, a timeout), so that the service reads as
 membership, loading and the step:
 
 - :func:`pull_state` (``PullState``): a spare or a relaunched worker copies a
-  live replica's state, over the data plane or gRPC ``GetState``
-  (:mod:`runtime.state.state_copy`), and adopts it only if it is the one asked for;
+  live replica's state, out of its memory when both are on one host, else
+  over the data plane or gRPC ``GetState`` (:mod:`runtime.state.state_copy`),
+  and adopts it only if it is the one asked for;
 - :func:`load_checkpoint` (``LoadCheckpoint``): the newest valid checkpoint
   or snapshot at or before a step, refused when other programs wrote it;
 - :func:`keep_snapshot` (``KeepSnapshot``) and :func:`copy_snapshot`: a
@@ -35,14 +36,14 @@ import grpc
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.wire.dataplane_client import DataClient, RemoteError
+from runtime.wire.dataplane_client import DataClient, NotLocal, RemoteError
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.worker.fault_injection import WorkerFaults, mid_stream
 from runtime.wire.peers import PeerChannels
 from runtime.core.programs import ProgramSet
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.snapshot import SnapshotStore
-from runtime.state.state_copy import assemble_state, state_digest
+from runtime.state.state_copy import assemble_state, copy_shared_state, state_digest
 
 if TYPE_CHECKING:
     from runtime.worker.executor import SliceExecutor
@@ -60,12 +61,25 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
         raise ProtocolError("PullState without a source address")
     t0 = time.perf_counter()
     ask = pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps)
-    if request.source_data_address:
-        stream = data.get_state(request.source_data_address, ask, time.monotonic() + timeout)
-    else:
-        stream = peers.stub(request.source_address).GetState(ask, timeout=timeout)
+    deadline = time.monotonic() + timeout
     try:
-        leaves, applied, digest = assemble_state(mid_stream(stream, faults.receiving_state), expect=layout)
+        got = None
+        if request.shared_memory and request.source_data_address:
+            transport = "shared_memory"
+            try:
+                got = data.read_shared_state(request.source_data_address, ask, deadline, functools.partial(
+                    copy_shared_state, expect=layout, midway=faults.receiving_state))
+            except NotLocal:
+                pass   # another host, or one that forbids it: the stream below
+        if got is None and request.source_data_address:
+            transport = "tcp"
+            stream = data.get_state(request.source_data_address, ask, deadline)
+        elif got is None:
+            transport = "grpc"
+            stream = peers.stub(request.source_address).GetState(ask, timeout=max(deadline - time.monotonic(), 0.001))
+        if got is None:
+            got = assemble_state(mid_stream(stream, faults.receiving_state), expect=layout)
+        leaves, applied, digest = got
     except grpc.RpcError as e:
         raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                    f"{e.code().name}") from e
@@ -80,7 +94,7 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
     adopt(leaves, applied, digest)
     # The digest of the leaves now in place (the controller then checks every replica's own digest).
     return pb.PullStateReply(digest=digest, bytes=sum(x.nbytes for x in leaves),
-                             seconds=time.perf_counter() - t0)
+                             seconds=time.perf_counter() - t0, transport=transport)
 
 
 def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotStore | None, programs: ProgramSet,

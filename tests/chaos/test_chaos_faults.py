@@ -60,7 +60,8 @@ def test_the_spare_killed_while_receiving_state_is_replaced_by_the_next(tmp_path
     passed(report)
     dest_fault = report["faults"][1]
     assert dest_fault["spec"] == "kill:role=dest@transfer" and dest_fault["workers"] == ["w4"]
-    assert [e["dest"] for e in kinds(events, "state_transferred")] == ["w5"]
+    [moved] = kinds(events, "state_transferred")
+    assert moved["dest"] == "w5" and moved["transport"] == "shared_memory"   # workers on one host: memory to memory
     assert report["slices_at_end"] == 4
 
 
@@ -70,7 +71,7 @@ def test_the_source_killed_while_sending_state_leaves_another_replica(tmp_path):
     passed(report)
     source = report["faults"][1]["workers"][0]
     [moved] = kinds(events, "state_transferred")
-    assert moved["source"] != source and moved["dest"] == "w4"
+    assert moved["source"] != source and moved["dest"] == "w4" and moved["transport"] == "shared_memory"
     assert report["slices_at_end"] == 3   # the spare took one slice; the other slice shrank away
 
 

@@ -282,7 +282,7 @@ class FakeGroup:
         copy = _Replica()
         copy.history, copy.losses = list(src.history), dict(src.losses)
         self.replicas[dest] = copy
-        return 1024, src.history[-1]
+        return 1024, src.history[-1], "tcp"
 
     def hashes(self, workers):
         out = {}

@@ -79,7 +79,7 @@ KINDS = {
     "checkpoint_restored": ({"step": NAT, "tier": st.sampled_from(["memory", "disk"])}, {}),
     "transfer_started": ({"source": WORKER, "dest": WORKER, "step": NAT}, {}),
     "state_transferred": ({"source": WORKER, "dest": WORKER, "step": NAT, "bytes": BIG, "seconds": SECONDS,
-                           "digest": DIGEST}, {"sha256": SHA}),
+                           "digest": DIGEST}, {"sha256": SHA, "transport": st.sampled_from(["shared_memory", "tcp", "grpc"])}),
     "recovered": ({"path": PATH, "resume_step": NAT, "bytes_moved": BIG},
                   {"epoch": NAT, "dead": WORKERS, "seconds": SECONDS}),
     "grown": ({"epoch": NAT, "promoted": WORKERS, "active": WORKERS, "bytes_moved": BIG, "step": NAT}, {}),
