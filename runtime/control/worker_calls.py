@@ -136,18 +136,23 @@ class WorkerCalls:
 
     # -- programs and state ----------------------------------------------------
 
-    def _load_request(self) -> pb.LoadRequest:
-        return load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
+    def _load_request(self, spare: bool = False) -> pb.LoadRequest:
+        """The run's Load call; ``spare``: to a worker that starts as a spare, which then prepares the memory a
+        state copy to it lands in (not when spares shadow: they get a state at once)."""
+        request = load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
+        request.spare = spare and not self.opts.shadow_spares
+        return request
 
     def program_bytes(self) -> int:
         return sum(len(v) for v in self.programs.programs().values())
 
     def start_load(self, worker_id: str) -> grpc.Future:
-        """The Load call to one worker (a newcomer warming), without waiting and not tracked in flight."""
-        return self._stubs[worker_id].Load.future(self._load_request(), timeout=self.opts.rpc_timeout_seconds)
+        """The Load call to one worker (a newcomer warming: a spare), without waiting and not tracked in flight."""
+        return self._stubs[worker_id].Load.future(self._load_request(spare=True), timeout=self.opts.rpc_timeout_seconds)
 
-    def load(self, workers) -> dict[str, LoadResult]:
+    def load(self, workers, spares=()) -> dict[str, LoadResult]:
         """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
+        Those in ``spares`` start as spares (:meth:`_load_request`).
 
         Returns the workers that loaded. One that fails (or dies: its call is
         cancelled when it is declared dead) is declared dead and left out.
@@ -160,15 +165,16 @@ class WorkerCalls:
         (:func:`runtime.core.compile_cache.holds`: an earlier run or the reference
         run loaded them), all load at once.
         """
-        request = self._load_request()
+        requests = {False: self._load_request(), True: self._load_request(spare=True)}
+        spares = set(spares)
         workers = list(workers)
         cache, programs = self.opts.compilation_cache_dir, self.programs.programs()
         devices = self.programs.devices_per_slice
         cold = not compile_cache.holds(cache, programs, devices)
         leader = workers[:1] if cache and cold and len(workers) > 1 else []
-        replies = self._each("Load", lambda w: request, leader, "failed to load programs")
+        replies = self._each("Load", lambda w: requests[w in spares], leader, "failed to load programs")
         rest = [w for w in workers if w not in leader and w not in self._dead]
-        replies.update(self._each("Load", lambda w: request, rest, "failed to load programs"))
+        replies.update(self._each("Load", lambda w: requests[w in spares], rest, "failed to load programs"))
         if replies and cold:
             compile_cache.mark_held(cache, programs, devices)
         return {w: load_result(r) for w, r in replies.items()}

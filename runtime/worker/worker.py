@@ -60,7 +60,7 @@ from runtime.worker.saver import CheckpointWriter
 from runtime.state.snapshot import SnapshotStore, host_directory
 from runtime.state.state_copy import shared_state, state_chunks
 from runtime.worker.worker_fence import Fencing
-from runtime.worker.worker_state import (flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters, pull_state,
+from runtime.worker.worker_state import (Landing, flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters, pull_state,
                                          save_step,
                                   strike_save_in_progress, while_saving)
 from runtime.worker.worker_step import Stepping
@@ -114,6 +114,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         self.progress = (-1, "idle", time.monotonic())
         self.refusals = auth.Refusals(log)    # calls refused for their secret, until the controller asks
         self._state_layout: list | None = None   # [(shape, dtype)] of the state leaves, from the programs
+        self._landing: Landing | None = None     # a spare's memory for the state it will be copied
         self.fingerprint = ""                 # sha256 of the loaded programs: which math a checkpoint holds
         self._blobs: dict[str, bytes] = {}    # the loaded programs, for the fingerprint older checkpoints hold
         self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.worker.saver), on first use
@@ -176,6 +177,9 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 self.snapshots = snapshots
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
+                if self._landing is not None:
+                    self._landing.drop()
+                self._landing = Landing(state_layout) if request.spare else None
             self.lease = request.lease_seconds
             self.client_grace = request.client_grace_seconds
             self.last_contact = time.monotonic()
@@ -227,6 +231,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                     raise StaleEpochError("a step is running; abort it before initializing")
                 nbytes = self.executor.init(request.seed)
                 self._recent.clear()
+                self._drop_landing()
             return pb.InitReply(state_bytes=nbytes)
         return self._guard(context, init)
 
@@ -363,7 +368,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             self._need_executor()
             return pull_state(request, self._state_layout, data=self.data, peers=self._peers, faults=self.faults,
-                              timeout=self.step_timeout, adopt=self._adopt_state)
+                              timeout=self.step_timeout, adopt=self._adopt_state, landing_memory=self._landing)
         return self._guard(context, pull)
 
     def LoadCheckpoint(self, request, context):
@@ -393,6 +398,13 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 raise StaleEpochError("a step is running; cannot replace the state")
             self.executor.set_state(leaves, applied, digest=digest)
             self._recent.clear()
+            self._drop_landing()
+
+    def _drop_landing(self) -> None:
+        """This replica holds a state now: a spare's landing memory, unused, is freed."""
+        if self._landing is not None:
+            self._landing.drop()
+            self._landing = None
 
     def Checkpoints(self, request, context):
         """Controller (at the end of a run): waits for the checkpoints in flight, then reports them. With

@@ -27,7 +27,9 @@ lock and refused while a step runs.
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -43,22 +45,73 @@ from runtime.wire.peers import PeerChannels
 from runtime.core.programs import ProgramSet
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.snapshot import SnapshotStore
-from runtime.state.state_copy import assemble_state, copy_shared_state, state_digest
+from runtime.state.state_copy import assemble_state, copy_shared_state, landing, state_digest
 
 if TYPE_CHECKING:
     from runtime.worker.executor import SliceExecutor
 
-__all__ = ["copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint", "loss_sums",
+__all__ = ["Landing", "copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint", "loss_sums",
            "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
 
 
+class Landing:
+    """A spare's host memory for the state it will be copied (:func:`runtime.state.state_copy.landing`), faulted
+    in on a thread of its own once it loaded, so that a recovery's copy does not pay the page faults.
+
+    :meth:`take` hands it out once (None while it is still being made, or
+    after :meth:`drop`: the worker got a state some other way and frees it);
+    :meth:`give_back` returns it after a copy that failed. Thread-safe.
+    """
+
+    def __init__(self, layout):
+        self._lock = threading.Lock()
+        self._memory, self._dropped = None, False
+        threading.Thread(target=self._make, args=(list(layout),), name="state-landing", daemon=True).start()
+
+    def _make(self, layout) -> None:
+        try:
+            memory = landing(layout)
+        except (MemoryError, OSError) as e:   # only a spare's head start is lost: a copy allocates as before
+            logging.getLogger("jax_elastic").warning("no landing memory for a state copy: %s", e)
+            return
+        with self._lock:
+            if not self._dropped:
+                self._memory = memory
+
+    def take(self):
+        with self._lock:
+            memory, self._memory = self._memory, None
+            return memory
+
+    def give_back(self, memory) -> None:
+        with self._lock:
+            if not self._dropped and memory is not None:
+                self._memory = memory
+
+    def drop(self) -> None:
+        with self._lock:
+            self._memory, self._dropped = None, True
+
+
 def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers: PeerChannels, faults: WorkerFaults,
-               timeout: float, adopt) -> pb.PullStateReply:
+               timeout: float, adopt, landing_memory: Landing | None = None) -> pb.PullStateReply:
     """``PullState``: the state pulled from ``request.source_address``, checked against ``layout`` (the
     ``[(shape, dtype)]`` of this worker's leaves), the step asked for and the expected digest, then given to
-    ``adopt(leaves, applied, digest)``. Raises, with the state unchanged, when any of them does not match."""
+    ``adopt(leaves, applied, digest)``. Raises, with the state unchanged, when any of them does not match.
+    ``landing_memory``: where the leaves land, when this worker (a spare) prepared it (given back if the copy
+    fails)."""
     if not request.source_address:
         raise ProtocolError("PullState without a source address")
+    memory = landing_memory.take() if landing_memory is not None else None
+    try:
+        return _pull_state(request, layout, data, peers, faults, timeout, adopt, memory)
+    except BaseException:
+        if landing_memory is not None:
+            landing_memory.give_back(memory)
+        raise
+
+
+def _pull_state(request, layout, data, peers, faults, timeout, adopt, memory) -> pb.PullStateReply:
     t0 = time.perf_counter()
     ask = pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps)
     deadline = time.monotonic() + timeout
@@ -68,7 +121,7 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
             transport = "shared_memory"
             try:
                 got = data.read_shared_state(request.source_data_address, ask, deadline, functools.partial(
-                    copy_shared_state, expect=layout, midway=faults.receiving_state))
+                    copy_shared_state, expect=layout, midway=faults.receiving_state, landing_memory=memory))
             except NotLocal:
                 pass   # another host, or one that forbids it: the stream below
         if got is None and request.source_data_address:
@@ -78,7 +131,7 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
             transport = "grpc"
             stream = peers.stub(request.source_address).GetState(ask, timeout=max(deadline - time.monotonic(), 0.001))
         if got is None:
-            got = assemble_state(mid_stream(stream, faults.receiving_state), expect=layout)
+            got = assemble_state(mid_stream(stream, faults.receiving_state), expect=layout, landing_memory=memory)
         leaves, applied, digest = got
     except grpc.RpcError as e:
         raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "

@@ -216,7 +216,7 @@ class FakeGroup:
                 pass
         return ok
 
-    def load(self, workers):
+    def load(self, workers, spares=()):
         return {w: LoadResult(0.0, self.devices, 0.0) for w in self._each("load", workers)}
 
     def init(self, workers, seed):

@@ -13,7 +13,9 @@ import pytest
 
 from runtime.wire import auth, cross_memory, rpc
 from runtime._proto import elastic_pb2 as pb
-from runtime.state.state_copy import copy_shared_state, shared_state, state_chunks, state_digest
+from runtime.state.state_copy import assemble_state, copy_shared_state, landing, shared_state, state_chunks, state_digest
+from runtime.worker.worker_state import Landing
+from runtime.wire.parts import inline
 from runtime.wire.dataplane import DataServer
 from runtime.wire.dataplane_client import DataClient, NotLocal, RemoteError
 from runtime.core.errors import ProtocolError, StaleEpochError
@@ -207,3 +209,41 @@ def test_a_source_that_dies_midway_is_a_failed_copy():
     finally:
         child.kill()
         child.wait()
+
+
+LAYOUT = [(x.shape, x.dtype) for x in leaves_of()]
+
+
+def test_a_spare_landing_is_where_the_copy_lands_and_one_of_another_size_is_not_used(source):
+    memory = landing(LAYOUT)
+    leaves, _, digest = read(source.server.address,
+                             lambda s, pid: copy_shared_state(s, pid, expect=LAYOUT, landing_memory=memory))
+    assert digest == source.digest and all(np.shares_memory(x, memory) for x in leaves if x.size)
+    small = landing(LAYOUT[1:])
+    leaves, _, _ = read(source.server.address, lambda s, pid: copy_shared_state(s, pid, landing_memory=small))
+    assert not any(np.shares_memory(x, small) for x in leaves)
+
+
+def test_a_streamed_state_lands_in_the_landing_too(source):
+    memory = landing(LAYOUT)
+    chunks = inline(state_chunks(source.leaves, 3, 4096, source.digest))
+    leaves, applied, digest = assemble_state(chunks, expect=LAYOUT, landing_memory=memory)
+    assert (applied, digest) == (3, source.digest) and np.shares_memory(leaves[0], memory)
+    np.testing.assert_array_equal(leaves[3], source.leaves[3])
+
+
+def test_the_landing_is_handed_out_once_given_back_after_a_failure_and_freed_when_dropped():
+    spare = Landing(LAYOUT)
+    deadline = time.monotonic() + 10
+    memory = None
+    while memory is None and time.monotonic() < deadline:   # made on a thread of its own
+        memory = spare.take()
+        time.sleep(0.01)
+    assert memory is not None and memory.nbytes >= sum(x.nbytes for x in leaves_of()) and spare.take() is None
+    spare.give_back(memory)
+    assert spare.take() is memory
+    spare.give_back(memory)
+    spare.drop()
+    assert spare.take() is None
+    spare.give_back(memory)   # after the worker got a state: not kept
+    assert spare.take() is None
