@@ -121,6 +121,11 @@ class WorkerStub:
                 request_serializer=elastic__pb2.StepRequest.SerializeToString,
                 response_deserializer=elastic__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/jax_elastic.Worker/Steps',
+                request_serializer=elastic__pb2.StepRequest.SerializeToString,
+                response_deserializer=elastic__pb2.StepReply.FromString,
+                _registered_method=True)
         self.StateHash = channel.unary_unary(
                 '/jax_elastic.Worker/StateHash',
                 request_serializer=elastic__pb2.HashRequest.SerializeToString,
@@ -210,6 +215,14 @@ class WorkerServicer:
 
     def Step(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request_iterator, context):
+        """The same steps on one long-lived stream: the controller sends each step's request as it dispatches it
+        (several ahead), the worker answers each, naming its step and epoch, as it ends (runtime.worker.step_stream).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -317,6 +330,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=elastic__pb2.StepRequest.FromString,
+                    response_serializer=elastic__pb2.StepReply.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=elastic__pb2.StepRequest.FromString,
                     response_serializer=elastic__pb2.StepReply.SerializeToString,
             ),
@@ -470,6 +488,33 @@ class Worker:
             request,
             target,
             '/jax_elastic.Worker/Step',
+            elastic__pb2.StepRequest.SerializeToString,
+            elastic__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/jax_elastic.Worker/Steps',
             elastic__pb2.StepRequest.SerializeToString,
             elastic__pb2.StepReply.FromString,
             options,

@@ -26,6 +26,7 @@ from runtime.control.calls import (LoadResult, Stalled, StepResult, WorkerStatus
 from runtime.control.policy import StepPlan
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
+from runtime.control.step_stream import StepStreams
 
 __all__ = ["WorkerCalls"]
 
@@ -47,6 +48,7 @@ class WorkerCalls:
         self._stubs: dict[str, pb_grpc.WorkerStub] = {}
         self._inflight: dict[str, list[grpc.Future]] = {}
         self._lock = threading.Lock()
+        self._streams = StepStreams(opts.rpc_timeout_seconds)   # steps go on one stream per worker
 
     # -- the workers reached -----------------------------------------------------
 
@@ -69,12 +71,17 @@ class WorkerCalls:
             if worker_id in self._dead:
                 return None
             self._dead[worker_id] = reason
+            self._streams.drop(worker_id)
             return self._inflight.pop(worker_id, [])
 
     def revive(self, worker_id: str) -> None:
         """Thread-safe. A worker declared dead only for having fenced itself was taken back (Attach): alive."""
         with self._lock:
             self._dead.pop(worker_id, None)
+
+    def close(self) -> None:
+        """The step streams end (the run is over, or another client took it over)."""
+        self._streams.close()
 
     def send_home(self, worker_id: str, run_ended: bool = False) -> None:
         """The Shutdown call (best effort: a worker that does not answer is fenced either way)."""
@@ -225,11 +232,13 @@ class WorkerCalls:
         return futs
 
     def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
-        """With the lock held: one Step call without waiting, tracked in flight (cancelled at once if dead)."""
-        futs[w] = self._stubs[w].Step.future(req, timeout=self.opts.rpc_timeout_seconds)
+        """With the lock held: one step on the worker's step stream without waiting
+        (:mod:`runtime.control.step_stream`), tracked in flight (cancelled at once if dead)."""
+        if w in self._dead:   # never sent: cancelled at once
+            futs[w] = self._streams.cancelled(req)
+            return
+        futs[w] = self._streams.send(w, self._stubs[w], req)
         self._inflight.setdefault(w, []).append(futs[w])
-        if w in self._dead:
-            futs[w].cancel()
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
         """The steps of ``futs`` that ended (by ``deadline``, monotonic, when given), each a

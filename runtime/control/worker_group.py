@@ -103,6 +103,7 @@ class WorkerGroup:
         """This client was taken over (a newer generation drives the run): stops its own server and monitor,
         and leaves every worker alone (they serve the new client; none of them is this process's to stop)."""
         self.monitor.stop()
+        self.calls.close()
         self.server.stop(0)
 
     def close(self) -> None:
@@ -113,6 +114,7 @@ class WorkerGroup:
         except Exception:  # noqa: BLE001 - reporting must not keep workers from going home
             log.exception("could not collect the refused calls at close")
         self.monitor.stop()
+        self.calls.close()   # the step streams first: a worker going home does not wait for its open stream
         for wid in self.calls.workers():
             if wid not in self.dead:
                 self.calls.send_home(wid, run_ended=True)

@@ -36,7 +36,8 @@ from runtime.core.errors import (AuthenticationError, ClientSupersededError, Pro
 
 log = logging.getLogger("jax_elastic.rpc")
 
-__all__ = ["CHANNEL_OPTIONS", "make_server", "channel", "abort_with", "status_of", "status_name", "to_error"]
+__all__ = ["CHANNEL_OPTIONS", "StatusError", "make_server", "channel", "abort_with", "error_status", "status_of",
+           "status_name", "to_error"]
 
 MAX_MESSAGE = 64 * 1024 * 1024   # a Load (programs, data source) or a state chunk and its header
 MAX_METADATA = 16 * 1024         # the run secret and gRPC's own headers
@@ -165,15 +166,42 @@ def status_name(exc: BaseException) -> str:
     return status_of(exc).name
 
 
-def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
-    """Server side: ends the RPC with the status code that names ``exc``'s kind."""
+def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """Server side: ``(status code, details, kind)`` a failed call ends with for ``exc``: the code that names its
+    kind, its message (for user code, INTERNAL: the type, message and traceback), and a kind finer than the
+    code ("fenced", or "")."""
     code = status_of(exc)
-    if isinstance(exc, WorkerFencedError):   # a kind within its code: said in the trailing metadata
-        context.set_trailing_metadata(((_KIND_KEY, "fenced"),))
+    kind = "fenced" if isinstance(exc, WorkerFencedError) else ""
     if code != grpc.StatusCode.INTERNAL:
-        context.abort(code, str(exc))
+        return code, str(exc), kind
     text = "".join(traceback.format_exception(exc))
-    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}\n{text}")
+    return code, f"{type(exc).__name__}: {exc}\n{text}", kind
+
+
+def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
+    """Server side: ends the RPC with the status code that names ``exc``'s kind (:func:`error_status`)."""
+    code, details, kind = error_status(exc)
+    if kind:   # a kind within its code: said in the trailing metadata
+        context.set_trailing_metadata(((_KIND_KEY, kind),))
+    context.abort(code, details)
+
+
+class StatusError(grpc.RpcError):
+    """Client side: a failure that came as a message (a step's answer on a stream) rather than as the end of a
+    call, read by :func:`to_error` exactly as a failed call is."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, kind: str = ""):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details, self._kind = code, details, kind
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):
+        return ((_KIND_KEY, self._kind),) if self._kind else ()
 
 
 def _trailing(err: grpc.RpcError):

@@ -63,6 +63,7 @@ from runtime.worker.worker_fence import Fencing
 from runtime.worker.worker_state import (Landing, flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters, pull_state,
                                          save_step,
                                   strike_save_in_progress, while_saving)
+from runtime.worker.step_stream import serve_steps
 from runtime.worker.worker_step import Stepping
 
 __all__ = ["WorkerService", "probe_devices"]
@@ -446,6 +447,11 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
 
     def Step(self, request, context):
         return self._guard(context, lambda: self._step(request, context))
+
+    def Steps(self, request_iterator, context):
+        """Controller: the same steps on one long-lived stream (:mod:`runtime.worker.step_stream`)."""
+        return serve_steps(request_iterator, context, step=self._step, heard=lambda: self.heard("Steps"),
+                           dropped=self.faults.partitioned)
 
     # -- helpers -------------------------------------------------------------
 

@@ -140,7 +140,7 @@ class Fencing:
 
     # -- the worker's lease on its controller ---------------------------------
 
-    CONTROLLER_METHODS = ("Load", "Init", "Step", "StateHash", "Shutdown", "Abort", "Rollback", "PullState", "Attach",
+    CONTROLLER_METHODS = ("Load", "Init", "Step", "Steps", "StateHash", "Shutdown", "Abort", "Rollback", "PullState", "Attach",
                           "LoadCheckpoint", "Checkpoints",
                           "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
 

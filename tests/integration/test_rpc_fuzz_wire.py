@@ -43,7 +43,9 @@ def test_random_bytes_as_any_message_are_refused(target, data):
         method = WORKER_METHODS[name]
         path = f"/jax_elastic.Worker/{name}"
         blobs = data.draw(st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=3), label="bytes")
-        if method.client_streaming:
+        if method.client_streaming and method.server_streaming:   # Steps: each request is answered on the stream
+            call = lambda: [steps_refusal(raw) for raw in channel.stream_stream(path)(iter(blobs), timeout=10)]  # noqa: E731
+        elif method.client_streaming:
             call = lambda: channel.stream_unary(path)(iter(blobs), timeout=10)   # noqa: E731
         elif method.server_streaming:
             call = lambda: list(channel.unary_stream(path)(blobs[0], timeout=10))   # noqa: E731
@@ -54,6 +56,13 @@ def test_random_bytes_as_any_message_are_refused(target, data):
     finally:
         channel.close()
     target.unharmed()
+
+
+def steps_refusal(raw: bytes) -> None:
+    """A reply on the step stream: a refused step is raised as the failed call it stands for."""
+    reply = pb.StepReply.FromString(raw)
+    if reply.error_code:
+        raise rpc.StatusError(grpc.StatusCode[reply.error_code], reply.error_details, reply.error_kind)
 
 
 @FUZZ

@@ -1,0 +1,270 @@
+"""The controller's end of the step stream: one long-lived ``Steps`` stream per worker instead of a unary ``Step``
+call per worker per step (the worker's end: :mod:`runtime.worker.step_stream`).
+
+:meth:`StepStreams.send` writes a step's request on its worker's stream and
+returns a :class:`StepFuture`, a ``grpc.Future`` whose outcome is what the
+unary call's would have been: the reply, a ``grpc.RpcError`` the worker
+answered (:class:`runtime.wire.rpc.StatusError`, read by
+:func:`runtime.wire.rpc.to_error` as a failed call), the stream's own error
+when it broke (the worker died: UNAVAILABLE, as its call would have ended),
+or ``DEADLINE_EXCEEDED`` once ``step_seconds`` passed without an answer.
+Answers are matched to requests by ``(epoch, step)``: after a recovery the
+same step is sent again in a new epoch, and a late answer of the old one
+resolves nothing.
+
+A stream lives at most ``stream_seconds`` for new requests (every call has
+a deadline); the next request then opens a new one, and the old one ends
+once the steps sent on it answered. A worker declared dead has its stream
+closed (:meth:`StepStreams.drop`). One thread per open stream reads its
+answers (gRPC's sync API; a run has a few workers per client, not the
+thousands the health monitor watches).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from runtime._proto import elastic_pb2 as pb
+from runtime.wire.rpc import StatusError
+
+__all__ = ["StepFuture", "StepStreams"]
+
+STREAM_SECONDS = 3600.0   # a stream takes new requests this long (its deadline: that and a step's)
+
+
+class StepFuture(grpc.Future):
+    """One step of one worker in flight on a step stream: a ``grpc.Future`` of its ``StepReply``."""
+
+    def __init__(self, key: tuple[int, int], deadline: float, on_cancel: Callable[["StepFuture"], None]):
+        self.key, self.deadline, self._on_cancel = key, deadline, on_cancel
+        self._cond = threading.Condition()
+        self._reply: pb.StepReply | None = None
+        self._error: grpc.RpcError | None = None
+        self._cancelled = False
+        self._callbacks: list = []
+
+    # -- settled by the stream -------------------------------------------------------
+
+    def _settle(self, reply: pb.StepReply | None = None, error: grpc.RpcError | None = None) -> bool:
+        with self._cond:
+            if self._done():
+                return False
+            self._reply, self._error = reply, error
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for fn in callbacks:
+            fn(self)
+        return True
+
+    def _done(self) -> bool:
+        return self._cancelled or self._reply is not None or self._error is not None
+
+    # -- grpc.Future -------------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        with self._cond:
+            if self._done():
+                return False
+            self._cancelled = True
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        self._on_cancel(self)
+        for fn in callbacks:
+            fn(self)
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def running(self) -> bool:
+        return not self.done()
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._done()
+
+    def _wait(self, timeout: float | None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(self._done, timeout):
+                raise grpc.FutureTimeoutError()
+
+    def result(self, timeout: float | None = None) -> pb.StepReply:
+        self._wait(timeout)
+        if self._cancelled:
+            raise grpc.FutureCancelledError()
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def exception(self, timeout: float | None = None):
+        self._wait(timeout)
+        if self._cancelled:
+            raise grpc.FutureCancelledError()
+        return self._error
+
+    def traceback(self, timeout: float | None = None):
+        self._wait(timeout)
+        return None
+
+    def add_done_callback(self, fn) -> None:
+        with self._cond:
+            if not self._done():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+class _Stream:
+    """One open ``Steps`` stream to one worker, its requests' futures and the thread reading its answers."""
+
+    def __init__(self, stub, seconds: float, forget: Callable[["_Stream"], None]):
+        self.opened = time.monotonic()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], StepFuture] = {}
+        self._closed = False
+        self._forget = forget
+        self._call = stub.Steps(iter(self._requests.get, None), timeout=seconds)
+        threading.Thread(target=self._read, name="step-stream", daemon=True).start()
+
+    def send(self, request: pb.StepRequest, step_seconds: float) -> StepFuture:
+        fut = StepFuture((request.fence.epoch, request.step), time.monotonic() + step_seconds, self._cancelled)
+        with self._lock:
+            if self._closed:
+                fut._settle(error=StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream is closed"))
+                return fut
+            self._pending[fut.key] = fut
+        self._requests.put(request)
+        return fut
+
+    def _cancelled(self, fut: StepFuture) -> None:
+        with self._lock:
+            if self._pending.get(fut.key) is fut:
+                del self._pending[fut.key]
+
+    def close(self, cancel: bool = False) -> None:
+        """No more requests on this stream; ``cancel``: end it now (its steps in flight fail as the call would)."""
+        with self._lock:
+            first, self._closed = not self._closed, True
+        if first:
+            self._requests.put(None)
+        if cancel:
+            self._call.cancel()
+
+    def expire(self, now: float) -> None:
+        """Fails the steps past their deadline (DEADLINE_EXCEEDED, as a unary call's deadline would)."""
+        with self._lock:
+            late = [f for f in self._pending.values() if f.deadline <= now]
+            for f in late:
+                del self._pending[f.key]
+        for f in late:
+            f._settle(error=StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to the step in time"))
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._pending
+
+    def _read(self) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for reply in self._call:
+                with self._lock:
+                    fut = self._pending.pop((reply.epoch, reply.step), None)
+                if fut is None:
+                    continue   # answers a step abandoned meanwhile (cancelled, or past its deadline)
+                if reply.error_code:
+                    fut._settle(error=StatusError(grpc.StatusCode[reply.error_code], reply.error_details,
+                                                  reply.error_kind))
+                else:
+                    fut._settle(reply=reply)
+        except grpc.RpcError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - an answer that does not parse: the stream is no good
+            error = StatusError(grpc.StatusCode.INTERNAL, f"the step stream broke: {type(e).__name__}: {e}")
+        with self._lock:
+            self._closed = True
+            left, self._pending = list(self._pending.values()), {}
+        self._requests.put(None)
+        for f in left:   # the worker went away (or the stream was cancelled): as the calls would have ended
+            f._settle(error=error or StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream ended"))
+        self._forget(self)
+
+
+class StepStreams:
+    """The controller's step streams, one per worker, opened on first use. Thread-safe.
+
+    ``step_seconds``: how long a step may go unanswered (the unary call's
+    deadline); ``stream_seconds``: how long a stream takes new requests.
+    """
+
+    def __init__(self, step_seconds: float, stream_seconds: float = STREAM_SECONDS):
+        self.step_seconds, self.stream_seconds = step_seconds, stream_seconds
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._old: list[_Stream] = []   # no longer taking requests; answering those sent on them
+        self._closed = False
+        self._wake = threading.Event()
+        threading.Thread(target=self._expire, name="step-stream-deadlines", daemon=True).start()
+
+    def send(self, worker: str, stub, request: pb.StepRequest) -> StepFuture:
+        """Writes ``request`` on ``worker``'s stream (opened now if it has none, or a new one when its current
+        stream is old); returns the step's future."""
+        with self._lock:
+            stream = self._streams.get(worker)
+            if stream is not None and time.monotonic() - stream.opened > self.stream_seconds:
+                stream.close()
+                self._old.append(stream)
+                stream = None
+            if stream is None:
+                # Its deadline: its last request, sent just before it gets old, still has its step's time.
+                stream = _Stream(stub, self.stream_seconds + self.step_seconds,
+                                 lambda s, w=worker: self._forget(w, s))
+                self._streams[worker] = stream
+        return stream.send(request, self.step_seconds)
+
+    def cancelled(self, request: pb.StepRequest) -> StepFuture:
+        """A future for ``request`` that is cancelled already (its worker was declared dead: it is not sent)."""
+        fut = StepFuture((request.fence.epoch, request.step), time.monotonic(), lambda f: None)
+        fut.cancel()
+        return fut
+
+    def drop(self, worker: str) -> None:
+        """``worker`` was declared dead: its stream ends now (a later request opens a new one)."""
+        with self._lock:
+            stream = self._streams.pop(worker, None)
+        if stream is not None:
+            stream.close(cancel=True)
+
+    def close(self) -> None:
+        """Every stream ends (the run is over); steps still in flight fail."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams.values()) + self._old
+            self._streams, self._old = {}, []
+        self._wake.set()
+        for s in streams:
+            s.close(cancel=True)
+
+    def _forget(self, worker: str, stream: _Stream) -> None:
+        with self._lock:
+            if self._streams.get(worker) is stream:
+                del self._streams[worker]
+            if stream in self._old:
+                self._old.remove(stream)
+
+    def _expire(self) -> None:
+        while not self._wake.wait(0.5):
+            now = time.monotonic()
+            with self._lock:
+                streams = list(self._streams.values()) + self._old
+            for s in streams:
+                s.expire(now)
+            with self._lock:
+                for s in [s for s in self._old if s.idle()]:
+                    self._old.remove(s)
+                    s.close(cancel=True)
