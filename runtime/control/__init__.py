@@ -3,7 +3,8 @@ answers (``controller_options``), its start (``startup``), its state as a fold o
 (``run_state``), every membership change planned (``plan``, ``tiers``, ``policy``) and carried out
 (``membership``), the backups it orders (``checkpointing``, ``snapshotting``, ``shadows``), health and the
 watchdog, and the worker group that makes every call (``worker_group``, its calls to the adopted workers
-``worker_calls``, the ``group`` protocol, ``registry``, ``calls``).
+``worker_calls`` and the stream each worker's steps go on, ``step_stream``; the ``group`` protocol,
+``registry``, ``calls``).
 
 May import: ``runtime.core``, ``runtime.wire``, ``runtime.state``, ``runtime.launch``. Never
 ``runtime.worker``: the controller reaches workers only through their calls.

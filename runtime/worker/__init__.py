@@ -1,4 +1,5 @@
-"""The worker program: one process per physical slice. Its gRPC service (fencing, steps, state), the
+"""The worker program: one process per physical slice. Its gRPC service (fencing, steps and the stream
+they arrive on, state), the
 executor of the step programs, the all-reduce and its mailbox, the background saver, fault injection, the
 process entry point, and the reference run (the fault-free loop the chaos harness compares against).
 
