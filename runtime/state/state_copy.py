@@ -146,6 +146,11 @@ def _placement(sizes) -> tuple[list[int], int]:
     return offsets, end
 
 
+def _sizes(layout) -> list[int]:
+    """The bytes of each leaf of ``layout`` (``[(shape, dtype)]``)."""
+    return [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout]
+
+
 def landing(layout) -> np.ndarray:
     """Host memory a copy of a state of ``layout`` (``[(shape, dtype)]``) lands in, every page faulted in now.
 
@@ -154,7 +159,7 @@ def landing(layout) -> np.ndarray:
     it. :func:`assemble_state` and :func:`copy_shared_state` use it when given
     one of the right size; the leaves they return are views of it.
     """
-    _, end = _placement(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout)
+    _, end = _placement(_sizes(layout))
     memory = fresh_buffer(end)
     memory[::4096] = 0   # one write per page (per huge page, where the kernel gave those) faults it in
     return memory
@@ -190,7 +195,7 @@ def assemble_state(chunks: Iterator[pb.StateChunk], expect=None, algorithm: str 
     h, at = _hasher(algorithm), (0, 0)   # the next (leaf, byte offset) in order; None once out of order
     placed = None
     if landing_memory is not None and expect is not None:
-        offsets, end = _placement(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in expect)
+        offsets, end = _placement(_sizes(expect))
         if landing_memory.nbytes == end:
             placed = offsets
     hashing = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-hash")

@@ -137,18 +137,15 @@ class DataServer:
                     shut(conn)   # a caller opening connections without end gets no more threads
                     continue
                 self._conns.add(conn)
-            if local:
-                pid, _uid = cross_memory.peer_credentials(conn)
-                target, args = self._serve_local, (conn, pid)
-            else:
-                target, args = self._serve, (conn, f"ipv4:{peer[0]}:{peer[1]}")
+            target, args = (self._serve_local, (conn,)) if local else (self._serve, (conn, f"ipv4:{peer[0]}:{peer[1]}"))
             threading.Thread(target=target, args=args, name="dataplane-conn", daemon=True).start()
 
-    def _serve_local(self, conn: socket.socket, pid: int) -> None:
+    def _serve_local(self, conn: socket.socket) -> None:
         """A connection on the local socket: the same handshake and requests, from a process of this user only
         (no TLS: it never leaves the host), and state reads may be shared."""
+        pid, uid = cross_memory.peer_credentials(conn)
         peer = f"local:pid {pid}"
-        if cross_memory.peer_credentials(conn)[1] != os.getuid():
+        if uid != os.getuid():
             if self._refusals is not None:
                 self._refusals.record("DataPlane/connect", peer, "a process of another user")
             with self._lock:

@@ -60,9 +60,8 @@ from runtime.worker.saver import CheckpointWriter
 from runtime.state.snapshot import SnapshotStore, host_directory
 from runtime.state.state_copy import shared_state, state_chunks
 from runtime.worker.worker_fence import Fencing
-from runtime.worker.worker_state import (Landing, flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters, pull_state,
-                                         save_step,
-                                  strike_save_in_progress, while_saving)
+from runtime.worker.worker_state import (Landing, flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters,
+                                         pull_state, save_step, strike_save_in_progress, while_saving)
 from runtime.worker.step_stream import serve_steps
 from runtime.worker.worker_step import Stepping
 
@@ -178,8 +177,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 self.snapshots = snapshots
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
-                if self._landing is not None:
-                    self._landing.drop()
+                self._drop_landing()   # one of earlier programs
                 self._landing = Landing(state_layout) if request.spare else None
             self.lease = request.lease_seconds
             self.client_grace = request.client_grace_seconds

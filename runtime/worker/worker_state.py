@@ -50,8 +50,8 @@ from runtime.state.state_copy import assemble_state, copy_shared_state, landing,
 if TYPE_CHECKING:
     from runtime.worker.executor import SliceExecutor
 
-__all__ = ["Landing", "copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint", "loss_sums",
-           "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
+__all__ = ["Landing", "copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint",
+           "loss_sums", "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
 
 
 class Landing:
@@ -111,28 +111,30 @@ def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers:
         raise
 
 
-def _pull_state(request, layout, data, peers, faults, timeout, adopt, memory) -> pb.PullStateReply:
-    t0 = time.perf_counter()
+def _receive(request, layout, data, peers, faults, timeout, memory) -> tuple[tuple[list, int, str], str]:
+    """The state ``request`` names, checked against ``layout``, and how it came: out of the source's memory
+    when it is on this host and the request allows it, else over the data plane, else over gRPC."""
     ask = pb.GetStateRequest(fence=request.fence, applied_steps=request.applied_steps)
     deadline = time.monotonic() + timeout
+    if request.shared_memory and request.source_data_address:
+        try:
+            return data.read_shared_state(request.source_data_address, ask, deadline, functools.partial(
+                copy_shared_state, expect=layout, midway=faults.receiving_state, landing_memory=memory)), \
+                "shared_memory"
+        except NotLocal:
+            pass   # another host, or one that forbids it: the stream below
+    if request.source_data_address:
+        stream, transport = data.get_state(request.source_data_address, ask, deadline), "tcp"
+    else:
+        stream = peers.stub(request.source_address).GetState(ask, timeout=max(deadline - time.monotonic(), 0.001))
+        transport = "grpc"
+    return assemble_state(mid_stream(stream, faults.receiving_state), expect=layout, landing_memory=memory), transport
+
+
+def _pull_state(request, layout, data, peers, faults, timeout, adopt, memory) -> pb.PullStateReply:
+    t0 = time.perf_counter()
     try:
-        got = None
-        if request.shared_memory and request.source_data_address:
-            transport = "shared_memory"
-            try:
-                got = data.read_shared_state(request.source_data_address, ask, deadline, functools.partial(
-                    copy_shared_state, expect=layout, midway=faults.receiving_state, landing_memory=memory))
-            except NotLocal:
-                pass   # another host, or one that forbids it: the stream below
-        if got is None and request.source_data_address:
-            transport = "tcp"
-            stream = data.get_state(request.source_data_address, ask, deadline)
-        elif got is None:
-            transport = "grpc"
-            stream = peers.stub(request.source_address).GetState(ask, timeout=max(deadline - time.monotonic(), 0.001))
-        if got is None:
-            got = assemble_state(mid_stream(stream, faults.receiving_state), expect=layout, landing_memory=memory)
-        leaves, applied, digest = got
+        (leaves, applied, digest), transport = _receive(request, layout, data, peers, faults, timeout, memory)
     except grpc.RpcError as e:
         raise StepAbortedError(-1, f"state transfer from {request.source_address} failed: "
                                    f"{e.code().name}") from e

@@ -44,7 +44,8 @@ def test_random_bytes_as_any_message_are_refused(target, data):
         path = f"/jax_elastic.Worker/{name}"
         blobs = data.draw(st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=3), label="bytes")
         if method.client_streaming and method.server_streaming:   # Steps: each request is answered on the stream
-            call = lambda: [steps_refusal(raw) for raw in channel.stream_stream(path)(iter(blobs), timeout=10)]  # noqa: E731
+            steps = channel.stream_stream(path)
+            call = lambda: [steps_refusal(raw) for raw in steps(iter(blobs), timeout=10)]   # noqa: E731
         elif method.client_streaming:
             call = lambda: channel.stream_unary(path)(iter(blobs), timeout=10)   # noqa: E731
         elif method.server_streaming:

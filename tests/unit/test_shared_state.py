@@ -13,7 +13,8 @@ import pytest
 
 from runtime.wire import auth, cross_memory, rpc
 from runtime._proto import elastic_pb2 as pb
-from runtime.state.state_copy import assemble_state, copy_shared_state, landing, shared_state, state_chunks, state_digest
+from runtime.state.state_copy import (assemble_state, copy_shared_state, landing, shared_state, state_chunks,
+                                      state_digest)
 from runtime.worker.worker_state import Landing
 from runtime.wire.parts import inline
 from runtime.wire.dataplane import DataServer
