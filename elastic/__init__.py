@@ -22,6 +22,7 @@ from elastic.config import Config, ConfigError
 from elastic.config_loading import load_config
 from elastic.data import DataSource, FunctionSource, GrainSource
 from elastic.marker import cross_slice_mean
+from elastic.stages import pipeline_stage
 
 __all__ = [
     "BadInputError",
@@ -42,6 +43,7 @@ __all__ = [
     "build_report",
     "cross_slice_mean",
     "load_config",
+    "pipeline_stage",
     "wrap",
 ]
 

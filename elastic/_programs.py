@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from runtime import MESH_AXIS, ProgramExportError, ProgramSet, program_fingerprint
 
-__all__ = ["build_programs", "shard_dim", "export_program", "program_fingerprints"]
+__all__ = ["build_programs", "shard_dim", "export_program", "program_fingerprints", "trace_init"]
 
 
 def shard_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
@@ -78,6 +78,14 @@ def _unflatten_like(flat: jax.Array, like):
     return jax.tree.unflatten(treedef, out)
 
 
+def trace_init(init: Callable):
+    """``init(key)``'s result as a tree of ``jax.ShapeDtypeStruct`` (nothing materialized)."""
+    try:
+        return jax.eval_shape(lambda seed: init(jax.random.key(seed)), jax.ShapeDtypeStruct((), jnp.int32))
+    except Exception as e:  # noqa: BLE001 - user code: one typed error naming it
+        raise ProgramExportError(f"could not trace the init function: {type(e).__name__}: {e}") from e
+
+
 def build_programs(
     *,
     init_state: Callable,        # key -> state
@@ -96,11 +104,7 @@ def build_programs(
 
     # Programs take and return the state as a flat list of arrays: the
     # serialized form then needs no knowledge of the user's pytree types.
-    try:
-        tree_shapes = jax.eval_shape(lambda seed: init_state(jax.random.key(seed)), seed_spec)
-    except Exception as e:  # noqa: BLE001
-        raise ProgramExportError(f"could not trace the init function: {type(e).__name__}: {e}") from e
-    state_shapes, treedef = jax.tree.flatten(tree_shapes)
+    state_shapes, treedef = jax.tree.flatten(trace_init(init_state))
     state_dim_list = [shard_dim(s.shape, d) for s in state_shapes]
     _check_tree(checkpoint_tree, state_shapes)
 

@@ -102,13 +102,18 @@ def _jit_key():
 
 
 @contextlib.contextmanager
-def _mode(m: _Mode):
-    token = _MODE.set(m)
+def entered(var: contextvars.ContextVar, m):
+    """Sets ``var`` to the mode ``m`` for the block, under a fresh jit-cache-key value (a fresh trace)."""
+    token = var.set(m)
     try:
         with _jit_key()(next(_TOKENS)):
             yield m
     finally:
-        _MODE.reset(token)
+        var.reset(token)
+
+
+def _mode(m: _Mode):
+    return entered(_MODE, m)
 
 
 def probe_gradients():

@@ -2,6 +2,9 @@
 
 Pure functions over a nested dict of float32 arrays: pre-RMSNorm blocks,
 causal multi-head attention, GELU MLP, learned positions, untied output.
+With ``pipeline_stages = S`` the layers are split into S nearly equal
+groups by ``elastic.pipeline_stage`` marks (embedding in the first stage,
+the output layer in the last).
 Every weight matrix has its largest dimension on ``emb_dim``, ``mlp_dim`` or
 ``vocab_size``, so choosing those as multiples of the device count lets the
 runtime shard them.
@@ -20,6 +23,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from elastic.stages import pipeline_stage
 
 __all__ = [
     "SyntheticTokens",
@@ -43,6 +48,7 @@ class TransformerConfig:
     num_layers: int
     num_heads: int
     mlp_dim: int
+    pipeline_stages: int = 1   # S: the forward pass carries S - 1 elastic.pipeline_stage marks between layers
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -50,6 +56,9 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.emb_dim % self.num_heads:
             raise ValueError(f"emb_dim ({self.emb_dim}) must be divisible by num_heads ({self.num_heads})")
+        if self.pipeline_stages > self.num_layers:
+            raise ValueError(f"{self.pipeline_stages} pipeline stages need at least as many decoder layers, got "
+                             f"{self.num_layers} (base_num_decoder_layers)")
 
     @classmethod
     def from_config(cls, cfg: Any) -> TransformerConfig:
@@ -61,6 +70,7 @@ class TransformerConfig:
             num_layers=int(cfg.base_num_decoder_layers),
             num_heads=int(cfg.base_num_query_heads),
             mlp_dim=int(cfg.base_mlp_dim),
+            pipeline_stages=int(getattr(cfg, "dcn_pipeline_parallelism", 1) or 1),
         )
 
 
@@ -109,7 +119,11 @@ def _attention(p: Params, x: jax.Array, num_heads: int) -> jax.Array:
 def forward(params: Params, inputs: jax.Array, tcfg: TransformerConfig) -> jax.Array:
     """Logits float32 [B, T, vocab] for int32 ``inputs`` [B, T], T <= max_target_length."""
     x = params["embed"][inputs] + params["pos"][: inputs.shape[1]]
+    s, n = tcfg.pipeline_stages, tcfg.num_layers
+    cuts = {-(-k * n // s) for k in range(1, s)}   # stage k starts at layer ceil(k * n / s)
     for i in range(tcfg.num_layers):
+        if i in cuts:
+            x = pipeline_stage(x)
         p = params[f"layer_{i}"]
         x = x + _attention(p, _rms_norm(x, p["attn_norm"]), tcfg.num_heads)
         x = x + jax.nn.gelu(_rms_norm(x, p["mlp_norm"]) @ p["mlp_in"]) @ p["mlp_out"]
