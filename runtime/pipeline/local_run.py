@@ -13,14 +13,17 @@ computes a microbatch and when, never the arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
 
-from runtime.core.microbatch import Node, assign_microbatches, root, tree_reduce
+from runtime.core.microbatch import assign_microbatches, root, tree_reduce
 from runtime.core.stage_programs import PipelineProgramSet
 from runtime.core.timing import Clock
-from runtime.pipeline.schedule import ACT, BACKWARD, FORWARD, FREE, GRAD, LAST, RECV, SEND, compile_schedule
+from runtime.pipeline.interpreter import LocalWire, StageRunner
+from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.executor import add_f32
 
 __all__ = ["LocalPipeline", "StepTrace", "run_local_pipeline"]
@@ -28,10 +31,17 @@ __all__ = ["LocalPipeline", "StepTrace", "run_local_pipeline"]
 
 @dataclasses.dataclass
 class StepTrace:
-    """What one step held: per stage, the most activation bytes alive at once (inputs kept for the backward,
-    outputs not yet sent, gradients not yet used)."""
+    """What one step cost each stage: the most activation bytes alive at once (inputs kept for the backward,
+    outputs not yet sent, gradients not yet used) and seconds spent computing; the step's wall seconds."""
 
     peak_bytes: list[int]
+    busy: list[float]
+    seconds: float
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction over all stages: 1 - busy / (stages x step time)."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.seconds)
 
 
 class LocalPipeline:
@@ -57,63 +67,71 @@ class LocalPipeline:
         for ex in self.stages:
             ex.init(seed)
 
-    def step(self, step: int, clock: Clock | None = None) -> tuple[float, StepTrace]:
-        """Runs one step; returns (its mean loss, what it held)."""
-        vecs: list[dict[Node, np.ndarray]] = [{} for _ in self.stages]
-        trace = StepTrace([0] * len(self.stages))
+    def step(self, step: int, clock: Clock | None = None, *, threads: bool = False,
+             delay: float = 0.0) -> tuple[float, StepTrace]:
+        """Runs one step; returns (its mean loss, what it cost).
+
+        Sequentially in the schedules' global order (the default), or with
+        ``threads`` each stage's stream on its own thread, as stage workers
+        run them (then ``delay`` adds seconds per forward and per backward:
+        a stand-in for a slower device, to measure the schedule's bubble).
+        """
+        t0 = time.perf_counter()
+        runners = []
         for sched in self.schedules:
-            self._run(step, sched.order, vecs, trace, clock)
+            rs = [StageRunner(k, ex, step, clock, delay) for k, ex in enumerate(self.stages)]
+            runners.append(rs)
+            if threads:
+                _threaded(rs, sched.streams)
+            else:
+                wire = LocalWire(rs, timeout=0.0)   # the global order sends before it receives
+                for k, instr in sched.order:
+                    rs[k].run(instr, wire)
+        seconds = time.perf_counter() - t0
         top = root(self.programs.num_microbatches)
-        totals = [tree_reduce(v, top, add_f32) for v in vecs]
+        totals = [tree_reduce({n: v for rs in runners for n, v in rs[k].vecs.items()}, top, add_f32)
+                  for k in range(len(self.stages))]
         for ex, total in zip(self.stages, totals):
             ex.apply(total[:-1], clock)
+        trace = StepTrace([max(rs[k].peak_bytes for rs in runners) for k in range(len(self.stages))],
+                          [sum(rs[k].busy for rs in runners) for k in range(len(self.stages))], seconds)
         return float(totals[-1][-1] / np.float32(self.programs.num_microbatches)), trace
-
-    def _run(self, step: int, order, vecs, trace: StepTrace, clock) -> None:
-        held: list[dict[tuple, list[np.ndarray]]] = [{} for _ in self.stages]   # per stage: what it holds now
-        wire: dict[tuple, list[np.ndarray]] = {}
-
-        def hold(k: int, key: tuple, arrays: list[np.ndarray]) -> None:
-            held[k][key] = arrays
-            trace.peak_bytes[k] = max(trace.peak_bytes[k], sum(a.nbytes for v in held[k].values() for a in v))
-
-        for k, instr in order:
-            ex, m = self.stages[k], instr.microbatch
-            if instr.op == FORWARD:
-                a_in = held[k].get(("in", m), [])
-                hold(k, ("send", ACT, m), ex.forward(step, m, a_in, clock))
-            elif instr.op in (BACKWARD, LAST):
-                g_out = held[k].pop(("g_out", m), [])
-                vec, g_in = ex.backward(step, m, held[k].get(("in", m), []), g_out, clock)
-                vecs[k][Node(0, m)] = vec
-                if k > 0:
-                    hold(k, ("send", GRAD, m), g_in)
-            elif instr.op == FREE:
-                held[k].pop(("in", m), None)
-            elif instr.op == SEND:
-                wire[(instr.peer, instr.what, m)] = held[k].pop(("send", instr.what, m))
-            elif instr.op == RECV:
-                arrays = wire.pop((k, instr.what, m))
-                hold(k, ("in", m) if instr.what == ACT else ("g_out", m), arrays)
-            else:
-                raise AssertionError(f"unknown instruction {instr}")
 
     def digests(self) -> list[str]:
         """Each stage's state digest (the same on every replica of that stage)."""
         return [ex.state_digest() for ex in self.stages]
 
-    def train(self, *, steps: int, seed: int, start_step: int = 0,
+    def train(self, *, steps: int, seed: int, start_step: int = 0, threads: bool = False,
               on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], list[str]]:
-        """Initializes from ``seed`` and trains ``steps`` steps; returns (per-step mean losses, each stage's
-        final digest)."""
+        """Initializes from ``seed`` and trains ``steps`` steps (see :meth:`step`); returns (per-step mean
+        losses, each stage's final digest)."""
         self.init(seed)
         losses = []
         for step in range(start_step, start_step + steps):
-            loss, _ = self.step(step)
+            loss, _ = self.step(step, threads=threads)
             losses.append(loss)
             if on_step is not None:
                 on_step(step, loss)
         return losses, self.digests()
+
+
+def _threaded(runners: list[StageRunner], streams) -> None:
+    """Each stage's stream on its own thread, queues between them; re-raises the first failure."""
+    wire, errors = LocalWire(runners), []
+
+    def run(runner, stream):
+        try:
+            for instr in stream:
+                runner.run(instr, wire)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(r, s), name=f"stage-{r.stage}") for r, s in zip(runners, streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def run_local_pipeline(programs: PipelineProgramSet, data_source, *, steps: int, seed: int, replicas: int = 1,

@@ -54,11 +54,11 @@ def test_each_stage_owns_its_layers_and_passes_activations_on(three_stages):
     assert sum(s.grad_size for s in stages) == sum(x.size for x in jax.tree.leaves(whole))
 
 
-def test_losses_are_the_same_bits_for_any_replica_count_and_schedule(pipeline):
+def test_losses_are_the_same_bits_for_any_replica_count_schedule_and_order_of_execution(pipeline):
     runs = []
-    for r, kind in [(1, "1f1b"), (2, "1f1b"), (4, "gpipe")]:
+    for r, kind, threads in [(1, "1f1b", False), (2, "1f1b", True), (4, "gpipe", False)]:
         pipeline.replan(r, kind)
-        runs.append(pipeline.train(steps=2, seed=3))
+        runs.append(pipeline.train(steps=2, seed=3, threads=threads))
     (losses, digests), *others = runs
     assert all(o == (losses, digests) for o in others)
     assert losses[1] < losses[0]
