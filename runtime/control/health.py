@@ -3,15 +3,17 @@
 A :class:`HealthMonitor` holds a standard ``grpc.health.v1`` Watch stream
 open to each watched worker (a crash ends it at once and that worker is
 probed at once, ahead of the poll) and sends a Check to each every
-``interval`` seconds. A worker that has not answered for half its ``lease``
-is suspect; a suspect is re-probed ``retries + 1`` times, spread over the
-rest of the lease and, if it never answers, declared dead through
+``period`` seconds (default: ``interval``; a probe that failed is followed
+by the next one ``interval`` after it). A worker that has not answered for
+half its ``lease`` is suspect; a suspect is re-probed ``retries + 1`` times,
+spread over the rest of the lease and, if it never answers, declared dead through
 ``on_dead(worker, reason, cause)`` (called at most once per watch of a
 worker, on the monitor's thread; ``cause`` is "crash", "hang" or "fenced",
 from how the probe that made it suspect failed). A crashed process is found
 by the first failed probe (connection refused); a hung or cut-off one
 (SIGSTOP, deadlock, partition) by the lease. A status change on a live
-worker (NOT_SERVING: it fenced itself) is seen by its next Check.
+worker (NOT_SERVING: it fenced itself) comes on its Watch stream as it
+happens and has it probed at once.
 
 Riding on the same poll, every ``refusals_seconds`` the monitor asks each
 watched worker for the calls it refused for their run secret since it last
@@ -131,7 +133,8 @@ class HealthMonitor:
     """
 
     def __init__(self, dialer: Dialer, on_dead: Callable[..., None], *, interval: float, lease: float,
-                 retries: int, events=None, refusals_seconds: float = 5.0, max_in_flight: int = MAX_IN_FLIGHT):
+                 retries: int, events=None, refusals_seconds: float = 5.0, max_in_flight: int = MAX_IN_FLIGHT,
+                 period: float | None = None):
         if not isinstance(dialer, Dialer):
             raise TypeError(f"HealthMonitor takes a Dialer(secret, tls), not {dialer!r}: it makes its own grpc.aio "
                             "channels on its event loop")
@@ -139,7 +142,7 @@ class HealthMonitor:
         self.on_dead = on_dead
         self.interval, self.lease, self.retries = interval, lease, retries
         self.events = events
-        self._schedule = Schedule(interval, lease, retries, max_in_flight, refusals_seconds)
+        self._schedule = Schedule(interval, lease, retries, max_in_flight, refusals_seconds, period=period)
         self._metadata = dialer.metadata
         self._credentials: grpc.ChannelCredentials | None = None   # read from the TLS files at the first watch
         self._loop = asyncio.new_event_loop()
@@ -155,6 +158,11 @@ class HealthMonitor:
         self._soon = False                                   # the next turn is at once
         self._last = 0.0                                     # when the last turn was
         self._tick = interval / 8
+
+    @property
+    def period(self) -> float:
+        """Seconds between two Checks to a worker that answers."""
+        return self._schedule.period
 
     @property
     def refusals_seconds(self) -> float:
@@ -303,10 +311,12 @@ class HealthMonitor:
     def _open(self, worker_id: str, ticket: int) -> None:
         """Opens a ``grpc.health.v1`` Watch stream to ``worker_id``; :meth:`_ended` hears its end.
 
-        Its replies are read and dropped: the stream is there to end when the
-        process does. It has a deadline (``_WATCH_SECONDS`` plus up to 10 %,
-        so a fleet's streams are not re-opened at once), after which it is
-        opened again, as after it broke, as long as the worker is watched.
+        It is there to end when the process does; a reply other than SERVING
+        (the worker fenced itself) has the worker probed at once, and the
+        probe's answer says what it is. It has a deadline (``_WATCH_SECONDS``
+        plus up to 10 %, so a fleet's streams are not re-opened at once), after
+        which it is opened again, as after it broke, as long as the worker is
+        watched.
         """
         link = self._links.get(worker_id)
         if link is None or link.ticket != ticket:
@@ -317,8 +327,10 @@ class HealthMonitor:
         call = link.health.Watch(_CHECK, timeout=_WATCH_SECONDS * (1 + 0.1 * random.random()),
                                  metadata=self._metadata)
         try:
-            async for _ in call:
-                pass
+            async for reply in call:
+                if reply.status != _SERVING and self._links.get(worker_id) is link:
+                    self._schedule.broke(worker_id, time.monotonic())
+                    self._kick()
             code = grpc.StatusCode.OK          # the worker ended it
         except grpc.RpcError as e:
             code = e.code()

@@ -2,10 +2,11 @@
 
 :class:`runtime.control.health.HealthMonitor` owns one :class:`Schedule` and does
 the calls; every method here takes the time as an argument, so the rules
-(polls spread over one interval, a broken stream probed at once, at most
-``max_in_flight`` calls out with re-probes first, suspicion after half the
-lease, ``retries + 1`` re-probes before death) are tested without threads
-or sleeps.
+(polls spread over one period, a worker that answers polled every ``period``
+and one whose probe failed every ``interval``, a broken stream probed at
+once, at most ``max_in_flight`` calls out with re-probes first, suspicion
+after half the lease, ``retries + 1`` re-probes before death) are tested
+without threads or sleeps.
 """
 
 from __future__ import annotations
@@ -95,10 +96,13 @@ class Schedule:
     """Who is probed when, and what each answer means: the health monitor's decisions, without any I/O.
 
     Time is passed in (``now``), nothing here reads a clock or a socket.
-    Each watched worker is polled every ``interval`` seconds, counted from
-    when its last poll was sent (the first one at a fixed fraction of the
-    interval after :meth:`add`, by worker id, so a fleet added at once is
-    not polled in one burst). :meth:`due` hands out the calls to send now,
+    Each watched worker that answers is polled every ``period`` seconds
+    (default: ``interval``), counted from when its last poll was sent (the
+    first one at a fixed fraction of the period after :meth:`add`, by worker
+    id, so a fleet added at once is not polled in one burst); one whose
+    probe failed without making it suspect (silent for less than half the
+    lease) is polled again ``interval`` after that probe: while in doubt, at
+    the probe rate. :meth:`due` hands out the calls to send now,
     one probe per worker at a time and at most ``max_in_flight`` calls out:
     re-probes and probes of a broken stream (:meth:`broke`) first, then
     polls, then ``Refusals`` asks (a host that cannot keep up with the
@@ -113,7 +117,8 @@ class Schedule:
     alike. :meth:`answered` turns each answer into ``None`` or a
     :class:`Verdict`:
 
-    - an answer renews the worker's lease (``last_ok``: when that probe was sent);
+    - an answer renews the worker's lease (``last_ok``: when that probe was sent)
+      and its next poll comes ``period`` after that probe;
     - a failed probe makes it suspect when :func:`runtime.control.policy.is_suspect`
       says so, and then it is re-probed ``retries + 1`` times,
       :func:`runtime.control.policy.reprobe_wait` apart, the first at once;
@@ -126,8 +131,9 @@ class Schedule:
     """
 
     def __init__(self, interval: float, lease: float, retries: int, max_in_flight: int = MAX_IN_FLIGHT,
-                 refusals_seconds: float = 5.0, slot_seconds: float | None = None):
+                 refusals_seconds: float = 5.0, slot_seconds: float | None = None, period: float | None = None):
         self.interval, self.lease, self.retries = interval, lease, retries
+        self.period = interval if period is None else period
         self.refusals_seconds = refusals_seconds
         self._adaptive = slot_seconds is None
         hold = interval / 4 if slot_seconds is None else slot_seconds
@@ -159,7 +165,7 @@ class Schedule:
         ticket = next(self._tickets)
         f = self.spread(worker_id)
         w = self._workers[worker_id] = _Worker(ticket, now, now + self.refusals_seconds * (0.5 + f))
-        self._plan(w, worker_id, now + self.interval * f, first=False)
+        self._plan(w, worker_id, now + self.period * f, first=False)
         heapq.heappush(self._refusals, (w.refusals_due, ticket, worker_id))
         return ticket
 
@@ -286,7 +292,8 @@ class Schedule:
             w.urgent = False
             self._plan(w, probe.worker_id, now, first=True)
         else:
-            self._plan(w, probe.worker_id, max(sent_at + self.interval, now), first=False)
+            gap = self.period if failure is None else self.interval
+            self._plan(w, probe.worker_id, max(sent_at + gap, now), first=False)
         return None
 
     def _observe(self, latency: float) -> None:
