@@ -27,8 +27,7 @@ from jax.sharding import AbstractMesh
 
 from elastic._programs import _flatten_f32, _unflatten_like, export_program, shard_dim, trace_init
 from elastic.stages import StageCutError, cut_at_stage, probe_stages
-from runtime import MESH_AXIS, ProgramExportError
-from runtime.core.stage_programs import PipelineProgramSet, StagePrograms
+from runtime import MESH_AXIS, PipelineProgramSet, ProgramExportError, StagePrograms
 
 __all__ = ["build_stage_programs", "stage_owners"]
 

@@ -92,7 +92,11 @@ class Config:
     seed: int = _key(0, role=(MATH,))
     steps: int = _key(20, role=(MATH, MAXTEXT), ge=1)
     per_device_batch_size: int = _key(2, role=(MATH, MAXTEXT), ge=1)  # examples per device per microbatch
-    dcn_data_parallelism: int = _key(1, role=(RUNTIME, MAXTEXT), ge=1)  # virtual slices
+    dcn_data_parallelism: int = _key(1, role=(RUNTIME, MAXTEXT), ge=1)  # virtual slices (per pipeline stage)
+    # Pipeline stages S: the loss's forward pass carries S - 1 elastic.pipeline_stage marks (docs/pipeline.md)
+    dcn_pipeline_parallelism: int = _key(1, role=(MATH, RUNTIME), ge=1)
+    # The order each pipeline stage runs its microbatches in: the same math either way (docs/pipeline.md)
+    elastic_pipeline_schedule: str = _key("1f1b", role=(RUNTIME,), choices=("1f1b", "gpipe"))
     ici_fsdp_parallelism: int = _key(1, role=(MATH, RUNTIME, MAXTEXT), ge=1)  # devices per slice
     learning_rate: float = _key(1e-3, role=(MATH, MODEL, MAXTEXT), gt=0)
     warmup_steps: int = _key(0, role=(MATH, MODEL), ge=0)
@@ -212,8 +216,11 @@ class Config:
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per step M (``elastic_microbatches`` with 0 resolved)."""
-        return self.elastic_microbatches or _next_power_of_two(self.dcn_data_parallelism)
+        """Microbatches per step M (``elastic_microbatches`` with 0 resolved: enough for every slice, and twice
+        the pipeline stages, so a pipeline is busy more than half the time)."""
+        stages = self.dcn_pipeline_parallelism
+        return self.elastic_microbatches or _next_power_of_two(max(self.dcn_data_parallelism,
+                                                                   2 * stages if stages > 1 else 1))
 
     @property
     def standby_workers(self) -> int:

@@ -113,6 +113,10 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "elastic_max_local_workers": "RunSettings.max_local_workers: the most worker processes the local launcher "
                                  "may start, checked before any starts (elastic.preflight)",
     "hardware": "RunSettings.platform: the JAX platform the trainer exports the programs for (export_platform)",
+    "dcn_pipeline_parallelism": "RunSettings.pipeline_stages: the stages the trainer cuts the loss into; the "
+                                "bundled model's marks (elastic.models.TransformerConfig.from_config)",
+    "elastic_pipeline_schedule": "RunSettings.pipeline_schedule: the order each stage runs its microbatches in "
+                                 "(runtime.pipeline.schedule)",
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's (worker_preload: the
@@ -137,6 +141,8 @@ class RunSettings:
     goodput_cloud_logging: bool  # ... and send them to Cloud Logging
     platform: str              # JAX platform of the programs (cpu, cuda, tpu); "": JAX's choice in this process
     parameters_from: str = ""  # load_parameters_path, absolute (a fresh start's parameters; the reference's too)
+    pipeline_stages: int = 1   # dcn_pipeline_parallelism
+    pipeline_schedule: str = "1f1b"
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -148,7 +154,8 @@ def run_settings(cfg: Config) -> RunSettings:
                        compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer,
                        goodput_recording=cfg.enable_goodput_recording,
                        goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg),
-                       parameters_from=_absolute(cfg.load_parameters_path))
+                       parameters_from=_absolute(cfg.load_parameters_path),
+                       pipeline_stages=cfg.dcn_pipeline_parallelism, pipeline_schedule=cfg.elastic_pipeline_schedule)
 
 
 #: The config key ``hardware`` (MaxText's names) -> the JAX platform programs are exported for.

@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import optax
 
 from elastic import _programs, marker, reattach, run_records
-from elastic.config import Config
+from elastic.config import Config, ConfigError
 from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
 from elastic.preflight import (RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path,
                                check_load_parameters_path, claim_run_directory)
 from elastic.run_records import RunRecordsLostError
-from runtime import (ClientSupersededError, Controller, ElasticError, ProgramExportError, ProgramSet,
+from runtime import (ClientSupersededError, Controller, ElasticError, PipelineProgramSet, ProgramExportError,
+                     ProgramSet,
                      enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms,
                      read_events, run_reference, run_reference_process)
 
@@ -141,6 +142,7 @@ class _Job:
         recorded).
         """
         cfg, settings = self.config, self.settings
+        check_pipeline(self, settings, reference)
         if not reference:
             check_config_capacity(cfg)
         check_data_source(self.data, cfg)   # a spec of the global batch: one line here, not a worker's traceback
@@ -240,6 +242,12 @@ class _Job:
             if on_step is not None:
                 on_step(step, loss)
 
+        if isinstance(programs, PipelineProgramSet):
+            losses, digest, hashes = _fit_pipeline(programs, self.data, settings, step_done)
+            events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
+            events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest, replica_hashes=hashes,
+                        wall_seconds=time.time() - t0, client_peak_rss_bytes=peak_rss_bytes())
+            return
         if (jax.local_device_count() >= programs.devices_per_slice
                 and local_platform() in program_platforms(programs.init)):
             enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
@@ -254,6 +262,35 @@ class _Job:
         events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
                     replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
                     client_peak_rss_bytes=peak_rss_bytes())
+
+
+def check_pipeline(job, settings, reference: bool) -> None:
+    """A pipelined job (``dcn_pipeline_parallelism`` > 1) runs where it can today: an ``elastic.Trainer``, in one
+    process. ``ConfigError`` naming what to change otherwise."""
+    if settings.pipeline_stages == 1:
+        return
+    if not isinstance(job, Trainer):
+        raise ConfigError(f"dcn_pipeline_parallelism={settings.pipeline_stages}: only elastic.Trainer cuts a loss "
+                          "into pipeline stages (elastic.wrap does not yet); set dcn_pipeline_parallelism=1")
+    if not reference:
+        raise ConfigError(f"dcn_pipeline_parallelism={settings.pipeline_stages}: pipeline stages run in one "
+                          "process only so far (elastic run --reference, Trainer.fit(reference=True)); workers "
+                          "do not run them yet (docs/pipeline.md)")
+    if settings.parameters_from:
+        raise ConfigError("load_parameters_path is not supported with dcn_pipeline_parallelism > 1 yet")
+
+
+def _fit_pipeline(programs: PipelineProgramSet, data, settings, step_done) -> tuple[list[float], str, dict]:
+    """The pipelined reference in this process: (losses, final digest, each stage's digest)."""
+    from runtime import run_local_pipeline, stages_digest
+
+    if jax.local_device_count() < programs.devices_per_slice:
+        raise ConfigError(f"a pipelined reference run needs {programs.devices_per_slice} JAX devices in this "
+                          f"process (ici_fsdp_parallelism); it has {jax.local_device_count()}")
+    enable_compilation_cache(settings.compilation_cache_dir)
+    losses, digests = run_local_pipeline(programs, data, steps=settings.steps, seed=settings.seed,
+                                         schedule=settings.pipeline_schedule, on_step=step_done)
+    return losses, stages_digest(digests), {f"stage{k}": d for k, d in enumerate(digests)}
 
 
 class Trainer(_Job):
@@ -282,9 +319,17 @@ class Trainer(_Job):
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
+        settings = self.settings
+        if settings.pipeline_stages > 1:
+            from elastic._stage_programs import build_stage_programs
+
+            return build_stage_programs(init_params=self.init, loss=self.loss, optimizer=opt,
+                                        batch_spec=_spec(self.data), num_stages=settings.pipeline_stages,
+                                        devices_per_slice=settings.devices_per_slice,
+                                        num_microbatches=settings.microbatches, platform=self._platform())
         return _programs.build_programs(init_state=init_state, grad_fn=grad_fn, apply_fn=apply_fn,
-                                        batch_spec=_spec(self.data), devices_per_slice=self.settings.devices_per_slice,
-                                        num_microbatches=self.settings.microbatches, platform=self._platform())
+                                        batch_spec=_spec(self.data), devices_per_slice=settings.devices_per_slice,
+                                        num_microbatches=settings.microbatches, platform=self._platform())
 
 
 class WrappedStep(_Job):

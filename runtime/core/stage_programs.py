@@ -88,6 +88,23 @@ class PipelineProgramSet:
     def state_bytes(self) -> int:
         return sum(s.state_bytes for s in self.stages)
 
+    @property
+    def grad_size(self) -> int:
+        return sum(s.grad_size for s in self.stages)
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.stages[0].devices_per_slice
+
+    @property
+    def init(self) -> bytes:
+        """Stage 0's init program (what a platform check reads)."""
+        return self.stages[0].blobs["init"]
+
+    def programs(self) -> dict[str, bytes]:
+        """Every stage's programs, named ``stage<k>/<program>``."""
+        return {f"stage{s.stage}/{name}": blob for s in self.stages for name, blob in sorted(s.blobs.items())}
+
     def layout_json(self) -> bytes:
         return json.dumps([s.layout() for s in self.stages]).encode()
 

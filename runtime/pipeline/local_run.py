@@ -13,6 +13,7 @@ computes a microbatch and when, never the arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.executor import add_f32
 
-__all__ = ["LocalPipeline", "StepTrace", "run_local_pipeline"]
+__all__ = ["LocalPipeline", "StepTrace", "run_local_pipeline", "stages_digest"]
 
 
 @dataclasses.dataclass
@@ -113,6 +114,11 @@ class LocalPipeline:
             if on_step is not None:
                 on_step(step, loss)
         return losses, self.digests()
+
+
+def stages_digest(digests: list[str]) -> str:
+    """One digest of a pipelined state: sha256 over each stage's state digest, in stage order."""
+    return "stages:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 def _threaded(runners: list[StageRunner], streams) -> None:

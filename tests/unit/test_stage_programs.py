@@ -138,3 +138,18 @@ def test_outside_the_runtime_the_mark_is_the_identity():
     x = jnp.arange(3.0)
     assert elastic.pipeline_stage(x) is x
     assert jax.jit(elastic.pipeline_stage)(x).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_pipelined_job_on_workers_or_through_wrap_is_refused_naming_the_key(tmp_path):
+    from elastic.models import make_model
+
+    cfg = elastic.load_config("tiny", ["dcn_pipeline_parallelism=2", f"base_output_directory={tmp_path}"])
+    init, loss, data = make_model(cfg)
+    trainer = elastic.Trainer(init=init, loss=loss, optimizer=optax.sgd(0.1), data=data, config=cfg)
+    with pytest.raises(elastic.ConfigError, match="dcn_pipeline_parallelism=2: pipeline stages run in one process "
+                                                  "only so far"):
+        trainer.fit()
+    job = elastic.wrap(lambda state, batch: (state, {"loss": 0.0}), init_state=lambda key: {}, data=data, config=cfg)
+    with pytest.raises(elastic.ConfigError, match="only elastic.Trainer cuts a loss into pipeline stages"):
+        job.fit(reference=True)
+    assert not any(tmp_path.iterdir())   # refused before anything was written
