@@ -13,7 +13,7 @@ steps after one warm-up step), the theoretical one, their ratio, and each
 stage's peak bytes of activations held (inputs kept for the backward,
 outputs not yet sent, gradients not yet used).
 
-Usage: .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 8 16] [--delay 0.03]
+Usage: .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 8 16] [--delay 0.1]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--delay", type=float, default=0.03)
+    ap.add_argument("--delay", type=float, default=0.1)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 
@@ -39,8 +39,7 @@ def main() -> None:
 
     from elastic._stage_programs import build_stage_programs
     from elastic.models.transformer import SyntheticTokens, TransformerConfig, init_params, loss_fn
-    from runtime.pipeline.local_run import LocalPipeline
-    from runtime.pipeline.schedule import theoretical_bubble
+    from runtime import LocalPipeline, theoretical_bubble
 
     s = args.stages
     t = TransformerConfig(vocab_size=64, max_target_length=16, emb_dim=32, num_layers=s, num_heads=2, mlp_dim=64,

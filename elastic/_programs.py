@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from runtime import MESH_AXIS, ProgramExportError, ProgramSet, program_fingerprint
 
-__all__ = ["build_programs", "shard_dim", "export_program", "program_fingerprints", "trace_init"]
+__all__ = ["build_programs", "shard_dim", "export_program", "program_fingerprints", "trace_init", "used_inputs"]
 
 
 def shard_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
@@ -174,3 +174,13 @@ def program_fingerprints(programs: ProgramSet) -> dict[str, str]:
     optimizer give the same fingerprints however and wherever they were traced.
     """
     return {name: program_fingerprint(blob) for name, blob in sorted(programs.programs().items())}
+
+
+def used_inputs(jaxpr) -> list[bool]:
+    """Which inputs of ``jaxpr`` its outputs depend on (dead-code elimination)."""
+    from jax._src.interpreters import partial_eval as pe  # no public DCE API
+
+    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return used
+
+

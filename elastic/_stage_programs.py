@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from elastic._programs import _flatten_f32, _unflatten_like, export_program, shard_dim, trace_init
+from elastic._programs import _flatten_f32, _unflatten_like, export_program, shard_dim, trace_init, used_inputs
 from elastic.stages import StageCutError, cut_at_stage, probe_stages
 from runtime import MESH_AXIS, PipelineProgramSet, ProgramExportError, StagePrograms
 
@@ -204,8 +204,6 @@ def _probe(loss, params, batch, num_stages: int) -> list:
 
 def stage_owners(loss, params, batch, acts) -> list[int]:
     """The stage each parameter leaf belongs to (the one whose forward reads it; unread leaves: the last)."""
-    from elastic.trainer import _used_inputs
-
     s_count = len(acts) + 1
     leaves, ptree = jax.tree.flatten(params)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -215,7 +213,7 @@ def stage_owners(loss, params, batch, acts) -> list[int]:
             closed = jax.make_jaxpr(_stage_forward(loss, ptree, acts, k))(leaves, batch, acts[k - 1] if k else None)
         except StageCutError as e:
             raise ProgramExportError(str(e)) from e
-        for i, used in enumerate(_used_inputs(closed.jaxpr)[:len(leaves)]):
+        for i, used in enumerate(used_inputs(closed.jaxpr)[:len(leaves)]):
             if used:
                 readers[i].append(k)
     for i, ks in enumerate(readers):

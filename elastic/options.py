@@ -46,6 +46,8 @@ __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSett
 # Config key -> ControllerOptions field, copied as is.
 _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "dcn_data_parallelism": "slices",
+    "dcn_pipeline_parallelism": "pipeline_stages",
+    "elastic_pipeline_schedule": "pipeline_schedule",
     "ici_fsdp_parallelism": "devices_per_slice",
     "elastic_rpc_timeout_seconds": "rpc_timeout_seconds",
     "elastic_register_timeout_seconds": "register_timeout_seconds",
@@ -231,6 +233,9 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
+    if cfg.dcn_pipeline_parallelism > 1:   # every stage of every replica is a virtual slice; none may be dropped
+        slices = cfg.dcn_data_parallelism * cfg.dcn_pipeline_parallelism
+        opts = dataclasses.replace(opts, slices=slices, min_slices=slices)
     if getattr(cfg, _ENABLED_KEY):
         return opts
     # every key with the recovery role takes its "no recovery" value (elastic.config.no_recovery_values)

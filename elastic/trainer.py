@@ -265,19 +265,27 @@ class _Job:
 
 
 def check_pipeline(job, settings, reference: bool) -> None:
-    """A pipelined job (``dcn_pipeline_parallelism`` > 1) runs where it can today: an ``elastic.Trainer``, in one
-    process. ``ConfigError`` naming what to change otherwise."""
+    """A pipelined job (``dcn_pipeline_parallelism`` > 1) runs where it can today: an ``elastic.Trainer``,
+    without backups, spares or a checkpoint to start from. ``ConfigError`` naming what to change otherwise."""
     if settings.pipeline_stages == 1:
         return
     if not isinstance(job, Trainer):
         raise ConfigError(f"dcn_pipeline_parallelism={settings.pipeline_stages}: only elastic.Trainer cuts a loss "
                           "into pipeline stages (elastic.wrap does not yet); set dcn_pipeline_parallelism=1")
-    if not reference:
-        raise ConfigError(f"dcn_pipeline_parallelism={settings.pipeline_stages}: pipeline stages run in one "
-                          "process only so far (elastic run --reference, Trainer.fit(reference=True)); workers "
-                          "do not run them yet (docs/pipeline.md)")
-    if settings.parameters_from:
-        raise ConfigError("load_parameters_path is not supported with dcn_pipeline_parallelism > 1 yet")
+    if reference:
+        return
+    cfg = job.config
+    unsupported = {"elastic_spares": cfg.elastic_spares, "elastic_snapshot_interval": cfg.elastic_snapshot_interval,
+                   "enable_checkpointing": cfg.enable_checkpointing, "load_parameters_path": settings.parameters_from,
+                   "load_full_state_path": cfg.load_full_state_path}
+    for key, value in unsupported.items():
+        if value:
+            raise ConfigError(f"config key {key!r} ({value!r}) is not supported with dcn_pipeline_parallelism="
+                              f"{settings.pipeline_stages} yet: a pipelined run has no backups, spares or "
+                              "recovery so far (docs/pipeline.md)")
+    if settings.microbatches < settings.pipeline_stages:
+        raise ConfigError(f"elastic_microbatches ({settings.microbatches}) must be >= dcn_pipeline_parallelism "
+                          f"({settings.pipeline_stages}): each stage works on every microbatch")
 
 
 def _fit_pipeline(programs: PipelineProgramSet, data, settings, step_done) -> tuple[list[float], str, dict]:
@@ -460,16 +468,7 @@ def _check_apply_ignores_batch(step, state, batch, grads) -> None:
 
     closed = jax.make_jaxpr(after_mark)(state, grads, batch)
     n_batch = len(jax.tree.leaves(batch))
-    used = _used_inputs(closed.jaxpr)
+    used = _programs.used_inputs(closed.jaxpr)
     if any(used[-n_batch:]):
         raise ProgramExportError("the wrapped train_step's update after elastic.cross_slice_mean reads the "
                                  "batch; compute everything batch-dependent before the mark")
-
-
-def _used_inputs(jaxpr) -> list[bool]:
-    from jax._src.interpreters import partial_eval as pe  # no public DCE API
-
-    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-    return used
-
-

@@ -14,6 +14,7 @@ callbacks, so nothing above the group knows about protocol buffers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import queue
 import time
@@ -26,6 +27,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import WorkerLostError
 from runtime.control.policy import StepPlan
 from runtime.core.programs import ProgramSet
+from runtime.pipeline.schedule import compile_schedule
 
 __all__ = ["Death", "LoadResult", "Stalled", "StepResult", "WorkerStatus", "collect", "gather", "load_request",
            "load_result", "step_outcomes", "step_requests", "step_result", "wait_until", "worker_status"]
@@ -99,10 +101,14 @@ def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts
 
 def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[str, str]],
                   checkpoint: tuple[str, str, list[float]] | None = None, shadows=(),
-                  snapshot: tuple[str, str | None] | None = None) -> list[tuple[str, pb.StepRequest]]:
+                  snapshot: tuple[str, str | None] | None = None,
+                  schedule: str = "1f1b") -> list[tuple[str, pb.StepRequest]]:
     """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
     shadow's. ``where(worker)``: its ``(address, data address)``; the other arguments as
-    :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them."""
+    :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them. A pipelined plan: each stage
+    worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`)."""
+    if plan.stages > 1:
+        return _pipeline_requests(fence, plan, where, schedule)
     peers = [pb.Peer(rank=r, address=a, data_address=d) for r, (a, d) in enumerate(map(where, plan.workers))]
     shadow_peers = [pb.Peer(address=a, data_address=d) for a, d in map(where, shadows)]
     all_nodes, owners = [], []
@@ -123,6 +129,44 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
     for w in shadows:
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=peers, all_nodes=all_nodes,
                                       node_owner=owners, shadow=True)))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _streams(schedule: str, stages: int, microbatches: tuple[int, ...]):
+    """Each stage's stream of one replica's central schedule (the same for every step of a placement)."""
+    return compile_schedule(schedule, stages, microbatches).streams
+
+
+def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str) -> list[tuple[str, pb.StepRequest]]:
+    """Each stage worker's Step call: its stage's replicas are its ranks (they reduce that stage's gradients),
+    its replica's microbatches its nodes, its stream the replica's central schedule projected on its stage,
+    and its neighbours the previous and next stages of its replica."""
+    replicas, stages = plan.replicas, plan.stages
+    streams = [_streams(schedule, stages, tuple(i for n in plan.nodes[r] for i in n.ids)) for r in range(replicas)]
+    all_nodes, owners = [], []
+    for r in range(replicas):
+        all_nodes += [pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]]
+        owners += [r] * len(plan.nodes[r])
+    addresses = [where(w) for w in plan.workers]
+
+    def peer(v: int, rank: int = 0) -> pb.Peer:
+        a, d = addresses[v]
+        return pb.Peer(rank=rank, address=a, data_address=d)
+
+    out = []
+    for v, w in enumerate(plan.workers):
+        k, r = divmod(v, replicas)
+        step = pb.PipelineStep(stage=k, stages=stages, instructions=[
+            pb.PipelineInstr(op=i.op, microbatch=i.microbatch, what=i.what, peer=i.peer) for i in streams[r][k]])
+        if k > 0:
+            step.prev.CopyFrom(peer(v - replicas))
+        if k < stages - 1:
+            step.next.CopyFrom(peer(v + replicas))
+        out.append((w, pb.StepRequest(fence=fence, step=plan.step, rank=r,
+                                      peers=[peer(k * replicas + q, q) for q in range(replicas)],
+                                      nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[v]],
+                                      all_nodes=all_nodes, node_owner=owners, pipeline=step)))
     return out
 
 

@@ -42,13 +42,15 @@ from runtime.control.attach import Reattach, attach
 from runtime.control.calls import Stalled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
-from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, StaleEpochError, StepAbortedError,
+from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
+                                 StepAbortedError,
                                  WorkerFencedError, WorkerLostError)
 from runtime.core.events import EventLog
 from runtime.control.membership import Membership
 from runtime.control.plan import membership_change_due
 from runtime.control.policy import StepPlan, plan_step
 from runtime.core.programs import ProgramSet
+from runtime.core.stage_programs import stages_digest
 from runtime.control.run_state import RunState
 from runtime.control.shadows import Shadows
 from runtime.control.snapshotting import Snapshotting
@@ -317,7 +319,8 @@ class Controller:
                 return Phase.RUNNING
             return Phase.BOUNDARY
         while len(self.pending) < self.opts.dispatch_depth and self.state.dispatched < self.state.steps:
-            self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches))
+            self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches,
+                                     self.opts.pipeline_stages))
         if self.pending:
             self._commit(*self.pending.popleft())
         return Phase.RUNNING
@@ -340,7 +343,7 @@ class Controller:
         if isinstance(results, Stalled):
             self.slow.stalled(plan, results.pending, median)
             results = self.group.wait(futs)
-        sums = {r.loss_sum for r in results.values()}
+        sums = {results[w].loss_sum for w in plan.loss_workers}   # (a pipeline's earlier stages compute none)
         if len(sums) != 1:
             raise ReplicaDivergenceError("replicas disagree on the step loss", step=plan.step, cause=str(sums))
         self.slow.observe(plan, results)
@@ -381,10 +384,8 @@ class Controller:
         s = self.state
         self.checkpoints.finish(self.placement.active, s.loss_sums)
         hashes = {w: digest for w, (_, digest) in self.group.hashes(self.placement.active).items()}
-        if len(set(hashes.values())) != 1:
-            raise ReplicaDivergenceError("replicas diverged", step=s.steps, cause=f"state hashes {hashes}")
         self.result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
-                                final_state_digest=next(iter(hashes.values())), replica_hashes=hashes,
+                                final_state_digest=self._final_digest(hashes, s.steps), replica_hashes=hashes,
                                 wall_seconds=time.time() - self.attempt.t0, client_peak_rss_bytes=peak_rss_bytes(),
                                 state_bytes=s.state_bytes)
         self.events.emit("run_finished", steps_completed=self.result.steps_completed,
@@ -392,12 +393,25 @@ class Controller:
                          wall_seconds=self.result.wall_seconds, client_peak_rss_bytes=self.result.client_peak_rss_bytes)
         return Phase.DONE
 
+    def _final_digest(self, hashes: dict[str, str], step: int) -> str:
+        """The state's digest: every replica's, which must agree; a pipeline's, over its stages' (the replicas of
+        each stage must agree). ``ReplicaDivergenceError`` otherwise."""
+        active, stages = self.placement.active, self.opts.pipeline_stages
+        per_stage = [{hashes[w] for w in active[k * len(active) // stages:(k + 1) * len(active) // stages]}
+                     for k in range(stages)]
+        if any(len(digests) != 1 for digests in per_stage):
+            raise ReplicaDivergenceError("replicas diverged", step=step, cause=f"state hashes {hashes}")
+        return per_stage[0].pop() if stages == 1 else stages_digest([d.pop() for d in per_stage])
+
     # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
 
     def _recovering(self) -> Phase:
         """One recovery attempt (:meth:`runtime.control.membership.Membership.recover`); training resumes where it
         says."""
         self.pending = collections.deque()
+        if self.opts.pipeline_stages > 1:
+            raise CapacityExhaustedError("a pipelined run does not recover from a lost worker or a failed step yet",
+                                         step=self.state.committed, cause=str(self._error))
         self.membership.recover(self._error)
         self.plans.clear()
         self.slow.restart()   # the watchdog times the next step from here

@@ -67,6 +67,8 @@ class ControllerOptions:
     worker_preload: tuple[str, ...] = ()   # modules the local launcher's zygote imports once for every worker
     data_plane: str = "tcp"                # tensors between workers: "tcp" (runtime.wire.dataplane) or "grpc" (Push)
     shared_memory: bool = True             # state copies on one host from memory to memory (runtime.wire.cross_memory)
+    pipeline_stages: int = 1               # pipeline stages: the active slices are stage-major (runtime.pipeline)
+    pipeline_schedule: str = "1f1b"        # each stage's order of microbatches (runtime.pipeline.schedule)
     checkpoint_directory: str = ""         # persistent checkpoints (runtime.state.checkpoint); "": none
     checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none
     shadow_spares: bool = False            # spares shadow the state (runtime.control.shadows)

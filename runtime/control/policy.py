@@ -68,10 +68,26 @@ class StepPlan:
     epoch: int
     workers: tuple[str, ...]
     nodes: tuple[tuple[Node, ...], ...]
+    stages: int = 1   # pipeline stages: workers are stage-major, each stage's replicas in order
+
+    @property
+    def replicas(self) -> int:
+        return len(self.workers) // self.stages
+
+    def stage_of(self, index: int) -> int:
+        """The pipeline stage of ``workers[index]`` (0 for every worker of an unpipelined run)."""
+        return index // self.replicas
+
+    @property
+    def loss_workers(self) -> tuple[str, ...]:
+        """The workers that compute the loss: every one, or the last pipeline stage's."""
+        return self.workers[-self.replicas:]
 
     def microbatches(self) -> dict[str, list[int]]:
-        """``{worker: microbatch ids}`` of this step (what the report's exactly-once check reads)."""
-        return {w: [i for n in nodes for i in n.ids] for w, nodes in zip(self.workers, self.nodes)}
+        """``{worker: microbatch ids}`` whose loss this step computed there (what the report's exactly-once check
+        reads): every worker's, or the last pipeline stage's."""
+        return {w: [i for n in nodes for i in n.ids] for w, nodes in zip(self.workers, self.nodes)
+                if w in self.loss_workers}
 
 
 def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], epoch: int = 1,
@@ -97,11 +113,16 @@ def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo
     return Placement(epoch=epoch, active=ids[:num_vslices], spares=ids[num_vslices:])
 
 
-def plan_step(placement: Placement, step: int, num_microbatches: int) -> StepPlan:
-    """Assigns the step's microbatch subtrees to the active slices in vslice order."""
-    nodes = assign_microbatches(num_microbatches, len(placement.active))
+def plan_step(placement: Placement, step: int, num_microbatches: int, stages: int = 1) -> StepPlan:
+    """Assigns the step's microbatch subtrees to the active slices in vslice order; with pipeline ``stages``,
+    virtual slice ``v`` is stage ``v // R`` of pipeline replica ``v % R`` (``R`` = slices / stages), and each
+    stage of a replica works on that replica's subtrees."""
+    if len(placement.active) % stages:
+        raise ValueError(f"{len(placement.active)} active slices do not split into {stages} pipeline stages")
+    replicas = len(placement.active) // stages
+    nodes = assign_microbatches(num_microbatches, replicas)
     return StepPlan(step=step, epoch=placement.epoch, workers=placement.active,
-                    nodes=tuple(tuple(n) for n in nodes))
+                    nodes=tuple(tuple(nodes[v % replicas]) for v in range(len(placement.active))), stages=stages)
 
 
 # -- failure detection -------------------------------------------------------

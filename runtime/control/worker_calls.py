@@ -143,10 +143,12 @@ class WorkerCalls:
 
     # -- programs and state ----------------------------------------------------
 
-    def _load_request(self, spare: bool = False) -> pb.LoadRequest:
+    def _load_request(self, spare: bool = False, stage: int | None = None) -> pb.LoadRequest:
         """The run's Load call; ``spare``: to a worker that starts as a spare, which then prepares the memory a
-        state copy to it lands in (not when spares shadow: they get a state at once)."""
-        request = load_request(self._fence(), self.programs, self.data_source, self.opts, self.snapshot_root)
+        state copy to it lands in (not when spares shadow: they get a state at once). ``stage``: a pipelined
+        run's worker of that stage gets that stage's programs."""
+        programs = self.programs if stage is None else self.programs.stages[stage]
+        request = load_request(self._fence(), programs, self.data_source, self.opts, self.snapshot_root)
         request.spare = spare and not self.opts.shadow_spares
         return request
 
@@ -157,9 +159,10 @@ class WorkerCalls:
         """The Load call to one worker (a newcomer warming: a spare), without waiting and not tracked in flight."""
         return self._stubs[worker_id].Load.future(self._load_request(spare=True), timeout=self.opts.rpc_timeout_seconds)
 
-    def load(self, workers, spares=()) -> dict[str, LoadResult]:
+    def load(self, workers, spares=(), stages: dict[str, int] | None = None) -> dict[str, LoadResult]:
         """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
-        Those in ``spares`` start as spares (:meth:`_load_request`).
+        Those in ``spares`` start as spares (:meth:`_load_request`); with ``stages`` (a pipelined run), each
+        worker gets its stage's programs.
 
         Returns the workers that loaded. One that fails (or dies: its call is
         cancelled when it is declared dead) is declared dead and left out.
@@ -172,16 +175,20 @@ class WorkerCalls:
         (:func:`runtime.core.compile_cache.holds`: an earlier run or the reference
         run loaded them), all load at once.
         """
-        requests = {False: self._load_request(), True: self._load_request(spare=True)}
-        spares = set(spares)
-        workers = list(workers)
+        spares, workers = set(spares), list(workers)
+        if stages is not None:   # a pipelined run: each worker its stage's programs
+            by_stage = {k: self._load_request(stage=k) for k in set(stages.values())}
+            requests = {w: by_stage[stages[w]] for w in workers}
+        else:   # one request of each kind, shared (the programs' bytes are not copied per worker)
+            kinds = {False: self._load_request(), True: self._load_request(spare=True)}
+            requests = {w: kinds[w in spares] for w in workers}
         cache, programs = self.opts.compilation_cache_dir, self.programs.programs()
         devices = self.programs.devices_per_slice
         cold = not compile_cache.holds(cache, programs, devices)
         leader = workers[:1] if cache and cold and len(workers) > 1 else []
-        replies = self._each("Load", lambda w: requests[w in spares], leader, "failed to load programs")
+        replies = self._each("Load", requests.__getitem__, leader, "failed to load programs")
         rest = [w for w in workers if w not in leader and w not in self._dead]
-        replies.update(self._each("Load", lambda w: requests[w in spares], rest, "failed to load programs"))
+        replies.update(self._each("Load", requests.__getitem__, rest, "failed to load programs"))
         if replies and cold:
             compile_cache.mark_held(cache, programs, devices)
         return {w: load_result(r) for w, r in replies.items()}
@@ -224,7 +231,8 @@ class WorkerCalls:
         shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
         worker snapshots its state on its host after this step and streams a copy to ``peer``.
         """
-        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot)
+        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot,
+                                 self.opts.pipeline_schedule)
         futs = {}
         with self._lock:
             for w, req in requests:

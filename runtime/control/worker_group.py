@@ -396,10 +396,10 @@ class WorkerGroup:
     def program_bytes(self) -> int:
         return self.calls.program_bytes()
 
-    def load(self, workers, spares=()) -> dict[str, LoadResult]:
-        """Ships programs and the data source to ``workers`` (``spares`` among them start as spares); see
-        :meth:`WorkerCalls.load`."""
-        return self.calls.load(workers, spares)
+    def load(self, workers, spares=(), stages: dict[str, int] | None = None) -> dict[str, LoadResult]:
+        """Ships programs and the data source to ``workers`` (``spares`` among them start as spares; with
+        ``stages``, each gets its pipeline stage's programs); see :meth:`WorkerCalls.load`."""
+        return self.calls.load(workers, spares, stages)
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; see :meth:`WorkerCalls.init`."""

@@ -29,9 +29,10 @@ across its replicas exactly as an unpipelined gradient does
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
-__all__ = ["StagePrograms", "PipelineProgramSet"]
+__all__ = ["StagePrograms", "PipelineProgramSet", "stages_digest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,26 @@ class StagePrograms:
     def programs(self) -> dict[str, bytes]:
         return dict(self.blobs)
 
+    @property
+    def grad_program(self) -> str:
+        """The program whose first output is the stage's ``float32[P_k + 1]``."""
+        return "last" if self.is_last else "backward"
+
     def layout(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("blobs", "checkpoint_tree")}
+
+    def layout_json(self) -> bytes:
+        return json.dumps(self.layout()).encode()
+
+    @classmethod
+    def from_parts(cls, blobs: dict[str, bytes], layout: bytes | dict) -> StagePrograms:
+        meta = json.loads(layout) if isinstance(layout, (bytes, str)) else layout
+        stage = cls(blobs=dict(blobs), **meta)
+        want = {"init", "apply"} | ({"last"} if stage.is_last else {"forward", "backward"})
+        if set(blobs) != want:
+            raise ValueError(f"stage {stage.stage} of {stage.num_stages} has programs {sorted(blobs)}, "
+                             f"not {sorted(want)}")
+        return stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,4 +132,9 @@ class PipelineProgramSet:
         metas = json.loads(layout)
         if len(metas) != len(blobs):
             raise ValueError(f"layout names {len(metas)} stages, {len(blobs)} sets of programs came")
-        return cls(tuple(StagePrograms(blobs=dict(b), **m) for b, m in zip(blobs, metas)))
+        return cls(tuple(StagePrograms.from_parts(b, m) for b, m in zip(blobs, metas)))
+
+
+def stages_digest(digests: list[str]) -> str:
+    """One digest of a pipelined state: sha256 over each stage's state digest, in stage order."""
+    return "stages:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()

@@ -1,10 +1,12 @@
-"""Pipeline stages on virtual slices (MPMD): each stage its own programs, one central schedule.
+"""Pipeline stages on virtual slices (MPMD): the central schedule and how a stage runs its part of it.
 
 - :mod:`runtime.pipeline.schedule`: GPipe and 1F1B compiled into one global order and an instruction
   stream per stage worker (pure);
 - :mod:`runtime.pipeline.simulate`: runs streams on a model of time: bubble, live activations, deadlock (pure);
-- :mod:`runtime.pipeline.stage_executor`: one stage's programs on local devices;
-- :mod:`runtime.pipeline.local_run`: a pipelined run in one process, the ground truth.
+- :mod:`runtime.pipeline.interpreter`: executes a stage's stream one instruction at a time over any transport.
 
-May import: ``runtime.core``, ``runtime.state``, ``runtime.worker.executor``.
+The stage's programs run in the worker layer (:mod:`runtime.worker.stage_executor`), and so does the
+one-process pipelined run (:mod:`runtime.worker.pipeline_reference`), as the unpipelined reference does.
+
+May import: ``runtime.core``.
 """

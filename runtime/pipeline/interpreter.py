@@ -3,7 +3,7 @@
 A :class:`StageRunner` holds what one stage worker keeps during a step
 (inputs kept for the backward, outputs waiting to be sent, gradients waiting
 to be used) and runs one :class:`~runtime.pipeline.schedule.Instr` at a time
-on its :class:`~runtime.pipeline.stage_executor.StageExecutor`. Transfers
+on its :class:`~runtime.worker.stage_executor.StageExecutor`. Transfers
 go through a :class:`Transport`: ``send(to_stage, what, m, arrays)`` and
 ``recv(from_stage, what, m) -> arrays``. Sends go out where the stream puts
 them; a receive is taken just before the compute that needs it, so a

@@ -24,10 +24,23 @@ from runtime.core.errors import ProtocolError
 from runtime.core.microbatch import Node
 
 __all__ = ["ALL_GATHER", "DEFAULT_CHUNK_BYTES", "HOST_ALIGNMENT", "MAX_CHUNK_BYTES", "MAX_STEPS_AHEAD",
-           "MIN_CHUNK_BYTES", "REDUCE_SCATTER", "Part", "Send", "checked_chunk_bytes", "checksum", "chunk_bounds",
-           "host_buffer", "inline", "payload_of", "pieces"]
+           "MIN_CHUNK_BYTES", "PIPELINE", "REDUCE_SCATTER", "Part", "Send", "checked_chunk_bytes", "checksum",
+           "chunk_bounds", "host_buffer", "inline", "payload_of", "phase_name", "pieces", "pipeline_phase"]
 
 REDUCE_SCATTER, ALL_GATHER = 0, 1
+PIPELINE = 2   # phases from here on: a pipeline stage's activations (even) or their gradient (odd), per microbatch
+
+
+def pipeline_phase(grad: bool, microbatch: int) -> int:
+    """The phase a pipeline transfer travels under: one per microbatch and direction, so each is its own piece."""
+    return PIPELINE + 2 * microbatch + int(grad)
+
+
+def phase_name(phase: int) -> str:
+    if phase < PIPELINE:
+        return ("reduce-scatter", "all-gather")[phase]
+    m, grad = divmod(phase - PIPELINE, 2)
+    return f"{'gradient of the activations' if grad else 'activations'} of microbatch {m}"
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 4 << 10    # smaller chunks only multiply per-message overhead

@@ -10,6 +10,7 @@ or this host, and a data source that does not unpickle are refused with
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 
 import jax
@@ -20,6 +21,7 @@ from runtime.core.errors import ProtocolError
 from runtime.core.microbatch import Node, is_power_of_two, root
 from runtime.core.platforms import check_runnable, local_platform
 from runtime.core.programs import ProgramSet
+from runtime.core.stage_programs import StagePrograms
 
 __all__ = ["check_step_request", "decode_programs", "node_of", "unpickle_source"]
 
@@ -75,8 +77,9 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
         raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
 
 
-def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:
-    """The program set of a ``Load`` and the ``[(shape, dtype)]`` of the state, checked before any compile.
+def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet | StagePrograms, list]:
+    """The program set of a ``Load`` (one pipeline stage's, when its layout names a stage) and the
+    ``[(shape, dtype)]`` of the state, checked before any compile.
 
     Raises :class:`ProtocolError` naming what does not fit: a program whose
     bytes do not match its ``sha256`` (checked first: a corrupted program
@@ -90,7 +93,9 @@ def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:
             raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
         by_name[p.name] = p.serialized
     try:
-        programs = ProgramSet.from_parts(by_name, request.layout)
+        meta = json.loads(request.layout)
+        programs = (StagePrograms.from_parts(by_name, meta) if isinstance(meta, dict) and "stage" in meta
+                    else ProgramSet.from_parts(by_name, request.layout))
     except Exception as e:  # noqa: BLE001 - JSON, unknown keys, missing programs: a malformed message
         raise ProtocolError(f"the program set does not parse: {type(e).__name__}: {e}") from None
     parsed = {}
@@ -117,14 +122,16 @@ def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet, list]:
             raise ProtocolError(f"program {name!r}: the layout's input placements {specs} do not fit its "
                                 f"{len(avals)} inputs")
         exported[name] = (avals, out_avals)
-    grad_out = exported["grad"][1]
-    if len(grad_out) != 1 or tuple(grad_out[0].shape) != (programs.grad_size + 1,):
-        raise ProtocolError(f"the grad program does not return float32[{programs.grad_size + 1}] "
+    name = getattr(programs, "grad_program", "grad")
+    grad_out = exported[name][1]
+    if (len(grad_out) < 1 or (name == "grad" and len(grad_out) != 1)
+            or tuple(grad_out[0].shape) != (programs.grad_size + 1,)):
+        raise ProtocolError(f"the {name} program does not return float32[{programs.grad_size + 1}] "
                             "(the gradient, then the loss)")
     return programs, [(tuple(a.shape), np.dtype(a.dtype)) for a in exported["apply"][0][:-1]]
 
 
-def _check_layout(programs: ProgramSet) -> None:
+def _check_layout(programs: ProgramSet | StagePrograms) -> None:
     def count(x, lo, hi):
         return type(x) is int and lo <= x <= hi
 
@@ -136,9 +143,9 @@ def _check_layout(programs: ProgramSet) -> None:
         raise ProtocolError(f"the layout's microbatch count {m!r} is not a power of two <= {_MAX_MICROBATCHES}")
     if not count(programs.grad_size, 1, 1 << 40):
         raise ProtocolError(f"the layout's gradient size {programs.grad_size!r} is not a positive count")
-    specs = programs.in_specs
-    if (not isinstance(specs, dict) or any(not isinstance(specs.get(k), list) for k in ("init", "grad", "apply"))
-            or any(d is not None and type(d) is not int for k in ("init", "grad", "apply") for d in specs[k])):
+    specs, names = programs.in_specs, sorted(programs.programs())
+    if (not isinstance(specs, dict) or any(not isinstance(specs.get(k), list) for k in names)
+            or any(d is not None and type(d) is not int for k in names for d in specs[k])):
         raise ProtocolError("the layout's input placements are not lists of dimensions (or null) per program")
 
 

@@ -19,11 +19,20 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.wire.parts import ALL_GATHER, REDUCE_SCATTER, checksum, host_buffer, payload_of
+from runtime.wire.parts import ALL_GATHER, PIPELINE, REDUCE_SCATTER, checksum, host_buffer, payload_of, phase_name
 from runtime.core.errors import ProtocolError, StepAbortedError
 from runtime.core.microbatch import Node
 
 __all__ = ["Mailbox"]
+
+
+def _fits(node: Node, phase: int, top: Node) -> bool:
+    """Whether a piece for ``node`` belongs in ``phase`` of a step over the microbatch tree ``top``: the whole
+    tree in the all-gather, any subtree in the reduce-scatter, its own microbatch in a pipeline transfer."""
+    if phase >= PIPELINE:
+        return node == Node(0, (phase - PIPELINE) // 2) and node.index < top.size
+    return node == top or (phase == REDUCE_SCATTER and 0 <= node.level < top.level
+                           and 0 <= node.index < 1 << (top.level - node.level))
 
 
 class Mailbox:
@@ -86,7 +95,7 @@ class Mailbox:
             check_fence(c.fence)
             if key is None:
                 key, src = (c.fence.epoch, c.step, c.phase), c.src_rank
-                if c.phase not in (REDUCE_SCATTER, ALL_GATHER) or c.src_rank < 0:
+                if c.phase < 0 or c.src_rank < 0:
                     raise ProtocolError(f"chunk of phase {c.phase} from rank {c.src_rank}: no such phase or rank")
                 if admit is not None:
                     admit(c.step, c.phase, c.src_rank)
@@ -101,8 +110,7 @@ class Mailbox:
                 if not 0 <= c.total <= self.max_piece:
                     raise ProtocolError(f"implausible piece size {c.total} (at most {self.max_piece} elements)")
                 top = self.top
-                if top is not None and not (node == top or (c.phase == REDUCE_SCATTER and 0 <= node.level < top.level
-                                                            and 0 <= node.index < 1 << (top.level - node.level))):
+                if top is not None and not _fits(node, c.phase, top):
                     raise ProtocolError(f"piece for subtree {node}: not a subtree of {top} in phase {c.phase}")
                 buf = bufs[node] = (self._buffer(key, src, c.total) if c.phase == ALL_GATHER
                                      else np.empty(c.total, dtype=np.float32))
@@ -181,6 +189,6 @@ class Mailbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(senders - got.keys())
-                    raise StepAbortedError(step, f"no {('reduce-scatter', 'all-gather')[phase]} data "
-                                                 f"from ranks {missing} before the deadline")
+                    raise StepAbortedError(step, f"no {phase_name(phase)} data from ranks {missing} before "
+                                                 "the deadline")
                 self._cond.wait(left)

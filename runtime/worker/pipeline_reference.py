@@ -1,6 +1,6 @@
 """A pipelined run in one process: the ground truth for a pipelined run on workers.
 
-One :class:`~runtime.pipeline.stage_executor.StageExecutor` per stage runs
+One :class:`~runtime.worker.stage_executor.StageExecutor` per stage runs
 every replica's share of the microbatches by following each replica's
 compiled schedule in its global order (:mod:`runtime.pipeline.schedule`),
 handing activations and gradients between stages as host arrays. Each
@@ -13,7 +13,6 @@ computes a microbatch and when, never the arithmetic.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from runtime.core.timing import Clock
 from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.executor import add_f32
+from runtime.worker.stage_executor import StageExecutor
 
-__all__ = ["LocalPipeline", "StepTrace", "run_local_pipeline", "stages_digest"]
+__all__ = ["LocalPipeline", "StepTrace", "run_local_pipeline"]
 
 
 @dataclasses.dataclass
@@ -48,8 +48,6 @@ class StepTrace:
 class LocalPipeline:
     def __init__(self, programs: PipelineProgramSet, data_source, *, replicas: int = 1, schedule: str = "1f1b",
                  devices=None):
-        from runtime.pipeline.stage_executor import StageExecutor
-
         self.programs = programs
         self.stages = [StageExecutor(p, data_source, devices) for p in programs.stages]
         self.replan(replicas, schedule)
@@ -114,11 +112,6 @@ class LocalPipeline:
             if on_step is not None:
                 on_step(step, loss)
         return losses, self.digests()
-
-
-def stages_digest(digests: list[str]) -> str:
-    """One digest of a pipelined state: sha256 over each stage's state digest, in stage order."""
-    return "stages:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 def _threaded(runners: list[StageRunner], streams) -> None:

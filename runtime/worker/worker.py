@@ -49,6 +49,9 @@ from runtime.wire.parts import DEFAULT_CHUNK_BYTES, Part, checked_chunk_bytes, i
 from runtime.wire.dataplane_client import DataClient
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.worker.executor import SliceExecutor, add_f32, probe_devices
+from runtime.core.stage_programs import StagePrograms
+from runtime.worker.stage_executor import StageExecutor
+from runtime.worker.stage_step import packed_size
 from runtime.worker.fault_injection import WorkerFaults, mid_stream
 from runtime.worker.mailbox import Mailbox
 from runtime.core.microbatch import root
@@ -159,7 +162,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                          if request.snapshot_directory else None)
             log.info("loading %d programs (%d bytes) for %d devices", len(request.programs),
                      sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
-            executor = SliceExecutor(programs, source)
+            executor = (StageExecutor if isinstance(programs, StagePrograms) else SliceExecutor)(programs, source)
             if request.checkpointing:   # beside the compile: the first save would pay orbax's start-up (~2 s)
                 self._checkpoints().warm()
             t0 = time.perf_counter()
@@ -176,6 +179,8 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 self.chunk_bytes = chunk_bytes
                 self.snapshots = snapshots
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
+                if isinstance(programs, StagePrograms):   # activations travel as pieces too
+                    p = max(p, packed_size(programs.activation_in), packed_size(programs.activation_out))
                 self.mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
                 self._drop_landing()   # one of earlier programs
                 self._landing = Landing(state_layout) if request.spare else None

@@ -38,6 +38,7 @@ from runtime.wire.parts import MAX_STEPS_AHEAD, Part, inline
 from runtime.wire.peers import PeerChannels
 from runtime.wire.requests import check_step_request, node_of
 from runtime.core.timing import Clock
+from runtime.worker.stage_step import run_stage_step
 from runtime.worker.worker_state import drain_saves, save_step
 
 if TYPE_CHECKING:
@@ -130,7 +131,10 @@ class Stepping:
         else:
             self._phase(req.step, "grad")
             # Each vector is the gradient sum, then the loss sum: reduced together, in the same tree order.
-            vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
+            if req.HasField("pipeline"):   # one stage of a pipeline replica: its stream, activations to neighbours
+                vecs = run_stage_step(req, ex, self._push, self.mailbox, self.chunk_bytes, deadline, clock)
+            else:
+                vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
             self.faults.straggle(time.perf_counter() - t0)
             self.faults.in_phase("grad")
             t1 = time.perf_counter()

@@ -216,7 +216,7 @@ class FakeGroup:
                 pass
         return ok
 
-    def load(self, workers, spares=()):
+    def load(self, workers, spares=(), stages=None):
         return {w: LoadResult(0.0, self.devices, 0.0) for w in self._each("load", workers)}
 
     def init(self, workers, seed):

@@ -175,7 +175,7 @@ def test_max_seconds_counts_from_the_first_step_not_from_launch(tmp_path):
     events = EventLog(tmp_path / "events.jsonl")
     group = FakeGroup(options, events)
     slow_load = group.load
-    group.load = lambda workers, spares=(): (time.sleep(0.5), slow_load(workers, spares))[1]
+    group.load = lambda workers, spares=(), stages=None: (time.sleep(0.5), slow_load(workers, spares, stages))[1]
     ctl = Controller(types.SimpleNamespace(num_microbatches=M), b"", options, events, group=group)
     with ctl:
         ctl.begin(1000, seed=0, max_seconds=0.4)

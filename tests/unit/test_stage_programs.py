@@ -15,7 +15,7 @@ from elastic._programs import build_programs
 from elastic._stage_programs import build_stage_programs
 from elastic.models.transformer import SyntheticTokens, TransformerConfig, init_params, loss_fn
 from runtime import ProgramExportError
-from runtime.pipeline.local_run import LocalPipeline
+from runtime.worker.pipeline_reference import LocalPipeline
 from runtime.worker.reference import run_reference
 
 SHAPE = dict(vocab_size=32, max_target_length=8, emb_dim=16, num_layers=3, num_heads=2, mlp_dim=32)
@@ -140,14 +140,15 @@ def test_outside_the_runtime_the_mark_is_the_identity():
     assert jax.jit(elastic.pipeline_stage)(x).tolist() == [0.0, 1.0, 2.0]
 
 
-def test_a_pipelined_job_on_workers_or_through_wrap_is_refused_naming_the_key(tmp_path):
+def test_a_pipelined_job_with_backups_or_through_wrap_is_refused_naming_the_key(tmp_path):
     from elastic.models import make_model
 
-    cfg = elastic.load_config("tiny", ["dcn_pipeline_parallelism=2", f"base_output_directory={tmp_path}"])
+    cfg = elastic.load_config("tiny", ["dcn_pipeline_parallelism=2", "elastic_spares=1",
+                                       f"base_output_directory={tmp_path}"])
     init, loss, data = make_model(cfg)
     trainer = elastic.Trainer(init=init, loss=loss, optimizer=optax.sgd(0.1), data=data, config=cfg)
-    with pytest.raises(elastic.ConfigError, match="dcn_pipeline_parallelism=2: pipeline stages run in one process "
-                                                  "only so far"):
+    with pytest.raises(elastic.ConfigError, match="config key 'elastic_spares' .1. is not supported with "
+                                                  "dcn_pipeline_parallelism=2 yet"):
         trainer.fit()
     job = elastic.wrap(lambda state, batch: (state, {"loss": 0.0}), init_state=lambda key: {}, data=data, config=cfg)
     with pytest.raises(elastic.ConfigError, match="only elastic.Trainer cuts a loss into pipeline stages"):
