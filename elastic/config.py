@@ -94,7 +94,7 @@ class Config:
     per_device_batch_size: int = _key(2, role=(MATH, MAXTEXT), ge=1)  # examples per device per microbatch
     dcn_data_parallelism: int = _key(1, role=(RUNTIME, MAXTEXT), ge=1)  # virtual slices (per pipeline stage)
     # Pipeline stages S: the loss's forward pass carries S - 1 elastic.pipeline_stage marks (docs/pipeline.md)
-    dcn_pipeline_parallelism: int = _key(1, role=(MATH, RUNTIME), ge=1)
+    dcn_pipeline_parallelism: int = _key(1, role=(MATH, RUNTIME, MAXTEXT), ge=1)
     # The order each pipeline stage runs its microbatches in: the same math either way (docs/pipeline.md)
     elastic_pipeline_schedule: str = _key("1f1b", role=(RUNTIME,), choices=("1f1b", "gpipe"))
     ici_fsdp_parallelism: int = _key(1, role=(MATH, RUNTIME, MAXTEXT), ge=1)  # devices per slice

@@ -59,6 +59,8 @@ SHARED_KEYS: Mapping[str, str] = {
     "run_name": "both",
     "base_output_directory": "both (default: jax-elastic's, 'runs')",
     "dcn_data_parallelism": "jax-elastic: virtual slices (-1, MaxText's 'auto', is 1); MaxText: 1",
+    "dcn_pipeline_parallelism": "both: 1 (a MaxText model is not cut into pipeline stages yet: another value is "
+                                "refused)",
     "ici_fsdp_parallelism": "both: devices per slice (-1, MaxText's 'all devices', is 1)",
     "elastic_enabled": "jax-elastic's recovery; MaxText keeps its default (false: its elasticity needs Pathways)",
     "elastic_min_slice_count": "jax-elastic (-1, MaxText's 'all slices', is dcn_data_parallelism); MaxText: default",
