@@ -11,7 +11,7 @@ For each schedule and microbatch count it prints the measured bubble
 (1 - compute time / (stages x step time), the median over ``--steps``
 steps after one warm-up step), the theoretical one, their ratio, and each
 stage's peak bytes of activations held (inputs kept for the backward,
-outputs not yet sent, gradients not yet used).
+outputs not yet sent, gradients not yet used); last, every ratio on one line.
 
 Usage: .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 8 16] [--delay 0.1]
 """
@@ -47,6 +47,7 @@ def main() -> None:
     data = SyntheticTokens(0, 64, 16, 4)
     print(f"stages={s} delay={args.delay}s per forward and per backward; bubble = median over {args.steps} steps")
     print(f"{'schedule':>8} {'M':>3} {'measured':>9} {'theory':>7} {'ratio':>6}  peak activation KiB per stage")
+    ratios = []
     for m in args.microbatches:
         programs = build_stage_programs(init_params=functools.partial(init_params, tcfg=t),
                                         loss=functools.partial(loss_fn, tcfg=t), optimizer=optax.adam(1e-3),
@@ -63,6 +64,8 @@ def main() -> None:
             theory = theoretical_bubble(s, m)
             peaks = " ".join(f"{b / 1024:7.1f}" for b in traces[-1].peak_bytes)
             print(f"{kind:>8} {m:>3} {bubble:9.3f} {theory:7.3f} {bubble / theory:6.2f}  {peaks}", flush=True)
+            ratios.append(f"{kind} M={m} {bubble / theory:.2f}")
+    print(f"measured / theoretical bubble: {', '.join(ratios)}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "recovery_vs_restart": ("recovery_vs_restart.py", [], ["--kills", "2"]),
     "control_plane_scale": ("control_plane_scale.py", [], ["--counts", "256,1024", "--window", "5"]),
     "backup_cost": ("backup_cost.py", [], ["--repeats", "1", "--steps", "40"]),
+    "pipeline_bubble": ("pipeline_bubble.py", [], ["--microbatches", "8", "--steps", "2"]),
 }
 
 

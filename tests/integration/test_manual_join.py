@@ -47,7 +47,10 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
     run_dir = tmp_path / "m"
     command = [sys.executable, "-m", "elastic.cli", "run", *MODEL, "elastic_spares=1", "elastic_launcher=none",
                f"elastic_controller_address=127.0.0.1:{port}", f"elastic_run_id={RUN_ID}", "run_name=m",
-               f"base_output_directory={tmp_path}", "elastic_client_grace_seconds=60", "--quiet"]
+               f"base_output_directory={tmp_path}", "elastic_client_grace_seconds=60",
+               # The spare holds no state, so it has no client grace: it waits for the restarted client only as long
+               # as its lease, which must outlast the restart on a loaded host (5 s did not, once).
+               "elastic_worker_lease_seconds=15", "--quiet"]
     client = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                               stderr=open(tmp_path / "client.log", "wb"))
     workers: dict[str, subprocess.Popen] = {}
