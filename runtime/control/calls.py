@@ -111,10 +111,7 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
         return _pipeline_requests(fence, plan, where, schedule)
     peers = [pb.Peer(rank=r, address=a, data_address=d) for r, (a, d) in enumerate(map(where, plan.workers))]
     shadow_peers = [pb.Peer(address=a, data_address=d) for a, d in map(where, shadows)]
-    all_nodes, owners = [], []
-    for r, nodes in enumerate(plan.nodes):
-        all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
-        owners += [r] * len(nodes)
+    all_nodes, owners = _nodes_and_owners(plan.nodes)
     writer, directory, sums = checkpoint or ("", "", ())
     snapper, keeper = snapshot or ("", None)
     keeper = pb.Peer(address=where(keeper)[0]) if keeper else None
@@ -132,6 +129,15 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
     return out
 
 
+def _nodes_and_owners(nodes_per_rank) -> tuple[list[pb.Node], list[int]]:
+    """Every rank's subtrees in rank order, and the rank owning each (``StepRequest.all_nodes``, ``node_owner``)."""
+    all_nodes, owners = [], []
+    for r, nodes in enumerate(nodes_per_rank):
+        all_nodes += [pb.Node(level=n.level, index=n.index) for n in nodes]
+        owners += [r] * len(nodes)
+    return all_nodes, owners
+
+
 @functools.lru_cache(maxsize=64)
 def _streams(schedule: str, stages: int, microbatches: tuple[int, ...]):
     """Each stage's stream of one replica's central schedule (the same for every step of a placement)."""
@@ -144,10 +150,7 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str) ->
     and its neighbours the previous and next stages of its replica."""
     replicas, stages = plan.replicas, plan.stages
     streams = [_streams(schedule, stages, tuple(i for n in plan.nodes[r] for i in n.ids)) for r in range(replicas)]
-    all_nodes, owners = [], []
-    for r in range(replicas):
-        all_nodes += [pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]]
-        owners += [r] * len(plan.nodes[r])
+    all_nodes, owners = _nodes_and_owners(plan.nodes[:replicas])   # replica r's subtrees are slice r's
     addresses = [where(w) for w in plan.workers]
 
     def peer(v: int, rank: int = 0) -> pb.Peer:

@@ -48,7 +48,7 @@ from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, 
 from runtime.core.events import EventLog
 from runtime.control.membership import Membership
 from runtime.control.plan import membership_change_due
-from runtime.control.policy import StepPlan, plan_step
+from runtime.control.policy import StepPlan, plan_step, stage_groups
 from runtime.core.programs import ProgramSet
 from runtime.core.stage_programs import stages_digest
 from runtime.control.run_state import RunState
@@ -396,12 +396,11 @@ class Controller:
     def _final_digest(self, hashes: dict[str, str], step: int) -> str:
         """The state's digest: every replica's, which must agree; a pipeline's, over its stages' (the replicas of
         each stage must agree). ``ReplicaDivergenceError`` otherwise."""
-        active, stages = self.placement.active, self.opts.pipeline_stages
-        per_stage = [{hashes[w] for w in active[k * len(active) // stages:(k + 1) * len(active) // stages]}
-                     for k in range(stages)]
+        per_stage = [{hashes[w] for w in group} for group in stage_groups(self.placement.active,
+                                                                          self.opts.pipeline_stages)]
         if any(len(digests) != 1 for digests in per_stage):
             raise ReplicaDivergenceError("replicas diverged", step=step, cause=f"state hashes {hashes}")
-        return per_stage[0].pop() if stages == 1 else stages_digest([d.pop() for d in per_stage])
+        return per_stage[0].pop() if len(per_stage) == 1 else stages_digest([d.pop() for d in per_stage])
 
     # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
 

@@ -24,7 +24,7 @@ from runtime.core.microbatch import Node, assign_microbatches
 
 __all__ = ["Placement", "StepPlan", "StragglerDetector", "StragglerPolicy", "WorkerInfo", "cause_of",
            "checkpoint_writer", "holding_up", "is_suspect", "may_relaunch", "place", "plan_step", "reprobe_wait",
-           "snapshot_order", "straggler_action", "watchdog_limit"]
+           "snapshot_order", "stage_groups", "straggler_action", "watchdog_limit"]
 
 
 # -- placement ---------------------------------------------------------------
@@ -74,10 +74,6 @@ class StepPlan:
     def replicas(self) -> int:
         return len(self.workers) // self.stages
 
-    def stage_of(self, index: int) -> int:
-        """The pipeline stage of ``workers[index]`` (0 for every worker of an unpipelined run)."""
-        return index // self.replicas
-
     @property
     def loss_workers(self) -> tuple[str, ...]:
         """The workers that compute the loss: every one, or the last pipeline stage's."""
@@ -113,13 +109,20 @@ def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo
     return Placement(epoch=epoch, active=ids[:num_vslices], spares=ids[num_vslices:])
 
 
+def stage_groups(active: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:
+    """The active slices of each pipeline stage (stage-major: virtual slice ``v`` is stage ``v // R``); one group
+    of every slice for an unpipelined run."""
+    if len(active) % stages:
+        raise ValueError(f"{len(active)} active slices do not split into {stages} pipeline stages")
+    r = len(active) // stages
+    return tuple(active[k * r:(k + 1) * r] for k in range(stages))
+
+
 def plan_step(placement: Placement, step: int, num_microbatches: int, stages: int = 1) -> StepPlan:
     """Assigns the step's microbatch subtrees to the active slices in vslice order; with pipeline ``stages``,
     virtual slice ``v`` is stage ``v // R`` of pipeline replica ``v % R`` (``R`` = slices / stages), and each
     stage of a replica works on that replica's subtrees."""
-    if len(placement.active) % stages:
-        raise ValueError(f"{len(placement.active)} active slices do not split into {stages} pipeline stages")
-    replicas = len(placement.active) // stages
+    replicas = len(stage_groups(placement.active, stages)[0])
     nodes = assign_microbatches(num_microbatches, replicas)
     return StepPlan(step=step, epoch=placement.epoch, workers=placement.active,
                     nodes=tuple(tuple(nodes[v % replicas]) for v in range(len(placement.active))), stages=stages)

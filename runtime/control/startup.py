@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from runtime.control.policy import stage_groups
 from runtime.control.checkpointing import Loaded
 
 __all__ = ["first_state", "resume_from", "resumed", "start"]
@@ -36,10 +37,9 @@ def start(ctl) -> None:
         ctl.group.launch()
     workers = ctl.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
     ctl.membership.start(workers, sorted(ctl.dead), t0)   # lost: died before registering
-    stages = o.pipeline_stages
+    groups = stage_groups(ctl.placement.active, o.pipeline_stages)
     loaded = ctl.group.load(ctl.placement.members, spares=ctl.placement.spares,
-                            stages={w: v * stages // len(ctl.placement.active) for v, w in
-                                    enumerate(ctl.placement.active)} if stages > 1 else None)
+                            stages={w: k for k, g in enumerate(groups) for w in g} if len(groups) > 1 else None)
     for w, r in loaded.items():
         ctl.events.emit("device_probe", worker=w, ok=True, devices=r.devices_probed, seconds=r.probe_seconds)
     ctl.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in loaded.items()},
