@@ -42,7 +42,7 @@ from runtime.control.attach import Reattach, attach
 from runtime.control.calls import Stalled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
-from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
+from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
                                  StepAbortedError,
                                  WorkerFencedError, WorkerLostError)
 from runtime.core.events import EventLog
@@ -408,9 +408,6 @@ class Controller:
         """One recovery attempt (:meth:`runtime.control.membership.Membership.recover`); training resumes where it
         says."""
         self.pending = collections.deque()
-        if self.opts.pipeline_stages > 1:
-            raise CapacityExhaustedError("a pipelined run does not recover from a lost worker or a failed step yet",
-                                         step=self.state.committed, cause=str(self._error))
         self.membership.recover(self._error)
         self.plans.clear()
         self.slow.restart()   # the watchdog times the next step from here

@@ -34,7 +34,7 @@ import time
 from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDivergenceError, StateLostError,
                             WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
-from runtime.control.policy import Placement
+from runtime.control.policy import Placement, stage_groups
 from runtime.control.tiers import Holding
 
 __all__ = ["Membership", "failed"]
@@ -154,11 +154,12 @@ class Membership:
         live_replica = any(w in replicas and w not in group.dead for w in old.active)
         backups = {} if live_replica or not has_state else self._backups(s.committed)
         # Capacity may come: a worker may join within capacity_timeout_seconds, and with every replica lost the
-        # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint).
-        backup = bool(backups.get("snapshots") or backups.get("checkpoints"))
+        # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint); a
+        # pipelined run, which does not shrink, waits for them to take the lost slices.
+        backup = bool(backups.get("snapshots") or backups.get("checkpoints")) or o.pipeline_stages > 1
         facts = Facts(Change.RECOVER, placement=old, committed=s.committed, dead=frozenset(group.dead),
                       replicas=replicas, recoveries=s.recoveries, slices=o.slices, min_slices=o.min_slices,
-                      max_retries=o.max_retries, has_state=has_state,
+                      max_retries=o.max_retries, has_state=has_state, stages=o.pipeline_stages,
                       may_wait=o.capacity_timeout_seconds > 0 or (backup and o.relaunch), **backups)
         plan = plan_change(facts)
         self._decision(plan, self._dead(old))
@@ -207,9 +208,10 @@ class Membership:
         new = plan.placement
         survivors = [w for w in new.active if w in replicas]
         statuses = group.abort(new.members)
+        loss_workers = stage_groups(new.active, self.opts.pipeline_stages)[-1]   # (a pipeline's earlier stages: none)
         realign = plan_change(Facts(Change.REALIGN, placement=new, committed=s.committed,
                                     applied={w: statuses[w].applied_steps for w in survivors},
-                                    losses={w: statuses[w].losses for w in survivors}))
+                                    losses={w: statuses[w].losses for w in survivors if w in loss_workers}))
         if realign.action is Action.FAIL:
             raise ReplicaDivergenceError("cannot realign the survivors", step=s.committed, cause=realign.reason)
         for w in realign.rollbacks:
@@ -300,24 +302,47 @@ class Membership:
 
     def copy_to_newcomers(self, source: str, step: int, holders) -> int:
         """Copies ``source``'s state (of ``step`` applied steps) to every active member not in ``holders``, then
-        checks that every active member holds the same step and bits. Returns the bytes moved."""
+        checks that every active member holds the same step and bits. Returns the bytes moved.
+
+        A pipelined run's state is one per stage: a newcomer of stage k first loads that stage's programs
+        (when it warmed with another's) and copies from ``source`` when it is of stage k, else from the first
+        holder of stage k; the replicas of each stage must agree."""
         moved = 0
-        active = self.state().placement.active
-        for dest in active:
-            if dest in holders:
-                continue
-            t0 = time.time()
-            self.before_transfer(source, dest)
-            self.events.emit("transfer_started", source=source, dest=dest, step=step)
-            nbytes, digest, transport = self.group.transfer(source, dest, step)
-            self.events.emit("state_transferred", source=source, dest=dest, step=step, bytes=nbytes,
-                             seconds=time.time() - t0, digest=digest, transport=transport)
-            moved += nbytes
-        hashes = self.group.hashes(active)
-        if {s for s, _ in hashes.values()} != {step} or len({d for _, d in hashes.values()}) != 1:
-            raise ReplicaDivergenceError("replicas disagree after recovery", step=step,
-                                         cause=str({w: (s, d[:21]) for w, (s, d) in hashes.items()}))
+        stages = self.opts.pipeline_stages
+        groups = stage_groups(self.state().placement.active, stages)
+        for k, group in enumerate(groups):
+            src = source if stages == 1 or source in group else next(w for w in group if w in holders)
+            for dest in group:
+                if dest in holders:
+                    continue
+                if stages > 1:
+                    self._take_stage(dest, k)
+                t0 = time.time()
+                self.before_transfer(src, dest)
+                self.events.emit("transfer_started", source=src, dest=dest, step=step)
+                nbytes, digest, transport = self.group.transfer(src, dest, step)
+                self.events.emit("state_transferred", source=src, dest=dest, step=step, bytes=nbytes,
+                                 seconds=time.time() - t0, digest=digest, transport=transport)
+                moved += nbytes
+        hashes = self.group.hashes([w for group in groups for w in group])
+        for group in groups:
+            held = [hashes[w] for w in group]
+            if {s for s, _ in held} != {step} or len({d for _, d in held}) != 1:
+                raise ReplicaDivergenceError("replicas disagree after recovery", step=step,
+                                             cause=str({w: (s, d[:21]) for w, (s, d) in hashes.items()}))
         return moved
+
+    def _take_stage(self, worker: str, stage: int) -> None:
+        """A pipelined run's ``worker`` takes a slice of ``stage``: it loads that stage's programs unless it has
+        them (a spare warms with stage 0's)."""
+        if self.group.loaded_stage(worker) == stage:
+            return
+        t0 = time.time()
+        loaded = self.group.load([worker], spares=[worker], stages={worker: stage})
+        if worker not in loaded:
+            raise WorkerLostError(worker, f"lost while loading pipeline stage {stage}'s programs")
+        self.events.emit("stage_loaded", worker=worker, stage=stage, compile_seconds=loaded[worker].compile_seconds,
+                         seconds=time.time() - t0)
 
     def sync_shadows(self) -> None:
         """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state."""

@@ -28,7 +28,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from runtime.control.policy import Placement, WorkerInfo, place
+from runtime.control.policy import Placement, WorkerInfo, place, stage_groups
 from runtime.control.tiers import Holding, TierChoice, choose_source
 
 __all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
@@ -80,10 +80,14 @@ class RecoveryDecision:
 NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
               "(snapshot_interval keeps in-memory snapshots; checkpoint_period keeps checkpoints)")
 
+NO_STAGE_REPLICA = ("a pipelined run restores a stage only from a live replica of that stage so far (give each "
+                    "stage more replicas)")
+
 
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
                     recoveries: int, max_retries: int, may_wait: bool = False,
-                    checkpoint_step: int | None = None, backup: str = "checkpoint") -> RecoveryDecision:
+                    checkpoint_step: int | None = None, backup: str = "checkpoint",
+                    stages: int = 1) -> RecoveryDecision:
     """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
 
     ``replicas``: the workers known to hold the state at the committed
@@ -95,7 +99,11 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     there is none) and at least ``min_slices`` slices have a worker (else
     ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
     what holds that step ("checkpoint" or "snapshot"), for the reason.
-    ``recoveries``: attempts so far including this one; past
+    ``stages``: a pipelined run's stages (the active slices are stage-major,
+    :func:`runtime.control.policy.stage_groups`): each stage holds its own
+    state, so each must keep a replica, and a replacement takes the lost
+    slice's position (its stage); a pipelined run does not shrink (its
+    ``min_slices`` is every slice). ``recoveries``: attempts so far including this one; past
     ``max_retries`` the answer is ``FAIL``. ``may_wait``: capacity may still
     arrive (a relaunched or joining worker), so being below the minimum
     answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
@@ -121,8 +129,11 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     survivors = [w for w in placement.active if w not in dead]
     lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
                   "the surviving slices hold no copy of the state")
+    if stages > 1 and not lost_state:
+        lost_state = _stage_without_replica(placement.active, dead, replicas, stages)
     if lost_state and checkpoint_step is None:
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
+        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_STAGE_REPLICA if stages > 1 else NO_REPLICA}",
+                                failure=Failure.STATE_LOST)
     if lost_state:
         if len(active) >= min_slices:
             return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "
@@ -135,6 +146,9 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but "
                                                   f"no worker is left to restore it", failure=Failure.CAPACITY,
                                     limit="min_slices")
+    if dropped and stages > 1 and len(active) >= min_slices:   # (its min_slices is every slice: never so far)
+        return RecoveryDecision(Action.FAIL, new, f"no spare for {dropped} slice(s), and a pipelined run does not "
+                                                  "shrink", failure=Failure.CAPACITY, limit="min_slices")
     if len(active) < min_slices:
         if may_wait:
             return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, min_slices "
@@ -149,6 +163,16 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     if replaced:
         return RecoveryDecision(Action.REPLACE, new, "spares replace the lost slices")
     return RecoveryDecision(Action.RETRY, new, "no worker was lost; re-run the step")
+
+
+def _stage_without_replica(active: tuple[str, ...], dead: frozenset[str], replicas: frozenset[str],
+                           stages: int) -> str:
+    """Why a pipelined run lost its state ("" when it did not): a stage whose every replica is gone (each stage
+    holds its own share of the state; a replica of another stage cannot supply it)."""
+    for k, group in enumerate(stage_groups(active, stages)):
+        if not any(w in replicas and w not in dead for w in group):
+            return f"pipeline stage {k} lost every replica ({', '.join(group)})"
+    return ""
 
 
 def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *,
@@ -209,8 +233,11 @@ def plan_realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, f
     """Reconciles survivors that differ by at most one applied step.
 
     A step applies only once every rank finished its reduce-scatter, so live
-    replicas are at most one step apart. ``applied``: each survivor's applied
-    step count; ``losses``: each survivor's recent ``{step: loss_sum}``;
+    replicas are at most one step apart (in a pipelined run too: a stage applies
+    a step only after every later stage sent it that step's gradients).
+    ``applied``: each survivor's applied step count; ``losses``: the recent
+    ``{step: loss_sum}`` of the survivors that compute the loss (every one, or a
+    pipelined run's last stage);
     ``committed``: steps the controller committed. Steps all survivors
     applied are committed (their loss sums must agree); those ahead roll back.
     """
@@ -220,7 +247,7 @@ def plan_realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, f
                                          f"{committed} committed")
     commits = []
     for step in range(committed, target):
-        sums = {losses[w].get(step) for w in applied}
+        sums = {losses[w].get(step) for w in losses}
         if len(sums) != 1 or None in sums:
             return RealignPlan(target, error=f"no agreed loss for applied step {step}: {sorted(map(str, sums))}")
         commits.append((step, sums.pop()))
@@ -289,7 +316,7 @@ class Facts:
     restored); ``wait_until``: the deadline (in ``now``'s clock) of a wait for capacity, with the option that
     set it (``wait_limit``, ``wait_seconds``). ``workers`` and ``lost``: the registered and the lost (START);
     ``applied`` and ``losses``: each fenced survivor's applied steps and recent loss sums (REALIGN);
-    ``slow``: the straggler (SWAP).
+    ``slow``: the straggler (SWAP); ``stages``: a pipelined run's stages (RECOVER: each must keep a replica).
     """
 
     change: Change
@@ -314,6 +341,7 @@ class Facts:
     applied: Mapping[str, int] = dataclasses.field(default_factory=dict)
     losses: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     slow: str = ""
+    stages: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,7 +396,7 @@ def _plan_recover(f: Facts, now: float) -> ChangePlan:
     d = decide_recovery(old, dead, f.replicas, min_slices=f.min_slices, recoveries=f.recoveries,
                         max_retries=f.max_retries, may_wait=f.may_wait,
                         checkpoint_step=backup.step if backup and backup.ok else None,
-                        backup=backup.tier if backup and backup.ok else "checkpoint")
+                        backup=backup.tier if backup and backup.ok else "checkpoint", stages=f.stages)
     if d.action is Action.WAIT and f.wait_until is not None and now >= f.wait_until:
         d = capacity_timed_out(d, f.wait_seconds, f.wait_limit)
     if not f.has_state:   # nothing to copy: every live member counts as a replica; the dead start again now

@@ -48,6 +48,7 @@ class WorkerCalls:
         self._stubs: dict[str, pb_grpc.WorkerStub] = {}
         self._inflight: dict[str, list[grpc.Future]] = {}
         self._lock = threading.Lock()
+        self.loaded_stage: dict[str, int] = {}   # a pipelined run: the stage whose programs each worker loaded
         self._streams = StepStreams(opts.rpc_timeout_seconds)   # steps go on one stream per worker
 
     # -- the workers reached -----------------------------------------------------
@@ -147,22 +148,31 @@ class WorkerCalls:
         """The run's Load call; ``spare``: to a worker that starts as a spare, which then prepares the memory a
         state copy to it lands in (not when spares shadow: they get a state at once). ``stage``: a pipelined
         run's worker of that stage gets that stage's programs."""
+        if stage is None and self.pipelined:   # a spare of a pipelined run warms with stage 0's (it may take any)
+            stage = 0
         programs = self.programs if stage is None else self.programs.stages[stage]
         request = load_request(self._fence(), programs, self.data_source, self.opts, self.snapshot_root)
         request.spare = spare and not self.opts.shadow_spares
         return request
+
+    @property
+    def pipelined(self) -> bool:
+        """The run's programs are a pipeline's (one set per stage)."""
+        return hasattr(self.programs, "stages")
 
     def program_bytes(self) -> int:
         return sum(len(v) for v in self.programs.programs().values())
 
     def start_load(self, worker_id: str) -> grpc.Future:
         """The Load call to one worker (a newcomer warming: a spare), without waiting and not tracked in flight."""
+        if self.pipelined:
+            self.loaded_stage[worker_id] = 0
         return self._stubs[worker_id].Load.future(self._load_request(spare=True), timeout=self.opts.rpc_timeout_seconds)
 
     def load(self, workers, spares=(), stages: dict[str, int] | None = None) -> dict[str, LoadResult]:
         """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
-        Those in ``spares`` start as spares (:meth:`_load_request`); with ``stages`` (a pipelined run), each
-        worker gets its stage's programs.
+        Those in ``spares`` start as spares (:meth:`_load_request`); in a pipelined run each worker gets the
+        programs of its stage in ``stages`` (a spare not in it: stage 0's), recorded in ``loaded_stage``.
 
         Returns the workers that loaded. One that fails (or dies: its call is
         cancelled when it is declared dead) is declared dead and left out.
@@ -176,9 +186,12 @@ class WorkerCalls:
         run loaded them), all load at once.
         """
         spares, workers = set(spares), list(workers)
-        if stages is not None:   # a pipelined run: each worker its stage's programs
-            by_stage = {k: self._load_request(stage=k) for k in set(stages.values())}
-            requests = {w: by_stage[stages[w]] for w in workers}
+        if self.pipelined:   # each worker its stage's programs
+            stage_of = {w: (stages or {}).get(w, 0) for w in workers}
+            kinds = {key: self._load_request(spare=key[1], stage=key[0])
+                     for key in {(stage_of[w], w in spares) for w in workers}}
+            requests = {w: kinds[stage_of[w], w in spares] for w in workers}
+            self.loaded_stage.update(stage_of)
         else:   # one request of each kind, shared (the programs' bytes are not copied per worker)
             kinds = {False: self._load_request(), True: self._load_request(spare=True)}
             requests = {w: kinds[w in spares] for w in workers}

@@ -401,6 +401,10 @@ class WorkerGroup:
         ``stages``, each gets its pipeline stage's programs); see :meth:`WorkerCalls.load`."""
         return self.calls.load(workers, spares, stages)
 
+    def loaded_stage(self, worker_id: str) -> int | None:
+        """The pipeline stage whose programs ``worker_id`` loaded (None: an unpipelined run, or not loaded)."""
+        return self.calls.loaded_stage.get(worker_id)
+
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; see :meth:`WorkerCalls.init`."""
         return self.calls.init(workers, seed)

@@ -170,6 +170,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"step": COUNT, "bytes": COUNT, "steps_lost": COUNT, "worker": TEXT, "host": TEXT_OR_NULL}),
     EventKind("transfer_started", "a state copy between workers starts",
               {"source": TEXT, "dest": TEXT, "step": COUNT}),
+    EventKind("stage_loaded", "a worker taking a pipeline stage's slice loaded that stage's programs first (a spare "
+              "warms with stage 0's)", {**_W, "stage": COUNT, "compile_seconds": FINITE, "seconds": FINITE}),
     EventKind("state_transferred", "a state copy between workers ended (and its digest checked)", _COPY, _COPY_OPTIONAL),
     EventKind("placement_changed", "a step boundary changes the placement (spares warmed or dropped, a grow or a "
               "swap begins)", {"epoch": COUNT, "active": NAMES, "spares": NAMES, "why": TEXT}),

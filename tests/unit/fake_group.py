@@ -62,6 +62,7 @@ class FakeGroup:
         self.hung: set[str] = set()
         self.adopted: set[str] = set()
         self.calls: list[str] = []
+        self.stages: dict[str, int] = {}   # the pipeline stage each worker loaded (loaded_stage)
         self._deaths: queue.Queue = queue.Queue()
         self._launched = 0
         self._relaunched: set[str] = set()
@@ -217,7 +218,12 @@ class FakeGroup:
         return ok
 
     def load(self, workers, spares=(), stages=None):
-        return {w: LoadResult(0.0, self.devices, 0.0) for w in self._each("load", workers)}
+        loaded = {w: LoadResult(0.0, self.devices, 0.0) for w in self._each("load", workers)}
+        self.stages.update({w: (stages or {}).get(w, 0) for w in loaded})
+        return loaded
+
+    def loaded_stage(self, worker_id):
+        return self.stages.get(worker_id)
 
     def init(self, workers, seed):
         ok = self._each("init", workers)

@@ -133,3 +133,37 @@ def test_a_swap_moves_the_stragglers_slice_or_says_why_not(slow, placement, acti
     plan = plan_change(Facts(Change.SWAP, placement=placement, slow=slow))
     assert (plan.placement.active if plan.placement else None) == active
     assert reason in plan.reason
+
+
+# A pipelined run: 2 stages x 2 replicas, stage-major (a, b: stage 0; c, d: stage 1).
+PIPE = Placement(epoch=3, active=("a", "b", "c", "d"), spares=("s",))
+PIPE_LIMITS = {**LIMITS, "placement": PIPE, "slices": 4, "min_slices": 4, "stages": 2,
+               "replicas": frozenset("abcd")}
+
+
+def test_a_pipelined_recovery_puts_the_spare_in_the_lost_slices_stage():
+    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset({"c"})}))
+    assert plan.action is Action.REPLACE and plan.placement.active == ("a", "b", "s", "d")
+    assert plan.tier.tier == "replica"
+
+
+@pytest.mark.parametrize("facts, action, failure, reason", [
+    # both replicas of stage 1 lost: stage 0's replicas cannot supply stage 1's state, a spare or not
+    ({"dead": frozenset({"c", "d"})}, Action.FAIL, Failure.STATE_LOST, "pipeline stage 1 lost every replica (c, d)"),
+    # no spare: a pipelined run does not shrink (its min_slices is every slice) ...
+    ({"dead": frozenset({"a", "s"})}, Action.FAIL, Failure.CAPACITY, "min_slices is 4"),
+    # ... and waits for capacity when a relaunched worker may take the slice
+    ({"dead": frozenset({"a", "s"}), "may_wait": True}, Action.WAIT, None, "waiting for capacity"),
+    # a pipelined run below every slice never shrinks, even with a lower minimum
+    ({"dead": frozenset({"a", "s"}), "min_slices": 1}, Action.FAIL, Failure.CAPACITY, "does not shrink"),
+])
+def test_a_pipelined_recovery_needs_a_replica_of_every_stage_and_never_shrinks(facts, action, failure, reason):
+    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, **facts}))
+    assert (plan.action, plan.failure) == (action, failure) and reason in plan.reason
+
+
+def test_a_pipelined_realign_reads_the_loss_of_the_last_stages_survivors_only():
+    """Every survivor's applied steps count; only the loss workers' sums are compared (earlier stages have none)."""
+    plan = plan_change(Facts(Change.REALIGN, placement=PIPE, committed=7, applied={"a": 8, "b": 8, "d": 8},
+                             losses={"d": {7: 2.5}}))
+    assert (plan.action, plan.target, plan.commits) == (None, 8, ((7, 2.5),))
