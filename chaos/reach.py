@@ -14,8 +14,11 @@ The rules, with the reason each error gives (``docs/chaos-guide.md``):
   committed, and the run commits ``steps``.
 * ``@time=T`` in a soak run needs ``T < duration``: training stops
   dispatching at the duration.
-* ``slice=N`` needs ``N < dcn_data_parallelism``: the active slices never
-  outnumber the configured ones.
+* ``slice=N`` needs ``N < dcn_data_parallelism`` (times
+  ``dcn_pipeline_parallelism`` in a pipelined run, whose every stage of every
+  replica is a slice): the active slices never outnumber the configured ones.
+* ``stage=K[,replica=R]`` needs a pipelined run (``dcn_pipeline_parallelism``
+  S > 1), ``K < S`` and ``R < dcn_data_parallelism`` (the pipeline replicas).
 * ``role=spare`` needs ``elastic_spares > 0``: without warmed spares, a
   relaunched worker is promoted as soon as it is ready, so no spare is ever
   there to hit.
@@ -56,7 +59,7 @@ class RunShape:
     """The facts about a run that decide whether a fault can fire in it."""
 
     steps: int                              # steps the run commits (``steps``)
-    slices: int                             # active slices at most (``dcn_data_parallelism``)
+    slices: int                             # active slices at most (``dcn_data_parallelism`` x ``stages``)
     spares: int                             # warmed spares at the start (``elastic_spares``)
     recovery: bool = True                   # ``elastic_enabled``: a lost worker is replaced, not fatal
     relaunch: bool = True                   # ``elastic_relaunch``: dead workers come back as newcomers
@@ -67,13 +70,20 @@ class RunShape:
     snapshot_interval: int = 0              # ``elastic_snapshot_interval``: in-memory snapshots every N steps
     client_grace_seconds: float = 120.0     # ``elastic_client_grace_seconds``: workers outlive their client so long
     worker_lease_seconds: float = 5.0       # ``elastic_worker_lease_seconds``: a silent client's workers fence then
+    stages: int = 1                         # ``dcn_pipeline_parallelism``: the slices are stage-major, S x R
+
+    @property
+    def replicas(self) -> int:
+        """The pipeline replicas R (``dcn_data_parallelism``): the slices of each stage."""
+        return self.slices // max(self.stages, 1)
 
     @classmethod
     def of(cls, cfg, *, duration_seconds: float | None = None, mtbf_seconds: float | None = None) -> RunShape:
         """The shape of a chaos run of ``cfg`` (an ``elastic.Config``); a duration counts only with an MTBF
         (soak mode), as in :func:`chaos.harness.run_chaos`."""
         soak = bool(mtbf_seconds)
-        return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism, spares=cfg.elastic_spares,
+        stages = cfg.dcn_pipeline_parallelism
+        return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism * stages, stages=stages, spares=cfg.elastic_spares,
                    recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
                    duration_seconds=duration_seconds if soak else None, random_faults=soak,
                    checkpoints=cfg.enable_checkpointing, checkpoint_period=cfg.checkpoint_period,
@@ -118,8 +128,14 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
         return (f"snapshot={when.snapshot} is never reached: snapshots follow steps before the last, so they hold "
                 f"at most {shape.steps - 1} steps")
     if target.kind == "slice" and target.value >= shape.slices:
+        keys = f"dcn_data_parallelism={shape.replicas} x dcn_pipeline_parallelism={shape.stages}" \
+            if shape.stages > 1 else f"dcn_data_parallelism={shape.slices}"
         return (f"slice {target.value} does not exist: the run has {shape.slices} slices "
-                f"(dcn_data_parallelism={shape.slices}, slices 0..{shape.slices - 1})")
+                f"({keys}, slices 0..{shape.slices - 1})")
+    if target.kind == "stage":
+        reason = _stage_unreachable(fault, shape)
+        if reason:
+            return reason
     if target.kind == "role" and target.value == "spare" and shape.spares == 0:
         return "role=spare names nobody: the run has no spares (elastic_spares=0)"
     if target.kind == "client":
@@ -135,6 +151,20 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
         if not shape.random_faults and all(f.when.transfer or f.hits_client for f in (faults or (fault,))):
             return ("no state transfer can happen: a transfer follows a lost worker, and no other fault "
                     "in the list can lose one (add e.g. kill:slice=1@step=3 before it; a client fault loses none)")
+    return None
+
+
+def _stage_unreachable(fault: Fault, shape: RunShape) -> str | None:
+    stage, replica = fault.target.value, fault.target.replica
+    if shape.stages <= 1:
+        return (f"target {fault.target.spec()} names nobody: the run has no pipeline stages "
+                "(dcn_pipeline_parallelism=1); use slice=N, or set dcn_pipeline_parallelism")
+    if stage >= shape.stages:
+        return (f"stage {stage} does not exist: the run has {shape.stages} stages "
+                f"(dcn_pipeline_parallelism={shape.stages}, stages 0..{shape.stages - 1})")
+    if replica is not None and replica >= shape.replicas:
+        return (f"replica {replica} of stage {stage} does not exist: each stage has {shape.replicas} replicas "
+                f"(dcn_data_parallelism={shape.replicas}, replicas 0..{shape.replicas - 1})")
     return None
 
 

@@ -136,9 +136,12 @@ def _fault_text(item: Any) -> str:
 
 
 def _pair(key: str, value: Any) -> str:
-    """``{slice: 2}`` -> ``slice=2``; ``{transfer: true}`` and strings pass through."""
+    """``{slice: 2}`` -> ``slice=2``; ``{transfer: true}`` and strings pass through; a target may also be
+    ``{stage: 1, replica: 0}`` -> ``stage=1,replica=0``."""
     if isinstance(value, str):
         return value
+    if key == "target" and isinstance(value, Mapping) and set(value) == {"stage", "replica"}:
+        return f"stage={_scalar(key, value['stage'])},replica={_scalar(key, value['replica'])}"
     if isinstance(value, Mapping) and len(value) == 1:
         (name, inner), = value.items()
         if inner is True or inner is None:

@@ -4,7 +4,14 @@ A fault list reads ``KIND[(OPTIONS)][:TARGET]@WHEN``, comma separated, e.g.::
 
     kill@step=10,hang(resume=3s):slice=2@step=20,kill:role=spare@time=30s,kill:all@step=40,
     kill_save@step=5,kill:everything@checkpoint=12,kill:all@snapshot=20,
-    kill:client@step=25,hang(resume=8s):client@step=30,kill:client@transfer
+    kill:client@step=25,hang(resume=8s):client@step=30,kill:client@transfer,
+    kill:stage=1@step=3,hang(resume=3s):stage=0,replica=1@step=2
+
+The target ``stage=K[,replica=R]`` is for pipelined runs
+(``dcn_pipeline_parallelism`` > 1): the worker running stage K of pipeline
+replica R (replica 0 when R is left out). Its comma does not separate faults:
+a comma followed by ``replica=`` belongs to the ``stage=K`` before it, and
+``replica=`` anywhere else is an error.
 
 The target ``client`` is the process driving the run (the one calling
 ``fit``), not a worker: ``kill:client`` SIGKILLs it, ``hang(resume=S):client``
@@ -19,7 +26,8 @@ Contract:
   (``@transfer`` only with ``kill``/``hang`` and ``role=source``/``role=dest``;
   ``role=source``/``role=dest`` only with ``@transfer``; ``role=writer`` only
   with ``kill_save``, whose default target it is; the target ``client`` only
-  with ``kill`` (no options) and ``hang`` (with ``resume``), at any trigger).
+  with ``kill`` (no options) and ``hang`` (with ``resume``), at any trigger;
+  ``replica=R`` only right after ``stage=K``).
 * :func:`validate` re-checks faults built any way and also rejects what the
   runtime cannot do (none today: every kind is injectable). The caller (the
   chaos runner) calls it before starting a run;
@@ -66,7 +74,7 @@ KINDS = ("kill", "hang", "straggle", "partition", "corrupt", "kill_save")
 _NOT_INJECTABLE: dict[str, str] = {}
 #: The kinds a run can be faulted with today (random schedules draw from these).
 INJECTABLE_KINDS = tuple(k for k in KINDS if k not in _NOT_INJECTABLE)
-TARGET_KINDS = ("slice", "worker", "role", "random", "all", "everything", "client")
+TARGET_KINDS = ("slice", "stage", "worker", "role", "random", "all", "everything", "client")
 ROLES = ("active", "spare", "source", "dest", "writer")
 TRANSFER_KINDS = ("kill", "hang")
 TRANSFER_ROLES = ("source", "dest")
@@ -93,6 +101,9 @@ _DURATION_NAMES = frozenset({"seconds", "for", "duration", "time"})   # what a h
 # Options whose value is a word from a fixed list (kept as text).
 _CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {"phase": FAULT_PHASES}
 _INT = re.compile(r"[0-9]+")
+# A comma that carries a stage target's replica (``stage=1,replica=0``) rather than separating faults.
+_REPLICA = re.compile(r",\s*replica\s*=")
+_MISPLACED_REPLICA = "replica=R is only valid right after a stage=K target (e.g. kill:stage=1,replica=0@step=3)"
 _WORKER_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _DURATION = re.compile(r"(?P<num>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?P<unit>ms|s|m)?")
 _UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0}
@@ -106,11 +117,13 @@ class FaultSpecError(ValueError):
 class Target:
     """Whom a fault hits; resolved to worker ids at injection time (``chaos.schedule``)."""
 
-    kind: str  # "slice" | "worker" | "role" | "random" | "all" | "everything" | "client"
-    value: int | str | None = None  # slice index, worker id, role name, or None
+    kind: str  # "slice" | "stage" | "worker" | "role" | "random" | "all" | "everything" | "client"
+    value: int | str | None = None  # slice index, stage index, worker id, role name, or None
+    replica: int | None = None  # kind "stage" only: the pipeline replica (None: replica 0)
 
     def spec(self) -> str:
-        return self.kind if self.value is None else f"{self.kind}={self.value}"
+        text = self.kind if self.value is None else f"{self.kind}={self.value}"
+        return text if self.replica is None else f"{text},replica={self.replica}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +236,8 @@ def validate(faults: list[Fault] | tuple[Fault, ...]) -> None:
 
 
 def split_faults(text: str) -> list[str]:
-    """The pieces of a fault list between top-level commas (commas inside ``(...)`` do not split).
+    """The pieces of a fault list between top-level commas (commas inside ``(...)`` do not split, nor does one
+    followed by ``replica=``: it belongs to the ``stage=K`` target before it).
 
     Pieces are not stripped or checked; raises FaultSpecError for unbalanced parentheses.
     """
@@ -235,7 +249,7 @@ def split_faults(text: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise FaultSpecError(f"unbalanced ')' at position {i} in {text!r}")
-        elif ch == "," and depth == 0:
+        elif ch == "," and depth == 0 and not _REPLICA.match(text, i):
             pieces.append(text[start:i])
             start = i + 1
     if depth:
@@ -257,8 +271,8 @@ def _split_hint(piece: str, following: list[str]) -> str:
 
 def _parse_one(piece: str) -> Fault:
     head, at, when_text = piece.partition("@")
-    if not at:
-        raise FaultSpecError("missing '@WHEN' (e.g. @step=10, @time=30s, @transfer, @checkpoint=8)")
+    if _REPLICA.search(when_text):
+        raise FaultSpecError(_MISPLACED_REPLICA)
     if "@" in when_text:
         raise FaultSpecError("more than one '@'")
     m = re.match(r"\s*(\w*)\s*", head)
@@ -273,11 +287,14 @@ def _parse_one(piece: str) -> Fault:
         options = _parse_options(kind, rest[1:close])
         rest = rest[close + 1:].strip()
     if rest and not rest.startswith(":"):
+        if _REPLICA.search(rest):
+            raise FaultSpecError(_MISPLACED_REPLICA)
         raise FaultSpecError(f"unexpected {rest!r} after kind {kind!r} (expected '(OPTIONS)', ':TARGET' or '@WHEN')")
+    target = _parse_target(rest[1:].strip(), kind) if rest else None   # its errors first: 'kill:client,replica=0'
+    if not at:
+        raise FaultSpecError("missing '@WHEN' (e.g. @step=10, @time=30s, @transfer, @checkpoint=8)")
     when = _parse_when(when_text.strip())
-    if rest:
-        target = _parse_target(rest[1:].strip(), kind)
-    else:
+    if target is None:
         target = Target("role", "source") if when.transfer else Target("role", "writer") if kind == "kill_save" \
             else Target("random")
     return Fault(kind, target, when, tuple(sorted(options.items())))
@@ -314,7 +331,10 @@ def _parse_target(text: str, kind: str = "kill") -> Target:
         name, _, options = text.partition("(")
         raise FaultSpecError(f"options go right after the kind, before ':TARGET': "
                              f"{kind}({options.rstrip(')').strip()}):{name.strip()}, not {kind}:{text}")
+    text, comma, replica = text.partition(",")
     name, eq, value = (s.strip() for s in text.partition("="))
+    if name == "replica" or (comma and name != "stage"):
+        raise FaultSpecError(_MISPLACED_REPLICA + (f", not after {text.strip()!r}" if comma else ""))
     if name not in TARGET_KINDS:
         raise FaultSpecError(f"unknown target {name!r} (expected {_names(TARGET_KINDS)})")
     if name in _BARE_TARGETS:
@@ -323,11 +343,25 @@ def _parse_target(text: str, kind: str = "kill") -> Target:
         return Target(name)
     if not value:
         raise FaultSpecError(f"target {name!r} needs a value ({name}=...)")
-    if name == "slice":
+    if name in ("slice", "stage"):
         if not _INT.fullmatch(value):
-            raise FaultSpecError(f"target slice needs an integer >= 0, got {value!r}")
-        return Target("slice", int(value))
+            raise FaultSpecError(f"target {name} needs an integer >= 0, got {value!r}")
+        return Target(name, int(value), _parse_replica(replica) if comma else None)   # a slice has no comma here
     return Target(name, value)
+
+
+def _parse_replica(text: str) -> int:
+    """The ``R`` of ``stage=K,replica=R``, given the text after the comma."""
+    name, _, value = (s.strip() for s in text.partition("="))
+    if name != "replica":
+        raise FaultSpecError(f"unexpected {text.strip()!r} after a stage target (expected stage=K or "
+                             "stage=K,replica=R)")
+    if _REPLICA.search(value):
+        raise FaultSpecError("replica= given twice (a stage target takes one: stage=K,replica=R)")
+    if not _INT.fullmatch(value):
+        got = "nothing" if not value else repr(value)
+        raise FaultSpecError(f"target replica needs an integer >= 0 (e.g. stage=1,replica=0), got {got}")
+    return int(value)
 
 
 def _parse_when(text: str) -> When:
@@ -364,8 +398,11 @@ def _check(f: Fault) -> None:
         raise FaultSpecError(f"when must be a When, got {w!r}")
     if not isinstance(t.kind, str) or t.kind not in TARGET_KINDS:
         raise FaultSpecError(f"unknown target {t.kind!r} (expected {_names(TARGET_KINDS)})")
-    if t.kind == "slice" and (not isinstance(t.value, int) or isinstance(t.value, bool) or t.value < 0):
-        raise FaultSpecError(f"target slice needs an integer >= 0, got {t.value!r}")
+    if t.kind in ("slice", "stage") and not _index(t.value):
+        raise FaultSpecError(f"target {t.kind} needs an integer >= 0, got {t.value!r}")
+    if t.replica is not None and not (t.kind == "stage" and _index(t.replica)):
+        raise FaultSpecError(f"target replica needs an integer >= 0, got {t.replica!r}" if t.kind == "stage"
+                             else f"{_MISPLACED_REPLICA}, not with target {t.kind!r}")
     if t.kind == "worker" and not (isinstance(t.value, str) and _WORKER_ID.fullmatch(t.value)):
         raise FaultSpecError(f"target worker needs an id of letters, digits, '_', '.', '-', got {t.value!r}")
     if t.kind == "role" and not (isinstance(t.value, str) and t.value in ROLES):
@@ -395,12 +432,12 @@ def _check(f: Fault) -> None:
     if (t.kind == "role" and t.value == "writer") != (f.kind == "kill_save" and t.kind == "role"):
         if f.kind == "kill_save":
             raise FaultSpecError(f"kill_save hits the worker writing a checkpoint: target role=writer (the default),"
-                                 f" a slice or a worker, not {t.spec()!r}")
+                                 f" a slice, a stage or a worker, not {t.spec()!r}")
         raise FaultSpecError("target role=writer works only with kill_save (the worker that writes the next "
                              "checkpoint)")
     if f.kind == "kill_save" and t.kind in ("random", "all", "everything"):
         raise FaultSpecError(f"kill_save hits the worker writing a checkpoint: target role=writer (the default), "
-                             f"a slice or a worker, not {t.spec()!r}")
+                             f"a slice, a stage or a worker, not {t.spec()!r}")
     allowed = _OPTIONS[f.kind]
     if not (isinstance(f.options, tuple) and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str)
                                                  for o in f.options)):
@@ -442,6 +479,11 @@ def _no_value(name: str, got) -> str:
         return (f"target 'client' takes no value, got {got!r}: it is the one process driving the run "
                 "(e.g. kill:client@step=10); to hit a worker, use slice=N or worker=ID")
     return f"target {name!r} takes no value, got {got!r}"
+
+
+def _index(x) -> bool:
+    """Whether ``x`` is an int >= 0 (not a bool): a slice, stage or replica index."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _real(x) -> float | None:

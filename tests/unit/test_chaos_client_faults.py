@@ -41,7 +41,9 @@ def test_client_faults_read_back_as_themselves(text):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("kill:client,replica=0", "a comma separates faults, so 'replica=0' was read as another fault"),
+    ("kill:client,x=0", "a comma separates faults, so 'x=0' was read as another fault"),
+    ("kill:client,replica=0", "replica=R is only valid right after a stage=K target (e.g. "
+                              "kill:stage=1,replica=0@step=3), not after 'client'"),
     ("kill:client=0@step=3", "target 'client' takes no value, got 'client=0'"),
     ("hang:client@step=3", "hang:client needs resume=DURATION"),
     ("hang:client(resume=8s)@step=10", "options go right after the kind, before ':TARGET': hang(resume=8s):client"),

@@ -56,12 +56,27 @@ def test_durations(text, seconds):
     "hang(resume=0.25s):worker=w-2.a@time=1.5s",
     "kill:role=source@transfer,hang:role=dest@transfer",
     "partition(for=1m):everything@time=0s,corrupt:role=active@step=0,kill_save@step=3",
+    "kill:stage=1@step=3,kill:stage=1,replica=0@step=3,hang(resume=3s):stage=0,replica=1@step=2,"
+    "kill_save:stage=1@checkpoint=4,straggle(factor=2):stage=2,replica=3@time=5s",
 ])
 def test_spec_round_trips(text):
     faults = parse_faults(text)
     for f in faults:
         assert parse_faults(f.spec()) == [f]
     assert parse_faults(",".join(f.spec() for f in faults)) == faults
+
+
+def test_stage_targets_keep_their_replica_comma_and_the_next_comma_splits():
+    one, two, three, four = parse_faults("kill:stage=1@step=3, kill:stage=1 , replica = 0@step=3,"
+                                         "hang(resume=3s):stage=0,replica=1@step=2,kill@step=4")
+    assert one.target == Target("stage", 1) and one.target.replica is None
+    assert two.target == Target("stage", 1, 0) and two.spec() == "kill:stage=1,replica=0@step=3"
+    assert three == Fault("hang", Target("stage", 0, 1), When(step=2), (("resume", 3.0),))
+    assert four == Fault("kill", Target("random"), When(step=4))
+    assert parse_faults("kill_save:stage=1,replica=1@checkpoint=4")[0].target == Target("stage", 1, 1)
+    for f in (one, two, three, four):
+        validate([f])
+        assert parse_faults(f.spec()) == [f]
 
 
 def test_spec_is_canonical():
@@ -72,8 +87,8 @@ def test_spec_is_canonical():
 
 @pytest.mark.parametrize("text,message", [
     ("kill@step=10,hang:slise=2@step=20",
-     "fault 2 'hang:slise=2@step=20': unknown target 'slise' (expected slice, worker, role, random, all, everything, "
-     "client)"),
+     "fault 2 'hang:slise=2@step=20': unknown target 'slise' (expected slice, stage, worker, role, random, all, "
+     "everything, client)"),
     ("kil@step=1", "unknown kind 'kil'"),
     ("kill@stp=1", "bad when 'stp=1'"),
     ("kill", "missing '@WHEN'"),
@@ -97,6 +112,22 @@ def test_spec_is_canonical():
     ("kill@step=1,", "fault 2: trailing comma"),
     ("kill@step=1,,kill@step=2", "fault 2: empty fault between commas"),
     ("kill(@step=1", "unclosed '('"),
+    ("kill:stage=x@step=3", "fault 1 'kill:stage=x@step=3': target stage needs an integer >= 0, got 'x'"),
+    ("kill:stage=-1@step=3", "target stage needs an integer >= 0, got '-1'"),
+    ("kill:stage@step=3", "target 'stage' needs a value"),
+    ("kill:replica=0@step=3", "fault 1 'kill:replica=0@step=3': replica=R is only valid right after a stage=K "
+                              "target (e.g. kill:stage=1,replica=0@step=3)"),
+    ("kill:stage=1,replica=@step=3", "target replica needs an integer >= 0 (e.g. stage=1,replica=0), got nothing"),
+    ("kill:stage=1,replica=one@step=3", "target replica needs an integer >= 0 (e.g. stage=1,replica=0), got 'one'"),
+    ("kill:stage=1,replica=0,replica=1@step=3", "replica= given twice"),
+    ("kill:slice=1,replica=0@step=3", "replica=R is only valid right after a stage=K target (e.g. "
+                                      "kill:stage=1,replica=0@step=3), not after 'slice=1'"),
+    ("kill:all,replica=0@step=3", "not after 'all'"),
+    ("kill,replica=0@step=3", "fault 1 'kill,replica=0@step=3': replica=R is only valid right after a stage=K"),
+    ("kill:stage=1@step=3,replica=0", "fault 1 'kill:stage=1@step=3,replica=0': replica=R is only valid right "
+                                      "after a stage=K"),
+    ("kill@step=1,replica=0@step=2", "replica=R is only valid right after a stage=K"),
+    ("kill:stage=1,replica=0@transfer", "@transfer needs target role=source or role=dest, got 'stage=1,replica=0'"),
 ])
 def test_errors_name_the_bad_piece(text, message):
     with pytest.raises(FaultSpecError) as info:
@@ -120,6 +151,23 @@ def test_kill_save_aims_at_the_writer_and_hand_built_nonsense_is_rejected():
         validate([Fault("kill", Target("random"), When(step=1, time=2.0))])
     with pytest.raises(FaultSpecError, match="target slice needs an integer >= 0, got -1"):
         validate([Fault("kill", Target("slice", -1), When(step=1))])
+
+
+@pytest.mark.parametrize("target,message", [
+    (Target("stage", -1), "target stage needs an integer >= 0, got -1"),
+    (Target("stage", True), "target stage needs an integer >= 0, got True"),
+    (Target("stage", "1"), "target stage needs an integer >= 0, got '1'"),
+    (Target("stage", 1, -1), "target replica needs an integer >= 0, got -1"),
+    (Target("stage", 1, "0"), "target replica needs an integer >= 0, got '0'"),
+    (Target("slice", 1, 0), "replica=R is only valid right after a stage=K target (e.g. kill:stage=1,replica=0@step=3),"
+                            " not with target 'slice'"),
+    (Target("all", None, 0), "not with target 'all'"),
+])
+def test_hand_built_stage_targets_are_checked(target, message):
+    with pytest.raises(FaultSpecError) as info:
+        validate([Fault("kill", target, When(step=1))])
+    assert message in str(info.value)
+    validate([Fault("kill", Target("stage", 0, 0), When(step=1)), Fault("kill_save", Target("stage", 2), When(step=1))])
 
 
 def test_one_fault_vocabulary_from_the_grammar_to_the_report():
@@ -168,11 +216,13 @@ def test_scenario_mapping_faults_and_defaults(tmp_path):
         "  - kill@step=5\n"
         "  - {kind: hang, target: {slice: 2}, at: {step: 10}, options: {resume: 3s}}\n"
         "  - {kind: kill, target: {role: source}, at: transfer}\n"
-        "  - {kind: partition, at: {time: 2.5}}\n")
+        "  - {kind: partition, at: {time: 2.5}}\n"
+        "  - {kind: kill, target: {stage: 1, replica: 0}, at: {step: 3}}\n")
     assert load_scenario(path) == Scenario(
         name="s", description="two forms", config="tiny", seed=3, mtbf_seconds=20.0, duration_seconds=60.0,
         overrides=("steps=12", "elastic_relaunch=false", "learning_rate=0.01"),
-        faults=tuple(parse_faults("kill@step=5,hang(resume=3s):slice=2@step=10,kill@transfer,partition@time=2.5s")))
+        faults=tuple(parse_faults("kill@step=5,hang(resume=3s):slice=2@step=10,kill@transfer,partition@time=2.5s,"
+                                  "kill:stage=1,replica=0@step=3")))
 
 
 @pytest.mark.parametrize("body,message", [
@@ -263,6 +313,49 @@ def test_resolve_errors(target, active, spares, message):
     assert isinstance(info.value, ValueError)
 
 
+# A pipelined run of S=2 stages x R=2 replicas: stage-major, so stage k replica r runs active[k * 2 + r].
+PIPELINED = ("s0r0", "s0r1", "s1r0", "s1r1")
+
+
+@pytest.mark.parametrize("target,expected", [
+    (Target("stage", 1), ("s1r0",)),                   # no replica: the stage's first
+    (Target("stage", 1, 0), ("s1r0",)),
+    (Target("stage", 1, 1), ("s1r1",)),
+    (Target("stage", 0, 1), ("s0r1",)),
+    (Target("slice", 3), ("s1r1",)),
+])
+def test_resolve_stage_targets_stage_major(target, expected):
+    assert resolve_target(target, PIPELINED, (), random.Random(0), stages=2) == expected
+
+
+@pytest.mark.parametrize("target,active,stages,message", [
+    (Target("stage", 2), PIPELINED, 2, "stage 2 is out of range: the run has 2 pipeline stages (0..1)"),
+    (Target("stage", 1, 2), PIPELINED, 2, "replica 2 of stage 1 is out of range: 2 pipeline replicas (0..1)"),
+    (Target("stage", 0, 3), PIPELINED[:2] + ("x", "y", "z", "v"), 3, "replica 3 of stage 0 is out of range"),
+    (Target("stage", 0), PIPELINED, 1, "target stage=0 names nobody: the run has no pipeline stages "
+                                       "(dcn_pipeline_parallelism=1); use slice=N"),
+    (Target("stage", 1, 0), PIPELINED[:3], 2, "target stage=1,replica=0 names nobody now: 3 active slices do not "
+                                              "split into 2 pipeline stages"),
+])
+def test_resolve_stage_errors(target, active, stages, message):
+    with pytest.raises(TargetError) as info:
+        resolve_target(target, active, (), random.Random(0), stages=stages)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_injector_hits_the_stage_through_the_controllers_pipeline_stages():
+    ctl = _Controller(active=PIPELINED)
+    ctl.opts = type("Opts", (), {"pipeline_stages": 2})()
+    injector = FaultInjector(parse_faults("corrupt:stage=1@step=1,corrupt:stage=0,replica=1@step=1,"
+                                          "corrupt:stage=2@step=1"))
+    injector.attach(ctl)
+    injector.step_committed(1)
+    injector.close()
+    assert ctl.armed == [("s1r0", "corrupt"), ("s0r1", "corrupt")]
+    [skipped] = [e for e in ctl.events.emitted if e["kind"] == "fault_skipped"]
+    assert skipped["fault"] == "corrupt:stage=2@step=1" and "stage 2 is out of range" in skipped["reason"]
+
+
 # --------------------------------------------------------------------------- faults that can never fire (or did not)
 
 def shape(*overrides, duration=None, mtbf=None):
@@ -298,6 +391,16 @@ def shape(*overrides, duration=None, mtbf=None):
     ("kill:all@snapshot=8", [], {}, "snapshot=8 waits for an in-memory snapshot, and the run takes none"),
     ("kill:all@snapshot=20", ["steps=20", "elastic_snapshot_interval=4"], {},
      "snapshot=20 is never reached: snapshots follow steps before the last, so they hold at most 19 steps"),
+    ("kill:slice=4@step=1", ["dcn_data_parallelism=2", "dcn_pipeline_parallelism=2"], {},
+     "slice 4 does not exist: the run has 4 slices (dcn_data_parallelism=2 x dcn_pipeline_parallelism=2, "
+     "slices 0..3)"),
+    ("kill:stage=2@step=1", ["dcn_data_parallelism=2", "dcn_pipeline_parallelism=2"], {},
+     "fault 1 'kill:stage=2@step=1': stage 2 does not exist: the run has 2 stages (dcn_pipeline_parallelism=2, "
+     "stages 0..1)"),
+    ("hang(resume=3s):stage=1,replica=2@step=1", ["dcn_data_parallelism=2", "dcn_pipeline_parallelism=2"], {},
+     "replica 2 of stage 1 does not exist: each stage has 2 replicas (dcn_data_parallelism=2, replicas 0..1)"),
+    ("kill:stage=0@step=1", ["dcn_data_parallelism=4"], {},
+     "target stage=0 names nobody: the run has no pipeline stages (dcn_pipeline_parallelism=1); use slice=N"),
 ])
 def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, overrides, soak, message):
     with pytest.raises(FaultSpecError) as info:
@@ -317,6 +420,8 @@ def test_a_fault_that_can_never_fire_is_refused_naming_it_and_why(spec, override
     ("kill_save@checkpoint=8", ["steps=10", "enable_checkpointing=true", "checkpoint_period=2"], {}),  # 10 follows
     ("kill_save@checkpoint=5", ["steps=10", "enable_checkpointing=true", "checkpoint_period=4"], {}),  # 8, then 10
     ("kill:all@snapshot=16", ["steps=20", "elastic_snapshot_interval=4"], {}),
+    ("kill:slice=3@step=1,kill:stage=1,replica=1@step=2,hang(resume=3s):stage=0@step=3",
+     ["dcn_data_parallelism=2", "dcn_pipeline_parallelism=2"], {}),
 ])
 def test_a_fault_that_can_fire_is_accepted(spec, overrides, soak):
     check_reachable(parse_faults(spec), shape(*overrides, **soak))
@@ -349,8 +454,8 @@ class _Events:
 class _Controller:
     """The observer surface the injector may use; faults are armed, nothing is signalled."""
 
-    def __init__(self):
-        self.placement = type("P", (), {"active": ("w0", "w1"), "spares": ()})()
+    def __init__(self, active=("w0", "w1")):
+        self.placement = type("P", (), {"active": active, "spares": ()})()
         self.events = _Events()
         self.armed = []
 

@@ -30,7 +30,7 @@ def test_chaos_is_a_plugged_in_command(cli):
     proc, _ = cli("chaos", "tiny", "--faults", "kill:slise=1@step=3", check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "elastic: error: fault 1 'kill:slise=1@step=3': unknown target 'slise' "
-        "(expected slice, worker, role, random, all, everything, client)"]
+        "(expected slice, stage, worker, role, random, all, everything, client)"]
 
 
 def test_a_broken_plugin_is_one_warning_and_the_builtin_commands_still_work(monkeypatch, capsys):

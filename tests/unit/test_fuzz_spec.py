@@ -27,7 +27,8 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, max_examples=120
 
 # Pieces of the grammar and near misses; a fault spec is a run of these and of a little noise.
 TOKENS = [*KINDS, "kil", "straggle ", "(", ")", "()", ",", ":", "@", "=", " ", "step", "time", "transfer",
-          "slice", "worker", "role", "random", "all", "everything", "active", "spare", "source", "dest",
+          "slice", "stage", "replica", ",replica=", "worker", "role", "random", "all", "everything", "active", "spare",
+          "source", "dest",
           "factor", "for", "resume", "phase", "grad", "reduce", "apply", "0", "3", "-1", "1.5", "8s", "500ms",
           "2m", "1e999", "nan", "inf", "w2", "w-2.a", "\x00", "é", "1e-320"]
 SPEC_TEXT = st.one_of(
@@ -41,7 +42,8 @@ ONE_FAULT = st.builds(
     st.sampled_from(["", "(factor=4)", "(for=8s)", "(factor=1.5,for=500ms)", "(resume=3s)", "(phase=grad)",
                      "(phase=apply)", "(for=0)", "(factor=0.5)", "(resume=1e999)"]),
     st.sampled_from(["", ":slice=0", ":slice=2", ":worker=w1", ":role=active", ":role=spare", ":role=source",
-                     ":role=dest", ":random", ":all", ":everything"]),
+                     ":role=dest", ":random", ":all", ":everything", ":stage=0", ":stage=1,replica=1",
+                     ":stage=2, replica=0", ":slice=1,replica=0", ":replica=1"]),
     st.one_of(st.integers(0, 10**6).map(lambda n: f"step={n}"),
               st.floats(0, 1e9, allow_nan=False).map(lambda s: f"time={s!r}"),
               st.sampled_from(["time=30s", "time=500ms", "time=2m", "transfer"])),
@@ -88,8 +90,10 @@ def test_parse_duration_gives_seconds_or_a_fault_spec_error(text):
 HAND_BUILT = st.builds(
     Fault,
     kind=st.one_of(st.sampled_from(KINDS), ANY),
-    target=st.one_of(st.builds(Target, st.sampled_from(["slice", "worker", "role", "random", "all", "everything"]),
-                               ANY), st.builds(Target, ANY, ANY), ANY),
+    target=st.one_of(st.builds(Target, st.sampled_from(["slice", "stage", "worker", "role", "random", "all",
+                                                        "everything"]), ANY),
+                     st.builds(Target, st.sampled_from(["stage", "slice", "all"]), ANY, ANY),
+                     st.builds(Target, ANY, ANY), ANY),
     when=st.one_of(st.builds(When, step=ANY), st.builds(When, time=ANY), st.builds(When, transfer=ANY),
                    st.builds(When, step=ANY, time=ANY, transfer=ANY), ANY),
     options=st.one_of(st.just(()), st.lists(st.tuples(st.sampled_from(["factor", "for", "resume", "phase", "x"]),
@@ -108,7 +112,9 @@ def test_validate_of_hand_built_faults_accepts_only_what_the_grammar_can_write(f
     check_faults(faults)   # a fault validate accepts is one the grammar reads back as itself
 
 
-SHAPES = st.builds(RunShape, steps=st.integers(1, 100), slices=st.integers(1, 8), spares=st.integers(0, 3),
+SHAPES = st.builds(lambda replicas, stages, **shape: RunShape(slices=replicas * stages, stages=stages, **shape),
+                   replicas=st.integers(1, 8), stages=st.integers(1, 3), steps=st.integers(1, 100),
+                   spares=st.integers(0, 3),
                    recovery=st.booleans(), relaunch=st.booleans(),
                    duration_seconds=st.one_of(st.none(), st.floats(0.001, 1e4)), random_faults=st.booleans())
 
