@@ -110,6 +110,7 @@ class _Recovery:
     snapshot: int | None = None
     checkpoint: int | None = None
     recomputed: int = 0
+    stages: tuple = ()                 # a pipelined run: the active slices of each stage when it failed
 
 
 def promises(events: list[dict], config: dict | None) -> list[Promise]:
@@ -120,6 +121,7 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
     """
     cfg = config or {}
     shadowing = bool(cfg.get("elastic_shadow_spares"))
+    pipeline = int(cfg.get("dcn_pipeline_parallelism") or 1)
     active, spares, dead = [], [], set()
     replicas, shadows = set(), set()
     have_state = False
@@ -193,7 +195,7 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
                 current = _Recovery(failures=[], step=e.get("committed") or 0, committed=e.get("committed") or 0,
                                     had_state=have_state,
                                     replicas=frozenset((replicas if have_state else members) - dead),
-                                    shadows=frozenset(shadows - dead))
+                                    shadows=frozenset(shadows - dead), stages=_stages(active, pipeline))
                 found.append(current)
             current.failures.append(failures)
             current.committed = e.get("committed") or 0
@@ -217,9 +219,19 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
 def _close(r: _Recovery, dead: set, copies: dict, corrupt: set, *, recovered: bool) -> None:
     r.recovered = recovered
     r.survivors = tuple(sorted(w for w in r.replicas | r.shadows if w not in dead))
+    if any(not set(stage) & set(r.survivors) for stage in r.stages):
+        r.survivors = ()   # a stage lost every replica: the others' states cannot supply it
     at_most = r.committed
     r.snapshot = max((s for s in copies["snapshot"] if s <= at_most), default=None)
     r.checkpoint = max((s for s in copies["checkpoint"] if s <= at_most and s not in corrupt), default=None)
+
+
+def _stages(active: list, stages: int) -> tuple:
+    """A pipelined run's active slices by stage (stage-major); () for an unpipelined run."""
+    if stages <= 1 or not active or len(active) % stages:
+        return ()
+    r = len(active) // stages
+    return tuple(tuple(active[k * r:(k + 1) * r]) for k in range(stages))
 
 
 def _judge(r: _Recovery, cfg: dict, trail: dict) -> Promise:

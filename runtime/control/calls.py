@@ -101,20 +101,19 @@ def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts
 
 def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[str, str]],
                   checkpoint: tuple[str, str, list[float]] | None = None, shadows=(),
-                  snapshot: tuple[str, str | None] | None = None,
+                  snapshots: Mapping[str, str | None] | None = None,
                   schedule: str = "1f1b") -> list[tuple[str, pb.StepRequest]]:
     """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
     shadow's. ``where(worker)``: its ``(address, data address)``; the other arguments as
     :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them. A pipelined plan: each stage
     worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`)."""
+    snapshots = {w: pb.Peer(address=where(p)[0]) if p else None for w, p in (snapshots or {}).items()}
     if plan.stages > 1:
-        return _pipeline_requests(fence, plan, where, schedule)
+        return _pipeline_requests(fence, plan, where, schedule, snapshots)
     peers = [pb.Peer(rank=r, address=a, data_address=d) for r, (a, d) in enumerate(map(where, plan.workers))]
     shadow_peers = [pb.Peer(address=a, data_address=d) for a, d in map(where, shadows)]
     all_nodes, owners = _nodes_and_owners(plan.nodes)
     writer, directory, sums = checkpoint or ("", "", ())
-    snapper, keeper = snapshot or ("", None)
-    keeper = pb.Peer(address=where(keeper)[0]) if keeper else None
     out = []
     for r, w in enumerate(plan.workers):
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, rank=r, peers=peers,
@@ -122,7 +121,7 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
                                       all_nodes=all_nodes, node_owner=owners,
                                       checkpoint_directory=directory if w == writer else "",
                                       committed_loss_sums=sums if w == writer else (), shadows=shadow_peers,
-                                      snapshot=w == snapper, snapshot_peer=keeper if w == snapper else None)))
+                                      snapshot=w in snapshots, snapshot_peer=snapshots.get(w))))
     for w in shadows:
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=peers, all_nodes=all_nodes,
                                       node_owner=owners, shadow=True)))
@@ -144,10 +143,12 @@ def _streams(schedule: str, stages: int, microbatches: tuple[int, ...]):
     return compile_schedule(schedule, stages, microbatches).streams
 
 
-def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str) -> list[tuple[str, pb.StepRequest]]:
+def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str,
+                       snapshots: Mapping[str, pb.Peer | None]) -> list[tuple[str, pb.StepRequest]]:
     """Each stage worker's Step call: its stage's replicas are its ranks (they reduce that stage's gradients),
     its replica's microbatches its nodes, its stream the replica's central schedule projected on its stage,
-    and its neighbours the previous and next stages of its replica."""
+    and its neighbours the previous and next stages of its replica. ``snapshots``: the workers that snapshot
+    their stage's state after the step, with the peer keeping each copy."""
     replicas, stages = plan.replicas, plan.stages
     streams = [_streams(schedule, stages, tuple(i for n in plan.nodes[r] for i in n.ids)) for r in range(replicas)]
     all_nodes, owners = _nodes_and_owners(plan.nodes[:replicas])   # replica r's subtrees are slice r's
@@ -169,7 +170,8 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str) ->
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, rank=r,
                                       peers=[peer(k * replicas + q, q) for q in range(replicas)],
                                       nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[v]],
-                                      all_nodes=all_nodes, node_owner=owners, pipeline=step)))
+                                      all_nodes=all_nodes, node_owner=owners, pipeline=step,
+                                      snapshot=w in snapshots, snapshot_peer=snapshots.get(w))))
     return out
 
 

@@ -35,7 +35,7 @@ from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDi
                             WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
 from runtime.control.policy import Placement, stage_groups
-from runtime.control.tiers import Holding
+from runtime.control.tiers import Holding, stage_snapshot
 
 __all__ = ["Membership", "failed"]
 
@@ -151,15 +151,19 @@ class Membership:
         """Asks for the recovery plan; below the minimum, waits for capacity while it says ``WAIT``. Answers the
         plan and the facts it came from (their backups were listed once: a restore loads from them)."""
         s, o, group = self.state(), self.opts, self.group
-        live_replica = any(w in replicas and w not in group.dead for w in old.active)
+        live_replica = all(any(w in replicas and w not in group.dead for w in stage)   # (each stage holds its own)
+                           for stage in stage_groups(old.active, o.pipeline_stages))
         backups = {} if live_replica or not has_state else self._backups(s.committed)
         # Capacity may come: a worker may join within capacity_timeout_seconds, and with every replica lost the
         # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint); a
         # pipelined run, which does not shrink, waits for them to take the lost slices.
         backup = bool(backups.get("snapshots") or backups.get("checkpoints")) or o.pipeline_stages > 1
+        snapshot = backups["snapshots"][0].step if backups.get("snapshots") else None
         facts = Facts(Change.RECOVER, placement=old, committed=s.committed, dead=frozenset(group.dead),
                       replicas=replicas, recoveries=s.recoveries, slices=o.slices, min_slices=o.min_slices,
                       max_retries=o.max_retries, has_state=has_state, stages=o.pipeline_stages,
+                      backup_hosts=self.snapshots.stage_hosts(snapshot) if snapshot is not None and
+                      o.pipeline_stages > 1 else (), hosts={w: group.host_of(w) for w in old.members},
                       may_wait=o.capacity_timeout_seconds > 0 or (backup and o.relaunch), **backups)
         plan = plan_change(facts)
         self._decision(plan, self._dead(old))
@@ -195,7 +199,8 @@ class Membership:
             p = plan.placement
             spares = tuple(s for s in p.spares if s not in group.dead) + tuple(warmed)
             facts = dataclasses.replace(facts, placement=dataclasses.replace(p, spares=spares),
-                                        dead=frozenset(group.dead))
+                                        dead=frozenset(group.dead),
+                                        hosts={**facts.hosts, **{w: group.host_of(w) for w in warmed}})
             plan = plan_change(facts, time.monotonic())
             if plan.action is not Action.FAIL:
                 self._decision(plan, self._dead(p))
@@ -228,6 +233,9 @@ class Membership:
         """No replica is left: the newest snapshot or checkpoint comes back (to every active slice: loaded, or
         copied from the one that loaded it); training resumes at its step. ``checkpoints``: those the plan's
         facts listed."""
+        if self.opts.pipeline_stages > 1:
+            self._restore_stages(plan, old, started)
+            return
         committed, new = self.state().committed, plan.placement
         statuses = self.group.abort(new.members)
         held = self.snapshots.holdings(statuses, committed)   # a spare's host may keep the copy
@@ -255,6 +263,40 @@ class Membership:
                  {"worker": holders[0], "host": self.group.host_of(holders[0])})
         self.events.emit(RESTORED_EVENT[tier], step=step, bytes=nbytes, steps_lost=committed - step, **where)
         self._recovered(plan, self._dead(old), started, step, moved, tier)
+
+    def _restore_stages(self, plan: ChangePlan, old: Placement, started: float) -> None:
+        """A pipelined run lost every replica of a stage: every stage restores its snapshot of the newest step
+        all stages hold (a stage's state of another step does not fit the others'); the stages' other workers
+        get copies. A snapshot that does not read makes every stage go back to an older step they all hold."""
+        committed, new = self.state().committed, plan.placement
+        groups = stage_groups(new.active, self.opts.pipeline_stages)
+        for k, group in enumerate(groups):   # first: each lists the snapshots of its stage's directory
+            for w in group:
+                self._take_stage(w, k)
+        statuses = self.group.abort(new.members)
+        held = [{w: statuses[w].snapshots for w in group if w in statuses} for group in groups]
+        at_most = committed
+        while True:
+            found = stage_snapshot(held, at_most)
+            if found is None:
+                raise StateLostError("cannot restore the state", step=committed,
+                                     cause=f"no snapshot of one step at or before {at_most} is held for every "
+                                           f"pipeline stage: {held}")
+            step, loaders = found
+            replies = self.group.load_checkpoints(list(loaders), "", step, snapshot=True)
+            if lost := [w for w in loaders if w not in replies]:
+                raise WorkerLostError(lost[0], "lost while loading an in-memory snapshot")
+            for w in loaders:
+                for why in replies[w].skipped:
+                    self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
+            at_most = min(replies[w].applied_steps for w in loaders)
+            if at_most == step:
+                break
+        nbytes = sum(replies[w].bytes for w in loaders)
+        moved = nbytes + self.copy_to_newcomers(loaders[0], step, holders=loaders)   # and checks every stage
+        self.events.emit("snapshot_restored", step=step, bytes=nbytes, steps_lost=committed - step,
+                         worker=loaders[0], host=self.group.host_of(loaders[0]))
+        self._recovered(plan, self._dead(old), started, step, moved, "snapshot")
 
     def _load_snapshot(self, worker: str, step: int) -> tuple:
         replies = self.group.load_checkpoints([worker], "", step, snapshot=True)

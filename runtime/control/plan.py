@@ -32,7 +32,7 @@ from runtime.control.policy import Placement, WorkerInfo, place, stage_groups
 from runtime.control.tiers import Holding, TierChoice, choose_source
 
 __all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
-           "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
+           "arrange_stages", "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
            "membership_change_due", "plan_change", "plan_realign"]
 
 
@@ -316,7 +316,10 @@ class Facts:
     restored); ``wait_until``: the deadline (in ``now``'s clock) of a wait for capacity, with the option that
     set it (``wait_limit``, ``wait_seconds``). ``workers`` and ``lost``: the registered and the lost (START);
     ``applied`` and ``losses``: each fenced survivor's applied steps and recent loss sums (REALIGN);
-    ``slow``: the straggler (SWAP); ``stages``: a pipelined run's stages (RECOVER: each must keep a replica).
+    ``slow``: the straggler (SWAP); ``stages``: a pipelined run's stages (RECOVER: each must keep a replica);
+    ``backup_hosts``: a pipelined run's, for each stage, the hosts holding its snapshot a restore would take,
+    and ``hosts``: each member's host (a restore then gives each stage a worker on such a host:
+    :func:`arrange_stages`).
     """
 
     change: Change
@@ -342,6 +345,8 @@ class Facts:
     losses: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     slow: str = ""
     stages: int = 1
+    backup_hosts: tuple[frozenset[str], ...] = ()
+    hosts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,7 +414,44 @@ def _plan_recover(f: Facts, now: float) -> ChangePlan:
                              (), (), f.committed)
     elif d.action is Action.RESTORE:
         tier = backup
+        if f.stages > 1 and f.backup_hosts:
+            arranged = arrange_stages(d.placement.active, f.stages, f.backup_hosts, f.hosts)
+            d = dataclasses.replace(d, placement=dataclasses.replace(d.placement, active=arranged))
     return _from(Change.RECOVER, d, tier=tier, relaunch_later=tuple(dead))
+
+
+def arrange_stages(active: tuple[str, ...], stages: int, holders, hosts: Mapping[str, str]) -> tuple[str, ...]:
+    """A pipelined restore's placement: every active worker gets the restored state, so any may take any slice;
+    a stage's snapshot is read where it lies, so each stage gets a worker whose host holds that stage's snapshot
+    (``holders[k]``: those hosts; ``hosts``: each worker's, a worker missing there is a host of its own) where a
+    matching exists. Workers keep their slices when they already match; the others fill the rest in order."""
+    groups = stage_groups(active, stages)
+    r = len(active) // stages
+    can = [[w for w in active if hosts.get(w, w) in holders[k]] for k in range(stages)]
+    if all(any(w in can[k] for w in group) for k, group in enumerate(groups)):
+        return active
+    taken: dict[str, int] = {}   # worker -> the stage it serves (a bipartite matching, by augmenting paths)
+
+    def assign(k: int, seen: set) -> bool:
+        for w in can[k]:
+            if w not in seen:
+                seen.add(w)
+                if w not in taken or assign(taken[w], seen):
+                    taken[w] = k
+                    return True
+        return False
+
+    for k in sorted(range(stages), key=lambda k: len(can[k])):
+        assign(k, set())
+    chosen = {k: w for w, k in taken.items()}
+    rest = [w for w in active if w not in taken]
+    out = []
+    for k in range(stages):
+        group = [chosen[k]] if k in chosen else []
+        while len(group) < r:
+            group.append(rest.pop(0))
+        out += group
+    return tuple(out)
 
 
 def _plan_restore(f: Facts, now: float) -> ChangePlan:

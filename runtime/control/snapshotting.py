@@ -7,7 +7,10 @@ and records:
 - :meth:`Snapshotting.order_for`: after which steps a snapshot is taken, by
   which replica, and which worker on another host keeps its copy
   (:func:`runtime.control.policy.snapshot_order`). Snapshots are the run's backup
-  while no spare shadows the state (:func:`runtime.control.tiers.backup_tier`);
+  while no spare shadows the state (:func:`runtime.control.tiers.backup_tier`).
+  A pipelined run's state is one per stage: each stage snapshots its own, by
+  one of its replicas, kept on another host by another replica of that stage
+  (a spare holds no stage yet), in that stage's directory on each host;
 - :meth:`Snapshotting.note`: ``snapshot_saved`` / ``snapshot_copied`` /
   ``snapshot_failed`` events for what the workers report, the newest step
   known to be held, and the observer's hook;
@@ -19,7 +22,7 @@ It holds no state beyond what the workers reported.
 
 from __future__ import annotations
 
-from runtime.control.policy import Placement, snapshot_order
+from runtime.control.policy import Placement, snapshot_order, stage_groups
 from runtime.state.snapshot import KEEP
 from runtime.control.tiers import backup_tier
 
@@ -38,39 +41,44 @@ class Snapshotting:
     def __init__(self, group, opts, events, notify=None):
         self.group, self.opts, self.events = group, opts, events
         self.notify = notify or (lambda step: None)
-        self.held: dict[str, set[int]] = {}   # host -> snapshot steps reported written or copied there
-        self._ordered: dict[int, str | None] = {}   # snapshot step -> the worker asked to keep its copy (or None)
+        # (host, pipeline stage or None) -> snapshot steps reported written or copied there
+        self.held: dict[tuple[str, int | None], set[int]] = {}
+        self._ordered: dict[int, dict[str, str | None]] = {}   # snapshot step -> {writer: the worker keeping its copy}
 
     @property
     def enabled(self) -> bool:
         """The run takes snapshots (an interval, and somewhere to keep them)."""
         return bool(self.group.snapshot_root)
 
-    def order_for(self, step: int, steps: int, placement: Placement, shadows: int) -> tuple[str, str | None] | None:
-        """``(writer, peer)`` when a snapshot follows step ``step``, else None; none while ``shadows`` spares
-        shadow the state (they are the backup then)."""
+    def order_for(self, step: int, steps: int, placement: Placement, shadows: int) -> dict[str, str | None]:
+        """``{writer: peer or None}`` of the snapshot that follows step ``step`` (a pipelined run: one writer per
+        stage), else {}; none while ``shadows`` spares shadow the state (they are the backup then)."""
         if not self.enabled or backup_tier(self.opts.backup_kind, shadow_spares=shadows) != "snapshot":
-            return None
-        order = snapshot_order(step, steps, self.opts.snapshot_interval, placement.active, placement.spares,
-                               {w: self.group.host_of(w) for w in placement.members})
-        if order:
-            self._ordered[step + 1] = order[1]
+            return {}
+        hosts = {w: self.group.host_of(w) for w in placement.members}
+        groups = stage_groups(placement.active, self.opts.pipeline_stages)
+        spares = placement.spares if len(groups) == 1 else ()   # a spare keeps stage 0's directory only
+        orders = [snapshot_order(step, steps, self.opts.snapshot_interval, group, spares, hosts) for group in groups]
+        ordered = dict(order for order in orders if order)
+        if ordered:
+            self._ordered[step + 1] = ordered
             for old in sorted(self._ordered)[:-2 * KEEP]:
                 del self._ordered[old]
-        return order
+        return ordered
 
     def note(self, reports) -> None:
         """Events for ``{worker: (snapshots written on its host, snapshots copied to their peer, error or "")}``."""
         for w, (saved, copied, error) in reports.items():
+            stage = self.group.loaded_stage(w)
             for step in saved:
-                self._hold(self.group.host_of(w), step)
+                self._hold(self.group.host_of(w), stage, step)
                 self.events.emit("snapshot_saved", worker=w, host=self.group.host_of(w), step=step)
-                if self._ordered.get(step) is None:   # no copy asked: in place now
+                if self._ordered.get(step, {}).get(w) is None:   # no copy asked: in place now
                     self.notify(step)
             for step in copied:
-                peer = self._ordered.get(step)
+                peer = self._ordered.get(step, {}).get(w)
                 if peer is not None:
-                    self._hold(self.group.host_of(peer), step)
+                    self._hold(self.group.host_of(peer), stage, step)
                 self.events.emit("snapshot_copied", worker=w, peer=peer, host=peer and self.group.host_of(peer),
                                  step=step)
                 self.notify(step)
@@ -81,15 +89,33 @@ class Snapshotting:
         """The newest snapshot step at or before ``at_most`` that may be held on some host: reported written or
         copied, or ordered after a step since committed (its writer applied that step and began the write; the
         report may not have arrived before the writer died). None without one. The hosts' own answers
-        (:meth:`holdings`) decide what is restored."""
-        steps = [s for held in self.held.values() for s in held if s <= at_most]
-        steps += [s for s in self._ordered if s <= at_most]
+        (:meth:`holdings`) decide what is restored. A pipelined run's: a step every stage may hold."""
+        ordered = {s for s in self._ordered if s <= at_most}
+        by_stage: dict[int | None, set[int]] = {}
+        for (_, stage), held in self.held.items():
+            by_stage.setdefault(stage, set()).update(s for s in held if s <= at_most)
+        stages = self.opts.pipeline_stages
+        keys = [None] if stages == 1 else range(stages)
+        steps = set.intersection(*(by_stage.get(k, set()) | ordered for k in keys))
         return max(steps) if steps else None
+
+    def stage_hosts(self, step: int) -> tuple[frozenset[str], ...]:
+        """A pipelined run's: for each stage, the hosts that may hold its snapshot of ``step`` (reported, or its
+        writer's when ordered and not reported yet)."""
+        out = [set() for _ in range(self.opts.pipeline_stages)]
+        for (host, stage), held in self.held.items():
+            if stage is not None and step in held:
+                out[stage].add(host)
+        for writer in self._ordered.get(step, {}):
+            stage = self.group.loaded_stage(writer)
+            if stage is not None:
+                out[stage].add(self.group.host_of(writer))
+        return tuple(frozenset(hosts) for hosts in out)
 
     def known(self, held) -> None:
         """A restarted client learns the snapshots its log recorded: ``(step, host)`` pairs."""
         for step, host in held:
-            self._hold(host, step)
+            self._hold(host, None, step)
 
     @staticmethod
     def holdings(statuses, at_most: int) -> dict[str, int]:
@@ -102,7 +128,7 @@ class Snapshotting:
                 out[w] = max(steps)
         return out
 
-    def _hold(self, host: str, step: int) -> None:
-        held = self.held.setdefault(host, set())
+    def _hold(self, host: str, stage: int | None, step: int) -> None:
+        held = self.held.setdefault((host, stage), set())
         held.add(step)
         held.difference_update(sorted(held)[:-KEEP])   # a host keeps only the newest few (SnapshotStore)

@@ -25,9 +25,9 @@ Nothing here reads a clock, a socket or a file (see :mod:`runtime.control.policy
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["BACKUP_KINDS", "FAIL", "TIERS", "Holding", "TierChoice", "backup_tier", "choose_source"]
+__all__ = ["BACKUP_KINDS", "FAIL", "TIERS", "Holding", "TierChoice", "backup_tier", "choose_source", "stage_snapshot"]
 
 #: The tiers, in the order :func:`choose_source` prefers them.
 TIERS = ("replica", "shadow", "snapshot", "checkpoint")
@@ -105,6 +105,21 @@ def choose_source(live_replicas: HoldingsArg, shadows: HoldingsArg, snapshots: H
     return TierChoice(FAIL, None, None, None,
                       f"no copy of the committed step {committed_step} or older is usable: "
                       f"{_why_not(given, [t for t in TIERS if given[t]], committed_step)}")
+
+
+def stage_snapshot(held: Sequence[Mapping[str, Iterable[int]]], at_most: int) -> tuple[int, tuple[str, ...]] | None:
+    """A pipelined run's snapshot restore: the newest step at or before ``at_most`` that every stage holds, with the
+    worker of each stage that loads it (the smallest id holding it); None when no step is held by every stage.
+
+    ``held[k]``: ``{worker of stage k: the snapshot steps its host holds in stage k's directory}``. Every stage
+    must restore the same step: a stage's state of another step does not fit the others'.
+    """
+    steps = [{s for got in stage.values() for s in got if s <= at_most} for stage in held]
+    common = set.intersection(*steps) if steps else set()
+    if not common:
+        return None
+    step = max(common)
+    return step, tuple(min(w for w, got in stage.items() if step in got) for stage in held)
 
 
 def backup_tier(backup_kind: str, *, shadow_spares: int) -> str:

@@ -12,8 +12,9 @@ worker declared dead has its calls cancelled (:meth:`WorkerCalls.record_death`).
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -151,7 +152,9 @@ class WorkerCalls:
         if stage is None and self.pipelined:   # a spare of a pipelined run warms with stage 0's (it may take any)
             stage = 0
         programs = self.programs if stage is None else self.programs.stages[stage]
-        request = load_request(self._fence(), programs, self.data_source, self.opts, self.snapshot_root)
+        root = os.path.join(self.snapshot_root, f"stage{stage}") if stage is not None and self.snapshot_root else \
+            self.snapshot_root   # a pipelined run's snapshots: each stage's apart, on every host
+        request = load_request(self._fence(), programs, self.data_source, self.opts, root)
         request.spare = spare and not self.opts.shadow_spares
         return request
 
@@ -235,16 +238,17 @@ class WorkerCalls:
     # -- steps -----------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
-                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
+                 shadows=(), snapshots: Mapping[str, str | None] | None = None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
 
         ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
         this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
         that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
-        shadow (its future is in the answer too, under its id). ``snapshot``: ``(writer, peer or None)``: that
-        worker snapshots its state on its host after this step and streams a copy to ``peer``.
+        shadow (its future is in the answer too, under its id). ``snapshots``: ``{writer: peer or None}``: each
+        writer snapshots its state on its host after this step and streams a copy to its peer (one writer; a
+        pipelined run: one per stage).
         """
-        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshot,
+        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshots,
                                  self.opts.pipeline_schedule)
         futs = {}
         with self._lock:

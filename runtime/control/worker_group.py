@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import time
+from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
@@ -434,9 +435,9 @@ class WorkerGroup:
     # -- steps -------------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
-                 shadows=(), snapshot: tuple[str, str | None] | None = None) -> dict[str, grpc.Future]:
+                 shadows=(), snapshots: Mapping[str, str | None] | None = None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch`."""
-        return self.calls.dispatch(plan, checkpoint, shadows, snapshot)
+        return self.calls.dispatch(plan, checkpoint, shadows, snapshots)
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
         """The steps of ``futs`` that ended (by ``deadline``), each a :class:`StepResult` or the typed error."""

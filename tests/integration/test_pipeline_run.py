@@ -27,22 +27,27 @@ def test_stage_workers_train_the_one_process_pipeline_bit_for_bit(tmp_path):
     assert [sorted(e["microbatches"]) for e in committed] == [["w2", "w3"]] * 3   # the last stage's losses
 
 
-def test_a_lost_stage_worker_is_replaced_from_a_replica_of_its_stage_with_no_step_lost(tmp_path):
+def test_lost_stage_workers_come_back_from_a_replica_of_their_stage_or_from_its_snapshot(tmp_path):
     """Stage 1's first worker dies: the spare (warmed with stage 0's programs) loads stage 1's and copies the state
-    of stage 1's other replica. Then stage 0's second worker dies with no spare left: the run waits for its
-    relaunched replacement, which takes stage 0's slice. The trajectory is the fault-free one, bit for bit."""
-    _, report = run_cli(["chaos", "tiny", "steps=5", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=2",
-                         "ici_fsdp_parallelism=1", "elastic_spares=1", "run_name=faults",
-                         "--faults", "kill:slice=2@step=2,kill:slice=1@step=3"], tmp_path)
+    of stage 1's other replica. Then stage 0's second worker dies with no spare left: the run waits for a
+    relaunched worker, which takes stage 0's slice. Then every worker dies: each stage restores its own
+    snapshot, of one step. The trajectory is the fault-free one, bit for bit."""
+    _, report = run_cli(["chaos", "tiny", "steps=6", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=2",
+                         "ici_fsdp_parallelism=1", "elastic_spares=1", "elastic_snapshot_interval=2", "run_name=faults",
+                         "--faults", "kill:stage=1@step=2,kill:stage=0,replica=1@step=3,kill:all@step=4"], tmp_path)
     assert report["verdict"] == "pass", report["verdict_reasons"]
-    assert report["steps_completed"] == 5 and report["steps_lost"] == 0 and report["exactly_once"] is True
+    assert report["steps_completed"] == 6 and report["exactly_once"] is True
     assert report["losses"] == report["reference"]["losses"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     log = events(tmp_path / "faults")
-    loaded = [(e["worker"], e["stage"]) for e in log if e["kind"] == "stage_loaded"]
-    assert loaded == [("w4", 1)]   # the spare took stage 1; the relaunched worker warmed with stage 0's: no load
+    recoveries = [(e["path"], e.get("restore_tier")) for e in log if e["kind"] == "recovered"]
+    assert recoveries == [("replace", "replica"), ("replace", "replica"), ("restore", "snapshot")]
+    restored = next(e for e in log if e["kind"] == "snapshot_restored")
+    assert report["steps_lost"] == restored["steps_lost"] <= 2   # at most the snapshot interval
     copies = [(e["source"], e["dest"]) for e in log if e["kind"] == "state_transferred"]
-    # each from the surviving replica of the lost worker's stage (w3: stage 1; w0: stage 0), the second to a
-    # relaunched worker (a new id)
+    # the first two from the surviving replica of the lost worker's stage (w3: stage 1; w0: stage 0), the second
+    # to a relaunched worker (a new id)
     assert copies[0] == ("w3", "w4") and copies[1][0] == "w0" and copies[1][1] not in ("w1", "w2", "w3", "w4")
-    assert len(copies) == 2
+    loaded = [(e["worker"], e["stage"]) for e in log if e["kind"] == "stage_loaded"]
+    assert loaded[0] == ("w4", 1)   # the spare took stage 1; the relaunched worker warmed with stage 0's: no load
+    assert {stage for _, stage in loaded} == {1}   # spares warm with stage 0's programs: only stage 1's are loaded

@@ -219,7 +219,8 @@ class FakeGroup:
 
     def load(self, workers, spares=(), stages=None):
         loaded = {w: LoadResult(0.0, self.devices, 0.0) for w in self._each("load", workers)}
-        self.stages.update({w: (stages or {}).get(w, 0) for w in loaded})
+        if stages is not None:   # a pipelined run's (the real group records every worker's, spares at 0)
+            self.stages.update({w: stages.get(w, 0) for w in loaded})
         return loaded
 
     def loaded_stage(self, worker_id):
@@ -234,7 +235,7 @@ class FakeGroup:
     def host_of(self, worker_id):
         return worker_id
 
-    def dispatch(self, plan, checkpoint=None, shadows=(), snapshot=None):
+    def dispatch(self, plan, checkpoint=None, shadows=(), snapshots=None):
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
         return plan
 

@@ -167,3 +167,28 @@ def test_a_pipelined_realign_reads_the_loss_of_the_last_stages_survivors_only():
     plan = plan_change(Facts(Change.REALIGN, placement=PIPE, committed=7, applied={"a": 8, "b": 8, "d": 8},
                              losses={"d": {7: 2.5}}))
     assert (plan.action, plan.target, plan.commits) == (None, 8, ((7, 2.5),))
+
+
+def test_a_pipelined_restore_gives_each_stage_a_worker_where_its_snapshot_lies():
+    from runtime.control.plan import arrange_stages
+
+    hosts = {"a": "h0", "b": "h1", "c": "h2", "d": "h3"}
+    # already matched (stage 0 on h0, stage 1 on h2): the placement stays
+    assert arrange_stages(("a", "b", "c", "d"), 2, (frozenset({"h0"}), frozenset({"h2"})), hosts) == tuple("abcd")
+    # stage 1's snapshot lies on a's host, stage 0's on d's: they swap in, the others fill in order
+    assert arrange_stages(("a", "b", "c", "d"), 2, (frozenset({"h3"}), frozenset({"h0"})), hosts) == tuple("dbac")
+    # a greedy choice would give stage 0 the worker both stages could use: the matching does not
+    assert arrange_stages(("a", "b"), 2, (frozenset({"h0", "h1"}), frozenset({"h1"})), hosts) == ("a", "b")
+    assert arrange_stages(("b", "a"), 2, (frozenset({"h0", "h1"}), frozenset({"h1"})), hosts) == ("a", "b")
+    # a stage no host holds: the others are matched, it gets what is left (its restore then fails, saying so)
+    assert arrange_stages(("a", "b"), 2, (frozenset(), frozenset({"h0"})), hosts) == ("b", "a")
+
+
+def test_a_pipelined_recovery_that_restores_arranges_the_stages_by_where_the_snapshots_lie():
+    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset("abcd"), "replicas": frozenset("abcd"),
+                                                "placement": Placement(3, ("a", "b", "c", "d"), ("p", "q", "r", "s")),
+                                                "snapshots": (Holding("snapshot", 6),),
+                                                "backup_hosts": (frozenset({"h9"}), frozenset({"h8"})),
+                                                "hosts": {"p": "h1", "q": "h8", "r": "h2", "s": "h9"}}))
+    assert plan.action is Action.RESTORE and plan.tier.tier == "snapshot"
+    assert plan.placement.active == ("s", "p", "q", "r")   # stage 0: s (on h9); stage 1: q (on h8)

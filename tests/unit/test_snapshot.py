@@ -109,12 +109,18 @@ def test_the_writer_rotates_and_its_copy_goes_to_another_host_a_spare_first():
 class _Group:
     snapshot_root = "/run"
 
+    def __init__(self, stages=None):
+        self.stages = stages or {}
+
     def host_of(self, w):
-        return {"w0": "h0", "w1": "h1", "w2": "h2"}[w]
+        return {"w0": "h0", "w1": "h1", "w2": "h2", "w3": "h3", "w4": "h4"}[w]
+
+    def loaded_stage(self, w):
+        return self.stages.get(w)
 
 
 class _Opts:
-    snapshot_interval, backup_kind = 2, "snapshot"
+    snapshot_interval, backup_kind, pipeline_stages = 2, "snapshot", 1
 
 
 def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in_place(tmp_path):
@@ -122,14 +128,14 @@ def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in
     notified = []
     snaps = Snapshotting(_Group(), _Opts(), events, notify=notified.append)
     placement = Placement(epoch=1, active=("w0", "w1"), spares=("w2",))
-    assert snaps.order_for(0, 10, placement, shadows=0) is None
-    assert snaps.order_for(1, 10, placement, shadows=0) == ("w1", "w2")
-    assert snaps.order_for(1, 10, placement, shadows=1) is None   # a shadow spare is the backup then
+    assert snaps.order_for(0, 10, placement, shadows=0) == {}
+    assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w2"}
+    assert snaps.order_for(1, 10, placement, shadows=1) == {}   # a shadow spare is the backup then
     snaps.note({"w1": ((2,), (), "")})
     assert notified == [] and snaps.newest(10) == 2    # written, its copy not there yet
     snaps.note({"w1": ((), (2,), "")})
-    assert notified == [2] and snaps.held == {"h1": {2}, "h2": {2}}
-    assert snaps.order_for(3, 10, placement, shadows=0) == ("w0", "w2")
+    assert notified == [2] and snaps.held == {("h1", None): {2}, ("h2", None): {2}}
+    assert snaps.order_for(3, 10, placement, shadows=0) == {"w0": "w2"}
     snaps.note({"w0": ((4,), (), "copy of snapshot 4: peer gone")})
     assert notified == [2] and snaps.newest(3) == 2 and snaps.newest(4) == 4 and snaps.newest(1) is None
     kinds = [e["kind"] for e in read_events(tmp_path / "events.jsonl")]
@@ -137,3 +143,21 @@ def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in
     statuses = {"w0": WorkerStatus(4, {}, (2, 4)), "w1": WorkerStatus(4, {}, ()), "w2": WorkerStatus(-1, {}, (6,))}
     assert Snapshotting.holdings(statuses, 5) == {"w0": 4}
     assert Snapshotting.holdings(statuses, 6) == {"w0": 4, "w2": 6}
+
+
+def test_each_pipeline_stage_snapshots_its_own_state_and_a_step_counts_when_every_stage_holds_it(tmp_path):
+    """2 stages x 2 replicas (w0, w1: stage 0; w2, w3: stage 1): one writer per stage, its copy kept by the other
+    replica of its stage (never the spare, which holds no stage); a step is a backup once every stage holds it."""
+    class Opts(_Opts):
+        pipeline_stages = 2
+
+    group = _Group({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0})
+    snaps = Snapshotting(group, Opts(), EventLog(str(tmp_path / "events.jsonl")))
+    placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",))
+    assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w0", "w3": "w2"}
+    snaps.note({"w1": ((2,), (2,), "")})
+    assert snaps.held == {("h1", 0): {2}, ("h0", 0): {2}}
+    snaps._ordered.clear()   # (orders count as held until reported: here only what was reported counts)
+    assert snaps.newest(10) is None    # stage 1 holds no snapshot of step 2
+    snaps.note({"w3": ((2,), (), "")})
+    assert snaps.newest(10) == 2

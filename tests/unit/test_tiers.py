@@ -132,3 +132,14 @@ def test_a_mapping_means_complete_holdings(replicas, committed):
     as_holdings = [Holding(s, n) for s, n in replicas.items()]
     assert choose_source(replicas, replicas, {}, {}, committed) == choose_source(as_holdings, as_holdings, [], [],
                                                                                   committed)
+
+
+def test_a_pipelined_restore_takes_the_newest_step_every_stage_holds():
+    from runtime.control.tiers import stage_snapshot
+
+    held = [{"a": (2, 4), "b": (4,)}, {"c": (2,), "d": (2, 6)}]   # stage 0: a, b; stage 1: c, d
+    assert stage_snapshot(held, 10) == (2, ("a", "c"))   # stage 1 holds no 4; 6 is stage 1's only
+    assert stage_snapshot([{"a": (2, 4), "b": (4,)}, {"c": (4,)}], 10) == (4, ("a", "c"))
+    assert stage_snapshot([{"a": (2, 4)}, {"c": (2, 4)}], 3) == (2, ("a", "c"))   # none after the committed step
+    assert stage_snapshot([{"a": (4,)}, {"c": (2,)}], 10) is None
+    assert stage_snapshot([{"a": (4,)}, {}], 10) is None   # a stage with no worker holding any
