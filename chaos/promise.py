@@ -111,6 +111,7 @@ class _Recovery:
     checkpoint: int | None = None
     recomputed: int = 0
     stages: tuple = ()                 # a pipelined run: the active slices of each stage when it failed
+    stage_of: dict = dataclasses.field(default_factory=dict)   # ... and the stage each worker's programs are for
 
 
 def promises(events: list[dict], config: dict | None) -> list[Promise]:
@@ -122,6 +123,8 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
     cfg = config or {}
     shadowing = bool(cfg.get("elastic_shadow_spares"))
     pipeline = int(cfg.get("dcn_pipeline_parallelism") or 1)
+    stage_of: dict[str, int] = {}   # a pipelined run: the stage each worker's programs are for
+    stage_copies: dict = {}           # ... and each stage's snapshot steps saved
     active, spares, dead = [], [], set()
     replicas, shadows = set(), set()
     have_state = False
@@ -149,8 +152,13 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             active, spares, dead, replicas, shadows = [], [], set(), set(), set()
             have_state, frontier, high = False, 0, 0
             copies["snapshot"] = set()
+            stage_copies.clear()
         if kind == "placement":
             active, spares = list(e.get("active") or []), list(e.get("spares") or [])
+        elif kind == "programs_loaded":
+            stage_of.update(e.get("stages") or {})
+        elif kind == "stage_loaded" or (kind == "shadow_synced" and "stage" in e):
+            stage_of[e.get("worker") or e.get("dest")] = e.get("stage")
         elif kind in ("state_initialized", "run_resumed"):
             have_state = True
             replicas = set(active) - dead
@@ -183,7 +191,12 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             replicas, shadows = set(active) - dead, shadows - set(active)
         elif kind in ("snapshot_saved", "snapshot_copied", "checkpoint_saved"):
             tier = "checkpoint" if kind == "checkpoint_saved" else "snapshot"
-            copies[tier].add(e.get("step", 0))
+            if tier == "snapshot" and pipeline > 1:   # a step is a copy of the state once every stage saved it
+                stage_copies.setdefault(stage_of.get(e.get("worker")), set()).add(e.get("step", 0))
+                held = [stage_copies.get(k, set()) for k in range(pipeline)]
+                copies[tier] = set.intersection(*held)
+            else:
+                copies[tier].add(e.get("step", 0))
             trail[tier] = max(trail[tier], frontier - e.get("step", 0))
         elif kind == "checkpoint_skipped":
             m = _SKIPPED_STEP.match(str(e.get("detail", "")))
@@ -195,7 +208,8 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
                 current = _Recovery(failures=[], step=e.get("committed") or 0, committed=e.get("committed") or 0,
                                     had_state=have_state,
                                     replicas=frozenset((replicas if have_state else members) - dead),
-                                    shadows=frozenset(shadows - dead), stages=_stages(active, pipeline))
+                                    shadows=frozenset(shadows - dead), stages=_stages(active, pipeline),
+                                    stage_of=dict(stage_of))
                 found.append(current)
             current.failures.append(failures)
             current.committed = e.get("committed") or 0
@@ -219,8 +233,9 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
 def _close(r: _Recovery, dead: set, copies: dict, corrupt: set, *, recovered: bool) -> None:
     r.recovered = recovered
     r.survivors = tuple(sorted(w for w in r.replicas | r.shadows if w not in dead))
-    if any(not set(stage) & set(r.survivors) for stage in r.stages):
-        r.survivors = ()   # a stage lost every replica: the others' states cannot supply it
+    if any(not (set(stage) & set(r.survivors) or any(r.stage_of.get(w) == k for w in r.shadows if w not in dead))
+           for k, stage in enumerate(r.stages)):
+        r.survivors = ()   # a stage lost every replica and shadow of its own: the others' cannot supply it
     at_most = r.committed
     r.snapshot = max((s for s in copies["snapshot"] if s <= at_most), default=None)
     r.checkpoint = max((s for s in copies["checkpoint"] if s <= at_most and s not in corrupt), default=None)

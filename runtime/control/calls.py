@@ -106,10 +106,11 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
     """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
     shadow's. ``where(worker)``: its ``(address, data address)``; the other arguments as
     :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them. A pipelined plan: each stage
-    worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`)."""
+    worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`); ``shadows``
+    is then ``{spare: the stage it shadows}``."""
     snapshots = {w: pb.Peer(address=where(p)[0]) if p else None for w, p in (snapshots or {}).items()}
     if plan.stages > 1:
-        return _pipeline_requests(fence, plan, where, schedule, snapshots)
+        return _pipeline_requests(fence, plan, where, schedule, snapshots, shadows or {})
     peers = [pb.Peer(rank=r, address=a, data_address=d) for r, (a, d) in enumerate(map(where, plan.workers))]
     shadow_peers = [pb.Peer(address=a, data_address=d) for a, d in map(where, shadows)]
     all_nodes, owners = _nodes_and_owners(plan.nodes)
@@ -143,12 +144,13 @@ def _streams(schedule: str, stages: int, microbatches: tuple[int, ...]):
     return compile_schedule(schedule, stages, microbatches).streams
 
 
-def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str,
-                       snapshots: Mapping[str, pb.Peer | None]) -> list[tuple[str, pb.StepRequest]]:
+def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str, snapshots: Mapping[str, pb.Peer | None],
+                       shadows: Mapping[str, int]) -> list[tuple[str, pb.StepRequest]]:
     """Each stage worker's Step call: its stage's replicas are its ranks (they reduce that stage's gradients),
     its replica's microbatches its nodes, its stream the replica's central schedule projected on its stage,
     and its neighbours the previous and next stages of its replica. ``snapshots``: the workers that snapshot
-    their stage's state after the step, with the peer keeping each copy."""
+    their stage's state after the step, with the peer keeping each copy. ``shadows``: ``{spare: stage}``: the
+    stage's ranks push it their reduced chunks, and it gets the step as a shadow of that stage."""
     replicas, stages = plan.replicas, plan.stages
     streams = [_streams(schedule, stages, tuple(i for n in plan.nodes[r] for i in n.ids)) for r in range(replicas)]
     all_nodes, owners = _nodes_and_owners(plan.nodes[:replicas])   # replica r's subtrees are slice r's
@@ -158,6 +160,8 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str,
         a, d = addresses[v]
         return pb.Peer(rank=rank, address=a, data_address=d)
 
+    shadow_peers = [[pb.Peer(address=a, data_address=d) for w, (a, d) in ((w, where(w)) for w in shadows)
+                     if shadows[w] == k] for k in range(stages)]
     out = []
     for v, w in enumerate(plan.workers):
         k, r = divmod(v, replicas)
@@ -171,7 +175,12 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str,
                                       peers=[peer(k * replicas + q, q) for q in range(replicas)],
                                       nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[v]],
                                       all_nodes=all_nodes, node_owner=owners, pipeline=step,
-                                      snapshot=w in snapshots, snapshot_peer=snapshots.get(w))))
+                                      snapshot=w in snapshots, snapshot_peer=snapshots.get(w),
+                                      shadows=shadow_peers[k])))
+    for w, k in shadows.items():
+        out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=[peer(k * replicas + q, q)
+                                                                          for q in range(replicas)],
+                                      all_nodes=all_nodes, node_owner=owners, shadow=True)))
     return out
 
 

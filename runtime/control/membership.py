@@ -34,7 +34,7 @@ import time
 from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDivergenceError, StateLostError,
                             WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
-from runtime.control.policy import Placement, stage_groups
+from runtime.control.policy import Placement, shadow_stage, stage_groups
 from runtime.control.tiers import Holding, stage_snapshot
 
 __all__ = ["Membership", "failed"]
@@ -158,12 +158,14 @@ class Membership:
         # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint); a
         # pipelined run, which does not shrink, waits for them to take the lost slices.
         backup = bool(backups.get("snapshots") or backups.get("checkpoints")) or o.pipeline_stages > 1
-        snapshot = backups["snapshots"][0].step if backups.get("snapshots") else None
+        # a pipelined restore gives each stage a worker where the newest snapshot every stage reported lies
+        snapshot = self.snapshots.newest(s.committed, reported=True) if backups.get("snapshots") else None
         facts = Facts(Change.RECOVER, placement=old, committed=s.committed, dead=frozenset(group.dead),
                       replicas=replicas, recoveries=s.recoveries, slices=o.slices, min_slices=o.min_slices,
                       max_retries=o.max_retries, has_state=has_state, stages=o.pipeline_stages,
                       backup_hosts=self.snapshots.stage_hosts(snapshot) if snapshot is not None and
                       o.pipeline_stages > 1 else (), hosts={w: group.host_of(w) for w in old.members},
+                      spare_stages=self._spare_stages(old.spares),
                       may_wait=o.capacity_timeout_seconds > 0 or (backup and o.relaunch), **backups)
         plan = plan_change(facts)
         self._decision(plan, self._dead(old))
@@ -172,6 +174,21 @@ class Membership:
         if plan.action is Action.FAIL:
             raise failed(plan.decision, "cannot recover", step=s.committed)
         return plan, facts
+
+    def _spare_stages(self, spares) -> dict[str, int]:
+        """A pipelined run's: the stage each spare's programs are for (a shadow spare shadows that stage)."""
+        if self.opts.pipeline_stages == 1:
+            return {}
+        return {w: k for w in spares if (k := self.group.loaded_stage(w)) is not None}
+
+    def _holders(self, active: tuple[str, ...], replicas) -> list[str]:
+        """The workers of ``active`` (a placement's) that hold the committed state of their own slice: replicas,
+        and in a pipelined run only those whose programs are for their slice's stage (a spare that shadowed
+        another stage, promoted into this one, holds that stage's state)."""
+        if self.opts.pipeline_stages == 1:
+            return [w for w in active if w in replicas]
+        per_stage = len(active) // self.opts.pipeline_stages
+        return [w for v, w in enumerate(active) if w in replicas and self.group.loaded_stage(w) == v // per_stage]
 
     def _backups(self, committed: int) -> dict:
         snap, ckpt = self.snapshots.newest(committed), self.checkpoints.newest(committed)
@@ -199,7 +216,7 @@ class Membership:
             p = plan.placement
             spares = tuple(s for s in p.spares if s not in group.dead) + tuple(warmed)
             facts = dataclasses.replace(facts, placement=dataclasses.replace(p, spares=spares),
-                                        dead=frozenset(group.dead),
+                                        dead=frozenset(group.dead), spare_stages=self._spare_stages(spares),
                                         hosts={**facts.hosts, **{w: group.host_of(w) for w in warmed}})
             plan = plan_change(facts, time.monotonic())
             if plan.action is not Action.FAIL:
@@ -211,7 +228,7 @@ class Membership:
         """The survivors hold the state: fence them, commit what they all applied, roll back those ahead, copy."""
         s, group = self.state(), self.group
         new = plan.placement
-        survivors = [w for w in new.active if w in replicas]
+        survivors = self._holders(new.active, replicas)
         statuses = group.abort(new.members)
         loss_workers = stage_groups(new.active, self.opts.pipeline_stages)[-1]   # (a pipeline's earlier stages: none)
         realign = plan_change(Facts(Change.REALIGN, placement=new, committed=s.committed,
@@ -224,7 +241,7 @@ class Membership:
             self.events.emit("rolled_back", worker=w, to_step=realign.target)
         for step, loss_sum in realign.commits:
             self.record(step, new.epoch, loss_sum)
-        source = plan.tier.source
+        source = plan.tier.source if plan.tier.source in survivors else survivors[0]
         moved = self.copy_to_newcomers(source, realign.target, holders=survivors)
         self._recheck_shadows(source)
         self._recovered(plan, self._dead(old), started, realign.target, moved, plan.tier.tier)
@@ -392,13 +409,21 @@ class Membership:
         behind = self.shadows.behind(s.placement.spares, self.group.dead)
         if not behind:
             return
-        source = next(w for w in s.placement.active if w in s.replicas)
+        stages = self.opts.pipeline_stages
+        groups = stage_groups(s.placement.active, stages)
         for dest in behind:
+            k = 0
+            if stages > 1:   # it shadows the stage with the fewest shadows: that stage's programs, then its state
+                k = shadow_stage({w: self.group.loaded_stage(w) for w in self.shadows.at if w not in self.group.dead},
+                                 stages)
+                self._take_stage(dest, k)
+            source = next(w for w in groups[k] if w in s.replicas)
             t0 = time.time()
             nbytes, digest, transport = self.group.transfer(source, dest, s.committed)
             self.shadows.synced(dest, s.committed)
             self.events.emit("shadow_synced", source=source, dest=dest, step=s.committed, bytes=nbytes,
-                             seconds=time.time() - t0, digest=digest, transport=transport)
+                             seconds=time.time() - t0, digest=digest, transport=transport,
+                             **({"stage": k} if stages > 1 else {}))
 
     def _recheck_shadows(self, source: str) -> None:
         """After a recovery: the promoted shadows are active now; a spare that still shadows keeps doing so only
@@ -408,8 +433,10 @@ class Membership:
         spares = self.shadows.feeding(placement.spares, self.group.dead)
         if not spares:
             return
-        hashes = self.group.hashes([source, *spares])
-        self.shadows.forget([w for w in spares if hashes[w] != hashes[source]])
+        groups = stage_groups(placement.active, self.opts.pipeline_stages)
+        like = {w: source if len(groups) == 1 else groups[self.group.loaded_stage(w) or 0][0] for w in spares}
+        hashes = self.group.hashes([*set(like.values()), *spares])   # (a stage's replicas agree: checked)
+        self.shadows.forget([w for w in spares if hashes[w] != hashes[like[w]]])
 
     def _adopt(self, placement: Placement) -> None:
         self.group.fence_at(placement.epoch)

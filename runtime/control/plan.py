@@ -29,7 +29,7 @@ import enum
 from collections.abc import Iterable, Mapping
 
 from runtime.control.policy import Placement, WorkerInfo, place, stage_groups
-from runtime.control.tiers import Holding, TierChoice, choose_source
+from runtime.control.tiers import TIERS, Holding, TierChoice, choose_source
 
 __all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
            "arrange_stages", "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
@@ -87,7 +87,7 @@ NO_STAGE_REPLICA = ("a pipelined run restores a stage only from a live replica o
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
                     recoveries: int, max_retries: int, may_wait: bool = False,
                     checkpoint_step: int | None = None, backup: str = "checkpoint",
-                    stages: int = 1) -> RecoveryDecision:
+                    stages: int = 1, spare_stages: Mapping[str, int] | None = None) -> RecoveryDecision:
     """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
 
     ``replicas``: the workers known to hold the state at the committed
@@ -102,8 +102,9 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     ``stages``: a pipelined run's stages (the active slices are stage-major,
     :func:`runtime.control.policy.stage_groups`): each stage holds its own
     state, so each must keep a replica, and a replacement takes the lost
-    slice's position (its stage); a pipelined run does not shrink (its
-    ``min_slices`` is every slice). ``recoveries``: attempts so far including this one; past
+    slice's position (its stage), a spare that shadows that stage first
+    (``spare_stages``: the stage each spare's programs are for); a pipelined
+    run does not shrink (its ``min_slices`` is every slice). ``recoveries``: attempts so far including this one; past
     ``max_retries`` the answer is ``FAIL``. ``may_wait``: capacity may still
     arrive (a relaunched or joining worker), so being below the minimum
     answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
@@ -115,22 +116,15 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
                                                             "the run", failure=Failure.CAPACITY, limit="max_retries")
         return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
                                 failure=Failure.CAPACITY, limit="max_retries")
-    spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
-    active, replaced, dropped = [], 0, 0
-    for w in placement.active:
-        if w not in dead:
-            active.append(w)
-        elif spares:
-            active.append(spares.pop(0))
-            replaced += 1
-        else:
-            dropped += 1
+    slots, spares = _fill(placement, dead, replicas, stages, spare_stages or {})
+    active = [w for w in slots if w is not None]
+    replaced, dropped = sum(w not in placement.active for w in active), slots.count(None)
     new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
     survivors = [w for w in placement.active if w not in dead]
     lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
                   "the surviving slices hold no copy of the state")
     if stages > 1 and not lost_state:
-        lost_state = _stage_without_replica(placement.active, dead, replicas, stages)
+        lost_state = _stage_without_replica(placement.active, slots, replicas, stages, spare_stages or {})
     if lost_state and checkpoint_step is None:
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_STAGE_REPLICA if stages > 1 else NO_REPLICA}",
                                 failure=Failure.STATE_LOST)
@@ -165,13 +159,40 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     return RecoveryDecision(Action.RETRY, new, "no worker was lost; re-run the step")
 
 
-def _stage_without_replica(active: tuple[str, ...], dead: frozenset[str], replicas: frozenset[str],
-                           stages: int) -> str:
-    """Why a pipelined run lost its state ("" when it did not): a stage whose every replica is gone (each stage
-    holds its own share of the state; a replica of another stage cannot supply it)."""
-    for k, group in enumerate(stage_groups(active, stages)):
-        if not any(w in replicas and w not in dead for w in group):
-            return f"pipeline stage {k} lost every replica ({', '.join(group)})"
+def _fill(placement: Placement, dead: frozenset[str], replicas: frozenset[str], stages: int,
+          spare_stages: Mapping[str, int]) -> tuple[list[str | None], list[str]]:
+    """The new active slices by position (None: no spare left for it) and the spares left. A lost slice gets a
+    spare that shadows the state first. In a pipelined run a slice keeps its position, so its stage, and gets
+    a spare that shadows its stage first (``spare_stages``: the stage each spare's programs are for), else a
+    spare that shadows nothing, else one that shadows another stage (it then needs a copy like any newcomer)."""
+    spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
+    per_stage = max(len(placement.active) // stages, 1)
+    slots: list[str | None] = []
+    for v, w in enumerate(placement.active):
+        if w not in dead:
+            slots.append(w)
+            continue
+        pick = spares[0] if spares else None
+        if stages > 1 and spares:
+            k = v // per_stage
+            pick = next((s for s in spares if s in replicas and spare_stages.get(s) == k), None) or \
+                next((s for s in spares if s not in replicas), spares[0])
+        if pick is not None:
+            spares.remove(pick)
+        slots.append(pick)
+    return slots, spares
+
+
+def _stage_without_replica(active: tuple[str, ...], slots: list[str | None], replicas: frozenset[str], stages: int,
+                           spare_stages: Mapping[str, int]) -> str:
+    """Why a pipelined run lost its state ("" when it did not): a stage left with no replica of its own (each
+    stage holds its own share of the state: a survivor of that stage, or a spare that shadows it; a replica of
+    another stage cannot supply it). ``slots``: the new active slices by position (:func:`_fill`)."""
+    per_stage = len(active) // stages
+    for k in range(stages):
+        now = slots[k * per_stage:(k + 1) * per_stage]
+        if not any(w is not None and w in replicas and (w in active or spare_stages.get(w) == k) for w in now):
+            return f"pipeline stage {k} lost every replica ({', '.join(active[k * per_stage:(k + 1) * per_stage])})"
     return ""
 
 
@@ -316,7 +337,8 @@ class Facts:
     restored); ``wait_until``: the deadline (in ``now``'s clock) of a wait for capacity, with the option that
     set it (``wait_limit``, ``wait_seconds``). ``workers`` and ``lost``: the registered and the lost (START);
     ``applied`` and ``losses``: each fenced survivor's applied steps and recent loss sums (REALIGN);
-    ``slow``: the straggler (SWAP); ``stages``: a pipelined run's stages (RECOVER: each must keep a replica);
+    ``slow``: the straggler (SWAP); ``stages``: a pipelined run's stages (RECOVER: each must keep a replica),
+    ``spare_stages`` the stage each spare's programs are for (a shadow spare shadows that stage);
     ``backup_hosts``: a pipelined run's, for each stage, the hosts holding its snapshot a restore would take,
     and ``hosts``: each member's host (a restore then gives each stage a worker on such a host:
     :func:`arrange_stages`).
@@ -345,6 +367,7 @@ class Facts:
     losses: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
     slow: str = ""
     stages: int = 1
+    spare_stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
     backup_hosts: tuple[frozenset[str], ...] = ()
     hosts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -401,35 +424,50 @@ def _plan_recover(f: Facts, now: float) -> ChangePlan:
     d = decide_recovery(old, dead, f.replicas, min_slices=f.min_slices, recoveries=f.recoveries,
                         max_retries=f.max_retries, may_wait=f.may_wait,
                         checkpoint_step=backup.step if backup and backup.ok else None,
-                        backup=backup.tier if backup and backup.ok else "checkpoint", stages=f.stages)
+                        backup=backup.tier if backup and backup.ok else "checkpoint", stages=f.stages,
+                        spare_stages=f.spare_stages)
     if d.action is Action.WAIT and f.wait_until is not None and now >= f.wait_until:
         d = capacity_timed_out(d, f.wait_seconds, f.wait_limit)
     if not f.has_state:   # nothing to copy: every live member counts as a replica; the dead start again now
         return _from(Change.RECOVER, d, relaunch_now=tuple(dead))
     tier = None
     if d.action in (Action.REPLACE, Action.SHRINK, Action.RETRY):
-        holders = [w for w in d.placement.active if w in f.replicas]
-        tier = choose_source([Holding(w, f.committed) for w in holders if w in old.active],
-                             [Holding(w, f.committed) for w in holders if w not in old.active],
-                             (), (), f.committed)
+        tier = _copy_source(d.placement.active, old.active, f)
     elif d.action is Action.RESTORE:
         tier = backup
         if f.stages > 1 and f.backup_hosts:
-            arranged = arrange_stages(d.placement.active, f.stages, f.backup_hosts, f.hosts)
-            d = dataclasses.replace(d, placement=dataclasses.replace(d.placement, active=arranged))
+            d = dataclasses.replace(d, placement=arrange_stages(d.placement, f.stages, f.backup_hosts, f.hosts))
     return _from(Change.RECOVER, d, tier=tier, relaunch_later=tuple(dead))
 
 
-def arrange_stages(active: tuple[str, ...], stages: int, holders, hosts: Mapping[str, str]) -> tuple[str, ...]:
-    """A pipelined restore's placement: every active worker gets the restored state, so any may take any slice;
-    a stage's snapshot is read where it lies, so each stage gets a worker whose host holds that stage's snapshot
-    (``holders[k]``: those hosts; ``hosts``: each worker's, a worker missing there is a host of its own) where a
-    matching exists. Workers keep their slices when they already match; the others fill the rest in order."""
+def _copy_source(active: tuple[str, ...], old_active: tuple[str, ...], f: Facts) -> TierChoice:
+    """Where the new placement's copies come from: a survivor (``replica``), else a promoted shadow spare
+    (``shadow``). A pipelined run's stages each have their own: the choice of the stage that fell back
+    furthest (a stage with only its shadow left makes the recovery a shadow one)."""
+    groups = stage_groups(active, f.stages) if f.stages > 1 else (active,)
+    choices = []
+    for k, group in enumerate(groups):
+        holders = [w for w in group if w in f.replicas and (f.stages == 1 or w in old_active or
+                                                            f.spare_stages.get(w) == k)]
+        choices.append(choose_source([Holding(w, f.committed) for w in holders if w in old_active],
+                                     [Holding(w, f.committed) for w in holders if w not in old_active],
+                                     (), (), f.committed))
+    return max(choices, key=lambda c: TIERS.index(c.tier) if c.ok else len(TIERS))
+
+
+def arrange_stages(placement: Placement, stages: int, holders, hosts: Mapping[str, str]) -> Placement:
+    """A pipelined restore's placement: every active worker gets the restored state, so any worker, a spare
+    too, may take any slice; a stage's snapshot is read where it lies, so each stage gets a worker whose host
+    holds that stage's snapshot (``holders[k]``: those hosts; ``hosts``: each worker's, a worker missing there
+    is a host of its own) where a matching exists. The placement stays when it already matches; else the
+    matched workers come first in their stages, the other active workers fill the rest in order, and those
+    left over (when spares were matched) become spares."""
+    active = placement.active
     groups = stage_groups(active, stages)
-    r = len(active) // stages
-    can = [[w for w in active if hosts.get(w, w) in holders[k]] for k in range(stages)]
+    members = list(active) + list(placement.spares)
+    can = [[w for w in members if hosts.get(w, w) in holders[k]] for k in range(stages)]
     if all(any(w in can[k] for w in group) for k, group in enumerate(groups)):
-        return active
+        return placement
     taken: dict[str, int] = {}   # worker -> the stage it serves (a bipartite matching, by augmenting paths)
 
     def assign(k: int, seen: set) -> bool:
@@ -444,14 +482,14 @@ def arrange_stages(active: tuple[str, ...], stages: int, holders, hosts: Mapping
     for k in sorted(range(stages), key=lambda k: len(can[k])):
         assign(k, set())
     chosen = {k: w for w, k in taken.items()}
-    rest = [w for w in active if w not in taken]
+    rest = [w for w in members if w not in taken]
     out = []
     for k in range(stages):
         group = [chosen[k]] if k in chosen else []
-        while len(group) < r:
+        while len(group) < len(active) // stages:
             group.append(rest.pop(0))
         out += group
-    return tuple(out)
+    return dataclasses.replace(placement, active=tuple(out), spares=tuple(rest))
 
 
 def _plan_restore(f: Facts, now: float) -> ChangePlan:

@@ -24,7 +24,7 @@ from runtime.core.microbatch import Node, assign_microbatches
 
 __all__ = ["Placement", "StepPlan", "StragglerDetector", "StragglerPolicy", "WorkerInfo", "cause_of",
            "checkpoint_writer", "holding_up", "is_suspect", "may_relaunch", "place", "plan_step", "reprobe_wait",
-           "snapshot_order", "stage_groups", "straggler_action", "watchdog_limit"]
+           "shadow_stage", "snapshot_order", "stage_groups", "straggler_action", "watchdog_limit"]
 
 
 # -- placement ---------------------------------------------------------------
@@ -107,6 +107,16 @@ def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo
                          f"have {len(fitting)}{extra}")
     ids = tuple(w.worker_id for w in fitting)
     return Placement(epoch=epoch, active=ids[:num_vslices], spares=ids[num_vslices:])
+
+
+def shadow_stage(shadows: Mapping[str, int | None], stages: int) -> int:
+    """The pipeline stage a new shadow spare shadows: the one with the fewest shadows (``shadows``: each
+    shadowing spare's stage), the first of those tied."""
+    count = [0] * stages
+    for k in shadows.values():
+        if k is not None and 0 <= k < stages:
+            count[k] += 1
+    return count.index(min(count))
 
 
 def stage_groups(active: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:

@@ -3,12 +3,13 @@
 With ``elastic_shadow_spares``, every spare starts with the state (it
 initializes from the seed like the active slices, or loads the checkpoint a
 run resumes from) and then gets every step as a *shadow*: the ranks push it
-their reduced chunks in the all-gather (not waited for), it applies the
+their reduced chunks in the all-gather (a rank answers once its pushes landed, waiting at most
+``runtime.worker.collective.SHADOW_HANDOFF_SECONDS``), it applies the
 full vector with the same apply program, so it holds the same bits. When
 every active slice is lost at once, a shadow is promoted with no state
 transfer and no step lost (``restore_tier`` "shadow").
 
-A shadow never delays a step: the controller commits on the active slices
+A shadow never fails a step: the controller commits on the active slices
 alone and looks at the shadows' replies as they come (:meth:`Shadows.poll`).
 One that missed a step (a rank died mid-step, a push failed) falls behind:
 it stops getting steps and is caught up by a state copy at the next step

@@ -85,12 +85,13 @@ class Snapshotting:
             if error:
                 self.events.emit("snapshot_failed", worker=w, error=error[:500])
 
-    def newest(self, at_most: int) -> int | None:
+    def newest(self, at_most: int, reported: bool = False) -> int | None:
         """The newest snapshot step at or before ``at_most`` that may be held on some host: reported written or
         copied, or ordered after a step since committed (its writer applied that step and began the write; the
         report may not have arrived before the writer died). None without one. The hosts' own answers
-        (:meth:`holdings`) decide what is restored. A pipelined run's: a step every stage may hold."""
-        ordered = {s for s in self._ordered if s <= at_most}
+        (:meth:`holdings`) decide what is restored. A pipelined run's: a step every stage may hold. ``reported``:
+        only snapshots reported written or copied count."""
+        ordered = {s for s in self._ordered if s <= at_most} if not reported else set()
         by_stage: dict[int | None, set[int]] = {}
         for (_, stage), held in self.held.items():
             by_stage.setdefault(stage, set()).update(s for s in held if s <= at_most)
@@ -100,16 +101,12 @@ class Snapshotting:
         return max(steps) if steps else None
 
     def stage_hosts(self, step: int) -> tuple[frozenset[str], ...]:
-        """A pipelined run's: for each stage, the hosts that may hold its snapshot of ``step`` (reported, or its
-        writer's when ordered and not reported yet)."""
+        """A pipelined run's: for each stage, the hosts its snapshot of ``step`` was reported written or copied
+        to (an ordered one not reported may never have been written: its writer died)."""
         out = [set() for _ in range(self.opts.pipeline_stages)]
         for (host, stage), held in self.held.items():
             if stage is not None and step in held:
                 out[stage].add(host)
-        for writer in self._ordered.get(step, {}):
-            stage = self.group.loaded_stage(writer)
-            if stage is not None:
-                out[stage].add(self.group.host_of(writer))
         return tuple(frozenset(hosts) for hosts in out)
 
     def known(self, held) -> None:

@@ -38,12 +38,16 @@ def start(ctl) -> None:
     workers = ctl.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
     ctl.membership.start(workers, sorted(ctl.dead), t0)   # lost: died before registering
     groups = stage_groups(ctl.placement.active, o.pipeline_stages)
+    stages = {w: k for k, g in enumerate(groups) for w in g}
+    if ctl.shadows.enabled:   # shadow spares take the stages in turn (each shadows its stage's state)
+        stages.update({w: i % len(groups) for i, w in enumerate(ctl.placement.spares)})
     loaded = ctl.group.load(ctl.placement.members, spares=ctl.placement.spares,
-                            stages={w: k for k, g in enumerate(groups) for w in g} if len(groups) > 1 else None)
+                            stages=stages if len(groups) > 1 else None)
     for w, r in loaded.items():
         ctl.events.emit("device_probe", worker=w, ok=True, devices=r.devices_probed, seconds=r.probe_seconds)
     ctl.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in loaded.items()},
-                    program_bytes=ctl.group.program_bytes())
+                    program_bytes=ctl.group.program_bytes(),
+                    **({"stages": {w: stages.get(w, 0) for w in loaded}} if len(groups) > 1 else {}))
     ctl.membership.before_state("loading programs")
     ctl.observer.attach(ctl)
     sizes = {}

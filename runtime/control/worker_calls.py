@@ -248,6 +248,8 @@ class WorkerCalls:
         writer snapshots its state on its host after this step and streams a copy to its peer (one writer; a
         pipelined run: one per stage).
         """
+        if plan.stages > 1:   # each shadow shadows the stage its programs are for
+            shadows = {w: self.loaded_stage.get(w, 0) for w in shadows}
         requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshots,
                                  self.opts.pipeline_schedule)
         futs = {}

@@ -126,8 +126,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"controller": TEXT_OR_NULL, "previous_pid": COUNT_OR_NULL}),
     EventKind("placement", "the first placement of virtual slices on workers",
               {"epoch": COUNT, "active": NAMES, "spares": NAMES, "seconds": FINITE}),
-    EventKind("programs_loaded", "every member loaded (compiled) the programs",
-              {"compile_seconds": NUMBERS_BY_NAME, "program_bytes": ANY}),
+    EventKind("programs_loaded", "every member loaded (compiled) the programs (a pipelined run: each its stage's)",
+              {"compile_seconds": NUMBERS_BY_NAME, "program_bytes": ANY}, {"stages": NUMBERS_BY_NAME}),
     EventKind("state_initialized", "the train state was initialized from the seed (its parameters then replaced "
               "by those of parameters_from: load_parameters_path)",
               {"seed": ANY, "state_bytes": COUNT}, {"parameters_from": TEXT}),
@@ -195,7 +195,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"directory": TEXT, "error": TEXT}),
     EventKind("checkpoint_leftovers_removed", "partial checkpoints of a dead writer were removed",
               {"directory": TEXT, "paths": NAMES}),
-    EventKind("shadow_synced", "a spare got a copy of the committed state", _COPY, _COPY_OPTIONAL),
+    EventKind("shadow_synced", "a spare got a copy of the committed state (a pipelined run: of one stage's)", _COPY,
+              {**_COPY_OPTIONAL, "stage": COUNT}),
     EventKind("shadow_behind", "a shadowing spare fell behind", {**_W, "step": COUNT, "error": TEXT}),
     # -- workers -------------------------------------------------------------------------------------
     EventKind("workers_awaited", "the controller waits for workers started by hand",

@@ -32,6 +32,7 @@ well-formed piece of the wrong shape raises :class:`StepAbortedError`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING
@@ -51,6 +52,16 @@ __all__ = ["AllReduce", "ONE_ROUND_BYTES"]
 
 #: At most this many bytes of partials in a step (all ranks' together), the all-reduce is one round (AllReduce).
 ONE_ROUND_BYTES = 1 << 20
+# How long a rank waits, before it answers its step, for its reduced chunk to reach the shadows (their failures
+# are still ignored): a step committed on the ranks' answers is then on every live shadow, even when the ranks
+# die right after; a stalled shadow holds the step up this long at most (then it falls behind).
+SHADOW_HANDOFF_SECONDS = 1.0
+
+
+def _handed(handoff: list, deadline: float) -> None:
+    """Waits (at most :data:`SHADOW_HANDOFF_SECONDS`, and not past ``deadline``) for the pushes to shadows."""
+    if handoff:
+        futures.wait(handoff, timeout=max(0.0, min(SHADOW_HANDOFF_SECONDS, deadline - time.monotonic())))
 
 
 def _quietly(send, *args) -> None:
@@ -147,9 +158,10 @@ class AllReduce:
         to ``tree_reduce`` of all partials in one place, whatever ``n``.
 
         ``shadows``: addresses that also get this rank's reduced chunk in the
-        all-gather. Those pushes are not waited for and their failures are
-        ignored: a shadow that misses a piece falls behind, it never delays or
-        fails the step.
+        all-gather. Their failures are ignored: a shadow that misses a piece
+        falls behind, it never fails the step; before returning the rank waits
+        up to :data:`SHADOW_HANDOFF_SECONDS` for those pushes (so a step the
+        ranks answered is on every live shadow even if the ranks die at once).
 
         ``clock`` gets ``wait_for_peers`` (their pieces not here yet),
         ``reduce_add`` (the canonical sums), ``send`` (our pushes still in
@@ -160,9 +172,10 @@ class AllReduce:
         if n == 1:
             alone = tree_reduce(partials, top, self._add)
             clock.lap("reduce_add")
-            for address in shadows:   # the whole vector is this rank's chunk
-                self._shadow_pool.submit(_quietly, self._send, address,
-                                         pieces(fence, step, ALL_GATHER, rank, top, alone, chunk_bytes), deadline)
+            handoff = [self._shadow_pool.submit(_quietly, self._send, address,   # the whole vector is our chunk
+                                                pieces(fence, step, ALL_GATHER, rank, top, alone, chunk_bytes),
+                                                deadline) for address in shadows]
+            _handed(handoff, deadline)
             return alone, 4 * alone.size * len(shadows)
         size = next(iter(partials.values())).size
         bounds = chunk_bounds(size, n)
@@ -197,10 +210,11 @@ class AllReduce:
                                      between_phases, clock)
 
         # All-gather: our reduced chunk to every peer and shadow; theirs into the full vector.
-        for address in shadows:   # first, so a shadow is served as early as a peer; not waited for
+        handoff = []
+        for address in shadows:   # first, so a shadow is served as early as a peer; waited for only at the end
             sent += 4 * reduced.size
-            self._shadow_pool.submit(_quietly, self._send, address, stream(ALL_GATHER, rank, [(top, reduced)]),
-                                     deadline)
+            handoff.append(self._shadow_pool.submit(_quietly, self._send, address,
+                                                    stream(ALL_GATHER, rank, [(top, reduced)]), deadline))
         sends = []
         for r, address in others:
             sent += 4 * reduced.size
@@ -219,6 +233,7 @@ class AllReduce:
         clock.lap("gather_copy")
         for f in sends:
             f.result()
+        _handed(handoff, deadline)
         clock.lap("send")
         return out, sent
 
@@ -261,9 +276,12 @@ class AllReduce:
         reduced = self._sum_received(partials, fence, step, senders, expected, size,
                                      f"of a vector of {size}", top, sends, deadline, between_phases, clock)
         lo, hi = bounds[rank]
-        for address in shadows:   # not waited for, as in the all-gather
+        handoff = []
+        for address in shadows:   # as in the all-gather
             sent += 4 * (hi - lo)
-            self._shadow_pool.submit(_quietly, self._send, address,
-                                     pieces(fence, step, ALL_GATHER, rank, top, reduced[lo:hi], chunk_bytes), deadline)
+            handoff.append(self._shadow_pool.submit(_quietly, self._send, address,
+                                                    pieces(fence, step, ALL_GATHER, rank, top, reduced[lo:hi],
+                                                           chunk_bytes), deadline))
+        _handed(handoff, deadline)
         return reduced, sent
 

@@ -75,3 +75,17 @@ def test_activations_of_any_dtypes_travel_as_one_float32_piece_bit_for_bit():
     assert all(b.dtype == a.dtype and b.tobytes() == a.tobytes() for a, b in zip(arrays, back))
     with pytest.raises(ProtocolError, match="too short"):
         unpack(vec[:4], specs)
+
+
+def test_a_stages_shadow_and_snapshot_writer_get_their_stages_share_of_the_step():
+    placement = Placement(epoch=3, active=("w0", "w1", "w2", "w3"))
+    plan = plan_step(placement, 5, 8, 2)
+    reqs = dict(step_requests(FENCE, plan, lambda w: (f"{w}:1", f"{w}:2"), shadows={"s0": 0, "s1": 1},
+                              snapshots={"w1": "w0", "w3": None}))
+    # stage 0's ranks push their reduced chunks to stage 0's shadow only, and it waits for stage 0's ranks
+    assert [p.address for p in reqs["w0"].shadows] == ["s0:1"] and [p.address for p in reqs["w3"].shadows] == ["s1:1"]
+    assert reqs["s1"].shadow and [p.address for p in reqs["s1"].peers] == ["w2:1", "w3:1"]
+    assert not reqs["s1"].HasField("pipeline")
+    # one snapshot writer per stage, each with its own peer
+    assert [(w, reqs[w].snapshot, reqs[w].snapshot_peer.address) for w in ("w0", "w1", "w2", "w3")] == \
+        [("w0", False, ""), ("w1", True, "w0:1"), ("w2", False, ""), ("w3", True, "")]

@@ -172,16 +172,20 @@ def test_a_pipelined_realign_reads_the_loss_of_the_last_stages_survivors_only():
 def test_a_pipelined_restore_gives_each_stage_a_worker_where_its_snapshot_lies():
     from runtime.control.plan import arrange_stages
 
-    hosts = {"a": "h0", "b": "h1", "c": "h2", "d": "h3"}
-    # already matched (stage 0 on h0, stage 1 on h2): the placement stays
-    assert arrange_stages(("a", "b", "c", "d"), 2, (frozenset({"h0"}), frozenset({"h2"})), hosts) == tuple("abcd")
-    # stage 1's snapshot lies on a's host, stage 0's on d's: they swap in, the others fill in order
-    assert arrange_stages(("a", "b", "c", "d"), 2, (frozenset({"h3"}), frozenset({"h0"})), hosts) == tuple("dbac")
+    hosts = {"a": "h0", "b": "h1", "c": "h2", "d": "h3", "s": "h4"}
+
+    def arrange(active, holders, spares=()):
+        p = arrange_stages(Placement(4, tuple(active), tuple(spares)), 2, tuple(map(frozenset, holders)), hosts)
+        return "".join(p.active) + "/" + "".join(p.spares)
+
+    assert arrange("abcd", ({"h0"}, {"h2"})) == "abcd/"      # already matched (stage 0 on h0, stage 1 on h2)
+    assert arrange("abcd", ({"h3"}, {"h0"})) == "dbac/"      # d and a swap in; the others fill in order
     # a greedy choice would give stage 0 the worker both stages could use: the matching does not
-    assert arrange_stages(("a", "b"), 2, (frozenset({"h0", "h1"}), frozenset({"h1"})), hosts) == ("a", "b")
-    assert arrange_stages(("b", "a"), 2, (frozenset({"h0", "h1"}), frozenset({"h1"})), hosts) == ("a", "b")
+    assert arrange("ab", ({"h0", "h1"}, {"h1"})) == "ab/" and arrange("ba", ({"h0", "h1"}, {"h1"})) == "ab/"
     # a stage no host holds: the others are matched, it gets what is left (its restore then fails, saying so)
-    assert arrange_stages(("a", "b"), 2, (frozenset(), frozenset({"h0"})), hosts) == ("b", "a")
+    assert arrange("ab", (set(), {"h0"})) == "ba/"
+    # the snapshot lies on a spare's host: the spare takes a slice, an active worker becomes a spare
+    assert arrange("abcd", ({"h0"}, {"h4"}), spares="s") == "absc/d"
 
 
 def test_a_pipelined_recovery_that_restores_arranges_the_stages_by_where_the_snapshots_lie():
@@ -192,3 +196,29 @@ def test_a_pipelined_recovery_that_restores_arranges_the_stages_by_where_the_sna
                                                 "hosts": {"p": "h1", "q": "h8", "r": "h2", "s": "h9"}}))
     assert plan.action is Action.RESTORE and plan.tier.tier == "snapshot"
     assert plan.placement.active == ("s", "p", "q", "r")   # stage 0: s (on h9); stage 1: q (on h8)
+    assert plan.placement.spares == ()
+
+
+@pytest.mark.parametrize("spares, replicas, spare_stages, active, tier", [
+    # the spare that shadows stage 1 takes stage 1's lost slice, ahead of stage 0's shadow: no copy needed
+    (("p", "q"), "abdpq", {"p": 0, "q": 1}, ("a", "b", "q", "d"), "replica"),
+    # a plain spare before a shadow of another stage (which keeps shadowing); the copy comes from d
+    (("p", "q"), "abdp", {"p": 0, "q": 0}, ("a", "b", "q", "d"), "replica"),
+    # only another stage's shadow: it takes the slice (and then needs a copy from stage 1's survivor)
+    (("p",), "abdp", {"p": 0}, ("a", "b", "p", "d"), "replica"),
+])
+def test_a_pipelined_recovery_takes_the_lost_stages_own_shadow_first(spares, replicas, spare_stages, active, tier):
+    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "placement": Placement(3, PIPE.active, spares),
+                                                "dead": frozenset({"c"}), "replicas": frozenset(replicas),
+                                                "spare_stages": spare_stages}))
+    assert plan.action is Action.REPLACE and plan.placement.active == active and plan.tier.tier == tier
+
+
+def test_a_pipelined_stage_with_no_replica_left_is_saved_only_by_a_shadow_of_its_own():
+    one = Placement(3, ("a", "c"), ("p",))   # one replica per stage: a (stage 0), c (stage 1)
+    facts = {**PIPE_LIMITS, "placement": one, "slices": 2, "min_slices": 2, "dead": frozenset({"c"}),
+             "replicas": frozenset("acp")}
+    saved = plan_change(Facts(Change.RECOVER, **facts, spare_stages={"p": 1}))
+    assert saved.action is Action.REPLACE and saved.placement.active == ("a", "p") and saved.tier.tier == "shadow"
+    lost = plan_change(Facts(Change.RECOVER, **facts, spare_stages={"p": 0}))
+    assert lost.action is Action.FAIL and "pipeline stage 1 lost every replica (c)" in lost.reason

@@ -310,3 +310,12 @@ def test_each_failure_raises_its_own_type(failure, error):
     err = failed(RecoveryDecision(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
     assert type(err).__name__ == error and isinstance(err, CapacityExhaustedError)
     assert (err.message, err.step, err.cause) == ("cannot recover", 3, "why")
+
+
+def test_a_new_shadow_spare_shadows_the_pipeline_stage_with_the_fewest_shadows():
+    from runtime.control.policy import shadow_stage
+
+    assert shadow_stage({}, 3) == 0
+    assert shadow_stage({"a": 0, "b": 1}, 3) == 2
+    assert shadow_stage({"a": 0, "b": 0, "c": 2}, 3) == 1
+    assert shadow_stage({"a": None, "b": 7}, 2) == 0   # unknown stages count for none
