@@ -17,6 +17,9 @@ case of :func:`plan_change`:
 - ``GROW`` and ``SWAP``: at a step boundary, spares are promoted, or a
   straggler's slice moves onto one (:func:`decide_grow`, :func:`decide_swap`).
 
+A pipelined run's changes keep each slice's stage and ask per stage
+(:mod:`runtime.control.stage_plan`).
+
 :mod:`runtime.control.membership` carries a plan out. Nothing here reads a clock, a
 socket or a file: the time is passed in (``now``: a wait for capacity past
 its deadline becomes a ``FAIL``).
@@ -29,10 +32,11 @@ import enum
 from collections.abc import Iterable, Mapping
 
 from runtime.control.policy import Placement, WorkerInfo, place, stage_groups
+from runtime.control.stage_plan import arrange_stages, fill_slots, stage_without_replica
 from runtime.control.tiers import TIERS, Holding, TierChoice, choose_source
 
 __all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
-           "arrange_stages", "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
+           "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
            "membership_change_due", "plan_change", "plan_realign"]
 
 
@@ -116,7 +120,7 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
                                                             "the run", failure=Failure.CAPACITY, limit="max_retries")
         return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
                                 failure=Failure.CAPACITY, limit="max_retries")
-    slots, spares = _fill(placement, dead, replicas, stages, spare_stages or {})
+    slots, spares = fill_slots(placement, dead, replicas, stages, spare_stages or {})
     active = [w for w in slots if w is not None]
     replaced, dropped = sum(w not in placement.active for w in active), slots.count(None)
     new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
@@ -124,7 +128,7 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
                   "the surviving slices hold no copy of the state")
     if stages > 1 and not lost_state:
-        lost_state = _stage_without_replica(placement.active, slots, replicas, stages, spare_stages or {})
+        lost_state = stage_without_replica(placement.active, slots, replicas, stages, spare_stages or {})
     if lost_state and checkpoint_step is None:
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_STAGE_REPLICA if stages > 1 else NO_REPLICA}",
                                 failure=Failure.STATE_LOST)
@@ -157,43 +161,6 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     if replaced:
         return RecoveryDecision(Action.REPLACE, new, "spares replace the lost slices")
     return RecoveryDecision(Action.RETRY, new, "no worker was lost; re-run the step")
-
-
-def _fill(placement: Placement, dead: frozenset[str], replicas: frozenset[str], stages: int,
-          spare_stages: Mapping[str, int]) -> tuple[list[str | None], list[str]]:
-    """The new active slices by position (None: no spare left for it) and the spares left. A lost slice gets a
-    spare that shadows the state first. In a pipelined run a slice keeps its position, so its stage, and gets
-    a spare that shadows its stage first (``spare_stages``: the stage each spare's programs are for), else a
-    spare that shadows nothing, else one that shadows another stage (it then needs a copy like any newcomer)."""
-    spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
-    per_stage = max(len(placement.active) // stages, 1)
-    slots: list[str | None] = []
-    for v, w in enumerate(placement.active):
-        if w not in dead:
-            slots.append(w)
-            continue
-        pick = spares[0] if spares else None
-        if stages > 1 and spares:
-            k = v // per_stage
-            pick = next((s for s in spares if s in replicas and spare_stages.get(s) == k), None) or \
-                next((s for s in spares if s not in replicas), spares[0])
-        if pick is not None:
-            spares.remove(pick)
-        slots.append(pick)
-    return slots, spares
-
-
-def _stage_without_replica(active: tuple[str, ...], slots: list[str | None], replicas: frozenset[str], stages: int,
-                           spare_stages: Mapping[str, int]) -> str:
-    """Why a pipelined run lost its state ("" when it did not): a stage left with no replica of its own (each
-    stage holds its own share of the state: a survivor of that stage, or a spare that shadows it; a replica of
-    another stage cannot supply it). ``slots``: the new active slices by position (:func:`_fill`)."""
-    per_stage = len(active) // stages
-    for k in range(stages):
-        now = slots[k * per_stage:(k + 1) * per_stage]
-        if not any(w is not None and w in replicas and (w in active or spare_stages.get(w) == k) for w in now):
-            return f"pipeline stage {k} lost every replica ({', '.join(active[k * per_stage:(k + 1) * per_stage])})"
-    return ""
 
 
 def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *,
@@ -453,43 +420,6 @@ def _copy_source(active: tuple[str, ...], old_active: tuple[str, ...], f: Facts)
                                      [Holding(w, f.committed) for w in holders if w not in old_active],
                                      (), (), f.committed))
     return max(choices, key=lambda c: TIERS.index(c.tier) if c.ok else len(TIERS))
-
-
-def arrange_stages(placement: Placement, stages: int, holders, hosts: Mapping[str, str]) -> Placement:
-    """A pipelined restore's placement: every active worker gets the restored state, so any worker, a spare
-    too, may take any slice; a stage's snapshot is read where it lies, so each stage gets a worker whose host
-    holds that stage's snapshot (``holders[k]``: those hosts; ``hosts``: each worker's, a worker missing there
-    is a host of its own) where a matching exists. The placement stays when it already matches; else the
-    matched workers come first in their stages, the other active workers fill the rest in order, and those
-    left over (when spares were matched) become spares."""
-    active = placement.active
-    groups = stage_groups(active, stages)
-    members = list(active) + list(placement.spares)
-    can = [[w for w in members if hosts.get(w, w) in holders[k]] for k in range(stages)]
-    if all(any(w in can[k] for w in group) for k, group in enumerate(groups)):
-        return placement
-    taken: dict[str, int] = {}   # worker -> the stage it serves (a bipartite matching, by augmenting paths)
-
-    def assign(k: int, seen: set) -> bool:
-        for w in can[k]:
-            if w not in seen:
-                seen.add(w)
-                if w not in taken or assign(taken[w], seen):
-                    taken[w] = k
-                    return True
-        return False
-
-    for k in sorted(range(stages), key=lambda k: len(can[k])):
-        assign(k, set())
-    chosen = {k: w for w, k in taken.items()}
-    rest = [w for w in members if w not in taken]
-    out = []
-    for k in range(stages):
-        group = [chosen[k]] if k in chosen else []
-        while len(group) < len(active) // stages:
-            group.append(rest.pop(0))
-        out += group
-    return dataclasses.replace(placement, active=tuple(out), spares=tuple(rest))
 
 
 def _plan_restore(f: Facts, now: float) -> ChangePlan:

@@ -170,7 +170,7 @@ def test_a_pipelined_realign_reads_the_loss_of_the_last_stages_survivors_only():
 
 
 def test_a_pipelined_restore_gives_each_stage_a_worker_where_its_snapshot_lies():
-    from runtime.control.plan import arrange_stages
+    from runtime.control.stage_plan import arrange_stages
 
     hosts = {"a": "h0", "b": "h1", "c": "h2", "d": "h3", "s": "h4"}
 
