@@ -124,7 +124,7 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
     shadowing = bool(cfg.get("elastic_shadow_spares"))
     pipeline = int(cfg.get("dcn_pipeline_parallelism") or 1)
     stage_of: dict[str, int] = {}   # a pipelined run: the stage each worker's programs are for
-    stage_copies: dict = {}           # ... and each stage's snapshot steps saved
+    stage_copies: dict = {}           # ... and each (tier, stage)'s steps saved
     active, spares, dead = [], [], set()
     replicas, shadows = set(), set()
     have_state = False
@@ -152,7 +152,8 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             active, spares, dead, replicas, shadows = [], [], set(), set(), set()
             have_state, frontier, high = False, 0, 0
             copies["snapshot"] = set()
-            stage_copies.clear()
+            for key in [key for key in stage_copies if key[0] == "snapshot"]:
+                del stage_copies[key]
         if kind == "placement":
             active, spares = list(e.get("active") or []), list(e.get("spares") or [])
         elif kind == "programs_loaded":
@@ -166,6 +167,8 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             if kind == "run_resumed":
                 frontier = high = e.get("step", 0)
                 copies["checkpoint"].add(e.get("step", 0))
+                for k in range(pipeline if pipeline > 1 else 0):   # every stage resumed from it
+                    stage_copies.setdefault(("checkpoint", k), set()).add(e.get("step", 0))
         elif kind == "step_committed":
             step = e.get("step", 0)
             if step < high and found:
@@ -191,10 +194,9 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             replicas, shadows = set(active) - dead, shadows - set(active)
         elif kind in ("snapshot_saved", "snapshot_copied", "checkpoint_saved"):
             tier = "checkpoint" if kind == "checkpoint_saved" else "snapshot"
-            if tier == "snapshot" and pipeline > 1:   # a step is a copy of the state once every stage saved it
-                stage_copies.setdefault(stage_of.get(e.get("worker")), set()).add(e.get("step", 0))
-                held = [stage_copies.get(k, set()) for k in range(pipeline)]
-                copies[tier] = set.intersection(*held)
+            if pipeline > 1:   # a step is a copy of the state once every stage saved it
+                stage_copies.setdefault((tier, stage_of.get(e.get("worker"))), set()).add(e.get("step", 0))
+                copies[tier] = set.intersection(*(stage_copies.get((tier, k), set()) for k in range(pipeline)))
             else:
                 copies[tier].add(e.get("step", 0))
             trail[tier] = max(trail[tier], frontier - e.get("step", 0))

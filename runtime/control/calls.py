@@ -57,6 +57,8 @@ class StepResult:
     snapshots_saved: tuple[int, ...] = ()
     snapshots_copied: tuple[int, ...] = ()
     snapshot_error: str = ""
+    stage_busy_seconds: float = 0.0     # a pipeline stage worker's compute seconds (forward, backward, last)
+    stage_stream_seconds: float = 0.0   # and its instruction stream's, first instruction to last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,7 @@ def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts
 
 
 def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[str, str]],
-                  checkpoint: tuple[str, str, list[float]] | None = None, shadows=(),
+                  checkpoints: Mapping[str, tuple[str, list[float]]] | None = None, shadows=(),
                   snapshots: Mapping[str, str | None] | None = None,
                   schedule: str = "1f1b") -> list[tuple[str, pb.StepRequest]]:
     """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
@@ -109,19 +111,18 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
     worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`); ``shadows``
     is then ``{spare: the stage it shadows}``."""
     snapshots = {w: pb.Peer(address=where(p)[0]) if p else None for w, p in (snapshots or {}).items()}
+    saves = {w: {"checkpoint_directory": d, "committed_loss_sums": sums} for w, (d, sums) in (checkpoints or {}).items()}
     if plan.stages > 1:
-        return _pipeline_requests(fence, plan, where, schedule, snapshots, shadows or {})
+        return _pipeline_requests(fence, plan, where, schedule, snapshots, shadows or {}, saves)
     peers = [pb.Peer(rank=r, address=a, data_address=d) for r, (a, d) in enumerate(map(where, plan.workers))]
     shadow_peers = [pb.Peer(address=a, data_address=d) for a, d in map(where, shadows)]
     all_nodes, owners = _nodes_and_owners(plan.nodes)
-    writer, directory, sums = checkpoint or ("", "", ())
     out = []
     for r, w in enumerate(plan.workers):
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, rank=r, peers=peers,
                                       nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
                                       all_nodes=all_nodes, node_owner=owners,
-                                      checkpoint_directory=directory if w == writer else "",
-                                      committed_loss_sums=sums if w == writer else (), shadows=shadow_peers,
+                                      **saves.get(w, {}), shadows=shadow_peers,
                                       snapshot=w in snapshots, snapshot_peer=snapshots.get(w))))
     for w in shadows:
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=peers, all_nodes=all_nodes,
@@ -145,12 +146,13 @@ def _streams(schedule: str, stages: int, microbatches: tuple[int, ...]):
 
 
 def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str, snapshots: Mapping[str, pb.Peer | None],
-                       shadows: Mapping[str, int]) -> list[tuple[str, pb.StepRequest]]:
+                       shadows: Mapping[str, int], saves: Mapping[str, dict]) -> list[tuple[str, pb.StepRequest]]:
     """Each stage worker's Step call: its stage's replicas are its ranks (they reduce that stage's gradients),
     its replica's microbatches its nodes, its stream the replica's central schedule projected on its stage,
     and its neighbours the previous and next stages of its replica. ``snapshots``: the workers that snapshot
     their stage's state after the step, with the peer keeping each copy. ``shadows``: ``{spare: stage}``: the
-    stage's ranks push it their reduced chunks, and it gets the step as a shadow of that stage."""
+    stage's ranks push it their reduced chunks, and it gets the step as a shadow of that stage. ``saves``: the
+    checkpoint writers (one per stage), with the fields of their requests."""
     replicas, stages = plan.replicas, plan.stages
     streams = [_streams(schedule, stages, tuple(i for n in plan.nodes[r] for i in n.ids)) for r in range(replicas)]
     all_nodes, owners = _nodes_and_owners(plan.nodes[:replicas])   # replica r's subtrees are slice r's
@@ -176,7 +178,7 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str, sn
                                       nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[v]],
                                       all_nodes=all_nodes, node_owner=owners, pipeline=step,
                                       snapshot=w in snapshots, snapshot_peer=snapshots.get(w),
-                                      shadows=shadow_peers[k])))
+                                      shadows=shadow_peers[k], **saves.get(w, {}))))
     for w, k in shadows.items():
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=[peer(k * replicas + q, q)
                                                                           for q in range(replicas)],
@@ -190,7 +192,7 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str, sn
 def step_result(r: pb.StepReply) -> StepResult:
     return StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent, dict(r.phases),
                       tuple(r.checkpoints_saved), r.checkpoint_error, tuple(r.snapshots_saved),
-                      tuple(r.snapshots_copied), r.snapshot_error)
+                      tuple(r.snapshots_copied), r.snapshot_error, r.stage_busy_seconds, r.stage_stream_seconds)
 
 
 def worker_status(r: pb.StatusReply) -> WorkerStatus:

@@ -18,6 +18,11 @@ The workers write and read checkpoints (:mod:`runtime.worker.saver`,
 - :meth:`Checkpointing.finish`: waits for the saves in flight at the end of
   a run, noting each as it completes, then removes what interrupted saves left.
 
+A pipelined run's state is one per stage: each stage writes its own
+checkpoints, by one of its replicas, into ``<directory>/stage<k>``
+(:meth:`Checkpointing.stage_directory`), and a step counts as checkpointed
+once every stage's is complete; a restore loads each stage's from its own.
+
 Its only state is the checkpoints ordered and not yet reported complete.
 """
 
@@ -27,7 +32,8 @@ import dataclasses
 import time
 
 from runtime.core.errors import BadInputError
-from runtime.control.policy import checkpoint_writer
+from runtime.control.policy import checkpoint_writer, stage_groups
+from runtime.control.tiers import EveryStage
 
 __all__ = ["Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint"]
 
@@ -59,11 +65,23 @@ class Checkpointing:
     def __init__(self, group, opts, events, notify=None):
         self.group, self.opts, self.events = group, opts, events
         self.notify = notify or (lambda step: None)
-        self._ordered: dict[int, str] = {}   # checkpoint step -> its writer: ordered, not reported complete
+        # (checkpoint step, pipeline stage: 0 when unpipelined) -> its writer: ordered, not reported complete
+        self._ordered: dict[tuple[int, int], str] = {}
+        self._complete = EveryStage(opts.pipeline_stages)   # a step is checkpointed once every stage's is
 
     @property
     def directory(self) -> str:
         return self.opts.checkpoint_directory
+
+    @property
+    def stages(self) -> int:
+        return self.opts.pipeline_stages
+
+    def stage_directory(self, stage: int | None, directory: str | None = None) -> str:
+        """Where a stage's checkpoints are (of ``directory``, default the run's): the directory itself, or
+        ``<directory>/stage<k>`` in a pipelined run."""
+        directory = directory or self.directory
+        return directory if self.stages == 1 or stage is None else f"{directory.rstrip('/')}/stage{stage}"
 
     @property
     def enabled(self) -> bool:
@@ -79,31 +97,37 @@ class Checkpointing:
         when the run writes no more."""
         if not self.enabled:
             return None
-        return next((w for s in range(first_step, steps) if (w := self.writer(s, steps, workers))), None)
+        first = stage_groups(tuple(workers), self.stages)[0]   # (a pipelined run: stage 0's writer)
+        return next((w for s in range(first_step, steps) if (w := self.writer(s, steps, first))), None)
 
     def unfinished_writer(self, workers) -> str | None:
         """The worker of ``workers`` that writes the newest checkpoint ordered and not yet reported complete
         (its save waits, or is being written); None when there is none."""
-        pending = [s for s, w in self._ordered.items() if w in workers]
+        pending = [key for key, w in self._ordered.items() if w in workers]
         return self._ordered[max(pending)] if pending else None
 
-    def order_for(self, step: int, steps: int, workers, loss_sums) -> tuple[str, str, list[float]] | None:
-        """``(writer, directory, committed loss sums)`` when step ``step`` ends a checkpoint period (or the
-        run), else None: what ``WorkerGroup.dispatch`` sends the writer."""
-        writer = self.writer(step, steps, workers)
-        if writer:
-            self._ordered[step + 1] = writer   # a step dispatched again (after a recovery) is ordered again
-        return (writer, self.directory, list(loss_sums)) if writer else None
+    def order_for(self, step: int, steps: int, workers, loss_sums) -> dict[str, tuple[str, list[float]]]:
+        """``{writer: (directory, committed loss sums)}`` when step ``step`` ends a checkpoint period (or the
+        run), else {}: what ``WorkerGroup.dispatch`` sends the writers (one; a pipelined run: one per stage)."""
+        out = {}
+        for k, group in enumerate(stage_groups(tuple(workers), self.stages)):
+            writer = self.writer(step, steps, group)
+            if writer:
+                self._ordered[step + 1, k] = writer   # a step dispatched again (after a recovery) is ordered again
+                out[writer] = (self.stage_directory(k), list(loss_sums))
+        return out
 
     def note(self, reports) -> None:
         """Events for ``{worker: (steps whose checkpoints it finished, error or "")}``."""
         for w, (saved, error) in reports.items():
             for step in saved:
                 # Its older orders are done too, or were replaced while they waited (the writer keeps the newest).
-                for done in [s for s, writer in self._ordered.items() if writer == w and s <= step]:
+                for done in [key for key, writer in self._ordered.items() if writer == w and key[0] <= step]:
                     del self._ordered[done]
-                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.directory)
-                self.notify(step)
+                stage = self.group.loaded_stage(w)
+                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.stage_directory(stage))
+                if self._complete.saved(step, stage):
+                    self.notify(step)
             if error:
                 self.events.emit("checkpoint_failed", worker=w, error=error[:500])
 
@@ -112,20 +136,21 @@ class Checkpointing:
         each as it completes, then, when every one ended well (nobody writes now), removes the leftovers of
         interrupted saves. ``loss_sums``: every committed step's. When the last step's checkpoint was ordered
         from a worker no longer among ``workers`` and never reported (its writer died, the save cut off), the
-        first of ``workers`` saves it again first. A worker lost meanwhile raises its typed error
-        (``WorkerLostError``: the controller recovers and calls again)."""
+        first of ``workers`` (of that stage) saves it again first. A worker lost meanwhile raises its typed
+        error (``WorkerLostError``: the controller recovers and calls again)."""
         if not self.enabled:
             return
         workers, last = list(workers), len(loss_sums)
-        save = None
-        if workers and last in self._ordered and self._ordered[last] not in workers:
-            save = (workers[0], self.directory, list(loss_sums))
-            self._ordered[last] = workers[0]
+        save = {}
+        for k, group in enumerate(stage_groups(tuple(workers), self.stages) if workers else ()):
+            if (last, k) in self._ordered and self._ordered[last, k] not in workers:
+                save[group[0]] = (self.stage_directory(k), list(loss_sums))
+                self._ordered[last, k] = group[0]
         deadline, failed = time.monotonic() + self.opts.rpc_timeout_seconds, False
         while workers:
             left = max(deadline - time.monotonic(), 0.0)
             flushed = self.group.flush_checkpoints(workers, min(_FLUSH_ROUND_SECONDS, left), save=save)
-            save = None
+            save = {}
             self.note({w: (saved, error) for w, (saved, error, _) in flushed.items()})
             failed = failed or any(error for _, error, _ in flushed.values())
             workers = [w for w, (_, _, idle) in flushed.items() if not idle]
@@ -135,7 +160,7 @@ class Checkpointing:
         if failed:
             return   # a save failed: its leftovers are kept for whoever looks into it; removed next time
         try:
-            removed = self._store().cleanup()
+            removed = [path for store in self._stores() for path in store.cleanup()]
         except Exception as e:  # noqa: BLE001 - leftovers are never restored; removing them is housekeeping
             self._unavailable(e)
             return
@@ -143,14 +168,15 @@ class Checkpointing:
             self.events.emit("checkpoint_leftovers_removed", directory=self.directory, paths=removed)
 
     def newest(self, at_most: int) -> int | None:
-        """The newest complete checkpoint at or before step ``at_most``; None without one (or checkpoints).
+        """The newest complete checkpoint at or before step ``at_most``; None without one (or checkpoints). A
+        pipelined run's: the newest step every stage's checkpoints hold.
 
         An unreadable store counts as none, with a ``checkpoint_unavailable`` event.
         """
         if not self.directory:
             return None
         try:
-            steps = [s for s in self._store().steps() if s <= at_most]
+            steps = set.intersection(*({s for s in store.steps() if s <= at_most} for store in self._stores()))
         except Exception as e:  # noqa: BLE001 - an unreadable store is no backup; the decision says so
             self._unavailable(e)
             return None
@@ -170,23 +196,33 @@ class Checkpointing:
         declared dead and left out of the answer; a checkpoint that cannot be
         read at all raises the worker's error (``WorkerError``, naming it).
         """
-        directory = directory or self.directory
-        replies = self.group.load_checkpoints(workers, directory, step)   # concurrently: each its copy
+        replies = self._load(workers, step, directory)   # concurrently: each its copy
         for w, r in replies.items():
             for why in r.skipped:
                 self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
         restored = min((r.applied_steps for r in replies.values()), default=step)
         if any(r.applied_steps != restored for r in replies.values()):
-            replies = self.group.load_checkpoints(list(replies), directory, restored)
+            replies = self._load(list(replies), restored, directory)
         sums = next((list(r.loss_sums) for r in replies.values() if r.loss_sums), [])
         other = next(((r.written_devices_per_slice, r.written_microbatches) for r in replies.values()
                       if r.written_devices_per_slice), None)
         return Loaded(restored, {w: r.bytes for w, r in replies.items()}, sums, other)
 
-    def _store(self):
+    def _load(self, workers, step: int, directory: str | None) -> dict:
+        """``workers`` load the newest valid checkpoint at or before ``step``: each from its stage's directory."""
+        if self.stages == 1:
+            return self.group.load_checkpoints(workers, directory or self.directory, step)
+        replies = {}
+        for k in sorted({self.group.loaded_stage(w) for w in workers}):
+            replies.update(self.group.load_checkpoints([w for w in workers if self.group.loaded_stage(w) == k],
+                                                       self.stage_directory(k, directory), step))
+        return replies
+
+    def _stores(self) -> list:
         from runtime.state.checkpoint import CheckpointStore   # orbax and tensorstore load only when checkpoints are on
 
-        return CheckpointStore(self.directory)
+        keys = [None] if self.stages == 1 else range(self.stages)
+        return [CheckpointStore(self.stage_directory(k)) for k in keys]
 
     def _unavailable(self, e: Exception) -> None:
         self.events.emit("checkpoint_unavailable", directory=self.directory, error=f"{type(e).__name__}: {e}"[:300])

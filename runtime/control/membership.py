@@ -35,7 +35,7 @@ from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDi
                             WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
 from runtime.control.policy import Placement, shadow_stage, stage_groups
-from runtime.control.tiers import Holding, stage_snapshot
+from runtime.control.tiers import Holding, choose_source, stage_snapshot
 
 __all__ = ["Membership", "failed"]
 
@@ -251,7 +251,7 @@ class Membership:
         copied from the one that loaded it); training resumes at its step. ``checkpoints``: those the plan's
         facts listed."""
         if self.opts.pipeline_stages > 1:
-            self._restore_stages(plan, old, started)
+            self._restore_stages(plan, checkpoints, old, started)
             return
         committed, new = self.state().committed, plan.placement
         statuses = self.group.abort(new.members)
@@ -269,36 +269,63 @@ class Membership:
         if got is None:
             if not choice.ok:
                 raise StateLostError("cannot restore the state", step=committed, cause=choice.reason)
-            loaded = self.checkpoints.load(new.active, choice.step)
-            if lost := [w for w in new.active if w not in loaded.bytes]:
-                raise WorkerLostError(lost[0], "lost while loading a checkpoint")
-            got = ("checkpoint", loaded.step, sum(loaded.bytes.values()), list(new.active))
+            got = self._load_checkpoint(new.active, choice.step)
+        self._restored(plan, old, started, got)
+
+    def _load_checkpoint(self, active, step: int) -> tuple:
+        """Every active member loads the newest valid checkpoint at or before ``step`` (a pipelined run's: each
+        its stage's): ``("checkpoint", step, bytes, holders)``."""
+        loaded = self.checkpoints.load(active, step)
+        if lost := [w for w in active if w not in loaded.bytes]:
+            raise WorkerLostError(lost[0], "lost while loading a checkpoint")
+        return "checkpoint", loaded.step, sum(loaded.bytes.values()), list(active)
+
+    def _restored(self, plan: ChangePlan, old: Placement, started: float, got: tuple) -> None:
+        """A restore loaded ``got`` (``(tier, step, bytes, holders)``): copies it to the active members that do not
+        hold it (checking every hash; a pipelined run's: each stage's), records it; training resumes at its step."""
+        committed = self.state().committed
         tier, step, nbytes, holders = got
-        moved = nbytes + self.copy_to_newcomers(holders[0], step, holders=holders)   # and checks every hash
+        moved = nbytes + self.copy_to_newcomers(holders[0], step, holders=holders)
         self.shadows.forget(list(self.shadows.at))   # caught up by a copy at the next boundary
         where = ({"directory": self.checkpoints.directory} if tier == "checkpoint" else
                  {"worker": holders[0], "host": self.group.host_of(holders[0])})
         self.events.emit(RESTORED_EVENT[tier], step=step, bytes=nbytes, steps_lost=committed - step, **where)
         self._recovered(plan, self._dead(old), started, step, moved, tier)
 
-    def _restore_stages(self, plan: ChangePlan, old: Placement, started: float) -> None:
-        """A pipelined run lost every replica of a stage: every stage restores its snapshot of the newest step
-        all stages hold (a stage's state of another step does not fit the others'); the stages' other workers
-        get copies. A snapshot that does not read makes every stage go back to an older step they all hold."""
+    def _restore_stages(self, plan: ChangePlan, checkpoints: tuple[Holding, ...], old: Placement,
+                        started: float) -> None:
+        """A pipelined run lost every copy of a stage: every stage restores the same step (a stage's state of
+        another step does not fit the others'): its snapshot of the newest step all stages hold, else (none,
+        or one that does not read) its checkpoint; the stages' other workers get copies. ``checkpoints``:
+        those the plan's facts listed."""
         committed, new = self.state().committed, plan.placement
         groups = stage_groups(new.active, self.opts.pipeline_stages)
         for k, group in enumerate(groups):   # first: each lists the snapshots of its stage's directory
             for w in group:
                 self._take_stage(w, k)
         statuses = self.group.abort(new.members)
+        got = self._stage_snapshots(groups, statuses, committed) if plan.tier.tier == "snapshot" else None
+        if got is None:
+            choice = choose_source({}, {}, (), checkpoints, committed)
+            if not choice.ok:
+                raise StateLostError("cannot restore the state", step=committed,
+                                     cause=f"no snapshot of one step is held for every pipeline stage, and "
+                                           f"{choice.reason}")
+            got = self._load_checkpoint(new.active, choice.step)
+        self._restored(plan, old, started, got)
+
+    def _stage_snapshots(self, groups, statuses, committed: int) -> tuple | None:
+        """Each stage loads its snapshot of the newest step every stage holds (one that does not read sends all
+        back to an older common step): ``("snapshot", step, bytes, loaders)``, or None when no step is held
+        by every stage (``snapshot_unusable``)."""
         held = [{w: statuses[w].snapshots for w in group if w in statuses} for group in groups]
         at_most = committed
         while True:
             found = stage_snapshot(held, at_most)
             if found is None:
-                raise StateLostError("cannot restore the state", step=committed,
-                                     cause=f"no snapshot of one step at or before {at_most} is held for every "
-                                           f"pipeline stage: {held}")
+                why = f"no snapshot of one step at or before {at_most} is held for every pipeline stage: {held}"
+                self.events.emit("snapshot_unusable", worker=groups[0][0], error=why[:300])
+                return None
             step, loaders = found
             replies = self.group.load_checkpoints(list(loaders), "", step, snapshot=True)
             if lost := [w for w in loaders if w not in replies]:
@@ -308,12 +335,7 @@ class Membership:
                     self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
             at_most = min(replies[w].applied_steps for w in loaders)
             if at_most == step:
-                break
-        nbytes = sum(replies[w].bytes for w in loaders)
-        moved = nbytes + self.copy_to_newcomers(loaders[0], step, holders=loaders)   # and checks every stage
-        self.events.emit("snapshot_restored", step=step, bytes=nbytes, steps_lost=committed - step,
-                         worker=loaders[0], host=self.group.host_of(loaders[0]))
-        self._recovered(plan, self._dead(old), started, step, moved, "snapshot")
+                return "snapshot", step, sum(replies[w].bytes for w in loaders), list(loaders)
 
     def _load_snapshot(self, worker: str, step: int) -> tuple:
         replies = self.group.load_checkpoints([worker], "", step, snapshot=True)

@@ -81,12 +81,9 @@ class RecoveryDecision:
     limit: str = ""
 
 
+
 NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
               "(snapshot_interval keeps in-memory snapshots; checkpoint_period keeps checkpoints)")
-
-NO_STAGE_REPLICA = ("a pipelined run restores a stage only from a live replica of that stage so far (give each "
-                    "stage more replicas)")
-
 
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
                     recoveries: int, max_retries: int, may_wait: bool = False,
@@ -130,8 +127,7 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     if stages > 1 and not lost_state:
         lost_state = stage_without_replica(placement.active, slots, replicas, stages, spare_stages or {})
     if lost_state and checkpoint_step is None:
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_STAGE_REPLICA if stages > 1 else NO_REPLICA}",
-                                failure=Failure.STATE_LOST)
+        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
     if lost_state:
         if len(active) >= min_slices:
             return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "

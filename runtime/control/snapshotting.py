@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from runtime.control.policy import Placement, snapshot_order, stage_groups
 from runtime.state.snapshot import KEEP
-from runtime.control.tiers import backup_tier
+from runtime.control.tiers import EveryStage, backup_tier
 
 __all__ = ["Snapshotting"]
 
@@ -44,6 +44,7 @@ class Snapshotting:
         # (host, pipeline stage or None) -> snapshot steps reported written or copied there
         self.held: dict[tuple[str, int | None], set[int]] = {}
         self._ordered: dict[int, dict[str, str | None]] = {}   # snapshot step -> {writer: the worker keeping its copy}
+        self._in_place = EveryStage(opts.pipeline_stages)   # a pipelined run's snapshot is in place once every stage's
 
     @property
     def enabled(self) -> bool:
@@ -73,15 +74,16 @@ class Snapshotting:
             for step in saved:
                 self._hold(self.group.host_of(w), stage, step)
                 self.events.emit("snapshot_saved", worker=w, host=self.group.host_of(w), step=step)
-                if self._ordered.get(step, {}).get(w) is None:   # no copy asked: in place now
-                    self.notify(step)
+                if self._ordered.get(step, {}).get(w) is None and self._in_place.saved(step, stage):
+                    self.notify(step)   # no copy asked: in place now (a pipelined run's: every stage's)
             for step in copied:
                 peer = self._ordered.get(step, {}).get(w)
                 if peer is not None:
                     self._hold(self.group.host_of(peer), stage, step)
                 self.events.emit("snapshot_copied", worker=w, peer=peer, host=peer and self.group.host_of(peer),
                                  step=step)
-                self.notify(step)
+                if self._in_place.saved(step, stage):
+                    self.notify(step)
             if error:
                 self.events.emit("snapshot_failed", worker=w, error=error[:500])
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["BACKUP_KINDS", "FAIL", "TIERS", "Holding", "TierChoice", "backup_tier", "choose_source", "stage_snapshot"]
+__all__ = ["BACKUP_KINDS", "FAIL", "TIERS", "EveryStage", "Holding", "TierChoice", "backup_tier", "choose_source", "stage_snapshot"]
 
 #: The tiers, in the order :func:`choose_source` prefers them.
 TIERS = ("replica", "shadow", "snapshot", "checkpoint")
@@ -120,6 +120,27 @@ def stage_snapshot(held: Sequence[Mapping[str, Iterable[int]]], at_most: int) ->
         return None
     step = max(common)
     return step, tuple(min(w for w, got in stage.items() if step in got) for stage in held)
+
+
+class EveryStage:
+    """Which steps every pipeline stage saved (a checkpoint or snapshot of a pipelined run is whole only then)."""
+
+    def __init__(self, stages: int):
+        self.stages = stages
+        self._seen: dict[int, set] = {}
+
+    def saved(self, step: int, stage: int | None) -> bool:
+        """Notes that ``stage`` (None: an unpipelined run's only one) saved ``step``; True the first time every
+        stage has."""
+        if self.stages == 1:
+            return True
+        seen = self._seen.setdefault(step, set())
+        if stage in seen or len(seen) == self.stages:
+            return False
+        seen.add(stage)
+        for old in sorted(self._seen)[:-16]:   # a bounded memory of recent steps
+            del self._seen[old]
+        return len(seen) == self.stages
 
 
 def backup_tier(backup_kind: str, *, shadow_spares: int) -> str:

@@ -237,12 +237,13 @@ class WorkerCalls:
 
     # -- steps -----------------------------------------------------------------
 
-    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
+    def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
                  shadows=(), snapshots: Mapping[str, str | None] | None = None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
 
-        ``checkpoint``: ``(worker, directory, committed loss sums)``: that worker writes a checkpoint after
-        this step, recording the loss sums (completed with its own) beside the state. ``shadows``: spares
+        ``checkpoints``: ``{writer: (directory, committed loss sums)}``: each writer (one; a pipelined run: one
+        per stage) writes a checkpoint after this step, recording the loss sums (completed with its own) beside
+        the state. ``shadows``: spares
         that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
         shadow (its future is in the answer too, under its id). ``snapshots``: ``{writer: peer or None}``: each
         writer snapshots its state on its host after this step and streams a copy to its peer (one writer; a
@@ -250,7 +251,7 @@ class WorkerCalls:
         """
         if plan.stages > 1:   # each shadow shadows the stage its programs are for
             shadows = {w: self.loaded_stage.get(w, 0) for w in shadows}
-        requests = step_requests(self._fence(), plan, self._addresses, checkpoint, shadows, snapshots,
+        requests = step_requests(self._fence(), plan, self._addresses, checkpoints, shadows, snapshots,
                                  self.opts.pipeline_schedule)
         futs = {}
         with self._lock:
@@ -329,15 +330,16 @@ class WorkerCalls:
             fence=self._fence(), directory=directory, applied_steps=applied, snapshot=snapshot,
             parameters_only=parameters_only), workers, f"failed to load {what}")
 
-    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
+    def flush_checkpoints(self, workers, wait_seconds: float, *,
+                          save: Mapping[str, tuple[str, list[float]]] | None = None
                           ) -> dict[str, tuple[list[int], str, bool]]:
         """Waits (up to ``wait_seconds``) for the checkpoints ``workers`` are writing; ``{worker: (saved since
-        the last report, first error or "", idle: nothing left to write)}``. ``save``: ``(worker, directory,
-        committed loss sums)``: that worker first saves its state as it is now (a cut-off last checkpoint)."""
+        the last report, first error or "", idle: nothing left to write)}``. ``save``: ``{worker: (directory,
+        committed loss sums)}``: each first saves its state as it is now (a cut-off last checkpoint)."""
         def request(w):
-            if save is not None and w == save[0]:
-                return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds, save_directory=save[1],
-                                             committed_loss_sums=save[2])
+            if save and w in save:
+                return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds, save_directory=save[w][0],
+                                             committed_loss_sums=save[w][1])
             return pb.CheckpointsRequest(fence=self._fence(), wait_seconds=wait_seconds)
         replies = self._all("Checkpoints", request, workers)
         return {w: (list(r.saved), r.error, r.idle) for w, r in replies.items()}

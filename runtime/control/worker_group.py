@@ -427,17 +427,18 @@ class WorkerGroup:
         """``workers`` each load a checkpoint (a snapshot, or parameters); see :meth:`WorkerCalls.load_checkpoints`."""
         return self.calls.load_checkpoints(workers, directory, applied, snapshot, parameters_only)
 
-    def flush_checkpoints(self, workers, wait_seconds: float, *, save: tuple[str, str, list[float]] | None = None
+    def flush_checkpoints(self, workers, wait_seconds: float, *,
+                          save: Mapping[str, tuple[str, list[float]]] | None = None
                           ) -> dict[str, tuple[list[int], str, bool]]:
         """Waits for the checkpoints ``workers`` are writing; see :meth:`WorkerCalls.flush_checkpoints`."""
         return self.calls.flush_checkpoints(workers, wait_seconds, save=save)
 
     # -- steps -------------------------------------------------------------------
 
-    def dispatch(self, plan: StepPlan, checkpoint: tuple[str, str, list[float]] | None = None,
+    def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
                  shadows=(), snapshots: Mapping[str, str | None] | None = None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch`."""
-        return self.calls.dispatch(plan, checkpoint, shadows, snapshots)
+        return self.calls.dispatch(plan, checkpoints, shadows, snapshots)
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
         """The steps of ``futs`` that ended (by ``deadline``), each a :class:`StepResult` or the typed error."""

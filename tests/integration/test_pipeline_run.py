@@ -53,16 +53,23 @@ def test_lost_stage_workers_come_back_from_a_replica_of_their_stage_or_from_its_
     assert {stage for _, stage in loaded} == {1}   # spares warm with stage 0's programs: only stage 1's are loaded
 
 
-def test_a_stage_with_one_replica_comes_back_from_its_own_shadow_spare_with_nothing_copied(tmp_path):
-    """One replica per stage and a shadow spare per stage (each fed its stage's reduced gradients): stage 1's
-    worker dies, then stage 0's; each stage's shadow takes its slice with no state copy and no step lost."""
-    _, report = run_cli(["chaos", "tiny", "steps=6", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=1",
-                         "ici_fsdp_parallelism=1", "elastic_spares=2", "elastic_shadow_spares=true", "run_name=shadows",
-                         "--faults", "kill:stage=1@step=2,kill:stage=0@step=4"], tmp_path)
+def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from_every_stages_checkpoint(tmp_path):
+    """One replica per stage, a shadow spare per stage (each fed its stage's reduced gradients) and checkpoints
+    (each stage writes its own): stage 1's worker dies, then stage 0's, and each stage's shadow takes its slice
+    with nothing copied and no step lost; then every worker dies and each stage restores its checkpoint of one
+    step. The trajectory is the fault-free one, bit for bit."""
+    _, report = run_cli(["chaos", "tiny", "steps=8", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=1",
+                         "ici_fsdp_parallelism=1", "elastic_spares=2", "elastic_shadow_spares=true",
+                         "enable_checkpointing=true", "checkpoint_period=2", "run_name=shadows",
+                         "--faults", "kill:stage=1@step=2,kill:stage=0@step=3,kill:all@checkpoint=6"], tmp_path)
     assert report["verdict"] == "pass", report["verdict_reasons"]
-    assert report["steps_lost"] == 0 and report["losses"] == report["reference"]["losses"]
+    assert report["losses"] == report["reference"]["losses"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     log = events(tmp_path / "shadows")
     assert next(e for e in log if e["kind"] == "programs_loaded")["stages"] == {"w0": 0, "w1": 1, "w2": 0, "w3": 1}
-    assert [(e["restore_tier"], e["bytes_moved"]) for e in log if e["kind"] == "recovered"] == [("shadow", 0)] * 2
-    assert [e["active"] for e in log if e["kind"] == "recovery_decision"] == [["w0", "w3"], ["w2", "w3"]]
+    assert [(e["restore_tier"], e["bytes_moved"]) for e in log if e["kind"] == "recovered"][:2] == [("shadow", 0)] * 2
+    assert [e["active"] for e in log if e["kind"] == "recovery_decision"][:2] == [["w0", "w3"], ["w2", "w3"]]
+    restored = [e for e in log if e["kind"] == "checkpoint_restored"]
+    assert len(restored) == 1 and restored[0]["step"] == 6 and report["steps_lost"] == restored[0]["steps_lost"]
+    saved = {(e["step"], e["directory"].rsplit("/", 1)[-1]) for e in log if e["kind"] == "checkpoint_saved"}
+    assert {(6, "stage0"), (6, "stage1"), (8, "stage0"), (8, "stage1")} <= saved

@@ -235,7 +235,7 @@ class FakeGroup:
     def host_of(self, worker_id):
         return worker_id
 
-    def dispatch(self, plan, checkpoint=None, shadows=(), snapshots=None):
+    def dispatch(self, plan, checkpoints=None, shadows=(), snapshots=None):
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
         return plan
 

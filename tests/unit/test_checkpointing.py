@@ -16,6 +16,7 @@ class Opts:
     checkpoint_directory: str = ""
     checkpoint_period: int = 4
     rpc_timeout_seconds: float = 5.0
+    pipeline_stages: int = 1
 
 
 class Events:
@@ -32,9 +33,12 @@ class Events:
 class Group:
     """load_checkpoints answers each worker with the step of ``holds[worker]`` at or before the step asked."""
 
-    def __init__(self, holds=None, flushed=None, corrupt=(), resharded=()):
+    def __init__(self, holds=None, flushed=None, corrupt=(), resharded=(), stages=None):
         self.holds, self.flushed, self.corrupt, self.calls = holds or {}, flushed or {}, corrupt, []
-        self.resharded = resharded
+        self.resharded, self.stages = resharded, stages or {}
+
+    def loaded_stage(self, w):
+        return self.stages.get(w)
 
     def load_checkpoints(self, workers, directory, applied):
         self.calls.append((tuple(workers), applied))
@@ -57,13 +61,13 @@ class Group:
 
 def test_the_writer_rotates_and_the_order_carries_the_committed_loss_sums():
     ck = Checkpointing(Group(), Opts(checkpoint_directory="/ck"), Events())
-    assert ck.order_for(2, 10, ("a", "b"), [1.0]) is None
-    assert ck.order_for(3, 10, ("a", "b"), [1.0, 2.0]) == ("b", "/ck", [1.0, 2.0])
-    assert ck.order_for(7, 10, ("a", "b"), []) == ("a", "/ck", [])
-    assert ck.order_for(9, 10, ("a", "b"), [])[0] in ("a", "b")   # the last step is always saved
+    assert ck.order_for(2, 10, ("a", "b"), [1.0]) == {}
+    assert ck.order_for(3, 10, ("a", "b"), [1.0, 2.0]) == {"b": ("/ck", [1.0, 2.0])}
+    assert ck.order_for(7, 10, ("a", "b"), []) == {"a": ("/ck", [])}
+    assert set(ck.order_for(9, 10, ("a", "b"), [])) <= {"a", "b"}   # the last step is always saved
     assert ck.next_writer(4, 10, ("a", "b")) == "a" and ck.next_writer(10, 10, ("a", "b")) is None
     off = Checkpointing(Group(), Opts(), Events())
-    assert off.order_for(3, 10, ("a",), []) is None and off.next_writer(0, 10, ("a",)) is None
+    assert off.order_for(3, 10, ("a",), []) == {} and off.next_writer(0, 10, ("a",)) is None
 
 
 def test_saved_checkpoints_become_events_and_reach_the_observer():
@@ -143,7 +147,7 @@ def test_a_last_checkpoint_cut_off_with_its_writer_is_saved_again_by_a_survivor(
     ck.note({"a": ([8], "")})
     ck.finish(["a"], [0.5] * 12)   # b died writing 12: a saves its state (step 12) first, then reports it
     (flush,) = [c for c in group.calls if c[0] == "flush"]
-    assert flush == ("flush", ("a",), ("a", str(tmp_path), [0.5] * 12)) and ck.unfinished_writer(("a",)) is None
+    assert flush == ("flush", ("a",), {"a": (str(tmp_path), [0.5] * 12)}) and ck.unfinished_writer(("a",)) is None
     again = Group()
     Checkpointing(again, Opts(checkpoint_directory=str(tmp_path)), Events()).finish(["a"], [0.5] * 12)
     assert [len(c) for c in again.calls if c[0] == "flush"] == [2]   # nothing was cut off: no save asked
@@ -158,6 +162,30 @@ def test_the_unfinished_writer_is_the_newest_order_not_reported_complete():
     assert ck.unfinished_writer(("a", "b")) == "a"
     ck.note({"a": ([8], "")})
     assert ck.unfinished_writer(("a", "b")) is None
+
+
+def test_each_pipeline_stage_writes_and_loads_its_own_checkpoints(tmp_path):
+    """2 stages x 2 replicas (a, b: stage 0; c, d: stage 1): a writer per stage, each into its stage's directory;
+    a step is checkpointed once every stage holds it; each worker loads its stage's."""
+    ck = Checkpointing(Group(holds={"a": [4], "c": [4]}, stages={"a": 0, "b": 0, "c": 1, "d": 1}),
+                       Opts(checkpoint_directory=str(tmp_path), pipeline_stages=2), Events())
+    assert ck.order_for(3, 10, ("a", "b", "c", "d"), [1.0]) == {"b": (f"{tmp_path}/stage0", [1.0]),
+                                                                 "d": (f"{tmp_path}/stage1", [1.0])}
+    leaves = [np.arange(4, dtype=np.float32)]
+    for stage, steps in ((0, (4, 8)), (1, (4,))):
+        for step in steps:
+            CheckpointStore(f"{tmp_path}/stage{stage}", async_save=False).save(step, leaves, digest=state_digest(leaves))
+    assert ck.newest(10) == 4   # stage 1 holds no 8
+    loaded = ck.load(["a", "c"], 4)
+    assert loaded.step == 4 and ck.group.calls == [(("a",), 4), (("c",), 4)]
+    seen = []
+    ck.notify = seen.append
+    ck.note({"b": ([4], "")})
+    assert seen == []   # stage 1's checkpoint of step 4 is not reported yet: step 4 is not checkpointed
+    ck.note({"d": ([4], ""), "b": ([4], "")})
+    assert seen == [4]
+    assert [f["directory"] for k, f in ck.events.log if k == "checkpoint_saved"] == [f"{tmp_path}/stage{k}"
+                                                                                   for k in (0, 1, 0)]
 
 
 def test_the_programs_fingerprint_ignores_source_locations_and_names_but_not_the_math():

@@ -143,11 +143,11 @@ def test_outside_the_runtime_the_mark_is_the_identity():
 def test_a_pipelined_job_with_backups_or_through_wrap_is_refused_naming_the_key(tmp_path):
     from elastic.models import make_model
 
-    cfg = elastic.load_config("tiny", ["dcn_pipeline_parallelism=2", "elastic_spares=1", "enable_checkpointing=true",
+    cfg = elastic.load_config("tiny", ["dcn_pipeline_parallelism=2", "elastic_spares=1", "load_parameters_path=/elsewhere",
                                        f"base_output_directory={tmp_path}"])
     init, loss, data = make_model(cfg)
     trainer = elastic.Trainer(init=init, loss=loss, optimizer=optax.sgd(0.1), data=data, config=cfg)
-    with pytest.raises(elastic.ConfigError, match="config key 'enable_checkpointing' .True. is not supported "
+    with pytest.raises(elastic.ConfigError, match="config key 'load_parameters_path' .'/elsewhere'. is not supported "
                                                   "with dcn_pipeline_parallelism=2 yet"):
         trainer.fit()
     job = elastic.wrap(lambda state, batch: (state, {"loss": 0.0}), init_state=lambda key: {}, data=data, config=cfg)
