@@ -15,12 +15,14 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_elastic(base: pathlib.Path, name: str, args: list[str], timeout: float = 900) -> tuple[dict, list[dict]]:
+def run_elastic(base: pathlib.Path, name: str, args: list[str], timeout: float = 900,
+                env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
     """``elastic ARGS base_output_directory=BASE run_name=NAME --quiet``; returns (report.json, events).
 
+    ``env``: variables set for the run (its client and the workers it launches) on top of this environment.
     Exits with the run's verdict reasons (or its stderr) when the command fails.
     """
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, **(env or {}), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cmd = [sys.executable, "-m", "elastic.cli", *args, f"base_output_directory={base}", f"run_name={name}", "--quiet"]

@@ -45,6 +45,8 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "control_plane_scale": ("control_plane_scale.py", [], ["--counts", "256,1024", "--window", "5"]),
     "backup_cost": ("backup_cost.py", [], ["--repeats", "1", "--steps", "40"]),
     "pipeline_bubble": ("pipeline_bubble.py", [], ["--microbatches", "8", "--steps", "2"]),
+    "pipeline_bubble_workers": ("pipeline_bubble.py", ["--workers"],
+                                ["--workers", "--microbatches", "8", "--steps", "2"]),
 }
 
 

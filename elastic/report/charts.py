@@ -11,7 +11,8 @@ import html
 import math
 import sys
 
-__all__ = ["COLORS", "bar_svg", "esc", "finite", "first_time", "fmt_seconds", "loss_svg", "timeline_svg"]
+__all__ = ["COLORS", "PHASE_COLORS", "bar_svg", "esc", "finite", "first_time", "fmt_seconds", "loss_svg", "phase_color",
+           "timeline_svg"]
 
 
 def esc(x: object) -> str:
@@ -28,6 +29,11 @@ def first_time(events: list[dict]) -> float:
 COLORS = {"productive": "#43a047", "startup": "#1e88e5", "compile": "#8e24aa", "data": "#00897b",
           "checkpoint_save": "#6d4c41", "checkpoint_restore": "#a1887f", "detection": "#fb8c00",
           "recovery": "#fdd835", "wasted_progress": "#e53935", "other": "#9e9e9e"}
+#: Fill colour of a worker's step phases (a pipeline stage's bar): computing green, waiting for a neighbouring
+#: stage red, the stage's reduction blue, the update purple; any other phase grey (:func:`phase_color`).
+PHASE_COLORS = {"forward": "#66bb6a", "backward": "#2e7d32", "pipeline_wait": "#e53935", "pipeline_send": "#fb8c00",
+                "local_sum": "#90caf9", "send": "#64b5f6", "wait_for_peers": "#1e88e5", "reduce_add": "#1565c0",
+                "gather_copy": "#0d47a1", "apply": "#8e24aa"}
 _MARKERS = {"fault_injected": "#d32f2f", "failure_detected": "#ef6c00", "recovered": "#2e7d32", "grown": "#2e7d32",
             "attempt_started": "#6a1b9a", "run_resumed": "#6a1b9a"}
 
@@ -260,17 +266,23 @@ def loss_svg(losses: list[float], ref: list[float] | None, fail_steps: list[int]
     return "".join(out)
 
 
-def bar_svg(parts: list[tuple[str, float]], wall: float) -> str:
-    """One horizontal bar split by goodput label, widths proportional to seconds."""
+def phase_color(name: str) -> str:
+    return PHASE_COLORS.get(name, COLORS["other"])
+
+
+def bar_svg(parts: list[tuple[str, float]], wall: float, *, color=COLORS.__getitem__,
+            what: str = "goodput breakdown") -> str:
+    """One horizontal bar split by label (a goodput label, or with ``color`` any), widths proportional to
+    seconds out of ``wall``."""
     W, H = 580, 34
-    out = [f"<svg viewBox='0 0 {W} {H + 6}' width='100%' role='img' aria-label='goodput breakdown'>",
+    out = [f"<svg viewBox='0 0 {W} {H + 6}' width='100%' role='img' aria-label='{esc(what)}'>",
            f"<rect x='0' y='3' width='{W}' height='{H}' fill='#eceef1' rx='4'/>"]
     xpos = 0.0
     for lab, v in parts:
         w = v / wall * W if wall > 0 else 0.0
         if w <= 0:
             continue
-        out.append(f"<rect x='{xpos:.1f}' y='3' width='{w:.1f}' height='{H}' fill='{COLORS[lab]}'>"
+        out.append(f"<rect x='{xpos:.1f}' y='3' width='{w:.1f}' height='{H}' fill='{color(lab)}'>"
                    f"<title>{esc(lab)} {v:.2f} s</title></rect>")
         if w > 42:
             out.append(_text(xpos + w / 2, H / 2 + 7, f"{100 * v / wall:.0f}%", size=12, anchor="middle",

@@ -26,6 +26,7 @@ import reprlib
 from typing import Any
 
 from elastic.report.goodput import goodput
+from elastic.report.pipeline import pipeline_section
 from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, read_events
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
@@ -51,7 +52,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "state_initialized": ({"state_bytes": _ANY}, {}),
     "run_resumed": ({"step": TYPED, "directory": _ANY, "tier": _ANY, "bytes": _ANY, "losses": TYPED,
                      "losses_recorded": _ANY, "state_bytes": _ANY}, {"resharded_from": TYPED}),
-    "step_committed": ({"step": TYPED, "loss": TYPED}, {"seconds": TYPED, "recovered": _ANY}),
+    "step_committed": ({"step": TYPED, "loss": TYPED},
+                       {"seconds": TYPED, "recovered": _ANY, "stage_phases": TYPED, "bubble": TYPED}),
     "placement": ({"active": TYPED}, {}),
     "failure_detected": ({"error": _ANY, "detail": _ANY, "committed": _ANY}, {"worker": _ANY}),
     "worker_dead": ({"worker": TYPED}, {"cause": TYPED}),
@@ -171,6 +173,7 @@ def build_report(events_or_path) -> dict:
         "security": {"refused_calls": 0, "by_method": {}, "refused_registrations": 0},
         "events_dropped": 0,
         "attempts": [],
+        "pipeline": None,
     }
     dead_at: dict[str, float] = {}   # worker -> when it was declared dead (s since start)
     step_seconds, latencies = [], []
@@ -327,6 +330,7 @@ def build_report(events_or_path) -> dict:
         report["step_latency_seconds_median"] = sorted(latencies)[len(latencies) // 2]
     _attribute(report, events, dead_at, t_first)
     report["goodput"] = goodput(events)   # an empty log: all zeros
+    report["pipeline"] = pipeline_section(report["config"], report["microbatches"], events)
     if report["finished"] and len(report["attempts"]) > 1:
         # First event to the last run_finished, less the idle time between a finished attempt and the next.
         report["wall_seconds"] = report["goodput"]["wall_seconds"]

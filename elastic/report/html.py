@@ -14,9 +14,10 @@ import os
 import pathlib
 import time
 
-from elastic.report.charts import COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg, timeline_svg
+from elastic.report.charts import (COLORS, PHASE_COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg,
+                                   phase_color, timeline_svg)
 from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, idle_gaps, intervals
-from elastic.report.summary import resumed_text
+from elastic.report.summary import bubble_text, resumed_text
 
 __all__ = ["render_html", "write_html"]
 
@@ -39,7 +40,7 @@ table.facts td:nth-child(odd){color:#59606b;width:16%} table.facts td:nth-child(
 code{font:12px "DejaVu Sans Mono",monospace;word-break:break-all}
 .legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12px;color:#444;margin-top:6px}
 .sw{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:4px;vertical-align:-2px}
-.big{font-size:28px;font-weight:bold} .muted{color:#8a919c}
+.big{font-size:28px;font-weight:bold} .muted{color:#8a919c} .nw{white-space:nowrap}
 svg text{font-family:"DejaVu Sans","Liberation Sans",Arial,sans-serif}
 """
 
@@ -279,6 +280,31 @@ def _faults(report: dict) -> str:
                           "recovered after", "path", "bytes moved", "skipped"], rows, "No faults injected.")
 
 
+def _pipeline(report: dict) -> str:
+    """A pipelined run: its bubble, measured against the theory, and a bar of each stage's phase medians."""
+    pl = report.get("pipeline")
+    if not isinstance(pl, dict):
+        return ""
+    stages = pl.get("stage_phases_median") if isinstance(pl.get("stage_phases_median"), dict) else {}
+    order = {name: i for i, name in enumerate(PHASE_COLORS)}   # computing first, then waiting, reducing, updating
+    rows = {k: sorted(((name, v) for name, v in phases.items() if finite(v) and v > 0),
+                      key=lambda nv: (order.get(nv[0], len(order)), nv[0]))
+            for k, phases in stages.items() if isinstance(phases, dict)}
+    longest = max((sum(v for _, v in parts) for parts in rows.values()), default=0.0)
+    body = "".join(f"<tr><td class='nw'>stage {esc(k)}</td>"
+                   f"<td class='num nw'>{fmt_seconds(sum(v for _, v in parts))}</td>"
+                   f"<td style='width:60%'>{bar_svg(parts, longest, color=phase_color, what=f'stage {k} phases')}</td>"
+                   f"<td>{esc(', '.join(f'{n} {fmt_seconds(v)}' for n, v in parts))}</td></tr>"
+                   for k, parts in rows.items())
+    names = list(dict.fromkeys(name for parts in rows.values() for name, _ in parts))
+    legend = "".join(f"<span><span class='sw' style='background:{phase_color(n)}'></span>{esc(n)}</span>"
+                     for n in names)
+    table = (f"<table><tr><th>stage</th><th class='num'>total</th><th>phases (median seconds of its slowest "
+             f"replica)</th><th></th></tr>{body}</table><div class='legend'>{legend}</div>" if body else
+             "<p class='muted'>No step recorded its stages' phases (a run in one process).</p>")
+    return f"<div class='card' id='pipeline'><h2>Pipeline</h2><p>{esc(bubble_text(pl))}</p>{table}</div>"
+
+
 def _stragglers(report: dict) -> str:
     rows = [[s.get("worker"), s.get("step"), fmt_seconds(s.get("seconds")), fmt_seconds(s.get("median_seconds")),
              s.get("action")] for s in report.get("stragglers") or []]
@@ -300,7 +326,7 @@ def render_html(report: dict, events: list[dict]) -> str:
     gp = report.get("goodput") or compute_goodput(events)
     body = "".join([
         _header(report, events), _banner(report), _dropped(report), _facts(report, gp),
-        _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>",
+        _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>", _pipeline(report),
         _attempts(report), _failures(report), _faults(report), _stragglers(report), _security(report),
     ])
     title = f"jax-elastic run {report.get('run_id') or ''}"

@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["attempt_text", "print_summary", "resumed_text", "summary_panel", "summary_text"]
+__all__ = ["attempt_text", "bubble_text", "print_summary", "resumed_text", "summary_panel", "summary_text"]
 
 _VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
 
@@ -38,6 +38,21 @@ def resumed_text(report: dict) -> str:
     if r.get("comparison"):
         text += f", {r['comparison']}"
     return text
+
+
+def bubble_text(pipeline: dict) -> str:
+    """A pipelined run's schedule and bubble in words (the report's ``pipeline`` section)."""
+    def num(x, digits: int = 3) -> str | None:
+        return f"{x:.{digits}f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+    p = pipeline
+    shape = f"{p.get('schedule') or '?'}, {p.get('stages')} stages x {p.get('microbatches') or '?'} microbatches"
+    theory = num(p.get("bubble_theoretical")) or "—"
+    if num(p.get("bubble_median")) is None:
+        return f"{shape}: bubble {theory} in theory, none measured"
+    ratio = num(p.get("bubble_ratio"), 2)
+    return (f"{shape}: bubble {num(p['bubble_median'])} measured (median of {p.get('steps_measured')} steps), "
+            f"{theory} in theory" + (f", ratio {ratio}" if ratio else ""))
 
 
 def attempt_text(a: dict) -> str:
@@ -79,6 +94,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         *[(f"attempt {a.get('attempt')}", attempt_text(a)[:160]) for a in (report.get("attempts") or [])[1:]],
         ("snapshot / checkpoint restores",
          f"{report.get('snapshot_restores') or 0} / {report.get('checkpoint_restores', 0)}"),
+        *([("pipeline", bubble_text(report["pipeline"]))] if isinstance(report.get("pipeline"), dict) else []),
         ("goodput", f"{100 * gp['goodput_fraction']:.1f} %" if "goodput_fraction" in gp else "—"),
         ("wall time", _seconds(wall)),
     ]

@@ -56,6 +56,7 @@ from runtime.control.shadows import Shadows
 from runtime.control.snapshotting import Snapshotting
 from runtime.control.startup import start
 from runtime.core.timing import slowest_phases
+from runtime.pipeline.bubble import stage_workers_bubble
 from runtime.control.watchdog import SlowSteps
 from runtime.control.worker_group import WorkerGroup
 
@@ -350,7 +351,16 @@ class Controller:
         self.checkpoints.note({w: (r.checkpoints_saved, r.checkpoint_error) for w, r in results.items()})
         self.snapshots.note({w: (r.snapshots_saved, r.snapshots_copied, r.snapshot_error) for w, r in results.items()})
         self.shadows.poll()
-        self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan,
+        stages = {}
+        if plan.stages > 1:   # each stage's phases (its slowest replica's) and the step's measured bubble
+            groups = stage_groups(plan.workers, plan.stages)
+            stages["stage_phases"] = {str(k): slowest_phases([results[w].phases for w in g])
+                                      for k, g in enumerate(groups)}
+            bubble = stage_workers_bubble([[results[w].stage_busy_seconds for w in g] for g in groups],
+                                          [[results[w].stage_stream_seconds for w in g] for g in groups])
+            if bubble is not None:
+                stages["bubble"] = bubble
+        self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan, **stages,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
                      apply_seconds=max(r.apply_seconds for r in results.values()),

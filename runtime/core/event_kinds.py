@@ -75,6 +75,8 @@ OBJECT = FieldType("an object", lambda v: isinstance(v, dict))
 OBJECT_OR_NULL = _or_null(OBJECT)
 NUMBERS_BY_NAME = FieldType("an object of numbers",
                             lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()))
+NUMBERS_BY_NAME_BY_NAME = FieldType("an object of objects of numbers",
+                                    lambda v: isinstance(v, dict) and all(NUMBERS_BY_NAME.ok(x) for x in v.values()))
 
 #: Fields of every event: when (unix seconds) and what.
 COMMON_FIELDS: Mapping[str, FieldType] = MappingProxyType({"t": FINITE, "kind": TEXT})
@@ -141,7 +143,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("step_committed", "a step's loss was committed (the one place: Controller._record)",
               {"step": COUNT, "epoch": COUNT, "loss": NUMBER},
               {"loss_sum": NUMBER, "seconds": NUMBER, "recovered": BOOL, "microbatches": OBJECT, "grad_seconds": NUMBER,
-               "reduce_seconds": NUMBER, "apply_seconds": NUMBER, "bytes_sent": COUNT, "phases": NUMBERS_BY_NAME}),
+               "reduce_seconds": NUMBER, "apply_seconds": NUMBER, "bytes_sent": COUNT, "phases": NUMBERS_BY_NAME,
+               # a pipelined run's: stage ("0", "1", ...) -> its slowest replica's phases; the measured bubble
+               "stage_phases": NUMBERS_BY_NAME_BY_NAME, "bubble": FINITE}),
     EventKind("step_watchdog", "a step took far longer than the median: what the watchdog found",
               {"step": COUNT, "seconds": FINITE, "median_seconds": NUMBER_OR_NULL, "pending": NAMES,
                "suspects": NAMES, "progress": OBJECT}),

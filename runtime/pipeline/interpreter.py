@@ -12,6 +12,12 @@ the compiler's model of time expected earlier than it came. The same runner serv
 sequential one-process run (the global order) and the threaded one (a
 stream per thread), both over :class:`LocalWire`, and a worker (the data
 plane).
+
+With a :class:`~runtime.core.timing.Clock`, a stage's step is laps of its own
+between the computes' (``forward``, ``backward``): ``pipeline_wait`` (waiting
+for a neighbour's activations or gradients) and ``pipeline_send`` (pushing to
+a neighbour). ``busy`` and :attr:`StageRunner.stream_seconds` give the step's
+measured bubble (:mod:`runtime.pipeline.bubble`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ class Transport(Protocol):
 @dataclasses.dataclass
 class StageRunner:
     """One stage's step in progress. ``vecs``: each microbatch's ``float32[P_k + 1]`` once its backward ran;
-    ``peak_bytes``: the most activation bytes it held at once; ``busy``: seconds in forward and backward."""
+    ``peak_bytes``: the most activation bytes it held at once; ``busy``: seconds in forward and backward (the
+    ``delay`` included: it stands for compute)."""
 
     stage: int
     executor: object            # a StageExecutor (or anything with its forward/backward)
@@ -51,6 +58,8 @@ class StageRunner:
     busy: float = 0.0
     _held: dict = dataclasses.field(default_factory=dict)
     _due: list = dataclasses.field(default_factory=list)   # receives the stream reached, taken when needed
+    _began: float | None = None   # perf_counter when its first instruction started
+    _ended: float = 0.0           # and when its latest one ended
 
     def __post_init__(self):
         self._cond = threading.Condition()
@@ -73,23 +82,35 @@ class StageRunner:
                 raise TimeoutError(f"stage {self.stage} got no {what}[{microbatch}] from stage {src} in {timeout} s")
             return self._held.pop(key)
 
+    @property
+    def stream_seconds(self) -> float:
+        """Seconds from the start of its first instruction to the end of its last (0 before any ran)."""
+        return 0.0 if self._began is None else self._ended - self._began
+
     def run(self, instr: Instr, transport: Transport) -> None:
+        if self._began is None:
+            self._began = time.perf_counter()
+        self._run(instr, transport)
+        self._ended = time.perf_counter()
+
+    def _run(self, instr: Instr, transport: Transport) -> None:
         k, m, ex = self.stage, instr.microbatch, self.executor
         if instr.op in (FORWARD, LAST, BACKWARD):   # take what it needs now, not where the stream said it comes
             for key in [key for key in self._due if key[2] == m and (key[1] == ACT) == (instr.op != BACKWARD)]:
                 self._receive(key, transport)
+            self._lap("pipeline_wait")
         if instr.op == FORWARD:
             t0 = time.perf_counter()
+            self._pause(1)   # before the program, so that its lap counts it
             out = ex.forward(self.step, m, self._held.get(("in", m), []), self.clock)
-            self._pause(1)
             self.busy += time.perf_counter() - t0
             self._hold(("send", ACT, m), out)
         elif instr.op in (BACKWARD, LAST):
             t0 = time.perf_counter()
             with self._cond:
                 g_out = self._held.pop(("g_out", m), [])
-            vec, g_in = ex.backward(self.step, m, self._held.get(("in", m), []), g_out, self.clock)
             self._pause(2 if instr.op == LAST else 1)
+            vec, g_in = ex.backward(self.step, m, self._held.get(("in", m), []), g_out, self.clock)
             self.busy += time.perf_counter() - t0
             self.vecs[Node(0, m)] = vec
             if k > 0:
@@ -101,6 +122,7 @@ class StageRunner:
             with self._cond:
                 arrays = self._held.pop(("send", instr.what, m))
             transport.send(k, instr.peer, instr.what, m, arrays)
+            self._lap("pipeline_send")
         elif instr.op == RECV:
             self._due.append((instr.peer, instr.what, m))
         else:
@@ -111,6 +133,10 @@ class StageRunner:
         src, what, m = key
         arrays = transport.recv(self.stage, src, what, m)
         self._hold(("in", m) if what == ACT else ("g_out", m), arrays)
+
+    def _lap(self, name: str) -> None:
+        if self.clock is not None:
+            self.clock.lap(name)
 
     def _pause(self, units: int) -> None:
         if self.delay:

@@ -28,7 +28,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["Instr", "Costs", "Schedule", "SCHEDULES", "compile_schedule", "compute_order", "theoretical_bubble"]
+__all__ = ["Instr", "Costs", "Schedule", "SCHEDULES", "compile_schedule", "compute_order"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -73,11 +73,6 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return len(self.streams)
-
-
-def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
-    """The idle fraction of GPipe and 1F1B with equal per-stage costs: (S - 1) / (M + S - 1)."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
 def compute_order(kind: str, num_stages: int, stage: int, microbatches: Sequence[int]) -> list[Instr]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from runtime.pipeline.bubble import measured_bubble
 from runtime.pipeline.schedule import ACT, BACKWARD, FORWARD, FREE, GRAD, LAST, RECV, SEND, Instr
 
 __all__ = ["Deadlock", "Timeline", "simulate"]
@@ -35,8 +36,8 @@ class Timeline:
 
     @property
     def bubble(self) -> float:
-        """The idle fraction over all stages: 1 - busy / (stages x makespan)."""
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+        """The idle fraction over all stages (:func:`runtime.pipeline.bubble.measured_bubble` over the makespan)."""
+        return measured_bubble(self.busy, self.makespan)
 
 
 def simulate(streams: Sequence[Sequence[Instr]], durations: Callable[[int, Instr], float], *,

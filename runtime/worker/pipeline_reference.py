@@ -22,6 +22,7 @@ import numpy as np
 from runtime.core.microbatch import assign_microbatches, root, tree_reduce
 from runtime.core.stage_programs import PipelineProgramSet
 from runtime.core.timing import Clock
+from runtime.pipeline.bubble import measured_bubble
 from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.executor import add_f32
@@ -41,8 +42,8 @@ class StepTrace:
 
     @property
     def bubble(self) -> float:
-        """The idle fraction over all stages: 1 - busy / (stages x step time)."""
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.seconds)
+        """The idle fraction over all stages (:func:`runtime.pipeline.bubble.measured_bubble` over the step)."""
+        return measured_bubble(self.busy, self.seconds)
 
 
 class LocalPipeline:

@@ -9,13 +9,16 @@ float32 piece (:func:`pack`) under its own phase
 checks and mailbox as the all-reduce; a receive waits in the mailbox for that
 phase from that stage. What comes out is each microbatch's gradient vector,
 summed here over the worker's subtrees in the canonical order, for the
-stage's all-reduce among its replicas.
+stage's all-reduce among its replicas, and the seconds the worker computed and
+its stream took (:class:`StageTimes`: the step's measured bubble, see
+:mod:`runtime.pipeline.bubble`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,7 +32,7 @@ from runtime.wire.parts import pieces, pipeline_phase
 from runtime.wire.requests import node_of
 from runtime.worker.executor import add_f32
 
-__all__ = ["check_pipeline_step", "pack", "packed_size", "run_stage_step", "unpack"]
+__all__ = ["StageTimes", "check_pipeline_step", "pack", "packed_size", "run_stage_step", "unpack"]
 
 _OPS = (FORWARD, BACKWARD, LAST, SEND, RECV, FREE)
 
@@ -109,13 +112,22 @@ class _Wire:
         return unpack(vec, self.programs.activation_in if what == ACT else self.programs.activation_out)
 
 
+class StageTimes(NamedTuple):
+    """A stage worker's step: seconds it computed (forward, backward, last) and its stream's seconds."""
+
+    busy: float
+    stream: float
+
+
 def run_stage_step(req: pb.StepRequest, executor, push: Callable, mailbox, chunk_bytes: int, deadline: float,
-                   clock: Clock) -> dict[Node, np.ndarray]:
-    """Runs this worker's stream of step ``req.step``; returns ``{node: float32[P_k + 1]}`` over its subtrees."""
+                   clock: Clock, delay: float = 0.0) -> tuple[dict[Node, np.ndarray], StageTimes]:
+    """Runs this worker's stream of step ``req.step``; returns ``{node: float32[P_k + 1]}`` over its subtrees and
+    what it cost. ``delay``: seconds slept per forward and per backward (a benchmark's simulated compute)."""
     programs = executor.programs
     instrs = check_pipeline_step(req, programs.num_stages, programs.stage)
-    runner = StageRunner(programs.stage, executor, req.step, clock)
+    runner = StageRunner(programs.stage, executor, req.step, clock, delay)
     wire = _Wire(req, programs, push, mailbox, chunk_bytes, deadline)
     for instr in instrs:
         runner.run(instr, wire)
-    return {node_of(n): tree_reduce(runner.vecs, node_of(n), add_f32) for n in req.nodes}
+    vecs = {node_of(n): tree_reduce(runner.vecs, node_of(n), add_f32) for n in req.nodes}
+    return vecs, StageTimes(runner.busy, runner.stream_seconds)

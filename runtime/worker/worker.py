@@ -85,8 +85,9 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
     """
 
     def __init__(self, run_id: str, worker_id: str, secret: str = "", step_timeout: float = 300.0,
-                 chaos: bool = False, tls=None, host: str = ""):
+                 chaos: bool = False, tls=None, host: str = "", stage_delay: float = 0.0):
         self.run_id = run_id
+        self.stage_delay = stage_delay   # benchmarks only: seconds slept per forward and per backward of a stage
         self.host = host or socket.gethostname()   # where this worker's in-memory snapshots live
         self.worker_id = worker_id
         self.secret = secret

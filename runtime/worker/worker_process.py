@@ -55,11 +55,15 @@ log = logging.getLogger("jax_elastic.worker")
 
 EXIT_SHUTDOWN, EXIT_FAILED, EXIT_FENCED, EXIT_ORPHANED = 0, 1, 3, 4
 STOP_GRACE_SECONDS = 0.5   # calls in flight get this long to finish when the worker goes
+#: Benchmarks only (benchmarks/pipeline_bubble.py --workers): seconds each pipeline stage worker sleeps per forward
+#: and per backward (a last counts both), so stages are equal and slower than the host's noise. Read by the worker
+#: process alone (a run's client passes its environment on to the workers it launches); never a config key.
+STAGE_DELAY_VARIABLE = "ELASTIC_SIMULATED_STAGE_DELAY"
 
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
           register_timeout: float = 60.0, owner: Owner | None = None, secret: str = "",
-          chaos: bool = False, tls=None, host_name: str = "") -> int:
+          chaos: bool = False, tls=None, host_name: str = "", stage_delay: float = 0.0) -> int:
     """Runs a worker until told to shut down, its ``owner`` dies (None: no owner), or it fences itself.
 
     Returns the process exit status once the server stopped (a bounded
@@ -69,14 +73,15 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     back: the run has moved on without it), ``EXIT_ORPHANED`` when its
     owner died. Raises ``SystemExit`` when the controller refuses the first
     registration, and ``grpc.RpcError`` when it cannot be reached within
-    ``register_timeout`` seconds.
+    ``register_timeout`` seconds. ``stage_delay``: benchmarks only, seconds a pipeline stage sleeps per
+    forward and per backward (a simulated compute; see :func:`main`).
 
     Only calls that passed the transport and the run secret renew the
     worker's lease on its controller; a chaos partition drops calls before
     either (see :func:`runtime.wire.rpc.make_server`).
     """
     allocator.retain_freed_memory()   # before the first step's buffers
-    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls, host=host_name)
+    service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls, host=host_name, stage_delay=stage_delay)
     server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
                                     interceptors=[PartitionInterceptor(service.faults)],
                                     refusals=service.refusals, on_authenticated=service.heard)
@@ -241,6 +246,9 @@ def main(argv=None) -> None:
     ap.add_argument("--compilation-cache-dir", default=os.environ.get("ELASTIC_COMPILATION_CACHE_DIR", ""),
                     help="JAX's persistent compilation cache, shared with the run's other processes "
                          "(default: $ELASTIC_COMPILATION_CACHE_DIR; empty: none)")
+    ap.add_argument("--simulated-stage-delay", type=_delay, default=os.environ.get(STAGE_DELAY_VARIABLE, "0"),
+                    help="benchmarks only: seconds a pipeline stage worker sleeps per forward and per backward, a "
+                         f"simulated compute that makes stages equal (default: ${STAGE_DELAY_VARIABLE}, else 0)")
     ap.add_argument("--secret", default=None,
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
     args = ap.parse_args(argv)
@@ -248,6 +256,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format=_log_format(args.worker_id), stream=sys.stderr)
     owner_pid = args.owner_pid if args.owner_pid is not None else os.getppid() if args.exit_with_parent else None
     owner = Owner(owner_pid) if owner_pid is not None else None
+    if args.simulated_stage_delay:
+        log.warning("simulated compute: each pipeline forward and backward sleeps %g s more (%s, for benchmarks)",
+                    args.simulated_stage_delay, STAGE_DELAY_VARIABLE)
     try:
         compile_cache.enable(args.compilation_cache_dir)
         if args.standby:
@@ -256,6 +267,7 @@ def main(argv=None) -> None:
         set_title(f"elastic-worker run={args.run_id} worker={args.worker_id} host={args.host_name or '-'}")
         status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, owner=owner,
                        secret=secret, chaos=args.chaos, host_name=args.host_name,
+                       stage_delay=args.simulated_stage_delay,
                        tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
     except SystemExit as e:
         log.error("%s", e.code)
@@ -264,6 +276,17 @@ def main(argv=None) -> None:
         log.exception("worker %s failed", args.worker_id)
         status = EXIT_FAILED
     _exit_now(status)
+
+
+def _delay(text: str) -> float:
+    """A simulated stage delay: seconds, finite and >= 0."""
+    try:
+        seconds = float(text or 0)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{STAGE_DELAY_VARIABLE} must be seconds >= 0, got {text!r}")
+    return seconds
 
 
 def _log_format(worker_id: str) -> str:

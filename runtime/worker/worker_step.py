@@ -38,7 +38,7 @@ from runtime.wire.parts import MAX_STEPS_AHEAD, Part, inline
 from runtime.wire.peers import PeerChannels
 from runtime.wire.requests import check_step_request, node_of
 from runtime.core.timing import Clock
-from runtime.worker.stage_step import run_stage_step
+from runtime.worker.stage_step import StageTimes, run_stage_step
 from runtime.worker.worker_state import drain_saves, save_step
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class Stepping:
     fingerprint: str
     snapshots: SnapshotStore | None
     faults: WorkerFaults
+    stage_delay: float                 # a benchmark's simulated compute per forward and backward (0: none)
     data: DataClient
     _running: bool
     _recent: dict[int, float]
@@ -122,6 +123,7 @@ class Stepping:
     def _run_phases(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
         ex = self.executor
         clock = Clock()
+        stage = StageTimes(0.0, 0.0)
         t0 = time.perf_counter()
         if req.shadow:   # a shadow spare: the ranks' reduced vector, applied as they apply it
             t1 = t0
@@ -132,7 +134,8 @@ class Stepping:
             self._phase(req.step, "grad")
             # Each vector is the gradient sum, then the loss sum: reduced together, in the same tree order.
             if req.HasField("pipeline"):   # one stage of a pipeline replica: its stream, activations to neighbours
-                vecs = run_stage_step(req, ex, self._push, self.mailbox, self.chunk_bytes, deadline, clock)
+                vecs, stage = run_stage_step(req, ex, self._push, self.mailbox, self.chunk_bytes, deadline, clock,
+                                             self.stage_delay)
             else:
                 vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
             self.faults.straggle(time.perf_counter() - t0)
@@ -164,7 +167,8 @@ class Stepping:
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
                             checkpoints_saved=ck.saved, checkpoint_error=ck.error, snapshots_saved=snap.saved,
-                            snapshots_copied=snap.followed, snapshot_error=snap.error)
+                            snapshots_copied=snap.followed, snapshot_error=snap.error,
+                            stage_busy_seconds=stage.busy, stage_stream_seconds=stage.stream)
 
 
     # -- pushes --------------------------------------------------------------

@@ -25,32 +25,41 @@ def test_stage_workers_train_the_one_process_pipeline_bit_for_bit(tmp_path):
     assert sorted(finished["reference"]["replica_hashes"].values()) == sorted({hashes["w0"], hashes["w2"]})
     committed = [e for e in events(tmp_path / "workers") if e["kind"] == "step_committed"]
     assert [sorted(e["microbatches"]) for e in committed] == [["w2", "w3"]] * 3   # the last stage's losses
+    # each step measured its bubble and each stage's phases; the report has their medians against the theory
+    assert all(0 <= e["bubble"] < 1 and sorted(e["stage_phases"]) == ["0", "1"] for e in committed)
+    pipeline = workers["pipeline"]
+    assert (pipeline["schedule"], pipeline["stages"], pipeline["steps_measured"]) == ("gpipe", 2, 3)
+    assert 0 <= pipeline["bubble_median"] < 1 and 0 < pipeline["bubble_theoretical"] < 1
+    stage0, stage1 = (pipeline["stage_phases_median"][k] for k in ("0", "1"))
+    assert {"forward", "backward", "pipeline_wait", "pipeline_send", "apply"} <= set(stage0)
+    assert {"backward", "pipeline_wait", "pipeline_send", "apply"} <= set(stage1) and "forward" not in stage1
+    assert reference["pipeline"]["bubble_median"] is None   # one process: no stage workers to measure
 
 
 def test_lost_stage_workers_come_back_from_a_replica_of_their_stage_or_from_its_snapshot(tmp_path):
     """Stage 1's first worker dies: the spare (warmed with stage 0's programs) loads stage 1's and copies the state
-    of stage 1's other replica. Then stage 0's second worker dies with no spare left: the run waits for a
-    relaunched worker, which takes stage 0's slice. Then every worker dies: each stage restores its own
-    snapshot, of one step. The trajectory is the fault-free one, bit for bit."""
-    _, report = run_cli(["chaos", "tiny", "steps=6", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=2",
+    of stage 1's other replica. Then stage 0's second worker dies with no spare left: its pipeline replica is
+    dropped whole (its stage-1 worker becomes a spare) and the other takes its microbatches; relaunched workers
+    grow it back. Then every active worker dies: each stage restores its own snapshot, of one step. The
+    trajectory is the fault-free one, bit for bit."""
+    _, report = run_cli(["chaos", "tiny", "steps=16", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=2",
                          "ici_fsdp_parallelism=1", "elastic_spares=1", "elastic_snapshot_interval=2", "run_name=faults",
-                         "--faults", "kill:stage=1@step=2,kill:stage=0,replica=1@step=3,kill:all@step=4"], tmp_path)
+                         "--faults", "kill:stage=1@step=2,kill:stage=0,replica=1@step=3,kill:all@step=13"], tmp_path)
     assert report["verdict"] == "pass", report["verdict_reasons"]
-    assert report["steps_completed"] == 6 and report["exactly_once"] is True
+    assert report["steps_completed"] == 16 and report["exactly_once"] is True
     assert report["losses"] == report["reference"]["losses"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     log = events(tmp_path / "faults")
     recoveries = [(e["path"], e.get("restore_tier")) for e in log if e["kind"] == "recovered"]
-    assert recoveries == [("replace", "replica"), ("replace", "replica"), ("restore", "snapshot")]
+    assert recoveries == [("replace", "replica"), ("shrink", "replica"), ("restore", "snapshot")]
     restored = next(e for e in log if e["kind"] == "snapshot_restored")
     assert report["steps_lost"] == restored["steps_lost"] <= 2   # at most the snapshot interval
-    copies = [(e["source"], e["dest"]) for e in log if e["kind"] == "state_transferred"]
-    # the first two from the surviving replica of the lost worker's stage (w3: stage 1; w0: stage 0), the second
-    # to a relaunched worker (a new id)
-    assert copies[0] == ("w3", "w4") and copies[1][0] == "w0" and copies[1][1] not in ("w1", "w2", "w3", "w4")
-    loaded = [(e["worker"], e["stage"]) for e in log if e["kind"] == "stage_loaded"]
-    assert loaded[0] == ("w4", 1)   # the spare took stage 1; the relaunched worker warmed with stage 0's: no load
-    assert {stage for _, stage in loaded} == {1}   # spares warm with stage 0's programs: only stage 1's are loaded
+    first = next(e for e in log if e["kind"] == "state_transferred")
+    assert (first["source"], first["dest"]) == ("w3", "w4")   # from the surviving replica of stage 1
+    assert next(e for e in log if e["kind"] == "stage_loaded") == {**next(e for e in log if e["kind"] ==
+                                                                           "stage_loaded"), "worker": "w4", "stage": 1}
+    shrink = [e for e in log if e["kind"] == "recovery_decision" and e["action"] == "shrink"]
+    assert [(e["active"], e["spares"]) for e in shrink] == [(["w0", "w4"], ["w3"])]   # replica 1 dropped whole
 
 
 def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from_every_stages_checkpoint(tmp_path):

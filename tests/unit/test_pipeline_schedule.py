@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
+from runtime.pipeline.bubble import theoretical_bubble
 from runtime.pipeline.schedule import (ACT, BACKWARD, FORWARD, FREE, GRAD, LAST, RECV, SEND, Costs, Instr,
-                                       compile_schedule, compute_order, theoretical_bubble)
+                                       compile_schedule, compute_order)
 from runtime.pipeline.simulate import Deadlock, simulate
 
 SHAPES = [(s, m) for s, m in itertools.product((2, 3, 4), (1, 2, 3, 4, 5, 8, 16))]
