@@ -233,9 +233,10 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
-    if cfg.dcn_pipeline_parallelism > 1:   # every stage of every replica is a virtual slice; none may be dropped
-        slices = cfg.dcn_data_parallelism * cfg.dcn_pipeline_parallelism
-        opts = dataclasses.replace(opts, slices=slices, min_slices=slices)
+    if cfg.dcn_pipeline_parallelism > 1:   # every stage of every replica is a virtual slice; whole replicas shrink
+        stages = cfg.dcn_pipeline_parallelism
+        opts = dataclasses.replace(opts, slices=cfg.dcn_data_parallelism * stages,
+                                   min_slices=min(opts.min_slices, cfg.dcn_data_parallelism) * stages)
     if getattr(cfg, _ENABLED_KEY):
         return opts
     # every key with the recovery role takes its "no recovery" value (elastic.config.no_recovery_values)

@@ -312,7 +312,7 @@ class Controller:
             self.events.emit("run_truncated", steps=max(s.dispatched, 1),
                              reason=f"max_seconds={a.max_seconds:g} reached")
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
-                                 warmed=self.group.warmed(), swaps=bool(s.swaps)) or \
+                                 warmed=self.group.warmed(), swaps=bool(s.swaps), stages=self.opts.pipeline_stages) or \
                 self.shadows.behind(self.placement.spares, self.dead):
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile

@@ -351,7 +351,8 @@ class Membership:
     def grow(self) -> None:
         """Promotes spares while fewer slices run than asked for (``GROW``)."""
         s = self.state()
-        plan = plan_change(Facts(Change.GROW, placement=s.placement, slices=self.opts.slices))
+        plan = plan_change(Facts(Change.GROW, placement=s.placement, slices=self.opts.slices,
+                                 stages=self.opts.pipeline_stages, spare_stages=self._spare_stages(s.placement.spares)))
         if plan.placement is not None:
             self._remap(plan, "grown")
 

@@ -32,7 +32,7 @@ import enum
 from collections.abc import Iterable, Mapping
 
 from runtime.control.policy import Placement, WorkerInfo, place, stage_groups
-from runtime.control.stage_plan import arrange_stages, fill_slots, stage_without_replica
+from runtime.control.stage_plan import arrange_stages, fill_slots, stage_without_replica, unmatched_stages
 from runtime.control.tiers import TIERS, Holding, TierChoice, choose_source
 
 __all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
@@ -103,10 +103,11 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     ``stages``: a pipelined run's stages (the active slices are stage-major,
     :func:`runtime.control.policy.stage_groups`): each stage holds its own
     state, so each must keep a replica, and a replacement takes the lost
-    slice's position (its stage), a spare that shadows that stage first
-    (``spare_stages``: the stage each spare's programs are for); a pipelined
-    run does not shrink (its ``min_slices`` is every slice). ``recoveries``: attempts so far including this one; past
-    ``max_retries`` the answer is ``FAIL``. ``may_wait``: capacity may still
+    slice's stage, a spare that shadows that stage first (``spare_stages``:
+    the stage each spare's programs are for); with too few workers whole
+    pipeline replicas are dropped (:func:`runtime.control.stage_plan.fill_slots`).
+    ``recoveries``: attempts so far including this one; past ``max_retries``
+    the answer is ``FAIL``. ``may_wait``: capacity may still
     arrive (a relaunched or joining worker), so being below the minimum
     answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
     """
@@ -117,15 +118,15 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
                                                             "the run", failure=Failure.CAPACITY, limit="max_retries")
         return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
                                 failure=Failure.CAPACITY, limit="max_retries")
-    slots, spares = fill_slots(placement, dead, replicas, stages, spare_stages or {})
+    slots, spares, dropped = fill_slots(placement, dead, replicas, stages, spare_stages or {})
     active = [w for w in slots if w is not None]
-    replaced, dropped = sum(w not in placement.active for w in active), slots.count(None)
+    replaced = sum(w not in placement.active for w in active)
     new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
     survivors = [w for w in placement.active if w not in dead]
     lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
                   "the surviving slices hold no copy of the state")
     if stages > 1 and not lost_state:
-        lost_state = stage_without_replica(placement.active, slots, replicas, stages, spare_stages or {})
+        lost_state = stage_without_replica(placement, dead, replicas, stages, spare_stages or {})
     if lost_state and checkpoint_step is None:
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
     if lost_state:
@@ -140,9 +141,6 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
         return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but "
                                                   f"no worker is left to restore it", failure=Failure.CAPACITY,
                                     limit="min_slices")
-    if dropped and stages > 1 and len(active) >= min_slices:   # (its min_slices is every slice: never so far)
-        return RecoveryDecision(Action.FAIL, new, f"no spare for {dropped} slice(s), and a pipelined run does not "
-                                                  "shrink", failure=Failure.CAPACITY, limit="min_slices")
     if len(active) < min_slices:
         if may_wait:
             return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, min_slices "
@@ -151,6 +149,10 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
         return RecoveryDecision(Action.FAIL, new, f"{len(active)} slices left, min_slices is "
                                                   f"{min_slices} and no spare is available", failure=Failure.CAPACITY,
                                 limit="min_slices")
+    if dropped and stages > 1:
+        return RecoveryDecision(Action.SHRINK, new, f"too few workers for every pipeline replica: "
+                                                    f"{dropped // stages} dropped, {len(active) // stages} "
+                                                    f"take over their microbatches")
     if dropped:
         return RecoveryDecision(Action.SHRINK, new, f"no spare for {dropped} slice(s): {len(active)} survivors "
                                                     f"take over")
@@ -242,26 +244,37 @@ def plan_realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, f
 
 
 def membership_change_due(placement: Placement, slices: int, dead: Iterable[str], *, unadopted: bool,
-                          warmed: bool, swaps: bool) -> bool:
+                          warmed: bool, swaps: bool, stages: int = 1) -> bool:
     """Whether the next step boundary has work: a worker to adopt or promote, a dead spare, a straggler to swap.
 
     ``unadopted``: a worker registered that the controller has not taken on;
     ``warmed``: a joining worker finished loading its programs; ``swaps``: a
-    straggler waits to be moved onto a spare.
+    straggler waits to be moved onto a spare; ``stages``: a pipelined run
+    grows by a spare per stage.
     """
     dead = frozenset(dead)
     return (unadopted or warmed or swaps or any(s in dead for s in placement.spares)
-            or (len(placement.active) < slices and bool(placement.spares)))
+            or (len(placement.active) < slices and len(placement.spares) >= stages))
 
 
-def decide_grow(placement: Placement, slices: int) -> Placement | None:
-    """Promotes spares while fewer than ``slices`` run; None when nothing changes."""
+def decide_grow(placement: Placement, slices: int, stages: int = 1,
+                spare_stages: Mapping[str, int] | None = None) -> Placement | None:
+    """Promotes spares while fewer than ``slices`` run; None when nothing changes. A pipelined run grows by whole
+    pipeline replicas, a spare per stage (one whose programs are that stage's first: ``spare_stages``)."""
     missing = slices - len(placement.active)
-    if missing <= 0 or not placement.spares:
+    if missing <= 0 or len(placement.spares) < stages:
         return None
-    take = placement.spares[:missing]
-    return Placement(epoch=placement.epoch + 1, active=placement.active + take,
-                     spares=placement.spares[len(take):])
+    if stages == 1:
+        take = placement.spares[:missing]
+        return Placement(epoch=placement.epoch + 1, active=placement.active + take,
+                         spares=placement.spares[len(take):])
+    spares, groups = list(placement.spares), [list(g) for g in stage_groups(placement.active, stages)]
+    for _ in range(min(missing // stages, len(spares) // stages)):
+        for k, group in enumerate(groups):
+            w = next((w for w in spares if (spare_stages or {}).get(w) == k), spares[0])
+            spares.remove(w)
+            group.append(w)
+    return Placement(epoch=placement.epoch + 1, active=tuple(w for g in groups for w in g), spares=tuple(spares))
 
 
 def decide_swap(placement: Placement, slow: str) -> Placement | None:
@@ -400,6 +413,12 @@ def _plan_recover(f: Facts, now: float) -> ChangePlan:
         tier = backup
         if f.stages > 1 and f.backup_hosts:
             d = dataclasses.replace(d, placement=arrange_stages(d.placement, f.stages, f.backup_hosts, f.hosts))
+            missing = unmatched_stages(d.placement, f.stages, f.backup_hosts, f.hosts)
+            if missing and f.may_wait and (f.wait_until is None or now < f.wait_until):
+                d = RecoveryDecision(Action.WAIT, old, f"{d.reason.split(':')[0]}: waiting for a worker on a host "
+                                                       f"holding the snapshot of stage {missing[0]}",
+                                     limit="min_slices")
+                return _from(Change.RECOVER, d, relaunch_later=tuple(dead))
     return _from(Change.RECOVER, d, tier=tier, relaunch_later=tuple(dead))
 
 
@@ -408,10 +427,11 @@ def _copy_source(active: tuple[str, ...], old_active: tuple[str, ...], f: Facts)
     (``shadow``). A pipelined run's stages each have their own: the choice of the stage that fell back
     furthest (a stage with only its shadow left makes the recovery a shadow one)."""
     groups = stage_groups(active, f.stages) if f.stages > 1 else (active,)
+    per = len(old_active) // f.stages
+    was = {w: v // per for v, w in enumerate(old_active)}   # a survivor's stage (a spare's: spare_stages)
     choices = []
     for k, group in enumerate(groups):
-        holders = [w for w in group if w in f.replicas and (f.stages == 1 or w in old_active or
-                                                            f.spare_stages.get(w) == k)]
+        holders = [w for w in group if w in f.replicas and (f.stages == 1 or was.get(w, f.spare_stages.get(w)) == k)]
         choices.append(choose_source([Holding(w, f.committed) for w in holders if w in old_active],
                                      [Holding(w, f.committed) for w in holders if w not in old_active],
                                      (), (), f.committed))
@@ -435,7 +455,7 @@ def _plan_realign(f: Facts, now: float) -> ChangePlan:
 
 
 def _plan_grow(f: Facts, now: float) -> ChangePlan:
-    grown = decide_grow(f.placement, f.slices)
+    grown = decide_grow(f.placement, f.slices, f.stages, f.spare_stages)
     if grown is None:
         return ChangePlan(Change.GROW, None, None, f"{len(f.placement.active)} of {f.slices} slices run "
                                                    f"and {len(f.placement.spares)} spare(s) wait")

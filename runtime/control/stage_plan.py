@@ -3,9 +3,11 @@
 A pipelined run's active slices are stage-major (:func:`runtime.control.policy.stage_groups`), and each stage
 holds its own share of the state, so a change keeps each slice's position (its stage) and asks per stage:
 
-- :func:`fill_slots`: who takes each lost slice (a spare that shadows the slice's stage first);
+- :func:`fill_slots`: who takes each lost slice (a spare that shadows the slice's stage first), and which
+  whole pipeline replicas are dropped when too few workers are left;
 - :func:`stage_without_replica`: whether some stage lost every copy of its own;
-- :func:`arrange_stages`: a restore's placement, each stage on a host holding its snapshot.
+- :func:`arrange_stages`: a restore's placement, each stage on a host holding its snapshot, and
+  :func:`unmatched_stages`: the stages it could not place so (the restore then waits for their hosts).
 
 For an unpipelined run (one stage) they answer what the data-parallel rules always did. Nothing here reads a
 clock, a socket or a file.
@@ -18,46 +20,63 @@ from collections.abc import Mapping
 
 from runtime.control.policy import Placement, stage_groups
 
-__all__ = ["arrange_stages", "fill_slots", "stage_without_replica"]
+__all__ = ["arrange_stages", "fill_slots", "stage_without_replica", "unmatched_stages"]
 
 
 def fill_slots(placement: Placement, dead: frozenset[str], replicas: frozenset[str], stages: int,
-          spare_stages: Mapping[str, int]) -> tuple[list[str | None], list[str]]:
-    """The new active slices by position (None: no spare left for it) and the spares left. A lost slice gets a
-    spare that shadows the state first. In a pipelined run a slice keeps its position, so its stage, and gets
-    a spare that shadows its stage first (``spare_stages``: the stage each spare's programs are for), else a
-    spare that shadows nothing, else one that shadows another stage (it then needs a copy like any newcomer)."""
+               spare_stages: Mapping[str, int]) -> tuple[list[str | None], list[str], int]:
+    """Who takes each lost slice: ``(the new active slices, the spares left, how many slices were dropped)``.
+
+    Unpipelined: the slices keep their positions, a lost one gets a spare (one that shadows the state first)
+    or is dropped (None in its position). Pipelined (``stages`` > 1, stage-major): a lost slice keeps its
+    stage; when too few workers are left for every pipeline replica, whole replicas are dropped (those that
+    lost the most first; their survivors become spares: a stage of a dropped replica cannot run without the
+    others), and the slices kept are filled by, in order: a survivor of a dropped replica of the same stage
+    (it holds that stage's state), a spare that shadows that stage (``spare_stages``: the stage each spare's
+    programs are for), a spare that shadows nothing, any other; the new slices are stage-major over the
+    replicas kept (None only when not even one replica can be filled)."""
     spares = sorted((s for s in placement.spares if s not in dead), key=lambda s: s not in replicas)   # stable
-    per_stage = max(len(placement.active) // stages, 1)
-    slots: list[str | None] = []
-    for v, w in enumerate(placement.active):
-        if w not in dead:
-            slots.append(w)
-            continue
-        pick = spares[0] if spares else None
-        if stages > 1 and spares:
-            k = v // per_stage
-            pick = next((s for s in spares if s in replicas and spare_stages.get(s) == k), None) or \
-                next((s for s in spares if s not in replicas), spares[0])
-        if pick is not None:
-            spares.remove(pick)
-        slots.append(pick)
-    return slots, spares
+    if stages == 1:
+        slots: list[str | None] = []
+        for w in placement.active:
+            slots.append(w if w not in dead else spares.pop(0) if spares else None)
+        return slots, spares, slots.count(None)
+    per = len(placement.active) // stages
+    columns = [[placement.active[k * per + r] for k in range(stages)] for r in range(per)]
+    lost = [sum(w in dead for w in column) for column in columns]
+    order = sorted(range(per), key=lambda r: (lost[r], r))
+    for keep in range(per, 0, -1):
+        kept, gone = sorted(order[:keep]), order[keep:]
+        orphans = [(k, w) for r in gone for k, w in enumerate(columns[r]) if w not in dead]
+        if len(spares) + len(orphans) >= sum(lost[r] for r in kept):
+            break
+    else:   # not one replica can be filled: nothing is dropped, the lost slices stay empty
+        return [w if w not in dead else None for w in placement.active], spares, sum(lost)
+    pool = [w for _, w in orphans] + spares
+    home = dict((w, k) for k, w in orphans)
+
+    def pick(k: int) -> str:
+        w = next((w for w in pool if home.get(w) == k), None) or \
+            next((w for w in pool if w in replicas and spare_stages.get(w) == k), None) or \
+            next((w for w in pool if w not in home and w not in replicas), pool[0])
+        pool.remove(w)
+        return w
+
+    slots = [columns[r][k] if columns[r][k] not in dead else pick(k) for k in range(stages) for r in kept]
+    return slots, pool, stages * len(gone)
 
 
-
-def stage_without_replica(active: tuple[str, ...], slots: list[str | None], replicas: frozenset[str], stages: int,
-                           spare_stages: Mapping[str, int]) -> str:
-    """Why a pipelined run lost its state ("" when it did not): a stage left with no replica of its own (each
+def stage_without_replica(placement: Placement, dead: frozenset[str], replicas: frozenset[str], stages: int,
+                          spare_stages: Mapping[str, int]) -> str:
+    """Why a pipelined run lost its state ("" when it did not): a stage left with no live copy of its own (each
     stage holds its own share of the state: a survivor of that stage, or a spare that shadows it; a replica of
-    another stage cannot supply it). ``slots``: the new active slices by position (:func:`fill_slots`)."""
-    per_stage = len(active) // stages
-    for k in range(stages):
-        now = slots[k * per_stage:(k + 1) * per_stage]
-        if not any(w is not None and w in replicas and (w in active or spare_stages.get(w) == k) for w in now):
-            return f"pipeline stage {k} lost every replica ({', '.join(active[k * per_stage:(k + 1) * per_stage])})"
+    another stage cannot supply it)."""
+    groups = stage_groups(placement.active, stages)
+    for k, group in enumerate(groups):
+        if not any(w in replicas and w not in dead for w in group) and \
+                not any(spare_stages.get(w) == k and w in replicas and w not in dead for w in placement.spares):
+            return f"pipeline stage {k} lost every replica ({', '.join(group)})"
     return ""
-
 
 
 def arrange_stages(placement: Placement, stages: int, holders, hosts: Mapping[str, str]) -> Placement:
@@ -95,3 +114,10 @@ def arrange_stages(placement: Placement, stages: int, holders, hosts: Mapping[st
             group.append(rest.pop(0))
         out += group
     return dataclasses.replace(placement, active=tuple(out), spares=tuple(rest))
+
+
+def unmatched_stages(placement: Placement, stages: int, holders, hosts: Mapping[str, str]) -> list[int]:
+    """The stages of ``placement`` with no worker on a host holding their snapshot (``holders``, ``hosts``: as
+    :func:`arrange_stages` takes them): a restore there would go back further, or fail."""
+    return [k for k, group in enumerate(stage_groups(placement.active, stages))
+            if not any(hosts.get(w, w) in holders[k] for w in group)]

@@ -1,6 +1,8 @@
 """plan_change: every membership change as one pure decision, table-tested (the rules inside each case:
 test_policy.py and test_tiers.py)."""
 
+import dataclasses
+
 import pytest
 
 from runtime.control.plan import Action, Change, Facts, Failure, plan_change
@@ -150,14 +152,14 @@ def test_a_pipelined_recovery_puts_the_spare_in_the_lost_slices_stage():
 @pytest.mark.parametrize("facts, action, failure, reason", [
     # both replicas of stage 1 lost: stage 0's replicas cannot supply stage 1's state, a spare or not
     ({"dead": frozenset({"c", "d"})}, Action.FAIL, Failure.STATE_LOST, "pipeline stage 1 lost every replica (c, d)"),
-    # no spare: a pipelined run does not shrink (its min_slices is every slice) ...
+    # no spare, every slice asked for (min_slices 4): fail ...
     ({"dead": frozenset({"a", "s"})}, Action.FAIL, Failure.CAPACITY, "min_slices is 4"),
-    # ... and waits for capacity when a relaunched worker may take the slice
+    # ... or wait for capacity when a relaunched worker may take the slice
     ({"dead": frozenset({"a", "s"}), "may_wait": True}, Action.WAIT, None, "waiting for capacity"),
-    # a pipelined run below every slice never shrinks, even with a lower minimum
-    ({"dead": frozenset({"a", "s"}), "min_slices": 1}, Action.FAIL, Failure.CAPACITY, "does not shrink"),
+    # a lower minimum: a whole pipeline replica is dropped
+    ({"dead": frozenset({"a", "s"}), "min_slices": 2}, Action.SHRINK, None, "1 dropped, 1 take over"),
 ])
-def test_a_pipelined_recovery_needs_a_replica_of_every_stage_and_never_shrinks(facts, action, failure, reason):
+def test_a_pipelined_recovery_needs_a_replica_of_every_stage(facts, action, failure, reason):
     plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, **facts}))
     assert (plan.action, plan.failure) == (action, failure) and reason in plan.reason
 
@@ -222,3 +224,57 @@ def test_a_pipelined_stage_with_no_replica_left_is_saved_only_by_a_shadow_of_its
     assert saved.action is Action.REPLACE and saved.placement.active == ("a", "p") and saved.tier.tier == "shadow"
     lost = plan_change(Facts(Change.RECOVER, **facts, spare_stages={"p": 0}))
     assert lost.action is Action.FAIL and "pipeline stage 1 lost every replica (c)" in lost.reason
+
+
+@pytest.mark.parametrize("dead, spares, active, left", [
+    # stage 0's first replica lost, no spare: replica 0 is dropped whole, its stage-1 survivor c becomes a spare
+    ("a", "", "bd", "c"),
+    # both replicas lost a worker, one spare: one replica is kept, its lost slice taken by the survivor of the
+    # dropped one in the same stage (it holds that stage's state: nothing to copy), not by the spare
+    ("ad", "s", "bc", "s"),
+    ("bc", "", "ad", ""),
+    # a replica lost both its workers, one spare: not enough to rebuild it; the other runs alone
+    ("bd", "s", "ac", "s"),
+])
+def test_a_pipelined_run_with_too_few_workers_drops_whole_replicas(dead, spares, active, left):
+    """2 stages x 2 replicas (stage 0: a, b; stage 1: c, d); min_slices 2: one pipeline replica is enough."""
+    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "placement": Placement(3, PIPE.active, tuple(spares)),
+                                                "dead": frozenset(dead), "min_slices": 2,
+                                                "replicas": frozenset("abcd")}))
+    assert plan.action is Action.SHRINK
+    assert "".join(plan.placement.active) == active and "".join(plan.placement.spares) == left
+
+
+def test_a_pipelined_replica_dropped_gives_its_survivor_back_to_its_stage():
+    """Stage 0 lost a and b (its both replicas), stage 1 lost nothing, no spare: nothing holds stage 0's state."""
+    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset("ab"), "min_slices": 2,
+                                                "placement": Placement(3, PIPE.active, ())}))
+    assert plan.action is Action.FAIL and "pipeline stage 0 lost every replica (a, b)" in plan.reason
+
+
+def test_a_pipelined_run_grows_back_by_whole_replicas_a_spare_per_stage():
+    from runtime.control.plan import decide_grow
+
+    one = Placement(3, ("a", "c"), ("p",))   # stage 0: a, stage 1: c; one replica of 2 asked for
+    assert decide_grow(one, 4, 2, {"p": 0}) is None   # one spare is not a replica
+    grown = decide_grow(Placement(3, ("a", "c"), ("p", "q", "r")), 4, 2, {"p": 1, "q": 0})
+    assert grown.active == ("a", "q", "c", "p") and grown.spares == ("r",)   # each stage its own stage's spare
+    from runtime.control.plan import membership_change_due
+    assert not membership_change_due(one, 4, (), unadopted=False, warmed=False, swaps=False, stages=2)
+    assert membership_change_due(grown, 6, (), unadopted=False, warmed=False, swaps=False, stages=1)
+
+
+def test_a_pipelined_restore_waits_for_a_worker_where_a_stages_snapshot_lies_until_its_deadline():
+    facts = Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset("abcd"), "replicas": frozenset("abcd"),
+                                     "placement": Placement(3, ("a", "b", "c", "d"), ("p", "q", "r", "s")),
+                                     "snapshots": (Holding("snapshot", 6),), "may_wait": True,
+                                     "backup_hosts": (frozenset({"h1"}), frozenset({"h9"})),   # h9: nobody's yet
+                                     "hosts": {"p": "h1", "q": "h2", "r": "h3", "s": "h4"}})
+    waiting = plan_change(facts)
+    assert waiting.action is Action.WAIT and "holding the snapshot of stage 1" in waiting.reason
+    late = dataclasses.replace(facts, wait_until=10.0)
+    assert plan_change(late, now=5.0).action is Action.WAIT
+    assert plan_change(late, now=11.0).action is Action.RESTORE   # past the deadline: what the members hold
+    came = dataclasses.replace(late, placement=Placement(3, facts.placement.active, ("p", "q", "r", "s", "t")),
+                               hosts={**facts.hosts, "t": "h9"})
+    assert plan_change(came, now=5.0).placement.active == ("p", "q", "t", "r")
