@@ -57,8 +57,9 @@ class TransformerConfig:
         if self.emb_dim % self.num_heads:
             raise ValueError(f"emb_dim ({self.emb_dim}) must be divisible by num_heads ({self.num_heads})")
         if self.pipeline_stages > self.num_layers:
-            raise ValueError(f"{self.pipeline_stages} pipeline stages need at least as many decoder layers, got "
-                             f"{self.num_layers} (base_num_decoder_layers)")
+            raise ValueError(f"dcn_pipeline_parallelism={self.pipeline_stages}: the bundled transformer needs at "
+                             f"least one decoder layer per pipeline stage, and base_num_decoder_layers is "
+                             f"{self.num_layers}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> TransformerConfig:
@@ -186,7 +187,12 @@ def make_model(cfg: Any) -> tuple[Callable[[jax.Array], Params], Callable[..., j
     ``per_device_batch_size * ici_fsdp_parallelism`` sequences. The returned
     functions are ``functools.partial`` objects, so they pickle.
     """
-    tcfg = TransformerConfig.from_config(cfg)
+    try:
+        tcfg = TransformerConfig.from_config(cfg)
+    except ValueError as e:   # keys that fit no model of this shape: one line naming them, as for any config
+        from elastic.config import ConfigError
+
+        raise ConfigError(str(e)) from None
     size = cfg.per_device_batch_size * cfg.ici_fsdp_parallelism
     if size < 1 or size != int(size):
         raise ValueError(

@@ -154,3 +154,13 @@ def test_a_pipelined_job_with_backups_or_through_wrap_is_refused_naming_the_key(
     with pytest.raises(elastic.ConfigError, match="only elastic.Trainer cuts a loss into pipeline stages"):
         job.fit(reference=True)
     assert not any(tmp_path.iterdir())   # refused before anything was written
+
+
+def test_more_stages_than_the_bundled_models_layers_is_one_config_error_line():
+    from elastic.models import make_model
+
+    cfg = elastic.load_config("tiny", ["dcn_pipeline_parallelism=4"])   # tiny has 2 decoder layers
+    with pytest.raises(elastic.ConfigError, match=r"^dcn_pipeline_parallelism=4: the bundled transformer needs at "
+                                                  r"least one decoder layer per pipeline stage, and "
+                                                  r"base_num_decoder_layers is 2$"):
+        make_model(cfg)
