@@ -203,7 +203,9 @@ class Checkpointing:
         restored = min((r.applied_steps for r in replies.values()), default=step)
         if any(r.applied_steps != restored for r in replies.values()):
             replies = self._load(list(replies), restored, directory)
-        sums = next((list(r.loss_sums) for r in replies.values() if r.loss_sums), [])
+        last = None if self.stages == 1 else self.stages - 1   # the loss sums are the last stage's (the others'
+        sums = next((list(r.loss_sums) for w, r in replies.items()   # recorded none for the steps they wrote)
+                     if r.loss_sums and self.group.loaded_stage(w) == last), [])
         other = next(((r.written_devices_per_slice, r.written_microbatches) for r in replies.values()
                       if r.written_devices_per_slice), None)
         return Loaded(restored, {w: r.bytes for w, r in replies.items()}, sums, other)

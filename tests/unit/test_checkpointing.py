@@ -35,7 +35,7 @@ class Group:
 
     def __init__(self, holds=None, flushed=None, corrupt=(), resharded=(), stages=None):
         self.holds, self.flushed, self.corrupt, self.calls = holds or {}, flushed or {}, corrupt, []
-        self.resharded, self.stages = resharded, stages or {}
+        self.resharded, self.stages, self.sums = resharded, stages or {}, {}
 
     def loaded_stage(self, w):
         return self.stages.get(w)
@@ -45,7 +45,8 @@ class Group:
         out = {}
         for w in workers:
             step = max(s for s in self.holds[w] if s <= applied)
-            out[w] = types.SimpleNamespace(applied_steps=step, bytes=10 * step, loss_sums=[0.5] * step,
+            out[w] = types.SimpleNamespace(applied_steps=step, bytes=10 * step,
+                                           loss_sums=self.sums.get(w, [0.5] * step)[:step],
                                            written_devices_per_slice=2 if w in self.resharded else 0,
                                            written_microbatches=4 if w in self.resharded else 0,
                                            skipped=[f"step {s} (x): corrupt" for s in self.corrupt
@@ -176,8 +177,10 @@ def test_each_pipeline_stage_writes_and_loads_its_own_checkpoints(tmp_path):
         for step in steps:
             CheckpointStore(f"{tmp_path}/stage{stage}", async_save=False).save(step, leaves, digest=state_digest(leaves))
     assert ck.newest(10) == 4   # stage 1 holds no 8
+    ck.group.sums = {"a": [0.0] * 4, "c": [0.5] * 4}   # stage 0 computes no loss: its checkpoint's last sums are 0
     loaded = ck.load(["a", "c"], 4)
     assert loaded.step == 4 and ck.group.calls == [(("a",), 4), (("c",), 4)]
+    assert loaded.loss_sums == [0.5] * 4   # the last stage's
     seen = []
     ck.notify = seen.append
     ck.note({"b": ([4], "")})
