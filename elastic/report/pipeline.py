@@ -3,7 +3,8 @@ theory, and each stage's phases (pure, over the events :func:`elastic.report.fol
 
 Each committed step of a pipelined run on workers records ``stage_phases`` (per stage, its slowest replica's
 seconds in each phase) and ``bubble`` (the step's idle fraction, ``runtime/pipeline/bubble.py``); this takes
-their medians over the steps. A run without stages has no section (null).
+their medians over the steps. The theory is of one pipeline replica: (S - 1) / (m + S - 1) with m its share
+of the step's M microbatches (M / R with R replicas; the median share over the steps, as a shrink changes it). A run without stages has no section (null).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ def pipeline_section(config: object, microbatches: object, events: list[dict]) -
     ``config``: the run's resolved config (``dcn_pipeline_parallelism``, ``elastic_pipeline_schedule``; a log
     without one takes the stage count from the steps' ``stage_phases``); ``microbatches``: M.
     """
-    bubbles, phases = [], {}   # phases: stage -> phase -> seconds per step
+    bubbles, per_replica, phases = [], [], {}   # phases: stage -> phase -> seconds per step
     for e in events:
         if e["kind"] == "step_committed":
             if "bubble" in e:
                 bubbles.append(e["bubble"])
+                # each pipeline replica runs its own share of the step's microbatches (the loss workers' ids)
+                shares = [len(ids) for ids in (e.get("microbatches") or {}).values() if isinstance(ids, list)]
+                if shares:
+                    per_replica.append(max(shares))
             for stage, seconds in e.get("stage_phases", {}).items():
                 for name, s in seconds.items():
                     phases.setdefault(stage, {}).setdefault(name, []).append(s)
@@ -34,12 +39,14 @@ def pipeline_section(config: object, microbatches: object, events: list[dict]) -
     if stages < 2:
         return None
     m = _count(microbatches)
-    theory = theoretical_bubble(stages, m) if m else None
+    share = int(statistics.median_low(per_replica)) if per_replica else m   # one process: one replica, all M
+    theory = theoretical_bubble(stages, share) if share else None
     measured = statistics.median(bubbles) if bubbles else None
     return {
         "schedule": cfg.get("elastic_pipeline_schedule"),
         "stages": stages,
         "microbatches": m,
+        "microbatches_per_replica": share,
         "bubble_theoretical": theory,
         "bubble_median": measured,
         "bubble_ratio": measured / theory if measured is not None and theory else None,

@@ -46,7 +46,9 @@ def bubble_text(pipeline: dict) -> str:
         return f"{x:.{digits}f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
     p = pipeline
-    shape = f"{p.get('schedule') or '?'}, {p.get('stages')} stages x {p.get('microbatches') or '?'} microbatches"
+    m, share = p.get("microbatches"), p.get("microbatches_per_replica")
+    per = f" ({share} per replica)" if share and m and share != m else ""
+    shape = f"{p.get('schedule') or '?'}, {p.get('stages')} stages x {m or '?'} microbatches{per}"
     theory = num(p.get("bubble_theoretical")) or "—"
     if num(p.get("bubble_median")) is None:
         return f"{shape}: bubble {theory} in theory, none measured"

@@ -162,6 +162,20 @@ def test_the_report_of_a_pipelined_run_has_its_schedule_median_bubble_against_th
     assert "id='pipeline'" in page and "stage 3" in page and "pipeline_wait" in page
 
 
+def test_the_theory_is_of_one_pipeline_replica_running_its_share_of_the_microbatches():
+    """4 replicas share M = 8: each runs 2, so the theory is (S - 1) / (2 + S - 1), not (S - 1) / (8 + S - 1)."""
+    events = _log({"dcn_pipeline_parallelism": 2, "elastic_pipeline_schedule": "1f1b"}, [0.4, 0.3, 0.35])
+    for e in events:
+        if e["kind"] == "step_committed":
+            e["microbatches"] = {f"w{4 + r}": [2 * r, 2 * r + 1] for r in range(4)}
+    report = build_report(events)
+    jsonschema.validate(report, SCHEMA)
+    pl = report["pipeline"]
+    assert (pl["microbatches"], pl["microbatches_per_replica"]) == (8, 2)
+    assert pl["bubble_theoretical"] == pytest.approx(1 / 3) and pl["bubble_ratio"] == pytest.approx(0.35 * 3)
+    assert "2 stages x 8 microbatches (2 per replica)" in summary_text(report, 140)
+
+
 def test_a_pipelined_run_in_one_process_reports_the_theory_alone_and_an_unpipelined_run_no_section():
     report = build_report(_log({"dcn_pipeline_parallelism": 2, "elastic_pipeline_schedule": "1f1b"}, [None] * 3,
                                stage_phases=False))
