@@ -435,7 +435,7 @@ class Controller:
         for slow in self.state.swaps:
             self.membership.swap(slow)
         self.membership.grow()
-        self.membership.sync_shadows()
+        self.membership.copies.sync_shadows()
         self.slow.restart()
         return Phase.RUNNING
 

@@ -16,7 +16,8 @@ from one method). A change:
    they all applied are committed, those one ahead roll back), or from a
    snapshot or checkpoint (``RESTORE``, tier chosen again from what the fenced
    members hold);
-5. copies it to the active members that lack it and checks every replica's hash.
+5. copies it to the active members that lack it and checks every replica's hash
+   (:class:`runtime.control.state_copies.StateCopies`).
 
 The run's state (committed frontier, replicas, placement) is read from the
 controller's :class:`~runtime.control.run_state.RunState` (``state()``), which the
@@ -34,7 +35,8 @@ import time
 from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDivergenceError, StateLostError,
                             WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
-from runtime.control.policy import Placement, shadow_stage, stage_groups
+from runtime.control.policy import Placement, stage_groups
+from runtime.control.state_copies import StateCopies
 from runtime.control.tiers import Holding, choose_source, stage_snapshot
 
 __all__ = ["Membership", "failed"]
@@ -63,6 +65,7 @@ class Membership:
         self.group, self.opts, self.events = group, opts, events
         self.checkpoints, self.snapshots, self.shadows = checkpoints, snapshots, shadows
         self.state, self.record, self.before_transfer = state, record, before_transfer
+        self.copies = StateCopies(group, opts, events, shadows=shadows, state=state, before_transfer=before_transfer)
 
     def _dead(self, placement: Placement) -> list[str]:
         """The members of ``placement`` declared dead, sorted."""
@@ -242,8 +245,8 @@ class Membership:
         for step, loss_sum in realign.commits:
             self.record(step, new.epoch, loss_sum)
         source = plan.tier.source if plan.tier.source in survivors else survivors[0]
-        moved = self.copy_to_newcomers(source, realign.target, holders=survivors)
-        self._recheck_shadows(source)
+        moved = self.copies.copy_to_newcomers(source, realign.target, holders=survivors)
+        self.copies.recheck_shadows(source)
         self._recovered(plan, self._dead(old), started, realign.target, moved, plan.tier.tier)
 
     def _restore(self, plan: ChangePlan, checkpoints: tuple[Holding, ...], old: Placement, started: float) -> None:
@@ -285,7 +288,7 @@ class Membership:
         hold it (checking every hash; a pipelined run's: each stage's), records it; training resumes at its step."""
         committed = self.state().committed
         tier, step, nbytes, holders = got
-        moved = nbytes + self.copy_to_newcomers(holders[0], step, holders=holders)
+        moved = nbytes + self.copies.copy_to_newcomers(holders[0], step, holders=holders)
         self.shadows.forget(list(self.shadows.at))   # caught up by a copy at the next boundary
         where = ({"directory": self.checkpoints.directory} if tier == "checkpoint" else
                  {"worker": holders[0], "host": self.group.host_of(holders[0])})
@@ -302,7 +305,7 @@ class Membership:
         groups = stage_groups(new.active, self.opts.pipeline_stages)
         for k, group in enumerate(groups):   # first: each lists the snapshots of its stage's directory
             for w in group:
-                self._take_stage(w, k)
+                self.copies.take_stage(w, k)
         statuses = self.group.abort(new.members)
         got = self._stage_snapshots(groups, statuses, committed) if plan.tier.tier == "snapshot" else None
         if got is None:
@@ -376,90 +379,9 @@ class Membership:
         self._adopt(new)
         self.shadows.forget(new.active)
         self.group.abort(new.members)
-        moved = self.copy_to_newcomers(source, s.committed, holders=[w for w in new.active if w in s.replicas])
+        moved = self.copies.copy_to_newcomers(source, s.committed, holders=[w for w in new.active if w in s.replicas])
         self.events.emit(kind, epoch=new.epoch, promoted=promoted, active=list(new.active), spares=list(new.spares),
                          bytes_moved=moved, step=s.committed, **fields)
-
-    # -- state copies ------------------------------------------------------------------
-
-    def copy_to_newcomers(self, source: str, step: int, holders) -> int:
-        """Copies ``source``'s state (of ``step`` applied steps) to every active member not in ``holders``, then
-        checks that every active member holds the same step and bits. Returns the bytes moved.
-
-        A pipelined run's state is one per stage: a newcomer of stage k first loads that stage's programs
-        (when it warmed with another's) and copies from ``source`` when it is of stage k, else from the first
-        holder of stage k; the replicas of each stage must agree."""
-        moved = 0
-        stages = self.opts.pipeline_stages
-        groups = stage_groups(self.state().placement.active, stages)
-        for k, group in enumerate(groups):
-            src = source if stages == 1 or source in group else next(w for w in group if w in holders)
-            for dest in group:
-                if dest in holders:
-                    continue
-                if stages > 1:
-                    self._take_stage(dest, k)
-                t0 = time.time()
-                self.before_transfer(src, dest)
-                self.events.emit("transfer_started", source=src, dest=dest, step=step)
-                nbytes, digest, transport = self.group.transfer(src, dest, step)
-                self.events.emit("state_transferred", source=src, dest=dest, step=step, bytes=nbytes,
-                                 seconds=time.time() - t0, digest=digest, transport=transport)
-                moved += nbytes
-        hashes = self.group.hashes([w for group in groups for w in group])
-        for group in groups:
-            held = [hashes[w] for w in group]
-            if {s for s, _ in held} != {step} or len({d for _, d in held}) != 1:
-                raise ReplicaDivergenceError("replicas disagree after recovery", step=step,
-                                             cause=str({w: (s, d[:21]) for w, (s, d) in hashes.items()}))
-        return moved
-
-    def _take_stage(self, worker: str, stage: int) -> None:
-        """A pipelined run's ``worker`` takes a slice of ``stage``: it loads that stage's programs unless it has
-        them (a spare warms with stage 0's)."""
-        if self.group.loaded_stage(worker) == stage:
-            return
-        t0 = time.time()
-        loaded = self.group.load([worker], spares=[worker], stages={worker: stage})
-        if worker not in loaded:
-            raise WorkerLostError(worker, f"lost while loading pipeline stage {stage}'s programs")
-        self.events.emit("stage_loaded", worker=worker, stage=stage, compile_seconds=loaded[worker].compile_seconds,
-                         seconds=time.time() - t0)
-
-    def sync_shadows(self) -> None:
-        """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state."""
-        s = self.state()
-        behind = self.shadows.behind(s.placement.spares, self.group.dead)
-        if not behind:
-            return
-        stages = self.opts.pipeline_stages
-        groups = stage_groups(s.placement.active, stages)
-        for dest in behind:
-            k = 0
-            if stages > 1:   # it shadows the stage with the fewest shadows: that stage's programs, then its state
-                k = shadow_stage({w: self.group.loaded_stage(w) for w in self.shadows.at if w not in self.group.dead},
-                                 stages)
-                self._take_stage(dest, k)
-            source = next(w for w in groups[k] if w in s.replicas)
-            t0 = time.time()
-            nbytes, digest, transport = self.group.transfer(source, dest, s.committed)
-            self.shadows.synced(dest, s.committed)
-            self.events.emit("shadow_synced", source=source, dest=dest, step=s.committed, bytes=nbytes,
-                             seconds=time.time() - t0, digest=digest, transport=transport,
-                             **({"stage": k} if stages > 1 else {}))
-
-    def _recheck_shadows(self, source: str) -> None:
-        """After a recovery: the promoted shadows are active now; a spare that still shadows keeps doing so only
-        when it holds the same step and bits as ``source`` (else a copy catches it up at the next boundary)."""
-        placement = self.state().placement
-        self.shadows.forget(placement.active)
-        spares = self.shadows.feeding(placement.spares, self.group.dead)
-        if not spares:
-            return
-        groups = stage_groups(placement.active, self.opts.pipeline_stages)
-        like = {w: source if len(groups) == 1 else groups[self.group.loaded_stage(w) or 0][0] for w in spares}
-        hashes = self.group.hashes([*set(like.values()), *spares])   # (a stage's replicas agree: checked)
-        self.shadows.forget([w for w in spares if hashes[w] != hashes[like[w]]])
 
     def _adopt(self, placement: Placement) -> None:
         self.group.fence_at(placement.epoch)

@@ -104,7 +104,7 @@ def resumed(ctl, loaded: Loaded, directory: str, state_bytes: int) -> None:
     """
     step = loaded.step
     active = ctl.placement.active
-    ctl.membership.copy_to_newcomers(active[0], step, holders=active)   # copies nothing: checks the hashes
+    ctl.membership.copies.copy_to_newcomers(active[0], step, holders=active)   # copies nothing: checks the hashes
     sums = loaded.loss_sums if len(loaded.loss_sums) == step else [float("nan")] * step
     before = loaded.written_on   # another mesh wrote it: its losses are means over its microbatches
     losses = [ctl.mean_loss(x, before[1] if before else None) for x in sums]
