@@ -266,7 +266,7 @@ class _Job:
 
 def check_pipeline(job, settings, reference: bool) -> None:
     """A pipelined job (``dcn_pipeline_parallelism`` > 1) runs where it can today: an ``elastic.Trainer``,
-    without another run's checkpoint to start from. ``ConfigError`` naming what to change otherwise."""
+    without another run's parameters to start from (``load_parameters_path``). ``ConfigError`` naming what to change otherwise."""
     if settings.pipeline_stages == 1:
         return
     if not isinstance(job, Trainer):
@@ -275,12 +275,12 @@ def check_pipeline(job, settings, reference: bool) -> None:
     if reference:
         return
     cfg = job.config
-    unsupported = {"load_parameters_path": settings.parameters_from, "load_full_state_path": cfg.load_full_state_path}
+    unsupported = {"load_parameters_path": settings.parameters_from}
     for key, value in unsupported.items():
         if value:
             raise ConfigError(f"config key {key!r} ({value!r}) is not supported with dcn_pipeline_parallelism="
-                              f"{settings.pipeline_stages} yet: a pipelined run starts from its own checkpoints only "
-                              "(docs/pipeline.md)")
+                              f"{settings.pipeline_stages} yet: a pipelined run starts from a pipelined run's whole "
+                              "state only (load_full_state_path; docs/pipeline.md)")
     if settings.microbatches < settings.pipeline_stages:
         raise ConfigError(f"elastic_microbatches ({settings.microbatches}) must be >= dcn_pipeline_parallelism "
                           f"({settings.pipeline_stages}): each stage works on every microbatch")

@@ -35,7 +35,7 @@ from runtime.core.errors import BadInputError
 from runtime.control.policy import checkpoint_writer, stage_groups
 from runtime.control.tiers import EveryStage
 
-__all__ = ["Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint"]
+__all__ = ["Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint", "stage_steps"]
 
 # At the end of a run the saves in flight are waited for in rounds this long, each noting what completed: an
 # observer waiting for one checkpoint hears of it while the next is still being written.
@@ -183,8 +183,17 @@ class Checkpointing:
         return max(steps) if steps else None
 
     def locate(self, path: str) -> tuple[str, int]:
-        """``(directory, step)`` of what ``load_full_state_path`` names; see :func:`locate_checkpoint`."""
-        return locate_checkpoint(path)
+        """``(directory, step)`` of what ``load_full_state_path`` names; see :func:`locate_checkpoint`. A
+        pipelined run's must hold one directory per stage (``stage<k>``), as many as the run has; raises
+        ``BadInputError`` naming the path otherwise."""
+        directory, step = locate_checkpoint(path)
+        held = len(stage_steps(directory))
+        if held != (self.stages if self.stages > 1 else 0):
+            what = f"checkpoints of {held} pipeline stages" if held else "an unpipelined run's checkpoints"
+            raise BadInputError(f"load_full_state_path {path!r} holds {what}, and this run has "
+                                f"{self.stages if self.stages > 1 else 'no'} pipeline stages "
+                                f"(dcn_pipeline_parallelism={self.stages})")
+        return directory, step
 
     def load(self, workers, step: int, directory: str | None = None) -> Loaded:
         """``workers`` load the newest valid checkpoint at or before ``step`` (of ``directory``, default the
@@ -232,8 +241,8 @@ class Checkpointing:
 
 def locate_checkpoint(path: str) -> tuple[str, int]:
     """``(directory, step)`` of what ``load_full_state_path`` names: a checkpoint directory (its newest complete
-    checkpoint) or one step's directory (``<directory>/<step>``, or MaxText's ``<directory>/<step>/items``,
-    which must be complete).
+    checkpoint; a pipelined run's: the newest step every ``stage<k>`` directory holds) or one step's directory
+    (``<directory>/<step>``, or MaxText's ``<directory>/<step>/items``, which must be complete).
 
     Called by the controller before it launches anything, and by the client's
     preflight (``elastic.preflight``) before the run starts. Reads the
@@ -251,7 +260,7 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
     try:
         if tail.isdigit() and head and (step := CheckpointStore(head).step_held(tail)) is not None:
             return head, step   # MaxText's <d> holds step d + 1
-        steps = CheckpointStore(path).steps()
+        steps = CheckpointStore(path).steps() or _common(stage_steps(path))   # a pipelined run's: its stages'
     except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
         raise BadInputError(f"load_full_state_path {path!r} cannot be read", cause=f"{type(e).__name__}: {e}") from None
     if not steps:
@@ -259,15 +268,32 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
     return path, max(steps)
 
 
+def stage_steps(directory: str) -> list[list[int]]:
+    """A pipelined run's checkpoint directory: the complete steps of each stage's (``stage0``, ``stage1``, ...,
+    up to the first that holds none); [] for any other directory. Imports no JAX."""
+    from runtime.state.checkpoint import CheckpointStore
+
+    out = []
+    while steps := CheckpointStore(f"{directory.rstrip('/')}/stage{len(out)}").steps():
+        out.append(steps)
+    return out
+
+
+def _common(per_stage: list[list[int]]) -> list[int]:
+    """The steps every stage holds."""
+    return sorted(set.intersection(*map(set, per_stage))) if per_stage else []
+
+
 def newest_checkpoint(directory: str, at_most: int) -> int | None:
-    """The newest complete checkpoint in ``directory`` at or before step ``at_most``; None without one, or
-    when the store cannot be read (the controller then counts it as none too). Imports no JAX."""
+    """The newest complete checkpoint in ``directory`` at or before step ``at_most`` (a pipelined run's: the
+    newest step every stage holds); None without one, or when the store cannot be read (the controller then
+    counts it as none too). Imports no JAX."""
     from runtime.state.checkpoint import CheckpointStore
 
     if not directory:
         return None
     try:
-        steps = [s for s in CheckpointStore(directory).steps() if s <= at_most]
+        steps = [s for s in CheckpointStore(directory).steps() or _common(stage_steps(directory)) if s <= at_most]
     except Exception:  # noqa: BLE001 - an unreadable store holds nothing to resume from
         return None
     return max(steps) if steps else None

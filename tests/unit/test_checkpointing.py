@@ -5,6 +5,7 @@ import dataclasses
 import types
 
 import numpy as np
+import pytest
 
 from runtime.state.checkpoint import CheckpointStore
 from runtime.control.checkpointing import Checkpointing
@@ -219,3 +220,29 @@ def test_the_programs_fingerprint_ignores_source_locations_and_names_but_not_the
     assert programs_fingerprint(programs(step)) != programs_fingerprint(programs(ns["other"]))
     assert legacy_programs_fingerprint(programs(step)) == legacy_programs_fingerprint(programs(ns["step"]))
     assert legacy_programs_fingerprint(programs(step)) != legacy_programs_fingerprint(programs(ns["other"]))
+
+
+def test_load_full_state_path_of_a_pipelined_run_is_its_stages_newest_common_step_and_must_fit_the_run(tmp_path):
+    from runtime.core.errors import BadInputError
+    from runtime.control.checkpointing import locate_checkpoint, newest_checkpoint, stage_steps
+
+    leaves = [np.arange(4, dtype=np.float32)]
+    for stage, steps in ((0, (2, 4)), (1, (2, 4, 6))):
+        for step in steps:
+            CheckpointStore(f"{tmp_path}/run/stage{stage}", async_save=False).save(step, leaves,
+                                                                                   digest=state_digest(leaves))
+    run = str(tmp_path / "run")
+    assert stage_steps(run) == [[2, 4], [2, 4, 6]] and locate_checkpoint(run) == (run, 4)
+    assert newest_checkpoint(run, 3) == 2
+    two = Checkpointing(Group(), Opts(checkpoint_directory=str(tmp_path / "own"), pipeline_stages=2), Events())
+    assert two.locate(run) == (run, 4)
+    three = Checkpointing(Group(), Opts(checkpoint_directory=str(tmp_path / "own"), pipeline_stages=3), Events())
+    with pytest.raises(BadInputError, match="holds checkpoints of 2 pipeline stages, and this run has 3 pipeline "
+                                            r"stages \(dcn_pipeline_parallelism=3\)"):
+        three.locate(run)
+    plain = Checkpointing(Group(), Opts(checkpoint_directory=str(tmp_path / "own")), Events())
+    with pytest.raises(BadInputError, match="holds checkpoints of 2 pipeline stages, and this run has no pipeline"):
+        plain.locate(run)
+    CheckpointStore(f"{tmp_path}/flat", async_save=False).save(2, leaves, digest=state_digest(leaves))
+    with pytest.raises(BadInputError, match="holds an unpipelined run's checkpoints, and this run has 2 pipeline"):
+        two.locate(str(tmp_path / "flat"))
