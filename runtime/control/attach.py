@@ -56,7 +56,9 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
     known = {w: info for w, info in s.registered.items() if w not in s.dead}   # the fenced are not dead
-    replies = group.attach(known, s.registered)
+    active = s.placement.active if s.placement is not None else ()
+    per = len(active) // o.pipeline_stages if o.pipeline_stages > 1 else 0
+    replies = group.attach(known, s.registered, {w: v // per for v, w in enumerate(active)} if per else None)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
                     workers={w: {"address": r.address, "data_address": r.data_address, "devices": r.num_devices,
@@ -64,7 +66,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
                                  "applied_steps": r.applied_steps} for w, r in sorted(replies.items())},
                     lost=sorted(set(known) - set(replies)), committed=s.committed,
                     downtime_seconds=max(downtime_seconds, 0.0))
-    ctl.snapshots.known({(step, group.host_of(w)) for step, w in s.snapshots})
+    ctl.snapshots.known({(step, group.host_of(w), group.loaded_stage(w)) for step, w in s.snapshots})
     if first:
         ctl.observer.attach(ctl)
     alive = sorted(replies)

@@ -112,9 +112,10 @@ class Snapshotting:
         return tuple(frozenset(hosts) for hosts in out)
 
     def known(self, held) -> None:
-        """A restarted client learns the snapshots its log recorded: ``(step, host)`` pairs."""
-        for step, host in held:
-            self._hold(host, None, step)
+        """A restarted client learns the snapshots its log recorded: ``(step, host, stage)`` (the writer's pipeline
+        stage; None for an unpipelined run)."""
+        for step, host, stage in held:
+            self._hold(host, stage if self.opts.pipeline_stages > 1 else None, step)
 
     @staticmethod
     def holdings(statuses, at_most: int) -> dict[str, int]:

@@ -155,19 +155,23 @@ class WorkerGroup:
         self.launcher.launch(wid, self._hosts[wid])
         return wid
 
-    def attach(self, known: dict[str, WorkerInfo], registered) -> dict[str, pb.AttachReply]:
+    def attach(self, known: dict[str, WorkerInfo], registered, stages: Mapping[str, int] | None = None
+               ) -> dict[str, pb.AttachReply]:
         """A restarted client takes over the live workers of ``known`` (``{worker: WorkerInfo}`` from the
         log; ``registered``: every worker the attempt had, to number new ones after them): each adopts this
         client's generation and answers what it holds; one that does not answer is declared dead.
-        ``AttachRefusedError`` when one runs other programs (see :mod:`runtime.control.attach`)."""
+        ``AttachRefusedError`` when one runs other programs (see :mod:`runtime.control.attach`). A pipelined
+        run's workers may run any stage's programs: each is recorded as of the stage ``stages`` gives it (its
+        slice's), else of the stage whose programs it answers it runs (a spare)."""
         numbers = [int(w[1:]) for w in registered if w[:1] == "w" and w[1:].isdigit()]
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
         for w, info in known.items():
             self._hosts[w] = info.host
             if not self.calls.reaches(w):
                 self.calls.adopt(w, self._channel(info.address))
-        request = pb.AttachRequest(fence=self._fence(), controller=self.address,
-                                   fingerprint=programs_fingerprint(self.programs.programs()),
+        per_stage = [programs_fingerprint(stage.programs()) for stage in getattr(self.programs, "stages", ())]
+        request = pb.AttachRequest(fence=self._fence(), controller=self.address, stage_fingerprints=per_stage,
+                                   fingerprint="" if per_stage else programs_fingerprint(self.programs.programs()),
                                    owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,
                                    lease_seconds=self.opts.worker_lease_seconds,
                                    client_grace_seconds=self.opts.client_grace_seconds)
@@ -179,6 +183,8 @@ class WorkerGroup:
                                      "client died (the model, or a config key they depend on): run the same "
                                      "command again, or start afresh with another run_name") from None
         for w, r in replies.items():
+            if per_stage and r.fingerprint in per_stage:
+                self.calls.loaded_stage[w] = (stages or {}).get(w, per_stage.index(r.fingerprint))
             info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
             self.fenced.discard(w)   # alive, a member again (WorkerCalls.attach revived it)
             self.registry.add(info)

@@ -269,9 +269,10 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 value = getattr(request, name)
                 if not (math.isfinite(value) and value >= 0):
                     raise ProtocolError(f"{name}={value} is not a number of seconds >= 0")
-            if request.fingerprint and self.fingerprint and request.fingerprint != self.fingerprint:
+            brought = [request.fingerprint] if request.fingerprint else list(request.stage_fingerprints)
+            if brought and self.fingerprint and self.fingerprint not in brought:   # (a pipeline: one per stage)
                 raise ProtocolError(f"worker {self.worker_id} runs other programs (fingerprint "
-                                    f"{self.fingerprint[:12]}), the client brings {request.fingerprint[:12]}")
+                                    f"{self.fingerprint[:12]}), the client brings {', '.join(f[:12] for f in brought)}")
             previous = self.generation
             self.attach(request.fence)
             self.lease, self.client_grace = request.lease_seconds, request.client_grace_seconds

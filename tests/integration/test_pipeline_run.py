@@ -65,12 +65,14 @@ def test_lost_stage_workers_come_back_from_a_replica_of_their_stage_or_from_its_
 def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from_every_stages_checkpoint(tmp_path):
     """One replica per stage, a shadow spare per stage (each fed its stage's reduced gradients) and checkpoints
     (each stage writes its own): stage 1's worker dies, then stage 0's, and each stage's shadow takes its slice
-    with nothing copied and no step lost; then every worker dies and each stage restores its checkpoint of one
-    step. The trajectory is the fault-free one, bit for bit."""
+    with nothing copied and no step lost; then the client dies and the same command takes the run back (each
+    worker answers which stage's programs it runs); then every worker dies and each stage restores its
+    checkpoint of one step. The trajectory is the fault-free one, bit for bit."""
     _, report = run_cli(["chaos", "tiny", "steps=8", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=1",
                          "ici_fsdp_parallelism=1", "elastic_spares=2", "elastic_shadow_spares=true",
                          "enable_checkpointing=true", "checkpoint_period=2", "run_name=shadows",
-                         "--faults", "kill:stage=1@step=2,kill:stage=0@step=3,kill:all@checkpoint=6"], tmp_path)
+                         "--faults", "kill:stage=1@step=2,kill:stage=0@step=3,kill:client@step=4,"
+                                     "kill:all@checkpoint=6"], tmp_path)
     assert report["verdict"] == "pass", report["verdict_reasons"]
     assert report["losses"] == report["reference"]["losses"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
@@ -78,6 +80,8 @@ def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from
     assert next(e for e in log if e["kind"] == "programs_loaded")["stages"] == {"w0": 0, "w1": 1, "w2": 0, "w3": 1}
     assert [(e["restore_tier"], e["bytes_moved"]) for e in log if e["kind"] == "recovered"][:2] == [("shadow", 0)] * 2
     assert [e["active"] for e in log if e["kind"] == "recovery_decision"][:2] == [["w0", "w3"], ["w2", "w3"]]
+    attached = [e for e in log if e["kind"] == "client_attached"]
+    assert len(attached) == 1 and sorted(attached[0]["workers"]) == ["w2", "w3"] and attached[0]["lost"] == []
     restored = [e for e in log if e["kind"] == "checkpoint_restored"]
     assert len(restored) == 1 and restored[0]["step"] == 6 and report["steps_lost"] == restored[0]["steps_lost"]
     saved = {(e["step"], e["directory"].rsplit("/", 1)[-1]) for e in log if e["kind"] == "checkpoint_saved"}

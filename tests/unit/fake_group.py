@@ -78,7 +78,7 @@ class FakeGroup:
     def detach(self):
         self.calls.append("detach")
 
-    def attach(self, known, registered):
+    def attach(self, known, registered, stages=None):
         """A restarted client's attach: the workers of ``known`` that live (this group's ``replicas``, shared
         with the dead client's group by the test) take it; the others are declared dead."""
         self._launched = max([self._launched, *(int(w[1:]) + 1 for w in registered)])

@@ -341,6 +341,15 @@ def test_attach_with_other_programs_is_refused_and_changes_nothing(worker):
                     timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "other programs" in info.value.details()
     assert service.generation == 0 and service.epoch == 0
+    # a pipelined run's client brings each stage's programs: a worker running one of them is taken over
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1),
+                                     stage_fingerprints=["b" * 64, "c" * 64]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bbbbbbbbbbbb, cccccccccccc" in \
+        info.value.details()
+    reply = stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1),
+                                         stage_fingerprints=["b" * 64, "a" * 64]), timeout=10)
+    assert reply.fingerprint == "a" * 64 and service.generation == 1
 
 
 def test_only_a_worker_holding_a_state_waits_out_its_grace(monkeypatch):
