@@ -256,8 +256,8 @@ def checkpoint_writer(step: int, steps: int, period: int, workers) -> str | None
     return workers[(n // period) % len(workers)]
 
 
-def snapshot_order(step: int, steps: int, interval: int, active, spares, hosts: Mapping[str, str]
-                   ) -> tuple[str, str | None] | None:
+def snapshot_order(step: int, steps: int, interval: int, active, spares, hosts: Mapping[str, str],
+                   others=()) -> tuple[str, str | None] | None:
     """``(writer, peer)`` of the in-memory snapshot after step ``step`` (0-based), or None (no snapshot then).
 
     A snapshot follows every ``interval``-th step but the last of ``steps``
@@ -266,8 +266,9 @@ def snapshot_order(step: int, steps: int, interval: int, active, spares, hosts: 
     the peer, which keeps the second copy, is the first worker on another
     host (``hosts``: worker -> host; a worker missing there is a host of its
     own): a spare first (it takes over when the active slices die), else the
-    next active slice after the writer. None when every worker shares the
-    writer's host.
+    next active slice after the writer, else one of ``others`` (a pipelined
+    run's other stages' slices, when ``active`` is one stage's). None when
+    every worker shares the writer's host.
     """
     n = step + 1
     if interval <= 0 or not active or n % interval or n >= steps:
@@ -275,5 +276,5 @@ def snapshot_order(step: int, steps: int, interval: int, active, spares, hosts: 
     i = (n // interval) % len(active)
     writer = active[i]
     home = hosts.get(writer, writer)
-    peer = next((w for w in (*spares, *active[i + 1:], *active[:i]) if hosts.get(w, w) != home), None)
+    peer = next((w for w in (*spares, *active[i + 1:], *active[:i], *others) if hosts.get(w, w) != home), None)
     return writer, peer

@@ -9,8 +9,8 @@ and records:
   (:func:`runtime.control.policy.snapshot_order`). Snapshots are the run's backup
   while no spare shadows the state (:func:`runtime.control.tiers.backup_tier`).
   A pipelined run's state is one per stage: each stage snapshots its own, by
-  one of its replicas, kept on another host by another replica of that stage
-  (a spare holds no stage yet), in that stage's directory on each host;
+  one of its replicas, into that stage's directory of the host, its copy kept
+  by any worker on another host (in that stage's directory of its host);
 - :meth:`Snapshotting.note`: ``snapshot_saved`` / ``snapshot_copied`` /
   ``snapshot_failed`` events for what the workers report, the newest step
   known to be held, and the observer's hook;
@@ -58,9 +58,12 @@ class Snapshotting:
             return {}
         hosts = {w: self.group.host_of(w) for w in placement.members}
         groups = stage_groups(placement.active, self.opts.pipeline_stages)
-        spares = placement.spares if len(groups) == 1 else ()   # a spare keeps stage 0's directory only
-        orders = [snapshot_order(step, steps, self.opts.snapshot_interval, group, spares, hosts) for group in groups]
-        ordered = dict(order for order in orders if order)
+        ordered = {}
+        for group in groups:   # a pipelined run's: each stage's own, its copy kept by any worker on another host
+            order = snapshot_order(step, steps, self.opts.snapshot_interval, group, placement.spares, hosts,
+                                   others=[w for w in placement.active if w not in group])
+            if order:
+                ordered[order[0]] = order[1]
         if ordered:
             self._ordered[step + 1] = ordered
             for old in sorted(self._ordered)[:-2 * KEEP]:

@@ -12,7 +12,6 @@ worker declared dead has its calls cancelled (:meth:`WorkerCalls.record_death`).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping
 
@@ -152,9 +151,7 @@ class WorkerCalls:
         if stage is None and self.pipelined:   # a spare of a pipelined run warms with stage 0's (it may take any)
             stage = 0
         programs = self.programs if stage is None else self.programs.stages[stage]
-        root = os.path.join(self.snapshot_root, f"stage{stage}") if stage is not None and self.snapshot_root else \
-            self.snapshot_root   # a pipelined run's snapshots: each stage's apart, on every host
-        request = load_request(self._fence(), programs, self.data_source, self.opts, root)
+        request = load_request(self._fence(), programs, self.data_source, self.opts, self.snapshot_root)
         request.spare = spare and not self.opts.shadow_spares
         return request
 

@@ -123,6 +123,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         self._blobs: dict[str, bytes] = {}    # the loaded programs, for the fingerprint older checkpoints hold
         self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.worker.saver), on first use
         self.snapshots: SnapshotStore | None = None   # this host's snapshots of the run (runtime.state.snapshot)
+        self.snapshot_home = ""               # this host's directory of them (a pipelined run: one per stage in it)
 
 
     @property
@@ -159,8 +160,9 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             source = unpickle_source(request.data_source)
             if request.snapshot_directory and not os.path.isabs(request.snapshot_directory):
                 raise ProtocolError(f"snapshot_directory {request.snapshot_directory!r} is not an absolute path")
-            snapshots = (SnapshotStore(host_directory(request.snapshot_directory, self.host))
-                         if request.snapshot_directory else None)
+            home = host_directory(request.snapshot_directory, self.host) if request.snapshot_directory else ""
+            stage = f"stage{programs.stage}" if isinstance(programs, StagePrograms) else ""
+            snapshots = SnapshotStore(os.path.join(home, stage) if stage else home) if home else None
             log.info("loading %d programs (%d bytes) for %d devices", len(request.programs),
                      sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
             executor = (StageExecutor if isinstance(programs, StagePrograms) else SliceExecutor)(programs, source)
@@ -178,7 +180,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
                 self._blobs = {p.name: p.serialized for p in request.programs}
                 self.fingerprint = programs_fingerprint(self._blobs)
                 self.chunk_bytes = chunk_bytes
-                self.snapshots = snapshots
+                self.snapshots, self.snapshot_home = snapshots, home
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 if isinstance(programs, StagePrograms):   # activations travel as pieces too
                     p = max(p, packed_size(programs.activation_in), packed_size(programs.activation_out))
@@ -253,6 +255,8 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
             self.check_fence(request.fence)
             if request.run_ended and self.snapshots is not None:   # the RAM they hold serves nobody now
                 self.snapshots.remove_all()
+                if self.snapshot_home and self.snapshot_home != self.snapshots.directory:   # a pipeline's: all stages
+                    SnapshotStore(self.snapshot_home).remove_all()
             self.stopped.set()
             return pb.Empty()
         return self._guard(context, stop)
@@ -434,7 +438,7 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
     def KeepSnapshot(self, request_iterator, context):
         """Peer: keep a copy of its snapshot on this host (complete, or nothing; see ``SnapshotStore.receive``)."""
         def keep():
-            keep_snapshot(request_iterator, self.snapshots, self.check_fence)
+            keep_snapshot(request_iterator, self.snapshots, self.check_fence, self.snapshot_home)
             return pb.Empty()
         return self._guard(context, keep)
 

@@ -27,8 +27,11 @@ lock and refused while a step runs.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
+import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Landing", "copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint",
            "loss_sums", "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
+
+_STAGE_DIRECTORY = re.compile(r"stage[0-9]+")   # a pipelined run's stage directory of a host's snapshots
 
 
 class Landing:
@@ -217,18 +222,23 @@ def with_parameters(executor, directory: str, layout) -> tuple[list[np.ndarray],
     return [params.get(i, np.asarray(x)) for i, x in enumerate(executor.state)], sum(x.nbytes for x in params.values())
 
 
-def keep_snapshot(request_iterator, snapshots: SnapshotStore | None, check_fence) -> None:
-    """``KeepSnapshot``: a peer's snapshot pieces into ``snapshots``, once ``check_fence`` accepted the first."""
+def keep_snapshot(request_iterator, snapshots: SnapshotStore | None, check_fence, home: str = "") -> None:
+    """``KeepSnapshot``: a peer's snapshot pieces into ``snapshots``, once ``check_fence`` accepted the first; a
+    pipelined run's into the directory of the sender's stage under this host's ``home`` (any worker keeps any
+    stage's copy)."""
     if snapshots is None:
         raise StaleEpochError("this worker keeps no snapshots (not loaded, or the run takes none)")
-    fenced = False
+    first = next(iter(request_iterator), None)
+    if first is None:
+        return
+    check_fence(first.fence)
+    if first.stage:
+        if not _STAGE_DIRECTORY.fullmatch(first.stage) or not home or home == snapshots.directory:
+            raise ProtocolError(f"a snapshot of stage directory {first.stage!r} has no place on this worker")
+        snapshots = SnapshotStore(os.path.join(home, first.stage))
 
     def pieces():
-        nonlocal fenced
-        for p in request_iterator:
-            if not fenced:
-                check_fence(p.fence)
-                fenced = True
+        for p in itertools.chain([first], request_iterator):
             yield p.step, p.total_bytes, p.data
     try:
         snapshots.receive(pieces())
@@ -236,10 +246,12 @@ def keep_snapshot(request_iterator, snapshots: SnapshotStore | None, check_fence
         raise ProtocolError(str(e)) from None
 
 
-def copy_snapshot(peers: PeerChannels, timeout: float, address: str, fence: pb.Fence, store: SnapshotStore,
-                  step: int) -> None:
-    """Streams the snapshot of ``step`` to the worker at ``address``, which keeps it on its host."""
-    pieces = (pb.SnapshotPiece(fence=fence, step=s, total_bytes=n, data=d) for s, n, d in store.pieces(step))
+def copy_snapshot(peers: PeerChannels, timeout: float, address: str, fence: pb.Fence, stage: str,
+                  store: SnapshotStore, step: int) -> None:
+    """Streams the snapshot of ``step`` to the worker at ``address``, which keeps it on its host (``stage``: a
+    pipelined run's stage directory it belongs in, "" otherwise)."""
+    pieces = (pb.SnapshotPiece(fence=fence, step=s, total_bytes=n, data=d, stage=stage)
+              for s, n, d in store.pieces(step))
     peers.stub(address).KeepSnapshot(pieces, timeout=timeout)
 
 
@@ -256,7 +268,8 @@ def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExec
         writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta, tree=ex.checkpoint_tree)
     if req.snapshot:
         peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
-        copy = functools.partial(copy_snapshot, peers, timeout, peer, req.fence) if peer else None
+        stage = f"stage{ex.programs.stage}" if req.HasField("pipeline") else ""
+        copy = functools.partial(copy_snapshot, peers, timeout, peer, req.fence, stage) if peer else None
         writer.submit(snapshots.directory, ex.steps_applied, ex.state, meta, store=snapshots, then=copy)
 
 

@@ -146,17 +146,21 @@ def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in
 
 
 def test_each_pipeline_stage_snapshots_its_own_state_and_a_step_counts_when_every_stage_holds_it(tmp_path):
-    """2 stages x 2 replicas (w0, w1: stage 0; w2, w3: stage 1): one writer per stage, its copy kept by the other
-    replica of its stage (never the spare, which holds no stage); a step is a backup once every stage holds it."""
+    """2 stages x 2 replicas (w0, w1: stage 0; w2, w3: stage 1): one writer per stage, its copy kept by a worker
+    on another host (the spare first, in that stage's directory of its host); a step is a backup once every
+    stage holds it."""
     class Opts(_Opts):
         pipeline_stages = 2
 
     group = _Group({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0})
     snaps = Snapshotting(group, Opts(), EventLog(str(tmp_path / "events.jsonl")))
     placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",))
-    assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w0", "w3": "w2"}
+    assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w4", "w3": "w4"}
+    one = Placement(epoch=1, active=("w0", "w2"))   # one replica per stage, no spare: the other stage's worker
+    other = Snapshotting(group, Opts(), EventLog(str(tmp_path / "other.jsonl")))
+    assert other.order_for(1, 10, one, shadows=0) == {"w0": "w2", "w2": "w0"}
     snaps.note({"w1": ((2,), (2,), "")})
-    assert snaps.held == {("h1", 0): {2}, ("h0", 0): {2}}
+    assert snaps.held == {("h1", 0): {2}, ("h4", 0): {2}}
     snaps._ordered.clear()   # (orders count as held until reported: here only what was reported counts)
     assert snaps.newest(10) is None    # stage 1 holds no snapshot of step 2
     snaps.note({"w3": ((2,), (), "")})

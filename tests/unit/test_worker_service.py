@@ -298,6 +298,30 @@ def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memo
     assert not (tmp_path / "peer-host").exists()
 
 
+def test_a_pipelined_runs_snapshot_copy_goes_into_its_stages_directory_on_any_worker(worker, tmp_path):
+    from runtime.state.snapshot import SnapshotStore
+
+    service, stub = worker
+    leaves = [np.arange(8, dtype=np.float32)]
+    source = SnapshotStore(str(tmp_path / "writer-host" / "stage1"))
+    source.save(4, leaves, digest=state_digest(leaves), metadata={})
+
+    def pieces(stage):
+        return iter([pb.SnapshotPiece(fence=FENCE, step=s, total_bytes=n, data=d, stage=stage)
+                     for s, n, d in source.pieces(4, 16)])
+
+    home = tmp_path / "peer-host"
+    service.snapshots, service.snapshot_home = SnapshotStore(str(home / "stage0")), str(home)   # it runs stage 0
+    for bad in ("../escape", "stage1/.."):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.KeepSnapshot(pieces(bad), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "has no place" in info.value.details()
+    stub.KeepSnapshot(pieces("stage1"), timeout=10)   # stage 1's copy, kept by a worker of stage 0
+    assert SnapshotStore(str(home / "stage1")).steps() == [4] and service.snapshots.steps() == []
+    stub.Shutdown(pb.ShutdownRequest(fence=FENCE, run_ended=True), timeout=10)
+    assert not home.exists()   # every stage's copies on this host go with the run
+
+
 # --------------------------------------------------------------------------- client generations and the grace
 
 
