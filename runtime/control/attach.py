@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.core.errors import ClientLostError
+from runtime.control.policy import slice_stages
 
 __all__ = ["Reattach", "attach", "can_attach"]
 
@@ -56,9 +57,9 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
     known = {w: info for w, info in s.registered.items() if w not in s.dead}   # the fenced are not dead
-    active = s.placement.active if s.placement is not None else ()
-    per = len(active) // o.pipeline_stages if o.pipeline_stages > 1 else 0
-    replies = group.attach(known, s.registered, {w: v // per for v, w in enumerate(active)} if per else None)
+    pipelined = s.placement is not None and o.pipeline_stages > 1
+    replies = group.attach(known, s.registered,
+                           slice_stages(s.placement.active, o.pipeline_stages) if pipelined else None)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
                     workers={w: {"address": r.address, "data_address": r.data_address, "devices": r.num_devices,

@@ -35,7 +35,7 @@ import time
 from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDivergenceError, StateLostError,
                             WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
-from runtime.control.policy import Placement, stage_groups
+from runtime.control.policy import Placement, slice_stages, stage_groups
 from runtime.control.state_copies import StateCopies
 from runtime.control.tiers import Holding, choose_source, stage_snapshot
 
@@ -190,8 +190,8 @@ class Membership:
         another stage, promoted into this one, holds that stage's state)."""
         if self.opts.pipeline_stages == 1:
             return [w for w in active if w in replicas]
-        per_stage = len(active) // self.opts.pipeline_stages
-        return [w for v, w in enumerate(active) if w in replicas and self.group.loaded_stage(w) == v // per_stage]
+        stage = slice_stages(active, self.opts.pipeline_stages)
+        return [w for w in active if w in replicas and self.group.loaded_stage(w) == stage[w]]
 
     def _backups(self, committed: int) -> dict:
         snap, ckpt = self.snapshots.newest(committed), self.checkpoints.newest(committed)

@@ -31,9 +31,10 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from runtime.control.policy import Placement, WorkerInfo, place, stage_groups
-from runtime.control.stage_plan import arrange_stages, fill_slots, stage_without_replica, unmatched_stages
-from runtime.control.tiers import TIERS, Holding, TierChoice, choose_source
+from runtime.control.policy import Placement, WorkerInfo, place
+from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots, grow_replicas,
+                                        stage_without_replica, unmatched_stages)
+from runtime.control.tiers import Holding, TierChoice, choose_source
 
 __all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
            "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
@@ -264,17 +265,10 @@ def decide_grow(placement: Placement, slices: int, stages: int = 1,
     missing = slices - len(placement.active)
     if missing <= 0 or len(placement.spares) < stages:
         return None
-    if stages == 1:
-        take = placement.spares[:missing]
-        return Placement(epoch=placement.epoch + 1, active=placement.active + take,
-                         spares=placement.spares[len(take):])
-    spares, groups = list(placement.spares), [list(g) for g in stage_groups(placement.active, stages)]
-    for _ in range(min(missing // stages, len(spares) // stages)):
-        for k, group in enumerate(groups):
-            w = next((w for w in spares if (spare_stages or {}).get(w) == k), spares[0])
-            spares.remove(w)
-            group.append(w)
-    return Placement(epoch=placement.epoch + 1, active=tuple(w for g in groups for w in g), spares=tuple(spares))
+    if stages > 1:
+        return grow_replicas(placement, missing, stages, spare_stages or {})
+    take = placement.spares[:missing]
+    return Placement(epoch=placement.epoch + 1, active=placement.active + take, spares=placement.spares[len(take):])
 
 
 def decide_swap(placement: Placement, slow: str) -> Placement | None:
@@ -408,7 +402,7 @@ def _plan_recover(f: Facts, now: float) -> ChangePlan:
         return _from(Change.RECOVER, d, relaunch_now=tuple(dead))
     tier = None
     if d.action in (Action.REPLACE, Action.SHRINK, Action.RETRY):
-        tier = _copy_source(d.placement.active, old.active, f)
+        tier = copy_source(d.placement.active, old.active, f.stages, f.replicas, f.spare_stages, f.committed)
     elif d.action is Action.RESTORE:
         tier = backup
         if f.stages > 1 and f.backup_hosts:
@@ -420,22 +414,6 @@ def _plan_recover(f: Facts, now: float) -> ChangePlan:
                                      limit="min_slices")
                 return _from(Change.RECOVER, d, relaunch_later=tuple(dead))
     return _from(Change.RECOVER, d, tier=tier, relaunch_later=tuple(dead))
-
-
-def _copy_source(active: tuple[str, ...], old_active: tuple[str, ...], f: Facts) -> TierChoice:
-    """Where the new placement's copies come from: a survivor (``replica``), else a promoted shadow spare
-    (``shadow``). A pipelined run's stages each have their own: the choice of the stage that fell back
-    furthest (a stage with only its shadow left makes the recovery a shadow one)."""
-    groups = stage_groups(active, f.stages) if f.stages > 1 else (active,)
-    per = len(old_active) // f.stages
-    was = {w: v // per for v, w in enumerate(old_active)}   # a survivor's stage (a spare's: spare_stages)
-    choices = []
-    for k, group in enumerate(groups):
-        holders = [w for w in group if w in f.replicas and (f.stages == 1 or was.get(w, f.spare_stages.get(w)) == k)]
-        choices.append(choose_source([Holding(w, f.committed) for w in holders if w in old_active],
-                                     [Holding(w, f.committed) for w in holders if w not in old_active],
-                                     (), (), f.committed))
-    return max(choices, key=lambda c: TIERS.index(c.tier) if c.ok else len(TIERS))
 
 
 def _plan_restore(f: Facts, now: float) -> ChangePlan:

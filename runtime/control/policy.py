@@ -24,7 +24,7 @@ from runtime.core.microbatch import Node, assign_microbatches
 
 __all__ = ["Placement", "StepPlan", "StragglerDetector", "StragglerPolicy", "WorkerInfo", "cause_of",
            "checkpoint_writer", "holding_up", "is_suspect", "may_relaunch", "place", "plan_step", "reprobe_wait",
-           "shadow_stage", "snapshot_order", "stage_groups", "straggler_action", "watchdog_limit"]
+           "shadow_stage", "slice_stages", "snapshot_order", "stage_groups", "straggler_action", "watchdog_limit"]
 
 
 # -- placement ---------------------------------------------------------------
@@ -117,6 +117,11 @@ def shadow_stage(shadows: Mapping[str, int | None], stages: int) -> int:
         if k is not None and 0 <= k < stages:
             count[k] += 1
     return count.index(min(count))
+
+
+def slice_stages(active: tuple[str, ...], stages: int) -> dict[str, int]:
+    """``{worker: the pipeline stage of its slice}`` (:func:`stage_groups`; every one 0 for an unpipelined run)."""
+    return {w: k for k, group in enumerate(stage_groups(active, stages)) for w in group}
 
 
 def stage_groups(active: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:

@@ -6,6 +6,8 @@ holds its own share of the state, so a change keeps each slice's position (its s
 - :func:`fill_slots`: who takes each lost slice (a spare that shadows the slice's stage first), and which
   whole pipeline replicas are dropped when too few workers are left;
 - :func:`stage_without_replica`: whether some stage lost every copy of its own;
+- :func:`copy_source`: where each stage's copies come from (the tier of the stage that fell back furthest);
+- :func:`grow_replicas`: whole pipeline replicas added back, a spare per stage;
 - :func:`arrange_stages`: a restore's placement, each stage on a host holding its snapshot, and
   :func:`unmatched_stages`: the stages it could not place so (the restore then waits for their hosts).
 
@@ -18,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from runtime.control.policy import Placement, stage_groups
+from runtime.control.policy import Placement, slice_stages, stage_groups
+from runtime.control.tiers import TIERS, Holding, TierChoice, choose_source
 
-__all__ = ["arrange_stages", "fill_slots", "stage_without_replica", "unmatched_stages"]
+__all__ = ["arrange_stages", "copy_source", "fill_slots", "grow_replicas", "stage_without_replica",
+           "unmatched_stages"]
 
 
 def fill_slots(placement: Placement, dead: frozenset[str], replicas: frozenset[str], stages: int,
@@ -121,3 +125,30 @@ def unmatched_stages(placement: Placement, stages: int, holders, hosts: Mapping[
     :func:`arrange_stages` takes them): a restore there would go back further, or fail."""
     return [k for k, group in enumerate(stage_groups(placement.active, stages))
             if not any(hosts.get(w, w) in holders[k] for w in group)]
+
+
+def copy_source(active: tuple[str, ...], old_active: tuple[str, ...], stages: int, replicas: frozenset[str],
+                spare_stages: Mapping[str, int], committed: int) -> TierChoice:
+    """Where the new placement's copies come from: a survivor (``replica``), else a promoted shadow spare
+    (``shadow``). A pipelined run's stages each have their own: the choice of the stage that fell back
+    furthest (a stage with only its shadow left makes the recovery a shadow one)."""
+    was = slice_stages(old_active, stages)   # a survivor's stage (a spare's: spare_stages)
+    choices = []
+    for k, group in enumerate(stage_groups(active, stages)):
+        holders = [w for w in group if w in replicas and (stages == 1 or was.get(w, spare_stages.get(w)) == k)]
+        choices.append(choose_source([Holding(w, committed) for w in holders if w in old_active],
+                                     [Holding(w, committed) for w in holders if w not in old_active],
+                                     (), (), committed))
+    return max(choices, key=lambda c: TIERS.index(c.tier) if c.ok else len(TIERS))
+
+
+def grow_replicas(placement: Placement, missing: int, stages: int, spare_stages: Mapping[str, int]) -> Placement:
+    """A pipelined run grown back by whole pipeline replicas (up to ``missing`` slices), a spare per stage: one
+    whose programs are that stage's (``spare_stages``) first."""
+    spares, groups = list(placement.spares), [list(g) for g in stage_groups(placement.active, stages)]
+    for _ in range(min(missing // stages, len(spares) // stages)):
+        for k, group in enumerate(groups):
+            w = next((w for w in spares if spare_stages.get(w) == k), spares[0])
+            spares.remove(w)
+            group.append(w)
+    return Placement(epoch=placement.epoch + 1, active=tuple(w for g in groups for w in g), spares=tuple(spares))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.control.policy import stage_groups
+from runtime.control.policy import slice_stages
 from runtime.control.checkpointing import Loaded
 
 __all__ = ["first_state", "resume_from", "resumed", "start"]
@@ -37,17 +37,17 @@ def start(ctl) -> None:
         ctl.group.launch()
     workers = ctl.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
     ctl.membership.start(workers, sorted(ctl.dead), t0)   # lost: died before registering
-    groups = stage_groups(ctl.placement.active, o.pipeline_stages)
-    stages = {w: k for k, g in enumerate(groups) for w in g}
+    pipelined = o.pipeline_stages > 1
+    stages = slice_stages(ctl.placement.active, o.pipeline_stages)
     if ctl.shadows.enabled:   # shadow spares take the stages in turn (each shadows its stage's state)
-        stages.update({w: i % len(groups) for i, w in enumerate(ctl.placement.spares)})
+        stages.update({w: i % o.pipeline_stages for i, w in enumerate(ctl.placement.spares)})
     loaded = ctl.group.load(ctl.placement.members, spares=ctl.placement.spares,
-                            stages=stages if len(groups) > 1 else None)
+                            stages=stages if pipelined else None)
     for w, r in loaded.items():
         ctl.events.emit("device_probe", worker=w, ok=True, devices=r.devices_probed, seconds=r.probe_seconds)
     ctl.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in loaded.items()},
                     program_bytes=ctl.group.program_bytes(),
-                    **({"stages": {w: stages.get(w, 0) for w in loaded}} if len(groups) > 1 else {}))
+                    **({"stages": {w: stages.get(w, 0) for w in loaded}} if pipelined else {}))
     ctl.membership.before_state("loading programs")
     ctl.observer.attach(ctl)
     sizes = {}
