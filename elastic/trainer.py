@@ -270,8 +270,9 @@ def check_pipeline(job, settings, reference: bool) -> None:
     if settings.pipeline_stages == 1:
         return
     if not isinstance(job, Trainer):
-        raise ConfigError(f"dcn_pipeline_parallelism={settings.pipeline_stages}: only elastic.Trainer cuts a loss "
-                          "into pipeline stages (elastic.wrap does not yet); set dcn_pipeline_parallelism=1")
+        raise ConfigError(f"dcn_pipeline_parallelism={settings.pipeline_stages}: elastic.wrap's step takes its own "
+                          "gradients, so it cannot be cut into stages; build an elastic.Trainer from its loss and "
+                          "optax optimizer (docs/pipeline.md), or set dcn_pipeline_parallelism=1")
     if reference:
         return
     cfg = job.config

@@ -59,8 +59,9 @@ SHARED_KEYS: Mapping[str, str] = {
     "run_name": "both",
     "base_output_directory": "both (default: jax-elastic's, 'runs')",
     "dcn_data_parallelism": "jax-elastic: virtual slices (-1, MaxText's 'auto', is 1); MaxText: 1",
-    "dcn_pipeline_parallelism": "both: 1 (a MaxText model is not cut into pipeline stages yet: another value is "
-                                "refused)",
+    "dcn_pipeline_parallelism": "jax-elastic: pipeline stages S, MaxText's decoder cut into S stage programs "
+                                "(integrations.maxtext.pipeline; S x dcn_data_parallelism virtual slices); "
+                                "MaxText: 1 (and scan_layers=false: the stages are cut between layers)",
     "ici_fsdp_parallelism": "both: devices per slice (-1, MaxText's 'all devices', is 1)",
     "elastic_enabled": "jax-elastic's recovery; MaxText keeps its default (false: its elasticity needs Pathways)",
     "elastic_min_slice_count": "jax-elastic (-1, MaxText's 'all slices', is dcn_data_parallelism); MaxText: default",
@@ -137,6 +138,8 @@ RESILIENCE_KEYS: Mapping[str, str] = {
 
 # MaxText's (MaxText-only) parallelism keys: a jax-elastic slice is a 1-D FSDP mesh.
 _MESH_PREFIXES = ("ici_", "dcn_")
+# The parallelism keys jax-elastic takes: slices, pipeline stages, devices per slice.
+_SLICE_KEYS = ("dcn_data_parallelism", "dcn_pipeline_parallelism", "ici_fsdp_parallelism")
 
 
 def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[elastic.Config, Any]:
@@ -169,6 +172,8 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
 
     slices = _positive_or_one(user_value("dcn_data_parallelism", -1))
     devices = _positive_or_one(user_value("ici_fsdp_parallelism", -1))
+    stages = _positive_or_one(user_value("dcn_pipeline_parallelism", -1))
+    pipelined = _pipelined(user, stages, slices, lambda: _maxtext_default(pyconfig, path, "per_device_batch_size"))
     seed = _seed(user)
     output = user_value("base_output_directory", "") or _elastic_default("base_output_directory")
     elastic_only = {k for k in user if k in elastic_keys and k not in maxtext_keys}
@@ -176,7 +181,7 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
               "internal_compile": True, "internal_compile_num_devices": devices,  # MaxText counts a slice's devices
               "gradient_accumulation_steps": 1, "skip_jax_distributed_system": True,
               "init_weights_seed": seed, "base_output_directory": output,
-              "log_config": bool(user_value("log_config", False)), **_MAXTEXT_GETS}
+              "log_config": bool(user_value("log_config", False)), **_MAXTEXT_GETS, **pipelined.maxtext}
     # MaxText gets these values, its own defaults for the runtime keys, and none of jax-elastic's own keys.
     hidden = elastic_only | set(forced) | set(_RUNTIME_KEYS) | set(RESILIENCE_KEYS)
     cli = [f"{k}={text}" for k, (_, text) in items.items() if k not in hidden]
@@ -187,7 +192,8 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
     values = {k: user[k][0] for k in elastic_only}
     values.update(seed=seed, base_output_directory=output, dcn_data_parallelism=slices,
                   ici_fsdp_parallelism=devices, steps=int(mt.steps),
-                  per_device_batch_size=_whole(mt.per_device_batch_size, "per_device_batch_size", user))
+                  per_device_batch_size=_whole(mt.per_device_batch_size, "per_device_batch_size", user),
+                  dcn_pipeline_parallelism=stages)
     if "run_name" in user:
         values["run_name"] = str(user["run_name"][0])
     if "hardware" in user:
@@ -199,7 +205,7 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
             values[key] = types.MaxTextConfig.model_fields[key].default
     if values.get("elastic_min_slice_count") == -1:   # MaxText's "every slice"
         values["elastic_min_slice_count"] = slices
-    values["elastic_microbatches"] = _microbatches(user, slices)
+    values["elastic_microbatches"] = pipelined.microbatches or _microbatches(user, slices)
     values.update(_resilience(user))
     for key in (set(user) & elastic_keys & maxtext_keys) - MODEL_KEYS - set(SHARED_KEYS):
         values[key] = user[key][0]   # a shared key not classified yet: both see the user's value
@@ -255,14 +261,14 @@ def _refuse_environment(maxtext_keys) -> None:
 
 def _refuse_mesh(user) -> None:
     for key, (value, source) in user.items():
-        if not key.startswith(_MESH_PREFIXES) or key in ("dcn_data_parallelism", "ici_fsdp_parallelism"):
+        if not key.startswith(_MESH_PREFIXES) or key in _SLICE_KEYS:
             continue
         if key.endswith("_parallelism") and value != 1:
             raise elastic.ConfigError(
                 f"config key {key!r} ({value!r}, in {source}) is not supported under jax-elastic yet: a virtual "
                 "slice is a 1-D FSDP mesh (ici_fsdp_parallelism devices) and slices are data parallel "
                 "(dcn_data_parallelism); set it to 1")
-    for key in ("dcn_data_parallelism", "ici_fsdp_parallelism"):
+    for key in _SLICE_KEYS:
         if key in user and (not isinstance(user[key][0], int) or isinstance(user[key][0], bool)
                             or (user[key][0] < 1 and user[key][0] != -1)):
             raise elastic.ConfigError(f"config key {key!r} must be a whole number >= 1 (or -1 for 1), got "
@@ -378,6 +384,58 @@ def _microbatches(user, slices: int) -> int:
             f"config key 'gradient_accumulation_steps' ({steps!r}, in {accum[1]}) times dcn_data_parallelism "
             f"({slices}) is {want} microbatches, not a power of two; set elastic_microbatches instead")
     return want
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipelined:
+    maxtext: dict          # the MaxText config jax-elastic builds each stage's model from: these keys forced
+    microbatches: int = 0  # elastic_microbatches (0: not pipelined, the usual rule)
+
+
+def _pipelined(user, stages: int, slices: int, default_batch) -> _Pipelined:
+    """What ``dcn_pipeline_parallelism = stages`` > 1 sets on each side, keeping MaxText's global batch.
+
+    MaxText's pipelined run trains ``per_device_batch_size`` x (stages x slices x devices) examples a step in
+    ``num_pipeline_microbatches`` microbatches (default: ``stages``) per data replica. jax-elastic gives each of
+    its ``num_pipeline_microbatches`` x ``slices`` microbatches to one pipeline replica, so a device of a slice
+    takes ``per_device_batch_size`` x stages / ``num_pipeline_microbatches`` examples of each (a whole number)."""
+    if stages == 1:
+        for key in ("num_pipeline_microbatches",):
+            if key in user and user[key][0] not in (-1, None):
+                raise elastic.ConfigError(f"config key {key!r} ({user[key][0]!r}, in {user[key][1]}) has no effect "
+                                          "without dcn_pipeline_parallelism > 1")
+        return _Pipelined({})
+    where = {k: f"{k}={user[k][0]!r} (in {user[k][1]})" for k in user}
+    accum = user.get("gradient_accumulation_steps", (1, ""))[0]
+    if accum != 1:
+        raise elastic.ConfigError(f"config key {where['gradient_accumulation_steps']} with dcn_pipeline_parallelism="
+                                  f"{stages}: a pipelined step's microbatches are num_pipeline_microbatches; drop "
+                                  "gradient_accumulation_steps")
+    nmb = user.get("num_pipeline_microbatches", (-1, ""))[0]
+    if nmb in (-1, None):
+        nmb = stages   # MaxText's default
+    if not isinstance(nmb, int) or isinstance(nmb, bool) or nmb < 1:
+        raise elastic.ConfigError(f"config key {where['num_pipeline_microbatches']} must be a whole number >= 1 "
+                                  "(or -1: one per stage)")
+    batch = user["per_device_batch_size"][0] if "per_device_batch_size" in user else default_batch()
+    rows = float(batch) * stages / nmb
+    if rows < 1 or not rows.is_integer():
+        raise elastic.ConfigError(
+            f"per_device_batch_size ({batch}) x dcn_pipeline_parallelism ({stages}) / num_pipeline_microbatches "
+            f"({nmb}) is {rows:g}: each device takes that many examples of a microbatch, which must be a whole "
+            "number >= 1; change one of them")
+    m = nmb * slices
+    if "elastic_microbatches" in user and user["elastic_microbatches"][0] != m:
+        raise elastic.ConfigError(f"config key {where['elastic_microbatches']} contradicts num_pipeline_microbatches "
+                                  f"({nmb}) x dcn_data_parallelism ({slices}) = {m}; set only "
+                                  "num_pipeline_microbatches")
+    return _Pipelined({"dcn_pipeline_parallelism": 1, "num_pipeline_microbatches": -1, "per_device_batch_size":
+                       int(rows), "scan_layers": False}, m)
+
+
+def _maxtext_default(pyconfig, path: pathlib.Path, key: str) -> Any:
+    """``key``'s value in the config chain of ``path`` as MaxText merges it (its own files included)."""
+    return pyconfig._load_config(str(path)).get(key)
 
 
 def _positive_or_one(value: Any) -> int:

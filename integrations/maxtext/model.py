@@ -28,17 +28,16 @@ the model stay hints.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 import elastic
 from integrations.maxtext.checkpoints import checkpoint_tree
 from integrations.maxtext.config import check_supported
 from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
+from integrations.maxtext.slice import draws_random, maxtext_jax, maxtext_key, slice_mesh
 from integrations.maxtext.text_data import source_for
 
-__all__ = ["MICROBATCH_KEY", "MicrobatchIndexed", "draws_random", "import_maxtext", "make_job"]
+__all__ = ["MICROBATCH_KEY", "MicrobatchIndexed", "import_maxtext", "make_job"]
 
 #: The batch key holding a microbatch's global index (``int32``, one per row) when the forward pass draws random
 #: numbers (:func:`draws_random`); :func:`make_job` adds it to the data source and the train step removes it
@@ -86,10 +85,17 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
         data = source_for(elastic_config, maxtext_config)
     if draws_random(maxtext_config):   # each microbatch draws its own dropout masks: the step needs its index
         data = MicrobatchIndexed(data, elastic_config.microbatch_size)
+    if elastic_config.dcn_pipeline_parallelism > 1:   # MaxText's decoder cut into stages (its own module)
+        from integrations.maxtext.pipeline import make_pipeline_job
+
+        with maxtext_jax(maxtext_config):
+            job = make_pipeline_job(elastic_config, maxtext_config, data)
+            job.programs()
+        return job
     pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice, elastic_config.microbatches)
     job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config,
                        checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
-    with _maxtext_jax(maxtext_config):
+    with maxtext_jax(maxtext_config):
         job.programs()   # trace and export now, under MaxText's PRNG and mesh-typing settings
     return job
 
@@ -100,18 +106,9 @@ class _Pieces:
     def __init__(self, config, devices: int, microbatches: int = 1):
         import jax
         from flax import nnx
-        from jax.sharding import AxisType, Mesh
 
-        local = jax.local_devices()
-        if len(local) < devices:
-            raise elastic.ConfigError(
-                f"this process has {len(local)} JAX device(s) but a slice has {devices} (ici_fsdp_parallelism): "
-                f"MaxText's model is built on a slice's mesh; start Python with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} (before JAX starts)")
         self.config, self.microbatches = config, int(microbatches)
-        shape = tuple(config.ici_parallelism)   # fsdp = devices, every other axis 1 (load_maxtext_config)
-        self.mesh = Mesh(np.array(local[:devices]).reshape(shape), tuple(config.mesh_axes),
-                         axis_types=(AxisType.Auto,) * len(shape))
+        self.mesh = slice_mesh(config, devices)
         abstract = nnx.eval_shape(lambda: self._create(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
         self.graphdef, self.shapes = nnx.split(abstract)
         self.is_key = jax.tree.map(lambda s: bool(jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)), self.shapes)
@@ -133,7 +130,7 @@ class _Pieces:
         """The init program: MaxText's initial train state from ``PRNGKey(seed)`` under ``unsafe_rbg``."""
         from flax import nnx
 
-        return self._to_arrays(nnx.state(self._create(_maxtext_key(key))))
+        return self._to_arrays(nnx.state(self._create(maxtext_key(key))))
 
     def train_step(self, state, batch):
         """MaxText's NNX ``train_step`` (its path without gradient accumulation), marked where its raw gradients
@@ -185,13 +182,6 @@ class _Pieces:
                             state, self.is_key)
 
 
-def draws_random(config) -> bool:
-    """Whether MaxText's forward pass in training draws random numbers: dropout (``enable_dropout`` and
-    ``dropout_rate`` > 0) or random expert routing (``use_random_routing``)."""
-    dropout = bool(getattr(config, "enable_dropout", False)) and float(getattr(config, "dropout_rate", 0.0)) > 0
-    return dropout or bool(getattr(config, "use_random_routing", False))
-
-
 class MicrobatchIndexed:
     """A data source whose microbatches also carry their global index: ``batch(step, m)[MICROBATCH_KEY]`` is
     ``m`` once for each of the microbatch's ``rows`` (``int32``), beside the wrapped ``source``'s keys. Pure and
@@ -237,37 +227,6 @@ def _microbatch_streams(rest, index, microbatches: int):
         return jax.random.wrap_key_data(chosen, impl=jax.random.key_impl(x)).reshape(x.shape)
 
     return jax.tree.map(streams, rest)
-
-
-def _maxtext_key(key):
-    """``PRNGKey(seed)`` of MaxText's ``unsafe_rbg`` from the runtime's ``key(seed)`` (any threefry or rbg impl).
-
-    Both seed their key data from ``threefry_seed(seed)``: threefry's data is
-    that pair; rbg's and unsafe_rbg's are the pair twice.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    data = jax.random.key_data(key)
-    if data.shape[-1] not in (2, 4):
-        raise elastic.ConfigError(f"cannot derive MaxText's key from a {jax.random.key_impl(key)} key; leave "
-                                  "jax_default_prng_impl at threefry2x32 or unsafe_rbg")
-    half = data[..., :2]
-    return jax.random.wrap_key_data(jnp.concatenate([half, half], axis=-1), impl=MAXTEXT_PRNG_IMPL)
-
-
-@contextlib.contextmanager
-def _maxtext_jax(config):
-    """The JAX settings MaxText's trainer makes process-wide (train.initialize), for this block only."""
-    import jax
-
-    if bool(config.shardy) != bool(jax.config.jax_use_shardy_partitioner):
-        raise elastic.ConfigError(f"config key 'shardy' ({config.shardy}) differs from this process's "
-                                  f"jax_use_shardy_partitioner ({jax.config.jax_use_shardy_partitioner}); "
-                                  "drop the override")
-    with jax.default_prng_impl(MAXTEXT_PRNG_IMPL), \
-            jax.remove_size_one_mesh_axis_from_type(bool(config.remove_size_one_mesh_axis_from_type)):
-        yield
 
 
 def _check_pair(ec: elastic.Config, mt) -> None:

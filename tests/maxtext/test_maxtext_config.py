@@ -88,6 +88,55 @@ def test_gradient_accumulation_is_microbatches():
     assert "not a power of two" in error("gradient_accumulation_steps=3")
 
 
+PIPELINE = ROOT / "integrations" / "maxtext" / "configs" / "tiny_pipeline.yml"
+
+
+@pytest.mark.parametrize("overrides, want", [
+    # (per_device_batch_size, microbatches M, rows per microbatch): MaxText's global batch of pdbs x S x R x d
+    # examples, in num_pipeline_microbatches x R microbatches of one pipeline replica each.
+    ((), (1, 4, 1)),                                                    # 2 x 2 x 1 x 1 = 4 examples
+    (("dcn_data_parallelism=2",), (1, 8, 1)),                           # 8 examples
+    (("num_pipeline_microbatches=2",), (2, 2, 2)),
+    (("num_pipeline_microbatches=-1", "per_device_batch_size=3"), (3, 2, 3)),   # MaxText's default: one per stage
+    (("ici_fsdp_parallelism=2",), (1, 4, 2)),
+])
+def test_pipeline_stages_keep_maxtexts_global_batch(overrides, want):
+    ec, mt = load(*overrides, path=PIPELINE)
+    assert ec.dcn_pipeline_parallelism == 2
+    assert (ec.per_device_batch_size, ec.microbatches, ec.microbatch_size) == want
+    assert mt.micro_batch_size_to_train_on == ec.microbatch_size
+    s, r, d = 2, ec.slices, ec.devices_per_slice
+    pdbs = {"per_device_batch_size=3": 3}.get(overrides[-1] if overrides else "", 2)
+    assert ec.global_batch_size == pdbs * s * r * d
+    # MaxText builds each stage's model unscanned, on one slice with no pipeline axis of its own.
+    assert (mt.scan_layers, mt.using_pipeline_parallelism, set(mt.dcn_parallelism)) == (False, False, {1})
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (("num_pipeline_microbatches=3",), "(2) x dcn_pipeline_parallelism (2) / num_pipeline_microbatches (3) is 1.33"),
+    (("gradient_accumulation_steps=2",), "drop gradient_accumulation_steps"),
+    (("elastic_microbatches=8",), "contradicts num_pipeline_microbatches (4) x dcn_data_parallelism (1) = 4"),
+    (("num_pipeline_microbatches=0",), "num_pipeline_microbatches=0 (in overrides) must be a whole number >= 1"),
+    (("dcn_pipeline_parallelism=1",), "'num_pipeline_microbatches' (4, in "),   # no pipeline to split
+])
+def test_pipeline_keys_that_cannot_work_are_refused_in_one_line(overrides, words):
+    assert words in error(*overrides, path=PIPELINE)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (("base_num_decoder_layers=3",), "must divide base_num_decoder_layers (3)"),
+    (("logits_via_embedding=true",), "logits_via_embedding=true ties the first stage's embedding"),
+    (("dropout_rate=0.1",), "set dropout_rate=0"),
+])
+def test_models_that_cannot_be_cut_are_refused_in_one_line(overrides, words):
+    from integrations.maxtext.pipeline import check_pipelined
+
+    _, mt = load(*overrides, path=PIPELINE)
+    with pytest.raises(elastic.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
+        check_pipelined(mt, 2)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("override, words", [
     ("ici_tensor_parallelism=2", "1-D FSDP mesh"),
     ("dcn_fsdp_parallelism=2", "1-D FSDP mesh"),

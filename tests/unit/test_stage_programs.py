@@ -151,7 +151,7 @@ def test_a_pipelined_job_with_backups_or_through_wrap_is_refused_naming_the_key(
                                                   "with dcn_pipeline_parallelism=2 yet"):
         trainer.fit()
     job = elastic.wrap(lambda state, batch: (state, {"loss": 0.0}), init_state=lambda key: {}, data=data, config=cfg)
-    with pytest.raises(elastic.ConfigError, match="only elastic.Trainer cuts a loss into pipeline stages"):
+    with pytest.raises(elastic.ConfigError, match="elastic.wrap.s step takes its own gradients, so it cannot be cut into stages; build an elastic.Trainer"):
         job.fit(reference=True)
     assert not any(tmp_path.iterdir())   # refused before anything was written
 

@@ -1,0 +1,179 @@
+"""MaxText's decoder cut into pipeline stages: an :class:`elastic.Trainer` job of MaxText's own pieces.
+
+With ``dcn_pipeline_parallelism = S`` > 1, :func:`make_pipeline_job` trains
+MaxText's model as S stage programs on S x R virtual slices
+(``docs/pipeline.md``, ``docs/maxtext.md``). MaxText's fused train step
+cannot be cut (it takes its own gradients), so the job is built from its
+parts:
+
+- the loss is MaxText's ``loss_fn`` on MaxText's NNX model, with an
+  ``elastic.pipeline_stage`` mark on the input of decoder layer
+  ``k * L / S`` for k = 1 .. S-1: stage 0 holds the embedding and the first
+  L/S layers, the last stage the last L/S layers, the final norm, the output
+  head and the loss. The marks are put in while the loss is traced, around
+  the decoder's per-layer calls (:func:`_marked_layers`); the model and its
+  parameters are MaxText's unchanged;
+- the parameters are MaxText's, initialised as its trainer initialises them
+  (``PRNGKey(init_weights_seed)`` under ``unsafe_rbg``);
+- the optimizer is MaxText's (``create_training_optimizer``), after MaxText's
+  gradient clipping (``clip_by_global_norm(gradient_clipping_threshold)``).
+  Each stage updates its own parameters, so the clipping norm is the stage's
+  own, not the whole model's (documented in docs/maxtext.md).
+
+The loss is traced layer by layer, so this side builds the model with
+``scan_layers=false`` (a mark cannot sit inside a scan); that changes the
+parameters' layout (one subtree per layer), not the math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+import elastic
+
+__all__ = ["check_pipelined", "make_pipeline_job"]
+
+
+def check_pipelined(mt, stages: int) -> None:
+    """ConfigError (one line, naming the key) for a MaxText model this module cannot cut into ``stages``."""
+    layers = int(mt.num_decoder_layers)
+    if layers % stages:
+        raise elastic.ConfigError(f"dcn_pipeline_parallelism={stages} must divide base_num_decoder_layers "
+                                  f"({layers}): each stage holds the same number of decoder layers, as in MaxText")
+    if bool(getattr(mt, "logits_via_embedding", False)):
+        raise elastic.ConfigError(f"logits_via_embedding=true ties the first stage's embedding to the last stage's "
+                                  f"output head; set it to false with dcn_pipeline_parallelism={stages}")
+    if int(getattr(mt, "num_experts", 1)) > 1:
+        raise elastic.ConfigError(f"num_experts={mt.num_experts}: a mixture-of-experts model is not cut into "
+                                  "pipeline stages yet (its load-balancing loss sums every layer's routing); set "
+                                  "dcn_pipeline_parallelism=1")
+    from integrations.maxtext.slice import draws_random
+
+    if draws_random(mt):
+        raise elastic.ConfigError("dropout (enable_dropout with dropout_rate > 0) or random routing is not "
+                                  f"supported with dcn_pipeline_parallelism={stages} yet; set dropout_rate=0")
+    block = str(getattr(getattr(mt, "decoder_block", ""), "value", getattr(mt, "decoder_block", "")))
+    if block.lower() in _UNCUT_BLOCKS:
+        raise elastic.ConfigError(f"decoder_block {block!r} is not cut into pipeline stages yet (its decoder does "
+                                  "not run its layers one after another); set dcn_pipeline_parallelism=1")
+
+
+# Decoders whose layers are not one plain sequence of calls on the activations.
+_UNCUT_BLOCKS = ("deepseek", "deepseek4", "gemma3", "gemma4", "qwen3_next", "qwen3_5", "llama4", "gpt_oss")
+
+
+def make_pipeline_job(elastic_config: elastic.Config, maxtext_config, data) -> elastic.Trainer:
+    """An ``elastic.Trainer`` job of MaxText's model in ``dcn_pipeline_parallelism`` stages (module docstring)."""
+    stages = elastic_config.dcn_pipeline_parallelism
+    check_pipelined(maxtext_config, stages)
+    pieces = _StagePieces(maxtext_config, elastic_config.devices_per_slice, stages)
+    return elastic.Trainer(init=pieces.init, loss=pieces.loss, optimizer=pieces.optimizer(), data=data,
+                           config=elastic_config)
+
+
+class _StagePieces:
+    """MaxText's parameters, marked loss and optimizer for a slice of ``devices`` devices."""
+
+    def __init__(self, config, devices: int, stages: int):
+        import jax
+        from flax import nnx
+
+        from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
+        from integrations.maxtext.slice import slice_mesh
+
+        self.config, self.stages = config, stages
+        self.mesh = slice_mesh(config, devices)
+        abstract = nnx.eval_shape(lambda: self._model(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
+        self.graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+        self.abstract = abstract
+        # The model's other state (RNG streams): never read, as nothing in the forward pass draws random numbers
+        # (check_pipelined); zeros of its shapes make the model whole.
+        self.rest = jax.tree.map(_zeros_of, rest)
+        per_stage = int(config.num_decoder_layers) // stages
+        self.marks = frozenset(k * per_stage for k in range(1, stages))
+
+    def _model(self, rng_key):
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.utils import model_creation_utils
+
+        with logical_axis_rules(self.config.logical_axis_rules):
+            return model_creation_utils.get_nnx_create_model_fn(self.config, self.mesh, rng_key=rng_key)()
+
+    def init(self, key):
+        """MaxText's initial parameters from ``PRNGKey(seed)`` under ``unsafe_rbg``, as its trainer makes them."""
+        from flax import nnx
+
+        from integrations.maxtext.slice import maxtext_key
+
+        return nnx.state(self._model(maxtext_key(key)), nnx.Param)
+
+    def loss(self, params, batch):
+        """MaxText's ``loss_fn`` with a stage mark before every ``L / S``-th decoder layer."""
+        from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.trainers.pre_train import train as maxtext_train
+
+        model = nnx.merge(self.graphdef, params, self.rest, copy=True)
+        with logical_axis_rules(self.config.logical_axis_rules), \
+                _marked_layers(int(self.config.num_decoder_layers), self.marks):
+            loss, _ = maxtext_train.loss_fn(model, self.config, dict(batch), None, None, is_train=True)
+        return loss
+
+    def optimizer(self):
+        """MaxText's clipping then its optimizer (``create_training_optimizer``), over one stage's parameters."""
+        import optax
+        from maxtext.utils import train_utils
+
+        _, tx = train_utils.create_training_optimizer(self.config, self.abstract, mesh=self.mesh)
+        threshold = float(self.config.gradient_clipping_threshold)
+        return optax.chain(optax.clip_by_global_norm(threshold), tx) if threshold > 0 else tx
+
+
+def _zeros_of(x):
+    import jax
+    import jax.numpy as jnp
+
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
+
+        return jax.random.wrap_key_data(jnp.zeros((*x.shape, 4), np.uint32), impl=MAXTEXT_PRNG_IMPL)
+    return jnp.zeros(x.shape, x.dtype)
+
+
+@contextlib.contextmanager
+def _marked_layers(layers: int, marks: frozenset):
+    """While tracing MaxText's model: the input activations of decoder layer n (n in ``marks``) pass through
+    ``elastic.pipeline_stage``.
+
+    MaxText 0.2.5's unscanned decoder calls each layer, in order, through
+    ``jax.checkpoint(pure_layer_fn)(graphdef, state, y, ...)`` (whatever
+    ``remat_policy`` is); this wraps those calls so the mark sits between
+    layers, outside the remat. ConfigError when the decoder did not call
+    ``layers`` layers that way (another decoder path: nothing could be cut).
+    """
+    import jax
+
+    original, calls = jax.checkpoint, [0]
+
+    def checkpoint(fun, *args, **kwargs):
+        remat = original(fun, *args, **kwargs)
+        if getattr(fun, "__name__", "") != "pure_layer_fn":
+            return remat
+
+        def layer(graphdef, state, y, *rest, **more):
+            n = calls[0]
+            calls[0] += 1
+            return remat(graphdef, state, elastic.pipeline_stage(y) if n in marks else y, *rest, **more)
+        return layer
+
+    jax.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        jax.checkpoint = original
+    if calls[0] != layers:
+        raise elastic.ConfigError(f"MaxText's decoder ran {calls[0]} of its {layers} decoder layers one by one; "
+                                  "jax-elastic cuts only a decoder that does (a dense decoder, scan_layers=false "
+                                  "on jax-elastic's side); set dcn_pipeline_parallelism=1")
