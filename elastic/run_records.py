@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import sys
 
 from elastic.config import ConfigError
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, ProgramSet, read_events
+
+_STAGE = re.compile(r"stage\d+")   # a pipeline stage's checkpoint directory, inside the run's
 
 __all__ = ["RunRecordsLostError", "client_died", "continues", "open_log", "read_history", "records_lost",
            "refuse_other_programs", "render"]
@@ -78,13 +81,23 @@ def _attempts(events: list[dict]) -> list[list[dict]]:
 
 
 def _checkpoints_recorded(history: list[dict], directory: str, steps: int) -> list[tuple[int, int]]:
-    """``(step, attempt index)`` of each ``checkpoint_saved`` in ``directory`` at or before ``steps``; in a
-    local directory only those still there (one removed by hand is no longer resumed from)."""
+    """``(step, attempt index)`` of each ``checkpoint_saved`` in ``directory`` (or, for a pipelined run, in one
+    of its ``stage<k>`` directories) at or before ``steps``; in a local directory only those still there (one
+    removed by hand is no longer resumed from)."""
     local = "://" not in directory
     return [(e["step"], i) for i, attempt in enumerate(_attempts(history)) for e in attempt
-            if e.get("kind") == "checkpoint_saved" and e.get("directory") == directory
+            if e.get("kind") == "checkpoint_saved" and _within(e.get("directory"), directory)
             and isinstance(e.get("step"), int) and e["step"] <= steps
-            and (not local or os.path.isdir(os.path.join(directory, str(e["step"]))))]
+            and (not local or os.path.isdir(os.path.join(e["directory"], str(e["step"]))))]
+
+
+def _within(saved, directory: str) -> bool:
+    """Whether a checkpoint recorded in ``saved`` is one of ``directory``'s: the directory itself, or a pipeline
+    stage's ``<directory>/stage<k>``."""
+    if not isinstance(saved, str):
+        return False
+    parent, _, name = saved.rstrip("/").rpartition("/")
+    return saved == directory or (parent == directory.rstrip("/") and _STAGE.fullmatch(name) is not None)
 
 
 def continues(history: list[dict], opts, steps: int) -> bool:
@@ -150,8 +163,9 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
     then = started.get("config") if isinstance(started.get("config"), dict) else {}
     changed = [f"{k} ({then.get(k)!r} -> {config.get(k)!r})" for k in sorted(set(then) | set(config))
                if then.get(k) != config.get(k)]
-    what = (" (the model's 'init' and 'grad' are the same: the optimizer's update changed, where a learning-rate "
-            "schedule lives)" if differ == ["apply"] else "")
+    same = "the model's 'init' and 'grad'" if differ == ["apply"] else "the stages' other programs"
+    what = (f" ({same} are the same: the optimizer's update changed, where a learning-rate schedule lives)"
+            if all(d.rpartition("/")[2] == "apply" for d in differ) else "")
     keys = (f"config keys changed since: {', '.join(changed[:8])}{', ...' if len(changed) > 8 else ''}" if changed
             else "no config key changed, so the code did")
     names = " and ".join(repr(d) for d in differ)
