@@ -39,6 +39,7 @@ from typing import Any
 import elastic
 from elastic.config import MAXTEXT, MODEL, keys_with
 from integrations.maxtext.config_files import check_chain_ends, parse_overrides, read_chain
+from integrations.maxtext.pipeline import pipeline_keys
 
 __all__ = ["MAXTEXT_VERSION", "MODEL_KEYS", "RESILIENCE_KEYS", "SHARED_KEYS", "UNSUPPORTED", "check_supported",
            "load_maxtext_config"]
@@ -173,7 +174,7 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
     slices = _positive_or_one(user_value("dcn_data_parallelism", -1))
     devices = _positive_or_one(user_value("ici_fsdp_parallelism", -1))
     stages = _positive_or_one(user_value("dcn_pipeline_parallelism", -1))
-    pipelined = _pipelined(user, stages, slices, lambda: _maxtext_default(pyconfig, path, "per_device_batch_size"))
+    pipelined = pipeline_keys(user, stages, slices, lambda: _maxtext_default(pyconfig, path, "per_device_batch_size"))
     seed = _seed(user)
     output = user_value("base_output_directory", "") or _elastic_default("base_output_directory")
     elastic_only = {k for k in user if k in elastic_keys and k not in maxtext_keys}
@@ -384,53 +385,6 @@ def _microbatches(user, slices: int) -> int:
             f"config key 'gradient_accumulation_steps' ({steps!r}, in {accum[1]}) times dcn_data_parallelism "
             f"({slices}) is {want} microbatches, not a power of two; set elastic_microbatches instead")
     return want
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pipelined:
-    maxtext: dict          # the MaxText config jax-elastic builds each stage's model from: these keys forced
-    microbatches: int = 0  # elastic_microbatches (0: not pipelined, the usual rule)
-
-
-def _pipelined(user, stages: int, slices: int, default_batch) -> _Pipelined:
-    """What ``dcn_pipeline_parallelism = stages`` > 1 sets on each side, keeping MaxText's global batch.
-
-    MaxText's pipelined run trains ``per_device_batch_size`` x (stages x slices x devices) examples a step in
-    ``num_pipeline_microbatches`` microbatches (default: ``stages``) per data replica. jax-elastic gives each of
-    its ``num_pipeline_microbatches`` x ``slices`` microbatches to one pipeline replica, so a device of a slice
-    takes ``per_device_batch_size`` x stages / ``num_pipeline_microbatches`` examples of each (a whole number)."""
-    if stages == 1:
-        for key in ("num_pipeline_microbatches",):
-            if key in user and user[key][0] not in (-1, None):
-                raise elastic.ConfigError(f"config key {key!r} ({user[key][0]!r}, in {user[key][1]}) has no effect "
-                                          "without dcn_pipeline_parallelism > 1")
-        return _Pipelined({})
-    where = {k: f"{k}={user[k][0]!r} (in {user[k][1]})" for k in user}
-    accum = user.get("gradient_accumulation_steps", (1, ""))[0]
-    if accum != 1:
-        raise elastic.ConfigError(f"config key {where['gradient_accumulation_steps']} with dcn_pipeline_parallelism="
-                                  f"{stages}: a pipelined step's microbatches are num_pipeline_microbatches; drop "
-                                  "gradient_accumulation_steps")
-    nmb = user.get("num_pipeline_microbatches", (-1, ""))[0]
-    if nmb in (-1, None):
-        nmb = stages   # MaxText's default
-    if not isinstance(nmb, int) or isinstance(nmb, bool) or nmb < 1:
-        raise elastic.ConfigError(f"config key {where['num_pipeline_microbatches']} must be a whole number >= 1 "
-                                  "(or -1: one per stage)")
-    batch = user["per_device_batch_size"][0] if "per_device_batch_size" in user else default_batch()
-    rows = float(batch) * stages / nmb
-    if rows < 1 or not rows.is_integer():
-        raise elastic.ConfigError(
-            f"per_device_batch_size ({batch}) x dcn_pipeline_parallelism ({stages}) / num_pipeline_microbatches "
-            f"({nmb}) is {rows:g}: each device takes that many examples of a microbatch, which must be a whole "
-            "number >= 1; change one of them")
-    m = nmb * slices
-    if "elastic_microbatches" in user and user["elastic_microbatches"][0] != m:
-        raise elastic.ConfigError(f"config key {where['elastic_microbatches']} contradicts num_pipeline_microbatches "
-                                  f"({nmb}) x dcn_data_parallelism ({slices}) = {m}; set only "
-                                  "num_pipeline_microbatches")
-    return _Pipelined({"dcn_pipeline_parallelism": 1, "num_pipeline_microbatches": -1, "per_device_batch_size":
-                       int(rows), "scan_layers": False}, m)
 
 
 def _maxtext_default(pyconfig, path: pathlib.Path, key: str) -> Any:

@@ -28,12 +28,65 @@ parameters' layout (one subtree per layer), not the math.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
 import elastic
 
-__all__ = ["check_pipelined", "make_pipeline_job"]
+__all__ = ["PipelineKeys", "check_pipelined", "make_pipeline_job", "pipeline_keys"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineKeys:
+    """What the pipeline keys set: MaxText's side of the config, and jax-elastic's microbatch count."""
+
+    maxtext: dict          # the MaxText config jax-elastic builds each stage's model from: these keys forced
+    microbatches: int = 0  # elastic_microbatches (0: not pipelined, the usual rule)
+
+
+def pipeline_keys(user, stages: int, slices: int, default_batch) -> PipelineKeys:
+    """What ``dcn_pipeline_parallelism = stages`` > 1 sets on each side, keeping MaxText's global batch
+    (``user``: the keys the user set, key -> (value, where); ``default_batch()``: MaxText's
+    ``per_device_batch_size`` when the user set none).
+
+    MaxText's pipelined run trains ``per_device_batch_size`` x (stages x slices x devices) examples a step in
+    ``num_pipeline_microbatches`` microbatches (default: ``stages``) per data replica. jax-elastic gives each of
+    its ``num_pipeline_microbatches`` x ``slices`` microbatches to one pipeline replica, so a device of a slice
+    takes ``per_device_batch_size`` x stages / ``num_pipeline_microbatches`` examples of each (a whole number)."""
+    if stages == 1:
+        for key in ("num_pipeline_microbatches",):
+            if key in user and user[key][0] not in (-1, None):
+                raise elastic.ConfigError(f"config key {key!r} ({user[key][0]!r}, in {user[key][1]}) has no effect "
+                                          "without dcn_pipeline_parallelism > 1")
+        return PipelineKeys({})
+    where = {k: f"{k}={user[k][0]!r} (in {user[k][1]})" for k in user}
+    accum = user.get("gradient_accumulation_steps", (1, ""))[0]
+    if accum != 1:
+        raise elastic.ConfigError(f"config key {where['gradient_accumulation_steps']} with dcn_pipeline_parallelism="
+                                  f"{stages}: a pipelined step's microbatches are num_pipeline_microbatches; drop "
+                                  "gradient_accumulation_steps")
+    nmb = user.get("num_pipeline_microbatches", (-1, ""))[0]
+    if nmb in (-1, None):
+        nmb = stages   # MaxText's default
+    if not isinstance(nmb, int) or isinstance(nmb, bool) or nmb < 1:
+        raise elastic.ConfigError(f"config key {where['num_pipeline_microbatches']} must be a whole number >= 1 "
+                                  "(or -1: one per stage)")
+    batch = user["per_device_batch_size"][0] if "per_device_batch_size" in user else default_batch()
+    rows = float(batch) * stages / nmb
+    if rows < 1 or not rows.is_integer():
+        raise elastic.ConfigError(
+            f"per_device_batch_size ({batch}) x dcn_pipeline_parallelism ({stages}) / num_pipeline_microbatches "
+            f"({nmb}) is {rows:g}: each device takes that many examples of a microbatch, which must be a whole "
+            "number >= 1; change one of them")
+    m = nmb * slices
+    if "elastic_microbatches" in user and user["elastic_microbatches"][0] != m:
+        raise elastic.ConfigError(f"config key {where['elastic_microbatches']} contradicts num_pipeline_microbatches "
+                                  f"({nmb}) x dcn_data_parallelism ({slices}) = {m}; set only "
+                                  "num_pipeline_microbatches")
+    return PipelineKeys({"dcn_pipeline_parallelism": 1, "num_pipeline_microbatches": -1, "per_device_batch_size":
+                       int(rows), "scan_layers": False}, m)
+
 
 
 def check_pipelined(mt, stages: int) -> None:
