@@ -5,6 +5,7 @@ import contextlib
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -105,7 +106,12 @@ def test_calls_carry_the_run_secret_and_the_calls_refused_without_it_are_reporte
             stranger.watch("w", address)
             assert ours.is_alive("w", timeout=5.0)
             assert not stranger.is_alive("w", timeout=5.0)   # UNAUTHENTICATED: no answer from that worker
-            events = ours.collect_refusals(timeout=5.0)
+            # The stranger's refused Check reaches the worker in its own time (on a loaded host, after the 5 s
+            # above): ask for the refusals until it is there.
+            events, deadline = [], time.monotonic() + 30.0
+            while not any(e["method"] == "/grpc.health.v1.Health/Check" for e in events) \
+                    and time.monotonic() < deadline:
+                events += ours.collect_refusals(timeout=5.0)
         finally:
             ours.stop()
             stranger.stop()
