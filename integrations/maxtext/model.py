@@ -107,11 +107,16 @@ class _Pieces:
         import jax
         from flax import nnx
 
-        self.config, self.microbatches = config, int(microbatches)
+        self.config, self.microbatches, self.devices = config, int(microbatches), int(devices)
         self.mesh = slice_mesh(config, devices)
         abstract = nnx.eval_shape(lambda: self._create(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
         self.graphdef, self.shapes = nnx.split(abstract)
         self.is_key = jax.tree.map(lambda s: bool(jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)), self.shapes)
+
+    def __reduce__(self):
+        """Pickled as how to build it again (its mesh and model definition hold this process's JAX devices): a
+        client-fault chaos run hands the job to a child process, which rebuilds these pieces on its own devices."""
+        return (type(self), (self.config, self.devices, self.microbatches))
 
     def _create(self, rng_key):
         """MaxText's ``create_train_state_fn`` (train_utils.setup_train_loop) seeded with ``rng_key``."""

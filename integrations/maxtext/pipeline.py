@@ -136,7 +136,7 @@ class _StagePieces:
         from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
         from integrations.maxtext.slice import slice_mesh
 
-        self.config, self.stages = config, stages
+        self.config, self.stages, self.devices = config, stages, int(devices)
         self.mesh = slice_mesh(config, devices)
         abstract = nnx.eval_shape(lambda: self._model(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
         self.graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
@@ -146,6 +146,11 @@ class _StagePieces:
         self.rest = jax.tree.map(_zeros_of, rest)
         per_stage = int(config.num_decoder_layers) // stages
         self.marks = frozenset(k * per_stage for k in range(1, stages))
+
+    def __reduce__(self):
+        """Pickled as how to build it again (its mesh and model definition hold this process's JAX devices), as
+        :class:`integrations.maxtext.model._Pieces` is."""
+        return (type(self), (self.config, self.devices, self.stages))
 
     def _model(self, rng_key):
         from flax.core.spmd import logical_axis_rules

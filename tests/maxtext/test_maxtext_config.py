@@ -220,3 +220,23 @@ def test_a_dataset_other_than_synthetic_is_refused_in_one_line_naming_the_routes
     msg = str(e.value)
     assert "\n" not in msg and "'dataset_type' is 'tfds'" in msg and "<" not in msg   # no enum repr
     assert "elastic_trainer=MODULE:FUNCTION" in msg and "data=SOURCE" in msg
+
+
+@pytest.mark.parametrize("path", [TINY, PIPELINE])
+def test_a_jobs_maxtext_pieces_pickle_as_how_to_rebuild_them(path):
+    """A client-fault chaos run hands the job to a child process (cloudpickle); MaxText's model definition holds
+    this process's JAX devices, so the pieces travel as their config and are rebuilt there."""
+    import cloudpickle
+    import jax
+
+    from integrations.maxtext.model import _Pieces
+    from integrations.maxtext.pipeline import _StagePieces
+
+    ec, mt = load(path=path)
+    pieces = (_StagePieces(mt, 1, 2) if ec.dcn_pipeline_parallelism > 1 else _Pieces(mt, 1, ec.microbatches))
+    again = cloudpickle.loads(cloudpickle.dumps(pieces))
+    assert type(again) is type(pieces) and again.devices == 1
+    assert again.mesh.devices.tolist() == pieces.mesh.devices.tolist()
+    shapes = (lambda p: jax.tree.map(lambda x: (x.shape, str(x.dtype)), p.abstract if hasattr(p, "abstract")
+                                     else p.shapes))
+    assert jax.tree.leaves(shapes(again)) == jax.tree.leaves(shapes(pieces))
