@@ -174,7 +174,7 @@ def load_maxtext_config(path: str | os.PathLike, overrides: Iterable[str] = ()) 
     slices = _positive_or_one(user_value("dcn_data_parallelism", -1))
     devices = _positive_or_one(user_value("ici_fsdp_parallelism", -1))
     stages = _positive_or_one(user_value("dcn_pipeline_parallelism", -1))
-    pipelined = pipeline_keys(user, stages, slices, lambda: _maxtext_default(pyconfig, path, "per_device_batch_size"))
+    pipelined = pipeline_keys(user, stages, slices, path)
     seed = _seed(user)
     output = user_value("base_output_directory", "") or _elastic_default("base_output_directory")
     elastic_only = {k for k in user if k in elastic_keys and k not in maxtext_keys}
@@ -385,11 +385,6 @@ def _microbatches(user, slices: int) -> int:
             f"config key 'gradient_accumulation_steps' ({steps!r}, in {accum[1]}) times dcn_data_parallelism "
             f"({slices}) is {want} microbatches, not a power of two; set elastic_microbatches instead")
     return want
-
-
-def _maxtext_default(pyconfig, path: pathlib.Path, key: str) -> Any:
-    """``key``'s value in the config chain of ``path`` as MaxText merges it (its own files included)."""
-    return pyconfig._load_config(str(path)).get(key)
 
 
 def _positive_or_one(value: Any) -> int:

@@ -34,7 +34,7 @@ import elastic
 from integrations.maxtext.checkpoints import checkpoint_tree
 from integrations.maxtext.config import check_supported
 from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
-from integrations.maxtext.slice import draws_random, maxtext_jax, maxtext_key, slice_mesh
+from integrations.maxtext.slice import draws_random, maxtext_jax, maxtext_key, maxtext_model, slice_mesh
 from integrations.maxtext.text_data import source_for
 
 __all__ = ["MICROBATCH_KEY", "MicrobatchIndexed", "import_maxtext", "make_job"]
@@ -83,18 +83,16 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     _check_pair(elastic_config, maxtext_config)
     if data is None:   # MaxText's dataset_type: synthetic, grain (ArrayRecord, Parquet), hf (local Parquet)
         data = source_for(elastic_config, maxtext_config)
-    if draws_random(maxtext_config):   # each microbatch draws its own dropout masks: the step needs its index
-        data = MicrobatchIndexed(data, elastic_config.microbatch_size)
     if elastic_config.dcn_pipeline_parallelism > 1:   # MaxText's decoder cut into stages (its own module)
         from integrations.maxtext.pipeline import make_pipeline_job
 
-        with maxtext_jax(maxtext_config):
-            job = make_pipeline_job(elastic_config, maxtext_config, data)
-            job.programs()
-        return job
-    pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice, elastic_config.microbatches)
-    job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config,
-                       checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
+        job = make_pipeline_job(elastic_config, maxtext_config, data)
+    else:
+        if draws_random(maxtext_config):   # each microbatch draws its own dropout masks: the step needs its index
+            data = MicrobatchIndexed(data, elastic_config.microbatch_size)
+        pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice, elastic_config.microbatches)
+        job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config,
+                           checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
     with maxtext_jax(maxtext_config):
         job.programs()   # trace and export now, under MaxText's PRNG and mesh-typing settings
     return job
@@ -123,11 +121,11 @@ class _Pieces:
         from flax import nnx
         from flax.core.spmd import logical_axis_rules
         from maxtext.common import train_state_nnx
-        from maxtext.utils import model_creation_utils, train_utils
+        from maxtext.utils import train_utils
 
         config = self.config
+        model = maxtext_model(config, self.mesh, rng_key)
         with logical_axis_rules(config.logical_axis_rules):
-            model = model_creation_utils.get_nnx_create_model_fn(config, self.mesh, rng_key=rng_key)()
             _, tx = train_utils.create_training_optimizer(config, model, mesh=self.mesh)
             return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
 

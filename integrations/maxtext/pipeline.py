@@ -33,6 +33,8 @@ import dataclasses
 import numpy as np
 
 import elastic
+from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
+from integrations.maxtext.slice import draws_random, maxtext_key, maxtext_model, slice_mesh
 
 __all__ = ["PipelineKeys", "check_pipelined", "make_pipeline_job", "pipeline_keys"]
 
@@ -45,20 +47,20 @@ class PipelineKeys:
     microbatches: int = 0  # elastic_microbatches (0: not pipelined, the usual rule)
 
 
-def pipeline_keys(user, stages: int, slices: int, default_batch) -> PipelineKeys:
+def pipeline_keys(user, stages: int, slices: int, path) -> PipelineKeys:
     """What ``dcn_pipeline_parallelism = stages`` > 1 sets on each side, keeping MaxText's global batch
-    (``user``: the keys the user set, key -> (value, where); ``default_batch()``: MaxText's
-    ``per_device_batch_size`` when the user set none).
+    (``user``: the keys the user set, key -> (value, where); ``path``: the config file, whose chain as MaxText
+    merges it gives ``per_device_batch_size`` when the user set none).
 
     MaxText's pipelined run trains ``per_device_batch_size`` x (stages x slices x devices) examples a step in
     ``num_pipeline_microbatches`` microbatches (default: ``stages``) per data replica. jax-elastic gives each of
     its ``num_pipeline_microbatches`` x ``slices`` microbatches to one pipeline replica, so a device of a slice
     takes ``per_device_batch_size`` x stages / ``num_pipeline_microbatches`` examples of each (a whole number)."""
     if stages == 1:
-        for key in ("num_pipeline_microbatches",):
-            if key in user and user[key][0] not in (-1, None):
-                raise elastic.ConfigError(f"config key {key!r} ({user[key][0]!r}, in {user[key][1]}) has no effect "
-                                          "without dcn_pipeline_parallelism > 1")
+        nmb = user.get("num_pipeline_microbatches")
+        if nmb is not None and nmb[0] not in (-1, None):
+            raise elastic.ConfigError(f"config key 'num_pipeline_microbatches' ({nmb[0]!r}, in {nmb[1]}) has no "
+                                      "effect without dcn_pipeline_parallelism > 1")
         return PipelineKeys({})
     where = {k: f"{k}={user[k][0]!r} (in {user[k][1]})" for k in user}
     accum = user.get("gradient_accumulation_steps", (1, ""))[0]
@@ -72,7 +74,12 @@ def pipeline_keys(user, stages: int, slices: int, default_batch) -> PipelineKeys
     if not isinstance(nmb, int) or isinstance(nmb, bool) or nmb < 1:
         raise elastic.ConfigError(f"config key {where['num_pipeline_microbatches']} must be a whole number >= 1 "
                                   "(or -1: one per stage)")
-    batch = user["per_device_batch_size"][0] if "per_device_batch_size" in user else default_batch()
+    if "per_device_batch_size" in user:
+        batch = user["per_device_batch_size"][0]
+    else:
+        from maxtext.configs import pyconfig
+
+        batch = pyconfig._load_config(str(path)).get("per_device_batch_size")   # MaxText's files of the chain
     rows = float(batch) * stages / nmb
     if rows < 1 or not rows.is_integer():
         raise elastic.ConfigError(
@@ -88,7 +95,6 @@ def pipeline_keys(user, stages: int, slices: int, default_batch) -> PipelineKeys
                        int(rows), "scan_layers": False}, m)
 
 
-
 def check_pipelined(mt, stages: int) -> None:
     """ConfigError (one line, naming the key) for a MaxText model this module cannot cut into ``stages``."""
     layers = int(mt.num_decoder_layers)
@@ -102,8 +108,6 @@ def check_pipelined(mt, stages: int) -> None:
         raise elastic.ConfigError(f"num_experts={mt.num_experts}: a mixture-of-experts model is not cut into "
                                   "pipeline stages yet (its load-balancing loss sums every layer's routing); set "
                                   "dcn_pipeline_parallelism=1")
-    from integrations.maxtext.slice import draws_random
-
     if draws_random(mt):
         raise elastic.ConfigError("dropout (enable_dropout with dropout_rate > 0) or random routing is not "
                                   f"supported with dcn_pipeline_parallelism={stages} yet; set dropout_rate=0")
@@ -133,9 +137,6 @@ class _StagePieces:
         import jax
         from flax import nnx
 
-        from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
-        from integrations.maxtext.slice import slice_mesh
-
         self.config, self.stages, self.devices = config, stages, int(devices)
         self.mesh = slice_mesh(config, devices)
         abstract = nnx.eval_shape(lambda: self._model(jax.random.key(0, impl=MAXTEXT_PRNG_IMPL)))
@@ -153,17 +154,11 @@ class _StagePieces:
         return (type(self), (self.config, self.devices, self.stages))
 
     def _model(self, rng_key):
-        from flax.core.spmd import logical_axis_rules
-        from maxtext.utils import model_creation_utils
-
-        with logical_axis_rules(self.config.logical_axis_rules):
-            return model_creation_utils.get_nnx_create_model_fn(self.config, self.mesh, rng_key=rng_key)()
+        return maxtext_model(self.config, self.mesh, rng_key)
 
     def init(self, key):
         """MaxText's initial parameters from ``PRNGKey(seed)`` under ``unsafe_rbg``, as its trainer makes them."""
         from flax import nnx
-
-        from integrations.maxtext.slice import maxtext_key
 
         return nnx.state(self._model(maxtext_key(key)), nnx.Param)
 
@@ -194,8 +189,6 @@ def _zeros_of(x):
     import jax.numpy as jnp
 
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
-
         return jax.random.wrap_key_data(jnp.zeros((*x.shape, 4), np.uint32), impl=MAXTEXT_PRNG_IMPL)
     return jnp.zeros(x.shape, x.dtype)
 

@@ -11,7 +11,7 @@ import numpy as np
 import elastic
 from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
 
-__all__ = ["draws_random", "maxtext_jax", "maxtext_key", "slice_mesh"]
+__all__ = ["draws_random", "maxtext_jax", "maxtext_key", "maxtext_model", "slice_mesh"]
 
 
 def slice_mesh(config, devices: int):
@@ -30,6 +30,16 @@ def slice_mesh(config, devices: int):
     shape = tuple(config.ici_parallelism)
     return Mesh(np.array(local[:devices]).reshape(shape), tuple(config.mesh_axes),
                 axis_types=(AxisType.Auto,) * len(shape))
+
+
+def maxtext_model(config, mesh, rng_key):
+    """MaxText's NNX model for ``config`` on ``mesh``, initialised from ``rng_key`` (its trainer's model factory,
+    under its logical axis rules)."""
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.utils import model_creation_utils
+
+    with logical_axis_rules(config.logical_axis_rules):
+        return model_creation_utils.get_nnx_create_model_fn(config, mesh, rng_key=rng_key)()
 
 
 def draws_random(config) -> bool:
