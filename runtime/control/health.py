@@ -13,7 +13,9 @@ from how the probe that made it suspect failed). A crashed process is found
 by the first failed probe (connection refused); a hung or cut-off one
 (SIGSTOP, deadlock, partition) by the lease. A status change on a live
 worker (NOT_SERVING: it fenced itself) comes on its Watch stream as it
-happens and has it probed at once.
+happens and has it probed at once. A worker that answers something else
+(a training step: :meth:`HealthMonitor.heard`) is not polled while it does:
+that answer renews its lease as a Check's would.
 
 Riding on the same poll, every ``refusals_seconds`` the monitor asks each
 watched worker for the calls it refused for their run secret since it last
@@ -158,6 +160,7 @@ class HealthMonitor:
         self._soon = False                                   # the next turn is at once
         self._last = 0.0                                     # when the last turn was
         self._tick = interval / 8
+        self._heard: dict[str, float] = {}    # worker -> when a request it answered was sent; any thread writes
 
     @property
     def period(self) -> float:
@@ -200,6 +203,12 @@ class HealthMonitor:
     def unwatch(self, worker_id: str) -> None:
         """Stops watching ``worker_id`` (its answers that come later are ignored). Returns at once."""
         self._post(self._unwatch, worker_id)
+
+    def heard(self, worker_id: str, sent_at: float) -> None:
+        """``worker_id`` answered a request (a training step) sent at ``sent_at`` (``time.monotonic()``): it
+        counts as a Check's answer, and the worker's next poll waits a period from it. Cheap, from any thread:
+        a dict write the loop reads at its next turn (it does not wake the loop)."""
+        self._heard[worker_id] = sent_at
 
     def is_alive(self, worker_id: str, timeout: float | None = None) -> bool:
         """Probes now with the bounded retry: False if the worker is confirmed dead (or not watched).
@@ -362,6 +371,12 @@ class HealthMonitor:
         """One turn: opens the streams due again, sends what is due (up to half a tick early), sets the next."""
         now = time.monotonic()
         self._soon, self._timer = False, None
+        while self._heard:
+            try:
+                worker_id, sent_at = self._heard.popitem()   # atomic: other threads write meanwhile
+            except KeyError:
+                break
+            self._schedule.heard(worker_id, sent_at)
         while self._reopen and self._reopen[0][0] <= now:
             _, ticket, worker_id = heapq.heappop(self._reopen)
             self._open(worker_id, ticket)

@@ -79,11 +79,12 @@ class _Slots:
 
 
 class _Worker:
-    __slots__ = ("ticket", "last_ok", "out", "urgent", "suspect", "pending", "refusals_due", "asking")
+    __slots__ = ("ticket", "last_ok", "heard", "out", "urgent", "suspect", "pending", "refusals_due", "asking")
 
     def __init__(self, ticket: int, now: float, refusals_due: float):
         self.ticket = ticket
         self.last_ok = now
+        self.heard = float("-inf")      # when the last request it answered otherwise was sent (see Schedule.heard)
         self.out = 0                    # the probe out (one at a time per worker; 0: none)
         self.urgent = False             # its stream broke while a probe was out: probe again at its answer
         self.suspect: list | None = None    # [failure, silent, probes left]
@@ -124,6 +125,11 @@ class Schedule:
       :func:`runtime.control.policy.reprobe_wait` apart, the first at once;
     - a suspect that answers one of them is no longer suspect; one that
       answers none is dead (and forgotten).
+
+    A worker's answer to another call (a training step's, :meth:`heard`)
+    renews its lease as a poll's answer would, and a poll that comes due
+    within ``period`` of that call is not sent but planned ``period`` after
+    it: while a worker answers steps, it is not polled.
 
     ``Refusals`` asks (calls of kind "refusals", answered through
     :meth:`refusals_answered`) come every ``refusals_seconds`` per worker,
@@ -232,6 +238,10 @@ class Schedule:
                 out.append(Probe(ask[2], "refusals", ask[1]))
             elif poll is not None and poll[0] <= now:
                 heapq.heappop(self._polls)
+                w = self._workers[poll[2]]
+                if w.heard + self.period > poll[0]:   # it answered a step since that poll was planned: not due yet
+                    self._plan(w, poll[2], w.heard + self.period, first=False)
+                    continue
                 self._slots.take(poll[1], now)
                 out.append(self._send(poll, "poll"))
             else:
@@ -252,6 +262,15 @@ class Schedule:
         w.pending, w.out = 0, entry[1]
         self.in_flight += 1
         return Probe(entry[2], kind, w.ticket)
+
+    def heard(self, worker_id: str, sent_at: float) -> None:
+        """``worker_id`` answered a request sent at ``sent_at`` that was not a probe (a training step): that
+        renews its lease as a probe's answer would, and its next poll waits until ``period`` after it."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        w.heard = max(w.heard, sent_at)
+        w.last_ok = max(w.last_ok, sent_at)
 
     def starved(self, now: float) -> bool:
         """Every poll slot is taken: the next poll waits for an answer (or for a slot to time out)."""

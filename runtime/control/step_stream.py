@@ -17,7 +17,10 @@ a deadline); the next request then opens a new one, and the old one ends
 once the steps sent on it answered. A worker declared dead has its stream
 closed (:meth:`StepStreams.drop`). One thread per open stream reads its
 answers (gRPC's sync API; a run has a few workers per client, not the
-thousands the health monitor watches).
+thousands the health monitor watches). Every answer that is not an error
+is also passed to ``heard(worker, sent_at)`` (the health monitor's
+:meth:`~runtime.control.health.HealthMonitor.heard`: a worker answering
+steps needs no Check).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ STREAM_SECONDS = 3600.0   # a stream takes new requests this long (its deadline:
 class StepFuture(grpc.Future):
     """One step of one worker in flight on a step stream: a ``grpc.Future`` of its ``StepReply``."""
 
-    def __init__(self, key: tuple[int, int], deadline: float, on_cancel: Callable[["StepFuture"], None]):
-        self.key, self.deadline, self._on_cancel = key, deadline, on_cancel
+    def __init__(self, key: tuple[int, int], sent: float, deadline: float, on_cancel: Callable[["StepFuture"], None]):
+        self.key, self.sent, self.deadline, self._on_cancel = key, sent, deadline, on_cancel
         self._cond = threading.Condition()
         self._reply: pb.StepReply | None = None
         self._error: grpc.RpcError | None = None
@@ -122,8 +125,10 @@ class StepFuture(grpc.Future):
 class _Stream:
     """One open ``Steps`` stream to one worker, its requests' futures and the thread reading its answers."""
 
-    def __init__(self, stub, seconds: float, forget: Callable[["_Stream"], None]):
+    def __init__(self, stub, seconds: float, forget: Callable[["_Stream"], None],
+                 heard: Callable[[float], None] | None = None):
         self.opened = time.monotonic()
+        self._heard = heard
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], StepFuture] = {}
@@ -133,7 +138,8 @@ class _Stream:
         threading.Thread(target=self._read, name="step-stream", daemon=True).start()
 
     def send(self, request: pb.StepRequest, step_seconds: float) -> StepFuture:
-        fut = StepFuture((request.fence.epoch, request.step), time.monotonic() + step_seconds, self._cancelled)
+        now = time.monotonic()
+        fut = StepFuture((request.fence.epoch, request.step), now, now + step_seconds, self._cancelled)
         with self._lock:
             if self._closed:
                 fut._settle(error=StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream is closed"))
@@ -181,6 +187,8 @@ class _Stream:
                     fut._settle(error=StatusError(grpc.StatusCode[reply.error_code], reply.error_details,
                                                   reply.error_kind))
                 else:
+                    if self._heard is not None:
+                        self._heard(fut.sent)
                     fut._settle(reply=reply)
         except grpc.RpcError as e:
             error = e
@@ -199,11 +207,14 @@ class StepStreams:
     """The controller's step streams, one per worker, opened on first use. Thread-safe.
 
     ``step_seconds``: how long a step may go unanswered (the unary call's
-    deadline); ``stream_seconds``: how long a stream takes new requests.
+    deadline); ``stream_seconds``: how long a stream takes new requests;
+    ``heard(worker, sent_at)``: told of every answer that is not an error.
     """
 
-    def __init__(self, step_seconds: float, stream_seconds: float = STREAM_SECONDS):
+    def __init__(self, step_seconds: float, stream_seconds: float = STREAM_SECONDS,
+                 heard: Callable[[str, float], None] | None = None):
         self.step_seconds, self.stream_seconds = step_seconds, stream_seconds
+        self._heard = heard
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._old: list[_Stream] = []   # no longer taking requests; answering those sent on them
@@ -222,14 +233,16 @@ class StepStreams:
                 stream = None
             if stream is None:
                 # Its deadline: its last request, sent just before it gets old, still has its step's time.
+                heard = None if self._heard is None else (lambda t, w=worker: self._heard(w, t))
                 stream = _Stream(stub, self.stream_seconds + self.step_seconds,
-                                 lambda s, w=worker: self._forget(w, s))
+                                 lambda s, w=worker: self._forget(w, s), heard)
                 self._streams[worker] = stream
         return stream.send(request, self.step_seconds)
 
     def cancelled(self, request: pb.StepRequest) -> StepFuture:
         """A future for ``request`` that is cancelled already (its worker was declared dead: it is not sent)."""
-        fut = StepFuture((request.fence.epoch, request.step), time.monotonic(), lambda f: None)
+        now = time.monotonic()
+        fut = StepFuture((request.fence.epoch, request.step), now, now, lambda f: None)
         fut.cancel()
         return fut
 

@@ -37,11 +37,14 @@ class WorkerCalls:
     ``fence`` gives the fence every call carries (the group's epoch);
     ``dead`` is the group's ``{worker: why}`` (read here, written only by
     :meth:`record_death`); ``declare_dead(worker, reason, cause)`` is called
-    for a worker lost during a call.
+    for a worker lost during a call; ``heard(worker, sent_at)`` is told of
+    every step a worker answered (the health monitor's: no Check is needed
+    while steps answer).
     """
 
     def __init__(self, opts, registry: Registry, programs: ProgramSet, data_source: bytes, snapshot_root: str,
-                 fence: Callable[[], pb.Fence], dead: dict[str, str], declare_dead: Callable[..., None]):
+                 fence: Callable[[], pb.Fence], dead: dict[str, str], declare_dead: Callable[..., None],
+                 heard: Callable[[str, float], None] | None = None):
         self.opts, self.registry = opts, registry
         self.programs, self.data_source, self.snapshot_root = programs, data_source, snapshot_root
         self._fence, self._dead, self._declare_dead = fence, dead, declare_dead
@@ -49,7 +52,7 @@ class WorkerCalls:
         self._inflight: dict[str, list[grpc.Future]] = {}
         self._lock = threading.Lock()
         self.loaded_stage: dict[str, int] = {}   # a pipelined run: the stage whose programs each worker loaded
-        self._streams = StepStreams(opts.rpc_timeout_seconds)   # steps go on one stream per worker
+        self._streams = StepStreams(opts.rpc_timeout_seconds, heard=heard)   # steps go on one stream per worker
 
     # -- the workers reached -----------------------------------------------------
 

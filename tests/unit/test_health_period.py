@@ -35,6 +35,33 @@ def test_a_worker_that_answers_is_polled_every_period_and_one_in_doubt_every_int
     assert v.kind == "suspect" and [q.kind for q in s.due(2.5)] == ["reprobe"]
 
 
+def test_a_worker_answering_steps_is_not_polled_and_its_answers_renew_its_lease():
+    s = Schedule(interval=0.25, lease=1.5, retries=2, refusals_seconds=100.0)
+    s.add("w", now=0.0)
+    s.add("v", now=0.0)
+    t = 0.0
+    while t < 3.0:                                        # "w" answers a step every 50 ms; "v" answers none
+        s.heard("w", t)
+        for p in s.due(t):
+            assert p.worker_id == "v"                     # only the one not answering steps is checked
+            assert s.answered(p, t, None, t + 0.01) is None
+        t += 0.05
+    s.heard("w", 3.0)                                     # its last step; then it hangs
+    assert s.next_due(3.0) <= 3.25
+    [p] = [p for p in s.due(3.25) if p.worker_id == "w"]  # a period after its last answer, the polls resume
+    assert p.kind == "poll"
+    # Sent 0.25 and 0.5 s after its last step, less than half the lease: in doubt, not suspect (the step renewed
+    # the lease); polled every interval while in doubt.
+    assert s.answered(p, 3.25, "silent", 3.5) is None
+    [p] = [p for p in s.due(3.5) if p.worker_id == "w"]
+    assert s.answered(p, 3.5, "silent", 3.75) is None
+    [p] = [p for p in s.due(3.75) if p.worker_id == "w"]
+    v = s.answered(p, 3.75, "silent", 4.0)                # sent 0.75 s after its last answer: suspect
+    assert v.kind == "suspect" and v.silent == 0.75
+    s.heard("nobody", 4.0)                                # an answer from a worker not watched: ignored
+    assert "nobody" not in s
+
+
 @contextlib.contextmanager
 def worker_server(calls: list[str]):
     """A server built as the worker's (the run secret on every call, gRPC's default ping policy); ``calls`` gets

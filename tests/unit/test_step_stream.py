@@ -67,7 +67,8 @@ def test_answers_resolve_their_own_steps_in_any_order_and_each_renews_the_lease(
 
 
 def test_a_failed_step_arrives_as_the_unary_call_would_have_ended(worker):
-    streams = StepStreams(step_seconds=30)
+    told = []
+    streams = StepStreams(step_seconds=30, heard=lambda w, sent: told.append((w, sent)))
     worker.fail[3] = WorkerFencedError("fenced: lease lapsed")
     worker.fail[4] = ValueError("user code")
     with pytest.raises(grpc.RpcError) as err:
@@ -76,7 +77,11 @@ def test_a_failed_step_arrives_as_the_unary_call_would_have_ended(worker):
     with pytest.raises(grpc.RpcError) as err:
         streams.send("w", worker.stub, request(4)).result(10)
     assert err.value.code() == grpc.StatusCode.INTERNAL and "ValueError: user code" in err.value.details()
+    before = time.monotonic()
     assert streams.send("w", worker.stub, request(5)).result(10).loss_sum == 5.1   # the stream goes on
+    # The health monitor hears of the answered step only (a failed one is no sign of a healthy worker), with
+    # the time it was sent.
+    assert len(told) == 1 and told[0][0] == "w" and before <= told[0][1] <= time.monotonic()
     streams.close()
 
 
