@@ -16,8 +16,11 @@ A stream lives at most ``stream_seconds`` for new requests (every call has
 a deadline); the next request then opens a new one, and the old one ends
 once the steps sent on it answered. A worker declared dead has its stream
 closed (:meth:`StepStreams.drop`). One thread per open stream reads its
-answers (gRPC's sync API; a run has a few workers per client, not the
-thousands the health monitor watches). Every answer that is not an error
+answers (a run has a few workers per client, not the thousands the health
+monitor watches). On gRPC's sync API each message also wakes two threads
+of gRPC's own (a request consumer and the channel's poller); on a
+data-plane connection the request is one write from the caller's thread
+and the answer one read on the stream's, which is why it is the default. Every answer that is not an error
 is also passed to ``heard(worker, sent_at)`` (the health monitor's
 :meth:`~runtime.control.health.HealthMonitor.heard`: a worker answering
 steps needs no Check).
@@ -26,6 +29,8 @@ steps needs no Check).
 from __future__ import annotations
 
 import queue
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +38,9 @@ from collections.abc import Callable
 import grpc
 
 from runtime._proto import elastic_pb2 as pb
+from runtime.core.errors import ProtocolError
+from runtime.wire.dataplane_client import RemoteError
+from runtime.wire.dataplane_wire import END, REPLY, STEP, read_frame_head, recv_bytes, send_frame, shut
 from runtime.wire.rpc import StatusError
 
 __all__ = ["StepFuture", "StepStreams"]
@@ -123,19 +131,17 @@ class StepFuture(grpc.Future):
 
 
 class _Stream:
-    """One open ``Steps`` stream to one worker, its requests' futures and the thread reading its answers."""
+    """One open step stream to one worker: its requests' futures, and a thread reading its answers. The
+    transport is a subclass's: gRPC's ``Steps`` (:class:`_GrpcStream`) or a data-plane connection
+    (:class:`_SocketStream`)."""
 
-    def __init__(self, stub, seconds: float, forget: Callable[["_Stream"], None],
-                 heard: Callable[[float], None] | None = None):
+    def __init__(self, forget: Callable[["_Stream"], None], heard: Callable[[float], None] | None):
         self.opened = time.monotonic()
         self._heard = heard
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], StepFuture] = {}
         self._closed = False
         self._forget = forget
-        self._call = stub.Steps(iter(self._requests.get, None), timeout=seconds)
-        threading.Thread(target=self._read, name="step-stream", daemon=True).start()
 
     def send(self, request: pb.StepRequest, step_seconds: float) -> StepFuture:
         now = time.monotonic()
@@ -145,7 +151,7 @@ class _Stream:
                 fut._settle(error=StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream is closed"))
                 return fut
             self._pending[fut.key] = fut
-        self._requests.put(request)
+        self._write(request)
         return fut
 
     def _cancelled(self, fut: StepFuture) -> None:
@@ -158,9 +164,9 @@ class _Stream:
         with self._lock:
             first, self._closed = not self._closed, True
         if first:
-            self._requests.put(None)
+            self._end()
         if cancel:
-            self._call.cancel()
+            self._cancel()
 
     def expire(self, now: float) -> None:
         """Fails the steps past their deadline (DEADLINE_EXCEEDED, as a unary call's deadline would)."""
@@ -175,32 +181,168 @@ class _Stream:
         with self._lock:
             return not self._pending
 
+    # -- the transport's ------------------------------------------------------------
+
+    def _write(self, request: pb.StepRequest) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> None:
+        """Our side is done: the worker answers what it has, then ends the stream."""
+        raise NotImplementedError
+
+    def _cancel(self) -> None:
+        raise NotImplementedError
+
+    # -- the reader's ------------------------------------------------------------------
+
+    def _answer(self, reply: pb.StepReply) -> None:
+        with self._lock:
+            fut = self._pending.pop((reply.epoch, reply.step), None)
+        if fut is None:
+            return   # answers a step abandoned meanwhile (cancelled, or past its deadline)
+        if reply.error_code:
+            fut._settle(error=StatusError(grpc.StatusCode[reply.error_code], reply.error_details, reply.error_kind))
+            return
+        if self._heard is not None:
+            self._heard(fut.sent)
+        fut._settle(reply=reply)
+
+    def _ended(self, error: grpc.RpcError | None) -> None:
+        """The stream ended (``error``: how, None when the worker ended it); the steps it left fail."""
+        with self._lock:
+            self._closed = True
+            left, self._pending = list(self._pending.values()), {}
+        for f in left:   # the worker went away (or the stream was cancelled): as the calls would have ended
+            f._settle(error=error or StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream ended"))
+        self._forget(self)
+
+
+class _GrpcStream(_Stream):
+    """A ``Steps`` stream (gRPC's sync API: a thread of gRPC's consumes the requests, one of ours reads)."""
+
+    def __init__(self, stub, seconds: float, forget, heard=None):
+        super().__init__(forget, heard)
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = stub.Steps(iter(self._requests.get, None), timeout=seconds)
+        threading.Thread(target=self._read, name="step-stream", daemon=True).start()
+
+    def _write(self, request: pb.StepRequest) -> None:
+        self._requests.put(request)
+
+    def _end(self) -> None:
+        self._requests.put(None)
+
+    def _cancel(self) -> None:
+        self._call.cancel()
+
     def _read(self) -> None:
         error: grpc.RpcError | None = None
         try:
             for reply in self._call:
-                with self._lock:
-                    fut = self._pending.pop((reply.epoch, reply.step), None)
-                if fut is None:
-                    continue   # answers a step abandoned meanwhile (cancelled, or past its deadline)
-                if reply.error_code:
-                    fut._settle(error=StatusError(grpc.StatusCode[reply.error_code], reply.error_details,
-                                                  reply.error_kind))
-                else:
-                    if self._heard is not None:
-                        self._heard(fut.sent)
-                    fut._settle(reply=reply)
+                self._answer(reply)
         except grpc.RpcError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - an answer that does not parse: the stream is no good
             error = StatusError(grpc.StatusCode.INTERNAL, f"the step stream broke: {type(e).__name__}: {e}")
-        with self._lock:
-            self._closed = True
-            left, self._pending = list(self._pending.values()), {}
         self._requests.put(None)
-        for f in left:   # the worker went away (or the stream was cancelled): as the calls would have ended
-            f._settle(error=error or StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream ended"))
-        self._forget(self)
+        self._ended(error)
+
+
+class _SocketStream(_Stream):
+    """A step stream on a data-plane connection (:func:`runtime.worker.step_stream.serve_step_connection`).
+
+    ``dial()`` opens and greets the connection; it runs on the reader's
+    thread (a worker that does not answer the handshake holds up no
+    caller), and requests sent before it is open wait for it. The stream
+    lives until either side ends it: it needs no deadline of its own, each
+    step has one. A request is written by the caller's thread (the
+    dispatching controller, holding its calls' lock), so a write may block
+    at most ``send_seconds`` (the kernel's ``SO_SNDTIMEO``: a hung worker
+    whose socket buffer is full fails its stream, as lost, rather than
+    stopping the controller).
+    """
+
+    def __init__(self, dial: Callable[[], socket.socket], forget, heard=None, send_seconds: float = 5.0):
+        super().__init__(forget, heard)
+        self._dial, self._send_seconds = dial, send_seconds
+        self._send = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._backlog: list[bytes | None] = []   # before the connection is open; None: the end
+        self._gone = False
+        threading.Thread(target=self._read, name="step-stream", daemon=True).start()
+
+    def _out(self, data: bytes | None) -> None:
+        with self._send:
+            if self._sock is None:
+                if not self._gone:
+                    self._backlog.append(data)
+                return
+            try:
+                self._frame(self._sock, data)
+            except OSError:
+                shut(self._sock)   # the reader sees the connection end and fails the steps
+
+    @staticmethod
+    def _frame(sock, data: bytes | None) -> None:
+        if data is None:
+            send_frame(sock, END)
+        else:
+            send_frame(sock, STEP, b"", data)
+
+    def _write(self, request: pb.StepRequest) -> None:
+        self._out(request.SerializeToString())
+
+    def _end(self) -> None:
+        self._out(None)
+
+    def _cancel(self) -> None:
+        with self._send:
+            self._gone = True
+            if self._sock is not None:
+                shut(self._sock)
+
+    def _read(self) -> None:
+        error: grpc.RpcError | None = None
+        sock = None
+        try:
+            sock = self._dial()
+            sock.settimeout(None)
+            seconds = int(self._send_seconds)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", seconds, int((self._send_seconds - seconds) * 1e6)))
+            with self._send:
+                if self._gone:
+                    raise ConnectionError("cancelled before it was open")
+                for data in self._backlog:
+                    self._frame(sock, data)
+                self._sock, self._backlog = sock, []
+            while True:
+                kind, header, plen = read_frame_head(sock)
+                if kind == END:
+                    break   # the worker answered every step and ended it
+                payload = recv_bytes(sock, plen)
+                if kind == REPLY:   # it refused the stream (a request that did not parse)
+                    code = header.decode(errors="replace")
+                    error = StatusError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__
+                                        else grpc.StatusCode.INTERNAL, payload.decode(errors="replace"))
+                    break
+                if kind != STEP or header:
+                    raise ProtocolError(f"a step stream's answer is a STEP frame, not kind {kind}")
+                try:
+                    reply = pb.StepReply.FromString(payload)
+                except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
+                    raise ProtocolError(f"a step answer does not parse ({type(e).__name__})") from None
+                self._answer(reply)
+        except RemoteError as e:   # the handshake was refused
+            error = StatusError(grpc.StatusCode.UNAUTHENTICATED, e.message)
+        except (OSError, ProtocolError, struct.error) as e:   # the worker went away, or was cancelled
+            error = StatusError(grpc.StatusCode.UNAVAILABLE, f"the step connection ended: {e}")
+        finally:
+            with self._send:
+                self._gone, self._sock = True, None
+            if sock is not None:
+                shut(sock)
+        self._ended(error)
 
 
 class StepStreams:
@@ -208,13 +350,19 @@ class StepStreams:
 
     ``step_seconds``: how long a step may go unanswered (the unary call's
     deadline); ``stream_seconds``: how long a stream takes new requests;
-    ``heard(worker, sent_at)``: told of every answer that is not an error.
+    ``heard(worker, sent_at)``: told of every answer that is not an error;
+    ``dial(data_address)``: opens and greets a data-plane connection (the
+    run secret's handshake, TLS): a worker sent a step with its data
+    address gets its stream there, one without on gRPC's ``Steps``;
+    ``send_seconds``: the longest a request's write to a data-plane
+    connection may block (see :class:`_SocketStream`).
     """
 
     def __init__(self, step_seconds: float, stream_seconds: float = STREAM_SECONDS,
-                 heard: Callable[[str, float], None] | None = None):
-        self.step_seconds, self.stream_seconds = step_seconds, stream_seconds
-        self._heard = heard
+                 heard: Callable[[str, float], None] | None = None,
+                 dial: Callable[[str], socket.socket] | None = None, send_seconds: float = 5.0):
+        self.step_seconds, self.stream_seconds, self.send_seconds = step_seconds, stream_seconds, send_seconds
+        self._heard, self._dial = heard, dial
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._old: list[_Stream] = []   # no longer taking requests; answering those sent on them
@@ -222,9 +370,10 @@ class StepStreams:
         self._wake = threading.Event()
         threading.Thread(target=self._expire, name="step-stream-deadlines", daemon=True).start()
 
-    def send(self, worker: str, stub, request: pb.StepRequest) -> StepFuture:
+    def send(self, worker: str, stub, request: pb.StepRequest, data_address: str = "") -> StepFuture:
         """Writes ``request`` on ``worker``'s stream (opened now if it has none, or a new one when its current
-        stream is old); returns the step's future."""
+        stream is old: on its data plane at ``data_address`` when there is one and a ``dial``, else on ``stub``);
+        returns the step's future."""
         with self._lock:
             stream = self._streams.get(worker)
             if stream is not None and time.monotonic() - stream.opened > self.stream_seconds:
@@ -234,8 +383,11 @@ class StepStreams:
             if stream is None:
                 # Its deadline: its last request, sent just before it gets old, still has its step's time.
                 heard = None if self._heard is None else (lambda t, w=worker: self._heard(w, t))
-                stream = _Stream(stub, self.stream_seconds + self.step_seconds,
-                                 lambda s, w=worker: self._forget(w, s), heard)
+                forget = (lambda s, w=worker: self._forget(w, s))
+                if data_address and self._dial is not None:
+                    stream = _SocketStream(lambda a=data_address: self._dial(a), forget, heard, self.send_seconds)
+                else:
+                    stream = _GrpcStream(stub, self.stream_seconds + self.step_seconds, forget, heard)
                 self._streams[worker] = stream
         return stream.send(request, self.step_seconds)
 

@@ -13,6 +13,7 @@ worker declared dead has its calls cancelled (:meth:`WorkerCalls.record_death`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 import grpc
@@ -27,6 +28,8 @@ from runtime.control.policy import StepPlan
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
 from runtime.control.step_stream import StepStreams
+from runtime.wire.dataplane_client import DataClient
+from runtime.wire.dataplane_wire import HANDSHAKE_SECONDS
 
 __all__ = ["WorkerCalls"]
 
@@ -44,7 +47,7 @@ class WorkerCalls:
 
     def __init__(self, opts, registry: Registry, programs: ProgramSet, data_source: bytes, snapshot_root: str,
                  fence: Callable[[], pb.Fence], dead: dict[str, str], declare_dead: Callable[..., None],
-                 heard: Callable[[str, float], None] | None = None):
+                 heard: Callable[[str, float], None] | None = None, secret: str = ""):
         self.opts, self.registry = opts, registry
         self.programs, self.data_source, self.snapshot_root = programs, data_source, snapshot_root
         self._fence, self._dead, self._declare_dead = fence, dead, declare_dead
@@ -52,7 +55,10 @@ class WorkerCalls:
         self._inflight: dict[str, list[grpc.Future]] = {}
         self._lock = threading.Lock()
         self.loaded_stage: dict[str, int] = {}   # a pipelined run: the stage whose programs each worker loaded
-        self._streams = StepStreams(opts.rpc_timeout_seconds, heard=heard)   # steps go on one stream per worker
+        # Steps go on one stream per worker: on its data plane where it serves one (the run secret's handshake).
+        dialer = DataClient(secret, opts.tls)
+        self._streams = StepStreams(opts.rpc_timeout_seconds, heard=heard,
+                                    dial=lambda address: dialer.connect(address, time.monotonic() + HANDSHAKE_SECONDS))
 
     # -- the workers reached -----------------------------------------------------
 
@@ -265,7 +271,7 @@ class WorkerCalls:
         if w in self._dead:   # never sent: cancelled at once
             futs[w] = self._streams.cancelled(req)
             return
-        futs[w] = self._streams.send(w, self._stubs[w], req)
+        futs[w] = self._streams.send(w, self._stubs[w], req, self._data_address(w))
         self._inflight.setdefault(w, []).append(futs[w])
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:

@@ -92,7 +92,7 @@ class WorkerGroup:
                               if opts.snapshot_directory and opts.snapshot_interval else "")
         # Every call to an adopted worker: its stub, the fence it carries, the calls in flight.
         self.calls = WorkerCalls(opts, self.registry, programs, data_source, self.snapshot_root, self._fence,
-                                 self.dead, self.declare_dead, heard=self.monitor.heard)
+                                 self.dead, self.declare_dead, heard=self.monitor.heard, secret=secret)
 
     # -- lifecycle -----------------------------------------------------------
 

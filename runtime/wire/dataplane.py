@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterator
 from runtime.wire import auth, cross_memory
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, SHARED, STATE,
-                                         STATE_REQUEST, VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head,
-                                         recv_bytes, send_frame, shut)
+                                         STATE_REQUEST, STEP, VERSION, ChunkStream, Incoming, handshake_mac,
+                                         read_frame_head, recv_bytes, send_frame, shut)
 from runtime.core.errors import ProtocolError
 from runtime.wire.parts import Part
 
@@ -76,14 +76,21 @@ class DataServer:
     name ("" when there is none: no secret, not Linux, or not asked for).
     ``status_name(exc)`` names the status of a raised exception.
     ``refusals`` counts connections refused for their secret.
+    ``on_steps(sock, first)``, when given, serves a connection whose first
+    frame (``first``) is a ``STEP``: the controller's step stream
+    (:func:`runtime.worker.step_stream.serve_step_connection`), for the
+    connection's life; a chaos partition drops its requests unanswered
+    there rather than closing it.
     """
 
     def __init__(self, host: str, *, secret: str, tls: auth.TlsFiles | None,
                  on_push: Callable[[Iterator[Incoming]], None], on_state: Callable[[pb.GetStateRequest], Iterator[Part]],
                  status_name: Callable[[BaseException], str], refusals: auth.Refusals | None = None,
                  dropped: Callable[[], bool] = lambda: False, port: int = 0,
-                 on_shared_state: Callable[[pb.GetStateRequest], Iterator[pb.SharedState]] | None = None):
+                 on_shared_state: Callable[[pb.GetStateRequest], Iterator[pb.SharedState]] | None = None,
+                 on_steps: Callable[[socket.socket, tuple[int, bytes, int]], None] | None = None):
         self._secret, self._on_push, self._on_state = secret, on_push, on_state
+        self._on_steps = on_steps
         self._on_shared_state = on_shared_state
         self._status_name, self._refusals, self._dropped = status_name, refusals, dropped
         self._tls = tls.ssl_server_context() if tls is not None else None
@@ -169,6 +176,9 @@ class DataServer:
             served = True
             while served:
                 head = read_frame_head(sock)
+                if head[0] == STEP and self._on_steps is not None and not reader:
+                    self._on_steps(sock, head)   # the connection's life: drops requests itself while partitioned
+                    return
                 if self._dropped():
                     return
                 if head[0] == PIECE:

@@ -182,6 +182,11 @@ class DataClient:
             if not ok:
                 shut(sock)
 
+    def connect(self, address: str, deadline: float) -> socket.socket:
+        """A new connection to ``address``, greeted (TLS and the run secret's handshake), for the caller to own
+        and close; :class:`RemoteError` (UNAUTHENTICATED) when refused, ``OSError`` when it cannot be made."""
+        return self._connect(address, deadline)
+
     def _connect(self, address: str, deadline: float):
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=max(min(deadline - time.monotonic(),

@@ -27,6 +27,11 @@ Wire format (little-endian):
   ``SharedState``: where each leaf lies in its memory) or a ``REPLY`` with
   the error; the reader copies the leaves itself, sends ``END`` and the
   server answers a ``REPLY`` (until then it keeps the leaves in place).
+- A step stream (the controller's, :mod:`runtime.worker.step_stream`):
+  ``STEP`` frames each way for the connection's life, each payload one
+  ``StepRequest`` (controller) or ``StepReply`` (worker), no header; the
+  controller ends it with ``END``, the worker answers the steps in flight,
+  then ``END`` (or a ``REPLY`` with the error, for a malformed request).
 
 A frame no peer of ours sends (unknown kind, a header over 64 KiB, a payload
 over :data:`MAX_PAYLOAD`) is a :class:`~runtime.core.errors.ProtocolError`.
@@ -45,13 +50,13 @@ import numpy as np
 from runtime.core.errors import ProtocolError
 
 __all__ = ["END", "FRAME", "HANDSHAKE_SECONDS", "HELLO", "MAGIC", "MAX_HEADER", "MAX_PAYLOAD", "OK", "PIECE", "REPLY",
-           "SHARED", "STATE", "STATE_REQUEST", "VERSION", "ChunkStream", "Incoming", "handshake_mac", "read_exact",
+           "SHARED", "STATE", "STATE_REQUEST", "STEP", "VERSION", "ChunkStream", "Incoming", "handshake_mac", "read_exact",
            "read_frame_head", "recv_bytes", "send_frame", "shut"]
 
 MAGIC, VERSION = b"JXDP", 1
 HELLO = struct.Struct("<4sH32s")      # magic, version, then the nonce (server) or the MAC (client)
 FRAME = struct.Struct("<BIQ")         # kind, header bytes, payload bytes
-PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED = 1, 2, 3, 4, 5, 6
+PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED, STEP = 1, 2, 3, 4, 5, 6, 7
 MAX_HEADER = 64 << 10
 MAX_PAYLOAD = 64 << 20                # as rpc.MAX_MESSAGE: a chunk is at most collective.MAX_CHUNK_BYTES
 HANDSHAKE_SECONDS = 10.0
@@ -93,7 +98,7 @@ def send_frame(sock, kind: int, header: bytes = b"", payload=b"") -> None:
 def read_frame_head(sock) -> tuple[int, bytes, int]:
     """``(kind, header bytes, payload bytes)``; :class:`ProtocolError` for a frame no peer of ours sends."""
     kind, hlen, plen = FRAME.unpack(recv_bytes(sock, FRAME.size))
-    if kind not in (PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED) or hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+    if kind not in (PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED, STEP) or hlen > MAX_HEADER or plen > MAX_PAYLOAD:
         raise ProtocolError(f"malformed data-plane frame (kind {kind}, header {hlen} bytes, payload {plen} bytes)")
     return kind, recv_bytes(sock, hlen), plen
 

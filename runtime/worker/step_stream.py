@@ -20,6 +20,18 @@ controller closes its side the steps in flight still answer, then the
 stream ends; when the controller goes
 away (the stream is cancelled) their answers are dropped and waiting steps
 give up at their next look at the caller, as a cancelled call's do.
+
+The same stream also runs on a data-plane connection
+(:func:`serve_step_connection`, the default where the worker serves a data
+plane): ``STEP`` frames each way, each payload one ``StepRequest`` or
+``StepReply``, the replies written by the thread that ran the step. Its
+rules are the gRPC stream's: the controller's ``END`` frame is its side
+closing (the steps in flight answer, then the worker sends ``END`` and
+closes); the connection breaking is the controller going away; a request
+that does not parse is answered with a ``REPLY`` frame of INVALID_ARGUMENT
+once the steps before it answered, and the connection closes. It costs
+each step one socket read on a thread of the worker's and one write, where
+gRPC's sync server wakes three threads per message.
 """
 
 from __future__ import annotations
@@ -35,9 +47,10 @@ import grpc
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError
 from runtime.wire import rpc
+from runtime.wire.dataplane_wire import END, REPLY, STEP, read_frame_head, recv_bytes, send_frame
 from runtime.wire.parts import MAX_STEPS_AHEAD
 
-__all__ = ["serve_steps"]
+__all__ = ["serve_step_connection", "serve_steps"]
 
 log = logging.getLogger("jax_elastic.worker")
 
@@ -54,6 +67,23 @@ class _Caller:
         return not self._closed.is_set() and self._context.is_active()
 
 
+def _answer(step: Callable[[pb.StepRequest, object], pb.StepReply], req: pb.StepRequest, caller) -> pb.StepReply:
+    """Runs one step; its failure is answered as the unary call would have ended (code, details, kind)."""
+    try:
+        reply = step(req, caller)
+    except Exception as e:  # noqa: BLE001 - answered as the unary call would have ended
+        log.warning("step %d failed: %s: %s", req.step, type(e).__name__, e)
+        code, details, kind = rpc.error_status(e)
+        reply = pb.StepReply(error_code=code.name, error_details=details, error_kind=kind)
+    reply.step, reply.epoch = req.step, req.fence.epoch
+    return reply
+
+
+def _pool() -> futures.ThreadPoolExecutor:
+    """Steps wait for their turn on their thread: as many as may be ahead, and one running."""
+    return futures.ThreadPoolExecutor(max_workers=MAX_STEPS_AHEAD + 2, thread_name_prefix="step-stream")
+
+
 def serve_steps(requests: Iterator[pb.StepRequest], context, *, step: Callable[[pb.StepRequest, object], pb.StepReply],
                 heard: Callable[[], None], dropped: Callable[[], bool]) -> Iterator[pb.StepReply]:
     """The ``Steps`` handler: runs ``step(request, caller)`` for each request on a thread of its own and yields
@@ -61,18 +91,10 @@ def serve_steps(requests: Iterator[pb.StepRequest], context, *, step: Callable[[
     replies: queue.SimpleQueue = queue.SimpleQueue()
     closed = threading.Event()
     caller = _Caller(context, closed)
-    # Steps wait for their turn on their thread: as many as may be ahead, and one running.
-    pool = futures.ThreadPoolExecutor(max_workers=MAX_STEPS_AHEAD + 2, thread_name_prefix="step-stream")
+    pool = _pool()
 
     def run(req: pb.StepRequest) -> None:
-        try:
-            reply = step(req, caller)
-        except Exception as e:  # noqa: BLE001 - answered as the unary call would have ended
-            log.warning("step %d failed: %s: %s", req.step, type(e).__name__, e)
-            code, details, kind = rpc.error_status(e)
-            reply = pb.StepReply(error_code=code.name, error_details=details, error_kind=kind)
-        reply.step, reply.epoch = req.step, req.fence.epoch
-        replies.put(reply)
+        replies.put(_answer(step, req, caller))
 
     def read() -> None:
         sent, malformed = 0, None
@@ -110,3 +132,66 @@ def serve_steps(requests: Iterator[pb.StepRequest], context, *, step: Callable[[
     finally:
         closed.set()
         pool.shutdown(wait=False)
+
+
+class _Closed:
+    """What a step reads of its caller on a data-plane connection: the connection is still open."""
+
+    def __init__(self, closed: threading.Event):
+        self._closed = closed
+
+    def is_active(self) -> bool:
+        return not self._closed.is_set()
+
+
+def serve_step_connection(sock, first: tuple[int, bytes, int], *, step: Callable[[pb.StepRequest, object], pb.StepReply],
+                          heard: Callable[[], None], dropped: Callable[[], bool]) -> None:
+    """Serves a data-plane connection whose first frame (``first``, read) was a ``STEP``, until it ends (see the
+    module docstring); the caller closes the socket after. ``step``, ``heard`` and ``dropped`` as for
+    :func:`serve_steps`."""
+    closed = threading.Event()
+    caller = _Closed(closed)
+    send = threading.Lock()
+    pool = _pool()
+
+    def run(req: pb.StepRequest) -> None:
+        reply = _answer(step, req, caller)
+        if closed.is_set():
+            return   # the controller went away: nobody reads the answer
+        try:
+            with send:
+                send_frame(sock, STEP, b"", reply.SerializeToString())
+        except OSError:
+            closed.set()
+
+    head, malformed = first, None
+    try:
+        while head[0] != END:
+            kind, header, plen = head
+            if kind != STEP or header:
+                raise ProtocolError(f"a step stream carries STEP frames (a message, no header), not kind {kind}")
+            try:
+                req = pb.StepRequest.FromString(recv_bytes(sock, plen))
+            except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
+                raise ProtocolError(f"a step request does not parse ({type(e).__name__})") from None
+            heard()
+            if not dropped():   # a chaos partition: no answer, as a unary call gets none
+                pool.submit(run, req)
+            head = read_frame_head(sock)
+    except ProtocolError as e:
+        malformed = e
+    except (OSError, ConnectionError) as e:   # the controller went away: its steps' answers are dropped
+        log.debug("step connection ends: %s", e)
+        closed.set()
+        pool.shutdown(wait=False)
+        return
+    pool.shutdown(wait=True)   # the controller closed its side (or sent garbage): the steps in flight answer first
+    with send:
+        try:
+            if malformed is not None:
+                send_frame(sock, REPLY, b"INVALID_ARGUMENT", str(malformed).encode()[:4096])
+            else:
+                send_frame(sock, END)
+        except OSError:
+            pass
+    closed.set()

@@ -65,7 +65,7 @@ from runtime.state.state_copy import shared_state, state_chunks
 from runtime.worker.worker_fence import Fencing
 from runtime.worker.worker_state import (Landing, flush_checkpoints, keep_snapshot, load_checkpoint, load_parameters,
                                          pull_state, save_step, strike_save_in_progress, while_saving)
-from runtime.worker.step_stream import serve_steps
+from runtime.worker.step_stream import serve_step_connection, serve_steps
 from runtime.worker.worker_step import Stepping
 
 __all__ = ["WorkerService", "probe_devices"]
@@ -461,6 +461,11 @@ class WorkerService(Fencing, Stepping, pb_grpc.WorkerServicer):
         """Controller: the same steps on one long-lived stream (:mod:`runtime.worker.step_stream`)."""
         return serve_steps(request_iterator, context, step=self._step, heard=lambda: self.heard("Steps"),
                            dropped=self.faults.partitioned)
+
+    def serve_step_connection(self, sock, first) -> None:
+        """Controller: the same stream on a data-plane connection (:func:`serve_step_connection`)."""
+        serve_step_connection(sock, first, step=self._step, heard=lambda: self.heard("Steps"),
+                              dropped=self.faults.partitioned)
 
     # -- helpers -------------------------------------------------------------
 

@@ -93,7 +93,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     address = f"{host}:{bound}"
     data = DataServer(host, secret=secret, tls=tls, on_push=service.receive_push, on_state=service.state_parts,
                       on_shared_state=service.shared_state, status_name=rpc.status_name, refusals=service.refusals,
-                      dropped=service.faults.partitioned)
+                      dropped=service.faults.partitioned, on_steps=service.serve_step_connection)
     devices = jax.devices()
     service.controller, service.owner = controller, owner
     service.identity = pb.AttachReply(worker_id=worker_id, pid=os.getpid(), host=service.host,
