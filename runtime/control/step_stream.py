@@ -337,6 +337,8 @@ class _SocketStream(_Stream):
             error = StatusError(grpc.StatusCode.UNAUTHENTICATED, e.message)
         except (OSError, ProtocolError, struct.error) as e:   # the worker went away, or was cancelled
             error = StatusError(grpc.StatusCode.UNAVAILABLE, f"the step connection ended: {e}")
+        except Exception as e:  # noqa: BLE001 - a bug here must still fail the steps, not leave them waiting
+            error = StatusError(grpc.StatusCode.INTERNAL, f"the step stream broke: {type(e).__name__}: {e}")
         finally:
             with self._send:
                 self._gone, self._sock = True, None
