@@ -20,8 +20,9 @@ answers (a run has a few workers per client, not the thousands the health
 monitor watches). On gRPC's sync API each message also wakes two threads
 of gRPC's own (a request consumer and the channel's poller); on a
 data-plane connection the request is one write from the caller's thread
-and the answer one read on the stream's, which is why it is the default. Every answer that is not an error
-is also passed to ``heard(worker, sent_at)`` (the health monitor's
+and the answer one read on the stream's, which is why it is the default.
+Every answer that is not an error is also passed to
+``heard(worker, sent_at)`` (the health monitor's
 :meth:`~runtime.control.health.HealthMonitor.heard`: a worker answering
 steps needs no Check).
 """
@@ -39,8 +40,8 @@ import grpc
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError
-from runtime.wire.dataplane_client import RemoteError
-from runtime.wire.dataplane_wire import END, REPLY, STEP, read_frame_head, recv_bytes, send_frame, shut
+from runtime.wire.dataplane_client import RemoteError, check_reply
+from runtime.wire.dataplane_wire import END, REPLY, STEP, parse_message, read_frame_head, recv_bytes, send_frame, shut
 from runtime.wire.rpc import StatusError
 
 __all__ = ["StepFuture", "StepStreams"]
@@ -321,20 +322,15 @@ class _SocketStream(_Stream):
                 if kind == END:
                     break   # the worker answered every step and ended it
                 payload = recv_bytes(sock, plen)
-                if kind == REPLY:   # it refused the stream (a request that did not parse)
-                    code = header.decode(errors="replace")
-                    error = StatusError(grpc.StatusCode[code] if code in grpc.StatusCode.__members__
-                                        else grpc.StatusCode.INTERNAL, payload.decode(errors="replace"))
-                    break
+                if kind == REPLY:   # it refused the stream (a request that did not parse): RemoteError
+                    check_reply(header, payload)
+                    raise ProtocolError("a step stream ended with a REPLY of OK")
                 if kind != STEP or header:
                     raise ProtocolError(f"a step stream's answer is a STEP frame, not kind {kind}")
-                try:
-                    reply = pb.StepReply.FromString(payload)
-                except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
-                    raise ProtocolError(f"a step answer does not parse ({type(e).__name__})") from None
-                self._answer(reply)
-        except RemoteError as e:   # the handshake was refused
-            error = StatusError(grpc.StatusCode.UNAUTHENTICATED, e.message)
+                self._answer(parse_message(pb.StepReply, payload, "a step answer"))
+        except RemoteError as e:   # refused: the handshake (UNAUTHENTICATED) or the stream
+            code = grpc.StatusCode.__members__.get(e.code, grpc.StatusCode.INTERNAL)
+            error = StatusError(code, e.message)
         except (OSError, ProtocolError, struct.error) as e:   # the worker went away, or was cancelled
             error = StatusError(grpc.StatusCode.UNAVAILABLE, f"the step connection ended: {e}")
         except Exception as e:  # noqa: BLE001 - a bug here must still fail the steps, not leave them waiting

@@ -50,7 +50,7 @@ from runtime.wire import auth, cross_memory
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, SHARED, STATE,
                                          STATE_REQUEST, STEP, VERSION, ChunkStream, Incoming, handshake_mac,
-                                         read_frame_head, recv_bytes, send_frame, shut)
+                                         parse_message, read_frame_head, recv_bytes, send_frame, shut)
 from runtime.core.errors import ProtocolError
 from runtime.wire.parts import Part
 
@@ -254,10 +254,7 @@ class DataServer:
         try:
             if head[2]:
                 raise ProtocolError("a state request carries no payload")
-            try:
-                request = pb.GetStateRequest.FromString(head[1])
-            except Exception as e:  # noqa: BLE001
-                raise ProtocolError(f"a state request does not parse ({type(e).__name__})") from None
+            request = parse_message(pb.GetStateRequest, head[1], "a state request")
             if request.shared_memory:
                 return self._shared_state(sock, request, reader)
             parts = iter(self._on_state(request))

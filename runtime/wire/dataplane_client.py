@@ -20,12 +20,12 @@ from typing import TypeVar
 from runtime.wire import auth, cross_memory
 from runtime._proto import elastic_pb2 as pb
 from runtime.wire.dataplane_wire import (END, HANDSHAKE_SECONDS, HELLO, MAGIC, OK, PIECE, REPLY, SHARED, STATE,
-                                         STATE_REQUEST, VERSION, ChunkStream, Incoming, handshake_mac, read_frame_head,
-                                         recv_bytes, send_frame, shut)
+                                         STATE_REQUEST, VERSION, ChunkStream, Incoming, handshake_mac, parse_message,
+                                         read_frame_head, recv_bytes, send_frame, shut)
 from runtime.core.errors import ProtocolError
 from runtime.wire.parts import Part
 
-__all__ = ["DataClient", "NotLocal", "RemoteError"]
+__all__ = ["DataClient", "NotLocal", "RemoteError", "check_reply"]
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ class DataClient:
             kind, header, plen = read_frame_head(sock)
             if kind != REPLY:
                 raise ProtocolError(f"expected a reply, got a frame of kind {kind}")
-            _check_reply(header, recv_bytes(sock, plen))
+            check_reply(header, recv_bytes(sock, plen))
 
     def get_state(self, address: str, request: pb.GetStateRequest, deadline: float) -> Iterator[Incoming]:
         """The ``StateChunk`` s of a peer's state; raises :class:`RemoteError` (before or midway) on refusal."""
@@ -101,7 +101,7 @@ class DataClient:
             kind, header, payload = stream.end
             if kind != REPLY:
                 raise ProtocolError(f"a state stream ended with a frame of kind {kind}")
-            _check_reply(header, payload)
+            check_reply(header, payload)
 
     def read_shared_state(self, address: str, request: pb.GetStateRequest, deadline: float,
                           copy: Callable[[pb.SharedState, int], T]) -> T:
@@ -137,14 +137,11 @@ class DataClient:
                                                                shared_memory=True).SerializeToString())
             kind, header, plen = read_frame_head(sock)
             if kind == REPLY:
-                _check_reply(header, recv_bytes(sock, plen))
+                check_reply(header, recv_bytes(sock, plen))
                 raise ProtocolError("a shared state read was answered OK without a state")
             if kind != SHARED or plen:
                 raise ProtocolError(f"expected a shared state, got a frame of kind {kind}")
-            try:
-                state = pb.SharedState.FromString(header)
-            except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
-                raise ProtocolError(f"a shared state does not parse ({type(e).__name__})") from None
+            state = parse_message(pb.SharedState, header, "a shared state")
             try:
                 result = copy(state, pid)
             except cross_memory.CrossMemoryUnavailable as e:
@@ -154,7 +151,7 @@ class DataClient:
             kind, header, plen = read_frame_head(sock)
             if kind != REPLY:
                 raise ProtocolError(f"a shared state read ended with a frame of kind {kind}")
-            _check_reply(header, recv_bytes(sock, plen))
+            check_reply(header, recv_bytes(sock, plen))
             return result
         finally:
             shut(sock)
@@ -165,7 +162,7 @@ class DataClient:
             idle = self._idle.get(address)
             sock = idle.pop() if idle else None
         if sock is None:
-            sock = self._connect(address, deadline)
+            sock = self.connect(address, deadline)
         _timeout(sock, deadline)
         if pushing:
             with self._lock:
@@ -184,10 +181,8 @@ class DataClient:
 
     def connect(self, address: str, deadline: float) -> socket.socket:
         """A new connection to ``address``, greeted (TLS and the run secret's handshake), for the caller to own
-        and close; :class:`RemoteError` (UNAUTHENTICATED) when refused, ``OSError`` when it cannot be made."""
-        return self._connect(address, deadline)
-
-    def _connect(self, address: str, deadline: float):
+        and close (:meth:`push` and the state reads keep theirs open for reuse); :class:`RemoteError`
+        (UNAUTHENTICATED) when refused, ``OSError`` when it cannot be made."""
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=max(min(deadline - time.monotonic(),
                                                                            HANDSHAKE_SECONDS), 0.001))
@@ -222,7 +217,8 @@ def _timeout(sock, deadline: float) -> None:
     sock.settimeout(left)
 
 
-def _check_reply(header: bytes, payload: bytes) -> None:
+def check_reply(header: bytes, payload: bytes) -> None:
+    """A ``REPLY`` frame read: returns when it says ``OK``, else raises :class:`RemoteError` with its status name."""
     code = header.decode(errors="replace")
     if code != OK:
         raise RemoteError(code, payload.decode(errors="replace"))
@@ -237,4 +233,4 @@ def _raise_reply(sock) -> None:
     except (OSError, ProtocolError, struct.error):
         return
     if kind == REPLY:
-        _check_reply(header, payload)
+        check_reply(header, payload)

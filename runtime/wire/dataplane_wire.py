@@ -50,8 +50,8 @@ import numpy as np
 from runtime.core.errors import ProtocolError
 
 __all__ = ["END", "FRAME", "HANDSHAKE_SECONDS", "HELLO", "MAGIC", "MAX_HEADER", "MAX_PAYLOAD", "OK", "PIECE", "REPLY",
-           "SHARED", "STATE", "STATE_REQUEST", "STEP", "VERSION", "ChunkStream", "Incoming", "handshake_mac", "read_exact",
-           "read_frame_head", "recv_bytes", "send_frame", "shut"]
+           "SHARED", "STATE", "STATE_REQUEST", "STEP", "VERSION", "ChunkStream", "Incoming", "handshake_mac",
+           "parse_message", "read_exact", "read_frame_head", "recv_bytes", "send_frame", "shut"]
 
 MAGIC, VERSION = b"JXDP", 1
 HELLO = struct.Struct("<4sH32s")      # magic, version, then the nonce (server) or the MAC (client)
@@ -62,6 +62,7 @@ MAX_PAYLOAD = 64 << 20                # as rpc.MAX_MESSAGE: a chunk is at most c
 HANDSHAKE_SECONDS = 10.0
 _INLINE = 64 << 10                    # payloads up to this size go out in one write with their header
 OK = "OK"
+_KINDS = (PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED, STEP)
 
 
 def handshake_mac(secret: str, nonce: bytes) -> bytes:
@@ -98,9 +99,18 @@ def send_frame(sock, kind: int, header: bytes = b"", payload=b"") -> None:
 def read_frame_head(sock) -> tuple[int, bytes, int]:
     """``(kind, header bytes, payload bytes)``; :class:`ProtocolError` for a frame no peer of ours sends."""
     kind, hlen, plen = FRAME.unpack(recv_bytes(sock, FRAME.size))
-    if kind not in (PIECE, END, STATE_REQUEST, STATE, REPLY, SHARED, STEP) or hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+    if kind not in _KINDS or hlen > MAX_HEADER or plen > MAX_PAYLOAD:
         raise ProtocolError(f"malformed data-plane frame (kind {kind}, header {hlen} bytes, payload {plen} bytes)")
     return kind, recv_bytes(sock, hlen), plen
+
+
+def parse_message(message_type, data: bytes, what: str):
+    """``data`` parsed as a ``message_type`` protobuf; :class:`ProtocolError` naming ``what`` when it does not
+    parse (any parse failure is the peer's malformed message)."""
+    try:
+        return message_type.FromString(data)
+    except Exception as e:  # noqa: BLE001 - protobuf raises several types for bad bytes
+        raise ProtocolError(f"{what} does not parse ({type(e).__name__})") from None
 
 
 class Incoming:
@@ -153,11 +163,7 @@ class ChunkStream:
                 raise ProtocolError(f"a frame of kind {kind} with a payload in a stream of kind {self._kind}")
             self.end = (kind, header, recv_bytes(self._sock, plen))
             raise StopIteration
-        try:
-            parsed = self._type.FromString(header)
-        except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
-            raise ProtocolError(f"a data-plane chunk header does not parse ({type(e).__name__})") from None
-        self._last = Incoming(parsed, plen, self._sock)
+        self._last = Incoming(parse_message(self._type, header, "a data-plane chunk header"), plen, self._sock)
         return self._last
 
 

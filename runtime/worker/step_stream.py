@@ -47,7 +47,7 @@ import grpc
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError
 from runtime.wire import rpc
-from runtime.wire.dataplane_wire import END, REPLY, STEP, read_frame_head, recv_bytes, send_frame
+from runtime.wire.dataplane_wire import END, REPLY, STEP, parse_message, read_frame_head, recv_bytes, send_frame
 from runtime.wire.parts import MAX_STEPS_AHEAD
 
 __all__ = ["serve_step_connection", "serve_steps"]
@@ -58,13 +58,14 @@ _END = object()
 
 
 class _Caller:
-    """What a step reads of its caller (``is_active``): the stream is open and the controller still reads it."""
+    """What a step reads of its caller (``is_active``): the stream is open and the controller still reads it
+    (``context``: the gRPC call's; None on a data-plane connection, where ``closed`` says both)."""
 
     def __init__(self, context, closed: threading.Event):
         self._context, self._closed = context, closed
 
     def is_active(self) -> bool:
-        return not self._closed.is_set() and self._context.is_active()
+        return not self._closed.is_set() and (self._context is None or self._context.is_active())
 
 
 def _answer(step: Callable[[pb.StepRequest, object], pb.StepReply], req: pb.StepRequest, caller) -> pb.StepReply:
@@ -134,23 +135,14 @@ def serve_steps(requests: Iterator[pb.StepRequest], context, *, step: Callable[[
         pool.shutdown(wait=False)
 
 
-class _Closed:
-    """What a step reads of its caller on a data-plane connection: the connection is still open."""
-
-    def __init__(self, closed: threading.Event):
-        self._closed = closed
-
-    def is_active(self) -> bool:
-        return not self._closed.is_set()
-
-
-def serve_step_connection(sock, first: tuple[int, bytes, int], *, step: Callable[[pb.StepRequest, object], pb.StepReply],
+def serve_step_connection(sock, first: tuple[int, bytes, int], *,
+                          step: Callable[[pb.StepRequest, object], pb.StepReply],
                           heard: Callable[[], None], dropped: Callable[[], bool]) -> None:
     """Serves a data-plane connection whose first frame (``first``, read) was a ``STEP``, until it ends (see the
     module docstring); the caller closes the socket after. ``step``, ``heard`` and ``dropped`` as for
     :func:`serve_steps`."""
     closed = threading.Event()
-    caller = _Closed(closed)
+    caller = _Caller(None, closed)
     send = threading.Lock()
     pool = _pool()
 
@@ -170,17 +162,14 @@ def serve_step_connection(sock, first: tuple[int, bytes, int], *, step: Callable
             kind, header, plen = head
             if kind != STEP or header:
                 raise ProtocolError(f"a step stream carries STEP frames (a message, no header), not kind {kind}")
-            try:
-                req = pb.StepRequest.FromString(recv_bytes(sock, plen))
-            except Exception as e:  # noqa: BLE001 - any parse failure is the peer's malformed message
-                raise ProtocolError(f"a step request does not parse ({type(e).__name__})") from None
+            req = parse_message(pb.StepRequest, recv_bytes(sock, plen), "a step request")
             heard()
             if not dropped():   # a chaos partition: no answer, as a unary call gets none
                 pool.submit(run, req)
             head = read_frame_head(sock)
     except ProtocolError as e:
         malformed = e
-    except (OSError, ConnectionError) as e:   # the controller went away: its steps' answers are dropped
+    except OSError as e:   # the controller went away (ConnectionError is one): its steps' answers are dropped
         log.debug("step connection ends: %s", e)
         closed.set()
         pool.shutdown(wait=False)
