@@ -31,6 +31,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataSource",
+    "DeviceMismatchError",
     "ElasticError",
     "ElasticTrainingFailedError",
     "FunctionSource",
@@ -51,8 +52,9 @@ _LAZY = {"RunRecordsLostError": "elastic.trainer", "Trainer": "elastic.trainer",
          "wrap": "elastic.trainer", "build_report": "elastic.report",
          # why a run ended (runtime.core.errors): what ``fit`` raises, for callers to branch on
          "CheckpointTree": "runtime",   # how checkpoints name the state's leaves (elastic.wrap(checkpoint_tree=))
-         **{name: "runtime" for name in ("BadInputError", "CapacityExhaustedError", "ElasticError",
-                                         "ElasticTrainingFailedError", "ReplicaDivergenceError", "StateLostError")}}
+         **{name: "runtime" for name in ("BadInputError", "CapacityExhaustedError", "DeviceMismatchError",
+                                         "ElasticError", "ElasticTrainingFailedError", "ReplicaDivergenceError",
+                                         "StateLostError")}}
 
 
 def __getattr__(name: str):

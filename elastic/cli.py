@@ -18,6 +18,8 @@ Shared helpers for subcommands live in :mod:`elastic.cli_support`.
 
 from __future__ import annotations
 
+import argparse
+import os
 import pathlib
 import sys
 from importlib.metadata import entry_points
@@ -95,17 +97,52 @@ def _cmd_report(args) -> int:
     return 0
 
 
+#: ``elastic worker``'s TLS flags, the variables they default to (what the local launcher sets), and what each is.
+_WORKER_TLS = {"tls_cert": "ELASTIC_TLS_CERT", "tls_key": "ELASTIC_TLS_KEY", "tls_ca": "ELASTIC_TLS_CA"}
+_TLS_FILE = {"tls_cert": "this worker's certificate", "tls_key": "its private key",
+             "tls_ca": "the CA that signed the run's certificates"}
+
+
 def _cmd_worker(args) -> int:
-    set_device_count(args.devices)
+    """Serves as a worker until the run lets it go; ends the process (never returns) once JAX started."""
+    tls = {flag: getattr(args, flag) or os.environ.get(env, "") for flag, env in _WORKER_TLS.items()}
+    if any(tls.values()):   # explicit flags win over the environment, each on its own
+        if missing := [f"--{f.replace('_', '-')} (${_WORKER_TLS[f]})" for f, v in tls.items() if not v]:
+            return usage_error(f"TLS needs a certificate, its key and the CA: missing {', '.join(missing)}")
+        if absent := [v for v in tls.values() if not os.path.isfile(v)]:
+            return usage_error(f"TLS file not found: {', '.join(absent)}")
+    if args.devices is not None:   # simulated CPU devices; else the devices JAX finds on this machine
+        set_device_count(args.devices)
     from runtime import worker_main
 
-    rest = ["--controller", args.controller, "--run-id", args.run_id, "--host", args.host, "--port", str(args.port)]
+    rest = ["--controller", args.controller, "--run-id", args.run_id, "--host", args.host, "--port", str(args.port),
+            "--register-timeout", str(args.register_timeout)]
     if args.worker_id:
         rest += ["--worker-id", args.worker_id]
     if args.compilation_cache_dir:
         rest += ["--compilation-cache-dir", args.compilation_cache_dir]
+    for flag, value in tls.items():
+        rest += [f"--{flag.replace('_', '-')}", value] if value else []
     worker_main(rest)
     return 0
+
+
+def _positive(text: str) -> float:
+    """Seconds > 0 (a wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A device count >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of devices >= 1, got {text!r}")
+    return int(text)
 
 
 def _add_builtins(sub) -> None:
@@ -123,13 +160,23 @@ def _add_builtins(sub) -> None:
     rp.add_argument("run_dir")
     rp.add_argument("--quiet", action="store_true", help="plain-text summary")
     rp.set_defaults(handler=_cmd_report)
-    w = sub.add_parser("worker", help="serve as a worker of a running controller")
+    w = sub.add_parser("worker", help="serve as a worker of a running controller",
+                       description="Join a run's controller as a worker (the run secret in $ELASTIC_RUN_SECRET). "
+                                   "Exits 0 when the run ends (or had ended), 1 when it cannot join (one line "
+                                   "says why).")
     w.add_argument("--controller", required=True, help="HOST:PORT of the controller")
     w.add_argument("--run-id", required=True)
-    w.add_argument("--worker-id", default="")
-    w.add_argument("--devices", type=int, default=1, help="simulated CPU devices (XLA host platform)")
-    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--worker-id", default="", help="default: this host's name and a random suffix")
+    w.add_argument("--devices", type=_count, default=None, metavar="N",
+                   help="N simulated CPU devices (XLA's host platform; sets JAX_PLATFORMS=cpu unless set); "
+                        "default: the devices JAX finds on this machine")
+    w.add_argument("--host", default="127.0.0.1", help="the address this worker listens on and tells its peers")
     w.add_argument("--port", type=int, default=0)
+    w.add_argument("--register-timeout", type=_positive, default=60.0, metavar="SECONDS",
+                   help="how long to wait for the controller to answer (default: 60); then exit 1")
+    for flag, env in _WORKER_TLS.items():
+        w.add_argument(f"--{flag.replace('_', '-')}", default="", metavar="PEM",
+                       help=f"mutual TLS: {_TLS_FILE[flag]}, a PEM file (default: ${env})")
     w.add_argument("--compilation-cache-dir", default="",
                    help="JAX's persistent compilation cache on this host (shared with the run's other workers "
                         "when the file system is; default: $ELASTIC_COMPILATION_CACHE_DIR, else none)")

@@ -13,6 +13,9 @@ line names the config key to change. Nothing here imports JAX.
   spares) or simulated devices than this host can hold: a pure function of the
   counts and a :class:`HostCapacity`; :func:`check_config_capacity` applies it
   to a Config and this host.
+* :func:`check_ray_cluster`: for Ray actors, refuses a cluster that does not
+  answer, has no node on this machine, or cannot hold every actor at once;
+  asked over its control store's gRPC, without starting a Ray driver.
 * :func:`check_data_source`: refuses a data source whose ``element_spec()``
   does not describe one microbatch of the config (a global batch's shapes,
   most often), which the workers would otherwise find only when they run the
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from elastic.config import Config, ConfigError
 from elastic.data import normalize_spec
 from elastic.options import controller_options, run_settings
-from runtime import BadInputError, locate_checkpoint, newest_checkpoint, ray_cluster_problem
+from runtime import BadInputError, locate_checkpoint, newest_checkpoint, ray_cluster_problem, ray_cluster_room
 
 __all__ = [
     "PER_WORKER_BYTES",
@@ -47,6 +50,7 @@ __all__ = [
     "check_load_parameters_path",
     "check_local_capacity",
     "check_output_directory",
+    "check_ray_cluster",
     "claim_run_directory",
     "host_capacity",
 ]
@@ -118,15 +122,37 @@ def check_local_capacity(slices: int, spares: int, devices_per_slice: int, max_l
 
 def check_config_capacity(cfg: Config, host: HostCapacity | None = None) -> None:
     """:func:`check_local_capacity` for the workers ``cfg`` starts (spares after ``elastic_enabled``); for Ray
-    actors, that the cluster named answers (within ``elastic_register_timeout_seconds``, at most 60 s)."""
+    actors, :func:`check_ray_cluster`."""
     opts = controller_options(cfg, "")
     if opts.launcher == "ray":
-        if problem := ray_cluster_problem(opts.ray_address, min(opts.register_timeout_seconds, 60.0)):
-            raise ConfigError(problem)
+        check_ray_cluster(opts)
     if opts.launcher != "local":
         return   # the workers run elsewhere: Ray's or the scheduler's capacity, not this host's
     check_local_capacity(opts.slices, opts.spares, opts.devices_per_slice, run_settings(cfg).max_local_workers,
                          host or host_capacity())
+
+
+def check_ray_cluster(opts) -> None:
+    """Refuses a run on a Ray cluster (``opts``: its ``ControllerOptions``) that does not answer within
+    ``elastic_register_timeout_seconds`` (at most 60 s), that has no node on this machine for the client to join,
+    or whose live nodes cannot hold every worker actor at once (slices and spares, 1 CPU each and their devices
+    as GPUs on the GPU platform): such actors would wait for a CPU until the registration timeout. The nodes are
+    those up now (an autoscaler's later ones do not count). Starts no Ray driver."""
+    timeout = min(opts.register_timeout_seconds, 60.0)
+    if problem := ray_cluster_problem(opts.ray_address, timeout):
+        raise ConfigError(problem)
+    gpus = opts.devices_per_slice if opts.platform == "gpu" else 0
+    room = ray_cluster_room(opts.ray_address, timeout, gpus)
+    workers = opts.slices + opts.spares
+    if room is None or room.actors >= workers:
+        return
+    where = f"ray_address={opts.ray_address}" if opts.ray_address else f"$RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+    each = f"1 CPU and {gpus} GPUs" if gpus else "1 CPU"
+    has = f"{room.cpus:g} CPUs" + (f" and {room.gpus:g} GPUs" if gpus else "")
+    raise ConfigError(f"config keys 'dcn_data_parallelism' ({opts.slices}) and 'elastic_spares' ({opts.spares}) ask "
+                      f"for {workers} Ray actors of {each} each; the cluster at {where} holds {room.actors} "
+                      f"({has} on {room.nodes} node{'s' * (room.nodes != 1)}): add CPUs or nodes to it "
+                      "(`ray start --num-cpus=N`), or ask for fewer")
 
 
 # --------------------------------------------------------------------------- data source

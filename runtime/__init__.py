@@ -59,6 +59,7 @@ _LAZY = {
     "STATE_DIGEST": ("runtime.state.state_copy", "DIGEST"),
     "ray_available": ("runtime.launch.ray_launcher", "ray_available"),
     "ray_cluster_problem": ("runtime.launch.ray_launcher", "cluster_problem"),
+    "ray_cluster_room": ("runtime.launch.ray_launcher", "cluster_room"),
 }
 
 
@@ -174,6 +175,7 @@ __all__ = [
     "program_platforms",
     "ray_available",
     "ray_cluster_problem",
+    "ray_cluster_room",
     "read_events",
     "run_local_pipeline",
     "LocalPipeline",

@@ -104,6 +104,7 @@ class Controller:
         self.run_id = reattach.state.run_id if reattach else options.run_id or uuid.uuid4().hex[:12]
         self.events = events
         self.state = reattach.state if reattach else RunState()
+        self._last_event_t = time.time()   # _fold reads it: an event may come before __init__ ends (its failure)
         events.subscribe(self._fold)
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
                                           options, events)
@@ -131,7 +132,6 @@ class Controller:
         # themselves while it was silent): records it, or raises ClientSupersededError when the run is
         # another client's now. None: it may not (the run then recovers as from any refusal, and fails).
         self.take_back = None
-        self._last_event_t = time.time()
 
     def _fold(self, event: dict) -> None:
         self.state = self.state.apply(event)

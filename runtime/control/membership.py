@@ -32,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from runtime.core.errors import (CapacityExhaustedError, ElasticError, ReplicaDivergenceError, StateLostError,
-                            WorkerLostError)
+from runtime.core.errors import (CapacityExhaustedError, DeviceMismatchError, ElasticError, ReplicaDivergenceError,
+                                 StateLostError, WorkerLostError)
 from runtime.control.plan import Action, Change, ChangePlan, Facts, Failure, RecoveryDecision, plan_change
 from runtime.control.policy import Placement, slice_stages, stage_groups
 from runtime.control.state_copies import StateCopies
@@ -47,8 +47,10 @@ RESTORED_EVENT = {"checkpoint": "checkpoint_restored", "snapshot": "snapshot_res
 
 def failed(decision: RecoveryDecision, message: str, step: int | None = None) -> CapacityExhaustedError:
     """The error that ends the run for a ``FAIL`` decision, by its typed ``failure`` (never by the reason's
-    text): ``StateLostError`` when no copy of the state is left, else ``CapacityExhaustedError``."""
-    kind = StateLostError if decision.failure is Failure.STATE_LOST else CapacityExhaustedError
+    text): ``StateLostError`` when no copy of the state is left, ``DeviceMismatchError`` when the workers that
+    joined have other devices than a slice's, else ``CapacityExhaustedError``."""
+    kind = {Failure.STATE_LOST: StateLostError, Failure.DEVICES: DeviceMismatchError}.get(decision.failure,
+                                                                                          CapacityExhaustedError)
     return kind(message, step=step, cause=decision.reason)
 
 

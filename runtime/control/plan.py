@@ -59,10 +59,12 @@ class Action(enum.Enum):
 
 class Failure(enum.Enum):
     """Why a ``FAIL`` ends the run: ``CAPACITY`` raises ``CapacityExhaustedError``, ``STATE_LOST``
-    ``StateLostError`` (:mod:`runtime.core.errors`; :func:`runtime.control.membership.failed` maps them)."""
+    ``StateLostError``, ``DEVICES`` ``DeviceMismatchError`` (:mod:`runtime.core.errors`;
+    :func:`runtime.control.membership.failed` maps them)."""
 
     CAPACITY = "capacity"       # too few workers: no spare, below the minimum, recoveries used up
     STATE_LOST = "state_lost"   # and no copy of the state is left, in a replica or a backup
+    DEVICES = "devices"         # workers joined, but with another device count than a slice's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +172,9 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
     placed. ``REPLACE`` when every slice has a worker (nothing lost, or the others
     covered the lost ones), ``SHRINK`` when fewer fit but at least
     ``min_slices`` (the run grows back when capacity returns), ``FAIL``
-    (with the shortfall) otherwise.
+    (with the shortfall) otherwise: ``Failure.DEVICES`` when workers that do
+    not fit a slice registered (the reason names them and their devices),
+    else ``Failure.CAPACITY``.
     """
     lost = sorted(lost)
     alive = [w for w in workers if w.worker_id not in lost]
@@ -178,6 +182,10 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
         placement = place(num_vslices, devices_per_slice, alive, min_slices=min_slices)
     except ValueError as e:
         why = f"; {len(lost)} worker(s) died before registering" if lost else ""
+        if any(w.num_devices != devices_per_slice for w in alive):
+            need = min(min_slices, num_vslices)
+            return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{_misfits(alive, devices_per_slice, need)}{why}",
+                                    failure=Failure.DEVICES)
         return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}", failure=Failure.CAPACITY)
     if len(placement.active) < num_vslices:
         return RecoveryDecision(Action.SHRINK, placement, f"{len(lost)} worker(s) died before registering: "
@@ -185,6 +193,20 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
                                                           f"{num_vslices} slices")
     return RecoveryDecision(Action.REPLACE, placement, "every slice has a worker" + (
         f" ({len(lost)} that died before registering were replaced)" if lost else ""))
+
+
+def _misfits(workers: list[WorkerInfo], devices_per_slice: int, need: int, named: int = 3) -> str:
+    """Why the workers that joined fit no slice: how many devices a slice needs, which workers (the first
+    ``named``) have how many, and how a worker is started to fit (``need``: the fitting workers needed)."""
+    misfits = sorted((w for w in workers if w.num_devices != devices_per_slice), key=lambda w: w.worker_id)
+    fit = len(workers) - len(misfits)
+    text = (f"a slice needs {devices_per_slice} devices and {fit} of the {need} workers needed have them: "
+            + ", ".join(f"worker {w.worker_id} has {w.num_devices} {w.platform} device(s)" for w in misfits[:named]))
+    if len(misfits) > named:
+        text += f", and {len(misfits) - named} more"
+    if any(w.platform == "cpu" for w in misfits):
+        return text + f"; start each CPU worker with `elastic worker --devices {devices_per_slice}`"
+    return text + f"; start workers where JAX finds {devices_per_slice} devices each"
 
 
 def capacity_timed_out(decision: RecoveryDecision, timeout_seconds: float,

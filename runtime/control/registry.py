@@ -5,8 +5,10 @@ each worker that may join (``worker_registered``) and wakes whoever waits on
 ``cond``; it refuses, recorded as ``register_refused``, a worker of another
 run, an id already in use, or one the run has fenced (``refuse`` says why);
 it ends a registration that cannot describe a worker with INVALID_ARGUMENT
-(:meth:`Registry.malformed`, pure) and records nothing. ``refusals`` counts the
-calls the controller's server refused for their run secret.
+(:meth:`Registry.malformed`, pure) and records nothing. Once the run ended
+(:meth:`Registry.end`) every registration is answered ``run_ended`` and
+recorded nowhere: the worker has nothing to join and exits 0. ``refusals``
+counts the calls the controller's server refused for their run secret.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Registry(pb_grpc.ControllerServicer):
         self.events = events
         self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
         self.workers: dict[str, WorkerInfo] = {}
+        self.ended = False   # the run is over: registrations are answered run_ended (see end)
         self.cond = threading.Condition()
         self.refusals = auth.Refusals()
 
@@ -64,7 +67,11 @@ class Registry(pb_grpc.ControllerServicer):
             return pb.RegisterReply(accepted=False, reason=reason, generation=self.generation, wait=wait)
         info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
                           request.data_address, request.host)
-        self.add(info)
+        with self.cond:   # with end(): a worker is either registered before the end (and sent home) or told it ended
+            if self.ended:
+                return pb.RegisterReply(accepted=False, run_ended=True, generation=self.generation,
+                                        reason=f"run {self.run_id} ended before this worker joined")
+            self.add(info)
         self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
                          devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host,
                          data_address=info.data_address)
@@ -75,6 +82,13 @@ class Registry(pb_grpc.ControllerServicer):
         with self.cond:
             self.workers[info.worker_id] = info
             self.cond.notify_all()
+
+    def end(self) -> list[WorkerInfo]:
+        """The run is over (the client closes it): later registrations are answered ``run_ended``. Answers every
+        worker registered until now, for the client to send home (one that registered late was never adopted)."""
+        with self.cond:
+            self.ended = True
+            return list(self.workers.values())
 
     @staticmethod
     def malformed(r: pb.RegisterRequest) -> str:

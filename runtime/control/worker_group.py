@@ -248,12 +248,13 @@ class WorkerGroup:
                     break
                 if left <= 0:
                     how = (f"start them with `elastic worker --controller {self.address} --run-id {self.run_id}`"
-                           if self.launcher.external else "see the worker logs")
+                           if self.launcher.external else self.launcher.explain_unregistered(waiting))
                     raise RegistrationTimeoutError(f"{len(live)} of {n} workers registered within "
                                                    f"{timeout:.0f} s; {how}")
                 self.registry.cond.wait(min(left, 0.2))
         if not live:
-            raise RegistrationTimeoutError(f"no worker registered: {len(self.dead)} exited first; see the worker logs")
+            raise RegistrationTimeoutError(f"no worker registered: {len(self.dead)} exited first; "
+                                           f"{self.launcher.explain_unregistered([])}")
         for w in live:
             self._adopt(w)
         return live

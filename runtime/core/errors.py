@@ -18,6 +18,7 @@ __all__ = [
     "ElasticTrainingFailedError",
     "CapacityExhaustedError",
     "StateLostError",
+    "DeviceMismatchError",
     "ReplicaDivergenceError",
     "BadInputError",
     "ClusterUnreachableError",
@@ -175,6 +176,13 @@ class StateLostError(CapacityExhaustedError):
 
     advice = ("what to do: run again with spares, and keep in-memory snapshots or checkpoints so a later loss "
               "restores the state instead of ending the run")
+
+
+class DeviceMismatchError(CapacityExhaustedError):
+    """Workers joined, but too few with the devices a slice needs: the message names those that do not fit and
+    what they have. More workers like them would not help; workers with the right devices would."""
+
+    advice = "what to do: start workers with the devices a slice needs (see why); more workers like these won't fit"
 
 
 class ReplicaDivergenceError(ElasticTrainingFailedError):

@@ -134,6 +134,11 @@ class LocalLauncher:
         proc = self.procs[worker_id] = self._start(identity, f"worker-{worker_id}.log")
         return proc
 
+    def explain_unregistered(self, workers) -> str:
+        """Where to look when launched ``workers`` did not register (called by the worker group as it gives up):
+        their logs."""
+        return f"see the worker logs in {self.log_dir}"
+
     def prepare_standby(self) -> None:
         """Starts standby processes until ``standby`` of them wait (none when ``standby`` is 0)."""
         with self._lock:

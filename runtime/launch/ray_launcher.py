@@ -46,6 +46,14 @@ module imports it, and only when the launcher is chosen. The cluster is
 starts. Worker logs are Ray's (its session's ``logs`` directory on each
 node). The run secret reaches the actors as an argument of their call: it is
 as visible as anything else in the cluster's control store.
+
+A cluster named by ``host:port`` is asked first, over the gRPC of its control
+store (GCS), which nodes it has (:func:`cluster_problem`, :func:`cluster_room`):
+the client's Ray driver joins the node of this machine that registered there
+(:func:`driver_node`), wherever Ray put it (``ray start --node-ip-address=127.0.0.1``
+registers the host's interface address unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in its environment), and a run
+the nodes cannot hold is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -54,9 +62,13 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-__all__ = ["NAMESPACE", "RayLauncher", "actor_name", "cluster_problem", "connect", "ray_available"]
+__all__ = ["NAMESPACE", "ClusterNode", "ClusterRoom", "RayLauncher", "actor_name", "cluster_problem", "cluster_room",
+           "connect", "driver_node", "ray_available", "room_for_actors", "unregistered_reason"]
 
 log = logging.getLogger("jax_elastic.ray")
 
@@ -90,35 +102,54 @@ def connect(address: str = "", timeout: float = 60.0) -> str:
     """Connects this process to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``, else a local one Ray
     starts), once; returns this node's IP address (where the controller listens for the actors).
 
-    A cluster named by ``host:port`` must answer within ``timeout`` seconds,
-    else ``ClusterUnreachableError`` names the address (Ray itself retries
-    for about 15 minutes). A loopback address keeps this process on loopback
-    too (Ray's node IP), so a cluster on 127.0.0.1 is reached without the
-    host's interface address.
+    A cluster named by ``host:port`` must answer within ``timeout`` seconds
+    (Ray itself retries for about 15 minutes) and have a node on this machine
+    for the driver to join: the one registered at the address given if there
+    is one (a cluster on loopback is reached on loopback, never through the
+    host's interface address), else wherever Ray registered this machine's
+    node. Any failure, Ray's own included, is a ``ClusterUnreachableError``
+    whose one line names the key and the address.
     """
+    from runtime.core.errors import ClusterUnreachableError
+
     target = address or os.environ.get("RAY_ADDRESS", "")
     where = _host_port(target)
-    if where is not None and _loopback(where[0]):
-        # Ray turns a loopback address into the host's interface address (so that other machines could
-        # reach it) unless this switch is off; a cluster bound to loopback is not listening there.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    if not ray.is_initialized():
-        options = {}
-        if where is not None:
-            if problem := cluster_problem(address, timeout):
-                from runtime.core.errors import ClusterUnreachableError
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    options = {}
+    if where is not None:
+        problem, node = _survey(address, timeout)
+        if problem:
+            raise ClusterUnreachableError(problem)
+        if _loopback(where[0]):
+            # Ray turns a loopback address into the host's interface address (so that other machines could reach
+            # it) unless this switch is off; a cluster bound to loopback is not listening there. Set here, not in
+            # the environment, as Ray read that at its import.
+            from ray._private import ray_constants
 
-                raise ClusterUnreachableError(problem)
-            if _loopback(where[0]):
-                constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-                if constants is not None:   # Ray was imported before this call: the switch is read already
-                    constants.ENABLE_RAY_CLUSTER = False
-                options["_node_ip_address"] = where[0]
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        if node or _loopback(where[0]):
+            options["_node_ip_address"] = node or where[0]
+    try:
         ray.init(address=target or None, include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING, **options)
+    except Exception as e:   # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError... for this
+        ray.shutdown()
+        where_to = f"{_key(address)}={target}: Ray could not connect to the cluster there" if target else \
+            "elastic_launcher=ray: Ray could not start a local cluster"
+        raise ClusterUnreachableError(f"{where_to}: {type(e).__name__}: {_first_line(e)}") from e
     return ray.util.get_node_ip_address()
+
+
+def _key(address: str) -> str:
+    """The name of where a cluster address came from, for messages."""
+    return "ray_address" if address else "$RAY_ADDRESS"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -138,27 +169,160 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def cluster_problem(address: str, timeout: float = 60.0) -> str:
-    """Why the Ray cluster at ``address`` (else ``$RAY_ADDRESS``) cannot be reached within ``timeout`` seconds,
-    in one line naming the key and the address; "" when it answers, or when Ray is to find or start the
-    cluster itself (no ``host:port``). Imports no Ray: the client checks this before anything starts."""
+def _on_this_machine(ip: str) -> bool:
+    """Whether ``ip`` is an address of this machine (a socket binds it; nothing is sent)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """A live node of a Ray cluster, as its control store lists it: the address it registered (where its
+    raylet and its actors listen) and its total resources (``{"CPU": 4.0, "GPU": 1.0, ...}``)."""
+
+    address: str
+    resources: Mapping[str, float]
+    head: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterRoom:
+    """How many worker actors a cluster's live nodes hold at once (each takes 1 CPU, and its devices as GPUs
+    on the GPU platform), and what they have in all."""
+
+    actors: int
+    cpus: float
+    gpus: float
+    nodes: int
+
+
+def driver_node(host: str, nodes: Sequence[ClusterNode], on_this_machine: Callable[[str], bool]) -> str | None:
+    """The address of the node this client's Ray driver joins (a driver joins a node of its own machine): the
+    cluster's ``host`` itself when a node registered there and it is this machine's (a head on loopback), else
+    the first of ``nodes`` (the head first) at an address of this machine (a head that Ray registered at the
+    host's interface address although it was asked for loopback); None when no node is on this machine. Pure
+    but for ``on_this_machine``."""
+    addresses = [n.address for n in sorted(nodes, key=lambda n: not n.head)]
+    if host in addresses and on_this_machine(host):
+        return host
+    return next((a for a in addresses if on_this_machine(a)), None)
+
+
+def room_for_actors(nodes: Sequence[ClusterNode], gpus_per_actor: int = 0) -> ClusterRoom:
+    """The :class:`ClusterRoom` of ``nodes`` for actors of 1 CPU and ``gpus_per_actor`` GPUs each (an actor
+    does not span nodes: a node holds as many as its smallest share allows). Pure."""
+    actors = 0
+    for node in nodes:
+        fits = int(node.resources.get("CPU", 0.0) + 1e-9)
+        if gpus_per_actor:
+            fits = min(fits, int(node.resources.get("GPU", 0.0) / gpus_per_actor + 1e-9))
+        actors += fits
+    return ClusterRoom(actors, sum(n.resources.get("CPU", 0.0) for n in nodes),
+                       sum(n.resources.get("GPU", 0.0) for n in nodes), len(nodes))
+
+
+def _hostport(where: tuple[str, int]) -> str:
+    return f"{where[0]}:{where[1]}" if ":" not in where[0] else f"[{where[0]}]:{where[1]}"
+
+
+def _cluster_nodes(where: tuple[str, int], timeout: float) -> tuple[ClusterNode, ...] | None:
+    """The live nodes that the control store (GCS) at ``where`` lists; None when it does not answer that call
+    (a cluster that asks for a token, a Ray too different)."""
+    import grpc
+    from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = grpc.insecure_channel(_hostport(where))
+    try:
+        reply = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetAllNodeInfo(
+            gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        log.info("the Ray cluster at %s did not list its nodes: %s", _hostport(where), e)
+        return None
+    finally:
+        channel.close()
+    if reply.status.code:
+        return None
+    return tuple(ClusterNode(n.node_manager_address, dict(n.resources_total), n.is_head_node)
+                 for n in reply.node_info_list if n.state == gcs_pb2.GcsNodeInfo.ALIVE)
+
+
+def _survey(address: str, timeout: float) -> tuple[str, str | None]:
+    """``(problem, node)``: why the cluster at ``address`` (else ``$RAY_ADDRESS``) cannot be used from here
+    ("" when it can), and the address of the node on this machine that a driver joins (None: unknown, or Ray
+    is to find or start the cluster itself)."""
     target = address or os.environ.get("RAY_ADDRESS", "")
     where = _host_port(target)
     if where is None:
-        return ""
+        return "", None
     import grpc
 
-    key = "ray_address" if address else "$RAY_ADDRESS"
-    hostport = f"{where[0]}:{where[1]}" if ":" not in where[0] else f"[{where[0]}]:{where[1]}"
-    channel = grpc.insecure_channel(hostport)
+    key = _key(address)
+    channel = grpc.insecure_channel(_hostport(where))
     try:   # Ray's GCS (and its client server) speak gRPC: a listener that does not is no cluster either
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
         return (f"{key}={target}: no Ray cluster answers there within {timeout:.0f} s (start one with "
-                "`ray start --head`, or give the address it prints)")
+                "`ray start --head`, or give the address it prints)"), None
     finally:
         channel.close()
-    return ""
+    if target.startswith("ray://"):
+        return "", None   # Ray Client: the driver runs in the cluster, on no node of this machine
+    nodes = _cluster_nodes(where, timeout)
+    if nodes is None:
+        return "", None
+    if not nodes:
+        return f"{key}={target}: the Ray cluster there has no live node (is its head still starting?)", None
+    node = driver_node(where[0], nodes, _on_this_machine)
+    if node is None:
+        listed = ", ".join(sorted({n.address for n in nodes})[:4])
+        return (f"{key}={target}: the Ray cluster there has no node on this machine (its nodes: {listed}) and a "
+                "Ray driver joins a node of its own machine: run the client on one of them, or give its Ray "
+                "Client address (ray://HEAD:10001)"), None
+    return "", node
+
+
+def cluster_problem(address: str, timeout: float = 60.0) -> str:
+    """Why the Ray cluster at ``address`` (else ``$RAY_ADDRESS``) cannot be used from here, in one line naming
+    the key and the address: it does not answer within ``timeout`` seconds, or it has no node on this machine
+    for the client's driver to join. "" when it can be, or when Ray is to find or start the cluster itself (no
+    ``host:port``). Starts no Ray driver: the client checks this before anything starts."""
+    return _survey(address, timeout)[0]
+
+
+def cluster_room(address: str, timeout: float = 60.0, gpus_per_actor: int = 0) -> ClusterRoom | None:
+    """The :class:`ClusterRoom` of the live nodes of the cluster at ``address`` (else ``$RAY_ADDRESS``); None
+    when that is not known (no ``host:port``, a Ray Client address, a control store that does not list its
+    nodes to an anonymous caller). Starts no Ray driver."""
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    where = _host_port(target)
+    if where is None or target.startswith("ray://"):
+        return None
+    nodes = _cluster_nodes(where, timeout)
+    return None if nodes is None else room_for_actors(nodes, gpus_per_actor)
+
+
+def unregistered_reason(not_started: Sequence[str], started: Sequence[str], needs: Mapping[str, float],
+                        free: Mapping[str, float], total: Mapping[str, float]) -> str:
+    """One line on worker actors that did not register: ``not_started`` (Ray created no actor for them yet),
+    ``started`` (their actor runs, its worker did not register), given what one actor ``needs`` and what the
+    cluster has ``free`` and in ``total``. Pure."""
+    parts = []
+    if not_started:
+        short = [f"{free.get(r, 0.0):g} of {total.get(r, 0.0):g} {r}s free" for r, n in needs.items()
+                 if free.get(r, 0.0) < n]
+        each = " and ".join(f"{n:g} {r}" for r, n in needs.items())
+        why = (f"no node has what each one needs free ({each}; the cluster has {', '.join(short)}): free some or "
+               "add nodes; `ray status` lists them under its pending demands") if short else \
+            "Ray has not placed or started them yet (`ray status` shows what it waits for)"
+        parts.append(f"the actors of {', '.join(not_started)} did not start: {why}")
+    if started:
+        parts.append(f"the actors of {', '.join(started)} run but their workers did not register: see their "
+                     "logs in Ray's session logs directory on their nodes (worker-*.err)")
+    return "; ".join(parts) or "see the actors' logs in Ray's session logs directory on their nodes"
 
 
 def actor_name(run_id: str, worker_id: str) -> str:
@@ -243,10 +407,11 @@ class RayLauncher:
         ``host_name``: a Ray node id (the host a dead predecessor registered) is asked for first (soft
         affinity: elsewhere when that node is gone)."""
         ray = self.ray
-        options = {"num_cpus": 1, "runtime_env": {"env_vars": self._env}, "lifetime": "detached",
+        needs = self._needs()
+        options = {"num_cpus": needs["CPU"], "runtime_env": {"env_vars": self._env}, "lifetime": "detached",
                    "name": actor_name(self.run_id, worker_id), "namespace": NAMESPACE}
-        if self.platform == "gpu":
-            options["num_gpus"] = self.devices
+        if "GPU" in needs:
+            options["num_gpus"] = needs["GPU"]
         if re.fullmatch(r"[0-9a-f]{56}", host_name):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -262,6 +427,22 @@ class RayLauncher:
 
     def prepare_standby(self) -> None:
         """Ray keeps its own pool of worker processes; no standby here."""
+
+    def explain_unregistered(self, workers: Sequence[str]) -> str:
+        """Why the actors of ``workers`` (launched, not registered when the worker group gave up waiting) have no
+        worker serving, as far as Ray tells: those Ray has not started (no node with the CPU or GPUs free that
+        each one needs), those it started whose worker did not register. Called by the worker group."""
+        ray = self.ray
+        handles = {w: self.procs[w] for w in workers if w in self.procs}
+        probes = {h.actor.__ray_ready__.remote(): w for w, h in handles.items()}   # answers once it was created
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=2.0) if probes else ([], [])
+        started = sorted(probes[r] for r in ready)
+        return unregistered_reason(sorted(set(handles) - set(started)), started, self._needs(),
+                                   ray.available_resources(), ray.cluster_resources())
+
+    def _needs(self) -> dict[str, float]:
+        """The resources of one worker actor."""
+        return {"CPU": 1.0, **({"GPU": float(self.devices)} if self.platform == "gpu" else {})}
 
     def adopt(self, worker_id: str, pid: int) -> None:
         """A worker an earlier client of the run launched, attached by this one: its actor, found by name, is

@@ -71,7 +71,7 @@ def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
     is called when a call that passed every check (transport, secret, the
     interceptors) reaches its handler: a call that was refused or dropped
     never calls it. Requests and replies over ``max_message`` bytes are
-    refused with RESOURCE_EXHAUSTED.
+    refused with RESOURCE_EXHAUSTED. ``OSError`` when it cannot listen there.
     """
     interceptors = list(interceptors)
     if secret:
@@ -82,10 +82,13 @@ def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
                ("grpc.max_metadata_size", MAX_METADATA)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                          interceptors=interceptors)
-    if tls is not None:
-        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        if tls is not None:
+            bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:   # what grpcio raises for an address it cannot bind (older ones answered 0)
+        bound = 0
     if bound == 0:
         raise OSError(f"could not bind a gRPC server on {host}:{port}")
     return server, bound

@@ -17,10 +17,12 @@ compile or a step cannot be interrupted, so :func:`main` ends the process
 with ``os._exit`` after a bounded cleanup instead of waiting for them (a
 normal interpreter exit joins every thread of the gRPC server's pool).
 
-Exit status: 0 told to shut down; 1 failed to start (the first registration
-was refused, the controller unreachable); 3 fenced itself and was refused
-(or could not ask) when it asked to come back, or its grace ran out after
-its lease lapsed; 4 the run's owner died (at once, or when the grace ran out).
+Exit status: 0 told to shut down, or the run it came to join had ended;
+1 failed to start (the first registration was refused, its run secret too;
+no controller answered within ``--register-timeout``), with one line that
+says why; 3 fenced itself and was refused (or could not ask) when it asked
+to come back, or its grace ran out after its lease lapsed; 4 the run's owner
+died (at once, or when the grace ran out).
 
 Set ``XLA_FLAGS`` (device count) before this module is imported.
 """
@@ -41,6 +43,7 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime.core import allocator, compile_cache
+from runtime.core.errors import AuthenticationError, ElasticError, RegistrationTimeoutError
 from runtime.wire import auth, rpc
 from runtime.core.owner import Owner, set_title
 from runtime._proto import elastic_pb2 as pb
@@ -55,6 +58,7 @@ log = logging.getLogger("jax_elastic.worker")
 
 EXIT_SHUTDOWN, EXIT_FAILED, EXIT_FENCED, EXIT_ORPHANED = 0, 1, 3, 4
 STOP_GRACE_SECONDS = 0.5   # calls in flight get this long to finish when the worker goes
+REGISTER_SECONDS = 60.0    # the first registration waits this long for a controller (--register-timeout)
 #: Benchmarks only (benchmarks/pipeline_bubble.py --workers): seconds each pipeline stage worker sleeps per forward
 #: and per backward (a last counts both), so stages are equal and slower than the host's noise. Read by the worker
 #: process alone (a run's client passes its environment on to the workers it launches); never a config key.
@@ -62,7 +66,7 @@ STAGE_DELAY_VARIABLE = "ELASTIC_SIMULATED_STAGE_DELAY"
 
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
-          register_timeout: float = 60.0, owner: Owner | None = None, secret: str = "",
+          register_timeout: float = REGISTER_SECONDS, owner: Owner | None = None, secret: str = "",
           chaos: bool = False, tls=None, host_name: str = "", stage_delay: float = 0.0) -> int:
     """Runs a worker until told to shut down, its ``owner`` dies (None: no owner), or it fences itself.
 
@@ -71,9 +75,12 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     ``EXIT_SHUTDOWN`` after a shutdown, ``EXIT_FENCED`` after fencing itself
     (it lost the controller's lease and was refused when it asked to come
     back: the run has moved on without it), ``EXIT_ORPHANED`` when its
-    owner died. Raises ``SystemExit`` when the controller refuses the first
-    registration, and ``grpc.RpcError`` when it cannot be reached within
-    ``register_timeout`` seconds. ``stage_delay``: benchmarks only, seconds a pipeline stage sleeps per
+    owner died; ``EXIT_SHUTDOWN`` at once when the controller answers that
+    the run already ended. Raises ``SystemExit`` when the controller refuses
+    the first registration, ``AuthenticationError`` when it refuses the run
+    secret, ``RegistrationTimeoutError`` when no controller answers within
+    ``register_timeout`` seconds (each message one line that says what to
+    do). ``stage_delay``: benchmarks only, seconds a pipeline stage sleeps per
     forward and per backward (a simulated compute; see :func:`main`).
 
     Only calls that passed the transport and the run secret renew the
@@ -82,9 +89,15 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     """
     allocator.retain_freed_memory()   # before the first step's buffers
     service = WorkerService(run_id, worker_id, secret, chaos=chaos, tls=tls, host=host_name, stage_delay=stage_delay)
-    server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
-                                    interceptors=[PartitionInterceptor(service.faults)],
-                                    refusals=service.refusals, on_authenticated=service.heard)
+    try:
+        server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
+                                        interceptors=[PartitionInterceptor(service.faults)],
+                                        refusals=service.refusals, on_authenticated=service.heard)
+    except FileNotFoundError as e:   # a TLS file (the message names it)
+        raise ElasticError(str(e)) from None
+    except OSError as e:
+        raise ElasticError(f"{e}: give --host an address of this machine (in a pod, its IP) and --port a free port "
+                           "(0: any)") from None
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -113,13 +126,18 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
 
     try:
         reply = register(False)
-    except BaseException:
+    except BaseException as e:
         server.stop(0)
         data.close()
+        if isinstance(e, grpc.RpcError):
+            raise _registration_error(e, controller, register_timeout, tls is not None) from None
         raise
     if not reply.accepted:
         server.stop(0)
         data.close()
+        if reply.run_ended:   # a replacement that came too late: nothing to do, and nothing went wrong
+            log.warning("%s: nothing to do; exiting", reply.reason)
+            return EXIT_SHUTDOWN
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
     service.generation = reply.generation   # the client generation it joined (a fresh worker serves it)
     log.info("worker %s serving on %s with %d %s devices (%s)", worker_id, address, len(devices), devices[0].platform,
@@ -132,6 +150,20 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     service.data.close()
     service.collective.close()
     return status
+
+
+def _registration_error(e: grpc.RpcError, controller: str, timeout: float, tls: bool) -> ElasticError:
+    """What a first registration that failed with ``e`` means, in one line that says what to do."""
+    code = e.code()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"the controller at {controller} refused this worker's run secret: give it the "
+                                   "run's secret in $ELASTIC_RUN_SECRET (the client's)")
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+        return RegistrationTimeoutError(
+            f"no controller answered at {controller} within {timeout:g} s: start the run's client first, check "
+            f"--controller{' and the TLS files' if tls else ' (a run over TLS also needs --tls-cert/key/ca)'}, or "
+            "wait longer with --register-timeout (a run that already ended has no controller either)")
+    return ElasticError(f"registering with the controller at {controller} failed: {code.name}: {e.details()}")
 
 
 def _serve_run(service: WorkerService, register, register_timeout: float, health_servicer) -> int:
@@ -251,6 +283,9 @@ def main(argv=None) -> None:
                          f"simulated compute that makes stages equal (default: ${STAGE_DELAY_VARIABLE}, else 0)")
     ap.add_argument("--secret", default=None,
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
+    ap.add_argument("--register-timeout", type=_seconds, default=REGISTER_SECONDS, metavar="SECONDS",
+                    help=f"how long to wait for the controller to answer the first registration (default: "
+                         f"{REGISTER_SECONDS:g}); then exit 1")
     args = ap.parse_args(argv)
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
     logging.basicConfig(level=logging.INFO, format=_log_format(args.worker_id), stream=sys.stderr)
@@ -265,17 +300,32 @@ def main(argv=None) -> None:
             set_title(f"elastic-worker standby run={args.run_id}")
             args.worker_id, args.host_name = _wait_for_identity(args.identity_fifo, owner)
         set_title(f"elastic-worker run={args.run_id} worker={args.worker_id} host={args.host_name or '-'}")
-        status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port, owner=owner,
+        status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
+                       register_timeout=args.register_timeout, owner=owner,
                        secret=secret, chaos=args.chaos, host_name=args.host_name,
                        stage_delay=args.simulated_stage_delay,
                        tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
     except SystemExit as e:
         log.error("%s", e.code)
         status = e.code if isinstance(e.code, int) else EXIT_FAILED
+    except ElasticError as e:   # it could not join: one line says why and what to do
+        log.error("cannot join run %s: %s", args.run_id, e)
+        status = EXIT_FAILED
     except BaseException:   # noqa: BLE001 - reported here, then the process ends
         log.exception("worker %s failed", args.worker_id)
         status = EXIT_FAILED
     _exit_now(status)
+
+
+def _seconds(text: str) -> float:
+    """A wait: seconds, finite and > 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {text!r}")
+    return seconds
 
 
 def _delay(text: str) -> float:

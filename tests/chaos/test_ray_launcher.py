@@ -1,5 +1,6 @@
-"""The Ray launcher (``elastic_launcher=ray``) on a real Ray cluster: a head and three worker nodes (raylets) on
-this machine, started by the test with Ray's own multi-node test cluster.
+"""The Ray launcher (``elastic_launcher=ray``) on a real Ray cluster on this machine, on loopback only: a head that
+a real ``ray start`` process runs exactly as docs/deploy.md's one-machine block says, and three worker nodes joined
+to it as Ray's own test cluster joins them (Ray's command line adds none to a loopback head).
 
 ``elastic chaos`` runs the tiny model on two actors and a spare. The harness SIGKILLs one active actor's
 process (a Ray worker process dying); later the test removes a whole node from the cluster, taking every actor
@@ -11,92 +12,212 @@ reference.
 The actors are detached: when the client (the Ray driver) is SIGKILLed mid-run, they live on for the client
 grace, and the same command run again finds them and re-attaches them, finishing bit-identical to the reference
 with no step lost and nothing restored; a driver killed for good leaves them to exit once their grace ran out.
-Either way no actor of the run is left in the cluster.
+Either way no actor of the run is left in the cluster: the live actors are listed by the docs' own command.
 
-Both tests share one cluster (its start is slow on this host).
+A run the cluster's nodes cannot hold at once is refused before anything starts, in one line naming the keys and
+the address; the docs' ``ray status`` reaches the loopback head.
+
+The tests share one cluster (its start is slow on this host).
 """
 
+import ast
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
+import grpc
 import pytest
-from ray.cluster_utils import Cluster
+from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
 
 from tests.conftest import ROOT, live_events, run_cli
 
 STORE = 80 * 1024 * 1024   # the object store of each node: the runtime moves no tensors through Ray
 LOOPBACK = "127.0.0.1"
+DOCS_PORT = "6379"
 
 
-def _cluster() -> tuple[Cluster, list]:
-    """A head and three worker nodes, every one on loopback (``node_ip_address``): no test traffic leaves this
-    host's loopback interface. One CPU per worker node, one per actor: each worker on a node of its own, so
-    removing a node loses one slice.
+def _docs_block() -> tuple[str, dict[str, str]]:
+    """deploy.md's one-machine Ray block: its ``export`` line, and its commands by their first words (``ray start``,
+    ``ray status``, ``python``), comments left out."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    ray = text[text.index("\n## Ray\n"):]
+    block = next(b for b in re.findall(r"```\n(.*?)```", ray, re.S) if "ray start --head" in b)
+    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    export = next(line for line in lines if line.startswith("export "))
+    commands = {" ".join(line.split()[:2]) if line.startswith("ray ") else line.split()[0]: line for line in lines}
+    return export, commands
 
-    Ray waits a fixed 30 s for a raylet to come up (not configurable); on this 2-core host under the whole suite
-    that was once not enough. Starting the cluster, which is not what this test is about, is tried twice."""
-    for attempt in range(2):
-        cluster = Cluster()
+
+def _shell(command: str, port: int) -> list[str]:
+    """``bash -c`` running a command of the docs' block after its ``export`` line, on ``port`` instead of the
+    docs' (the virtual environment's ``ray`` and ``python`` first on the PATH)."""
+    export, _ = _docs_block()
+    return ["bash", "-c", f"{export}\nexec {command.replace(DOCS_PORT, str(port))}"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    env.pop("XLA_FLAGS", None)
+    env.pop("RAY_ADDRESS", None)   # the commands name their cluster (ray_address)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)   # the client needs none; the docs' commands export it
+    return env
+
+
+def _ray_env() -> dict:
+    """The environment of the ``ray start`` processes: no usage report (nothing leaves loopback), no drain wait
+    when a node is removed, and Ray's 30 s wait for its GCS to bind raised (it took longer once on this 2-core
+    host under the whole suite)."""
+    return dict(_env(), RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+                RAY_gcs_server_port_wait_time_s="120")
+
+
+def _nodes(port: int) -> dict[str, str]:
+    """Node name -> node id of the live nodes of the cluster whose control store listens on ``port``."""
+    with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+        reply = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetAllNodeInfo(
+            gcs_service_pb2.GetAllNodeInfoRequest(), timeout=5)
+    return {n.node_name: n.node_id.hex() for n in reply.node_info_list if n.state == gcs_pb2.GcsNodeInfo.ALIVE}
+
+
+class _Head:
+    """The docs' ``ray start --head``, run with ``--block``: the head node while the process runs. ``stop``
+    SIGTERMs it (Ray stops the node's processes), then kills whatever of its process group is left."""
+
+    def __init__(self, argv: list[str], log: str):
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(argv, env=_ray_env(), stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def output(self) -> str:
+        with open(self.log) as f:
+            return f.read()[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
         try:
-            cluster.add_node(num_cpus=0, include_dashboard=False, object_store_memory=STORE, node_ip_address=LOOPBACK)
-            nodes = [cluster.add_node(num_cpus=1, object_store_memory=STORE, node_ip_address=LOOPBACK)
-                     for _ in range(3)]
-            cluster.wait_for_nodes()
-            return cluster, nodes
-        except Exception as e:   # noqa: BLE001 - Ray raises a bare Exception for this
-            cluster.shutdown()
-            if attempt or "timed out during startup" not in str(e):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+class _Node:
+    """A worker node joined to the head on loopback, started as Ray's own test cluster starts one
+    (``ray.cluster_utils.Cluster.add_node``): Ray's command line cannot, as ``ray start --address`` refuses to add
+    a node while ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and without it moves 127.0.0.1 to the host's interface
+    address. ``remove`` stops its processes: the cluster loses the node and every actor on it."""
+
+    def __init__(self, port: int, name: str, temp_dir: str):
+        from ray._private.node import Node
+        from ray._private.parameter import RayParams
+
+        params = RayParams(node_ip_address=LOOPBACK, gcs_address=f"{LOOPBACK}:{port}", num_cpus=1, num_gpus=0,
+                           object_store_memory=STORE, min_worker_port=0, max_worker_port=0, node_manager_port=0,
+                           include_log_monitor=False, node_name=name, temp_dir=temp_dir)
+        params.dashboard_agent_listen_port = None   # not the head's
+        self.name, self.node_id = name, ""
+        self.node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+
+    def remove(self) -> None:
+        self.node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_nodes(port: int, names: list[str], head: _Head, within: float) -> dict[str, str]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if head.proc.poll() is not None:
+            raise RuntimeError(f"the docs' `ray start --head` exited ({head.proc.returncode}):\n{head.output()}")
+        try:
+            live = _nodes(port)
+        except grpc.RpcError:
+            live = {}
+        if set(names) <= set(live):
+            return live
+        time.sleep(0.5)
+    raise RuntimeError(f"Ray nodes {names} did not come up within {within:.0f} s:\n{head.output()}")
+
+
+def _cluster(log_dir: str, temp_dir: str) -> tuple[int, _Head, list[_Node]]:
+    """The docs' head on loopback (no CPU: no actor runs there) and three worker nodes of one CPU each, joined on
+    loopback: each actor on a node of its own, so removing a node loses one slice. The port is a free one found
+    just before; taken in between, the start is tried again on another."""
+    _, commands = _docs_block()
+    for attempt in range(2):
+        port = _free_port()
+        head = _Head(_shell(" ".join([commands["ray start"], "--block", "--num-cpus=0", "--include-dashboard=false",
+                                      "--disable-usage-stats", "--node-name=head", f"--object-store-memory={STORE}",
+                                      f"--temp-dir={temp_dir}"]), port), os.path.join(log_dir, f"head-{attempt}.log"))
+        nodes = []
+        try:
+            _wait_for_nodes(port, ["head"], head, 120)
+            nodes = [_Node(port, f"node{i}", temp_dir) for i in range(3)]
+            ids = _wait_for_nodes(port, [n.name for n in nodes], head, 120)
+        except Exception:   # noqa: BLE001 - Ray raises a bare Exception for a node that did not start
+            for node in nodes:
+                node.remove()
+            head.stop()
+            if attempt:
                 raise
+            continue
+        for node in nodes:
+            node.node_id = ids[node.name]
+        return port, head, nodes
     raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One cluster for the module's tests: ``(cluster, worker nodes)``."""
-    with pytest.MonkeyPatch.context() as mp:
-        # Ray waits 30 s for its GCS to bind a port; on this 2-core host under the whole suite it took longer once.
-        mp.setenv("RAY_gcs_server_port_wait_time_s", "120")
-        cluster, nodes = _cluster()
-    yield cluster, nodes
-    cluster.shutdown()
+def ray_cluster(tmp_path_factory):
+    """One cluster for the module's tests: ``(port of its head, worker nodes)``."""
+    log_dir = tmp_path_factory.mktemp("ray-nodes")
+    temp_dir = tempfile.mkdtemp(prefix="ray-")   # short: Ray's socket paths live under it
+    try:
+        port, head, nodes = _cluster(str(log_dir), temp_dir)
+        yield port, nodes
+        for node in nodes:
+            node.remove()
+        head.stop()
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 RUN = ["run", "tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
 
-#: Prints the names of the live worker actors of run ``argv[2]`` in the cluster at ``argv[1]``, as JSON.
-_LIST_ACTORS = """
-import json, sys
-import ray
-from runtime.launch.ray_launcher import NAMESPACE, actor_name, connect
-connect(sys.argv[1])
-prefix = actor_name(sys.argv[2], "")
-print(json.dumps(sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-                        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))))
-"""
+
+def _actors(port: int, run_id: str) -> list[str]:
+    """The worker ids of run ``run_id`` whose actors are alive in the cluster, by the docs' own command (a Ray
+    driver of its own)."""
+    _, commands = _docs_block()
+    proc = subprocess.run(_shell(commands["python"], port), env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"the docs' command to list the actors failed:\n{proc.stderr[-3000:]}"
+    prefix = f"jax-elastic-{run_id}-"
+    return [name[len(prefix):] for name in ast.literal_eval(proc.stdout.splitlines()[-1]) if name.startswith(prefix)]
 
 
-def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    env.pop("RAY_ADDRESS", None)   # the commands name their cluster (ray_address)
-    return env
-
-
-def _actors(address: str, run_id: str) -> list[str]:
-    """The worker ids of run ``run_id`` whose actors are alive in the cluster (asked by a Ray driver of its own)."""
-    out = subprocess.run([sys.executable, "-c", _LIST_ACTORS, address, run_id], env=_env(), capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    return json.loads(out.splitlines()[-1])
-
-
-def _actors_gone(address: str, run_id: str, within: float) -> list[str]:
+def _actors_gone(port: int, run_id: str, within: float) -> list[str]:
     """Waits up to ``within`` seconds for the run's actors to be gone; the worker ids of those still alive."""
     deadline = time.monotonic() + within
-    while (left := _actors(address, run_id)) and time.monotonic() < deadline:
+    while (left := _actors(port, run_id)) and time.monotonic() < deadline:
         time.sleep(1.0)
     return left
 
@@ -121,9 +242,29 @@ def _start_and_kill(args, tmp_path, run_dir, committed: int) -> str:
     return next(e for e in live_events(run_dir) if e["kind"] == "run_started")["run_id"]
 
 
+def test_a_run_the_cluster_cannot_hold_is_refused_in_one_line_before_anything_starts(ray_cluster, tmp_path):
+    port, nodes = ray_cluster
+    address = f"{LOOPBACK}:{port}"
+    cpus = len(_nodes(port)) - 1   # one per worker node, none on the head
+    proc, _ = run_cli([*RUN, f"elastic_spares={cpus}", "elastic_launcher=ray", f"ray_address={address}",
+                       "run_name=big"], tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        f"elastic: error: config keys 'dcn_data_parallelism' (2) and 'elastic_spares' ({cpus}) ask for {cpus + 2} "
+        f"Ray actors of 1 CPU each; the cluster at ray_address={address} holds {cpus} ({cpus} CPUs on {cpus + 1} "
+        "nodes): add CPUs or nodes to it (`ray start --num-cpus=N`), or ask for fewer")
+    assert not (tmp_path / "big").exists(), "nothing is written for a run that cannot start"
+    # The docs' `ray status` reaches the loopback head and shows its CPUs (as its autoscaler last counted them).
+    _, commands = _docs_block()
+    status = subprocess.run(_shell(commands["ray status"], port), env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode == 0 and re.search(r"\d/\d\.0 CPU", status.stdout), status.stdout + status.stderr[-3000:]
+
+
 def test_a_killed_driver_leaves_its_actors_to_the_same_command_which_re_attaches_them(ray_cluster, tmp_path):
-    cluster, _ = ray_cluster
-    on_ray = ["elastic_launcher=ray", f"ray_address={cluster.address}"]
+    port, _ = ray_cluster
+    address = f"{LOOPBACK}:{port}"
+    on_ray = ["elastic_launcher=ray", f"ray_address={address}"]
     # A grace long enough for the next client to start on this host: it costs nothing once that one attached.
     args = [*RUN, "steps=60", "run_name=rd", *on_ray, "elastic_client_grace_seconds=60"]
     run_dir = tmp_path / "rd"
@@ -137,7 +278,7 @@ def test_a_killed_driver_leaves_its_actors_to_the_same_command_which_re_attaches
     after = live_events(run_dir)[before:]
     assert not any(e["kind"] in ("state_transferred", "checkpoint_restored", "snapshot_restored", "worker_dead")
                    for e in after), [e["kind"] for e in after]
-    assert not _actors_gone(cluster.address, run_id, 30), "an actor outlived its run"
+    assert not _actors_gone(port, run_id, 30), "an actor outlived its run"
     _, ref = run_cli([*RUN, "steps=60", "run_name=ref", "--reference"], tmp_path)
     assert report["final_state_digest"] == ref["final_state_digest"] and report["losses"] == ref["losses"]
 
@@ -145,14 +286,13 @@ def test_a_killed_driver_leaves_its_actors_to_the_same_command_which_re_attaches
     gone = tmp_path / "gone"
     run_id = _start_and_kill([*RUN, "steps=400", "run_name=gone", *on_ray, "elastic_client_grace_seconds=10"],
                              tmp_path, gone, 1)
-    assert _actors(cluster.address, run_id) == ["w0", "w1"], "the actors died with their driver"
-    assert not _actors_gone(cluster.address, run_id, 60), "an actor outlived its client grace"
+    assert _actors(port, run_id) == ["w0", "w1"], "the actors died with their driver"
+    assert not _actors_gone(port, run_id, 60), "an actor outlived its client grace"
 
 
 def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_cluster, tmp_path):
-    cluster, nodes = ray_cluster
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), RAY_ADDRESS=cluster.address)
-    env.pop("XLA_FLAGS", None)
+    port, nodes = ray_cluster
+    env = dict(_env(), RAY_ADDRESS=f"{LOOPBACK}:{port}")
     run_dir = tmp_path / "ray"
     cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=600", "dcn_data_parallelism=2",
            "ici_fsdp_parallelism=1", "elastic_microbatches=2", "elastic_spares=1", "elastic_launcher=ray",
@@ -177,7 +317,7 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_clus
         client = next(e for e in events if e["kind"] == "run_started")["controller_host"]
         target = next(hosts[w] for w in active if hosts[w] != client)
         (removed,) = [n for n in nodes if n.node_id == target]
-        cluster.remove_node(removed)
+        removed.remove()
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

@@ -1,6 +1,20 @@
-"""Bad input to the CLI gives one clear line and exit status 2."""
+"""Bad input to the CLI gives one clear line and exit status 2; a worker that cannot join says why in one line."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+
+from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.control.controller_options import ControllerOptions
+from runtime.control.registry import Registry
+from runtime.control.worker_group import WorkerGroup
+from runtime.core.events import EventLog
+from runtime.wire import rpc
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -87,3 +101,91 @@ def test_a_bad_load_full_state_path_is_refused_before_any_worker_starts(cli, tmp
     assert line.startswith("elastic: error: config key load_full_state_path") and needle in line, line
     written = [p.name for p in (tmp_path / "bad").rglob("*")]
     assert written in ([], [".lock"]), f"no worker started, no event written: {written}"
+
+
+
+def _worker(port, *flags, env):
+    """A real ``elastic worker`` process joining run ``r`` at ``127.0.0.1:port`` (stderr kept); ``env``: its
+    variables beyond this process's (whose TLS files are left out)."""
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ELASTIC_TLS_")}
+    return subprocess.Popen([sys.executable, "-m", "elastic.cli", "worker", "--controller", f"127.0.0.1:{port}",
+                             "--run-id", "r", "--devices", "1", *flags], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**base, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **env})
+
+
+def _said(proc) -> tuple[int, list[str]]:
+    """Its exit status and what it said beyond its INFO lines (a traceback would be many lines)."""
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, [line for line in err.splitlines() if " INFO " not in line]
+
+
+def test_a_worker_that_cannot_join_says_why_in_one_line(tmp_path, pem):
+    """A wrong run secret, and no controller at all: exit 1 and one line; a run that already ended: exit 0 and
+    one line. The TLS flags of `elastic worker` reach the worker, and win over the environment."""
+    registry = Registry("r", EventLog(tmp_path / "events.jsonl"), refuse=lambda w: "")
+    registry.end()   # the run is over: a replacement that comes now has nothing to join
+    server, port = rpc.make_server(secret="s3cret", tls=pem, refusals=registry.refusals)
+    pb_grpc.add_ControllerServicer_to_server(registry, server)
+    server.start()
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]
+    flags = ["--tls-cert", pem.cert_file, "--tls-key", pem.key_file, "--tls-ca", pem.ca_file]
+    tls_env = {"ELASTIC_TLS_CERT": pem.cert_file, "ELASTIC_TLS_KEY": pem.key_file, "ELASTIC_TLS_CA": pem.ca_file}
+    workers = []
+    try:
+        workers = [_worker(port, *flags, env={"ELASTIC_RUN_SECRET": "s3cret", "ELASTIC_TLS_CERT": "no-such.pem"}),
+                   _worker(port, env={"ELASTIC_RUN_SECRET": "wrong", **tls_env}),
+                   _worker(nobody, "--register-timeout", "1", env={"ELASTIC_RUN_SECRET": "s3cret"})]
+        (late, [late_line]), (intruder, [intruder_line]), (lost, [lost_line]) = map(_said, workers)
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
+        server.stop(0)
+    assert late == 0 and "run r ended before this worker joined: nothing to do" in late_line, late_line
+    assert intruder == 1 and "refused this worker's run secret" in intruder_line, intruder_line
+    assert "$ELASTIC_RUN_SECRET" in intruder_line
+    assert lost == 1 and f"no controller answered at 127.0.0.1:{nobody} within 1 s" in lost_line, lost_line
+    assert "--register-timeout" in lost_line
+
+
+def test_a_worker_that_registered_too_late_to_be_placed_is_sent_home_when_the_run_ends(tmp_path):
+    """It registered after the client's last adoption: the end of the run still reaches it, and it exits 0."""
+    opts = ControllerOptions(slices=1, devices_per_slice=1, run_dir=str(tmp_path), run_id="r", launcher="none",
+                             secret="s3cret")
+    group = WorkerGroup("r", "s3cret", None, b"", opts, EventLog(tmp_path / "events.jsonl"))
+    group.start()
+    port = int(group.address.rpartition(":")[2])
+    worker = _worker(port, "--worker-id", "pod-late", env={"ELASTIC_RUN_SECRET": "s3cret"})
+    try:
+        deadline = time.monotonic() + 60
+        while "pod-late" not in group.registry.workers and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "pod-late" in group.registry.workers and not group.calls.reaches("pod-late")
+    finally:
+        group.close()
+        if worker.poll() is None:
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    code, said = _said(worker)
+    assert code == 0 and said == [], said
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tls-cert", "c.pem"], "missing --tls-key ($ELASTIC_TLS_KEY), --tls-ca ($ELASTIC_TLS_CA)"),
+    (["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"], "TLS file not found: c.pem, k.pem, ca.pem"),
+    (["--devices", "0"], "expected a number of devices >= 1"),
+    (["--register-timeout", "0"], "expected seconds > 0"),
+])
+def test_bad_worker_flags_are_one_line_before_jax_starts(tmp_path, args, needle):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_TLS_")}
+    proc = subprocess.run([sys.executable, "-m", "elastic.cli", "worker", "--controller", "127.0.0.1:1", "--run-id",
+                           "r", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("elastic: error:") and needle in line, line

@@ -6,10 +6,10 @@ import pytest
 
 import elastic
 import runtime
-from runtime import (BadInputError, CapacityExhaustedError, ElasticTrainingFailedError, ReplicaDivergenceError,
-                     StateLostError)
+from runtime import (BadInputError, CapacityExhaustedError, DeviceMismatchError, ElasticTrainingFailedError,
+                     ReplicaDivergenceError, StateLostError)
 
-REASONS = [CapacityExhaustedError, StateLostError, ReplicaDivergenceError, BadInputError]
+REASONS = [CapacityExhaustedError, StateLostError, DeviceMismatchError, ReplicaDivergenceError, BadInputError]
 
 
 @pytest.mark.parametrize("kind", REASONS)
@@ -29,6 +29,7 @@ def test_each_reason_is_caught_as_the_base_and_says_what_to_do(kind):
 
 def test_the_reasons_tell_capacity_from_corrupt_numerics_from_bad_input():
     assert issubclass(StateLostError, CapacityExhaustedError)
+    assert issubclass(DeviceMismatchError, CapacityExhaustedError)   # workers that do not fit: capacity too
     assert not issubclass(ReplicaDivergenceError, CapacityExhaustedError)
     assert not issubclass(BadInputError, (CapacityExhaustedError, ReplicaDivergenceError))
     assert issubclass(BadInputError, ValueError)

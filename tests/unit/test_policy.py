@@ -220,7 +220,7 @@ def _workers(*devices):
     ((2, 2, 2), ("w0",), 1, Action.REPLACE, ("w1", "w2"), (), "1 that died before registering were replaced"),
     ((2, 2), ("w0",), 1, Action.SHRINK, ("w1",), (), "starting with 1 of 2 slices"),
     ((2,), ("w1",), 2, Action.FAIL, (), (), "need 2 workers with 2 devices, have 1; 1 worker(s) died"),
-    ((2, 4), (), 2, Action.FAIL, (), (), "also registered: workers with [4] devices"),
+    ((2, 4), (), 2, Action.FAIL, (), (), "1 of the 2 workers needed have them: worker w1 has 4 cpu device(s)"),
 ])
 def test_decide_start(devices, lost, min_slices, action, active, spares, why):
     from runtime.control.plan import decide_start
@@ -228,6 +228,27 @@ def test_decide_start(devices, lost, min_slices, action, active, spares, why):
     d = decide_start(2, 2, _workers(*devices), lost=lost, min_slices=min_slices)
     assert d.action is action and why in d.reason
     assert (d.placement.active, d.placement.spares) == (active, spares)
+
+
+def test_a_start_that_fails_for_the_workers_devices_says_which_and_how_to_start_them():
+    from runtime.control.membership import failed
+    from runtime.control.plan import Failure, decide_start
+    from runtime.core.errors import CapacityExhaustedError, DeviceMismatchError
+
+    cpu = decide_start(1, 2, [WorkerInfo("pod-a", "h:1", 1)], lost=(), min_slices=1)
+    assert (cpu.action, cpu.failure) == (Action.FAIL, Failure.DEVICES)
+    assert cpu.reason == ("a slice needs 2 devices and 0 of the 1 workers needed have them: worker pod-a has 1 cpu "
+                          "device(s); start each CPU worker with `elastic worker --devices 2`")
+    err = failed(cpu, "cannot place the virtual slices")
+    assert type(err) is DeviceMismatchError and isinstance(err, CapacityExhaustedError)
+    assert "run again with more workers" not in str(err)   # more workers like pod-a would not fit either
+    gpus = [WorkerInfo(f"g{i}", f"h:{i}", 4, "cuda") for i in range(5)]
+    gpu = decide_start(2, 8, gpus, lost=(), min_slices=2)
+    assert gpu.failure is Failure.DEVICES and "--devices" not in gpu.reason
+    assert gpu.reason.endswith("worker g2 has 4 cuda device(s), and 2 more; start workers where JAX finds 8 devices "
+                               "each")
+    too_few = decide_start(2, 2, _workers(2), lost=(), min_slices=2)   # the one that joined fits: more are needed
+    assert too_few.failure is Failure.CAPACITY and type(failed(too_few, "x")) is CapacityExhaustedError
 
 
 ACTIVE = set(P.active)
