@@ -23,6 +23,7 @@ _LAZY = {
     **{name: ("runtime.core.errors", name) for name in (
         "BadInputError", "CapacityExhaustedError", "ClusterUnreachableError", "ElasticError",
         "ElasticTrainingFailedError", "PlatformMismatchError", "ReplicaDivergenceError", "StateLostError",
+        "DeviceMismatchError",
         "ProgramExportError", "ProtocolError", "RegistrationTimeoutError", "StaleEpochError", "StepAbortedError", "WorkerError", "WorkerLostError",
         "ClientSupersededError", "AttachRefusedError", "WorkerFencedError")},
     "checkpoint_directory_problem": ("runtime.state.checkpoint_storage", "directory_problem"),
@@ -117,6 +118,7 @@ def worker_main(argv=None) -> None:
 __all__ = [
     "BadInputError",
     "CapacityExhaustedError",
+    "DeviceMismatchError",
     "CheckpointTree",
     "ClusterUnreachableError",
     "Controller",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shlex
 import shutil
 import time
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
-from runtime.core.errors import AttachRefusedError, ProtocolError, RegistrationTimeoutError
+from runtime.core.errors import AttachRefusedError, ElasticError, ProtocolError, RegistrationTimeoutError
 from runtime.core.events import EventLog
 from runtime.control.health import Dialer, HealthMonitor
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
@@ -48,10 +49,28 @@ from runtime.control.worker_calls import WorkerCalls
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["ATTACH_SECONDS", "WorkerGroup"]
+__all__ = ["ATTACH_SECONDS", "WorkerGroup", "join_command"]
 
 #: How long a restarted client waits for each worker of the log to answer its Attach.
 ATTACH_SECONDS = 15.0
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+
+
+def join_command(address: str, run_id: str, opts) -> str:
+    """The ``elastic worker`` command that joins this run (``opts``: its ``ControllerOptions``), as the client
+    prints it for workers started by hand (``elastic_launcher=none``): run as it is, on this machine, with the
+    run secret in ``$ELASTIC_RUN_SECRET`` (never in a command line), it registers a worker that fits a slice.
+
+    On the CPU a worker simulates the devices of a slice (``--devices``); on an accelerator it has the devices
+    its JAX finds, so the command names none. With TLS it names this client's files (the same certificate
+    works for a worker on this machine, or where the same Secret is mounted at the same paths). Pure.
+    """
+    words = ["elastic", "worker", "--controller", address, "--run-id", run_id]
+    if opts.platform == "cpu":
+        words += ["--devices", str(opts.devices_per_slice)]
+    if opts.tls is not None:
+        words += ["--tls-cert", opts.tls.cert_file, "--tls-key", opts.tls.key_file, "--tls-ca", opts.tls.ca_file]
+    return shlex.join(words)
 
 
 class WorkerGroup:
@@ -70,8 +89,14 @@ class WorkerGroup:
         self.registry = Registry(run_id, events, refuse=self._why_fenced, generation=opts.generation,
                                  waits=self._may_take_back)
         host = listen_host(opts)
-        self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
-                                           refusals=self.registry.refusals, max_message=1 << 20)
+        try:
+            self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
+                                               refusals=self.registry.refusals, max_message=1 << 20)
+        except FileNotFoundError:   # a TLS file: the config checked it; the message names it as it is
+            raise
+        except OSError as e:
+            raise ElasticError(f"the controller cannot listen: {e} (is another process, another run's client, "
+                               "listening there? is the host an address of this machine?)") from None
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         self.address = f"{host}:{port}"
         self.launcher = make_launcher(opts, run_id, self.address, secret,
@@ -108,14 +133,18 @@ class WorkerGroup:
         self.server.stop(0)
 
     def close(self) -> None:
-        """Reports refused calls, sends live workers home, kills declared-dead processes (a hung one may be
-        stopped), stops the server."""
+        """Reports refused calls, sends live workers home (those registered but never adopted too; later
+        registrations are told the run ended), kills declared-dead processes (a hung one may be stopped), stops
+        the server."""
         try:
             self.collect_security_events()
         except Exception:  # noqa: BLE001 - reporting must not keep workers from going home
             log.exception("could not collect the refused calls at close")
         self.monitor.stop()
         self.calls.close()   # the step streams first: a worker going home does not wait for its open stream
+        for w in self.registry.end():   # one that registered after the last adoption would wait for ever
+            if not self.calls.reaches(w.worker_id):
+                self.calls.adopt(w.worker_id, self._channel(w.address))
         for wid in self.calls.workers():
             if wid not in self.dead:
                 self.calls.send_home(wid, run_ended=True)
@@ -226,11 +255,16 @@ class WorkerGroup:
         """
         deadline = time.monotonic() + timeout
         self.launcher.prepare_standby()   # starts beside the run's own processes: a relaunch takes it over
+        join = join_command(self.address, self.run_id, self.opts)
         if self.launcher.external:
-            join = f"elastic worker --controller {self.address} --run-id {self.run_id}"
+            o = self.opts
+            needs = "" if o.platform == "cpu" else \
+                f" on a machine where JAX finds {o.devices_per_slice} {o.platform or 'accelerator'} device(s)"
+            elsewhere = "" if self.address.startswith(_LOOPBACK) else \
+                "; from another machine, give --controller a name of this host it reaches and --host its own address"
             self.events.emit("workers_awaited", count=n, controller=self.address, run_id=self.run_id, command=join)
-            log.warning("waiting up to %.0f s for %d workers to join: start each with `%s` and the run secret in "
-                        "ELASTIC_RUN_SECRET", timeout, n, join)
+            log.warning("waiting up to %.0f s for %d workers to join: start each with `%s`%s and the run secret in "
+                        "ELASTIC_RUN_SECRET%s", timeout, n, join, needs, elsewhere)
         while True:
             for wid, proc in list(self.launcher.procs.items()):
                 code = proc.poll()
@@ -247,8 +281,8 @@ class WorkerGroup:
                 if left <= 0 and self.launcher.external and live:
                     break
                 if left <= 0:
-                    how = (f"start them with `elastic worker --controller {self.address} --run-id {self.run_id}`"
-                           if self.launcher.external else self.launcher.explain_unregistered(waiting))
+                    how = f"start them with `{join}`" if self.launcher.external else \
+                        self.launcher.explain_unregistered(waiting)
                     raise RegistrationTimeoutError(f"{len(live)} of {n} workers registered within "
                                                    f"{timeout:.0f} s; {how}")
                 self.registry.cond.wait(min(left, 0.2))
