@@ -223,7 +223,7 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     else:
         injector = FaultInjector(faults, seed=options.seed, info=info)
         try:
-            trainer.fit(on_step=on_step, observer=injector, max_seconds=soak)
+            trainer.fit(on_step=on_step, observer=injector, max_seconds=soak, fresh=True)
         except ElasticError:
             pass   # recorded as run_failed; the verdict says why
         live = injector.ctl.state if injector.ctl is not None else None   # the controller is closed: its final state

@@ -20,7 +20,10 @@ have (systemd, a Kubernetes controller, a shell loop):
   with a newer client generation. The stopped one is woken (SIGCONT) once
   ``resume`` has passed and the new client has attached (so what is tested is
   a stale client refused, never a race with the takeover); every worker
-  refuses it, and it exits with :data:`SUPERSEDED_EXIT` and one line. A hang
+  refuses it, and it exits with :data:`SUPERSEDED_EXIT` and one line. One
+  whose ``resume`` had not passed when the run ended is woken then: it finds
+  the run directory another client's (and its workers gone) and must exit
+  the same way, changing nothing (a short run judges the fault too). A hang
   within the lease is the client's own: a helper wakes it and it goes on;
 * any other end of the client ends the run: it finished or failed (exit 0,
   its final :class:`~runtime.RunState` sent back for the verdict's replay
@@ -29,8 +32,8 @@ have (systemd, a Kubernetes controller, a shell loop):
 
 What happened to each client is said in one line each on stderr, and what
 the supervisor saw goes to the verdict (:func:`supervision_reasons`): a
-stopped client that woke and was not refused, or was still stopped when the
-run ended, or a client that died unaccounted for, fails it.
+stopped client that woke (or was woken as the run ended) and did not exit as
+superseded, or a client that died unaccounted for, fails it.
 
 The decisions are pure functions (:func:`after_exit`, :func:`takeover_due`,
 :func:`wake_due`; :func:`chaos.injector.outlasts_lease`, which the client's
@@ -64,7 +67,7 @@ _POLL_SECONDS = 0.1
 @dataclasses.dataclass(frozen=True)
 class ClientEnd:
     """How one client of the run ended: ``number`` (0: the first), ``pid``, ``how`` ("finished", "killed",
-    "superseded", "died", "error", "never woke"), ``status`` (the exit status; negative: the signal), the
+    "superseded", "died", "error"), ``status`` (the exit status; negative: the signal), the
     index of the client fault behind it (None: none) and one sentence."""
 
     number: int
@@ -109,16 +112,14 @@ def wake_due(now: float, stopped_at: float, hang_seconds: float, attached: bool)
 
 def supervision_reasons(ends: list[ClientEnd], specs: list[str]) -> list[str]:
     """The verdict's reasons from how the clients ended (``specs``: the faults' text, by index): a stopped client
-    that woke and was not refused, one still stopped when the run ended, a client that died unaccounted for."""
+    that woke (or was woken when the run ended) and did not exit as superseded, a client that died unaccounted
+    for."""
     reasons = []
     for end in ends:
         what = f"fault {specs[end.fault]!r}" if end.fault is not None else "no client fault"
-        if end.how == "never woke":
-            reasons.append(f"{what} stopped client {end.number} (pid {end.pid}), and the run ended before it woke, "
-                           "so no stale client was refused: give it a shorter resume.")
-        elif end.how == "stale":
+        if end.how == "stale":
             reasons.append(f"{what} stopped client {end.number} (pid {end.pid}), which was taken over, woke and "
-                           f"exited with status {end.status} instead of being refused by every worker "
+                           f"exited with {_status(end.status)} instead of being refused by every worker "
                            f"(status {SUPERSEDED_EXIT}): {end.text}")
         elif end.how == "died":
             reasons.append(f"client {end.number} (pid {end.pid}) died ({_status(end.status)}) and {what} "
@@ -288,18 +289,16 @@ class _Supervision:
         return None
 
     def _finish_stale(self) -> None:
-        """Every stale client ends: woken ones are refused and exit; one never woken (the run ended first) is
-        killed."""
+        """Every stale client ends: woken ones are refused and exit. One still stopped (the run ended before its
+        ``resume`` passed) is woken now, and must exit the same way: its run is another's, finished."""
         deadline = time.monotonic() + _STALE_EXIT_SECONDS
         for c in self.stale:
             pid, fault = c.process.pid, c.hang[0]
             if not c.woken:
-                _signal(pid, signal.SIGKILL)
+                _say(f"client {c.number} (pid {pid}) was still stopped by fault {self.specs[fault]!r} when the run "
+                     "ended: woken now")
                 _signal(pid, signal.SIGCONT)
-                c.process.join()
-                self._end(c, "never woke", c.process.exitcode, fault, f"client {c.number} (pid {pid}) was still "
-                          f"stopped by fault {self.specs[fault]!r} when the run ended: killed")
-                continue
+                c.woken = True
             c.process.join(max(deadline - time.monotonic(), 0.1))
             if c.process.is_alive():
                 _signal(pid, signal.SIGKILL)
@@ -422,7 +421,7 @@ def client_main(blob: bytes, faults, seed: int, info: dict, run_dir: str, number
     injector = FaultInjector(faults, seed=seed, info=info, history=history, supervised=side)
     error = None
     try:
-        job.fit(observer=injector)
+        job.fit(observer=injector, fresh=not number)   # the first client starts the run anew, the others continue it
     except ClientSupersededError as e:
         _say(f"client {number} (pid {os.getpid()}) woke after another client took the run over, and exits: {e}")
         sys.exit(SUPERSEDED_EXIT)   # a normal exit: what this process started (its zygote) ends with it

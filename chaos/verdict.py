@@ -84,6 +84,9 @@ def compare_trajectory(losses: list[float], reference_losses: list[float], *, fi
     ``("within_tolerance", None)`` when the lists have the same length and every
     ``|loss - ref| <= rtol * |ref|``; else ``("diverged", k)`` with ``k`` the first
     step beyond tolerance, or the length of the shorter list when one ends first.
+    A step with no recorded loss (None: it came from a checkpoint that recorded
+    none) is not compared; it is bit-equal only to another None, so a run
+    missing losses the reference has is at best within tolerance.
     """
     for step, (a, b) in enumerate(zip(losses, reference_losses)):
         if not _close(a, b, rtol):
@@ -219,14 +222,14 @@ def _trajectory_reason(first: int | None, losses: list[float], ref: list[float],
             f"the run has {len(losses)} losses, the reference {len(ref)}.")
 
 
-def _close(a: float, b: float, rtol: float) -> bool:
-    if _bits(a) == _bits(b):
-        return True
+def _close(a: float | None, b: float | None, rtol: float) -> bool:
+    if a is None or b is None or _bits(a) == _bits(b):
+        return True   # a step with no recorded loss on either side cannot be compared
     return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rtol * abs(b)
 
 
-def _bits(x: float) -> bytes:
-    return struct.pack("<d", float(x))
+def _bits(x: float | None) -> bytes:
+    return b"none" if x is None else struct.pack("<d", float(x))
 
 
 def _s(n: int) -> str:

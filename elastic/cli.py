@@ -66,12 +66,23 @@ def _cmd_run(args) -> int:
         except ElasticError as e:
             from elastic.options import in_config_terms
             print(f"elastic: run failed: {in_config_terms(str(e))}", file=sys.stderr)
-            html = trainer.run_dir() / "report.html"
-            if html.is_file():   # not when writing it is what failed
-                print(f"report: {html.resolve().as_uri()}", file=sys.stderr)
+            _report_link(trainer.run_dir())
             return 1
+        except KeyboardInterrupt:
+            print(f"elastic: stopped (Ctrl-C); the workers were sent home. Run the same command again to continue "
+                  f"run {trainer.run_dir().name}"
+                  + (" from its newest checkpoint" if cfg.enable_checkpointing else " (from step 0: it has no "
+                     "checkpoints)"), file=sys.stderr)
+            _report_link(trainer.run_dir())
+            return 130
     finish(report, trainer.run_dir(), args.quiet)
     return 0
+
+
+def _report_link(run_dir: pathlib.Path) -> None:
+    html = run_dir / "report.html"
+    if html.is_file():   # not when writing it is what failed
+        print(f"report: {html.resolve().as_uri()}", file=sys.stderr)
 
 
 def _cmd_report(args) -> int:
@@ -216,6 +227,9 @@ def main(argv=None) -> int:
         return args.handler(args)
     except ConfigError as e:
         return usage_error(str(e))
+    except KeyboardInterrupt:   # before or after a run (a run stopped by Ctrl-C says more where it is caught)
+        print("elastic: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

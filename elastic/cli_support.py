@@ -276,20 +276,31 @@ def _restore(before, streams) -> None:
 
 
 def progress(steps: int, quiet: bool):
-    """A context giving an ``on_step`` callback that drives a rich progress bar (or nothing when quiet)."""
+    """A context giving an ``on_step`` callback that drives a rich progress bar (or nothing when quiet).
+
+    The bar appears with the first committed step, so a run refused or stopped before it (a one-line error, a
+    finished run with nothing to do) prints no empty bar."""
     if quiet:
         return contextlib.nullcontext(None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     @contextlib.contextmanager
     def bar():
-        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                      TimeElapsedColumn(), transient=False) as progress:
-            task = progress.add_task("train", total=steps, loss="-")
+        shown: list = []   # [(progress, task)] once the first step committed
 
-            def on_step(step, loss):
-                progress.update(task, completed=step + 1, loss=f"{loss:.4f}")
+        def on_step(step, loss):
+            if not shown:
+                p = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), transient=False)
+                p.start()
+                shown.append((p, p.add_task("train", total=steps, loss="-")))
+            p, task = shown[0]
+            p.update(task, completed=step + 1, loss="-" if loss is None else f"{loss:.4f}")
+        try:
             yield on_step
+        finally:
+            if shown:
+                shown[0][0].stop()
     return bar()
 
 

@@ -24,7 +24,7 @@ from runtime import ElasticError, EventLog, ProgramSet, read_events
 
 _STAGE = re.compile(r"stage\d+")   # a pipeline stage's checkpoint directory, inside the run's
 
-__all__ = ["RunRecordsLostError", "client_died", "continues", "open_log", "read_history", "records_lost",
+__all__ = ["RunRecordsLostError", "client_died", "continues", "finished_already", "open_log", "read_history", "records_lost",
            "refuse_other_programs", "render"]
 
 
@@ -115,6 +115,18 @@ def continues(history: list[dict], opts, steps: int) -> bool:
     return bool(opts.checkpoint_directory and _checkpoints_recorded(history, opts.checkpoint_directory, steps))
 
 
+def finished_already(history: list[dict], opts, steps: int) -> bool:
+    """Whether the run the log holds already finished ``steps`` steps with a checkpoint of the last one in its
+    checkpoint directory (still there): running the same command again has nothing to compute, so it ends at
+    once (no worker started, nothing written)."""
+    if not history or not opts.checkpoint_directory:
+        return False
+    last = _attempts(history)[-1]
+    done = next((e for e in last if e.get("kind") == "run_finished"), None)
+    return (done is not None and done.get("steps_completed") == steps
+            and any(step == steps for step, _ in _checkpoints_recorded(history, opts.checkpoint_directory, steps)))
+
+
 def client_died(history: list[dict]) -> bool:
     """Whether the log's last attempt was a distributed one whose client died: it neither finished nor failed
     (a failed attempt sent its workers home; a dead client's may still wait for a new one). Attempts that
@@ -124,8 +136,8 @@ def client_died(history: list[dict]) -> bool:
         return False
     last = attempts[-1]
     started = next((e for e in last if e.get("kind") == "job_started"), {})
-    return started.get("mode") == "distributed" and not any(e.get("kind") in ("run_finished", "run_failed")
-                                                            for e in last)
+    ended = ("run_finished", "run_failed", "run_stopped")   # a stopped attempt sent its workers home too
+    return started.get("mode") == "distributed" and not any(e.get("kind") in ended for e in last)
 
 
 def _refused_attach(attempt: list[dict]) -> bool:

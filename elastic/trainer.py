@@ -30,6 +30,7 @@ from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
 from elastic.preflight import (RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path,
                                check_load_parameters_path, claim_run_directory)
+from elastic.report import build_report
 from elastic.run_records import RunRecordsLostError
 from runtime import (ClientSupersededError, Controller, ElasticError, PipelineProgramSet, ProgramExportError,
                      ProgramSet,
@@ -94,7 +95,7 @@ class _Job:
         return self._run_dir
 
     def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None,
-            observer=None, max_seconds: float | None = None) -> dict:
+            observer=None, max_seconds: float | None = None, fresh: bool = False) -> dict:
         """Trains ``config.steps`` steps; writes the run directory; returns the report.
 
         ``reference=True`` runs the canonical math without workers: in this
@@ -107,7 +108,10 @@ class _Job:
         ``observer``: a :class:`runtime.ControllerObserver` (the chaos
         harness) told about commits and transfers. ``max_seconds``: stop
         dispatching after this long of training and finish at the last
-        committed step (soak runs).
+        committed step (soak runs). ``fresh``: the run starts anew whatever
+        the run directory's log holds (a chaos run, judged as one attempt
+        from step 0): an earlier attempt that failed, stopped or died is
+        neither continued nor re-attached, and its log is replaced.
 
         Before anything starts (programs, workers) the run is checked
         (:mod:`elastic.preflight`): the workers it asks for must fit this
@@ -125,7 +129,10 @@ class _Job:
         attempt committed and this one recomputes count in ``steps_lost``).
         Otherwise (a finished run without checkpoints run again, a reference
         run) the previous log and worker logs under the same name are
-        removed. The programs are built before anything is written: a job
+        removed. The same command again on a run that finished its
+        ``steps`` and checkpointed the last one ends at once (one line, its
+        report returned, no worker started, nothing written). The programs
+        are built before anything is written: a job
         that cannot be exported, or whose programs differ from those that
         wrote the checkpoint it would resume from (on the same mesh), is
         refused (``ProgramExportError``, ``ConfigError`` naming the config
@@ -134,7 +141,10 @@ class _Job:
 
         The run directory gets ``events.jsonl``, ``report.json`` and
         ``report.html`` whether the run finishes or fails; a failed run
-        records ``run_failed`` and the error propagates. An event log that
+        records ``run_failed`` and the error propagates; one stopped by Ctrl-C
+        (``KeyboardInterrupt``) sends its workers home, records ``run_stopped``
+        and lets the interrupt propagate (running it again continues it, as
+        after a failure). An event log that
         cannot be written (a full disk) does not stop training, but a run
         whose records are incomplete (events the log dropped, report files
         not written) ends with :class:`RunRecordsLostError` instead of
@@ -149,13 +159,15 @@ class _Job:
         claim = self._claim()
         run_dir = claim.path
         try:
-            history = run_records.read_history(run_dir)
+            history = [] if fresh else run_records.read_history(run_dir)
             t0 = time.time()
-            opts, again = None, None
+            opts, again, done = None, None, False
             if not reference:
                 opts, again = reattach.client_options(run_dir, history, self._controller_options(run_dir))
+                done = again is None and run_records.finished_already(history, opts, settings.steps)
                 check_load_full_state_path(opts.load_full_state_path, opts.checkpoint_directory, settings.steps)
-                prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
+                if not done:
+                    prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()
             check_load_parameters_path(settings.parameters_from, programs, opts.checkpoint_directory if opts else "",
                                        settings.steps)
@@ -166,6 +178,11 @@ class _Job:
                 run_records.refuse_other_programs(history, fingerprints, programs, opts.checkpoint_directory,
                                                   settings.steps, cfg.to_dict(model_keys=self.reports_model_keys),
                                                   run_dir)
+            if done:   # the same programs: nothing to compute, no worker started, nothing written
+                print(f"elastic: run {run_dir.name} already finished its {settings.steps} steps and checkpointed "
+                      "the last one: nothing to do (a larger 'steps' extends it)", file=sys.stderr)
+                claim.release()
+                return build_report(history)
             append = not reference and run_records.continues(history, opts, settings.steps)
             events = run_records.open_log(run_dir, append=append, take_over=again is not None)
         except BaseException:
@@ -186,7 +203,8 @@ class _Job:
                 events.subscribe(reattach.announce)
                 with Controller(programs, cloudpickle.dumps(self.data), opts, events, reattach=again) as ctl:
                     reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
-                    ctl.take_back = reattach.take_back(run_dir, claim, events, ctl, opts)
+                    ctl.still_ours = reattach.still_ours(run_dir, claim, events, ctl)
+                    ctl.take_back = reattach.take_back(run_dir, ctl, opts, ctl.still_ours)
                     if observer is not None:
                         ctl.observer = observer
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
@@ -195,6 +213,9 @@ class _Job:
             raise
         except ElasticError as e:
             events.emit("run_failed", error=f"{type(e).__name__}: {in_config_terms(str(e))}")
+            raise
+        except KeyboardInterrupt:   # Ctrl-C is not a crash: the controller sent the workers home on its way out
+            events.emit("run_stopped", signal="SIGINT")
             raise
         finally:
             events.close()

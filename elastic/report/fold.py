@@ -72,6 +72,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "security_refused": ({}, {"count": TYPED, "method": _ANY}),
     "events_dropped": ({}, {"count": TYPED}),
     "run_failed": ({"error": _ANY}, {}),
+    "run_stopped": ({"signal": _ANY}, {}),
     "verdict": ({"verdict": TYPED, "verdict_reasons": TYPED, "trajectory": _ANY, "first_diverging_step": _ANY,
                  "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY},
                 {"promises": TYPED, "run_state_replayed": TYPED}),
@@ -305,6 +306,11 @@ def build_report(events_or_path) -> dict:
         elif kind == "run_failed":
             report["failure_reason"] = attempt["failure_reason"] = e["error"]
             attempt["end"] = "failed"
+        elif kind == "run_stopped":
+            last = attempt["_last_step"]
+            where = f"after step {last}" if last is not None else "before any step was committed"
+            report["failure_reason"] = attempt["failure_reason"] = f"stopped by the user ({e['signal']}) {where}"
+            attempt["end"] = "stopped"
         elif kind == "verdict":
             for k in ("verdict", "verdict_reasons", "trajectory", "first_diverging_step", "exactly_once",
                       "exactly_once_detail", "reference"):

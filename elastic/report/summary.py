@@ -60,7 +60,7 @@ def bubble_text(pipeline: dict) -> str:
 def attempt_text(a: dict) -> str:
     """One later attempt in words: how the one before ended, the gap, where its state came from, what it redid."""
     after = {"finished": "extended a finished run", "died": "restarted after the client was lost",
-             "failed": "restarted after a failure"}.get(str(a.get("after")), "started again")
+             "failed": "restarted after a failure", "stopped": "continued after the user stopped it"}.get(str(a.get("after")), "started again")
     gap = a.get("gap_before_s")
     start = a.get("started_from")
     again = a.get("reattached")
@@ -76,8 +76,20 @@ def attempt_text(a: dict) -> str:
     return text
 
 
+def loss_text(losses: list) -> str:
+    """The first and last recorded loss ("—" for none); steps with no recorded loss (``None``: they came from a
+    checkpoint that recorded none) are named, not formatted."""
+    recorded = [(i, x) for i, x in enumerate(losses) if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    if not recorded:
+        return "—" if not losses else f"none recorded ({len(losses)} steps)"
+    (first, a), (_, b) = recorded[0], recorded[-1]
+    text = f"{a:.4f} → {b:.4f}"
+    if first:
+        text += f" (steps 0-{first - 1}: no loss recorded)" if first > 1 else " (step 0: no loss recorded)"
+    return text
+
+
 def _rows(report: dict) -> list[tuple[str, str]]:
-    losses = report.get("losses") or []
     failures = report.get("failures") or []
     paths = collections.Counter(f.get("path") or "undecided" for f in failures)
     gp = report.get("goodput") or {}
@@ -86,7 +98,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         wall = gp.get("wall_seconds")
     rows = [
         ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
-        ("loss", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "—"),
+        ("loss", loss_text(report.get("losses") or [])),
         ("slices at end", "—" if report.get("slices_at_end") is None
          else f"{report['slices_at_end']} of {report.get('slices', '—')}"),
         ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"

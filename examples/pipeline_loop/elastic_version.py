@@ -70,7 +70,7 @@ def main(steps=20, seed=0):
 
 
 def make_job(cfg):
-    """The pipelined job for ``cfg`` (``dcn_pipeline_parallelism=2``; ``elastic run --trainer
+    """The pipelined job for ``cfg`` (``dcn_pipeline_parallelism=2``; ``elastic run tiny --trainer
     examples.pipeline_loop.elastic_version:make_job dcn_pipeline_parallelism=2 --reference``)."""
     size = cfg.microbatch_size
     data = elastic.FunctionSource(functools.partial(get_microbatch, size=size, count=cfg.microbatches),

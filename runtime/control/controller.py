@@ -132,6 +132,7 @@ class Controller:
         # themselves while it was silent): records it, or raises ClientSupersededError when the run is
         # another client's now. None: it may not (the run then recovers as from any refusal, and fails).
         self.take_back = None
+        self.still_ours = None   # raises ClientSupersededError once another client owns the run (elastic.reattach)
 
     def _fold(self, event: dict) -> None:
         self.state = self.state.apply(event)
@@ -246,7 +247,9 @@ class Controller:
 
         A lost worker or an aborted step in ``RUNNING``, ``BOUNDARY`` or
         ``RECOVERING`` leads to (another) ``RECOVERING``; any other error
-        propagates and ends the run.
+        propagates and ends the run. Before a membership change
+        (``RECOVERING``, ``BOUNDARY``) ``still_ours`` is asked: a client
+        another one took the run from raises ``ClientSupersededError`` there.
         """
         handler = {Phase.STARTING: self._starting, Phase.RUNNING: self._running, Phase.BOUNDARY: self._boundary,
                    Phase.RECOVERING: self._recovering}[self.phase]
@@ -261,6 +264,8 @@ class Controller:
                 raise
             self.pending.clear()
             self._error, self.phase = err, Phase.RECOVERING
+        if self.phase in (Phase.RECOVERING, Phase.BOUNDARY) and self.still_ours is not None:
+            self.still_ours()   # a stale client that woke changes nothing of a run that is another's now
         return self.phase
 
     def _take_back(self, err: WorkerFencedError) -> Phase:

@@ -154,12 +154,15 @@ def test_a_failed_verdict_exits_non_zero_and_says_why(tmp_path):
     jsonschema.validate(report, SCHEMA)
     assert report["verdict"] == "fail" and not report["finished"]
     assert any("elastic_timeout_seconds" in r for r in report["verdict_reasons"]), report["verdict_reasons"]
+    # Another chaos run under the same name starts from nothing: the failed run's log is not continued.
     proc, _ = run_cli(["chaos", "tiny", "steps=8", "elastic_min_slice_count=4", "elastic_timeout_seconds=1",
-                       "elastic_relaunch=false", "run_name=again", "--faults", "kill@step=2"], tmp_path, check=False)
+                       "elastic_relaunch=false", "run_name=faulted", "--faults", "kill@step=2"], tmp_path, check=False)
     assert proc.returncode == 1
-    again = json.loads((pathlib.Path(tmp_path) / "again" / "report.json").read_text())
+    again = json.loads((pathlib.Path(tmp_path) / "faulted" / "report.json").read_text())
     assert again["verdict"] == "fail" and again["failure_reason"].startswith("CapacityExhaustedError: ")
     assert "what to do:" in again["failure_reason"], "the reason says what to do next"
+    assert len(again["attempts"]) == 1 and again["steps_requested"] == 8, again["attempts"]
+    assert not any("outside any recovery" in r for r in again["verdict_reasons"]), again["verdict_reasons"]
 
 
 def test_a_fault_that_cannot_fire_in_this_run_is_bad_input(tmp_path):

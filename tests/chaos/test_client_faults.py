@@ -106,6 +106,17 @@ def test_a_client_killed_while_a_checkpoint_is_written_and_one_that_hung_within_
     assert proc.stderr.count("starting the same job again") == 1
 
 
+def test_a_client_still_stopped_when_the_run_ends_is_woken_then_and_changes_nothing(where):
+    # resume=60s outlasts the run: the new client finishes the last steps long before it. Woken as the run
+    # ends, the stale client finds its run another's (its workers gone home) and exits as superseded.
+    proc, report, events = chaos(where, "hang(resume=60s):client@step=36")
+    passed(report, events)
+    assert re.search(r"client 0 \(pid \d+\) was still stopped by fault 'hang\(resume=60s\):client@step=36' when "
+                     "the run ended: woken now", proc.stderr), proc.stderr
+    assert "woke, was refused by every worker and exited with status 3 (superseded)" in proc.stderr
+    assert [e["kind"] for e in events][-2:] == ["run_finished", "verdict"]   # nothing written after the run
+
+
 def test_a_client_killed_as_the_state_transfer_of_a_recovery_begins(where):
     proc, report, events = chaos(where, "kill:slice=1@step=5,kill:client@transfer", "elastic_spares=1")
     passed(report, events)

@@ -86,3 +86,74 @@ def test_a_resume_with_a_schedule_built_from_steps_is_refused_before_anything_is
     assert "steps (4 -> 6)" in message and "learning_rate_schedule_steps" in message, message
     assert "another run_name" in message, message
     assert files() == kept   # nothing written
+
+
+def test_the_same_command_on_a_finished_checkpointed_run_ends_at_once_and_writes_nothing(tmp_path, capsys):
+    """``elastic run`` again with the steps the run finished and checkpointed: nothing to compute, so no worker
+    starts, no bar is drawn and the run's files stay as they were."""
+    from elastic.cli import main
+
+    args = ["run", "tiny", *ONE, f"base_output_directory={tmp_path}", "steps=2", "--quiet"]
+    assert main(args) == 0
+    run_dir = tmp_path / "ext"
+    kept = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert main(args[:-1]) == 0   # with the progress bar this time
+    out, err = capsys.readouterr()
+    assert "already finished its 2 steps" in err and "training" not in out + err, (out, err)
+    assert "2 / 2" in out   # the finished run's summary
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"} == kept
+
+
+def test_ctrl_c_on_elastic_run_stops_it_in_one_line_sends_the_workers_home_and_records_it(tmp_path):
+    """SIGINT to the command's process group (a terminal's Ctrl-C): exit 130 with one line and no traceback;
+    the log says the user stopped the attempt (not that its client died), and no worker outlives it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "run", "tiny", "dcn_data_parallelism=2",
+                             "ici_fsdp_parallelism=1", "elastic_microbatches=2", "steps=100000", "run_name=stop",
+                             f"base_output_directory={tmp_path}", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while '"step_committed"' not in _read(run_dir / "events.jsonl") and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "elastic: stopped (Ctrl-C); the workers were sent home" in err, err
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "run_stopped" and events[-1]["signal"] == "SIGINT"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["attempts"][-1]["end"] == "stopped" and "stopped by the user" in report["failure_reason"]
+    workers = [e["pid"] for e in events if e["kind"] == "worker_registered" and e.get("pid")]
+    assert workers, "the log names the workers' pids"
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived the stopped run"
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

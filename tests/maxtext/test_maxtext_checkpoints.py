@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("maxtext")   # the MaxText integration's requirements (integrations/maxtext/requirements.txt)
 
+from elastic.cli import main as elastic_main  # noqa: E402
 from integrations.maxtext.__main__ import main  # noqa: E402
 from tests.maxtext.trainers import elastic_losses, finished, maxtext_trainer, stop  # noqa: E402
 
@@ -57,9 +58,16 @@ def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, 
     straight = trainer(tmp_path, "straight", tmp_path / "straight" / "r", 6, checkpoints=False)
     try:
         elastic_dir = tmp_path / "elastic" / "r"
-        assert main([str(TINY), "steps=4", *SCHEDULE, f"base_output_directory={elastic_dir.parent}", "run_name=r",
-                     "enable_checkpointing=true", "checkpoint_period=4", f"load_full_state_path={theirs}"]) == 0
-        assert "4/4 steps" in capsys.readouterr().out
+        # The command line a user types; MaxText's checkpoint recorded no losses, so steps 0-1 have none.
+        assert elastic_main(["run", str(TINY), "steps=4", *SCHEDULE, f"base_output_directory={elastic_dir.parent}",
+                             "run_name=r", "enable_checkpointing=true", "checkpoint_period=4",
+                             f"load_full_state_path={theirs}", "--quiet"]) == 0
+        out = capsys.readouterr().out
+        assert "4 / 4" in out and "(steps 0-1: no loss recorded)" in out, out
+        report = json.loads((elastic_dir / "report.json").read_text())
+        assert report["losses"][:2] == [None, None] and report["resumed_from"]["losses_recorded"] is False
+        assert elastic_main(["report", str(elastic_dir), "--quiet"]) == 0   # re-rendered from the log alike
+        assert "(steps 0-1: no loss recorded)" in capsys.readouterr().out
         events = [json.loads(line) for line in (elastic_dir / "events.jsonl").read_text().splitlines()]
         resumed = next(e for e in events if e["kind"] == "run_resumed")
         assert (resumed["step"], resumed["tier"]) == (2, "checkpoint")

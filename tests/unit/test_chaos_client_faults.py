@@ -151,15 +151,15 @@ def test_a_stale_client_wakes_once_its_time_passed_and_the_new_one_attached():
     assert backstop_seconds(8.0, SIDE) == 8.0 + 5.0 + 20.0 + 30.0
 
 
-def test_what_the_supervisor_saw_fails_the_verdict_when_a_client_was_not_refused_or_never_woke():
+def test_what_the_supervisor_saw_fails_the_verdict_when_a_client_was_not_refused_or_died_unaccounted_for():
     specs = ["hang(resume=8s):client@step=10", "kill:client@step=20"]
     fine = [ClientEnd(0, 11, "killed", -9, 1, ""), ClientEnd(1, 12, "superseded", 3, 0, ""),
             ClientEnd(2, 13, "finished", 0, None, "")]
     assert supervision_reasons(fine, specs) == []
     [woke] = supervision_reasons([ClientEnd(1, 12, "stale", 0, 0, "it finished")], specs)
     assert "woke and exited with status 0 instead of being refused" in woke and specs[0] in woke
-    [asleep] = supervision_reasons([ClientEnd(1, 12, "never woke", -9, 0, "")], specs)
-    assert "the run ended before it woke" in asleep and "shorter resume" in asleep
+    [killed] = supervision_reasons([ClientEnd(1, 12, "stale", -9, 0, "did not exit")], specs)
+    assert "exited with signal SIGKILL instead of being refused" in killed
     [died] = supervision_reasons([ClientEnd(0, 11, "died", -9, None, "")], specs)
     assert "died (signal SIGKILL) and no client fault accounts for it" in died
 

@@ -235,3 +235,43 @@ def test_a_log_from_before_the_digest_named_its_algorithm_folds_with_its_sha256_
 def test_an_unfinished_run_names_no_digest_and_no_algorithm():
     report = build_report([ev(0, "run_started", run_id="r", slices=1, devices_per_slice=1, steps=2), *commits(0.1, 0, 1)])
     assert report["final_state_digest"] is None and report["digest_algorithm"] is None
+
+
+def test_a_resume_from_a_checkpoint_without_losses_folds_and_summarises_the_losses_it_has():
+    """A run started from a checkpoint that recorded no losses (MaxText's): the steps before it are None, and
+    the summary, the HTML and the verdict take the losses there are."""
+    from chaos.verdict import compare_trajectory
+    from elastic.report import render_html, summary_text
+
+    events = attempt_start(0, "r1", steps=4) + [
+        ev(3, "run_resumed", step=2, directory=D, tier="checkpoint", bytes=64, state_bytes=64,
+           losses=[float("nan"), float("nan")], losses_recorded=False)]
+    events += [ev(4 + s, "step_committed", step=s, loss=loss(s)) for s in (2, 3)]
+    events.append(ev(7, "run_finished", final_state_digest=X("cd"), replica_hashes={}, client_peak_rss_bytes=1))
+    report = build_report(events)
+    assert report["losses"] == [None, None, loss(2), loss(3)]
+    text = summary_text(report, width=200)
+    assert f"{loss(2):.4f} → {loss(3):.4f} (steps 0-1: no loss recorded)" in text, text
+    assert "<polyline" in render_html(report, events)
+    assert compare_trajectory(report["losses"], [None, None, loss(2), loss(3)], final_digest=X("cd"),
+                              reference_digest=X("cd")) == ("identical", None)
+    assert compare_trajectory(report["losses"], [1.0, 1.0, loss(2), loss(3)], final_digest=X("cd"),
+                              reference_digest=X("cd")) == ("within_tolerance", None)   # not comparable: not bits
+    assert compare_trajectory(report["losses"], [1.0, 1.0, 9.0, loss(3)], final_digest=None,
+                              reference_digest=None) == ("diverged", 2)
+
+
+def test_an_attempt_stopped_by_ctrl_c_is_stopped_not_died_and_the_next_one_continues_it():
+    from elastic import run_records
+    from elastic.report import summary_text
+
+    first = attempt_start(0, "r1") + commits(3, 0, 5) + [ev(4, "run_stopped", signal="SIGINT")]
+    report = build_report(first)
+    [attempt] = report["attempts"]
+    assert attempt["end"] == "stopped" and report["failure_reason"] == "stopped by the user (SIGINT) after step 4"
+    assert not run_records.client_died(first)   # its workers went home: nobody to re-attach
+    second = attempt_start(10, "r2", steps=5) + commits(13, 0, 5) + [
+        ev(14, "run_finished", final_state_digest=X("cd"), replica_hashes={}, client_peak_rss_bytes=1)]
+    report = build_report(first + second)
+    assert report["attempts"][1]["after"] == "stopped" and report["finished"]
+    assert "continued after the user stopped it" in summary_text(report, width=200)
