@@ -5,12 +5,15 @@ code in running text; ``bash scripts/demo.sh`` is the command its script
 runs), so a command added to or changed in the docs is tested as written.
 Each runs for real (reference, faulted run on local workers, verdict) and
 must pass, exit 0, or, where the docs show its output, print that output and
-exit as a bad input does (2). Shortened only where it would take minutes:
-a soak's ``--duration`` (5 minutes: 10 s here, at the documented MTBF). A
-placeholder for your own code is this suite's own (``mypkg.train:make_job``:
-``tests/chaos/own_model.py``; ``CONFIG``: the bundled ``tiny``), and paths
-are the repository's, as the docs run them from its root. Identical
-commands run once.
+exit as a bad input does (2). A placeholder for your own code is this
+suite's own (``mypkg.train:make_job``: ``tests/chaos/own_model.py``;
+``CONFIG``: the bundled ``tiny``), and paths are the repository's, as the
+docs run them from its root. Identical commands run once.
+
+A documented scenario that another test already runs (:data:`RUN_ELSEWHERE`:
+the same faults on the same config, with more assertions) is not run twice:
+here it must parse and be accepted (config loaded, every fault reachable),
+and the test named must exist and run those faults.
 """
 
 import pathlib
@@ -23,7 +26,38 @@ from tests.conftest import ROOT, run_cli
 
 DOCS = ("README.md", "docs/chaos-guide.md")
 PLACEHOLDERS = {"mypkg.train:make_job": "tests.chaos.own_model:make_job", "CONFIG": "tiny"}
-SOAK = {"--duration": "10s"}   # 5 minutes of random faults, shortened to 10 s (at the documented MTBF)
+
+#: Documented command -> (the test that runs its scenario for real, the faults text that test runs).
+RUN_ELSEWHERE = {
+    "tiny steps=30 elastic_spares=1 elastic_shadow_spares=true --faults kill:all@step=12":
+        ("tests/chaos/test_state_tiers.py::test_a_shadowing_spare_replaces_every_active_slice_with_no_step_lost",
+         "kill:all@step=12"),
+    "tiny steps=40 dcn_data_parallelism=2 elastic_snapshot_interval=4 --faults kill:all@snapshot=8":
+        ("tests/chaos/test_state_tiers.py::"
+         "test_losing_every_replica_restores_the_newest_in_memory_snapshot_bit_identically", "kill:all@snapshot=8"),
+    "tiny steps=40 elastic_spares=1 enable_checkpointing=true checkpoint_period=4 --faults "
+    "kill:everything@checkpoint=8":
+        ("tests/chaos/test_state_tiers.py::"
+         "test_losing_every_copy_in_memory_restores_the_newest_checkpoint_bit_identically", "kill:{target}@checkpoint"),
+    "tiny steps=100000 --mtbf 20s --duration 5m --seed 7":
+        ("tests/chaos/test_chaos_faults.py::test_soak_mode_draws_random_faults_and_stops_at_the_duration", "--mtbf"),
+    "integrations/maxtext/configs/tiny.yml dcn_data_parallelism=2 elastic_spares=1 --faults kill@step=3":
+        ("tests/maxtext/test_maxtext_chaos.py::"
+         "test_arrayrecord_packed_worker_kills_a_spare_takes_one_place_then_the_survivor_takes_the_microbatches",
+         "kill:slice=1@step=2"),
+    "tiny --trainer tests.chaos.own_model:make_job --faults kill@step=3":
+        ("tests/chaos/test_own_model.py::test_own_model_under_elastic_chaos_from_the_command_line",
+         "tests.chaos.own_model:make_job"),
+    "tiny steps=40 dcn_data_parallelism=2 ici_fsdp_parallelism=1 elastic_microbatches=2 --faults kill:client@step=20":
+        ("tests/chaos/test_client_faults.py::test_a_killed_client_is_restarted_and_re_attaches_its_live_workers",
+         "kill:client@step=20"),
+    "tiny steps=10 enable_checkpointing=true checkpoint_period=2 --faults kill_save@checkpoint=4":
+        ("tests/chaos/test_state_tiers.py::test_a_save_cut_off_by_its_writers_death_is_never_counted_and_is_removed",
+         "kill_save@checkpoint"),
+    "tiny steps=40 elastic_spares=1 --faults kill:slice=1@step=8,kill:role=source@transfer":
+        ("tests/chaos/test_chaos_faults.py::test_the_source_killed_while_sending_state_leaves_another_replica",
+         "kill:role=source@transfer"),
+}
 
 
 def _demo_command() -> str:
@@ -80,12 +114,35 @@ def base(tmp_path_factory):
     return tmp_path_factory.mktemp("documented")
 
 
-@pytest.mark.parametrize("where,command,output", COMMANDS, ids=[c for _, c, _ in COMMANDS])
+def test_a_documented_scenario_another_test_runs_is_accepted_and_that_test_runs_it():
+    from chaos.cli import register
+    from chaos.harness import fault_plan, plan
+    from elastic.cli_support import OneLineParser, config_loader
+    from elastic.config_loading import load_config
+
+    shown = {c for _, c, _ in COMMANDS}
+    assert set(RUN_ELSEWHERE) <= shown, set(RUN_ELSEWHERE) - shown   # a doc changed: update the table
+    sub = OneLineParser(prog="elastic").add_subparsers()
+    register(sub)
+    for command, (test, faults) in RUN_ELSEWHERE.items():
+        path, _, name = test.partition("::")
+        source = (ROOT / path).read_text()
+        start = source.index(f"def {name}(")
+        end = source.find("\ndef ", start)
+        body = source[start:end if end != -1 else None]
+        assert faults in body, (command, test)   # that test runs the documented faults
+        args, extra = sub.choices["chaos"].parse_known_args(shlex.split(command))
+        _, overrides, options = plan(faults=args.faults, mtbf=args.mtbf, duration=args.duration, seed=args.seed)
+        overrides += [*args.overrides, *extra] + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
+        config = str(ROOT / args.config) if "/" in args.config else args.config
+        if config_loader(config, overrides) is None:   # jax-elastic's own configs: every fault can fire
+            fault_plan(load_config(config, overrides), options)
+
+
+@pytest.mark.parametrize("where,command,output", [c for c in COMMANDS if c[1] not in RUN_ELSEWHERE],
+                         ids=[c for _, c, _ in COMMANDS if c not in RUN_ELSEWHERE])
 def test_a_documented_chaos_command_passes_as_documented(where, command, output, base, request):
     words = shlex.split(command)
-    for flag, short in SOAK.items():
-        if flag in words:
-            words[words.index(flag) + 1] = short
     words = [str(ROOT / w) if "/" in w and (ROOT / w).exists() else w for w in words]   # run from the root
     run_name = f"doc{COMMANDS.index((where, command, output))}"
     proc, report = run_cli(["chaos", *words, f"run_name={run_name}"], base, check=False)

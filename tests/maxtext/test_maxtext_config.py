@@ -240,3 +240,22 @@ def test_a_jobs_maxtext_pieces_pickle_as_how_to_rebuild_them(path):
     shapes = (lambda p: jax.tree.map(lambda x: (x.shape, str(x.dtype)), p.abstract if hasattr(p, "abstract")
                                      else p.shapes))
     assert jax.tree.leaves(shapes(again)) == jax.tree.leaves(shapes(pieces))
+
+
+def test_the_docs_reference_command_is_the_same_math_as_the_run_above_it():
+    """docs/maxtext.md shows a run, then "the same math in one process" with ``--reference``: the two command
+    lines must give the same global batch, microbatches and steps, or the ground truth is of another run."""
+    import re
+    import shlex
+
+    block = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "maxtext.md").read_text(), flags=re.S)
+    lines = [x for b in block for x in b.replace("\\\n", " ").splitlines() if x.startswith(".venv/bin/elastic run")]
+    pairs = [(lines[i - 1], line) for i, line in enumerate(lines) if "--reference" in line and i]
+    assert pairs, "docs/maxtext.md shows a --reference command after a run"
+    for run, reference in pairs:
+        def loaded(command):
+            words = [w for w in shlex.split(command, comments=True)[2:] if not w.startswith("--")]
+            return load(*words[1:], path=ROOT / words[0])[0]
+        a, b = loaded(run), loaded(reference)
+        assert (a.global_batch_size, a.microbatches, a.steps) == (b.global_batch_size, b.microbatches, b.steps), \
+            (run, reference)
