@@ -75,8 +75,9 @@ def test_the_source_killed_while_sending_state_leaves_another_replica(tmp_path):
     assert report["slices_at_end"] == 3   # the spare took one slice; the other slice shrank away
 
 
-# Long enough that the run is still going when the cut-off worker comes back.
-LONG = 150
+# Long enough that the run is still going when the cut-off worker comes back, 4 s after the fault: a step takes
+# 25 ms or more here, so the run goes on for 7 s or more (150 steps were once over before it came back).
+LONG = 300
 
 
 def test_a_hung_worker_resumed_later_has_fenced_itself_and_is_refused(tmp_path):
