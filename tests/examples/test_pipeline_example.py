@@ -8,7 +8,6 @@ examples/README.md shows it.
 
 import numpy as np
 
-import elastic
 from examples.pipeline_loop import elastic_version, original
 from tests.examples.test_examples import ROOT, _changed, _split, unified_diff
 
@@ -18,10 +17,20 @@ def test_without_the_runtime_the_pipelined_file_is_the_original_loop():
 
 
 def test_the_pipelined_run_trains_the_original_model(tmp_path):
-    cfg = elastic.load_config("tiny", ["steps=3", "dcn_pipeline_parallelism=2", "dcn_data_parallelism=1",
-                                       "ici_fsdp_parallelism=1", "per_device_batch_size=4", "elastic_microbatches=4",
-                                       f"base_output_directory={tmp_path}", "run_name=pipelined"])
-    report = elastic_version.make_job(cfg).fit(reference=True)
+    """The command make_job's docstring gives, as written (3 steps of the loop's batch)."""
+    import json
+    import re
+    import shlex
+
+    from elastic.cli import main
+
+    command = " ".join(re.search(r"``(elastic run .*?)``", elastic_version.make_job.__doc__, re.S).group(1).split())
+    words = shlex.split(command)[2:] + ["steps=3", "dcn_data_parallelism=1", "ici_fsdp_parallelism=1",
+                                        "per_device_batch_size=4", "elastic_microbatches=4",
+                                        f"base_output_directory={tmp_path}", "run_name=pipelined", "--quiet"]
+    assert main(["run", *words]) == 0, command
+    report = json.loads((tmp_path / "pipelined" / "report.json").read_text())
+    assert report["mode"] == "reference" and report["config"]["dcn_pipeline_parallelism"] == 2
     np.testing.assert_allclose(report["losses"], original.main(steps=3), rtol=1e-5)
 
 
