@@ -22,6 +22,10 @@ install() {   # wheels into $SITE; without pip, unpacked (a wheel is a zip of wh
         for w in "$@"; do python3 -m zipfile -e "$w" "$SITE" || return 1; done
     fi
 }
+if ! compgen -G '.whl/*.whl' >/dev/null; then
+    echo "gpu_check.sh: no wheels in .whl/: fill it first (docs/development.md, GPU check), or run .venv/bin/python scripts/gpu_check.py where this project's .venv is" >&2
+    exit 3
+fi
 install .whl/*.whl || exit 3
 needed=$(python3 - <<'EOF'
 import importlib.metadata as md
