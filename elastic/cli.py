@@ -94,7 +94,8 @@ def _cmd_report(args) -> int:
     if not run_dir.is_dir():
         return usage_error(f"nothing to report: {path} not found ({run_dir} is not a directory)")
     if not path.is_file():
-        return usage_error(f"nothing to report: {path} not found (is {run_dir} a run directory?)")
+        what = "is not a file" if path.exists() else "not found"
+        return usage_error(f"nothing to report: {path} {what} (is {run_dir} a run directory?)")
     try:
         if not read_events(path):
             return usage_error(f"nothing to report: {path} has no events")
@@ -160,7 +161,7 @@ def _add_builtins(sub) -> None:
     run = sub.add_parser("run", help="train a config on local workers")
     run.add_argument("config", help="YAML config file (jax-elastic's, or MaxText's with MaxText installed), "
                                     "or a bundled name (tiny, base)")
-    run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    run.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     run.add_argument("--reference", action="store_true", help="the canonical math in this process, no workers")
     run.add_argument("--quiet", action="store_true", help="no per-step lines")
     run.add_argument("--trainer", metavar="MODULE:FACTORY",

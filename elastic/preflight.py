@@ -22,7 +22,10 @@ line names the config key to change. Nothing here imports JAX.
   programs. Pure apart from calling ``element_spec()``; no data is read.
 * :func:`check_load_full_state_path`: refuses a ``load_full_state_path`` the
   run would start from but cannot (missing, unreadable, no complete
-  checkpoint): a listing of the store, before any worker starts.
+  checkpoint, or one at or past ``steps``): a listing of the store, before
+  any worker starts.
+* :func:`check_checkpoint_directory`: refuses a local checkpoint directory
+  that local workers could not write (it is created here).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import fcntl
 import os
 import pathlib
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -46,6 +50,7 @@ __all__ = [
     "RunDirectory",
     "check_config_capacity",
     "check_data_source",
+    "check_checkpoint_directory",
     "check_load_full_state_path",
     "check_load_parameters_path",
     "check_local_capacity",
@@ -268,14 +273,35 @@ def check_load_full_state_path(path: str, checkpoint_directory: str, steps: int)
     path, or when the run's own ``checkpoint_directory`` holds a complete
     checkpoint at or before ``steps`` (the run resumes from that and never
     reads ``path``, as MaxText does). Raises a one-line ``ConfigError``
-    naming the key.
+    naming the key; also when the checkpoint is of a step at or past
+    ``steps`` (the run would train nothing).
     """
     if not path or newest_checkpoint(checkpoint_directory, steps) is not None:
         return
     try:
-        locate_checkpoint(path)
+        _, step = locate_checkpoint(path)
     except BadInputError as e:
         raise ConfigError(f"config key {str(e).splitlines()[0]}") from None
+    if step >= steps:
+        raise ConfigError(f"config key load_full_state_path {path!r} holds the state after {step} steps, and the run "
+                          f"has steps={steps}: nothing to train; give steps greater than {step}")
+
+
+def check_checkpoint_directory(directory: str) -> None:
+    """Refuses a local checkpoint ``directory`` this host's workers could not write (a file in the way, no
+    permission, a path under ``/proc``): created now, or one-line ``ConfigError`` naming the key. Called by
+    ``fit`` for local workers before any starts (remote workers' file systems are theirs to check; ``gs://``
+    is reached by the workers)."""
+    if not directory or "://" in directory:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-")
+        probe.close()
+    except OSError as e:
+        raise ConfigError(f"config key elastic_checkpoint_directory {directory!r} cannot be written: "
+                          f"{e.strerror or e}; choose a writable directory (or leave it empty for "
+                          "<run directory>/checkpoints)") from None
 
 
 def check_load_parameters_path(path: str, programs, checkpoint_directory: str = "", steps: int = 0) -> None:

@@ -28,8 +28,8 @@ from elastic import _programs, marker, reattach, run_records
 from elastic.config import Config, ConfigError
 from elastic.data import normalize_spec
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
-from elastic.preflight import (RunDirectory, check_config_capacity, check_data_source, check_load_full_state_path,
-                               check_load_parameters_path, claim_run_directory)
+from elastic.preflight import (RunDirectory, check_checkpoint_directory, check_config_capacity, check_data_source,
+                               check_load_full_state_path, check_load_parameters_path, claim_run_directory)
 from elastic.report import build_report
 from elastic.run_records import RunRecordsLostError
 from runtime import (ClientSupersededError, Controller, ElasticError, PipelineProgramSet, ProgramExportError,
@@ -166,6 +166,8 @@ class _Job:
                 opts, again = reattach.client_options(run_dir, history, self._controller_options(run_dir))
                 done = again is None and run_records.finished_already(history, opts, settings.steps)
                 check_load_full_state_path(opts.load_full_state_path, opts.checkpoint_directory, settings.steps)
+                if opts.launcher == "local":   # its workers write this host's file system
+                    check_checkpoint_directory(opts.checkpoint_directory)
                 if not done:
                     prestart_workers(opts)   # local workers' zygote imports JAX while this process traces
             programs = self.programs()

@@ -59,6 +59,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "worker_dead": ({"worker": TYPED}, {"cause": TYPED}),
     "recovery_decision": ({"action": TYPED, "dead": TYPED, "active": TYPED}, {}),
     "checkpoint_skipped": ({"detail": _ANY}, {}),
+    "checkpoint_failed": ({"error": _ANY}, {}),
     "recovered": ({"resume_step": _ANY, "bytes_moved": _ANY}, {"path": _ANY}),
     "grown": ({"active": TYPED}, {}),
     "straggler_replaced": ({"active": TYPED}, {}),
@@ -152,6 +153,8 @@ def build_report(events_or_path) -> dict:
         "snapshot_restores": 0,
         "resumed_from": None,
         "checkpoints_skipped": [],
+        "checkpoints_failed": 0,
+        "checkpoint_errors": [],
         "steps_lost": 0,
         "client_restarts": 0,
         "client_downtime_seconds": 0.0,
@@ -267,6 +270,11 @@ def build_report(events_or_path) -> dict:
             report["checkpoint_restores"] += 1
         elif kind == "snapshot_restored":
             report["snapshot_restores"] += 1
+        elif kind == "checkpoint_failed":
+            report["checkpoints_failed"] += 1
+            error = str(e["error"])
+            if error not in report["checkpoint_errors"] and len(report["checkpoint_errors"]) < 10:
+                report["checkpoint_errors"].append(error)   # each save of a broken directory fails the same way
         elif kind == "checkpoint_skipped" and e["detail"] not in report["checkpoints_skipped"]:
             report["checkpoints_skipped"].append(e["detail"])   # every worker reading it says the same
         elif kind == "recovered" and report["failures"]:

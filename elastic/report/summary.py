@@ -89,6 +89,11 @@ def loss_text(losses: list) -> str:
     return text
 
 
+def _checkpoint_failures(report: dict) -> str:
+    errors = "; ".join(report.get("checkpoint_errors") or ["no error recorded"])
+    return f"{report['checkpoints_failed']} saves ({errors[:160]})"
+
+
 def _rows(report: dict) -> list[tuple[str, str]]:
     failures = report.get("failures") or []
     paths = collections.Counter(f.get("path") or "undecided" for f in failures)
@@ -106,6 +111,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         ("steps lost", str(report.get("steps_lost", 0))),
         *([("resumed from", resumed_text(report))] if resumed_text(report) else []),
         *[(f"attempt {a.get('attempt')}", attempt_text(a)[:160]) for a in (report.get("attempts") or [])[1:]],
+        *([("checkpoints failed", _checkpoint_failures(report))] if report.get("checkpoints_failed") else []),
         ("snapshot / checkpoint restores",
          f"{report.get('snapshot_restores') or 0} / {report.get('checkpoint_restores', 0)}"),
         *([("pipeline", bubble_text(report["pipeline"]))] if isinstance(report.get("pipeline"), dict) else []),
@@ -134,7 +140,8 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("events dropped", f"{report['events_dropped']} (the event log could not be written; "
                                        "this report is incomplete)"))
     if not report.get("finished", True) and report.get("failure_reason"):
-        rows.append(("failed", str(report["failure_reason"])[:200]))
+        reason = str(report["failure_reason"])
+        rows.append(("failed", reason if len(reason) <= 200 else reason[:199] + "…"))
     return rows
 
 

@@ -22,7 +22,7 @@ from integrations.maxtext.config_files import devices_per_slice
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integrations.maxtext", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="a MaxText YAML file (base_config: base.yml for MaxText's defaults)")
-    parser.add_argument("overrides", nargs="*", help="key=value: MaxText keys and jax-elastic keys alike")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value: MaxText keys and jax-elastic keys alike")
     parser.add_argument("--reference", action="store_true", help="run the canonical math in this process")
     args = parser.parse_args(argv)
     try:
