@@ -44,15 +44,6 @@ def run_cli(args, tmp_path, *, check=True, timeout=300):
     return proc, report
 
 
-def live_events(run_dir) -> list[dict]:
-    """The events a run (perhaps still running) has written to ``run_dir/events.jsonl`` so far: its complete
-    lines ([] before the log exists)."""
-    path = pathlib.Path(run_dir) / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-
-
 def processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line as ``ps`` shows it) of every live process ``/proc`` lists (zombies left
     out)."""

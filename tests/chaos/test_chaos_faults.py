@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.support.events import kinds, run_events
 
 STEPS = 12
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
@@ -23,7 +24,7 @@ def chaos(tmp_path, faults, *overrides, check=True, steps=STEPS):
                       tmp_path, check=check)
     run_dir = pathlib.Path(tmp_path) / "faulted"
     report = json.loads((run_dir / "report.json").read_text())
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = run_events(run_dir)
     jsonschema.validate(report, SCHEMA)
     return proc, report, events
 
@@ -36,10 +37,6 @@ def passed(report, steps=STEPS):
     assert report["trajectory"] == "identical" and report["exactly_once"] is True
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["losses"] == report["reference"]["losses"]
-
-
-def kinds(events, kind):
-    return [e for e in events if e["kind"] == kind]
 
 
 @pytest.mark.parametrize("phase", ["grad", "reduce", "apply"])

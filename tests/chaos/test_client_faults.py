@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import ROOT, processes, run_cli
+from tests.support.events import kinds, run_events
 
 RUN = ["tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2", "steps=40",
        "elastic_client_grace_seconds=20"]
@@ -39,7 +40,7 @@ def chaos(where, faults, *overrides):
     proc, _ = run_cli(["chaos", *RUN, f"run_name={name}", *overrides, "--faults", faults], base)
     run_dir = pathlib.Path(base) / name
     report = json.loads((run_dir / "report.json").read_text())
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = run_events(run_dir)
     jsonschema.validate(report, SCHEMA)
     return proc, report, events
 
@@ -65,10 +66,6 @@ def _nothing_left(events):
     while pids & set(processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pids & set(processes()), "a worker outlived the run"
-
-
-def kinds(events, kind):
-    return [e for e in events if e["kind"] == kind]
 
 
 def test_a_killed_client_is_restarted_and_re_attaches_its_live_workers(where):

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, live_events, processes, run_cli
+from tests.conftest import ROOT, processes, run_cli
+from tests.support.events import live_events
 
 RUN = ["run", "tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
 

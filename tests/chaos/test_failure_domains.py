@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, live_events, processes
+from tests.conftest import ROOT, processes
+from tests.support.events import live_events
 
 
 def _descendants(root: int) -> dict[int, str]:

@@ -36,7 +36,8 @@ import grpc
 import pytest
 from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
 
-from tests.conftest import ROOT, live_events, run_cli
+from tests.conftest import ROOT, run_cli
+from tests.support.events import live_events
 
 STORE = 80 * 1024 * 1024   # the object store of each node: the runtime moves no tensors through Ray
 LOOPBACK = "127.0.0.1"

@@ -17,9 +17,7 @@ from runtime.wire import auth
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from tests.conftest import run_cli
-
-def kinds(events, kind):
-    return [e for e in events if e["kind"] == kind]
+from tests.support.events import kinds, run_events
 
 
 def test_shrink_then_grow_back_when_the_relaunched_worker_joins(tmp_path):
@@ -34,7 +32,7 @@ def test_shrink_then_grow_back_when_the_relaunched_worker_joins(tmp_path):
     proc, _ = run_cli(["chaos", "tiny", f"steps={steps}", "run_name=faulted", "--faults",
                        "straggle(factor=10,for=600s):all@step=0,kill:slice=1@step=2"], tmp_path)
     report = json.loads((tmp_path / "faulted" / "report.json").read_text())
-    events = [json.loads(line) for line in (tmp_path / "faulted" / "events.jsonl").read_text().splitlines()]
+    events = run_events(tmp_path / "faulted")
     assert report["verdict"] == "pass", report["verdict_reasons"]
     assert report["steps_completed"] == steps and report["steps_lost"] == 0 and report["trajectory"] == "identical"
     assert report["failures"][0]["path"] == "shrink"

@@ -41,13 +41,10 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 from tests.gcs_emulator import GcsEmulator
+from tests.support.events import run_events
 
 SMALL = ["tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2",
          "enable_checkpointing=true", "checkpoint_period=4"]
-
-
-def _events(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
 def test_a_shadowing_spare_replaces_every_active_slice_with_no_step_lost(tmp_path):
@@ -60,7 +57,7 @@ def test_a_shadowing_spare_replaces_every_active_slice_with_no_step_lost(tmp_pat
     assert report["steps_lost"] == 0 and report["checkpoint_restores"] == 0
     assert report["verdict"] == "pass" and report["trajectory"] == "identical"
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
-    events = _events(pathlib.Path(tmp_path) / "sh")
+    events = run_events(pathlib.Path(tmp_path) / "sh")
     assert not any(e["kind"] in ("transfer_started", "shadow_behind") for e in events)
 
 
@@ -76,7 +73,7 @@ def test_losing_every_replica_restores_the_newest_in_memory_snapshot_bit_identic
                            tmp_path, check=False)
     run_dir = pathlib.Path(tmp_path) / "sn"
     report = json.loads((run_dir / "report.json").read_text())
-    events = _events(run_dir)
+    events = run_events(run_dir)
     assert report["finished"] and report["steps_completed"] == 24, report["verdict_reasons"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["trajectory"] == "identical" and report["losses"] == report["reference"]["losses"]
@@ -124,7 +121,7 @@ def test_losing_every_copy_in_memory_restores_the_newest_checkpoint_bit_identica
             gcs.stop()
     run_dir = pathlib.Path(tmp_path) / "ck"
     report = json.loads((run_dir / "report.json").read_text())
-    events = _events(run_dir)
+    events = run_events(run_dir)
     assert report["finished"] and report["steps_completed"] == 40, report["verdict_reasons"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert report["losses"] == report["reference"]["losses"]
@@ -172,7 +169,7 @@ def test_a_save_cut_off_by_its_writers_death_is_never_counted_and_is_removed(sto
     finally:
         if gcs is not None:
             gcs.stop()
-    events = _events(pathlib.Path(tmp_path) / "ks")
+    events = run_events(pathlib.Path(tmp_path) / "ks")
     (fault,) = report["faults"]
     assert fault["kind"] == "kill_save" and fault["skipped"] is None and fault["path"] in ("replace", "shrink"), fault
     (victim,) = fault["workers"]
@@ -206,21 +203,21 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
     deadline, saved = time.monotonic() + 240, []
     while time.monotonic() < deadline and first.poll() is None:   # kill the client once a checkpoint exists
         if (run_dir / "events.jsonl").exists():
-            saved = [e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint_saved"]
+            saved = [e["step"] for e in run_events(run_dir) if e["kind"] == "checkpoint_saved"]
             if len(saved) >= 2:
                 break
         time.sleep(0.05)
     assert len(saved) >= 2 and first.poll() is None, "the first run ended before two checkpoints were saved"
     # The client and every worker it started, at once (the workers run in process groups of their own).
-    for pid in [first.pid] + [e["pid"] for e in _events(run_dir) if e["kind"] == "worker_registered"]:
+    for pid in [first.pid] + [e["pid"] for e in run_events(run_dir) if e["kind"] == "worker_registered"]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     first.wait()
-    committed = sum(e["kind"] == "step_committed" for e in _events(run_dir))
+    committed = sum(e["kind"] == "step_committed" for e in run_events(run_dir))
     assert committed < 80
-    reached = max(e["step"] for e in _events(run_dir) if e["kind"] == "step_committed") + 1
+    reached = max(e["step"] for e in run_events(run_dir) if e["kind"] == "step_committed") + 1
 
     complete = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert len(complete) >= 2, complete   # (the test waits for two, so one can be spoiled)

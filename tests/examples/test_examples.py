@@ -9,7 +9,6 @@ lines, as examples/README.md says, which shows the current diff.
 
 import difflib
 import importlib
-import pathlib
 import runpy
 import sys
 
@@ -17,8 +16,9 @@ import numpy as np
 import pytest
 
 import elastic
+from tests.conftest import ROOT
+from tests.support.example_diff import changed_lines, split_factory, unified_diff
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ["optax_loop", "nnx_loop", "grad_accumulation"]
 # Lines that differ between original.py and elastic_version.py, blank lines aside, outside the
 # make_job factory and the __main__ block (7 in each example today: two imports, the mark, and a
@@ -66,42 +66,13 @@ def test_the_elastic_version_survives_a_worker_kill(example, elastic_chaos):
     np.testing.assert_allclose(report["losses"], original.main(steps=6), rtol=1e-5)
 
 
-def _split(path):
-    """(the file's non-blank lines outside make_job and the __main__ block, make_job's non-blank lines)."""
-    body, factory, part = [], [], None
-    for line in path.read_text().splitlines():
-        if line.startswith("def make_job"):
-            part = factory
-        elif line.startswith('if __name__ == "__main__"'):
-            part = []
-        elif line and not line[0].isspace():
-            part = None
-        if line.strip():
-            (body if part is None else part).append(line)
-    return body, factory
-
-
-def _changed(a, b):
-    """Lines added, removed or replaced to turn ``a`` into ``b`` (a replaced line counts once)."""
-    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
-    return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
-
-
-def unified_diff(example):
-    """The diff examples/README.md shows (one line of context)."""
-    d = ROOT / "examples" / example
-    a, b = (d / "original.py").read_text().splitlines(), (d / "elastic_version.py").read_text().splitlines()
-    lines = difflib.unified_diff(a, b, f"{example}/original.py", f"{example}/elastic_version.py", n=1, lineterm="")
-    return "\n".join(lines)
-
-
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_the_elastic_version_changes_a_few_lines(example):
     d = ROOT / "examples" / example
-    original, no_factory = _split(d / "original.py")
-    elastic_body, factory = _split(d / "elastic_version.py")
+    original, no_factory = split_factory(d / "original.py")
+    elastic_body, factory = split_factory(d / "elastic_version.py")
     assert no_factory == []
-    changed = _changed(original, elastic_body)
+    changed = changed_lines(original, elastic_body)
     assert 0 < changed <= MAX_CHANGED_LINES, "\n".join(difflib.unified_diff(original, elastic_body, lineterm=""))
     assert sum("elastic.cross_slice_mean(grads)" in line for line in elastic_body) == 1
     assert sum(1 for line in factory if "elastic.wrap(" in line or "elastic.Trainer(" in line) == 1

@@ -9,7 +9,8 @@ examples/README.md shows it.
 import numpy as np
 
 from examples.pipeline_loop import elastic_version, original
-from tests.examples.test_examples import ROOT, _changed, _split, unified_diff
+from tests.conftest import ROOT
+from tests.support.example_diff import changed_lines, split_factory, unified_diff
 
 
 def test_without_the_runtime_the_pipelined_file_is_the_original_loop():
@@ -36,9 +37,9 @@ def test_the_pipelined_run_trains_the_original_model(tmp_path):
 
 def test_the_pipelined_version_changes_a_few_lines():
     d = ROOT / "examples" / "pipeline_loop"
-    body, _ = _split(d / "original.py")
-    elastic_body, factory = _split(d / "elastic_version.py")
-    assert 0 < _changed(body, elastic_body) <= 8
+    body, _ = split_factory(d / "original.py")
+    elastic_body, factory = split_factory(d / "elastic_version.py")
+    assert 0 < changed_lines(body, elastic_body) <= 8
     assert sum("elastic.pipeline_stage(" in line for line in elastic_body) == 1
     assert sum("elastic.Trainer(" in line for line in factory) == 1
     assert f"```diff\n{unified_diff('pipeline_loop')}\n```" in (ROOT / "examples" / "README.md").read_text()

@@ -14,8 +14,8 @@ from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
-from tests.integration.test_hardening_worker import (RUN, SECRET, Controller, load_request, member, start_worker, stop,
-                                                     tiny_programs)
+from tests.support.worker_harness import (RUN, SECRET, Controller, load_request, member, start_worker, stop,
+                                          tiny_programs)
 
 EPOCH = 10                      # the worker's epoch during the fuzz; lower ones are old
 M, P = 2, 8                     # microbatches and gradient size of the tiny programs

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, live_events, run_cli
+from tests.conftest import ROOT, run_cli
+from tests.support.events import live_events
 
 RUN_ID, SECRET = "manual-join", "s3cret-for-this-test"
 # Long enough (a few seconds of steps after the kill) for the replacement to start JAX and join before the end.

@@ -2,13 +2,8 @@
 gradients reduced among its replicas; the same losses and final state, bit for bit, as the one-process
 pipelined run under the other schedule."""
 
-import json
-
 from tests.conftest import run_cli
-
-
-def events(run_dir):
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+from tests.support.events import run_events
 
 
 def test_stage_workers_train_the_one_process_pipeline_bit_for_bit(tmp_path):
@@ -17,13 +12,13 @@ def test_stage_workers_train_the_one_process_pipeline_bit_for_bit(tmp_path):
     _, workers = run_cli(["run", *common, "elastic_pipeline_schedule=gpipe", "run_name=workers"], tmp_path)
     _, reference = run_cli(["run", *common, "run_name=reference", "--reference"], tmp_path)
     assert workers["steps_completed"] == 3 and workers["losses"] == reference["losses"]
-    finished = {run: next(e for e in events(tmp_path / run) if e["kind"] == "run_finished")
+    finished = {run: next(e for e in run_events(tmp_path / run) if e["kind"] == "run_finished")
                 for run in ("workers", "reference")}
     assert finished["workers"]["final_state_digest"] == finished["reference"]["final_state_digest"]
     hashes = finished["workers"]["replica_hashes"]   # w0, w1: stage 0's replicas; w2, w3: stage 1's
     assert hashes["w0"] == hashes["w1"] != hashes["w2"] == hashes["w3"]
     assert sorted(finished["reference"]["replica_hashes"].values()) == sorted({hashes["w0"], hashes["w2"]})
-    committed = [e for e in events(tmp_path / "workers") if e["kind"] == "step_committed"]
+    committed = [e for e in run_events(tmp_path / "workers") if e["kind"] == "step_committed"]
     assert [sorted(e["microbatches"]) for e in committed] == [["w2", "w3"]] * 3   # the last stage's losses
     # each step measured its bubble and each stage's phases; the report has their medians against the theory
     assert all(0 <= e["bubble"] < 1 and sorted(e["stage_phases"]) == ["0", "1"] for e in committed)
@@ -49,7 +44,7 @@ def test_lost_stage_workers_come_back_from_a_replica_of_their_stage_or_from_its_
     assert report["steps_completed"] == 16 and report["exactly_once"] is True
     assert report["losses"] == report["reference"]["losses"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
-    log = events(tmp_path / "faults")
+    log = run_events(tmp_path / "faults")
     recoveries = [(e["path"], e.get("restore_tier")) for e in log if e["kind"] == "recovered"]
     assert recoveries == [("replace", "replica"), ("shrink", "replica"), ("restore", "snapshot")]
     restored = next(e for e in log if e["kind"] == "snapshot_restored")
@@ -76,7 +71,7 @@ def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from
     assert report["verdict"] == "pass", report["verdict_reasons"]
     assert report["losses"] == report["reference"]["losses"]
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
-    log = events(tmp_path / "shadows")
+    log = run_events(tmp_path / "shadows")
     assert next(e for e in log if e["kind"] == "programs_loaded")["stages"] == {"w0": 0, "w1": 1, "w2": 0, "w3": 1}
     assert [(e["restore_tier"], e["bytes_moved"]) for e in log if e["kind"] == "recovered"][:2] == [("shadow", 0)] * 2
     assert [e["active"] for e in log if e["kind"] == "recovery_decision"][:2] == [["w0", "w3"], ["w2", "w3"]]

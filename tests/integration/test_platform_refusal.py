@@ -2,11 +2,12 @@
 own choice of platform: the CPU here) refuses them when it loads them, and the run fails with one line that
 names both platforms and the config key."""
 
-import json
 import os
 import pathlib
 import subprocess
 import sys
+
+from tests.support.events import run_events
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def test_gpu_programs_on_a_cpu_worker_fail_the_run_at_load_naming_the_key(tmp_pa
     assert len(failed) == 1, proc.stderr
     assert "INVALID_ARGUMENT: the 'init' program: exported for cuda (config key hardware: gpu), but this " \
            "worker's JAX runs on cpu. Set the config key 'hardware' to cpu" in failed[0]
-    events = [json.loads(line) for line in (tmp_path / "gpu" / "events.jsonl").read_text().splitlines()]
+    events = run_events(tmp_path / "gpu")
     registered = [e for e in events if e["kind"] == "worker_registered"]
     assert [e["platform"] for e in registered] == ["cpu"]   # JAX's own choice on this host
     assert not any(e["kind"] == "programs_loaded" for e in events)

@@ -10,7 +10,7 @@ import numpy as np
 
 from runtime.worker.reference import run_reference, run_reference_process
 from tests.conftest import processes
-from tests.integration.test_hardening_worker import tiny_programs
+from tests.support.worker_harness import tiny_programs
 
 
 class SlowData:

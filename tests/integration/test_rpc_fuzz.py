@@ -22,7 +22,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.wire.parts import checksum
 from runtime.state.state_copy import state_digest
 from tests.integration._rpc_fuzz_target import EPOCH, FUZZ, M, P, ROOT_NODE, TYPED, Target, fence, open_target
-from tests.integration.test_hardening_worker import RUN, load_request
+from tests.support.worker_harness import RUN, load_request
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")

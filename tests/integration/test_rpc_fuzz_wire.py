@@ -18,7 +18,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.core.errors import ProtocolError
 from tests.integration._rpc_fuzz_target import FUZZ, fence, open_target
-from tests.integration.test_hardening_worker import RUN, SECRET, load_request
+from tests.support.worker_harness import RUN, SECRET, load_request
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 

@@ -7,8 +7,9 @@ import types
 from runtime import EventLog, Reattach, RunState, can_attach, read_events
 from runtime.control.controller import Controller, Phase
 from runtime.control.controller_options import ControllerOptions
+from tests.support.controller_run import M, expected_losses
+from tests.support.events import committed_steps, kinds
 from tests.unit.fake_group import FakeGroup
-from tests.unit.test_controller import M, committed_steps, expected_losses, kinds
 
 PROGRAMS = types.SimpleNamespace(num_microbatches=M)
 STEPS = 8

@@ -22,7 +22,7 @@ from chaos.injector import ClientSide, backstop_seconds, outlasts_lease
 from chaos.supervisor import (SUPERSEDED_EXIT, ClientEnd, _Supervision, _Tail, after_exit, job_blob,
                               supervision_reasons, takeover_due, wake_due)
 from tests.conftest import ROOT
-from tests.unit.test_chaos_injector import Controller
+from tests.support.fake_controller import timed_controller
 
 SIDE = ClientSide(steps=10, lease_seconds=5.0, grace_seconds=20.0)
 
@@ -167,20 +167,6 @@ def test_what_the_supervisor_saw_fails_the_verdict_when_a_client_was_not_refused
 # --------------------------------------------------------------------------- the injector
 
 
-class Events:
-    def __init__(self):
-        self.emitted = []
-
-    def emit(self, kind, **fields):
-        self.emitted.append({"kind": kind, "t": time.time(), **fields})
-
-
-def _ctl():
-    ctl = Controller()
-    ctl.events = Events()
-    return ctl
-
-
 def _kinds(ctl, *kinds):
     return [e for e in ctl.events.emitted if e["kind"] in kinds]
 
@@ -192,7 +178,7 @@ def test_a_restarted_clients_injector_fires_only_what_the_log_does_not_record_as
                {"kind": "fault_injected", "index": 1, "fault": faults[1].spec()},
                {"kind": "fault_injected", "index": 0, "fault": faults[0].spec()},
                {"kind": "checkpoint_saved", "step": 4}]
-    ctl = _ctl()
+    ctl = timed_controller()
     injector = FaultInjector(faults, info={"spec": "x"}, history=history, supervised=SIDE)
     assert injector.fired == {0, 1} and injector.committed == 5 and injector.checkpointed == 4
     injector.attach(ctl)
@@ -212,7 +198,7 @@ def test_a_restarted_clients_injector_fires_only_what_the_log_does_not_record_as
 
 def test_faults_due_with_a_client_fault_fire_first_and_a_client_fault_waits_for_a_committed_step():
     faults = parse_faults("kill:client@step=0,kill:client@step=3,kill:slice=1@step=3,corrupt:slice=0@step=3")
-    ctl = _ctl()
+    ctl = timed_controller()
     injector = FaultInjector(faults, supervised=SIDE)
     struck = []
     injector._strike_client = lambda index, fault: struck.append((index, [e["index"] for e in
@@ -230,7 +216,7 @@ def test_faults_due_with_a_client_fault_fire_first_and_a_client_fault_waits_for_
 
 
 def test_a_client_fault_never_strikes_once_every_step_is_committed_nor_without_a_supervisor():
-    ctl = _ctl()
+    ctl = timed_controller()
     injector = FaultInjector(parse_faults("kill:client@time=0s"), supervised=ClientSide(2, 5.0, 20.0))
     injector._strike_client = lambda index, fault: pytest.fail("struck after the last commit")
     injector.attach(ctl)
@@ -241,7 +227,7 @@ def test_a_client_fault_never_strikes_once_every_step_is_committed_nor_without_a
     [skipped] = _kinds(ctl, "fault_skipped")
     assert "came due with every step committed" in skipped["reason"]
 
-    ctl = _ctl()
+    ctl = timed_controller()
     alone = FaultInjector(parse_faults("kill:client@step=1"))   # no supervisor: it would kill this process
     alone.attach(ctl)
     alone.step_committed(0)
@@ -255,8 +241,8 @@ STRIKE = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from chaos import FaultInjector, parse_faults
     from chaos.injector import ClientSide
-    from tests.unit.test_chaos_client_faults import _ctl
-    ctl = _ctl()
+    from tests.support.fake_controller import timed_controller
+    ctl = timed_controller()
     injector = FaultInjector(parse_faults({spec!r}), supervised=ClientSide(10, {lease}, 20.0))
     injector.attach(ctl)
     t0 = time.monotonic()

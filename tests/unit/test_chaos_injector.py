@@ -1,12 +1,11 @@
 """The fault injector against a controller that offers only the observer surface.
 
-The controller here has exactly what ``runtime.ControllerObserver.attach``
+The controller here (``tests/support/fake_controller.py``) has exactly what ``runtime.ControllerObserver.attach``
 promises (``placement``, ``live_spares()``, ``pid()``, ``inject_fault()``,
 ``events.emit``) and nothing else, so an injector reaching for anything more
 fails. Signals go to a real ``sleep`` process.
 """
 
-import dataclasses
 import signal
 import subprocess
 import time
@@ -14,46 +13,8 @@ import time
 import pytest
 
 from chaos import FaultInjector, parse_faults
-from runtime import FAULT_ACTIONS, WorkerLostError
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    epoch: int
-    active: tuple[str, ...]
-    spares: tuple[str, ...]
-
-
-class Events:
-    def __init__(self):
-        self.emitted = []
-
-    def emit(self, kind, **fields):
-        self.emitted.append({"kind": kind, **fields})
-
-
-class Controller:
-    __slots__ = ("placement", "events", "pids", "armed", "fail")
-
-    def __init__(self, pids=None, fail=None):
-        self.placement = Placement(1, ("w0", "w1", "w2"), ("w3",))
-        self.events = Events()
-        self.pids = pids or {}
-        self.armed = []
-        self.fail = fail
-
-    def live_spares(self):
-        return ("w3",)
-
-    def pid(self, worker_id):
-        return self.pids[worker_id]
-
-    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
-        assert action in FAULT_ACTIONS
-        assert after_step == 0 or (action, phase) == ("kill_in_phase", "save")
-        if self.fail:
-            raise self.fail
-        self.armed.append((worker_id, action, factor, seconds, phase))
+from runtime import WorkerLostError
+from tests.support.fake_controller import Controller
 
 
 def fire(spec, ctl, *, transfer=None):

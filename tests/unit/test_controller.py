@@ -3,16 +3,15 @@
 import dataclasses
 import types
 
-import numpy as np
 import pytest
 
 from runtime import (CapacityExhaustedError, ControllerObserver, EventLog, ReplicaDivergenceError, RunState,
                      StateLostError, read_events)
 from runtime.control.controller import Controller, Phase
 from runtime.control.controller_options import ControllerOptions
-from tests.unit.fake_group import FakeGroup, loss_sum
-
-M = 4   # microbatches per step
+from tests.support.controller_run import M, expected_losses
+from tests.support.events import committed_steps, kinds
+from tests.unit.fake_group import FakeGroup
 
 
 def run(tmp_path, steps=8, faults=None, observer=None, stepwise=False, **opts):
@@ -38,18 +37,6 @@ def run(tmp_path, steps=8, faults=None, observer=None, stepwise=False, **opts):
     replayed = RunState.replay(log)
     assert replayed == ctl.state, f"the log does not rebuild the run state: {replayed.differences(ctl.state)}"
     return result, log, group, phases
-
-
-def expected_losses(steps):
-    return [float(np.float32(loss_sum(s)) / np.float32(M)) for s in range(steps)]
-
-
-def committed_steps(events):
-    return [e["step"] for e in events if e["kind"] == "step_committed"]
-
-
-def kinds(events, kind):
-    return [e for e in events if e["kind"] == kind]
 
 
 @pytest.fixture

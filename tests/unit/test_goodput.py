@@ -6,10 +6,9 @@ import pytest
 
 from elastic.report import BADPUT_LABELS, LABELS, goodput, intervals
 from elastic.report.goodput import idle_gaps
+from tests.support.events import events_from
 
-
-def ev(t, kind, **fields):
-    return {"t": 1000.0 + t, "kind": kind, **fields}
+ev = events_from(1000.0)
 
 
 def startup(t_state=10.5):

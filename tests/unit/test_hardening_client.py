@@ -19,14 +19,11 @@ from elastic.config import Config, ConfigError
 from elastic.config_loading import load_config
 from elastic.report import build_report, render_html, summary_text
 from runtime import EventLog, read_events
+from tests.support.events import ev
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def ev(t, kind, **fields):
-    return {"t": 1_700_000_000.0 + t, "kind": kind, **fields}
 
 
 def one_error_line(capsys) -> str:

@@ -19,6 +19,7 @@ from runtime.core.timing import Clock
 from runtime.pipeline.bubble import measured_bubble, stage_workers_bubble, theoretical_bubble
 from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
+from tests.support.events import ev
 from tests.unit.fake_group import FakeGroup
 
 SCHEMA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "docs" / "report.schema.json").read_text())
@@ -128,10 +129,6 @@ def test_an_unpipelined_step_records_no_stage_fields(tmp_path):
 
 
 # -- the report ----------------------------------------------------------------------------------------------
-
-def ev(t, kind, **fields):
-    return {"t": 1_700_000_000.0 + t, "kind": kind, **fields}
-
 
 def _log(config, bubbles, stage_phases=True):
     events = [ev(0, "job_started", mode="distributed", config=config, global_batch_size=8, microbatches=8),

@@ -4,14 +4,11 @@ import pytest
 
 from chaos.promise import KINDS, promises
 from chaos.verdict import judge
+from tests.support.events import timeless as ev
 
 CFG = {"elastic_dispatch_depth": 2, "elastic_snapshot_interval": 4, "checkpoint_period": 4,
        "enable_checkpointing": True, "elastic_shadow_spares": False, "steps": 20}
 SHADOWING = {**CFG, "elastic_shadow_spares": True}
-
-
-def ev(kind, **fields):
-    return {"t": 0.0, "kind": kind, **fields}
 
 
 def start(active=("w0", "w1"), spares=()):

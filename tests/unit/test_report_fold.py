@@ -3,10 +3,7 @@
 import re
 
 from elastic.report import build_report
-
-
-def ev(t, kind, **fields):
-    return {"t": 1_700_000_000.0 + t, "kind": kind, **fields}
+from tests.support.events import ev
 
 
 def X(pair: str) -> str:

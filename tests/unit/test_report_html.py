@@ -10,15 +10,12 @@ import jsonschema
 import pytest
 
 from elastic.report import CHROMIUM, chromium_dom, chromium_screenshot, goodput, render_html, summary_text, write_html
+from tests.support.events import ev
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 EVIL = "<script>alert('x')</script>"
 DIGEST = "xxh3_128:" + "ab" * 16
-
-
-def ev(t, kind, **fields):
-    return {"t": 1_700_000_000.0 + t, "kind": kind, **fields}
 
 
 def faulted_events():

@@ -8,10 +8,7 @@ import pytest
 from chaos.verdict import judge
 from runtime import EventLog, RunState, read_events
 from runtime.control.policy import Placement
-
-
-def ev(kind, **fields):
-    return {"t": 0.0, "kind": kind, **fields}
+from tests.support.events import timeless as ev
 
 
 START = [ev("run_started", run_id="r", slices=2, devices_per_slice=1, microbatches=2, steps=6),

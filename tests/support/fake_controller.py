@@ -1,0 +1,62 @@
+"""A controller as the fault injector sees it, and nothing more.
+
+``Controller`` has exactly what ``runtime.ControllerObserver.attach`` promises (``placement``, ``live_spares()``,
+``pid()``, ``inject_fault()``, ``events.emit``) and nothing else (``__slots__``), so an injector reaching for
+anything more fails. It records the worker faults it was asked to arm in ``armed`` and the events emitted in
+``events.emitted``. Used by the injector's tests and the client faults' tests (also in a subprocess of theirs).
+"""
+
+import dataclasses
+import time
+
+from runtime import FAULT_ACTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    epoch: int
+    active: tuple[str, ...]
+    spares: tuple[str, ...]
+
+
+class Events:
+    """Keeps what is emitted, in order, in ``emitted``; with ``timed``, each event carries its ``time.time()``
+    as ``t``, as the events of a real log do."""
+
+    def __init__(self, timed: bool = False):
+        self.emitted = []
+        self.timed = timed
+
+    def emit(self, kind, **fields):
+        self.emitted.append({"kind": kind, "t": time.time(), **fields} if self.timed else {"kind": kind, **fields})
+
+
+class Controller:
+    __slots__ = ("placement", "events", "pids", "armed", "fail")
+
+    def __init__(self, pids=None, fail=None):
+        self.placement = Placement(1, ("w0", "w1", "w2"), ("w3",))
+        self.events = Events()
+        self.pids = pids or {}
+        self.armed = []
+        self.fail = fail
+
+    def live_spares(self):
+        return ("w3",)
+
+    def pid(self, worker_id):
+        return self.pids[worker_id]
+
+    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
+        assert action in FAULT_ACTIONS
+        assert after_step == 0 or (action, phase) == ("kill_in_phase", "save")
+        if self.fail:
+            raise self.fail
+        self.armed.append((worker_id, action, factor, seconds, phase))
+
+
+def timed_controller() -> Controller:
+    """A ``Controller`` whose events carry their time (``Events(timed=True)``), as a client's real log does."""
+    ctl = Controller()
+    ctl.events = Events(timed=True)
+    return ctl
