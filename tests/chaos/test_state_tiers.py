@@ -275,6 +275,10 @@ def test_a_checkpoint_resumes_on_another_mesh_within_tolerance(tmp_path):
     proc, _ = run_cli(["run", "tiny", "run_name=none", f"load_full_state_path={tmp_path}/nothing"], tmp_path,
                       check=False)
     assert proc.returncode == 2 and "load_full_state_path" in proc.stderr and "does not exist" in proc.stderr
+    proc, _ = run_cli(["run", "tiny", "steps=8", "run_name=past", f"load_full_state_path={checkpoints}"], tmp_path,
+                      check=False)   # its newest checkpoint is of step 12: nothing to train
+    assert proc.returncode == 2 and "holds the state after 12 steps" in proc.stderr, proc.stderr
+    assert "nothing to train" in proc.stderr and not (pathlib.Path(tmp_path) / "past" / "events.jsonl").exists()
 
     # Another model's checkpoint (other leaf shapes) is refused, naming it.
     proc, _ = run_cli(["run", *common, *new_mesh, "base_emb_dim=48"], tmp_path, check=False)
