@@ -141,8 +141,10 @@ def client_died(history: list[dict]) -> bool:
 
 
 def _refused_attach(attempt: list[dict]) -> bool:
-    return any(e.get("kind") == "run_failed" and str(e.get("error", "")).startswith("AttachRefusedError")
-               for e in attempt)
+    """Whether ``attempt`` was a restarted client refused by the live workers (``attach_refused``; in logs from
+    before that event, the ``run_failed`` it wrote instead)."""
+    return any(e.get("kind") == "attach_refused" or (e.get("kind") == "run_failed" and str(e.get("error", ""))
+                                                     .startswith("AttachRefusedError")) for e in attempt)
 
 
 def refuse_other_programs(history: list[dict], fingerprints: dict | None, programs: ProgramSet, directory: str,

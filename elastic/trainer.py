@@ -32,7 +32,7 @@ from elastic.preflight import (RunDirectory, check_checkpoint_directory, check_c
                                check_load_full_state_path, check_load_parameters_path, claim_run_directory)
 from elastic.report import build_report
 from elastic.run_records import RunRecordsLostError
-from runtime import (ClientSupersededError, Controller, ElasticError, PipelineProgramSet, ProgramExportError,
+from runtime import (AttachRefusedError, ClientSupersededError, Controller, ElasticError, PipelineProgramSet, ProgramExportError,
                      ProgramSet,
                      enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms,
                      read_events, run_reference, run_reference_process)
@@ -212,6 +212,9 @@ class _Job:
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
         except ClientSupersededError:
             superseded = True   # another client drives the run: its files are that client's now
+            raise
+        except AttachRefusedError as e:   # not the run's failure: its workers wait on for the right command
+            events.emit("attach_refused", error=f"{type(e).__name__}: {in_config_terms(str(e))}")
             raise
         except ElasticError as e:
             events.emit("run_failed", error=f"{type(e).__name__}: {in_config_terms(str(e))}")

@@ -74,6 +74,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "events_dropped": ({}, {"count": TYPED}),
     "run_failed": ({"error": _ANY}, {}),
     "run_stopped": ({"signal": _ANY}, {}),
+    "attach_refused": ({"error": _ANY}, {}),
     "verdict": ({"verdict": TYPED, "verdict_reasons": TYPED, "trajectory": _ANY, "first_diverging_step": _ANY,
                  "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY},
                 {"promises": TYPED, "run_state_replayed": TYPED}),
@@ -314,6 +315,9 @@ def build_report(events_or_path) -> dict:
         elif kind == "run_failed":
             report["failure_reason"] = attempt["failure_reason"] = e["error"]
             attempt["end"] = "failed"
+        elif kind == "attach_refused":
+            report["failure_reason"] = attempt["failure_reason"] = e["error"]
+            attempt["end"] = "refused"
         elif kind == "run_stopped":
             last = attempt["_last_step"]
             where = f"after step {last}" if last is not None else "before any step was committed"
@@ -362,7 +366,8 @@ def _new_attempt(report: dict, e: dict, t_first: float) -> dict:
     faults accumulate.
     """
     attempts = report["attempts"]
-    previous = attempts[-1] if attempts else None
+    # A refused re-attach changed nothing: the attempt after it follows the one before it (its gap, how it ended).
+    previous = next((a for a in reversed(attempts) if a["end"] != "refused"), None)
     attempt = {"attempt": len(attempts) + 1, "mode": None, "run_id": None, "steps_requested": None,
                "started_at": e["t"] - t_first, "ended_at": e["t"] - t_first,
                "gap_before_s": None if previous is None else e["t"] - t_first - previous["ended_at"],
@@ -370,7 +375,7 @@ def _new_attempt(report: dict, e: dict, t_first: float) -> dict:
                                                        if previous["end"] is None else previous["end"]),
                "started_from": None, "reattached": None, "steps_committed": 0, "steps_recomputed": 0, "end": None,
                "finished": False, "failure_reason": None, "_last_step": None}
-    if previous is not None:
+    if attempts:
         report.update(finished=False, failure_reason=None, final_state_digest=None, digest_algorithm=None,
                       replica_hashes={}, resumed_from=None, client_peak_rss_bytes=None, wall_seconds=None)
     attempts.append(attempt)

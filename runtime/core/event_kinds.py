@@ -118,6 +118,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"seconds": FINITE, "program_bytes": NUMBERS_BY_NAME, "state_bytes": COUNT, "grad_size": COUNT},
               {"fingerprints": OBJECT}),
     EventKind("run_failed", "the attempt ended with an error", {"error": TEXT}),
+    EventKind("attach_refused", "a restarted client was refused by its run's live workers (other programs): the "
+              "attempt ends, nothing changed on them", {"error": TEXT}),
     EventKind("run_stopped", "the user stopped the attempt (Ctrl-C): its workers were sent home", {"signal": TEXT}),
     # -- the controller's run ------------------------------------------------------------------------
     EventKind("run_started", "the controller (or the reference path) starts its run",

@@ -85,6 +85,9 @@ def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_
     assert report["client_restarts"] == 1 and report["client_downtime_seconds"] > 0
     last = report["attempts"][-1]
     assert last["reattached"]["workers"] == ["w0", "w1"] and last["started_from"]["tier"] == "live"
+    _, refused = report["attempts"][:2]   # the refused command changed nothing: the last follows the killed one
+    assert refused["end"] == "refused" and last["after"] == "died" and len(report["attempts"]) == 3
+    assert last["gap_before_s"] > last["started_at"] - refused["ended_at"]
     assert not any(e["kind"] in ("state_transferred", "checkpoint_restored", "snapshot_restored")
                    for e in live_events(run_dir)[len(before):])
 

@@ -297,7 +297,11 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_clus
     run_dir = tmp_path / "ray"
     cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=600", "dcn_data_parallelism=2",
            "ici_fsdp_parallelism=1", "elastic_microbatches=2", "elastic_spares=1", "elastic_launcher=ray",
-           "run_name=ray", f"base_output_directory={tmp_path}", "--faults", "kill:slice=1@step=10", "--quiet"]
+           "run_name=ray", f"base_output_directory={tmp_path}", "--faults", "kill:slice=1@step=10", "--quiet",
+           # Silent 5 s, not 1.5, before a worker is suspect: in a full suite this host once starved both live actors
+           # for 0.8 s (a relaunched actor compiling, another module's cluster) and the run lost them as hung. A
+           # kill and a node removal are told by a refused connection and by Ray, not by silence.
+           "elastic_lease_seconds=5"]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     removed = None
     try:

@@ -272,3 +272,24 @@ def test_an_attempt_stopped_by_ctrl_c_is_stopped_not_died_and_the_next_one_conti
     report = build_report(first + second)
     assert report["attempts"][1]["after"] == "stopped" and report["finished"]
     assert "continued after the user stopped it" in summary_text(report, width=200)
+
+
+def test_a_refused_re_attach_changes_nothing_and_the_next_attempt_follows_the_one_before_it():
+    """Attempt 1's client is killed; attempt 2 brings other programs and the live workers refuse it; attempt 3 (the
+    right command) re-attaches them: its gap and "after" are attempt 1's, and it re-attaches."""
+    from elastic import run_records
+    from elastic.report import summary_text
+
+    first = attempt_start(0, "r1") + commits(3, 0, 5)
+    refused = attempt_start(20, "r2") + [ev(21.5, "attach_refused", error="AttachRefusedError: other programs")]
+    assert run_records.client_died(first + refused)   # attempt 1's workers still wait for the right client
+    third = attempt_start(30, "r3", steps=5) + [
+        ev(31.5, "client_attached", run_id="r1", generation=2, steps=5, workers={"w0": {"pid": 1}, "w1": {"pid": 2}},
+           lost=[], committed=5, downtime_seconds=27.0),
+        ev(32, "run_finished", final_state_digest=X("cd"), replica_hashes={}, client_peak_rss_bytes=1)]
+    report = build_report(first + refused + third)
+    one, two, three = report["attempts"]
+    assert two["end"] == "refused" and two["failure_reason"].startswith("AttachRefusedError")
+    assert three["after"] == "died" and three["gap_before_s"] == 30 - one["ended_at"]
+    assert report["finished"] and report["failure_reason"] is None
+    assert "restarted after the client was lost" in summary_text(report, width=200)
