@@ -28,6 +28,7 @@ from elastic.cli_support import (OneLineParser, config_loader, finish, make_job,
                                  usage_error)
 from elastic.config import ConfigError
 from elastic.config_loading import load_config
+from runtime import positive_seconds   # imports no JAX: the device count is set after parsing
 
 __all__ = ["COMMANDS_GROUP", "main", "parser"]
 
@@ -139,17 +140,6 @@ def _cmd_worker(args) -> int:
     return 0
 
 
-def _positive(text: str) -> float:
-    """Seconds > 0 (a wait)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
-
-
 def _count(text: str) -> int:
     """A device count >= 1."""
     if not text.isdigit() or int(text) < 1:
@@ -184,7 +174,7 @@ def _add_builtins(sub) -> None:
                         "default: the devices JAX finds on this machine")
     w.add_argument("--host", default="127.0.0.1", help="the address this worker listens on and tells its peers")
     w.add_argument("--port", type=int, default=0)
-    w.add_argument("--register-timeout", type=_positive, default=60.0, metavar="SECONDS",
+    w.add_argument("--register-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
                    help="how long to wait for the controller to answer (default: 60); then exit 1")
     for flag, env in _WORKER_TLS.items():
         w.add_argument(f"--{flag.replace('_', '-')}", default="", metavar="PEM",

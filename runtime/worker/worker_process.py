@@ -43,6 +43,7 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime.core import allocator, compile_cache
+from runtime.core.arguments import positive_seconds
 from runtime.core.errors import AuthenticationError, ElasticError, RegistrationTimeoutError
 from runtime.wire import auth, rpc
 from runtime.core.owner import Owner, set_title
@@ -283,7 +284,7 @@ def main(argv=None) -> None:
                          f"simulated compute that makes stages equal (default: ${STAGE_DELAY_VARIABLE}, else 0)")
     ap.add_argument("--secret", default=None,
                     help="the run secret (default: $ELASTIC_RUN_SECRET; an argument is visible in ps)")
-    ap.add_argument("--register-timeout", type=_seconds, default=REGISTER_SECONDS, metavar="SECONDS",
+    ap.add_argument("--register-timeout", type=positive_seconds, default=REGISTER_SECONDS, metavar="SECONDS",
                     help=f"how long to wait for the controller to answer the first registration (default: "
                          f"{REGISTER_SECONDS:g}); then exit 1")
     args = ap.parse_args(argv)
@@ -315,17 +316,6 @@ def main(argv=None) -> None:
         log.exception("worker %s failed", args.worker_id)
         status = EXIT_FAILED
     _exit_now(status)
-
-
-def _seconds(text: str) -> float:
-    """A wait: seconds, finite and > 0."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {text!r}")
-    return seconds
 
 
 def _delay(text: str) -> float:
