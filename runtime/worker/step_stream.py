@@ -5,7 +5,7 @@ A unary ``Step`` call per worker per step costs both ends a call's set-up
 (gRPC Python: about 0.5-0.8 ms of the client's CPU each, and the server's
 handler dispatch); on a stream a step is one message each way. What a step
 does and what it answers is the unary ``Step``'s, unchanged
-(:meth:`runtime.worker.worker_step.Stepping._step`): each request runs on a
+(:meth:`runtime.worker.step_runner.StepRunner.run`): each request runs on a
 thread of the stream's pool as its call did on the server's pool, waits for
 its turn there, and a failure is answered as the call would have ended
 (:func:`runtime.wire.rpc.error_status`: code, details, kind) in the reply's

@@ -93,7 +93,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     try:
         server, bound = rpc.make_server(host, port, secret=secret, tls=tls,
                                         interceptors=[PartitionInterceptor(service.faults)],
-                                        refusals=service.refusals, on_authenticated=service.heard)
+                                        refusals=service.refusals, on_authenticated=service.lease.heard)
     except FileNotFoundError as e:   # a TLS file (the message names it)
         raise ElasticError(str(e)) from None
     except OSError as e:
@@ -109,14 +109,15 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
                       on_shared_state=service.shared_state, status_name=rpc.status_name, refusals=service.refusals,
                       dropped=service.faults.partitioned, on_steps=service.serve_step_connection)
     devices = jax.devices()
-    service.controller, service.owner = controller, owner
+    lease = service.lease
+    lease.controller, lease.owner = controller, owner
     service.identity = pb.AttachReply(worker_id=worker_id, pid=os.getpid(), host=service.host,
                                       num_devices=len(devices), platform=devices[0].platform, address=address,
                                       data_address=data.address)
     stubs: dict[str, pb_grpc.ControllerStub] = {}
 
     def register(rejoin: bool, timeout: float = register_timeout) -> pb.RegisterReply:
-        where = service.controller   # a restarted client may listen elsewhere (its Attach says where)
+        where = lease.controller   # a restarted client may listen elsewhere (its Attach says where)
         if where not in stubs:
             stubs[where] = pb_grpc.ControllerStub(rpc.channel(where, secret, tls))
         return stubs[where].Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
@@ -140,7 +141,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
             log.warning("%s: nothing to do; exiting", reply.reason)
             return EXIT_SHUTDOWN
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
-    service.generation = reply.generation   # the client generation it joined (a fresh worker serves it)
+    lease.generation = reply.generation   # the client generation it joined (a fresh worker serves it)
     log.info("worker %s serving on %s with %d %s devices (%s)", worker_id, address, len(devices), devices[0].platform,
              ", ".join(sorted({d.device_kind for d in devices})))
     status = _serve_run(service, register, register_timeout, health_servicer)
@@ -148,8 +149,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     # Bounded: a handler stuck in a compile is cancelled for its caller and left behind.
     server.stop(grace=STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1.0)
     data.close()
-    service.data.close()
-    service.collective.close()
+    service.close()
     return status
 
 
@@ -177,36 +177,37 @@ def _serve_run(service: WorkerService, register, register_timeout: float, health
     """
     orphaned = False   # the grace began with the owner's death (exit 4 at its end)
     last_ask = 0.0
-    service.serving = lambda ok: health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if ok
-                                                     else health_pb2.HealthCheckResponse.NOT_SERVING)
+    lease = service.lease
+    lease.serving = lambda ok: health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if ok
+                                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
     while not service.stopped.wait(0.2):
-        owner = service.owner
+        owner = lease.owner
         if owner is not None and not owner.alive():
-            service.owner = None
+            lease.owner = None
             why = f"the run's owner (process {owner.pid}) is gone"
-            if not service.lose_client(why):
+            if not lease.lose_client(why):
                 log.warning("%s; exiting", why)
                 return _run_over(service, EXIT_ORPHANED)
             orphaned = True
-        if service.client_lost_at is not None:   # within the grace: a new client may attach this worker
-            if service.grace_over():
-                log.warning("no client of run %s attached this worker within %.0f s; exiting", service.run_id,
-                            service.client_grace)
+        if lease.client_lost_at is not None:   # within the grace: a new client may attach this worker
+            if lease.grace_over():
+                log.warning("no client of run %s attached this worker within %.0f s; exiting", lease.run_id,
+                            lease.client_grace)
                 return _run_over(service, EXIT_ORPHANED if orphaned else EXIT_FENCED)
             if time.monotonic() - last_ask > 1.0 and not service.faults.partitioned():
                 last_ask = time.monotonic()
                 reply = _ask(register)
                 if reply is not None and not reply.accepted and not reply.wait \
-                        and reply.generation == service.generation and service.client_lost_at is not None:
+                        and reply.generation == lease.generation and lease.client_lost_at is not None:
                     log.warning("asked to rejoin after fencing: refused: %s", reply.reason)
                     return _run_over(service, EXIT_FENCED)   # its client lives and went on without it
             continue
-        if service.lease_lapsed():
+        if lease.lease_lapsed():
             orphaned = False
-            service.serving(False)
-            if service.lose_client(service.fenced):
+            lease.serving(False)
+            if lease.lose_client(lease.fenced):
                 continue
-            reply = _rejoin(service, register, register_timeout, service.owner)
+            reply = _rejoin(service, register, register_timeout, lease.owner)
             log.warning("asked to rejoin after fencing: %s", "no answer" if reply is None else
                         f"accepted={reply.accepted} {reply.reason}")
             if reply is None or not reply.accepted:
@@ -224,8 +225,9 @@ def _ask(register) -> pb.RegisterReply | None:
 
 def _run_over(service: WorkerService, status: int) -> int:
     """The worker leaves the run for good: its snapshots on this host serve nobody now."""
-    if service.snapshots is not None:
-        service.snapshots.remove_all()
+    snapshots = service.state_mover.snapshots
+    if snapshots is not None:
+        snapshots.remove_all()
     return status
 
 

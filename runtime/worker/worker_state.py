@@ -1,10 +1,12 @@
 """A worker's whole state coming in and going out other than by a step: copies, checkpoints and snapshots.
 
-:class:`runtime.worker.worker.WorkerService` keeps the gRPC methods, the fencing and
-its lock; the bodies of the operations that move a whole state live here,
-each given explicitly what it needs (the data client, the peer channels, the
-snapshot store, the faults, a timeout), so that the service reads as
-membership, loading and the step:
+:class:`StateMover` is the object the service delegates these RPCs to; it
+owns what they need beyond the replica (:class:`runtime.worker.replica.Replica`,
+which holds the state and its lock): this host's snapshot store, the
+background checkpoint writer, and the loaded programs' fingerprint that every
+save records and every restore checks. The bodies of the operations are
+functions here, each given explicitly what it needs (the data client, the
+peer channels, the snapshot store, the faults, a timeout):
 
 - :func:`pull_state` (``PullState``): a spare or a relaunched worker copies a
   live replica's state, out of its memory when both are on one host, else
@@ -20,8 +22,8 @@ membership, loading and the step:
   saves it reports; :func:`while_saving` and :func:`strike_save_in_progress`
   are its chaos fault (``kill_save``: the save being written, or the next).
 
-Replacing the state stays with the service (its ``adopt`` callable), under its
-lock and refused while a step runs.
+Replacing the state stays with the replica (:meth:`runtime.worker.replica.Replica.adopt`),
+under its lock and refused while a step runs.
 """
 
 from __future__ import annotations
@@ -48,13 +50,21 @@ from runtime.wire.peers import PeerChannels
 from runtime.core.programs import ProgramSet
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.snapshot import SnapshotStore
-from runtime.state.state_copy import assemble_state, copy_shared_state, landing, state_digest
+from runtime.state.state_copy import (assemble_state, copy_shared_state, landing, shared_state, state_chunks,
+                                      state_digest)
+from runtime.core.fingerprint import legacy_programs_fingerprint, programs_fingerprint
 
 if TYPE_CHECKING:
-    from runtime.worker.executor import SliceExecutor
+    from collections.abc import Iterator
 
-__all__ = ["Landing", "copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot", "load_checkpoint",
-           "loss_sums", "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress", "while_saving"]
+    from runtime.wire.parts import Part
+    from runtime.worker.executor import SliceExecutor
+    from runtime.worker.lease import Lease
+    from runtime.worker.replica import Replica
+
+__all__ = ["Landing", "StateMover", "copy_snapshot", "drain_saves", "flush_checkpoints", "keep_snapshot",
+           "load_checkpoint", "loss_sums", "loss_sums_of", "pull_state", "save_step", "strike_save_in_progress",
+           "while_saving"]
 
 _STAGE_DIRECTORY = re.compile(r"stage[0-9]+")   # a pipelined run's stage directory of a host's snapshots
 
@@ -96,6 +106,147 @@ class Landing:
     def drop(self) -> None:
         with self._lock:
             self._memory, self._dropped = None, True
+
+
+class StateMover:
+    """Moves this worker's whole state in and out, other than by a step; the service delegates ``GetState``,
+    ``PullState``, ``LoadCheckpoint``, ``Checkpoints``, ``KeepSnapshot`` and ``Rollback`` here, the data plane
+    its state reads (:meth:`parts`, :meth:`shared`), the step its saves (:meth:`save`, :meth:`drain_saves`).
+
+    Owns this host's snapshot store of the run (:attr:`snapshots`, None when the run takes none, and
+    :attr:`snapshot_home`, the host's directory of them: a pipelined run keeps one per stage in it), the
+    background writer (created on first use), and the loaded programs' :attr:`fingerprint`. Every operation
+    checks the fence first; a refused one leaves the state as it was.
+    """
+
+    def __init__(self, replica: Replica, lease: Lease, *, peers: PeerChannels, data: DataClient,
+                 faults: WorkerFaults, step_timeout: float):
+        self._replica, self._lease = replica, lease
+        self._peers, self._data, self._faults = peers, data, faults
+        self._step_timeout = step_timeout
+        self.fingerprint = ""                 # sha256 of the loaded programs: which math a checkpoint holds
+        self._blobs: dict[str, bytes] = {}    # the loaded programs, for the fingerprint older checkpoints hold
+        self._writer: CheckpointWriter | None = None   # checkpoints and snapshots (runtime.worker.saver), on first use
+        self.snapshots: SnapshotStore | None = None   # this host's snapshots of the run (runtime.state.snapshot)
+        self.snapshot_home = ""               # this host's directory of them (a pipelined run: one per stage in it)
+
+    def loaded(self, blobs: dict[str, bytes], snapshots: SnapshotStore | None, home: str) -> None:
+        """``Load``, within the replica's :meth:`~runtime.worker.replica.Replica.exclusive`: the programs
+        loaded (by name, serialized) and where this host keeps the run's snapshots."""
+        self._blobs = blobs
+        self.fingerprint = programs_fingerprint(blobs)
+        self.snapshots, self.snapshot_home = snapshots, home
+
+    def status(self) -> pb.StatusReply:
+        """What this worker holds, and the snapshots its host keeps (``Abort``, ``Rollback``, ``Attach``)."""
+        return self._replica.status(self.snapshots.steps() if self.snapshots is not None else [])
+
+    # -- saves -------------------------------------------------------------------
+
+    def writer(self) -> CheckpointWriter:
+        """The background writer, created on first use (with the ``kill_save`` fault when chaos is on)."""
+        if self._writer is None:
+            chaos = functools.partial(while_saving, self._faults) if self._faults.enabled else None
+            self._writer = CheckpointWriter(while_saving=chaos)
+        return self._writer
+
+    def save(self, req: pb.StepRequest) -> None:
+        """Under the replica's lock, right after ``req.step`` applied (or between steps, for ``Checkpoints``):
+        hands the state to the writer (:func:`save_step`)."""
+        replica = self._replica
+        save_step(self.writer(), req, replica.executor, fingerprint=self.fingerprint, recent=replica.recent,
+                  snapshots=self.snapshots, peers=self._peers, timeout=self._step_timeout)
+
+    def drain_saves(self) -> tuple[Drained, Drained]:
+        """The checkpoints, then the snapshots, finished since the last step asked (:func:`drain_saves`)."""
+        return drain_saves(self._writer)
+
+    def save_striker(self) -> Callable[[], None]:
+        """Chaos, when ``kill_in_phase`` of the save phase is armed: what cuts off the save the writer (as it is
+        now) is writing, run once the arming call was answered (:func:`strike_save_in_progress`)."""
+        return functools.partial(strike_save_in_progress, self._faults, self._writer)
+
+    def checkpoints(self, request: pb.CheckpointsRequest) -> pb.CheckpointsReply:
+        """Controller (``Checkpoints``, at the end of a run): waits for the checkpoints in flight, then reports
+        them. With ``save_directory`` it first saves the state as it is now there (the run's last checkpoint was
+        cut off with its writer); refused while a step runs."""
+        self._lease.check_fence(request.fence)
+        replica = self._replica
+        if request.save_directory:
+            replica.need_executor()
+            with replica.exclusive("a step is running; cannot save the state now"):
+                ex = replica.executor
+                self.save(pb.StepRequest(step=ex.steps_applied - 1, checkpoint_directory=request.save_directory,
+                                         committed_loss_sums=request.committed_loss_sums))
+        return flush_checkpoints(self._writer, max(0.0, min(request.wait_seconds, self._step_timeout)))
+
+    def remove_snapshots(self) -> None:
+        """The run ended (``Shutdown``): the RAM this host's snapshots hold serves nobody now, every stage's."""
+        if self.snapshots is not None:
+            self.snapshots.remove_all()
+            if self.snapshot_home and self.snapshot_home != self.snapshots.directory:   # a pipeline's: all stages
+                SnapshotStore(self.snapshot_home).remove_all()
+
+    # -- out: this replica's state to a peer ---------------------------------------
+
+    def parts(self, request: pb.GetStateRequest) -> Iterator[Part]:
+        """Peer (``GetState``, or the data plane): the parts of this replica's state at
+        ``request.applied_steps``. Raises, before anything is sent, when the request is fenced off or the state
+        is not at that step."""
+        leaves, applied, digest = self._state_at(request)
+        return mid_stream(state_chunks(leaves, applied, self._replica.chunk_bytes, digest),
+                          self._faults.sending_state)
+
+    def shared(self, request: pb.GetStateRequest) -> Iterator[pb.SharedState]:
+        """Peer on this host (the data plane's ``on_shared_state``): yields where the state's host leaves lie,
+        then (the reader copying them) the chaos point midway; they stay alive until the data server closes this
+        generator. Raises, before yielding, as :meth:`parts`."""
+        leaves, applied, digest = self._state_at(request)
+        leaves = [np.require(x, requirements='C') for x in leaves]   # (ascontiguousarray makes a scalar 1-d)
+        yield shared_state(leaves, applied, digest)
+        self._faults.sending_state()
+
+    def _state_at(self, request: pb.GetStateRequest) -> tuple[list, int, str]:
+        self._lease.check_fence(request.fence)
+        return self._replica.state_at(request.applied_steps)
+
+    # -- in: a state from elsewhere --------------------------------------------------
+
+    def pull(self, request: pb.PullStateRequest) -> pb.PullStateReply:
+        """Controller (``PullState``): replace this replica's state with a copy pulled from
+        ``source_address`` (:func:`pull_state`)."""
+        self._lease.check_fence(request.fence)
+        replica = self._replica
+        replica.need_executor()
+        return pull_state(request, replica.layout, data=self._data, peers=self._peers, faults=self._faults,
+                          timeout=self._step_timeout, adopt=replica.adopt, landing_memory=replica.landing)
+
+    def restore(self, request: pb.LoadCheckpointRequest) -> pb.PullStateReply:
+        """Controller (``LoadCheckpoint``): replace this replica's state with a checkpoint or snapshot
+        (:func:`load_checkpoint`), or its parameters only (:func:`load_parameters`)."""
+        self._lease.check_fence(request.fence)
+        replica = self._replica
+        replica.need_executor()
+        ex = replica.executor
+        if request.parameters_only:
+            return load_parameters(request, ex, replica.layout, replica.adopt)
+        return load_checkpoint(request, snapshots=self.snapshots, programs=ex.programs,
+                               fingerprints=(self.fingerprint, lambda: legacy_programs_fingerprint(self._blobs)),
+                               layout=replica.layout, adopt=replica.adopt, tree=ex.checkpoint_tree)
+
+    def keep(self, request_iterator) -> None:
+        """Peer (``KeepSnapshot``): keep a copy of its snapshot on this host (:func:`keep_snapshot`)."""
+        keep_snapshot(request_iterator, self.snapshots, self._lease.check_fence, self.snapshot_home)
+
+    def rollback(self, request: pb.RollbackRequest) -> pb.StatusReply:
+        """Controller (``Rollback``): back to ``to_applied_steps`` (at most one step back); refused while a step
+        runs."""
+        self._lease.check_fence(request.fence)
+        replica = self._replica
+        replica.need_state()
+        with replica.exclusive("cannot roll back while a step runs; abort first"):
+            replica.rollback(request.to_applied_steps)
+            return self.status()
 
 
 def pull_state(request: pb.PullStateRequest, layout, *, data: DataClient, peers: PeerChannels, faults: WorkerFaults,

@@ -17,6 +17,7 @@ from runtime.core.errors import ProtocolError
 from runtime.worker.fault_injection import PHASES, PartitionInterceptor, WorkerFaults
 from runtime.core.microbatch import assign_microbatches
 from runtime.wire.requests import check_step_request
+from runtime.worker.lease import Lease
 from runtime.worker.worker import WorkerService
 
 FENCE = pb.Fence(run_id="run", epoch=1)
@@ -32,7 +33,7 @@ def worker():
         yield service, pb_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     finally:
         server.stop(0)
-        service.collective.close()
+        service.close()
 
 
 @pytest.mark.parametrize("chunk_bytes", [-1, 100, 4095])
@@ -42,7 +43,7 @@ def test_load_refuses_a_chunk_size_out_of_range_before_any_work(worker, chunk_by
         stub.Load(pb.LoadRequest(fence=FENCE, chunk_bytes=chunk_bytes), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"chunk_bytes={chunk_bytes}" in info.value.details()
-    assert service.executor is None and service.chunk_bytes == 4 << 20
+    assert service.replica.executor is None and service.replica.chunk_bytes == 4 << 20
 
 
 def test_load_checks_the_fence_before_the_chunk_size(worker):
@@ -58,17 +59,17 @@ def test_a_call_from_the_controller_renews_the_lease_and_a_peer_call_does_not():
         for method, renews in [("/jax_elastic.Worker/Progress", True), ("/jax_elastic.Worker/Step", True),
                                ("/grpc.health.v1.Health/Check", True), ("/jax_elastic.Worker/Push", False),
                                ("/jax_elastic.Worker/GetState", False)]:
-            service.last_contact = 0.0
-            service.heard(method)
-            assert (service.last_contact > 0.0) == renews, method
+            service.lease.last_contact = 0.0
+            service.lease.heard(method)
+            assert (service.lease.last_contact > 0.0) == renews, method
     finally:
-        service.collective.close()
+        service.close()
 
 
 def test_every_controller_method_is_a_method_of_the_service():
     names = {m for m in pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name}
-    assert {m for m in WorkerService.CONTROLLER_METHODS if not m.startswith("/")} <= names
-    assert names - {"Push", "GetState", "KeepSnapshot"} == {m for m in WorkerService.CONTROLLER_METHODS if not m.startswith("/")}
+    assert {m for m in Lease.CONTROLLER_METHODS if not m.startswith("/")} <= names
+    assert names - {"Push", "GetState", "KeepSnapshot"} == {m for m in Lease.CONTROLLER_METHODS if not m.startswith("/")}
 
 
 def test_worker_faults_refuse_unknown_actions_naming_the_vocabulary():
@@ -130,7 +131,7 @@ def test_a_request_that_does_not_parse_is_invalid_argument_not_internal(armed_wo
 def armed_worker():
     """A worker with chaos enabled, behind the secret."""
     service = WorkerService("run", "w", secret=SECRET, chaos=True)
-    server, port = rpc.make_server(secret=SECRET, refusals=service.refusals, on_authenticated=service.heard,
+    server, port = rpc.make_server(secret=SECRET, refusals=service.refusals, on_authenticated=service.lease.heard,
                                    interceptors=[PartitionInterceptor(service.faults)])
     pb_grpc.add_WorkerServicer_to_server(service, server)
     server.start()
@@ -138,7 +139,7 @@ def armed_worker():
         yield service, f"127.0.0.1:{port}"
     finally:
         server.stop(0)
-        service.collective.close()
+        service.close()
 
 
 @pytest.mark.parametrize("request_", [pb.ChaosRequest(action="explode"), pb.ChaosRequest(action="straggle", factor=0.5),
@@ -158,19 +159,19 @@ def test_only_calls_that_pass_the_secret_and_the_partition_renew_the_lease(armed
     liar = pb_grpc.WorkerStub(rpc.channel(address, "not-the-secret"))
     controller = pb_grpc.WorkerStub(rpc.channel(address, SECRET))
     for stub in (stranger, liar):
-        service.last_contact = 0.0
+        service.lease.last_contact = 0.0
         with pytest.raises(grpc.RpcError) as info:
             stub.Progress(pb.ProgressRequest(fence=FENCE), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert service.last_contact == 0.0
+        assert service.lease.last_contact == 0.0
     controller.Progress(pb.ProgressRequest(fence=FENCE), timeout=10)
-    assert service.last_contact > 0.0
+    assert service.lease.last_contact > 0.0
     controller.Chaos(pb.ChaosRequest(action="partition", seconds=30.0), timeout=10)
-    service.last_contact = 0.0
+    service.lease.last_contact = 0.0
     with pytest.raises(grpc.RpcError) as info:
         controller.Progress(pb.ProgressRequest(fence=FENCE), timeout=0.5)
     assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-    assert service.last_contact == 0.0   # dropped by the partition before anything saw it
+    assert service.lease.last_contact == 0.0   # dropped by the partition before anything saw it
     service.faults.arm("clear")
     refusals = {(m, r): n for m, _, r, n in service.refusals.drain()}
     assert refusals == {("/jax_elastic.Worker/Progress", "missing run secret"): 1,
@@ -284,16 +285,17 @@ def test_a_snapshot_copy_is_kept_whole_or_refused_and_the_run_end_gives_the_memo
     with pytest.raises(grpc.RpcError) as info:   # a worker of a run without snapshots keeps none
         stub.KeepSnapshot(pieces(), timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "keeps no snapshots" in info.value.details()
-    service.snapshots = SnapshotStore(str(tmp_path / "peer-host"))
+    service.state_mover.snapshots = SnapshotStore(str(tmp_path / "peer-host"))
     with pytest.raises(grpc.RpcError) as info:   # cut off: refused, nothing listed or left
         stub.KeepSnapshot(pieces(cut=1), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in info.value.details()
-    assert service.snapshots.steps() == [] and service.snapshots.leftovers() == []
+    assert service.state_mover.snapshots.steps() == [] and service.state_mover.snapshots.leftovers() == []
     stub.KeepSnapshot(pieces(), timeout=10)
-    assert service.snapshots.steps() == [4] and service.snapshots.restore().digest == state_digest(leaves)
+    kept = service.state_mover.snapshots
+    assert kept.steps() == [4] and kept.restore().digest == state_digest(leaves)
 
     stub.Shutdown(pb.ShutdownRequest(fence=FENCE), timeout=10)   # sent home mid-run: its host keeps them
-    assert service.snapshots.steps() == [4]
+    assert service.state_mover.snapshots.steps() == [4]
     stub.Shutdown(pb.ShutdownRequest(fence=FENCE, run_ended=True), timeout=10)
     assert not (tmp_path / "peer-host").exists()
 
@@ -311,13 +313,14 @@ def test_a_pipelined_runs_snapshot_copy_goes_into_its_stages_directory_on_any_wo
                      for s, n, d in source.pieces(4, 16)])
 
     home = tmp_path / "peer-host"
-    service.snapshots, service.snapshot_home = SnapshotStore(str(home / "stage0")), str(home)   # it runs stage 0
+    mover = service.state_mover
+    mover.snapshots, mover.snapshot_home = SnapshotStore(str(home / "stage0")), str(home)   # it runs stage 0
     for bad in ("../escape", "stage1/.."):
         with pytest.raises(grpc.RpcError) as info:
             stub.KeepSnapshot(pieces(bad), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "has no place" in info.value.details()
     stub.KeepSnapshot(pieces("stage1"), timeout=10)   # stage 1's copy, kept by a worker of stage 0
-    assert SnapshotStore(str(home / "stage1")).steps() == [4] and service.snapshots.steps() == []
+    assert SnapshotStore(str(home / "stage1")).steps() == [4] and service.state_mover.snapshots.steps() == []
     stub.Shutdown(pb.ShutdownRequest(fence=FENCE, run_ended=True), timeout=10)
     assert not home.exists()   # every stage's copies on this host go with the run
 
@@ -327,7 +330,7 @@ def test_a_pipelined_runs_snapshot_copy_goes_into_its_stages_directory_on_any_wo
 
 def test_an_older_client_generation_is_refused_as_superseded_and_a_newer_one_must_attach(worker):
     service, stub = worker
-    service.generation = 2
+    service.lease.generation = 2
     with pytest.raises(grpc.RpcError) as info:
         stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=1)), timeout=10)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "taken over by generation 2" in \
@@ -341,30 +344,32 @@ def test_an_older_client_generation_is_refused_as_superseded_and_a_newer_one_mus
 def test_attach_adopts_the_newer_generation_unfences_and_answers_who_it_is(worker):
     service, stub = worker
     service.identity = pb.AttachReply(worker_id="w", address="127.0.0.1:1", num_devices=1, platform="cpu", pid=7)
-    service.fenced, service.client_lost_at = "no word from the controller", 1.0
+    service.lease.fenced, service.lease.client_lost_at = "no word from the controller", 1.0
     seen = []
-    service.serving = seen.append
+    service.lease.serving = seen.append
     reply = stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1), controller="h:9",
                                          lease_seconds=3.0, client_grace_seconds=30.0), timeout=10)
     assert (reply.worker_id, reply.address, reply.applied_steps, reply.previous_generation) == ("w", "127.0.0.1:1",
                                                                                                  -1, 0)
-    assert (service.generation, service.epoch, service.fenced, service.client_lost_at) == (1, 5, "", None)
-    assert (service.controller, service.lease, service.client_grace) == ("h:9", 3.0, 30.0) and seen == [True]
+    assert (service.lease.generation, service.replica.epoch, service.lease.fenced, service.lease.client_lost_at) == \
+        (1, 5, "", None)
+    assert (service.lease.controller, service.lease.seconds, service.lease.client_grace) == ("h:9", 3.0, 30.0)
+    assert seen == [True]
     for generation in (1, 0):   # the same generation again, or an older one: a stale client
         with pytest.raises(grpc.RpcError) as info:
             stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=6, generation=generation)), timeout=10)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert service.generation == 1 and service.epoch == 5
+    assert service.lease.generation == 1 and service.replica.epoch == 5
 
 
 def test_attach_with_other_programs_is_refused_and_changes_nothing(worker):
     service, stub = worker
-    service.fingerprint = "a" * 64
+    service.state_mover.fingerprint = "a" * 64
     with pytest.raises(grpc.RpcError) as info:
         stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1), fingerprint="b" * 64),
                     timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "other programs" in info.value.details()
-    assert service.generation == 0 and service.epoch == 0
+    assert service.lease.generation == 0 and service.replica.epoch == 0
     # a pipelined run's client brings each stage's programs: a worker running one of them is taken over
     with pytest.raises(grpc.RpcError) as info:
         stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1),
@@ -373,7 +378,7 @@ def test_attach_with_other_programs_is_refused_and_changes_nothing(worker):
         info.value.details()
     reply = stub.Attach(pb.AttachRequest(fence=pb.Fence(run_id="run", epoch=5, generation=1),
                                          stage_fingerprints=["b" * 64, "a" * 64]), timeout=10)
-    assert reply.fingerprint == "a" * 64 and service.generation == 1
+    assert reply.fingerprint == "a" * 64 and service.lease.generation == 1
 
 
 def test_only_a_worker_holding_a_state_waits_out_its_grace(monkeypatch):
@@ -381,18 +386,18 @@ def test_only_a_worker_holding_a_state_waits_out_its_grace(monkeypatch):
 
     service = WorkerService("run", "w")
     try:
-        service.client_grace = 0.0
-        service.executor = types.SimpleNamespace(state=object())
-        assert not service.lose_client("gone")   # no grace: it exits at once, as before
-        service.client_grace = 30.0
-        service.executor = types.SimpleNamespace(state=None)
-        assert not service.lose_client("gone")   # programs but no state: nothing to wait with
-        service.executor = types.SimpleNamespace(state=object())
+        service.lease.client_grace = 0.0
+        service.replica.executor = types.SimpleNamespace(state=object())
+        assert not service.lease.lose_client("gone")   # no grace: it exits at once, as before
+        service.lease.client_grace = 30.0
+        service.replica.executor = types.SimpleNamespace(state=None)
+        assert not service.lease.lose_client("gone")   # programs but no state: nothing to wait with
+        service.replica.executor = types.SimpleNamespace(state=object())
         clock = [100.0]
-        monkeypatch.setattr("runtime.worker.worker_fence.time.monotonic", lambda: clock[0])
-        assert service.lose_client("the run's owner is gone")
-        assert service.fenced == "the run's owner is gone" and not service.grace_over()
+        monkeypatch.setattr("runtime.worker.lease.time.monotonic", lambda: clock[0])
+        assert service.lease.lose_client("the run's owner is gone")
+        assert service.lease.fenced == "the run's owner is gone" and not service.lease.grace_over()
         clock[0] += 30.5
-        assert service.grace_over()
+        assert service.lease.grace_over()
     finally:
-        service.collective.close()
+        service.close()

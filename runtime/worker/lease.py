@@ -1,78 +1,81 @@
-"""A worker's membership of its run: fencing by run and epoch, and its lease on the controller.
+"""A worker's membership of its run: the fence every request passes, the client it serves, and its lease on it.
 
-:class:`Fencing` is a base class of :class:`runtime.worker.worker.WorkerService`
-that holds no state of its own: it works on the service's run, epoch, lease
-and lock (the attributes it declares). Every request of the run passes
-:meth:`Fencing.check_fence` before it touches the state:
+:class:`Lease` owns who this worker serves: the run, the client generation,
+the client's controller address and process, whether it fenced itself and
+why, the lease on the controller and the grace after losing its client.
+Every request of the run passes :meth:`Lease.check_fence` before it touches
+the state:
 
 - a message of another run, or of an older epoch, is refused
   (:class:`~runtime.core.errors.StaleEpochError`);
 - a message of a newer epoch is adopted: the worker moves to that epoch and
   the step in flight gives up (it wakes if it waits on peers or on a push,
-  and never applies);
+  and never applies; the epoch itself is the replica's,
+  :meth:`runtime.worker.replica.Replica.enter_epoch`, kept under the lock the
+  step applies under);
 - a message of an older client generation (a client that another took the
   run over from) is refused with :class:`~runtime.core.errors.ClientSupersededError`;
   one of a newer generation is refused until that client attached this
-  worker (:meth:`Fencing.attach`);
+  worker (:meth:`Lease.attach`);
 - a worker the controller has been silent to for longer than its lease
-  fences itself (:meth:`Fencing.lease_lapsed`): it refuses all work of its
+  fences itself (:meth:`Lease.lease_lapsed`): it refuses all work of its
   client from then on. Only authenticated calls from the controller renew the
-  lease (:meth:`Fencing.heard`), never a peer's.
+  lease (:meth:`Lease.heard`), never a peer's.
 
 **The client's grace.** A worker whose client is gone (its owner process
 died, or its lease lapsed) and that holds a state keeps it and its programs
-for ``client_grace_seconds`` (:meth:`Fencing.lose_client`), fenced: no step
+for ``client_grace_seconds`` (:meth:`Lease.lose_client`), fenced: no step
 of the old client applies. A restarted client of the same run takes it back
-with a newer generation (:meth:`Fencing.attach`); when the grace runs out
-first (:meth:`Fencing.grace_over`), the worker exits as it would have at
+with a newer generation (:meth:`Lease.attach`); when the grace runs out
+first (:meth:`Lease.grace_over`), the worker exits as it would have at
 once without a grace.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ClientSupersededError, StaleEpochError, WorkerFencedError
+from runtime.core.owner import Owner
+from runtime.worker.replica import Replica
 
-if TYPE_CHECKING:
-    from runtime.wire.dataplane_client import DataClient
-    from runtime.worker.mailbox import Mailbox
-    from runtime.wire.peers import PeerChannels
-
-__all__ = ["Fencing"]
+__all__ = ["Lease"]
 
 log = logging.getLogger("jax_elastic.worker")
 
 
-class Fencing:
-    """The fencing and the lease of :class:`runtime.worker.worker.WorkerService`, on the service's attributes below."""
+class Lease:
+    """The fence and the lease of one worker. Its fields are written by the gRPC handlers' threads and read by
+    :func:`runtime.worker.worker_process.serve`'s watch loop; each is one plain value, so they need no lock of
+    their own (the epoch, which must not interleave with a step's apply, is the replica's)."""
 
-    run_id: str
-    worker_id: str
-    epoch: int
-    lease: float          # seconds without the controller before fencing; 0: off
-    last_contact: float   # time.monotonic() of the controller's last authenticated call
-    fenced: str           # why this worker fenced itself ("" while a member)
-    generation: int       # the client generation this worker serves
-    client_grace: float   # seconds to wait for a new client once this one is gone; 0: exit at once
-    client_lost_at: float | None   # time.monotonic() when the client was lost (None: it is not)
-    serving: Callable[[bool], None]   # tells the health service whether this worker serves (fenced: not)
-    _cond: threading.Condition
-    _running: bool
-    step_timeout: float
-    mailbox: Mailbox
-    _peers: PeerChannels
-    data: DataClient
+    CONTROLLER_METHODS = ("Load", "Init", "Step", "Steps", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
+                          "Attach", "LoadCheckpoint", "Checkpoints",
+                          "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
+
+    def __init__(self, run_id: str, worker_id: str, replica: Replica, step_timeout: float):
+        self.run_id = run_id
+        self.worker_id = worker_id
+        self.generation = 0                   # the client generation served (a restarted client attaches a newer)
+        self.seconds = 0.0                    # seconds without the controller before fencing; 0: off
+        self.last_contact = time.monotonic()  # of the controller's last authenticated call
+        self.fenced = ""                      # why this worker fenced itself ("" while a member)
+        self.client_grace = 0.0               # seconds it waits for a new client once its client is gone
+        self.client_lost_at: float | None = None   # time.monotonic() when the client was lost (None: it is not)
+        self.owner: Owner | None = None       # the client process watched (runtime.core.owner.Owner), if any
+        self.controller = ""                  # host:port the worker registers with (a new client may move it)
+        self.serving: Callable[[bool], None] = lambda ok: None   # the health service's status (set by serve)
+        self._replica = replica
+        self._step_timeout = step_timeout
 
     # -- fencing -------------------------------------------------------------
 
     def check_fence(self, fence: pb.Fence) -> None:
-        """Refuses other runs and older epochs; adopts a newer epoch."""
+        """Refuses other runs, other client generations and older epochs, and everything once fenced; adopts a
+        newer epoch."""
         self._same_run(fence)
         if fence.generation != self.generation:
             if fence.generation < self.generation:
@@ -81,12 +84,11 @@ class Fencing:
                                   f"worker (it serves generation {self.generation})")
         if self.fenced:
             raise WorkerFencedError(f"worker {self.worker_id} fenced itself: {self.fenced}")
-        with self._cond:
-            if fence.epoch < self.epoch:
-                raise StaleEpochError(f"message from epoch {fence.epoch}, worker is at epoch {self.epoch}")
-            if fence.epoch > self.epoch:
-                self.epoch = fence.epoch
-                self._abort_step(fence.epoch)
+        self._replica.enter_epoch(fence.epoch)
+
+    def fenced_because(self) -> str:
+        """Why this worker refuses all work, in a refusal's words ("" while a member)."""
+        return f"worker {self.worker_id} fenced itself: {self.fenced}" if self.fenced else ""
 
     def _same_run(self, fence: pb.Fence) -> None:
         if fence.run_id != self.run_id:
@@ -98,21 +100,17 @@ class Fencing:
 
     def attach(self, fence: pb.Fence) -> None:
         """A restarted client (a newer generation) takes this worker over, fenced or not: from now on only its
-        calls are served. The old client's step in flight gives up; the state stays as it is."""
+        calls are served. The old client's step in flight gives up; the state stays as it is. Refused
+        (:class:`ClientSupersededError`) for a generation not newer; :class:`StaleEpochError` when the old
+        client's step did not stop within the step timeout."""
         self._same_run(fence)
         if fence.generation <= self.generation:
             raise ClientSupersededError(self.superseded(fence.generation) if fence.generation < self.generation
                                         else f"client generation {fence.generation} already attached this worker")
-        deadline = time.monotonic() + self.step_timeout
-        with self._cond:
-            self.generation = fence.generation   # from here on the old client's calls are refused
-            self._abort_step(max(self.epoch, self.mailbox.epoch) + 1)   # its step in flight gives up
-            while self._running:
-                if not self._cond.wait(max(deadline - time.monotonic(), 0)):
-                    raise StaleEpochError("the old client's step did not stop")
-            self.epoch = fence.epoch
-            self.mailbox.restart(fence.epoch)
-            self.fenced, self.client_lost_at = "", None
+        deadline = time.monotonic() + self._step_timeout
+        self.generation = fence.generation   # from here on the old client's calls are refused
+        self._replica.hand_over(fence.epoch, deadline)
+        self.fenced, self.client_lost_at = "", None
         self.last_contact = time.monotonic()
         self.serving(True)
 
@@ -122,7 +120,7 @@ class Fencing:
         """The client is gone (``why``): with a grace and a state to keep, fences this worker and starts the
         grace (True); else False (the worker exits now, as without a grace: a worker without a state, a spare
         that only loaded the programs, is relaunched by the next client if it needs one)."""
-        executor = getattr(self, "executor", None)
+        executor = self._replica.executor
         if not self.client_grace or executor is None or executor.state is None:
             return False
         if self.client_lost_at is None:
@@ -130,8 +128,7 @@ class Fencing:
             self.fenced = self.fenced or why
             self.serving(False)
             log.warning("%s: keeping the state for a client of run %s for %.0f s", why, self.run_id, self.client_grace)
-            with self._cond:
-                self._abort_step(self.epoch + 1)
+            self._replica.abort_step()
         return True
 
     def grace_over(self) -> bool:
@@ -139,10 +136,6 @@ class Fencing:
         return self.client_lost_at is not None and time.monotonic() - self.client_lost_at > self.client_grace
 
     # -- the worker's lease on its controller ---------------------------------
-
-    CONTROLLER_METHODS = ("Load", "Init", "Step", "Steps", "StateHash", "Shutdown", "Abort", "Rollback", "PullState", "Attach",
-                          "LoadCheckpoint", "Checkpoints",
-                          "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
 
     def heard(self, method: str) -> None:
         """An authenticated call from the controller (not from a peer) renews the lease.
@@ -162,22 +155,12 @@ class Fencing:
         worker refuses all work and wakes a step waiting on peers; it never
         serves this run again.
         """
-        if not self.lease or self.fenced:
+        if not self.seconds or self.fenced:
             return bool(self.fenced)
         silent = time.monotonic() - self.last_contact
-        if silent <= self.lease:
+        if silent <= self.seconds:
             return False
-        self.fenced = f"no word from the controller for {silent:.1f} s (lease {self.lease:.1f} s)"
+        self.fenced = f"no word from the controller for {silent:.1f} s (lease {self.seconds:.1f} s)"
         log.warning("fencing myself: %s", self.fenced)
-        with self._cond:
-            self._abort_step(self.epoch + 1)
+        self._replica.abort_step()
         return True
-
-    def _abort_step(self, epoch: int) -> None:
-        """With ``_cond`` held: a step waiting on peers or on a push gives up now."""
-        self.mailbox.set_epoch(epoch)
-        # Pushes are blocking calls, not futures (futures cost ~5 ms a step):
-        # to stop one, close its channel or its socket.
-        self._peers.close_pushing()
-        self.data.abort_pushes()
-        self._cond.notify_all()
