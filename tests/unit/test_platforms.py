@@ -225,7 +225,7 @@ def test_a_worker_refuses_gpu_programs_at_load_with_invalid_argument(gpu_job):
         details = info.value.details()
         assert "exported for cuda (config key hardware: gpu)" in details and "runs on cpu" in details
         assert "Traceback" not in details
-        assert service.executor is None
+        assert service.replica.executor is None
     finally:
         server.stop(0)
-        service.collective.close()
+        service.close()
