@@ -25,7 +25,7 @@ import time
 from elastic import client_record, run_records
 from runtime import ClientSupersededError, Reattach, RunState, can_attach
 
-__all__ = ["announce", "client_options", "record_client", "still_ours", "take_back"]
+__all__ = ["Ownership", "announce", "client_options", "record_client"]
 
 
 def client_options(run_dir: pathlib.Path, history: list[dict], opts):
@@ -52,31 +52,34 @@ def record_client(run_dir: pathlib.Path, ctl, opts) -> None:
                                                             controller=ctl.address, pid=os.getpid()), secret=keep)
 
 
-def still_ours(run_dir: pathlib.Path, claim, events, ctl):
-    """``Controller.still_ours``: raises ``ClientSupersededError`` once the run directory is no longer this
-    client's (its lock file and event log are not the ones there: a client that found it stopped took both
-    over, and may have finished the run since). Called before the client acts on a failure, so a stale client
-    that wakes never recovers (relaunches, restores) a run that is another's."""
-    def check() -> None:
-        log = pathlib.Path(run_dir) / "events.jsonl"
+class Ownership:
+    """Whether this client still owns its run (the controller's ``ownership``): its run directory's lock and
+    event log are still the ones it holds."""
+
+    def __init__(self, run_dir: pathlib.Path, claim, events, opts):
+        self.run_dir, self.claim, self.events, self.opts = pathlib.Path(run_dir), claim, events, opts
+
+    def check(self, ctl) -> None:
+        """Raises ``ClientSupersededError`` once the run directory is no longer this client's (its lock file and
+        event log are not the ones there: a client that found it stopped took both over, and may have finished
+        the run since). Called before the client acts on a failure, so a stale client that wakes never recovers
+        (relaunches, restores) a run that is another's."""
+        log = self.run_dir / "events.jsonl"
         try:
-            ours = events.fileno() is not None and os.fstat(events.fileno()).st_ino == os.stat(log).st_ino
+            ours = (self.events.fileno() is not None and
+                    os.fstat(self.events.fileno()).st_ino == os.stat(log).st_ino)
         except OSError:
             ours = False
-        if not (claim.held() and ours):
+        if not (self.claim.held() and ours):
             raise ClientSupersededError(f"run {ctl.run_id} was taken over by another client while this one was "
                                         "stopped (the run directory is its own now)")
-    return check
 
-
-def take_back(run_dir: pathlib.Path, ctl, opts, check):
-    """``Controller.take_back`` for a client whose workers fenced themselves while it was silent: it may take
-    its run back as ``generation`` only while the run directory is still its own (``check``, from
-    :func:`still_ours`); else ``ClientSupersededError``."""
-    def back(generation: int) -> None:
-        check()
-        record_client(run_dir, ctl, dataclasses.replace(opts, generation=generation))
-    return back
+    def take_back(self, ctl, generation: int) -> None:
+        """This client's workers fenced themselves while it was silent: it may take its run back as
+        ``generation`` only while the run directory is still its own (:meth:`check`, else
+        ``ClientSupersededError``); the client record then names the new generation."""
+        self.check(ctl)
+        record_client(self.run_dir, ctl, dataclasses.replace(self.opts, generation=generation))
 
 
 def announce(event: dict) -> None:

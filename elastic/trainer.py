@@ -203,12 +203,9 @@ class _Job:
                 self._fit_reference(programs, events, on_step)
             else:
                 events.subscribe(reattach.announce)
-                with Controller(programs, cloudpickle.dumps(self.data), opts, events, reattach=again) as ctl:
+                with Controller(programs, cloudpickle.dumps(self.data), opts, events, reattach=again,
+                                observer=observer, ownership=reattach.Ownership(run_dir, claim, events, opts)) as ctl:
                     reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
-                    ctl.still_ours = reattach.still_ours(run_dir, claim, events, ctl)
-                    ctl.take_back = reattach.take_back(run_dir, ctl, opts, ctl.still_ours)
-                    if observer is not None:
-                        ctl.observer = observer
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
         except ClientSupersededError:
             superseded = True   # another client drives the run: its files are that client's now

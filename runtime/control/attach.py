@@ -15,7 +15,7 @@ the programs. A new client of the same run (the same command, the same
 2. records ``client_attached`` (the same attempt goes on: the fold resets
    nothing);
 3. brings the run whole as after any failure
-   (:meth:`runtime.control.membership.Membership.recover`): the steps every
+   (:meth:`runtime.control.controller.Controller.recover`): the steps every
    survivor applied are committed (the dead client may have applied steps
    it never recorded), those one ahead roll back, dead members are replaced
    from spares or relaunched, and with no survivor the newest snapshot or
@@ -71,7 +71,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     if first:
         ctl.observer.attach(ctl)
     alive = sorted(replies)
-    ctl.membership.recover(ClientLostError(
+    ctl.recover(ClientLostError(
         f"the run's client was lost; client generation {o.generation} attached {len(alive)} of {len(known)} "
         f"workers ({', '.join(alive) or 'none'})"), has_state=True)
 

@@ -12,11 +12,13 @@ Phases (:class:`Phase`)::
 Each call of :meth:`Controller.advance` runs one transition. The controller
 keeps the loop: it dispatches steps ahead, commits them in order, records
 them and finishes the run. Every membership change (the first placement, a
-recovery, growing back, a straggler's swap) is planned by
-:func:`runtime.control.plan.plan_change` and carried out by
-:class:`runtime.control.membership.Membership`. A failure is a value: deaths arrive on
-the group's queue, failed calls as typed errors, a stalled step as
-``Stalled``.
+recovery, growing back, a straggler's swap) is one pure plan
+(:mod:`runtime.control.plan`) made from the run state and one survey, and
+carried out by :class:`runtime.control.plan_executor.PlanExecutor`, which
+decides nothing; a recovery that cannot be carried out as planned comes back
+with the facts that changed and is planned again (:meth:`Controller.recover`).
+A failure is a value: deaths arrive on the group's queue, failed calls as
+typed errors, a stalled step as ``Stalled``.
 
 What the controller knows of the run is one :class:`~runtime.control.run_state.RunState`
 (``self.state``), the fold of the events it writes: it subscribes to its own
@@ -46,8 +48,9 @@ from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, 
                                  StepAbortedError,
                                  WorkerFencedError, WorkerLostError)
 from runtime.core.events import EventLog
-from runtime.control.membership import Membership
-from runtime.control.plan import membership_change_due
+from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_start,
+                                  plan_swap)
+from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.policy import StepPlan, plan_step, stage_groups
 from runtime.core.programs import ProgramSet
 from runtime.core.stage_programs import stages_digest
@@ -97,7 +100,8 @@ class Controller:
     """
 
     def __init__(self, programs: ProgramSet, data_source: bytes, options: ControllerOptions, events: EventLog,
-                 group=None, reattach: Reattach | None = None):
+                 group=None, reattach: Reattach | None = None, *, observer: ControllerObserver | None = None,
+                 ownership=None):
         self.programs = programs
         self.opts = options
         self.reattach = reattach
@@ -108,18 +112,15 @@ class Controller:
         events.subscribe(self._fold)
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
                                           options, events)
-        self.observer = ControllerObserver()
+        self.observer = observer or ControllerObserver()
         self.checkpoints = Checkpointing(self.group, options, events,
                                          notify=lambda step: self.observer.checkpoint_saved(step))
         self.snapshots = Snapshotting(self.group, options, events,
                                       notify=lambda step: self.observer.snapshot_saved(step))
         self.shadows = Shadows(self.group, events, options.shadow_spares)
-        self.membership = Membership(
-            self.group, options, events, checkpoints=self.checkpoints, snapshots=self.snapshots,
-            shadows=self.shadows, state=lambda: self.state,
-            record=lambda step, epoch, loss_sum: self._record(step, epoch, loss_sum, plan=self.plans.get(step),
-                                                              recovered=True),
-            before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
+        self.executor = PlanExecutor(self.group, options, events, checkpoints=self.checkpoints,
+                                     snapshots=self.snapshots, shadows=self.shadows,
+                                     before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
         self.phase = Phase.STARTING
         self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
         self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
@@ -128,11 +129,11 @@ class Controller:
         self.result: RunResult | None = None
         self.attempt = Attempt(seed=0)
         self._error: Exception | None = None
-        # take_back(generation): this client may take its run back as ``generation`` (its workers fenced
-        # themselves while it was silent): records it, or raises ClientSupersededError when the run is
-        # another client's now. None: it may not (the run then recovers as from any refusal, and fails).
-        self.take_back = None
-        self.still_ours = None   # raises ClientSupersededError once another client owns the run (elastic.reattach)
+        # ownership.check(ctl): raises ClientSupersededError once another client owns the run (elastic.reattach);
+        # ownership.take_back(ctl, generation): this client may take its run back as ``generation`` (its workers
+        # fenced themselves while it was silent), or raises ClientSupersededError. None: the run is this
+        # client's alone, and it may not take a fenced run back (the run then recovers as from any refusal).
+        self.ownership = ownership
 
     def _fold(self, event: dict) -> None:
         self.state = self.state.apply(event)
@@ -248,7 +249,7 @@ class Controller:
         A lost worker or an aborted step in ``RUNNING``, ``BOUNDARY`` or
         ``RECOVERING`` leads to (another) ``RECOVERING``; any other error
         propagates and ends the run. Before a membership change
-        (``RECOVERING``, ``BOUNDARY``) ``still_ours`` is asked: a client
+        (``RECOVERING``, ``BOUNDARY``) ``ownership.check`` is asked: a client
         another one took the run from raises ``ClientSupersededError`` there.
         """
         handler = {Phase.STARTING: self._starting, Phase.RUNNING: self._running, Phase.BOUNDARY: self._boundary,
@@ -256,7 +257,7 @@ class Controller:
         try:
             self.phase = handler()
         except WorkerFencedError as err:
-            if self.phase is Phase.STARTING or self.take_back is None or not self.opts.client_grace_seconds:
+            if self.phase is Phase.STARTING or self.ownership is None or not self.opts.client_grace_seconds:
                 raise
             self.phase = self._take_back(err)
         except RECOVERABLE as err:
@@ -264,17 +265,17 @@ class Controller:
                 raise
             self.pending.clear()
             self._error, self.phase = err, Phase.RECOVERING
-        if self.phase in (Phase.RECOVERING, Phase.BOUNDARY) and self.still_ours is not None:
-            self.still_ours()   # a stale client that woke changes nothing of a run that is another's now
+        if self.phase in (Phase.RECOVERING, Phase.BOUNDARY) and self.ownership is not None:
+            self.ownership.check(self)   # a stale client that woke changes nothing of a run that is another's now
         return self.phase
 
     def _take_back(self, err: WorkerFencedError) -> Phase:
         """Its workers fenced themselves (``err``): this client was silent longer than their lease, stopped or
-        cut off, and they wait for a client. While the run is still its own (``take_back`` checks), it takes
-        it back as the next client generation, exactly as a restarted client would
+        cut off, and they wait for a client. While the run is still its own (``ownership.take_back`` checks), it takes
+        it back as the next client generation (``ownership.take_back``), exactly as a restarted client would
         (:func:`runtime.control.attach.attach`: the workers that answer, realigned; the others replaced)."""
         generation = self.opts.generation + 1
-        self.take_back(generation)   # ClientSupersededError: another client owns the run now
+        self.ownership.take_back(self, generation)   # ClientSupersededError: another client owns the run now
         self.opts = dataclasses.replace(self.opts, generation=generation)
         self.group.new_generation(generation)
         self.pending.clear()
@@ -420,14 +421,83 @@ class Controller:
     # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
 
     def _recovering(self) -> Phase:
-        """One recovery attempt (:meth:`runtime.control.membership.Membership.recover`); training resumes where it
-        says."""
+        """One recovery (:meth:`recover`); training resumes where it says."""
         self.pending = collections.deque()
-        self.membership.recover(self._error)
+        self.recover(self._error)
         self.plans.clear()
         self.slow.restart()   # the watchdog times the next step from here
         self._error = None
         return Phase.RUNNING
+
+    def recover(self, err: Exception, has_state: bool = True) -> None:
+        """One recovery after ``err``: survey, plan, carry the plan out; plan again from the facts that changed
+        until one is carried out. ``has_state``: False while the run starts (no state yet).
+
+        The survey stops the run (steps in flight abandoned, every member probed, the live ones fenced and
+        asked where they stand); :func:`runtime.control.plan.plan_recovery` decides everything from it and the
+        run state; each distinct plan is recorded (``recovery_decision``). A ``WAIT`` waits for capacity and
+        surveys the workers that joined; a ``FAIL`` raises its error; the executor carries the others out and
+        answers :class:`~runtime.control.plan_executor.Done` or the facts that changed. A worker lost while a
+        plan is carried out raises ``WorkerLostError``: the controller starts another recovery.
+        """
+        started, x = time.time(), self.executor
+        shadows = x.stop(self.state, has_state)
+        x.failure(type(err).__name__, str(err), getattr(err, "worker_id", None), self.state.committed)
+        old = self.state.placement
+        x.probe(old, f"no answer after {type(err).__name__}")
+        survey = x.survey(self.state, has_state=has_state, shadows=shadows)
+        dead = sorted(w for w in old.members if w in self.state.dead)
+        recorded, wait, found, t_wait = None, None, [], 0.0
+        while True:
+            plan = plan_recovery(self.state, survey, self.opts, time.monotonic())
+            if plan != recorded:
+                x.decision(plan, dead)
+                recorded = plan
+            if plan.action is Action.WAIT:
+                if wait is None:
+                    wait, t_wait = self._wait_begins(plan), time.time()
+                joined = x.wait_for_capacity(wait.until)
+                found += joined
+                survey = x.survey(self.state, has_state=has_state, previous=survey, ask=joined,
+                                  joined=survey.joined + tuple(joined), wait=wait)
+                continue
+            if wait is not None:
+                self.events.emit("capacity_wait_ended", seconds=time.time() - t_wait, found=found)
+                wait = None
+            if plan.action is Action.FAIL:
+                raise failed(plan, "cannot recover", step=self.state.committed)
+            x.adopt(plan, self.state.deferred)
+            for step, loss_sum in plan.commits:   # every survivor applied them: committed from their losses
+                self._record(step, plan.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
+            outcome = x.carry_out(plan, survey, self.state.committed, dead, started)
+            if isinstance(outcome, Done):
+                return
+            survey = x.survey(self.state, has_state=has_state, previous=outcome.survey, ask=plan.placement.members)
+
+    def _wait_begins(self, plan: Plan) -> Wait:
+        """A recovery waits for capacity: up to ``capacity_timeout_seconds`` for a worker to join, else (none may
+        join) ``register_timeout_seconds`` for the relaunched ones; the dead of the placement start again now."""
+        o = self.opts
+        limit = "capacity_timeout_seconds" if o.capacity_timeout_seconds else "register_timeout_seconds"
+        timeout = getattr(o, limit)
+        for w in plan.relaunch_now:
+            self.group.relaunch(w)
+        self.events.emit("capacity_wait", needed=o.min_slices, timeout_seconds=timeout)
+        return Wait(time.monotonic() + timeout, limit, timeout)
+
+    def place(self, workers, lost, started: float) -> None:
+        """The first placement (:func:`runtime.control.plan.plan_start`) of the registered ``workers``; ``lost``:
+        launched workers that died first."""
+        o = self.opts
+        plan = plan_start(o.slices, o.devices_per_slice, workers, lost=lost, min_slices=o.min_slices)
+        self.executor.start(plan, sorted(lost), started)
+
+    def before_state(self, during: str) -> None:
+        """Members lost while the run starts (no state yet): a recovery without state (``during``: what the
+        run was doing)."""
+        dead = sorted(w for w in self.state.placement.members if w in self.dead)
+        if dead:
+            self.recover(WorkerLostError(dead[0], f"lost while {during}: {self.dead[dead[0]]}"), has_state=False)
 
     def _boundary(self) -> Phase:
         """No step in flight: warm newcomers into spares, drop dead spares, swap stragglers out, grow."""
@@ -437,10 +507,17 @@ class Controller:
         if spares != p.spares:
             self.events.emit("placement_changed", epoch=p.epoch, active=list(p.active), spares=list(spares),
                              why="spares")
+        loaded = lambda: {w: k for w in self.placement.members if (k := self.group.loaded_stage(w)) is not None}
         for slow in self.state.swaps:
-            self.membership.swap(slow)
-        self.membership.grow()
-        self.membership.copies.sync_shadows()
+            plan = plan_swap(self.state, self.opts, loaded(), slow)
+            if plan.action is Action.KEEP:
+                self.events.emit("straggler_kept", worker=slow, reason=plan.reason)
+                continue
+            self.executor.remap(plan, self.state, slow=slow)
+            self.group.shutdown(slow)
+        plan = plan_grow(self.state, self.opts, loaded())
+        if plan.action is not Action.KEEP:
+            self.executor.remap(plan, self.state)
+        self.executor.copies.sync_shadows(self.state)
         self.slow.restart()
         return Phase.RUNNING
-

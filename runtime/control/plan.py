@@ -1,28 +1,35 @@
-"""Every membership change of a run, as one pure decision: ``plan_change(facts, now) -> ChangePlan``.
+"""Every membership change of a run, decided once: pure functions from facts to one :class:`Plan`.
 
-A run's membership changes in five ways (:class:`Change`), and each is a
-case of :func:`plan_change`:
+A change is decided from everything known at once and carried out as it says
+(:mod:`runtime.control.plan_executor`); nothing else chooses. There are three
+entry points, one per moment a run's membership can change:
 
-- ``START``: the first placement, from the workers that registered
-  (:func:`decide_start`);
-- ``RECOVER``: a step failed or a member was lost: replace, shrink, retry,
-  wait for capacity, restore a backup, or fail (:func:`decide_recovery`),
-  with the restore tier chosen over all four tiers at once
-  (:func:`runtime.control.tiers.choose_source`, one :class:`~runtime.control.tiers.TierChoice`)
-  and the dead relaunched now (no state yet) or after the next commit;
-- ``RESTORE``: no replica was left and every member is fenced: the tier again,
-  from what the members' hosts answered they hold;
-- ``REALIGN``: the survivors, fenced, answered their applied steps: commit the
-  steps they all applied, roll back those one ahead (:func:`plan_realign`);
-- ``GROW`` and ``SWAP``: at a step boundary, spares are promoted, or a
-  straggler's slice moves onto one (:func:`decide_grow`, :func:`decide_swap`).
+- :func:`plan_start`: the first placement, from the workers that registered;
+- :func:`plan_recovery`: a step failed or a member was lost. It reads the
+  run's :class:`~runtime.control.run_state.RunState` (placement, committed
+  frontier, the dead, the replicas, the recovery count) and one
+  :class:`Survey` (what every live member answered when fenced: its applied
+  steps and recent loss sums, the snapshots on its host; which spares shadow
+  the state; the backups, listed only when no live replica is left), and
+  answers the whole change: the action (replace, shrink, retry, wait,
+  restore, fail), the placement, the steps to commit from the survivors'
+  losses and the survivors to roll back, each copy as (source, destination),
+  the pipeline stages to load, the backup to restore and who loads it, the
+  dead to relaunch now or after the next commit, the tier and the reason;
+- :func:`plan_grow` and :func:`plan_swap`: at a step boundary, spares are
+  promoted, or a straggler's slice moves onto one.
 
-A pipelined run's changes keep each slice's stage and ask per stage
-(:mod:`runtime.control.stage_plan`).
+A plan that cannot be carried out as it stands (a snapshot that does not
+read, a pipeline stage's programs that must be loaded before its snapshots
+can be listed) comes back with new facts (a new :class:`Survey`) and is
+planned again: one plan per set of facts, each recorded.
 
-:mod:`runtime.control.membership` carries a plan out. Nothing here reads a clock, a
-socket or a file: the time is passed in (``now``: a wait for capacity past
-its deadline becomes a ``FAIL``).
+A pipelined run is the same code over a placement grid: its active slices are
+stage-major (:func:`runtime.control.policy.stage_groups`; an unpipelined run
+is the one-stage case) and the rules that differ per stage live in
+:mod:`runtime.control.stage_plan`. Nothing here reads a clock, a socket or a
+file: the time is passed in (``now``: a wait for capacity past its deadline
+becomes a ``FAIL``).
 """
 
 from __future__ import annotations
@@ -31,141 +38,141 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from runtime.control.policy import Placement, WorkerInfo, place
+from runtime.control.policy import Placement, WorkerInfo, place, slice_stages, stage_groups
 from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots, grow_replicas,
                                         stage_without_replica, unmatched_stages)
-from runtime.control.tiers import Holding, TierChoice, choose_source
+from runtime.control.tiers import Holding, TierChoice, choose_source, stage_snapshot
 
-__all__ = ["Action", "Change", "ChangePlan", "Facts", "Failure", "RealignPlan", "RecoveryDecision",
-           "capacity_timed_out", "decide_grow", "decide_recovery", "decide_start", "decide_swap",
-           "membership_change_due", "plan_change", "plan_realign"]
-
-
-# -- recovery ----------------------------------------------------------------
+__all__ = ["Action", "Copy", "Failure", "Plan", "Restore", "Survey", "Wait", "capacity_timed_out",
+           "decide_grow", "decide_recovery", "decide_swap", "membership_change_due", "plan_grow", "realign",
+           "plan_recovery", "plan_start", "plan_swap"]
 
 
 class Action(enum.Enum):
-    """What a recovery does."""
+    """What a change does."""
 
     REPLACE = "replace"   # every lost slice got a spare; the spares receive the state
     SHRINK = "shrink"     # some slices were dropped; the survivors take their microbatches
     RETRY = "retry"       # no one died (a transient error): re-run the step in a new epoch
     WAIT = "wait"         # below the minimum, but capacity may still arrive
     RESTORE = "restore"   # no replica is left: the newest complete snapshot or checkpoint comes back
-    FAIL = "fail"         # nothing applies: the run ends (the decision's ``failure`` says which error)
+    FAIL = "fail"         # nothing applies: the run ends (the plan's ``failure`` says which error)
     GROW = "grow"         # at a boundary: spares promoted back to the run's slice count
     SWAP = "swap"         # at a boundary: a straggler's slice moved onto a spare
+    KEEP = "keep"         # at a boundary: nothing changes (the reason says why)
 
 
 class Failure(enum.Enum):
-    """Why a ``FAIL`` ends the run: ``CAPACITY`` raises ``CapacityExhaustedError``, ``STATE_LOST``
-    ``StateLostError``, ``DEVICES`` ``DeviceMismatchError`` (:mod:`runtime.core.errors`;
-    :func:`runtime.control.membership.failed` maps them)."""
+    """Why a ``FAIL`` ends the run (:func:`runtime.control.plan_executor.failed` maps each to its error)."""
 
     CAPACITY = "capacity"       # too few workers: no spare, below the minimum, recoveries used up
     STATE_LOST = "state_lost"   # and no copy of the state is left, in a replica or a backup
     DEVICES = "devices"         # workers joined, but with another device count than a slice's
+    DIVERGED = "diverged"       # the survivors cannot be brought to one step (their losses disagree)
 
 
 @dataclasses.dataclass(frozen=True)
-class RecoveryDecision:
-    """The answer of :func:`decide_recovery`: the action, the placement to adopt and why (``failure``: for a
-    ``FAIL``, which kind; None for every other action).
+class Copy:
+    """One state copy: ``dest`` pulls the state of ``source`` (both of pipeline stage ``stage``)."""
 
-    ``reason`` speaks the runtime's own terms (``ControllerOptions`` field names, never a config key);
-    ``limit`` names the ``ControllerOptions`` field whose value decided a ``WAIT`` or ``FAIL``
-    (``max_retries``, ``min_slices``, ``capacity_timeout_seconds``, ``register_timeout_seconds``; "" when
-    none did), for a caller that speaks another vocabulary (``elastic.options.in_config_terms``)."""
+    source: str
+    dest: str
+    stage: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore:
+    """A backup brought back: ``tier`` ("snapshot" or "checkpoint") of ``step`` (the newest valid at or before
+    it), loaded by ``loaders`` (a snapshot: the worker of each stage on whose host it lies; a checkpoint: every
+    active member)."""
+
+    tier: str
+    step: int
+    loaders: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A wait for capacity under way: its deadline (in ``now``'s clock) and the option that set it."""
+
+    until: float
+    limit: str = "capacity_timeout_seconds"
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What one survey round found, besides what :class:`~runtime.control.run_state.RunState` holds.
+
+    ``has_state``: False while the run starts (no state yet: every live member counts as a replica, the dead
+    restart at once, nothing is fenced or restored). ``shadows``: the live spares that hold the committed
+    state (or one step past it). ``statuses``: each live member's answer to the fence that stopped its step
+    (``WorkerStatus``: applied steps, recent loss sums, the snapshot steps on its host). ``loaded``: the
+    pipeline stage whose programs each member loaded. ``hosts``: each member's host. ``joined``: workers that
+    joined and warmed while the run waited for capacity (spares now). ``snapshots`` and ``checkpoints``: the
+    newest complete backups the controller knows of (listed only when some stage has no live replica), with
+    ``snapshot_hosts``: a pipelined run's, per stage, the hosts its newest snapshot lies on.
+    ``unreadable``: workers whose snapshot did not read in this recovery; ``at_most``: a pipelined
+    snapshot restore found the stages' loads at an older step (restore at or before it). ``wait``: a wait
+    for capacity under way. ``placement``: the one the recovery started from (None: the run state's; a
+    recovery planned again keeps planning from where it started, not from the placement its first plan
+    adopted).
+    """
+
+    has_state: bool = True
+    placement: Placement | None = None
+    shadows: frozenset[str] = frozenset()
+    statuses: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    loaded: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    hosts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    joined: tuple[str, ...] = ()
+    snapshots: tuple[Holding, ...] = ()
+    checkpoints: tuple[Holding, ...] = ()
+    snapshot_hosts: tuple[frozenset[str], ...] = ()
+    unreadable: frozenset[str] = frozenset()
+    at_most: int | None = None
+    wait: Wait | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One membership change, whole (see the module docstring).
+
+    ``placement``: the one to adopt (for ``WAIT``: the current one, for ``KEEP``: None); ``failure`` and
+    ``limit`` (the ``ControllerOptions`` field whose value decided a ``WAIT`` or ``FAIL``) for a caller that
+    speaks another vocabulary (``elastic.options.in_config_terms``); ``tier``: where the state comes from.
+    ``resume``: the step training resumes at; ``commits``: ``(step, loss_sum)`` of steps every survivor
+    applied that were not committed yet; ``rollbacks``: survivors one step ahead, rolled back to ``resume``.
+    ``loads``: ``(worker, stage)`` whose stage programs are loaded first; ``restore``: the backup loaded;
+    ``copies``: then carried out in order, each replica's hash checked after. ``resurvey``: the facts this
+    plan needs are known only once its ``loads`` are done (a pipelined restore lists each stage's snapshots
+    with that stage's programs): carry them out, survey again and plan again. ``relaunch_now`` and
+    ``relaunch_later`` (after the next commit: a replacement's program load would compete with the step that
+    recovers): the dead to start again.
+    """
 
     action: Action
-    placement: Placement
+    placement: Placement | None
     reason: str
     failure: Failure | None = None
     limit: str = ""
+    tier: TierChoice | None = None
+    resume: int = 0
+    commits: tuple[tuple[int, float], ...] = ()
+    rollbacks: tuple[str, ...] = ()
+    loads: tuple[tuple[str, int], ...] = ()
+    restore: Restore | None = None
+    copies: tuple[Copy, ...] = ()
+    resurvey: bool = False
+    relaunch_now: tuple[str, ...] = ()
+    relaunch_later: tuple[str, ...] = ()
 
 
-
-NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
-              "(snapshot_interval keeps in-memory snapshots; checkpoint_period keeps checkpoints)")
-
-def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
-                    recoveries: int, max_retries: int, may_wait: bool = False,
-                    checkpoint_step: int | None = None, backup: str = "checkpoint",
-                    stages: int = 1, spare_stages: Mapping[str, int] | None = None) -> RecoveryDecision:
-    """Replace dead active slices with live spares; else shrink down to ``min_slices``; else wait or fail.
-
-    ``replicas``: the workers known to hold the state at the committed
-    frontier: active ones, and spares that shadow it (these are promoted
-    first). A survivor that is not one (a spare promoted in an earlier
-    attempt whose copy never finished) keeps its slice but cannot supply
-    the state; with no replica in the new placement the answer is ``RESTORE`` when a
-    complete checkpoint exists (``checkpoint_step``: its step, None when
-    there is none) and at least ``min_slices`` slices have a worker (else
-    ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
-    what holds that step ("checkpoint" or "snapshot"), for the reason.
-    ``stages``: a pipelined run's stages (the active slices are stage-major,
-    :func:`runtime.control.policy.stage_groups`): each stage holds its own
-    state, so each must keep a replica, and a replacement takes the lost
-    slice's stage, a spare that shadows that stage first (``spare_stages``:
-    the stage each spare's programs are for); with too few workers whole
-    pipeline replicas are dropped (:func:`runtime.control.stage_plan.fill_slots`).
-    ``recoveries``: attempts so far including this one; past ``max_retries``
-    the answer is ``FAIL``. ``may_wait``: capacity may still
-    arrive (a relaunched or joining worker), so being below the minimum
-    answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
-    """
-    dead, replicas = frozenset(dead), frozenset(replicas)
-    if recoveries > max_retries:
-        if max_retries == 0:
-            return RecoveryDecision(Action.FAIL, placement, "recovery is off (max_retries=0): a lost worker ends "
-                                                            "the run", failure=Failure.CAPACITY, limit="max_retries")
-        return RecoveryDecision(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
-                                failure=Failure.CAPACITY, limit="max_retries")
-    slots, spares, dropped = fill_slots(placement, dead, replicas, stages, spare_stages or {})
-    active = [w for w in slots if w is not None]
-    replaced = sum(w not in placement.active for w in active)
-    new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
-    survivors = [w for w in placement.active if w not in dead]
-    lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
-                  "the surviving slices hold no copy of the state")
-    if stages > 1 and not lost_state:
-        lost_state = stage_without_replica(placement, dead, replicas, stages, spare_stages or {})
-    if lost_state and checkpoint_step is None:
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
-    if lost_state:
-        if len(active) >= min_slices:
-            return RecoveryDecision(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the "
-                                                         f"{backup} of step {checkpoint_step}")
-        if may_wait:
-            return RecoveryDecision(Action.WAIT, placement, f"{lost_state} and {len(active)} slices have a worker "
-                                                            f"(min_slices {min_slices}): waiting for "
-                                                            f"capacity to restore step {checkpoint_step}",
-                                    limit="min_slices")
-        return RecoveryDecision(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but "
-                                                  f"no worker is left to restore it", failure=Failure.CAPACITY,
-                                    limit="min_slices")
-    if len(active) < min_slices:
-        if may_wait:
-            return RecoveryDecision(Action.WAIT, placement, f"{len(active)} slices left, min_slices "
-                                                            f"is {min_slices}: waiting for capacity",
-                                    limit="min_slices")
-        return RecoveryDecision(Action.FAIL, new, f"{len(active)} slices left, min_slices is "
-                                                  f"{min_slices} and no spare is available", failure=Failure.CAPACITY,
-                                limit="min_slices")
-    if dropped and stages > 1:
-        return RecoveryDecision(Action.SHRINK, new, f"too few workers for every pipeline replica: "
-                                                    f"{dropped // stages} dropped, {len(active) // stages} "
-                                                    f"take over their microbatches")
-    if dropped:
-        return RecoveryDecision(Action.SHRINK, new, f"no spare for {dropped} slice(s): {len(active)} survivors "
-                                                    f"take over")
-    if replaced:
-        return RecoveryDecision(Action.REPLACE, new, "spares replace the lost slices")
-    return RecoveryDecision(Action.RETRY, new, "no worker was lost; re-run the step")
+# -- the first placement --------------------------------------------------------
 
 
-def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *,
-                 lost: Iterable[str], min_slices: int) -> RecoveryDecision:
+def plan_start(slices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *, lost: Iterable[str],
+               min_slices: int) -> Plan:
     """The first placement, from the workers that registered; ``lost``: launched workers that died first.
 
     A worker that registered and then died is in both: it is lost, never
@@ -179,19 +186,18 @@ def decide_start(num_vslices: int, devices_per_slice: int, workers: Iterable[Wor
     lost = sorted(lost)
     alive = [w for w in workers if w.worker_id not in lost]
     try:
-        placement = place(num_vslices, devices_per_slice, alive, min_slices=min_slices)
+        placement = place(slices, devices_per_slice, alive, min_slices=min_slices)
     except ValueError as e:
         why = f"; {len(lost)} worker(s) died before registering" if lost else ""
         if any(w.num_devices != devices_per_slice for w in alive):
-            need = min(min_slices, num_vslices)
-            return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{_misfits(alive, devices_per_slice, need)}{why}",
-                                    failure=Failure.DEVICES)
-        return RecoveryDecision(Action.FAIL, Placement(1, ()), f"{e}{why}", failure=Failure.CAPACITY)
-    if len(placement.active) < num_vslices:
-        return RecoveryDecision(Action.SHRINK, placement, f"{len(lost)} worker(s) died before registering: "
-                                                          f"starting with {len(placement.active)} of "
-                                                          f"{num_vslices} slices")
-    return RecoveryDecision(Action.REPLACE, placement, "every slice has a worker" + (
+            need = min(min_slices, slices)
+            return Plan(Action.FAIL, Placement(1, ()), f"{_misfits(alive, devices_per_slice, need)}{why}",
+                        failure=Failure.DEVICES)
+        return Plan(Action.FAIL, Placement(1, ()), f"{e}{why}", failure=Failure.CAPACITY)
+    if len(placement.active) < slices:
+        return Plan(Action.SHRINK, placement, f"{len(lost)} worker(s) died before registering: starting with "
+                                              f"{len(placement.active)} of {slices} slices")
+    return Plan(Action.REPLACE, placement, "every slice has a worker" + (
         f" ({len(lost)} that died before registering were replaced)" if lost else ""))
 
 
@@ -209,58 +215,245 @@ def _misfits(workers: list[WorkerInfo], devices_per_slice: int, need: int, named
     return text + f"; start workers where JAX finds {devices_per_slice} devices each"
 
 
-def capacity_timed_out(decision: RecoveryDecision, timeout_seconds: float,
-                       limit: str = "capacity_timeout_seconds") -> RecoveryDecision:
-    """A ``WAIT`` whose capacity never came: the ``FAIL`` that replaces it, naming the option that set the
-    wait (``limit``: ``capacity_timeout_seconds``, or ``register_timeout_seconds`` when that one applied)."""
-    return RecoveryDecision(Action.FAIL, decision.placement,
-                            f"{decision.reason.split(':')[0]}: no capacity arrived within "
-                            f"{limit}={timeout_seconds:g}", failure=Failure.CAPACITY, limit=limit)
+# -- a recovery -----------------------------------------------------------------
+
+NO_REPLICA = ("no live replica of the state is left and no complete snapshot or checkpoint to restore "
+              "(snapshot_interval keeps in-memory snapshots; checkpoint_period keeps checkpoints)")
 
 
+def plan_recovery(state, survey: Survey, opts, now: float = 0.0) -> Plan:
+    """The whole recovery from ``state`` (the run's ``RunState``), ``survey`` and ``opts`` (the run's
+    ``ControllerOptions``: ``slices``, ``min_slices``, ``max_retries``, ``pipeline_stages``,
+    ``capacity_timeout_seconds``, ``relaunch``); see the module docstring. ``now``: the clock a
+    ``survey.wait`` deadline is in."""
+    stages, committed = opts.pipeline_stages, state.committed
+    old = survey.placement or state.placement
+    if survey.joined:
+        old = dataclasses.replace(old, spares=tuple(w for w in old.spares if w not in state.dead) + survey.joined)
+    dead = sorted(w for w in old.members if w in state.dead)
+    replicas = (state.replicas | survey.shadows) if survey.has_state else frozenset(old.members)
+    spare_stages = ({w: k for w in old.spares if (k := survey.loaded.get(w)) is not None} if stages > 1 else {})
+    backup = choose_source({}, {}, survey.snapshots, survey.checkpoints, committed) if survey.has_state else None
+    # Capacity may come: a worker may join within capacity_timeout_seconds, and with every replica lost the
+    # relaunched workers are waited for (they restore a snapshot left on their host, or the checkpoint); a
+    # pipelined run, which does not shrink, waits for them to take the lost slices.
+    has_backup = bool(survey.snapshots or survey.checkpoints) or stages > 1
+    may_wait = survey.wait is not None or opts.capacity_timeout_seconds > 0 or (has_backup and opts.relaunch)
+    d = decide_recovery(old, dead, replicas, min_slices=opts.min_slices, recoveries=state.recoveries,
+                        max_retries=opts.max_retries, may_wait=may_wait,
+                        checkpoint_step=backup.step if backup and backup.ok else None,
+                        backup=backup.tier if backup and backup.ok else "checkpoint", stages=stages,
+                        spare_stages=spare_stages)
+    wait = survey.wait
+    if d.action is Action.WAIT and wait is not None and now >= wait.until:
+        d = capacity_timed_out(d, wait.seconds, wait.limit)
+    if d.action is Action.WAIT:
+        return dataclasses.replace(d, relaunch_now=tuple(dead))
+    if d.action is Action.FAIL:
+        return d
+    if not survey.has_state:   # nothing to copy: every live member counts as a replica; the dead start again now
+        return dataclasses.replace(d, relaunch_now=tuple(dead))
+    if d.action is Action.RESTORE:
+        return _plan_restore(d, state, survey, opts, now, dead, may_wait)
+    tier = copy_source(d.placement.active, old.active, stages, replicas, spare_stages, committed)
+    return _plan_realign(dataclasses.replace(d, tier=tier, relaunch_later=tuple(dead)), state, survey, replicas,
+                         spare_stages, stages)
 
-@dataclasses.dataclass(frozen=True)
-class RealignPlan:
-    """How survivors are brought to one step after a failure.
 
-    ``target``: the step every survivor will have applied (training resumes
-    there). ``commits``: ``(step, loss_sum)`` of steps every survivor applied
-    but the controller had not committed yet; they are committed now from
-    the survivors' recorded losses. ``rollbacks``: survivors one step ahead,
-    to roll back to ``target``. ``error``: non-empty when the survivors
-    cannot be reconciled (the run must fail).
-    """
-
-    target: int
-    commits: tuple[tuple[int, float], ...] = ()
-    rollbacks: tuple[str, ...] = ()
-    error: str = ""
+def _holders(active: tuple[str, ...], replicas, loaded: Mapping[str, int], stages: int) -> list[str]:
+    """The workers of ``active`` that hold the committed state of their own slice: replicas, and in a pipelined
+    run only those whose programs are for their slice's stage (a spare that shadowed another stage, promoted
+    into this one, holds that stage's state)."""
+    if stages == 1:
+        return [w for w in active if w in replicas]
+    stage = slice_stages(active, stages)
+    return [w for w in active if w in replicas and loaded.get(w) == stage[w]]
 
 
-def plan_realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, float]],
-                 committed: int) -> RealignPlan:
-    """Reconciles survivors that differ by at most one applied step.
+def _plan_realign(d: Plan, state, survey: Survey, replicas, spare_stages, stages: int) -> Plan:
+    """The survivors hold the state: commit the steps they all applied, roll back those one ahead, and copy from
+    them to the slices that lack it."""
+    new = d.placement
+    loaded = {**survey.loaded, **spare_stages}
+    survivors = _holders(new.active, replicas, loaded, stages)
+    loss_workers = stage_groups(new.active, stages)[-1]   # (a pipeline's earlier stages compute none)
+    applied = {w: survey.statuses[w].applied_steps for w in survivors}
+    losses = {w: survey.statuses[w].losses for w in survivors if w in loss_workers}
+    target, commits, rollbacks, error = realign(applied, losses, state.committed)
+    if error:
+        return Plan(Action.FAIL, new, f"cannot realign the survivors: {error}", failure=Failure.DIVERGED)
+    source = d.tier.source if d.tier.source in survivors else survivors[0]
+    loads, copies = _copies(new.active, stages, survivors, source, loaded)
+    return dataclasses.replace(d, resume=target, commits=commits, rollbacks=rollbacks, loads=loads, copies=copies)
+
+
+def realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, float]],
+             committed: int) -> tuple[int, tuple, tuple, str]:
+    """``(target, commits, rollbacks, error)`` reconciling survivors that differ by at most one applied step.
 
     A step applies only once every rank finished its reduce-scatter, so live
     replicas are at most one step apart (in a pipelined run too: a stage applies
     a step only after every later stage sent it that step's gradients).
     ``applied``: each survivor's applied step count; ``losses``: the recent
     ``{step: loss_sum}`` of the survivors that compute the loss (every one, or a
-    pipelined run's last stage);
-    ``committed``: steps the controller committed. Steps all survivors
-    applied are committed (their loss sums must agree); those ahead roll back.
+    pipelined run's last stage). Steps all survivors applied are committed
+    (their loss sums must agree); those ahead roll back to ``target``.
     """
     target = min(applied.values())
     if target < committed or max(applied.values()) > target + 1:
-        return RealignPlan(target, error=f"replicas are out of step: applied {dict(applied)}, "
-                                         f"{committed} committed")
+        return target, (), (), f"replicas are out of step: applied {dict(applied)}, {committed} committed"
     commits = []
     for step in range(committed, target):
         sums = {losses[w].get(step) for w in losses}
         if len(sums) != 1 or None in sums:
-            return RealignPlan(target, error=f"no agreed loss for applied step {step}: {sorted(map(str, sums))}")
+            return target, (), (), f"no agreed loss for applied step {step}: {sorted(map(str, sums))}"
         commits.append((step, sums.pop()))
-    return RealignPlan(target, tuple(commits), tuple(sorted(w for w, a in applied.items() if a == target + 1)))
+    return target, tuple(commits), tuple(sorted(w for w, a in applied.items() if a == target + 1)), ""
+
+
+def _copies(active: tuple[str, ...], stages: int, holders, source: str,
+            loaded: Mapping[str, int]) -> tuple[tuple[tuple[str, int], ...], tuple[Copy, ...]]:
+    """``(loads, copies)`` giving every slice of ``active`` the state: each stage's slices not in ``holders`` copy
+    from ``source`` when it is of that stage, else from the stage's first holder; a pipelined newcomer first
+    loads its stage's programs when it has another's (``loaded``)."""
+    loads, copies = [], []
+    for k, group in enumerate(stage_groups(active, stages)):
+        src = source if stages == 1 or source in group else next(w for w in group if w in holders)
+        for dest in group:
+            if dest in holders:
+                continue
+            if stages > 1 and loaded.get(dest) != k:
+                loads.append((dest, k))
+            copies.append(Copy(src, dest, k))
+    return tuple(loads), tuple(copies)
+
+
+def _plan_restore(d: Plan, state, survey: Survey, opts, now: float, dead, may_wait: bool) -> Plan:
+    """No replica is left: the newest snapshot or checkpoint comes back, to every active slice (loaded, or
+    copied from the worker that loaded it). A pipelined run restores every stage at the same step, each on a
+    worker where its snapshot lies when one can be."""
+    stages, committed, old = opts.pipeline_stages, state.committed, survey.placement or state.placement
+    d = dataclasses.replace(d, tier=choose_source({}, {}, survey.snapshots, survey.checkpoints, committed),
+                            relaunch_later=tuple(dead))
+    if stages > 1 and survey.snapshot_hosts:
+        d = dataclasses.replace(d, placement=arrange_stages(d.placement, stages, survey.snapshot_hosts,
+                                                            survey.hosts))
+        missing = unmatched_stages(d.placement, stages, survey.snapshot_hosts, survey.hosts)
+        if missing and may_wait and (survey.wait is None or now < survey.wait.until):
+            return Plan(Action.WAIT, old, f"{d.reason.split(':')[0]}: waiting for a worker on a host holding the "
+                                          f"snapshot of stage {missing[0]}", limit="min_slices",
+                        relaunch_now=tuple(dead))
+    new = d.placement
+    if stages == 1:
+        held = [Holding(w, max(steps)) for w in new.members if w in survey.statuses and w not in survey.unreadable
+                and (steps := [s for s in survey.statuses[w].snapshots if s <= committed])]
+        choice = choose_source({}, {}, held, survey.checkpoints, committed)
+        if choice.tier == "snapshot":
+            return dataclasses.replace(d, tier=choice, restore=Restore("snapshot", choice.step, (choice.source,)),
+                                       copies=tuple(Copy(choice.source, w) for w in new.active
+                                                    if w != choice.source))
+        if not choice.ok:
+            return Plan(Action.FAIL, new, f"cannot restore the state: {choice.reason}", failure=Failure.STATE_LOST)
+        return dataclasses.replace(d, tier=choice, restore=Restore("checkpoint", choice.step, new.active))
+    # A pipelined run: each stage's snapshots are listed with that stage's programs loaded.
+    groups = stage_groups(new.active, stages)
+    loads = tuple((w, k) for k, group in enumerate(groups) for w in group if survey.loaded.get(w) != k)
+    if loads:
+        return dataclasses.replace(d, loads=loads, resurvey=True)
+    why = ""
+    if d.tier.tier == "snapshot":
+        held = [{w: survey.statuses[w].snapshots for w in group if w in survey.statuses and w not in
+                 survey.unreadable} for group in groups]
+        at_most = committed if survey.at_most is None else min(committed, survey.at_most)
+        found = stage_snapshot(held, at_most)
+        if found is not None:
+            step, loaders = found
+            copies = tuple(Copy(loaders[k], w, k) for k, group in enumerate(groups) for w in group
+                           if w != loaders[k])
+            return dataclasses.replace(d, restore=Restore("snapshot", step, loaders), copies=copies)
+        why = f"no snapshot of one step at or before {at_most} is held for every pipeline stage, and "
+    choice = choose_source({}, {}, (), survey.checkpoints, committed)
+    if not choice.ok:
+        return Plan(Action.FAIL, new, f"cannot restore the state: {why}{choice.reason}", failure=Failure.STATE_LOST)
+    return dataclasses.replace(d, tier=choice, restore=Restore("checkpoint", choice.step, new.active))
+
+
+def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
+                    recoveries: int, max_retries: int, may_wait: bool = False,
+                    checkpoint_step: int | None = None, backup: str = "checkpoint",
+                    stages: int = 1, spare_stages: Mapping[str, int] | None = None) -> Plan:
+    """The rule of :func:`plan_recovery` that picks the action and the placement: replace dead active slices with
+    live spares; else shrink down to ``min_slices``; else wait or fail.
+
+    ``replicas``: the workers known to hold the state at the committed
+    frontier: active ones, and spares that shadow it (these are promoted
+    first). A survivor that is not one (a spare promoted in an earlier
+    attempt whose copy never finished) keeps its slice but cannot supply
+    the state; with no replica in the new placement the answer is ``RESTORE`` when a
+    complete backup exists (``checkpoint_step``: its step, None when
+    there is none) and at least ``min_slices`` slices have a worker (else
+    ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
+    what holds that step ("checkpoint" or "snapshot"), for the reason.
+    ``stages``: a pipelined run's stages (the active slices are stage-major,
+    :func:`runtime.control.policy.stage_groups`): each stage holds its own
+    state, so each must keep a replica, and a replacement takes the lost
+    slice's stage, a spare that shadows that stage first (``spare_stages``:
+    the stage each spare's programs are for); with too few workers whole
+    pipeline replicas are dropped (:func:`runtime.control.stage_plan.fill_slots`).
+    ``recoveries``: attempts so far including this one; past ``max_retries``
+    the answer is ``FAIL``. ``may_wait``: capacity may still
+    arrive (a relaunched or joining worker), so being below the minimum
+    answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
+    """
+    dead, replicas = frozenset(dead), frozenset(replicas)
+    if recoveries > max_retries:
+        if max_retries == 0:
+            return Plan(Action.FAIL, placement, "recovery is off (max_retries=0): a lost worker ends the run",
+                        failure=Failure.CAPACITY, limit="max_retries")
+        return Plan(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
+                    failure=Failure.CAPACITY, limit="max_retries")
+    slots, spares, dropped = fill_slots(placement, dead, replicas, stages, spare_stages or {})
+    active = [w for w in slots if w is not None]
+    replaced = sum(w not in placement.active for w in active)
+    new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
+    survivors = [w for w in placement.active if w not in dead]
+    lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
+                  "the surviving slices hold no copy of the state")
+    if stages > 1 and not lost_state:
+        lost_state = stage_without_replica(placement, dead, replicas, stages, spare_stages or {})
+    if lost_state and checkpoint_step is None:
+        return Plan(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
+    if lost_state:
+        if len(active) >= min_slices:
+            return Plan(Action.RESTORE, new, f"{lost_state}: {len(active)} slice(s) restore the {backup} of step "
+                                             f"{checkpoint_step}")
+        if may_wait:
+            return Plan(Action.WAIT, placement, f"{lost_state} and {len(active)} slices have a worker (min_slices "
+                                                f"{min_slices}): waiting for capacity to restore step "
+                                                f"{checkpoint_step}", limit="min_slices")
+        return Plan(Action.FAIL, new, f"{lost_state}, a {backup} of step {checkpoint_step} exists but no worker is "
+                                      f"left to restore it", failure=Failure.CAPACITY, limit="min_slices")
+    if len(active) < min_slices:
+        if may_wait:
+            return Plan(Action.WAIT, placement, f"{len(active)} slices left, min_slices is {min_slices}: waiting "
+                                                f"for capacity", limit="min_slices")
+        return Plan(Action.FAIL, new, f"{len(active)} slices left, min_slices is {min_slices} and no spare is "
+                                      f"available", failure=Failure.CAPACITY, limit="min_slices")
+    if dropped and stages > 1:
+        return Plan(Action.SHRINK, new, f"too few workers for every pipeline replica: {dropped // stages} dropped, "
+                                        f"{len(active) // stages} take over their microbatches")
+    if dropped:
+        return Plan(Action.SHRINK, new, f"no spare for {dropped} slice(s): {len(active)} survivors take over")
+    if replaced:
+        return Plan(Action.REPLACE, new, "spares replace the lost slices")
+    return Plan(Action.RETRY, new, "no worker was lost; re-run the step")
+
+
+def capacity_timed_out(plan: Plan, timeout_seconds: float, limit: str = "capacity_timeout_seconds") -> Plan:
+    """A ``WAIT`` whose capacity never came: the ``FAIL`` that replaces it, naming the option that set the
+    wait (``limit``: ``capacity_timeout_seconds``, or ``register_timeout_seconds`` when that one applied)."""
+    return Plan(Action.FAIL, plan.placement, f"{plan.reason.split(':')[0]}: no capacity arrived within "
+                                             f"{limit}={timeout_seconds:g}", failure=Failure.CAPACITY, limit=limit)
 
 
 # -- membership at a step boundary --------------------------------------------
@@ -305,172 +498,35 @@ def decide_swap(placement: Placement, slow: str) -> Placement | None:
     return Placement(epoch=placement.epoch + 1, active=active, spares=placement.spares[1:])
 
 
-# -- one membership change -----------------------------------------------------
-
-
-class Change(enum.Enum):
-    """Which membership change a :class:`Facts` asks about (see the module docstring)."""
-
-    START = "start"
-    RECOVER = "recover"
-    RESTORE = "restore"
-    REALIGN = "realign"
-    GROW = "grow"
-    SWAP = "swap"
-
-
-@dataclasses.dataclass(frozen=True)
-class Facts:
-    """What :func:`plan_change` decides from: the case, the run's state and the limits; each case reads its own.
-
-    ``replicas``: the workers known to hold the committed state (active ones, and spares that shadow it);
-    ``snapshots`` and ``checkpoints``: the complete backups known, as :class:`~runtime.control.tiers.Holding`;
-    ``has_state``: False while the run starts (no state yet: the dead are relaunched at once, nothing is
-    restored); ``wait_until``: the deadline (in ``now``'s clock) of a wait for capacity, with the option that
-    set it (``wait_limit``, ``wait_seconds``). ``workers`` and ``lost``: the registered and the lost (START);
-    ``applied`` and ``losses``: each fenced survivor's applied steps and recent loss sums (REALIGN);
-    ``slow``: the straggler (SWAP); ``stages``: a pipelined run's stages (RECOVER: each must keep a replica),
-    ``spare_stages`` the stage each spare's programs are for (a shadow spare shadows that stage);
-    ``backup_hosts``: a pipelined run's, for each stage, the hosts holding its snapshot a restore would take,
-    and ``hosts``: each member's host (a restore then gives each stage a worker on such a host:
-    :func:`arrange_stages`).
-    """
-
-    change: Change
-    placement: Placement | None = None
-    committed: int = 0
-    dead: frozenset[str] = frozenset()
-    replicas: frozenset[str] = frozenset()
-    snapshots: tuple[Holding, ...] = ()
-    checkpoints: tuple[Holding, ...] = ()
-    recoveries: int = 0
-    slices: int = 1
-    devices_per_slice: int = 1
-    min_slices: int = 1
-    max_retries: int = 0
-    may_wait: bool = False
-    has_state: bool = True
-    wait_until: float | None = None
-    wait_limit: str = "capacity_timeout_seconds"
-    wait_seconds: float = 0.0
-    workers: tuple[WorkerInfo, ...] = ()
-    lost: tuple[str, ...] = ()
-    applied: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    losses: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
-    slow: str = ""
-    stages: int = 1
-    spare_stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    backup_hosts: tuple[frozenset[str], ...] = ()
-    hosts: Mapping[str, str] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChangePlan:
-    """What to do: the ``action``, the ``placement`` to adopt (None: it stays), why, where the state comes from
-    (``tier``, None when nothing is copied or restored), whom to relaunch at once and after the next commit,
-    and for a REALIGN the step to resume at (``target``), the steps to commit from the survivors' losses
-    (``commits``) and the survivors to roll back. ``failure`` and ``limit``: as in :class:`RecoveryDecision`."""
-
-    change: Change
-    action: Action | None
-    placement: Placement | None
-    reason: str
-    tier: TierChoice | None = None
-    relaunch_now: tuple[str, ...] = ()
-    relaunch_later: tuple[str, ...] = ()
-    target: int = 0
-    commits: tuple[tuple[int, float], ...] = ()
-    rollbacks: tuple[str, ...] = ()
-    failure: Failure | None = None
-    limit: str = ""
-
-    @property
-    def decision(self) -> RecoveryDecision:
-        """The recovery decision this plan carries (what ``recovery_decision`` records and a ``FAIL`` raises)."""
-        return RecoveryDecision(self.action, self.placement, self.reason, self.failure, self.limit)
-
-
-def plan_change(facts: Facts, now: float = 0.0) -> ChangePlan:
-    """The plan for one membership change (see the module docstring for the cases)."""
-    return _PLANNERS[facts.change](facts, now)
-
-
-def _from(change: Change, d: RecoveryDecision, **fields) -> ChangePlan:
-    return ChangePlan(change, d.action, d.placement, d.reason, failure=d.failure, limit=d.limit, **fields)
-
-
-def _plan_start(f: Facts, now: float) -> ChangePlan:
-    return _from(Change.START, decide_start(f.slices, f.devices_per_slice, f.workers, lost=f.lost,
-                                            min_slices=f.min_slices))
-
-
-def _backup(f: Facts) -> TierChoice:
-    """The newest backup (snapshot or checkpoint) a restore would use, by the one tier rule."""
-    return choose_source({}, {}, f.snapshots, f.checkpoints, f.committed)
-
-
-def _plan_recover(f: Facts, now: float) -> ChangePlan:
-    old = f.placement
-    backup = _backup(f) if f.has_state else None
-    dead = sorted(w for w in old.members if w in f.dead)
-    d = decide_recovery(old, dead, f.replicas, min_slices=f.min_slices, recoveries=f.recoveries,
-                        max_retries=f.max_retries, may_wait=f.may_wait,
-                        checkpoint_step=backup.step if backup and backup.ok else None,
-                        backup=backup.tier if backup and backup.ok else "checkpoint", stages=f.stages,
-                        spare_stages=f.spare_stages)
-    if d.action is Action.WAIT and f.wait_until is not None and now >= f.wait_until:
-        d = capacity_timed_out(d, f.wait_seconds, f.wait_limit)
-    if not f.has_state:   # nothing to copy: every live member counts as a replica; the dead start again now
-        return _from(Change.RECOVER, d, relaunch_now=tuple(dead))
-    tier = None
-    if d.action in (Action.REPLACE, Action.SHRINK, Action.RETRY):
-        tier = copy_source(d.placement.active, old.active, f.stages, f.replicas, f.spare_stages, f.committed)
-    elif d.action is Action.RESTORE:
-        tier = backup
-        if f.stages > 1 and f.backup_hosts:
-            d = dataclasses.replace(d, placement=arrange_stages(d.placement, f.stages, f.backup_hosts, f.hosts))
-            missing = unmatched_stages(d.placement, f.stages, f.backup_hosts, f.hosts)
-            if missing and f.may_wait and (f.wait_until is None or now < f.wait_until):
-                d = RecoveryDecision(Action.WAIT, old, f"{d.reason.split(':')[0]}: waiting for a worker on a host "
-                                                       f"holding the snapshot of stage {missing[0]}",
-                                     limit="min_slices")
-                return _from(Change.RECOVER, d, relaunch_later=tuple(dead))
-    return _from(Change.RECOVER, d, tier=tier, relaunch_later=tuple(dead))
-
-
-def _plan_restore(f: Facts, now: float) -> ChangePlan:
-    tier = _backup(f)
-    if not tier.ok:
-        return ChangePlan(Change.RESTORE, Action.FAIL, f.placement, tier.reason, tier=tier,
-                          failure=Failure.STATE_LOST)
-    return ChangePlan(Change.RESTORE, Action.RESTORE, f.placement, tier.reason, tier=tier)
-
-
-def _plan_realign(f: Facts, now: float) -> ChangePlan:
-    r = plan_realign(f.applied, f.losses, f.committed)
-    if r.error:
-        return ChangePlan(Change.REALIGN, Action.FAIL, f.placement, r.error, target=r.target)
-    return ChangePlan(Change.REALIGN, None, f.placement, f"resume at step {r.target}", target=r.target,
-                      commits=r.commits, rollbacks=r.rollbacks)
-
-
-def _plan_grow(f: Facts, now: float) -> ChangePlan:
-    grown = decide_grow(f.placement, f.slices, f.stages, f.spare_stages)
+def plan_grow(state, opts, loaded: Mapping[str, int]) -> Plan:
+    """Spares promoted while fewer slices run than asked for (``GROW``), with the copies that give them the
+    state; ``KEEP`` when nothing changes. ``loaded``: the pipeline stage each member's programs are for."""
+    p, stages = state.placement, opts.pipeline_stages
+    spare_stages = {w: k for w in p.spares if (k := loaded.get(w)) is not None} if stages > 1 else {}
+    grown = decide_grow(p, opts.slices, stages, spare_stages)
     if grown is None:
-        return ChangePlan(Change.GROW, None, None, f"{len(f.placement.active)} of {f.slices} slices run "
-                                                   f"and {len(f.placement.spares)} spare(s) wait")
-    promoted = [w for w in grown.active if w not in f.placement.active]
-    return ChangePlan(Change.GROW, Action.GROW, grown, f"spares {', '.join(promoted)} promoted")
+        return Plan(Action.KEEP, None, f"{len(p.active)} of {opts.slices} slices run and {len(p.spares)} "
+                                       f"spare(s) wait")
+    promoted = [w for w in grown.active if w not in p.active]
+    return _remap(Plan(Action.GROW, grown, f"spares {', '.join(promoted)} promoted"), state, loaded, stages)
 
 
-def _plan_swap(f: Facts, now: float) -> ChangePlan:
-    swapped = decide_swap(f.placement, f.slow)
+def plan_swap(state, opts, loaded: Mapping[str, int], slow: str) -> Plan:
+    """Straggler ``slow``'s slice moved onto the first spare (``SWAP``), with its copy; ``KEEP`` and why not."""
+    p = state.placement
+    swapped = decide_swap(p, slow)
     if swapped is None:
-        why = "it no longer runs a slice" if f.slow not in f.placement.active else "no spare to move it onto"
-        return ChangePlan(Change.SWAP, None, None, why)
-    spare = swapped.active[f.placement.active.index(f.slow)]
-    return ChangePlan(Change.SWAP, Action.SWAP, swapped, f"{f.slow}'s slice moves to {spare}")
+        why = "it no longer runs a slice" if slow not in p.active else "no spare to move it onto"
+        return Plan(Action.KEEP, None, why)
+    spare = swapped.active[p.active.index(slow)]
+    return _remap(Plan(Action.SWAP, swapped, f"{slow}'s slice moves to {spare}"), state, loaded,
+                  opts.pipeline_stages)
 
 
-_PLANNERS = {Change.START: _plan_start, Change.RECOVER: _plan_recover, Change.RESTORE: _plan_restore,
-             Change.REALIGN: _plan_realign, Change.GROW: _plan_grow, Change.SWAP: _plan_swap}
+def _remap(plan: Plan, state, loaded: Mapping[str, int], stages: int) -> Plan:
+    """A boundary change's copies: from the first slice that kept its place and holds the committed state."""
+    new = plan.placement
+    holders = [w for w in new.active if w in state.replicas]
+    source = next(w for w in state.placement.active if w in state.replicas and w in new.active)
+    loads, copies = _copies(new.active, stages, holders, source, loaded)
+    return dataclasses.replace(plan, resume=state.committed, loads=loads, copies=copies)

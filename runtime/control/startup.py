@@ -2,7 +2,7 @@
 
 :func:`start` is the controller's ``STARTING`` phase. A worker lost while it
 registers, compiles or initializes is handled as a death mid-step would be
-(:class:`runtime.control.membership.Membership` plans and records it): replaced by a
+(:meth:`runtime.control.controller.Controller.recover` plans and records it): replaced by a
 spare, or the run starts narrower (down to ``min_slices``) and grows back
 later, or waits, or fails. The first state comes from the seed, or from the
 newest checkpoint of this run's own directory (MaxText's auto-resume), or
@@ -36,7 +36,7 @@ def start(ctl) -> None:
     for _ in range(o.slices + o.spares):
         ctl.group.launch()
     workers = ctl.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
-    ctl.membership.start(workers, sorted(ctl.dead), t0)   # lost: died before registering
+    ctl.place(workers, sorted(ctl.dead), t0)   # lost: died before registering
     pipelined = o.pipeline_stages > 1
     stages = slice_stages(ctl.placement.active, o.pipeline_stages)
     if ctl.shadows.enabled:   # shadow spares take the stages in turn (each shadows its stage's state)
@@ -48,7 +48,7 @@ def start(ctl) -> None:
     ctl.events.emit("programs_loaded", compile_seconds={w: r.compile_seconds for w, r in loaded.items()},
                     program_bytes=ctl.group.program_bytes(),
                     **({"stages": {w: stages.get(w, 0) for w in loaded}} if pipelined else {}))
-    ctl.membership.before_state("loading programs")
+    ctl.before_state("loading programs")
     ctl.observer.attach(ctl)
     sizes = {}
     while True:
@@ -57,7 +57,7 @@ def start(ctl) -> None:
         sizes = {w: b for w, b in sizes.items() if w not in ctl.dead}
         if all(w in sizes for w in ctl.placement.active):
             break
-        ctl.membership.before_state("restoring the checkpoint" if resume else "initializing the state")
+        ctl.before_state("restoring the checkpoint" if resume else "initializing the state")
     if resume is None:
         more = {"parameters_from": ctl.opts.load_parameters_path} if ctl.opts.load_parameters_path else {}
         ctl.events.emit("state_initialized", seed=ctl.attempt.seed, state_bytes=max(sizes.values()), **more)
@@ -104,7 +104,7 @@ def resumed(ctl, loaded: Loaded, directory: str, state_bytes: int) -> None:
     """
     step = loaded.step
     active = ctl.placement.active
-    ctl.membership.copies.copy_to_newcomers(active[0], step, holders=active)   # copies nothing: checks the hashes
+    ctl.executor.copies.check_replicas(active, step)
     sums = loaded.loss_sums if len(loaded.loss_sums) == step else [float("nan")] * step
     before = loaded.written_on   # another mesh wrote it: its losses are means over its microbatches
     losses = [ctl.mean_loss(x, before[1] if before else None) for x in sums]

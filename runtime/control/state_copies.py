@@ -1,10 +1,9 @@
-"""State copies between workers, for every membership change: to the newcomers of a placement, to the
-spares that shadow, and the check of every replica's hash after.
+"""State copies between workers: a plan's copies (:class:`runtime.control.plan.Copy`), the pipeline stage
+programs a newcomer loads first, the spares that shadow, and the check of every replica's hash after.
 
-:class:`runtime.control.membership.Membership` carries out the changes and calls these; so do the controller
-(shadows caught up at a step boundary) and the start (the hashes of a resumed run). A pipelined run's state is
-one per stage: a newcomer first loads its stage's programs when it has another's (``stage_loaded``), copies
-from a holder of its own stage, and each stage's replicas must agree.
+:class:`runtime.control.plan_executor.PlanExecutor` carries out the copies a plan lists; the controller catches
+shadows up at a step boundary; the start checks the hashes of a resumed run. A pipelined run's state is one per
+stage, and each stage's replicas must agree.
 """
 
 from __future__ import annotations
@@ -18,45 +17,38 @@ __all__ = ["StateCopies"]
 
 
 class StateCopies:
-    """The copies of a run's state (see the module docstring). ``state``: a callable answering the controller's
-    current ``RunState``; ``before_transfer(source, dest)``: the observer's hook; ``shadows``: the run's
-    :class:`runtime.control.shadows.Shadows`."""
+    """The copies of a run's state (see the module docstring). ``before_transfer(source, dest)``: the observer's
+    hook; ``shadows``: the run's :class:`runtime.control.shadows.Shadows`."""
 
-    def __init__(self, group, opts, events, *, shadows, state, before_transfer):
+    def __init__(self, group, opts, events, *, shadows, before_transfer):
         self.group, self.opts, self.events = group, opts, events
-        self.shadows, self.state, self.before_transfer = shadows, state, before_transfer
+        self.shadows, self.before_transfer = shadows, before_transfer
 
-    def copy_to_newcomers(self, source: str, step: int, holders) -> int:
-        """Copies ``source``'s state (of ``step`` applied steps) to every active member not in ``holders``, then
-        checks that every active member holds the same step and bits. Returns the bytes moved.
-
-        A pipelined run's state is one per stage: a newcomer of stage k first loads that stage's programs
-        (when it warmed with another's) and copies from ``source`` when it is of stage k, else from the first
-        holder of stage k; the replicas of each stage must agree."""
+    def carry_out(self, copies, step: int) -> int:
+        """Carries out a plan's ``copies`` (:class:`runtime.control.plan.Copy`, in order: each destination pulls the
+        source's state of ``step`` applied steps); returns the bytes moved. A copy whose source or destination is
+        lost raises ``WorkerLostError`` (the controller plans again from the new facts)."""
         moved = 0
-        stages = self.opts.pipeline_stages
-        groups = stage_groups(self.state().placement.active, stages)
-        for k, group in enumerate(groups):
-            src = source if stages == 1 or source in group else next(w for w in group if w in holders)
-            for dest in group:
-                if dest in holders:
-                    continue
-                if stages > 1:
-                    self.take_stage(dest, k)
-                t0 = time.time()
-                self.before_transfer(src, dest)
-                self.events.emit("transfer_started", source=src, dest=dest, step=step)
-                nbytes, digest, transport = self.group.transfer(src, dest, step)
-                self.events.emit("state_transferred", source=src, dest=dest, step=step, bytes=nbytes,
-                                 seconds=time.time() - t0, digest=digest, transport=transport)
-                moved += nbytes
+        for c in copies:
+            t0 = time.time()
+            self.before_transfer(c.source, c.dest)
+            self.events.emit("transfer_started", source=c.source, dest=c.dest, step=step)
+            nbytes, digest, transport = self.group.transfer(c.source, c.dest, step)
+            self.events.emit("state_transferred", source=c.source, dest=c.dest, step=step, bytes=nbytes,
+                             seconds=time.time() - t0, digest=digest, transport=transport)
+            moved += nbytes
+        return moved
+
+    def check_replicas(self, active: tuple[str, ...], step: int) -> None:
+        """Every slice of ``active`` holds ``step`` applied steps and the same bits as the other replicas of its
+        stage; ``ReplicaDivergenceError`` otherwise."""
+        groups = stage_groups(active, self.opts.pipeline_stages)
         hashes = self.group.hashes([w for group in groups for w in group])
         for group in groups:
             held = [hashes[w] for w in group]
             if {s for s, _ in held} != {step} or len({d for _, d in held}) != 1:
                 raise ReplicaDivergenceError("replicas disagree after recovery", step=step,
                                              cause=str({w: (s, d[:21]) for w, (s, d) in hashes.items()}))
-        return moved
 
     def take_stage(self, worker: str, stage: int) -> None:
         """A pipelined run's ``worker`` takes a slice of ``stage``: it loads that stage's programs unless it has
@@ -70,9 +62,9 @@ class StateCopies:
         self.events.emit("stage_loaded", worker=worker, stage=stage, compile_seconds=loaded[worker].compile_seconds,
                          seconds=time.time() - t0)
 
-    def sync_shadows(self) -> None:
-        """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state."""
-        s = self.state()
+    def sync_shadows(self, s) -> None:
+        """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state (``s``:
+        the run's ``RunState``)."""
         behind = self.shadows.behind(s.placement.spares, self.group.dead)
         if not behind:
             return
@@ -92,10 +84,10 @@ class StateCopies:
                              seconds=time.time() - t0, digest=digest, transport=transport,
                              **({"stage": k} if stages > 1 else {}))
 
-    def recheck_shadows(self, source: str) -> None:
-        """After a recovery: the promoted shadows are active now; a spare that still shadows keeps doing so only
-        when it holds the same step and bits as ``source`` (else a copy catches it up at the next boundary)."""
-        placement = self.state().placement
+    def recheck_shadows(self, placement, source: str) -> None:
+        """After a recovery to ``placement``: the promoted shadows are active now; a spare that still shadows keeps
+        doing so only when it holds the same step and bits as ``source`` (else a copy catches it up at the next
+        boundary)."""
         self.shadows.forget(placement.active)
         spares = self.shadows.feeding(placement.spares, self.group.dead)
         if not spares:

@@ -50,10 +50,13 @@ class _Replica:
 class FakeGroup:
     address = "fake:0"
     client_host = ""
-    snapshot_root = ""   # the fake workers take no in-memory snapshots
-
     def __init__(self, opts, events, faults: dict[int, tuple[str, str]] | None = None, devices: int = 2):
         self.opts, self.events, self.faults, self.devices = opts, events, dict(faults or {}), devices
+        # In-memory snapshots (with ``snapshot_interval``): each host (a worker is a host of its own) keeps the
+        # state histories it was given, by step, as the real workers' SnapshotStore does.
+        self.snapshot_root = "fake-snapshots" if opts.snapshot_interval else ""
+        self.held: dict[str, dict[int, _Replica]] = {}
+        self._snapshot_orders: dict[int, dict] = {}
         self.epoch = 0
         self.dead: dict[str, str] = {}
         self.fenced: set[str] = set()
@@ -237,7 +240,21 @@ class FakeGroup:
 
     def dispatch(self, plan, checkpoints=None, shadows=(), snapshots=None):
         self.calls.append(f"dispatch {plan.step} epoch {plan.epoch}")
+        self._snapshot_orders[plan.step] = dict(snapshots or {})
         return plan
+
+    def _snapshots(self, plan) -> dict:
+        """The snapshots ordered after ``plan``'s step: written on the writer's host, copied to its peer's."""
+        out = {}
+        for writer, peer in self._snapshot_orders.pop(plan.step, {}).items():
+            r = self.replicas[writer]
+            for host in (writer, peer):
+                if host is not None:
+                    copy = _Replica()
+                    copy.history, copy.losses = list(r.history), dict(r.losses)
+                    self.held.setdefault(host, {})[r.applied] = copy
+            out[writer] = {"snapshots_saved": (r.applied,), "snapshots_copied": (r.applied,) if peer else ()}
+        return out
 
     def wait(self, futs, deadline=None):
         plan = futs   # what dispatch returned
@@ -261,7 +278,8 @@ class FakeGroup:
             self._touch(target)
         for w in plan.workers:
             self.replicas[w].apply(plan.step)
-        return {w: StepResult(loss_sum(plan.step), grad_seconds=0.01) for w in plan.workers}
+        saved = self._snapshots(plan)
+        return {w: StepResult(loss_sum(plan.step), grad_seconds=0.01, **saved.get(w, {})) for w in plan.workers}
 
     def cancel_inflight(self):
         self.calls.append("cancel_inflight")
@@ -271,7 +289,7 @@ class FakeGroup:
         for w in workers:
             self._touch(w)
             r = self.replicas[w]
-            out[w] = WorkerStatus(r.applied if r else 0, dict(r.losses) if r else {})
+            out[w] = WorkerStatus(r.applied if r else 0, dict(r.losses) if r else {}, tuple(sorted(self.held.get(w, {}))))
         return out
 
     def rollback(self, worker_id, to_applied_steps):
@@ -309,7 +327,16 @@ class FakeGroup:
         raise AssertionError("the fake group has no shadow spares (their steps are polled)")
 
     def load_checkpoints(self, workers, directory, applied, snapshot=False, parameters_only=False):
-        raise AssertionError("the fake group holds no checkpoints or snapshots")
+        assert snapshot, "the fake group holds no checkpoints: only in-memory snapshots"
+        out = {}
+        for w in workers:
+            self._touch(w)
+            step = max(s for s in self.held.get(w, {}) if s <= applied)
+            held = self.held[w][step]
+            self.replicas[w] = copy = _Replica()
+            copy.history, copy.losses = list(held.history), dict(held.losses)
+            out[w] = pb.PullStateReply(applied_steps=step, bytes=1024)
+        return out
 
     def flush_checkpoints(self, workers, wait_seconds, *, save=None):
         raise AssertionError("the fake group writes no checkpoints")

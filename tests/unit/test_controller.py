@@ -19,10 +19,9 @@ def run(tmp_path, steps=8, faults=None, observer=None, stepwise=False, **opts):
                                    "watchdog_min_seconds": 0.0, **opts})
     events = EventLog(tmp_path / "events.jsonl")
     group = FakeGroup(options, events, faults)
-    ctl = Controller(types.SimpleNamespace(num_microbatches=M), b"", options, events, group=group)
     if observer is not None:
         observer.group = group
-        ctl.observer = observer
+    ctl = Controller(types.SimpleNamespace(num_microbatches=M), b"", options, events, group=group, observer=observer)
     phases = []
     with ctl:
         if stepwise:

@@ -89,11 +89,11 @@ def test_every_kind_emitted_anywhere_is_declared_and_every_declared_kind_is_emit
 
 
 def test_a_membership_changes_three_events_are_each_emitted_from_one_place():
-    """Every start, recovery and restore goes through runtime.control.membership.Membership, which alone writes
-    what a recovery records (one method each)."""
+    """Every start, recovery and restore is carried out by runtime.control.plan_executor.PlanExecutor, which alone
+    writes what a recovery records (one method each)."""
     emitted = emitted_kinds()
     for kind in ("failure_detected", "recovery_decision", "recovered"):
-        assert len(emitted[kind]) == 1 and emitted[kind][0].startswith("runtime/control/membership.py"), (
+        assert len(emitted[kind]) == 1 and emitted[kind][0].startswith("runtime/control/plan_executor.py"), (
             kind, emitted[kind])
 
 

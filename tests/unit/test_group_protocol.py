@@ -32,7 +32,7 @@ def test_the_controllers_calls_are_all_in_the_protocol():
 
     root = pathlib.Path(__file__).resolve().parents[2] / "runtime" / "control"
     used = set()
-    for module in ("controller", "startup", "attach", "membership", "shadows", "snapshotting", "checkpointing", "watchdog"):
+    for module in ("controller", "startup", "attach", "plan_executor", "state_copies", "shadows", "snapshotting", "checkpointing", "watchdog"):
         text = (root / f"{module}.py").read_text()
         used |= set(re.findall(r"\b(?:self\.group|ctl\.group|group)\.([a-z_]+)\b", text))
     assert used <= set(METHODS) | set(ATTRIBUTES), sorted(used - set(METHODS) - set(ATTRIBUTES))

@@ -1,56 +1,107 @@
-"""plan_change: every membership change as one pure decision, table-tested (the rules inside each case:
-test_policy.py and test_tiers.py)."""
+"""The plans of every membership change, table-tested: plan_recovery from a RunState and one Survey, plan_start,
+plan_grow, plan_swap (the rules inside: test_policy.py, test_tiers.py)."""
 
 import dataclasses
 
 import pytest
 
-from runtime.control.plan import Action, Change, Facts, Failure, plan_change
+from runtime.control.calls import WorkerStatus
+from runtime.control.controller_options import ControllerOptions
+from runtime.control.plan import (Action, Copy, Failure, Restore, Survey, Wait, plan_grow, plan_recovery, plan_start,
+                                  plan_swap)
 from runtime.control.policy import Placement, WorkerInfo
+from runtime.control.run_state import RunState, Series
 from runtime.control.tiers import Holding
 
 P = Placement(epoch=3, active=("a", "b"), spares=("s",))
 LIMITS = {"slices": 2, "min_slices": 1, "max_retries": 5, "recoveries": 1, "committed": 7}
 
 
+def plan(*, placement=P, dead=frozenset(), replicas=frozenset(), recoveries=1, committed=7, slices=2, min_slices=1,
+         max_retries=5, may_wait=False, stages=1, now=0.0, statuses=None, applied=None, **survey):
+    """plan_recovery over a RunState of ``placement`` (``committed`` steps, ``dead``, ``replicas``), a Survey in
+    which every live member answered it applied ``applied`` (default: ``committed``) steps, and options."""
+    state = RunState(placement=placement, losses=Series([1.0] * committed), dead=frozenset(dead),
+                     recoveries=recoveries, replicas=frozenset(replicas))
+    opts = ControllerOptions(slices=slices, devices_per_slice=1, run_dir="", min_slices=min_slices,
+                             max_retries=max_retries, pipeline_stages=stages, relaunch=may_wait,
+                             capacity_timeout_seconds=60.0 if may_wait else 0.0)
+    if statuses is None:
+        statuses = {w: WorkerStatus(committed if applied is None else applied.get(w, committed), {})
+                    for w in placement.members if w not in dead}
+    return plan_recovery(state, Survey(statuses=statuses, **survey), opts, now)
+
+
 def recover(**facts):
-    return plan_change(Facts(Change.RECOVER, placement=P, **{**LIMITS, **facts}))
+    return plan(**{k: v for k, v in facts.items() if k not in ("slices",)}, slices=facts.get("slices", 2))
 
 
 # (facts, action, active, spares, tier, source, relaunch now, relaunch later)
+HELD = {"a": WorkerStatus(7, {}), "b": WorkerStatus(7, {}), "s": WorkerStatus(0, {}, (6,))}   # s's host: a snapshot
 RECOVERIES = [
     # a dead active slice, a spare: replace, the survivor supplies the state, the dead restart after a commit
     ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b"})}, Action.REPLACE, ("a", "s"), (), "replica",
      "a", (), ("b",)),
     # the spare shadows: it is a replica too, and the survivor is still preferred as the source
-    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b", "s"})}, Action.REPLACE, ("a", "s"), (),
-     "replica", "a", (), ("b",)),
+    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b"}), "shadows": frozenset({"s"})}, Action.REPLACE,
+     ("a", "s"), (), "replica", "a", (), ("b",)),
     # every active slice lost, a shadowing spare left: it takes over alone (shrink), from the shadow tier
-    ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b", "s"})}, Action.SHRINK, ("s",), (),
-     "shadow", "s", (), ("a", "b")),
+    ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b"}), "shadows": frozenset({"s"})}, Action.SHRINK,
+     ("s",), (), "shadow", "s", (), ("a", "b")),
     # nobody died: a retry in a new epoch, nothing copied
     ({"replicas": frozenset({"a", "b"})}, Action.RETRY, ("a", "b"), ("s",), "replica", "a", (), ()),
-    # no replica left, a snapshot and an older checkpoint: the snapshot is restored (the one tier rule)
+    # no replica left, a snapshot on the spare's host and an older checkpoint: the snapshot (the one tier rule)
     ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b"}), "snapshots": (Holding("snapshot", 6),),
-      "checkpoints": (Holding("ckpt", 4),)}, Action.RESTORE, ("s",), (), "snapshot", "snapshot", (), ("a", "b")),
+      "checkpoints": (Holding("ckpt", 4),), "statuses": HELD}, Action.RESTORE, ("s",), (), "snapshot", "s", (),
+     ("a", "b")),
     # only a checkpoint: restored
     ({"dead": frozenset({"a", "b"}), "replicas": frozenset({"a", "b"}), "checkpoints": (Holding("ckpt", 4),)},
      Action.RESTORE, ("s",), (), "checkpoint", "ckpt", (), ("a", "b")),
     # no state yet (the run starts): every member counts, the dead restart at once, nothing is copied
-    ({"dead": frozenset({"b"}), "replicas": frozenset({"a", "b", "s"}), "has_state": False}, Action.REPLACE,
-     ("a", "s"), (), None, None, ("b",), ()),
+    ({"dead": frozenset({"b"}), "has_state": False}, Action.REPLACE, ("a", "s"), (), None, None, ("b",), ()),
 ]
 
 
 @pytest.mark.parametrize("facts, action, active, spares, tier, source, now, later", RECOVERIES)
 def test_a_recovery_plans_the_placement_the_tier_and_the_relaunches(facts, action, active, spares, tier, source,
                                                                     now, later):
-    plan = recover(**facts)
-    assert plan.action is action
-    assert (plan.placement.active, plan.placement.spares, plan.placement.epoch) == (active, spares, 4)
-    assert (plan.tier.tier if plan.tier else None, plan.tier.source if plan.tier else None) == (tier, source)
-    assert (plan.relaunch_now, plan.relaunch_later) == (now, later)
-    assert plan.decision.action is action and plan.decision.placement == plan.placement
+    p = recover(**facts)
+    assert p.action is action
+    assert (p.placement.active, p.placement.spares, p.placement.epoch) == (active, spares, 4)
+    assert (p.tier.tier if p.tier else None, p.tier.source if p.tier else None) == (tier, source)
+    assert (p.relaunch_now, p.relaunch_later) == (now, later)
+
+
+def test_a_recovery_plan_holds_the_whole_change_the_commits_the_rollbacks_and_each_copy():
+    """a applied one step more than b, both one past the committed frontier; b died; the spare takes its slice."""
+    p = plan(dead={"c"}, placement=Placement(3, ("a", "b", "c"), ("s",)), replicas="abc", slices=3,
+             statuses={"a": WorkerStatus(9, {7: 2.0, 8: 1.5}), "b": WorkerStatus(8, {7: 2.0}),
+                       "s": WorkerStatus(0, {})})
+    assert p.action is Action.REPLACE and p.placement.active == ("a", "b", "s")
+    assert (p.resume, p.commits, p.rollbacks) == (8, ((7, 2.0),), ("a",))
+    assert p.copies == (Copy("a", "s"),) and p.restore is None and p.relaunch_later == ("c",)
+
+
+def test_survivors_that_disagree_fail_the_recovery_as_diverged():
+    p = plan(dead={"b"}, replicas="ab", statuses={"a": WorkerStatus(8, {7: 2.0}), "s": WorkerStatus(0, {})},
+             placement=Placement(3, ("a", "b", "x"), ("s",)), slices=3)
+    assert (p.action, p.failure) == (Action.REPLACE, None)   # x holds no status: it is not a replica
+    p = plan(dead={"c"}, placement=Placement(3, ("a", "b", "c"), ("s",)), replicas="abc", slices=3,
+             statuses={"a": WorkerStatus(8, {7: 2.0}), "b": WorkerStatus(8, {7: 3.0}), "s": WorkerStatus(0, {})})
+    assert (p.action, p.failure) == (Action.FAIL, Failure.DIVERGED) and "no agreed loss for applied step 7" in p.reason
+
+
+def test_a_restore_takes_the_newest_snapshot_a_member_holds_and_a_checkpoint_once_it_does_not_read():
+    facts = {"dead": {"a", "b"}, "replicas": "ab", "placement": Placement(3, ("a", "b"), ("s", "t")),
+             "snapshots": (Holding("snapshot", 6),), "checkpoints": (Holding("ckpt", 4),),
+             "statuses": {"s": WorkerStatus(0, {}, (5, 6)), "t": WorkerStatus(0, {}, (9,))}}   # 9: past the frontier
+    p = plan(**facts)
+    assert p.action is Action.RESTORE and p.placement.active == ("s", "t")
+    assert p.restore == Restore("snapshot", 6, ("s",)) and p.copies == (Copy("s", "t"),)
+    again = plan(**facts, unreadable=frozenset({"s"}))
+    assert again.restore == Restore("checkpoint", 4, ("s", "t")) and again.copies == ()
+    none = plan(**{**facts, "checkpoints": ()}, unreadable=frozenset({"s"}))
+    assert (none.action, none.failure) == (Action.FAIL, Failure.STATE_LOST)
 
 
 @pytest.mark.parametrize("facts, failure, reason", [
@@ -61,17 +112,20 @@ def test_a_recovery_plans_the_placement_the_tier_and_the_relaunches(facts, actio
      "gave up after 5"),
 ])
 def test_a_recovery_that_cannot_go_on_fails_with_its_kind(facts, failure, reason):
-    plan = recover(**facts)
-    assert (plan.action, plan.failure) == (Action.FAIL, failure) and reason in plan.reason
+    p = recover(**facts)
+    assert (p.action, p.failure) == (Action.FAIL, failure) and reason in p.reason
 
 
 def test_a_wait_for_capacity_becomes_a_fail_at_its_deadline_not_before():
     facts = {"dead": frozenset({"b", "s"}), "replicas": frozenset({"a", "b"}), "min_slices": 2, "may_wait": True,
-             "wait_until": 100.0, "wait_limit": "register_timeout_seconds", "wait_seconds": 30.0}
-    assert recover(**facts).action is Action.WAIT
-    plan = plan_change(Facts(Change.RECOVER, placement=P, **{**LIMITS, **facts}), now=100.0)
-    assert (plan.action, plan.failure, plan.limit) == (Action.FAIL, Failure.CAPACITY, "register_timeout_seconds")
-    assert "register_timeout_seconds=30" in plan.reason
+             "wait": Wait(100.0, "register_timeout_seconds", 30.0)}
+    waiting = recover(**facts)
+    assert waiting.action is Action.WAIT and waiting.relaunch_now == ("b", "s")
+    p = recover(**facts, now=100.0)
+    assert (p.action, p.failure, p.limit) == (Action.FAIL, Failure.CAPACITY, "register_timeout_seconds")
+    assert "register_timeout_seconds=30" in p.reason
+    joined = recover(**facts, joined=("n",))   # a worker joined: it takes the lost slice
+    assert joined.action is Action.REPLACE and joined.placement.active == ("a", "n")
 
 
 def workers(*ids):
@@ -85,33 +139,13 @@ def workers(*ids):
     ((), ("a", "b", "s"), Action.FAIL, ()),
 ])
 def test_the_start_places_what_registered(registered, lost, action, active):
-    plan = plan_change(Facts(Change.START, slices=2, devices_per_slice=1, min_slices=1,
-                             workers=workers(*registered), lost=lost))
-    assert (plan.action, plan.placement.active) == (action, active)
+    p = plan_start(2, 1, workers(*registered), lost=lost, min_slices=1)
+    assert (p.action, p.placement.active) == (action, active)
 
 
-@pytest.mark.parametrize("applied, losses, action, target, commits, rollbacks", [
-    ({"a": 7, "s": 7}, {"a": {}, "s": {}}, None, 7, (), ()),
-    ({"a": 8, "b": 7}, {"a": {7: 2.0}, "b": {}}, None, 7, (), ("a",)),
-    ({"a": 8, "b": 8}, {"a": {7: 2.0}, "b": {7: 2.0}}, None, 8, ((7, 2.0),), ()),
-    ({"a": 8, "b": 8}, {"a": {7: 2.0}, "b": {7: 3.0}}, Action.FAIL, 8, (), ()),
-    ({"a": 9, "b": 7}, {"a": {}, "b": {}}, Action.FAIL, 7, (), ()),
-])
-def test_a_realign_commits_what_every_survivor_applied_and_rolls_back_the_rest(applied, losses, action, target,
-                                                                               commits, rollbacks):
-    plan = plan_change(Facts(Change.REALIGN, placement=P, committed=7, applied=applied, losses=losses))
-    assert (plan.action, plan.target, plan.commits, plan.rollbacks) == (action, target, commits, rollbacks)
-
-
-@pytest.mark.parametrize("snapshots, checkpoints, tier, step", [
-    ((Holding("w1", 5),), (Holding("d", 4),), "snapshot", 5),
-    ((), (Holding("d", 4),), "checkpoint", 4),
-    ((Holding("w1", 9),), (), "fail", None),   # a snapshot ahead of the committed step is never used
-])
-def test_a_restore_chooses_from_what_the_fenced_members_hold(snapshots, checkpoints, tier, step):
-    plan = plan_change(Facts(Change.RESTORE, placement=P, committed=7, snapshots=snapshots, checkpoints=checkpoints))
-    assert (plan.tier.tier, plan.tier.step) == (tier, step)
-    assert plan.action is (Action.FAIL if tier == "fail" else Action.RESTORE)
+def boundary(placement, slices=2, stages=1):
+    return (RunState(placement=placement, losses=Series([1.0] * 7), replicas=frozenset(placement.active)),
+            ControllerOptions(slices=slices, devices_per_slice=1, run_dir="", pipeline_stages=stages))
 
 
 @pytest.mark.parametrize("placement, slices, active, spares", [
@@ -120,10 +154,12 @@ def test_a_restore_chooses_from_what_the_fenced_members_hold(snapshots, checkpoi
     (Placement(3, ("a",), ()), 2, None, None),           # no spare to promote
 ])
 def test_growing_promotes_spares_up_to_the_slice_count(placement, slices, active, spares):
-    plan = plan_change(Facts(Change.GROW, placement=placement, slices=slices))
-    assert (plan.placement.active if plan.placement else None) == active
-    assert (plan.placement.spares if plan.placement else None) == spares
-    assert plan.action is (Action.GROW if active else None)
+    p = plan_grow(*boundary(placement, slices), {})
+    assert (p.placement.active if p.placement else None) == active
+    assert (p.placement.spares if p.placement else None) == spares
+    assert p.action is (Action.GROW if active else Action.KEEP)
+    if active:
+        assert p.copies == (Copy("a", "s"),) and p.resume == 7
 
 
 @pytest.mark.parametrize("slow, placement, active, reason", [
@@ -132,21 +168,23 @@ def test_growing_promotes_spares_up_to_the_slice_count(placement, slices, active
     ("x", Placement(3, ("a", "b"), ("s",)), None, "no longer runs a slice"),
 ])
 def test_a_swap_moves_the_stragglers_slice_or_says_why_not(slow, placement, active, reason):
-    plan = plan_change(Facts(Change.SWAP, placement=placement, slow=slow))
-    assert (plan.placement.active if plan.placement else None) == active
-    assert reason in plan.reason
+    p = plan_swap(*boundary(placement), {}, slow)
+    assert (p.placement.active if p.placement else None) == active
+    assert reason in p.reason
 
 
 # A pipelined run: 2 stages x 2 replicas, stage-major (a, b: stage 0; c, d: stage 1).
 PIPE = Placement(epoch=3, active=("a", "b", "c", "d"), spares=("s",))
-PIPE_LIMITS = {**LIMITS, "placement": PIPE, "slices": 4, "min_slices": 4, "stages": 2,
-               "replicas": frozenset("abcd")}
+LOADED = {"a": 0, "b": 0, "c": 1, "d": 1}
+PIPE_LIMITS = {"placement": PIPE, "slices": 4, "min_slices": 4, "stages": 2, "replicas": frozenset("abcd"),
+               "loaded": LOADED}
 
 
 def test_a_pipelined_recovery_puts_the_spare_in_the_lost_slices_stage():
-    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset({"c"})}))
-    assert plan.action is Action.REPLACE and plan.placement.active == ("a", "b", "s", "d")
-    assert plan.tier.tier == "replica"
+    p = plan(**{**PIPE_LIMITS, "dead": frozenset({"c"})})
+    assert p.action is Action.REPLACE and p.placement.active == ("a", "b", "s", "d")
+    assert p.tier.tier == "replica"
+    assert p.loads == (("s", 1),) and p.copies == (Copy("d", "s", 1),)   # the spare loads stage 1, copies from d
 
 
 @pytest.mark.parametrize("facts, action, failure, reason", [
@@ -160,15 +198,16 @@ def test_a_pipelined_recovery_puts_the_spare_in_the_lost_slices_stage():
     ({"dead": frozenset({"a", "s"}), "min_slices": 2}, Action.SHRINK, None, "1 dropped, 1 take over"),
 ])
 def test_a_pipelined_recovery_needs_a_replica_of_every_stage(facts, action, failure, reason):
-    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, **facts}))
-    assert (plan.action, plan.failure) == (action, failure) and reason in plan.reason
+    p = plan(**{**PIPE_LIMITS, **facts})
+    assert (p.action, p.failure) == (action, failure) and reason in p.reason
 
 
 def test_a_pipelined_realign_reads_the_loss_of_the_last_stages_survivors_only():
     """Every survivor's applied steps count; only the loss workers' sums are compared (earlier stages have none)."""
-    plan = plan_change(Facts(Change.REALIGN, placement=PIPE, committed=7, applied={"a": 8, "b": 8, "d": 8},
-                             losses={"d": {7: 2.5}}))
-    assert (plan.action, plan.target, plan.commits) == (None, 8, ((7, 2.5),))
+    p = plan(**{**PIPE_LIMITS, "dead": frozenset({"c"}),
+                "statuses": {"a": WorkerStatus(8, {}), "b": WorkerStatus(8, {}), "d": WorkerStatus(8, {7: 2.5}),
+                             "s": WorkerStatus(0, {})}})
+    assert (p.action, p.resume, p.commits) == (Action.REPLACE, 8, ((7, 2.5),))
 
 
 def test_a_pipelined_restore_gives_each_stage_a_worker_where_its_snapshot_lies():
@@ -190,39 +229,48 @@ def test_a_pipelined_restore_gives_each_stage_a_worker_where_its_snapshot_lies()
     assert arrange("abcd", ({"h0"}, {"h4"}), spares="s") == "absc/d"
 
 
-def test_a_pipelined_recovery_that_restores_arranges_the_stages_by_where_the_snapshots_lie():
-    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset("abcd"), "replicas": frozenset("abcd"),
-                                                "placement": Placement(3, ("a", "b", "c", "d"), ("p", "q", "r", "s")),
-                                                "snapshots": (Holding("snapshot", 6),),
-                                                "backup_hosts": (frozenset({"h9"}), frozenset({"h8"})),
-                                                "hosts": {"p": "h1", "q": "h8", "r": "h2", "s": "h9"}}))
-    assert plan.action is Action.RESTORE and plan.tier.tier == "snapshot"
-    assert plan.placement.active == ("s", "p", "q", "r")   # stage 0: s (on h9); stage 1: q (on h8)
-    assert plan.placement.spares == ()
+PIPE_LOST = {**PIPE_LIMITS, "dead": frozenset("abcd"), "placement": Placement(3, ("a", "b", "c", "d"), ("p", "q", "r", "s")),
+             "snapshots": (Holding("snapshot", 6),), "hosts": {"p": "h1", "q": "h8", "r": "h2", "s": "h9"}}
 
 
-@pytest.mark.parametrize("spares, replicas, spare_stages, active, tier", [
+def test_a_pipelined_recovery_that_restores_arranges_the_stages_loads_them_then_asks_again():
+    facts = {**PIPE_LOST, "snapshot_hosts": (frozenset({"h9"}), frozenset({"h8"})), "loaded": {"p": 0, "q": 0, "r": 0, "s": 0}}
+    p = plan(**facts)
+    assert p.action is Action.RESTORE and p.tier.tier == "snapshot"
+    assert p.placement.active == ("s", "p", "q", "r") and p.placement.spares == ()   # stage 0: s (h9); 1: q (h8)
+    assert p.resurvey and p.loads == (("q", 1), ("r", 1)) and p.restore is None   # listed with stage 1's programs
+    loaded = {"s": 0, "p": 0, "q": 1, "r": 1}
+    held = {"s": WorkerStatus(0, {}, (4, 6)), "p": WorkerStatus(0, {}, ()), "q": WorkerStatus(0, {}, (6,)),
+            "r": WorkerStatus(0, {}, (4,))}
+    then = plan(**{**facts, "loaded": loaded, "statuses": held})
+    assert then.restore == Restore("snapshot", 6, ("s", "q")) and not then.resurvey
+    assert then.copies == (Copy("s", "p", 0), Copy("q", "r", 1))
+    older = plan(**{**facts, "loaded": loaded, "statuses": held, "at_most": 5})   # q's 6 did not read
+    assert older.restore == Restore("snapshot", 4, ("s", "r"))
+
+
+@pytest.mark.parametrize("spares, shadows, spare_stages, active, tier", [
     # the spare that shadows stage 1 takes stage 1's lost slice, ahead of stage 0's shadow: no copy needed
-    (("p", "q"), "abdpq", {"p": 0, "q": 1}, ("a", "b", "q", "d"), "replica"),
+    (("p", "q"), "pq", {"p": 0, "q": 1}, ("a", "b", "q", "d"), "replica"),
     # a plain spare before a shadow of another stage (which keeps shadowing); the copy comes from d
-    (("p", "q"), "abdp", {"p": 0, "q": 0}, ("a", "b", "q", "d"), "replica"),
+    (("p", "q"), "p", {"p": 0, "q": 0}, ("a", "b", "q", "d"), "replica"),
     # only another stage's shadow: it takes the slice (and then needs a copy from stage 1's survivor)
-    (("p",), "abdp", {"p": 0}, ("a", "b", "p", "d"), "replica"),
+    (("p",), "p", {"p": 0}, ("a", "b", "p", "d"), "replica"),
 ])
-def test_a_pipelined_recovery_takes_the_lost_stages_own_shadow_first(spares, replicas, spare_stages, active, tier):
-    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "placement": Placement(3, PIPE.active, spares),
-                                                "dead": frozenset({"c"}), "replicas": frozenset(replicas),
-                                                "spare_stages": spare_stages}))
-    assert plan.action is Action.REPLACE and plan.placement.active == active and plan.tier.tier == tier
+def test_a_pipelined_recovery_takes_the_lost_stages_own_shadow_first(spares, shadows, spare_stages, active, tier):
+    p = plan(**{**PIPE_LIMITS, "placement": Placement(3, PIPE.active, spares), "dead": frozenset({"c"}),
+                "shadows": frozenset(shadows), "loaded": {**LOADED, **spare_stages}})
+    assert p.action is Action.REPLACE and p.placement.active == active and p.tier.tier == tier
 
 
 def test_a_pipelined_stage_with_no_replica_left_is_saved_only_by_a_shadow_of_its_own():
     one = Placement(3, ("a", "c"), ("p",))   # one replica per stage: a (stage 0), c (stage 1)
     facts = {**PIPE_LIMITS, "placement": one, "slices": 2, "min_slices": 2, "dead": frozenset({"c"}),
-             "replicas": frozenset("acp")}
-    saved = plan_change(Facts(Change.RECOVER, **facts, spare_stages={"p": 1}))
+             "replicas": frozenset("ac"), "shadows": frozenset("p")}
+    saved = plan(**{**facts, "loaded": {"a": 0, "c": 1, "p": 1}})
     assert saved.action is Action.REPLACE and saved.placement.active == ("a", "p") and saved.tier.tier == "shadow"
-    lost = plan_change(Facts(Change.RECOVER, **facts, spare_stages={"p": 0}))
+    assert saved.copies == ()   # the shadow of stage 1 holds its state
+    lost = plan(**{**facts, "loaded": {"a": 0, "c": 1, "p": 0}})
     assert lost.action is Action.FAIL and "pipeline stage 1 lost every replica (c)" in lost.reason
 
 
@@ -238,43 +286,38 @@ def test_a_pipelined_stage_with_no_replica_left_is_saved_only_by_a_shadow_of_its
 ])
 def test_a_pipelined_run_with_too_few_workers_drops_whole_replicas(dead, spares, active, left):
     """2 stages x 2 replicas (stage 0: a, b; stage 1: c, d); min_slices 2: one pipeline replica is enough."""
-    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "placement": Placement(3, PIPE.active, tuple(spares)),
-                                                "dead": frozenset(dead), "min_slices": 2,
-                                                "replicas": frozenset("abcd")}))
-    assert plan.action is Action.SHRINK
-    assert "".join(plan.placement.active) == active and "".join(plan.placement.spares) == left
+    p = plan(**{**PIPE_LIMITS, "placement": Placement(3, PIPE.active, tuple(spares)), "dead": frozenset(dead),
+                "min_slices": 2})
+    assert p.action is Action.SHRINK
+    assert "".join(p.placement.active) == active and "".join(p.placement.spares) == left
 
 
 def test_a_pipelined_replica_dropped_gives_its_survivor_back_to_its_stage():
     """Stage 0 lost a and b (its both replicas), stage 1 lost nothing, no spare: nothing holds stage 0's state."""
-    plan = plan_change(Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset("ab"), "min_slices": 2,
-                                                "placement": Placement(3, PIPE.active, ())}))
-    assert plan.action is Action.FAIL and "pipeline stage 0 lost every replica (a, b)" in plan.reason
+    p = plan(**{**PIPE_LIMITS, "dead": frozenset("ab"), "min_slices": 2, "placement": Placement(3, PIPE.active, ())})
+    assert p.action is Action.FAIL and "pipeline stage 0 lost every replica (a, b)" in p.reason
 
 
 def test_a_pipelined_run_grows_back_by_whole_replicas_a_spare_per_stage():
-    from runtime.control.plan import decide_grow
+    from runtime.control.plan import decide_grow, membership_change_due
 
     one = Placement(3, ("a", "c"), ("p",))   # stage 0: a, stage 1: c; one replica of 2 asked for
     assert decide_grow(one, 4, 2, {"p": 0}) is None   # one spare is not a replica
     grown = decide_grow(Placement(3, ("a", "c"), ("p", "q", "r")), 4, 2, {"p": 1, "q": 0})
     assert grown.active == ("a", "q", "c", "p") and grown.spares == ("r",)   # each stage its own stage's spare
-    from runtime.control.plan import membership_change_due
     assert not membership_change_due(one, 4, (), unadopted=False, warmed=False, swaps=False, stages=2)
     assert membership_change_due(grown, 6, (), unadopted=False, warmed=False, swaps=False, stages=1)
+    p = plan_grow(*boundary(Placement(3, ("a", "c"), ("p", "q", "r")), 4, 2), {"a": 0, "c": 1, "p": 1, "q": 0})
+    assert p.copies == (Copy("a", "q", 0), Copy("c", "p", 1)) and p.loads == ()
 
 
 def test_a_pipelined_restore_waits_for_a_worker_where_a_stages_snapshot_lies_until_its_deadline():
-    facts = Facts(Change.RECOVER, **{**PIPE_LIMITS, "dead": frozenset("abcd"), "replicas": frozenset("abcd"),
-                                     "placement": Placement(3, ("a", "b", "c", "d"), ("p", "q", "r", "s")),
-                                     "snapshots": (Holding("snapshot", 6),), "may_wait": True,
-                                     "backup_hosts": (frozenset({"h1"}), frozenset({"h9"})),   # h9: nobody's yet
-                                     "hosts": {"p": "h1", "q": "h2", "r": "h3", "s": "h4"}})
-    waiting = plan_change(facts)
+    facts = {**PIPE_LOST, "may_wait": True, "snapshot_hosts": (frozenset({"h1"}), frozenset({"h9"})),
+             "hosts": {"p": "h1", "q": "h2", "r": "h3", "s": "h4"}}   # h9: nobody's yet
+    waiting = plan(**facts)
     assert waiting.action is Action.WAIT and "holding the snapshot of stage 1" in waiting.reason
-    late = dataclasses.replace(facts, wait_until=10.0)
-    assert plan_change(late, now=5.0).action is Action.WAIT
-    assert plan_change(late, now=11.0).action is Action.RESTORE   # past the deadline: what the members hold
-    came = dataclasses.replace(late, placement=Placement(3, facts.placement.active, ("p", "q", "r", "s", "t")),
-                               hosts={**facts.hosts, "t": "h9"})
-    assert plan_change(came, now=5.0).placement.active == ("p", "q", "t", "r")
+    late = {**facts, "wait": Wait(10.0)}
+    assert plan(**late, now=5.0).action is Action.WAIT
+    assert plan(**late, now=11.0).action is Action.RESTORE   # past the deadline: what the members hold
+    came = {**late, "joined": ("t",), "hosts": {**facts["hosts"], "t": "h9"}}
+    assert plan(**came, now=5.0).placement.active == ("p", "q", "t", "r")

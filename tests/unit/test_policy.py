@@ -54,8 +54,8 @@ def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
 
 # -- table-driven tests of every decision ----------------------------------------
 
-from runtime.control.plan import (Action, Failure, RecoveryDecision, capacity_timed_out, decide_grow,  # noqa: E402
-                          decide_recovery, decide_swap, membership_change_due, plan_realign)
+from runtime.control.plan import (Action, Failure, Plan, capacity_timed_out, decide_grow,  # noqa: E402
+                                  decide_recovery, decide_swap, membership_change_due, realign)
 from runtime.control.policy import Placement, is_suspect, may_relaunch, reprobe_wait, watchdog_limit  # noqa: E402
 
 P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
@@ -121,7 +121,7 @@ def test_running_out_of_retries_names_the_limit(recoveries, max_retries, why):
 def test_reasons_speak_the_runtimes_terms_not_the_configs():
     # runtime knows nothing of elastic: a reason names ControllerOptions fields, never a config key
     src = "".join((pathlib.Path(__file__).parents[2] / "runtime" / "control" / f).read_text()
-                  for f in ("policy.py", "plan.py", "membership.py"))
+                  for f in ("policy.py", "plan.py", "plan_executor.py"))
     assert not re.findall(r"\belastic_\w+|\benable_checkpointing\b", src)
 
 
@@ -154,11 +154,11 @@ def test_decide_swap(slow, expected):
     ({"a": 8, "b": 6}, {"a": {}, "b": {}}, 6, 6, (), (), "out of step"),
     ({"a": 4, "b": 4}, {"a": {}, "b": {}}, 5, 4, (), (), "out of step"),
 ])
-def test_plan_realign(applied, losses, committed, target, commits, rollbacks, error):
-    plan = plan_realign(applied, losses, committed)
-    assert error in plan.error and bool(plan.error) == bool(error)
+def test_realign(applied, losses, committed, target, commits, rollbacks, error):
+    got_target, got_commits, got_rollbacks, got_error = realign(applied, losses, committed)
+    assert error in got_error and bool(got_error) == bool(error)
     if not error:
-        assert (plan.target, plan.commits, plan.rollbacks) == (target, commits, rollbacks)
+        assert (got_target, got_commits, got_rollbacks) == (target, commits, rollbacks)
 
 
 @pytest.mark.parametrize("now,last_ok,failure,suspect", [
@@ -223,7 +223,7 @@ def _workers(*devices):
     ((2, 4), (), 2, Action.FAIL, (), (), "1 of the 2 workers needed have them: worker w1 has 4 cpu device(s)"),
 ])
 def test_decide_start(devices, lost, min_slices, action, active, spares, why):
-    from runtime.control.plan import decide_start
+    from runtime.control.plan import plan_start as decide_start
 
     d = decide_start(2, 2, _workers(*devices), lost=lost, min_slices=min_slices)
     assert d.action is action and why in d.reason
@@ -231,8 +231,8 @@ def test_decide_start(devices, lost, min_slices, action, active, spares, why):
 
 
 def test_a_start_that_fails_for_the_workers_devices_says_which_and_how_to_start_them():
-    from runtime.control.membership import failed
-    from runtime.control.plan import Failure, decide_start
+    from runtime.control.plan_executor import failed
+    from runtime.control.plan import Failure, plan_start as decide_start
     from runtime.core.errors import CapacityExhaustedError, DeviceMismatchError
 
     cpu = decide_start(1, 2, [WorkerInfo("pod-a", "h:1", 1)], lost=(), min_slices=1)
@@ -315,7 +315,7 @@ def test_only_a_fail_carries_a_failure(case):
 
 
 def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures():
-    from runtime.control.plan import decide_start
+    from runtime.control.plan import plan_start as decide_start
 
     wait = decide_recovery(P, ("a", "b", "s", "t"), ALL, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
     assert wait.failure is None and capacity_timed_out(wait, 7.0).failure is Failure.CAPACITY
@@ -326,9 +326,9 @@ def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures()
                                            (Failure.STATE_LOST, "StateLostError")])
 def test_each_failure_raises_its_own_type(failure, error):
     from runtime import CapacityExhaustedError
-    from runtime.control.membership import failed
+    from runtime.control.plan_executor import failed
 
-    err = failed(RecoveryDecision(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
+    err = failed(Plan(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
     assert type(err).__name__ == error and isinstance(err, CapacityExhaustedError)
     assert (err.message, err.step, err.cause) == ("cannot recover", 3, "why")
 
