@@ -60,9 +60,9 @@ def in_one_process(args) -> list[str]:
     """Each stage's stream on a thread of this process; prints a line per schedule and M, returns the ratios."""
     import optax
 
-    from elastic._stage_programs import build_stage_programs
+    from elastic._programs import build_programs
     from elastic.models.transformer import SyntheticTokens, TransformerConfig, init_params, loss_fn
-    from runtime import LocalPipeline, theoretical_bubble
+    from runtime import LocalRun, theoretical_bubble
 
     s = args.stages
     t = TransformerConfig(vocab_size=64, max_target_length=16, emb_dim=32, num_layers=s, num_heads=2, mlp_dim=64,
@@ -71,11 +71,11 @@ def in_one_process(args) -> list[str]:
     print(f"{'schedule':>8} {'M':>3} {'measured':>9} {'theory':>7} {'ratio':>6}  peak activation KiB per stage")
     ratios = []
     for m in args.microbatches:
-        programs = build_stage_programs(init_params=functools.partial(init_params, tcfg=t),
-                                        loss=functools.partial(loss_fn, tcfg=t), optimizer=optax.adam(1e-3),
-                                        batch_spec=data.element_spec(), num_stages=s, devices_per_slice=1,
-                                        num_microbatches=m)
-        run = LocalPipeline(programs, data)
+        programs = build_programs(init_params=functools.partial(init_params, tcfg=t),
+                                  loss=functools.partial(loss_fn, tcfg=t), optimizer=optax.adam(1e-3),
+                                  batch_spec=data.element_spec(), num_stages=s, devices_per_slice=1,
+                                  num_microbatches=m)
+        run = LocalRun(programs, data)
         run.load()
         for kind in SCHEDULES:
             run.replan(1, kind)

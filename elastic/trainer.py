@@ -32,10 +32,10 @@ from elastic.preflight import (RunDirectory, check_checkpoint_directory, check_c
                                check_load_full_state_path, check_load_parameters_path, claim_run_directory)
 from elastic.report import build_report
 from elastic.run_records import RunRecordsLostError
-from runtime import (AttachRefusedError, ClientSupersededError, Controller, ElasticError, PipelineProgramSet, ProgramExportError,
+from runtime import (AttachRefusedError, ClientSupersededError, Controller, ElasticError, ProgramExportError,
                      ProgramSet,
                      enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms,
-                     read_events, run_reference, run_reference_process)
+                     read_events, run_reference, run_reference_process, stages_digest)
 
 __all__ = ["RunRecordsLostError", "Trainer", "wrap", "WrappedStep"]
 
@@ -265,25 +265,23 @@ class _Job:
             if on_step is not None:
                 on_step(step, loss)
 
-        if isinstance(programs, PipelineProgramSet):
-            losses, digest, hashes = _fit_pipeline(programs, self.data, settings, step_done)
-            events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
-            events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest, replica_hashes=hashes,
-                        wall_seconds=time.time() - t0, client_peak_rss_bytes=peak_rss_bytes())
-            return
         if (jax.local_device_count() >= programs.devices_per_slice
                 and local_platform() in program_platforms(programs.init)):
             enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
-            losses, digest = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
-                                           on_step=step_done, parameters_from=settings.parameters_from)
+            losses, digests = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
+                                            on_step=step_done, parameters_from=settings.parameters_from,
+                                            schedule=settings.pipeline_schedule)
         else:   # this process's JAX has fewer devices than a slice, or another platform: a child process gets them
-            losses, digest = run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
-                                                   seed=settings.seed, on_step=step_done,
-                                                   compilation_cache_dir=settings.compilation_cache_dir,
-                                                   parameters_from=settings.parameters_from)
+            losses, digests = run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
+                                                    seed=settings.seed, on_step=step_done,
+                                                    compilation_cache_dir=settings.compilation_cache_dir,
+                                                    parameters_from=settings.parameters_from,
+                                                    schedule=settings.pipeline_schedule)
+        digest = stages_digest(digests)
+        hashes = {f"stage{k}": d for k, d in enumerate(digests)} if programs.pipelined else {"reference": digest}
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
         events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
-                    replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
+                    replica_hashes=hashes, wall_seconds=time.time() - t0,
                     client_peak_rss_bytes=peak_rss_bytes())
 
 
@@ -310,19 +308,6 @@ def check_pipeline(job, settings, reference: bool) -> None:
                           f"({settings.pipeline_stages}): each stage works on every microbatch")
 
 
-def _fit_pipeline(programs: PipelineProgramSet, data, settings, step_done) -> tuple[list[float], str, dict]:
-    """The pipelined reference in this process: (losses, final digest, each stage's digest)."""
-    from runtime import run_local_pipeline, stages_digest
-
-    if jax.local_device_count() < programs.devices_per_slice:
-        raise ConfigError(f"a pipelined reference run needs {programs.devices_per_slice} JAX devices in this "
-                          f"process (ici_fsdp_parallelism); it has {jax.local_device_count()}")
-    enable_compilation_cache(settings.compilation_cache_dir)
-    losses, digests = run_local_pipeline(programs, data, steps=settings.steps, seed=settings.seed,
-                                         schedule=settings.pipeline_schedule, on_step=step_done)
-    return losses, stages_digest(digests), {f"stage{k}": d for k, d in enumerate(digests)}
-
-
 class Trainer(_Job):
     """Data-parallel training of ``loss(params, batch)`` with an optax optimizer.
 
@@ -335,30 +320,10 @@ class Trainer(_Job):
         self.init, self.loss, self.optimizer, self.data, self.config = init, loss, optimizer, data, config
 
     def _build(self) -> ProgramSet:
-        opt = self.optimizer
-
-        def init_state(key):
-            params = self.init(key)
-            return params, opt.init(params)
-
-        def grad_fn(state, batch):
-            return jax.value_and_grad(self.loss)(state[0], batch)
-
-        def apply_fn(state, grads):
-            params, opt_state = state
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
         settings = self.settings
-        if settings.pipeline_stages > 1:
-            from elastic._stage_programs import build_stage_programs
-
-            return build_stage_programs(init_params=self.init, loss=self.loss, optimizer=opt,
-                                        batch_spec=_spec(self.data), num_stages=settings.pipeline_stages,
+        return _programs.build_programs(init_params=self.init, loss=self.loss, optimizer=self.optimizer,
+                                        num_stages=settings.pipeline_stages, batch_spec=_spec(self.data),
                                         devices_per_slice=settings.devices_per_slice,
-                                        num_microbatches=settings.microbatches, platform=self._platform())
-        return _programs.build_programs(init_state=init_state, grad_fn=grad_fn, apply_fn=apply_fn,
-                                        batch_spec=_spec(self.data), devices_per_slice=settings.devices_per_slice,
                                         num_microbatches=settings.microbatches, platform=self._platform())
 
 

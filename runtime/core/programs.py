@@ -1,65 +1,198 @@
-"""The compiled blocks a worker runs, as shipped from the client.
+"""The compiled blocks a worker runs, as shipped from the client: a run's programs, one set per stage.
 
-A :class:`ProgramSet` is plain bytes and numbers: ``jax.export`` serializations
-of three programs for one virtual-slice mesh, and the facts the runtime needs
-to move their inputs and outputs. The worker never imports the user's code.
+A run is S stages on virtual slices (data parallelism is S = 1). Each stage's
+:class:`StagePrograms` is plain bytes and numbers: ``jax.export``
+serializations for one virtual-slice mesh, and the facts the runtime needs to
+move their inputs and outputs. One worker loads one stage's. The worker never
+imports the user's code. A :class:`ProgramSet` is the run's stages in order.
 
-Program signatures (``state`` is an opaque pytree, e.g. ``(params, opt_state)``):
+Program signatures (``state``: the stage's state as a flat list of arrays; it
+holds only the stage's own parameters and their optimizer state):
 
 - ``init(seed: int32[]) -> state``
-- ``grad(state, batch) -> float32[P + 1]`` for one microbatch: the flattened
-  gradient, then the loss, replicated on the slice's devices (one vector, so
-  the loss is reduced with the gradient in the same tree order).
-- ``apply(state, grad_sum: float32[P]) -> state``: takes the canonical tree sum
-  of the M microbatch gradients (it divides by M itself).
+- ``apply(state, grad_sum: float32[P_k]) -> state``: takes the canonical
+  tree sum of the M microbatch gradients (it divides by M itself).
+- one stage (an unpipelined run): ``grad(state, batch) -> float32[P + 1]``
+  for one microbatch: the flattened gradient, then the loss, replicated on
+  the slice's devices (one vector, so the loss is reduced with the gradient in
+  the same tree order).
+
+A stage of a pipeline (S > 1) takes the activations ``a_in`` received from the
+previous stage and sends ``a_out`` to the next (flat lists; ``g_out`` /
+``g_in``: their gradients). In place of ``grad``:
+
+- ``forward(state, batch, a_in) -> a_out`` (every stage but the last; stage 0
+  takes no ``a_in``)
+- ``backward(state, batch, a_in, g_out) -> (float32[P_k + 1], g_in)``: the
+  stage's flat parameter gradient for one microbatch, then a 0 where the loss
+  goes; recomputes the forward from ``a_in`` (only stage inputs are kept
+  between the passes). Stage 0 returns no ``g_in``.
+- ``last(state, batch, a_in) -> (float32[P_k + 1], g_in)`` (the last stage):
+  forward, loss and backward of one microbatch; the loss last in the vector.
+
+So every program takes ``(state, batch)``, then the stage's input activations
+if it has any, then their gradients if it sends any. Every stage's vector ends
+with a loss slot, so each stage's gradients reduce across its replicas exactly
+as an unpipelined gradient does (:mod:`runtime.core.microbatch`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
-__all__ = ["ProgramSet", "MESH_AXIS"]
+__all__ = ["MESH_AXIS", "ProgramSet", "StagePrograms", "stages_digest"]
 
 #: Name of the mesh axis inside a virtual slice.
 MESH_AXIS = "fsdp"
 
+# Layout keys only a stage of a pipeline has: a one-stage run's layout is without them.
+_PIPELINE_KEYS = ("stage", "num_stages", "activation_in", "activation_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePrograms:
+    """One stage's programs: what one worker loads (:meth:`from_parts` of a ``Load``) and its executor runs."""
+
+    blobs: dict             # program name -> jax.export bytes (see the module docstring for which)
+    devices_per_slice: int
+    num_microbatches: int
+    grad_size: int          # P_k: elements of this stage's flat gradient
+    state_bytes: int        # bytes of this stage's state on one replica
+    batch_spec: dict        # key -> [shape, dtype] of one microbatch
+    in_specs: dict          # program -> per flat input: sharded dim or None (replicated)
+    stage: int = 0
+    num_stages: int = 1
+    activation_in: list = dataclasses.field(default_factory=list)    # [shape, dtype] per leaf from the previous stage
+    activation_out: list = dataclasses.field(default_factory=list)   # [shape, dtype] per leaf to the next stage
+    # How a persistent checkpoint names the state's leaves (runtime.state.checkpoint_tree.CheckpointTree's JSON);
+    # None: a flat list (always, for a stage of a pipeline). A MaxText model's is MaxText's own layout.
+    checkpoint_tree: dict | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        """One stage of several (activations cross to neighbouring stages)."""
+        return self.num_stages > 1
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def grad_program(self) -> str:
+        """The program whose first output is the stage's ``float32[P_k + 1]``."""
+        if not self.pipelined:
+            return "grad"
+        return "last" if self.is_last else "backward"
+
+    def program_names(self) -> set[str]:
+        return {"init", "apply", self.grad_program} | (set() if self.is_last else {"forward"})
+
+    def programs(self) -> dict[str, bytes]:
+        return dict(self.blobs)
+
+    def layout(self) -> dict:
+        layout = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("blobs", "checkpoint_tree")}
+        if not self.pipelined:
+            for k in _PIPELINE_KEYS:
+                del layout[k]
+        if self.checkpoint_tree is not None:
+            layout["checkpoint_tree"] = self.checkpoint_tree
+        return layout
+
+    def layout_json(self) -> bytes:
+        return json.dumps(self.layout()).encode()
+
+    @classmethod
+    def from_parts(cls, blobs: dict[str, bytes], layout: bytes | str | dict) -> StagePrograms:
+        """A stage as a ``Load`` carries it; ``ValueError`` unless ``blobs`` are exactly the stage's programs."""
+        meta = json.loads(layout) if isinstance(layout, (bytes, str)) else layout
+        stage = cls(blobs=dict(blobs), **meta)
+        if set(blobs) != stage.program_names():
+            raise ValueError(f"stage {stage.stage} of {stage.num_stages} has programs {sorted(blobs)}, "
+                             f"not {sorted(stage.program_names())}")
+        return stage
+
 
 @dataclasses.dataclass(frozen=True)
 class ProgramSet:
-    init: bytes
-    grad: bytes
-    apply: bytes
-    devices_per_slice: int
-    num_microbatches: int
-    grad_size: int          # P: elements of the flat gradient
-    state_bytes: int        # bytes of the training state on one replica
-    batch_spec: dict        # key -> [shape, dtype] of one microbatch
-    in_specs: dict          # program -> per flat input: sharded dim or None (replicated)
-    # How a persistent checkpoint names the state's leaves (runtime.state.checkpoint_tree.CheckpointTree's JSON);
-    # None: a flat list. A MaxText model's is MaxText's own layout.
-    checkpoint_tree: dict | None = None
+    """A run's programs: ``by_stage[k]`` is stage ``k``'s (one entry for an unpipelined run)."""
 
-    def layout_json(self) -> bytes:
-        layout = {
-            "devices_per_slice": self.devices_per_slice,
-            "num_microbatches": self.num_microbatches,
-            "grad_size": self.grad_size,
-            "state_bytes": self.state_bytes,
-            "batch_spec": self.batch_spec,
-            "in_specs": self.in_specs,
-        }
-        if self.checkpoint_tree is not None:
-            layout["checkpoint_tree"] = self.checkpoint_tree
-        return json.dumps(layout).encode()
+    by_stage: tuple[StagePrograms, ...]
+
+    def __post_init__(self):
+        stages = self.by_stage
+        if not stages:
+            raise ValueError("a run has at least one stage")
+        for k, s in enumerate(stages):
+            if s.stage != k or s.num_stages != len(stages):
+                raise ValueError(f"stage {k} of {len(stages)} is labelled {s.stage} of {s.num_stages}")
+        for a, b in zip(stages, stages[1:]):
+            if a.activation_out != b.activation_in:
+                raise ValueError(f"stage {a.stage} sends {a.activation_out}, stage {b.stage} takes {b.activation_in}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.by_stage)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.num_stages > 1
+
+    @property
+    def stages(self) -> tuple[StagePrograms, ...]:
+        """Transitional, a pipelined set's only: ``runtime.control`` takes ``hasattr(programs, "stages")`` for
+        "pipelined" (``worker_calls``, ``worker_group``); drop this once it reads :attr:`pipelined` and
+        :attr:`by_stage`."""
+        if not self.pipelined:
+            raise AttributeError("an unpipelined program set has no 'stages' (read by_stage)")
+        return self.by_stage
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.by_stage[0].num_microbatches
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.by_stage[0].devices_per_slice
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.state_bytes for s in self.by_stage)
+
+    @property
+    def grad_size(self) -> int:
+        return sum(s.grad_size for s in self.by_stage)
+
+    @property
+    def checkpoint_tree(self) -> dict | None:
+        """How a persistent checkpoint names the state's leaves (None: flat lists, as a pipeline's stages are)."""
+        return None if self.pipelined else self.by_stage[0].checkpoint_tree
+
+    @property
+    def init(self) -> bytes:
+        """Stage 0's init program (what a platform check reads)."""
+        return self.by_stage[0].blobs["init"]
 
     def programs(self) -> dict[str, bytes]:
-        return {"init": self.init, "grad": self.grad, "apply": self.apply}
+        """Every program by name: an unpipelined run's as its workers load them (``init``, ``grad``, ``apply``),
+        a pipeline's as ``stage<k>/<program>`` (what fingerprints and the compilation cache are keyed by)."""
+        if not self.pipelined:
+            return self.by_stage[0].programs()
+        return {f"stage{s.stage}/{name}": blob for s in self.by_stage for name, blob in sorted(s.blobs.items())}
 
-    @classmethod
-    def from_parts(cls, programs: dict[str, bytes], layout: bytes) -> ProgramSet:
-        missing = {"init", "grad", "apply"} - programs.keys()
-        if missing:
-            raise ValueError(f"program set lacks {sorted(missing)}")
-        meta = json.loads(layout)
-        return cls(init=programs["init"], grad=programs["grad"], apply=programs["apply"], **meta)
+    def layout_json(self) -> bytes:
+        """An unpipelined run's layout, as its workers load it with :meth:`programs` (a pipeline's workers each
+        load their stage's: ``by_stage[k]``)."""
+        if self.pipelined:
+            raise ValueError("a pipelined run has a layout per stage: ship by_stage[k]'s")
+        return self.by_stage[0].layout_json()
+
+
+def stages_digest(digests: list[str]) -> str:
+    """A run's state digest from each stage's, in stage order: an unpipelined run's is its one stage's; a
+    pipeline's, sha256 over them."""
+    if len(digests) == 1:
+        return digests[0]
+    return "stages:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()

@@ -6,8 +6,8 @@
 - :mod:`runtime.pipeline.bubble`: the bubble, theoretical and measured, one definition for all three (pure);
 - :mod:`runtime.pipeline.interpreter`: executes a stage's stream one instruction at a time over any transport.
 
-The stage's programs run in the worker layer (:mod:`runtime.worker.stage_executor`), and so does the
-one-process pipelined run (:mod:`runtime.worker.pipeline_reference`), as the unpipelined reference does.
+The stage's programs run in the worker layer (:mod:`runtime.worker.executor`), and so does the one-process
+run (:mod:`runtime.worker.reference`): an unpipelined run is the one-stage pipeline there.
 
 May import: ``runtime.core``.
 """

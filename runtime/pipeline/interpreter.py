@@ -3,7 +3,7 @@
 A :class:`StageRunner` holds what one stage worker keeps during a step
 (inputs kept for the backward, outputs waiting to be sent, gradients waiting
 to be used) and runs one :class:`~runtime.pipeline.schedule.Instr` at a time
-on its :class:`~runtime.worker.stage_executor.StageExecutor`. Transfers
+on its :class:`~runtime.worker.executor.SliceExecutor`. Transfers
 go through a :class:`Transport`: ``send(to_stage, what, m, arrays)`` and
 ``recv(from_stage, what, m) -> arrays``. Sends go out where the stream puts
 them; a receive is taken just before the compute that needs it, so a
@@ -49,7 +49,7 @@ class StageRunner:
     ``delay`` included: it stands for compute)."""
 
     stage: int
-    executor: object            # a StageExecutor (or anything with its forward/backward)
+    executor: object            # a SliceExecutor (or anything with its forward/backward)
     step: int
     clock: Clock | None = None
     delay: float = 0.0          # extra seconds per forward, and per backward (a last counts both): for benchmarks

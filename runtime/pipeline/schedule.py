@@ -10,7 +10,7 @@ A schedule policy fixes the order of each stage's compute:
   holds at most ``S - k`` inputs).
 
 The last stage runs forward, loss and backward of a microbatch as one
-program (``last``). The compiler then runs the policy on a model of time
+program (``last``); so a single stage (data parallelism alone) runs only that. The compiler then runs the policy on a model of time
 (:class:`Costs`) to get one global order of every compute and every transfer,
 and projects it onto each stage: a transfer appears in its sender's stream as
 ``send`` and in its receiver's as ``recv``, at the same place in the global
@@ -94,9 +94,10 @@ def compute_order(kind: str, num_stages: int, stage: int, microbatches: Sequence
 
 
 def compile_schedule(kind: str, num_stages: int, microbatches: Sequence[int], costs: Costs = Costs()) -> Schedule:
-    """The central order of one pipeline replica over ``microbatches``, and each stage's stream."""
-    if num_stages < 2:
-        raise ValueError(f"a pipeline has at least 2 stages, got {num_stages}")
+    """The central order of one pipeline replica over ``microbatches``, and each stage's stream (one stage, an
+    unpipelined replica: each microbatch's ``last``, the whole gradient, in order, whatever the policy)."""
+    if num_stages < 1:
+        raise ValueError(f"a pipeline has at least 1 stage, got {num_stages}")
     if min(costs.forward, costs.backward) <= 0:
         raise ValueError(f"costs must be positive, got {costs}")
     if not microbatches or len(set(microbatches)) != len(microbatches):

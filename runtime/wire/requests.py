@@ -10,7 +10,6 @@ or this host, and a data source that does not unpickle are refused with
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 
 import jax
@@ -20,8 +19,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError
 from runtime.core.microbatch import Node, is_power_of_two, root
 from runtime.core.platforms import check_runnable, local_platform
-from runtime.core.programs import ProgramSet
-from runtime.core.stage_programs import StagePrograms
+from runtime.core.programs import StagePrograms
 
 __all__ = ["check_step_request", "decode_programs", "node_of", "unpickle_source"]
 
@@ -77,9 +75,9 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
         raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
 
 
-def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet | StagePrograms, list]:
-    """The program set of a ``Load`` (one pipeline stage's, when its layout names a stage) and the
-    ``[(shape, dtype)]`` of the state, checked before any compile.
+def decode_programs(request: pb.LoadRequest) -> tuple[StagePrograms, list]:
+    """The stage's programs a ``Load`` carries (an unpipelined run's one stage, or one stage of a pipeline when
+    its layout names a stage) and the ``[(shape, dtype)]`` of the state, checked before any compile.
 
     Raises :class:`ProtocolError` naming what does not fit: a program whose
     bytes do not match its ``sha256`` (checked first: a corrupted program
@@ -93,9 +91,7 @@ def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet | StagePrograms
             raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
         by_name[p.name] = p.serialized
     try:
-        meta = json.loads(request.layout)
-        programs = (StagePrograms.from_parts(by_name, meta) if isinstance(meta, dict) and "stage" in meta
-                    else ProgramSet.from_parts(by_name, request.layout))
+        programs = StagePrograms.from_parts(by_name, request.layout)
     except Exception as e:  # noqa: BLE001 - JSON, unknown keys, missing programs: a malformed message
         raise ProtocolError(f"the program set does not parse: {type(e).__name__}: {e}") from None
     parsed = {}
@@ -122,16 +118,16 @@ def decode_programs(request: pb.LoadRequest) -> tuple[ProgramSet | StagePrograms
             raise ProtocolError(f"program {name!r}: the layout's input placements {specs} do not fit its "
                                 f"{len(avals)} inputs")
         exported[name] = (avals, out_avals)
-    name = getattr(programs, "grad_program", "grad")
+    name = programs.grad_program
     grad_out = exported[name][1]
-    if (len(grad_out) < 1 or (name == "grad" and len(grad_out) != 1)
+    if (len(grad_out) < 1 or (not programs.pipelined and len(grad_out) != 1)
             or tuple(grad_out[0].shape) != (programs.grad_size + 1,)):
         raise ProtocolError(f"the {name} program does not return float32[{programs.grad_size + 1}] "
                             "(the gradient, then the loss)")
     return programs, [(tuple(a.shape), np.dtype(a.dtype)) for a in exported["apply"][0][:-1]]
 
 
-def _check_layout(programs: ProgramSet | StagePrograms) -> None:
+def _check_layout(programs: StagePrograms) -> None:
     def count(x, lo, hi):
         return type(x) is int and lo <= x <= hi
 

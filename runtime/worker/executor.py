@@ -1,8 +1,17 @@
-"""Runs a :class:`ProgramSet` on the local devices of one slice.
+"""Runs one stage's programs (:class:`~runtime.core.programs.StagePrograms`) on the local devices of one slice.
 
 Used by the worker (behind gRPC) and by the single-process reference run, so
 both execute exactly the same code on the same programs. Not thread-safe: the
 owner serializes calls.
+
+An unpipelined run's step is :meth:`SliceExecutor.partials` over the ``grad``
+program (the data-parallel step, kept apart from the interpreter's calls for its
+speed and its laps); a stage of a pipeline is driven one microbatch at a time
+by :class:`runtime.pipeline.interpreter.StageRunner` through :meth:`forward`
+and :meth:`backward`, which serve a one-stage run too (the reference run's
+path). Activations and their gradients cross between stages as host arrays
+(as they cross the wire between workers), so a stage's inputs are placed on
+its own mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from runtime.state.checkpoint_tree import CheckpointTree
 from runtime.state.state_copy import state_digest
 from runtime.core.microbatch import Node, tree_reduce
 from runtime.core.platforms import check_runnable, local_platform
-from runtime.core.programs import MESH_AXIS, ProgramSet
+from runtime.core.programs import MESH_AXIS, StagePrograms
 from runtime.core.timing import Clock
 
 __all__ = ["SliceExecutor", "add_f32", "probe_devices"]
@@ -29,13 +38,14 @@ def add_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class SliceExecutor:
-    """Holds one replica of the training state on ``devices``.
+    """Holds one replica of one stage's training state on ``devices``.
 
-    Call :meth:`load` once, then :meth:`init`, then any number of
-    ``grad``/``apply`` pairs. Errors from user programs propagate unchanged.
+    Call :meth:`load` once, then :meth:`init`, then any number of steps: each
+    ``partials`` (or ``forward``/``backward`` per microbatch), then
+    ``apply``. Errors from user programs propagate unchanged.
     """
 
-    def __init__(self, programs: ProgramSet, data_source, devices=None):
+    def __init__(self, programs: StagePrograms, data_source, devices=None):
         devices = list(devices if devices is not None else jax.devices())
         d = programs.devices_per_slice
         if len(devices) < d:
@@ -53,6 +63,7 @@ class SliceExecutor:
         self._exported: dict[str, object] = {}
         self._shardings: dict[str, list[NamedSharding]] = {}
         self._digest: tuple[object, str] = (None, "")   # (the state it is of, its digest)
+        self._batches: dict[tuple[int, int], dict] = {}  # (step, microbatch) -> its batch, from forward to backward
 
     # -- setup ---------------------------------------------------------------
 
@@ -135,11 +146,39 @@ class SliceExecutor:
             clock.lap("local_sum")
         return out
 
+    def forward(self, step: int, microbatch: int, a_in: list, clock: Clock | None = None) -> list[np.ndarray]:
+        """A pipeline stage's output activations for one microbatch, on the host; ``clock`` gets ``forward``."""
+        batch = self._batch(step, microbatch)
+        return _host(self._call("forward", self.state, batch, *self._received(a_in)), clock, "forward")
+
+    def backward(self, step: int, microbatch: int, a_in: list, g_out: list,
+                 clock: Clock | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``(float32[P_k + 1], gradient of the input)`` of one microbatch, from the stage's gradient program (a
+        one-stage run's ``grad``: no input, so no input gradient); ``clock`` gets ``backward``."""
+        batch = self._batch(step, microbatch)
+        g_out = [list(g_out)] if self.programs.activation_out else []   # the last stage starts from its loss
+        out = self._call(self.programs.grad_program, self.state, batch, *self._received(a_in), *g_out)
+        self._batches.pop((step, microbatch), None)
+        vec, *g_in = _host(jax.tree.leaves(out), clock, "backward")
+        return vec, g_in
+
+    def _received(self, a_in: list) -> list[list]:
+        """The stage's input activations as its programs take them: none for the first stage (or the only one)."""
+        return [list(a_in)] if self.programs.activation_in else []
+
+    def _batch(self, step: int, microbatch: int) -> dict:
+        """The microbatch's batch, loaded once for its forward and its backward."""
+        key = (step, microbatch)
+        if key not in self._batches:
+            self._batches[key] = self.data.batch(step, microbatch)
+        return self._batches[key]
+
     def apply(self, grad_sum: np.ndarray, clock: Clock | None = None) -> None:
         """The optimizer update with the reduced gradient; ``clock`` gets ``apply`` (host->device included).
 
         Waits for the new state, so a reply after it means the state is there.
         """
+        self._batches.clear()
         new = self._call("apply", self.state, grad_sum)
         jax.block_until_ready(new)
         if clock is not None:
@@ -193,6 +232,15 @@ class SliceExecutor:
             digest = state_digest(jax.tree.leaves(self.state))
             self._digest = (self.state, digest)
         return digest
+
+
+def _host(arrays, clock: Clock | None, lap: str) -> list[np.ndarray]:
+    arrays = list(arrays)
+    jax.block_until_ready(arrays)
+    out = [np.asarray(a) for a in arrays]
+    if clock is not None:
+        clock.lap(lap)
+    return out
 
 
 def probe_devices() -> int:

@@ -1,8 +1,16 @@
-"""The canonical math in one process, without workers: the ground truth.
+"""The canonical math in one process, without workers: the ground truth, for any stage count.
 
-Runs the same exported programs through the same :class:`SliceExecutor` as a
-worker, sums all M microbatches in the canonical tree, and applies. A
-distributed run of the same programs must match it bit for bit.
+A :class:`LocalRun` runs the same exported programs through the same
+:class:`~runtime.worker.executor.SliceExecutor` as a worker, one per stage,
+by following each replica's compiled schedule in its global order
+(:mod:`runtime.pipeline.schedule`; an unpipelined run is the one-stage
+pipeline, whose schedule is each microbatch's ``grad``), handing activations
+and gradients between stages as host arrays. Each stage's per-microbatch
+gradients are summed in the canonical tree over all microbatch ids
+(:mod:`runtime.core.microbatch`), so the result is the same bits for any
+number of replicas and either schedule: both only change who computes a
+microbatch and when, never the arithmetic. A distributed run of the same
+programs must match it bit for bit.
 
 :func:`run_reference` runs in this process, which must have the slice's
 devices. :func:`run_reference_process` runs it in a fresh Python process with
@@ -15,48 +23,166 @@ The child speaks JSON lines on stdout (one per step, then the result);
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from runtime.core import compile_cache
-from runtime.worker.executor import SliceExecutor
-from runtime.core.microbatch import root
+from runtime.core.microbatch import assign_microbatches, root, tree_reduce
 from runtime.core.programs import ProgramSet
+from runtime.core.timing import Clock
+from runtime.pipeline.bubble import measured_bubble
+from runtime.pipeline.interpreter import LocalWire, StageRunner
+from runtime.pipeline.schedule import compile_schedule
+from runtime.worker.executor import SliceExecutor, add_f32
 
-__all__ = ["run_reference", "run_reference_process"]
+__all__ = ["LocalRun", "StepTrace", "run_reference", "run_reference_process"]
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """What one step cost each stage: the most activation bytes alive at once (inputs kept for the backward,
+    outputs not yet sent, gradients not yet used) and seconds spent computing; the step's wall seconds."""
+
+    peak_bytes: list[int]
+    busy: list[float]
+    seconds: float
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction over all stages (:func:`runtime.pipeline.bubble.measured_bubble` over the step)."""
+        return measured_bubble(self.busy, self.seconds)
+
+
+class LocalRun:
+    """A run's every stage and replica in this process: :meth:`load`, then :meth:`train` (or :meth:`init` and
+    :meth:`step`s). ``replicas`` and ``schedule`` change who computes what and when, never the bits."""
+
+    def __init__(self, programs: ProgramSet, data_source, *, replicas: int = 1, schedule: str = "1f1b",
+                 devices=None):
+        self.programs = programs
+        self.stages = [SliceExecutor(p, data_source, devices) for p in programs.by_stage]
+        self.replan(replicas, schedule)
+
+    def replan(self, replicas: int, schedule: str) -> None:
+        """Runs the next steps on ``replicas`` pipeline replicas under ``schedule`` (the same math)."""
+        self.replicas, self.kind = replicas, schedule
+        self.schedules = [compile_schedule(schedule, self.programs.num_stages, [i for n in nodes for i in n.ids])
+                          for nodes in assign_microbatches(self.programs.num_microbatches, replicas)]
+
+    def load(self) -> None:
+        for ex in self.stages:
+            ex.load()
+
+    def init(self, seed: int) -> None:
+        for ex in self.stages:
+            ex.init(seed)
+
+    def step(self, step: int, clock: Clock | None = None, *, threads: bool = False,
+             delay: float = 0.0) -> tuple[float, StepTrace]:
+        """Runs one step; returns (its mean loss, what it cost).
+
+        Sequentially in the schedules' global order (the default), or with
+        ``threads`` each stage's stream on its own thread, as stage workers
+        run them (then ``delay`` adds seconds per forward and per backward:
+        a stand-in for a slower device, to measure the schedule's bubble).
+        """
+        t0 = time.perf_counter()
+        runners = []
+        for sched in self.schedules:
+            rs = [StageRunner(k, ex, step, clock, delay) for k, ex in enumerate(self.stages)]
+            runners.append(rs)
+            if threads:
+                _threaded(rs, sched.streams)
+            else:
+                wire = LocalWire(rs, timeout=0.0)   # the global order sends before it receives
+                for k, instr in sched.order:
+                    rs[k].run(instr, wire)
+        seconds = time.perf_counter() - t0
+        top = root(self.programs.num_microbatches)
+        totals = [tree_reduce({n: v for rs in runners for n, v in rs[k].vecs.items()}, top, add_f32)
+                  for k in range(len(self.stages))]
+        for ex, total in zip(self.stages, totals):
+            ex.apply(total[:-1], clock)
+        trace = StepTrace([max(rs[k].peak_bytes for rs in runners) for k in range(len(self.stages))],
+                          [sum(rs[k].busy for rs in runners) for k in range(len(self.stages))], seconds)
+        return float(totals[-1][-1] / np.float32(self.programs.num_microbatches)), trace
+
+    def digests(self) -> list[str]:
+        """Each stage's state digest (the same on every replica of that stage)."""
+        return [ex.state_digest() for ex in self.stages]
+
+    def train(self, *, steps: int, seed: int, start_step: int = 0, threads: bool = False,
+              on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], list[str]]:
+        """Initializes from ``seed`` and trains ``steps`` steps (see :meth:`step`); returns (per-step mean
+        losses, each stage's final digest)."""
+        self.init(seed)
+        return self.resume(steps=steps, start_step=start_step, threads=threads, on_step=on_step)
+
+    def resume(self, *, steps: int, start_step: int = 0, threads: bool = False,
+               on_step: Callable[[int, float], None] | None = None) -> tuple[list[float], list[str]]:
+        """:meth:`train` from the state the stages hold."""
+        losses = []
+        for step in range(start_step, start_step + steps):
+            loss, _ = self.step(step, threads=threads)
+            losses.append(loss)
+            if on_step is not None:
+                on_step(step, loss)
+        return losses, self.digests()
+
+
+def _threaded(runners: list[StageRunner], streams) -> None:
+    """Each stage's stream on its own thread, queues between them; re-raises the first failure."""
+    wire, errors = LocalWire(runners), []
+
+    def run(runner, stream):
+        try:
+            for instr in stream:
+                runner.run(instr, wire)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(r, s), name=f"stage-{r.stage}") for r, s in zip(runners, streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
                   on_step: Callable[[int, float], None] | None = None, start_step: int = 0,
-                  parameters_from: str = "") -> tuple[list[float], str]:
-    """Trains ``steps`` steps; returns (per-step mean losses, final state digest). ``parameters_from``: the
-    initialized state's parameters are that checkpoint's (``load_parameters_path``), as on the workers."""
-    ex = SliceExecutor(programs, data_source)
-    ex.load()
+                  parameters_from: str = "", schedule: str = "1f1b") -> tuple[list[float], list[str]]:
+    """Trains ``steps`` steps in this process; returns (per-step mean losses, each stage's final state digest:
+    one for an unpipelined run; :func:`runtime.core.programs.stages_digest` makes them the run's).
+
+    ``parameters_from``: the initialized state's parameters are that checkpoint's (``load_parameters_path``),
+    as on the workers (an unpipelined run's only: ``ValueError`` for a pipeline). ``schedule``: a pipeline's
+    (the same bits either way).
+    """
+    run = LocalRun(programs, data_source, schedule=schedule)
+    run.load()
     compile_cache.mark_held(compile_cache.enabled(), programs.programs(), programs.devices_per_slice)
-    ex.init(seed)
+    run.init(seed)
     if parameters_from:
+        if programs.pipelined:
+            raise ValueError("parameters_from (load_parameters_path) starts an unpipelined run only; a pipelined "
+                             "run starts from a pipelined run's whole state")
         from runtime.worker.worker_state import with_parameters
 
+        (ex,) = run.stages
         leaves, _ = with_parameters(ex, parameters_from, [(tuple(x.shape), x.dtype) for x in ex.state])
         ex.set_state(leaves, ex.steps_applied)
-    top = root(programs.num_microbatches)
-    losses = []
-    for step in range(start_step, start_step + steps):
-        total = ex.partials(step, [top])[top]
-        ex.apply(total[:-1])
-        loss = float(total[-1] / np.float32(programs.num_microbatches))
-        losses.append(loss)
-        if on_step is not None:
-            on_step(step, loss)
-    return losses, ex.state_digest()
+    return run.resume(steps=steps, start_step=start_step, on_step=on_step)
 
 
 #: How many times a reference child killed by a signal (OOM killer, an operator, a chaos test) is started again.
@@ -65,7 +191,7 @@ REFERENCE_RETRIES = 2
 
 def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int, seed: int,
                           compilation_cache_dir: str = "", on_step: Callable[[int, float], None] | None = None,
-                          parameters_from: str = "") -> tuple[list[float], str]:
+                          parameters_from: str = "", schedule: str = "1f1b") -> tuple[list[float], list[str]]:
     """:func:`run_reference` in a child process with ``programs.devices_per_slice`` devices of the programs' platform.
 
     CPU programs get that many simulated CPU devices; programs for an
@@ -87,7 +213,8 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     platforms = program_platforms(programs.init)
     env = jax_child_env(programs.devices_per_slice, platforms[0] if len(platforms) == 1 else "")
     request = pickle.dumps({"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
-                            "cache": compilation_cache_dir, "parameters_from": parameters_from})
+                            "cache": compilation_cache_dir, "parameters_from": parameters_from,
+                            "schedule": schedule})
     heard: dict[int, float] = {}
 
     def step_done(step: int, loss: float) -> None:
@@ -109,7 +236,7 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
 
 
 def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[int, tuple | None, list[str]]:
-    """One reference child: (exit status, (losses, digest) or None, its last stderr lines)."""
+    """One reference child: (exit status, (losses, digests) or None, its last stderr lines)."""
     with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
         inp.write(request)
         inp.seek(0)
@@ -122,7 +249,7 @@ def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[in
                 if "step" in msg:
                     step_done(msg["step"], msg["loss"])
                 elif "losses" in msg:
-                    result = msg["losses"], msg["digest"]
+                    result = msg["losses"], msg["digests"]
         except BaseException:
             proc.kill()   # step_done refused a step (or we were interrupted): the child is of no more use
             raise
@@ -152,12 +279,13 @@ def _child() -> None:
         print(json.dumps({"step": step, "loss": loss}), flush=True)
 
     try:
-        losses, digest = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
-                                       on_step=step_done, parameters_from=req["parameters_from"])
+        losses, digests = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
+                                        on_step=step_done, parameters_from=req["parameters_from"],
+                                        schedule=req["schedule"])
     except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
-    print(json.dumps({"losses": losses, "digest": digest}), flush=True)
+    print(json.dumps({"losses": losses, "digests": digests}), flush=True)
 
 
 if __name__ == "__main__":

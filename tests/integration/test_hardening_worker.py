@@ -45,7 +45,8 @@ def slow_to_compile(programs):
             x = jnp.tanh(x * (1.0 + i * 1e-3)) + jnp.cumsum(x)[::-1] * 1e-3
         return x
     blob = jax.export.export(jax.jit(init), platforms=["cpu"])(jax.ShapeDtypeStruct((64,), jnp.float32)).serialize()
-    return dataclasses.replace(programs, init=bytes(blob))
+    (stage,) = programs.by_stage
+    return dataclasses.replace(programs, by_stage=(dataclasses.replace(stage, blobs={**stage.blobs, "init": bytes(blob)}),))
 
 
 def wait_for_log(path, text: str, timeout: float = 120.0) -> None:

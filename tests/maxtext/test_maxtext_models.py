@@ -94,7 +94,7 @@ def test_each_microbatch_draws_its_own_dropout_masks(moe_dropout):
     assert job.data.batch(1, 2)[MICROBATCH_KEY].tolist() == [2] * ec.microbatch_size   # the global index, per row
     programs = job.programs()
     state = jax.export.deserialize(programs.init).call(np.int32(ec.seed))
-    grad = jax.export.deserialize(programs.grad)
+    grad = jax.export.deserialize(programs.programs()["grad"])
     rows = job.data.batch(0, 0)
 
     def loss_and_grads(m):   # the grad program on microbatch 0's rows, as microbatch m

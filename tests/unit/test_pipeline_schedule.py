@@ -111,11 +111,17 @@ def test_1f1b_warms_up_with_one_forward_per_stage_ahead():
     assert [str(i) for i in compute_order("gpipe", 3, 2, range(2))] == ["last[0]", "last[1]"]
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_one_stage_is_data_parallelism_each_microbatch_s_whole_gradient_in_order(kind):
+    sched = compile_schedule(kind, 1, [2, 3])
+    assert [str(i) for _, i in sched.order] == ["last[2]", "free[2]", "last[3]", "free[3]"]
+
+
 def test_bad_schedules_are_refused_by_name():
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'.*gpipe, 1f1b"):
         compile_schedule("zb", 2, range(4))
-    with pytest.raises(ValueError, match="at least 2 stages"):
-        compile_schedule("1f1b", 1, range(4))
+    with pytest.raises(ValueError, match="at least 1 stage"):
+        compile_schedule("1f1b", 0, range(4))
     with pytest.raises(ValueError, match="distinct microbatches"):
         compile_schedule("1f1b", 2, [0, 0])
     with pytest.raises(ValueError, match="costs must be positive"):

@@ -200,7 +200,7 @@ def test_a_cpu_only_client_exports_for_every_platform(hardware, platform):
 
 
 def test_the_executor_refuses_gpu_programs_before_compiling(gpu_job):
-    ex = SliceExecutor(gpu_job.programs(), gpu_job.data)
+    ex = SliceExecutor(gpu_job.programs().by_stage[0], gpu_job.data)
     with pytest.raises(PlatformMismatchError, match=r"exported for cuda \(config key hardware: gpu\).*runs on cpu"):
         ex.load()
     assert not ex._fns

@@ -12,11 +12,9 @@ import pytest
 
 import elastic
 from elastic._programs import build_programs
-from elastic._stage_programs import build_stage_programs
 from elastic.models.transformer import SyntheticTokens, TransformerConfig, init_params, loss_fn
 from runtime import ProgramExportError
-from runtime.worker.pipeline_reference import LocalPipeline
-from runtime.worker.reference import run_reference
+from runtime.worker.reference import LocalRun, run_reference
 
 SHAPE = dict(vocab_size=32, max_target_length=8, emb_dim=16, num_layers=3, num_heads=2, mlp_dim=32)
 DATA = SyntheticTokens(0, 32, 8, 4)
@@ -26,7 +24,7 @@ M = 4
 
 @pytest.fixture(scope="module")
 def pipeline(three_stages):
-    run = LocalPipeline(three_stages, DATA)
+    run = LocalRun(three_stages, DATA)
     run.load()
     return run
 
@@ -34,13 +32,13 @@ def pipeline(three_stages):
 @pytest.fixture(scope="module")
 def three_stages():
     t = TransformerConfig(**SHAPE, pipeline_stages=3)
-    return build_stage_programs(init_params=functools.partial(init_params, tcfg=t),
-                                loss=functools.partial(loss_fn, tcfg=t), optimizer=optax.adam(1e-2),
-                                batch_spec=SPEC, num_stages=3, devices_per_slice=1, num_microbatches=M)
+    return build_programs(init_params=functools.partial(init_params, tcfg=t),
+                          loss=functools.partial(loss_fn, tcfg=t), optimizer=optax.adam(1e-2),
+                          batch_spec=SPEC, num_stages=3, devices_per_slice=1, num_microbatches=M)
 
 
 def test_each_stage_owns_its_layers_and_passes_activations_on(three_stages):
-    stages = three_stages.stages
+    stages = three_stages.by_stage
     assert [sorted(s.blobs) for s in stages] == [["apply", "backward", "forward", "init"]] * 2 + [
         ["apply", "init", "last"]]
     act = [[4, 8, 16], "<f4"]
@@ -93,9 +91,9 @@ def test_1f1b_holds_fewer_activation_bytes_than_gpipe(pipeline):
 
 
 def cut(loss, params, num_stages=2):
-    return build_stage_programs(init_params=lambda key: params, loss=loss, optimizer=optax.sgd(0.1),
-                                batch_spec={"x": ((2, 3), np.float32)}, num_stages=num_stages, devices_per_slice=1,
-                                num_microbatches=2)
+    return build_programs(init_params=lambda key: params, loss=loss, optimizer=optax.sgd(0.1),
+                          batch_spec={"x": ((2, 3), np.float32)}, num_stages=num_stages, devices_per_slice=1,
+                          num_microbatches=2)
 
 
 PARAMS = {"a": jnp.ones((3, 3)), "b": jnp.ones((3, 3))}
