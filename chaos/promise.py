@@ -50,6 +50,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from runtime import RunState
+
 __all__ = ["KINDS", "Promise", "promises"]
 
 #: The promises, best first.
@@ -117,19 +119,23 @@ class _Recovery:
 def promises(events: list[dict], config: dict | None) -> list[Promise]:
     """One :class:`Promise` per recovery in ``events``, in order; ``config`` is the report's ``config``.
 
+    The run's facts (placement, the dead, the replicas, the shadows, the
+    snapshots and checkpoints held, the committed frontier, each worker's
+    pipeline stage) are :class:`runtime.RunState`'s, folded here from the
+    events; what is the judge's own is what makes a promise: the recovery
+    windows, what each restored, the steps committed again, how far copies
+    trailed, the checkpoints found corrupt, and the checkpoints an earlier
+    attempt left on disk (a run state is one attempt's).
+
     Raises nothing for an odd log: events it does not know are ignored, and
     a recovery still open when the log ends is one that did not recover.
     """
     cfg = config or {}
     shadowing = bool(cfg.get("elastic_shadow_spares"))
     pipeline = int(cfg.get("dcn_pipeline_parallelism") or 1)
-    stage_of: dict[str, int] = {}   # a pipelined run: the stage each worker's programs are for
-    stage_copies: dict = {}           # ... and each (tier, stage)'s steps saved
-    active, spares, dead = [], [], set()
-    replicas, shadows = set(), set()
-    have_state = False
-    frontier = high = 0
-    copies: dict[str, set] = {"snapshot": set(), "checkpoint": set()}
+    state = RunState()
+    kept: set = set()      # checkpoints left by earlier attempts or resumed from: (None, step), and (stage, step)
+    high = 0               # the most steps committed in this attempt: a step below it committed again is recomputed
     trail = {"snapshot": 0, "checkpoint": 0}
     corrupt: set[int] = set()
     found: list[_Recovery] = []
@@ -147,58 +153,29 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             # An attempt of the run starts (new processes): only its checkpoints carry over.
             starting = False
             if current is not None:
-                _close(current, dead, copies, corrupt, recovered=False)
+                _close(current, state, _copies(state, kept, pipeline), corrupt, recovered=False)
                 current = None
-            active, spares, dead, replicas, shadows = [], [], set(), set(), set()
-            have_state, frontier, high = False, 0, 0
-            copies["snapshot"] = set()
-            for key in [key for key in stage_copies if key[0] == "snapshot"]:
-                del stage_copies[key]
-        if kind == "placement":
-            active, spares = list(e.get("active") or []), list(e.get("spares") or [])
-        elif kind == "programs_loaded":
-            stage_of.update(e.get("stages") or {})
-        elif kind == "stage_loaded" or (kind == "shadow_synced" and "stage" in e):
-            stage_of[e.get("worker") or e.get("dest")] = e.get("stage")
-        elif kind in ("state_initialized", "run_resumed"):
-            have_state = True
-            replicas = set(active) - dead
-            shadows = set(spares) - dead if shadowing else set()
-            if kind == "run_resumed":
-                frontier = high = e.get("step", 0)
-                copies["checkpoint"].add(e.get("step", 0))
-                for k in range(pipeline if pipeline > 1 else 0):   # every stage resumed from it
-                    stage_copies.setdefault(("checkpoint", k), set()).add(e.get("step", 0))
+            kept |= _checkpoints(state)
+            state, high = RunState(), 0
+        elif kind == "run_started":
+            kept |= _checkpoints(state)   # the run state starts afresh; what is on disk stays
+        frontier = state.committed
+        state = state.apply(e)
+        if kind in ("state_initialized", "run_resumed") and shadowing and state.placement:
+            # Shadowing spares start with the state (from the seed, or the same checkpoint); no event says so.
+            for w in state.placement.spares:
+                if w not in state.dead:
+                    state = state.apply({"kind": "shadow_synced", "dest": w})
+        if kind == "run_resumed":
+            high = e.get("step", 0)
+            kept |= {(k, high) for k in [None, *range(pipeline if pipeline > 1 else 0)]}   # every stage resumed
         elif kind == "step_committed":
             step = e.get("step", 0)
             if step < high and found:
                 found[-1].recomputed += 1
-            frontier, high = step + 1, max(high, step + 1)
-        elif kind == "worker_dead":
-            dead.add(e.get("worker"))
-            replicas.discard(e.get("worker"))
-            shadows.discard(e.get("worker"))
-        elif kind == "shadow_synced" and shadowing and e.get("dest") not in dead:
-            shadows.add(e.get("dest"))
-        elif kind == "shadow_behind":
-            shadows.discard(e.get("worker"))
-        elif kind == "state_transferred" and e.get("dest") not in dead:
-            replicas.add(e.get("dest"))   # a copy to a spare is shadow_synced; this one is to an active member
-        elif kind == "recovery_decision" and e.get("action") not in ("wait", "fail"):
-            active, spares = list(e.get("active") or []), list(e.get("spares") or [])
-            replicas |= shadows & set(active)   # promoted shadows hold the state
-            shadows -= set(active)
-        elif kind in ("grown", "straggler_replaced"):
-            active = list(e.get("active") or [])
-            spares = [s for s in spares if s not in active]
-            replicas, shadows = set(active) - dead, shadows - set(active)
+            high = max(high, step + 1)
         elif kind in ("snapshot_saved", "snapshot_copied", "checkpoint_saved"):
             tier = "checkpoint" if kind == "checkpoint_saved" else "snapshot"
-            if pipeline > 1:   # a step is a copy of the state once every stage saved it
-                stage_copies.setdefault((tier, stage_of.get(e.get("worker"))), set()).add(e.get("step", 0))
-                copies[tier] = set.intersection(*(stage_copies.get((tier, k), set()) for k in range(pipeline)))
-            else:
-                copies[tier].add(e.get("step", 0))
             trail[tier] = max(trail[tier], frontier - e.get("step", 0))
         elif kind == "checkpoint_skipped":
             m = _SKIPPED_STEP.match(str(e.get("detail", "")))
@@ -206,12 +183,14 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
                 corrupt.add(int(m.group(1)))
         elif kind == "failure_detected":
             if current is None:
-                members = set(active) | set(spares)
+                active, spares = state.placement.active if state.placement else (), \
+                    state.placement.spares if state.placement else ()
+                had_state = bool(state.replicas)   # some worker held the state: it exists
+                holders = state.replicas if had_state else {*active, *spares}   # no state yet: any member will do
                 current = _Recovery(failures=[], step=e.get("committed") or 0, committed=e.get("committed") or 0,
-                                    had_state=have_state,
-                                    replicas=frozenset((replicas if have_state else members) - dead),
-                                    shadows=frozenset(shadows - dead), stages=_stages(active, pipeline),
-                                    stage_of=dict(stage_of))
+                                    had_state=had_state, replicas=frozenset(w for w in holders if w not in state.dead),
+                                    shadows=frozenset(w for w in state.shadows if shadowing and w not in state.dead),
+                                    stages=_stages(list(active), pipeline), stage_of=dict(state.stages))
                 found.append(current)
             current.failures.append(failures)
             current.committed = e.get("committed") or 0
@@ -220,22 +199,37 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             step = e.get("step", 0)
             current.restored = (kind.split("_")[0], step)
             current.committed = step + (e.get("steps_lost") or 0)
-            frontier = step
         elif kind == "recovered" and current is not None:
-            _close(current, dead, copies, corrupt, recovered=True)
-            replicas = set(active) - dead   # every active member holds the state now (copied and checked)
-            if current.restored is not None:
-                shadows = set()             # a restore forgets the shadows; a copy catches them up
+            _close(current, state, _copies(state, kept, pipeline), corrupt, recovered=True)
             current = None
     if current is not None:
-        _close(current, dead, copies, corrupt, recovered=False)
+        _close(current, state, _copies(state, kept, pipeline), corrupt, recovered=False)
     return [_judge(r, cfg, trail) for r in found]
 
 
-def _close(r: _Recovery, dead: set, copies: dict, corrupt: set, *, recovered: bool) -> None:
+def _checkpoints(state: RunState) -> set:
+    """The checkpoints ``state`` holds, as the judge keeps them across attempts: ``(None, step)`` and, for each
+    stage's, ``(stage, step)``."""
+    return {(None, step) for step in state.checkpoints} | \
+        {(k, step) for tier, k, step in state.stage_backups if tier == "checkpoint"}
+
+
+def _copies(state: RunState, kept: set, pipeline: int) -> dict[str, set]:
+    """``{tier: steps}`` of the complete copies of the state in place: those ``state`` holds and the checkpoints
+    ``kept``; a pipelined run's step is a copy once every stage holds one."""
+    if pipeline > 1:
+        held = state.stage_backups | {("checkpoint", k, step) for k, step in kept if k is not None}
+        return {tier: set.intersection(*({step for t, k, step in held if t == tier and k == stage}
+                                         for stage in range(pipeline))) for tier in ("snapshot", "checkpoint")}
+    return {"snapshot": {step for step, _ in state.snapshots},
+            "checkpoint": set(state.checkpoints) | {step for k, step in kept if k is None}}
+
+
+def _close(r: _Recovery, state: RunState, copies: dict, corrupt: set, *, recovered: bool) -> None:
     r.recovered = recovered
-    r.survivors = tuple(sorted(w for w in r.replicas | r.shadows if w not in dead))
-    if any(not (set(stage) & set(r.survivors) or any(r.stage_of.get(w) == k for w in r.shadows if w not in dead))
+    r.survivors = tuple(sorted(w for w in r.replicas | r.shadows if w not in state.dead))
+    if any(not (set(stage) & set(r.survivors)
+                or any(r.stage_of.get(w) == k for w in r.shadows if w not in state.dead))
            for k, stage in enumerate(r.stages)):
         r.survivors = ()   # a stage lost every replica and shadow of its own: the others' cannot supply it
     at_most = r.committed

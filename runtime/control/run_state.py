@@ -115,6 +115,12 @@ class RunState:
     # attaches them from here): {worker: WorkerInfo}.
     registered: Mapping[str, WorkerInfo] = dataclasses.field(default_factory=dict)
     generation: int = 0                          # the client generation driving the run (a restart: one more)
+    # A pipelined run: the stage each worker's programs are for ({worker: stage}, from programs_loaded,
+    # stage_loaded and a stage's shadow_synced), and its backups by stage: (tier, stage, step) of each snapshot
+    # ("snapshot": saved or copied) and checkpoint ("checkpoint") a worker of a known stage reported. A step is a
+    # copy of the whole state once every stage holds one.
+    stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    stage_backups: frozenset[tuple[str, int, int]] = frozenset()
 
     # -- what the controller reads --------------------------------------------
 
@@ -183,12 +189,12 @@ def _active(s: RunState) -> frozenset[str]:
 
 
 def _placement(e: Mapping[str, Any], spares=None) -> Placement:
-    return Placement(epoch=e["epoch"], active=tuple(e["active"]),
-                     spares=tuple(e["spares"] if spares is None else spares))
+    return Placement(epoch=e.get("epoch", 0), active=tuple(e["active"]),   # (older logs: no epoch, spares)
+                     spares=tuple(e.get("spares", ()) if spares is None else spares))
 
 
 def _run_started(s: RunState, e) -> RunState:
-    return RunState(run_id=e["run_id"], steps=e["steps"], generation=e.get("generation", 0))
+    return RunState(run_id=e.get("run_id", ""), steps=e.get("steps", 0), generation=e.get("generation", 0))
 
 
 def _registered(s: RunState, e) -> RunState:
@@ -215,14 +221,14 @@ def _placement_changed(s: RunState, e) -> RunState:
 
 
 def _state_initialized(s: RunState, e) -> RunState:
-    return _replace(s, replicas=_active(s), state_bytes=e["state_bytes"])
+    return _replace(s, replicas=_active(s), state_bytes=e.get("state_bytes", 0))
 
 
 def _run_resumed(s: RunState, e) -> RunState:
     sums = e.get("loss_sums")
-    return _replace(s, losses=Series(map(_loss, e["losses"])),
+    return _replace(s, losses=Series(map(_loss, e.get("losses", [None] * e["step"]))),
                     loss_sums=Series(map(_loss, sums) if sums is not None else [float("nan")] * e["step"]),
-                    dispatched=e["step"], replicas=_active(s), state_bytes=e["state_bytes"])
+                    dispatched=e["step"], replicas=_active(s), state_bytes=e.get("state_bytes", 0))
 
 
 def _truncated(s: RunState, e) -> RunState:
@@ -234,7 +240,7 @@ def _dispatched(s: RunState, e) -> RunState:
 
 
 def _committed(s: RunState, e) -> RunState:
-    changes = {"losses": s.losses.appended(_loss(e["loss"])),
+    changes = {"losses": s.losses.appended(_loss(e.get("loss"))),
                "loss_sums": s.loss_sums.appended(_loss(e.get("loss_sum")))}
     if not e.get("recovered"):
         changes["deferred"] = ()   # the recovery's first step is done: its replacements start now
@@ -261,7 +267,7 @@ def _deferred(s: RunState, e) -> RunState:
 
 def _recovered(s: RunState, e) -> RunState:
     """The run is whole at ``resume_step``: every active slice holds it; later steps are undone."""
-    step = e["resume_step"]
+    step = e.get("resume_step", s.committed)   # (a log that names no step: nothing undone)
     active = _active(s)
     return _replace(s, losses=s.losses.upto(step), loss_sums=s.loss_sums.upto(step), dispatched=step, replicas=active,
                     shadows=frozenset() if e.get("restore_tier") in ("snapshot", "checkpoint")
@@ -333,6 +339,16 @@ _FOLDS = {
     "shadow_synced": _shadow_synced,
     "shadow_behind": _shadow_dropped,
 }
+
+
+# -- a pipelined run's stages and backups by stage ----------------------------------------------------------------
+
+def _programs_loaded(s: RunState, e) -> RunState:
+    return _replace(s, stages={**s.stages, **e["stages"]}) if e.get("stages") else s
+
+
+def _stage_loaded(s: RunState, e) -> RunState:
+    return _replace(s, stages={**s.stages, e["worker"]: e["stage"]})
 
 
 def replay_file(path) -> RunState:

@@ -311,7 +311,8 @@ def test_a_re_attached_client_goes_on_with_the_open_recovery_of_the_one_that_die
     died = [{"kind": "failure_detected", "committed": 6}, {"kind": "worker_dead", "worker": "w1"},
             {"kind": "recovery_decision", "action": "replace", "active": ["w0", "w2"], "spares": []}]
     again = [{"kind": "job_started"}, {"kind": "programs_built"}, {"kind": "worker_dead", "worker": "w2"},
-             {"kind": "client_attached"}, {"kind": "failure_detected", "committed": 6},
+             {"kind": "client_attached", "workers": {}, "steps": 10, "generation": 1},
+             {"kind": "failure_detected", "committed": 6},
              {"kind": "recovery_decision", "action": "shrink", "active": ["w0"], "spares": []},
              {"kind": "recovered"}, *({"kind": "step_committed", "step": s} for s in range(6, 10))]
     [one] = promises(start + died + again, cfg)
