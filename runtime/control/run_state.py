@@ -351,6 +351,30 @@ def _stage_loaded(s: RunState, e) -> RunState:
     return _replace(s, stages={**s.stages, e["worker"]: e["stage"]})
 
 
+def _stage_shadowed(s: RunState, e) -> RunState:
+    """A spare shadows one stage of a pipelined run: its programs are that stage's."""
+    s = _shadow_synced(s, e)
+    return _replace(s, stages={**s.stages, e["dest"]: e["stage"]}) if "stage" in e else s
+
+
+def _by_stage(tier: str, fold):
+    """``fold``, and the backup under the stage of the worker that reported it (a worker of no known stage: none)."""
+    def staged(s: RunState, e) -> RunState:
+        s, stage = fold(s, e), s.stages.get(e["worker"])
+        return s if stage is None else _replace(s, stage_backups=s.stage_backups | {(tier, stage, e["step"])})
+    return staged
+
+
+_FOLDS.update({
+    "programs_loaded": _programs_loaded,
+    "stage_loaded": _stage_loaded,
+    "shadow_synced": _stage_shadowed,
+    "checkpoint_saved": _by_stage("checkpoint", _checkpoint_saved),
+    "snapshot_saved": _by_stage("snapshot", _snapshot_saved),
+    "snapshot_copied": _by_stage("snapshot", _snapshot_copied),
+})
+
+
 def replay_file(path) -> RunState:
     """The run state a run's ``events.jsonl`` leaves (read with :func:`runtime.core.events.read_events`)."""
     return RunState.replay(read_events(path))

@@ -208,3 +208,15 @@ def test_each_attempt_of_a_run_starts_afresh_with_only_the_checkpoints_left():
     assert (cut.recovered, cut.kept, cut.reason) == (False, False, None)   # the client died mid-recovery
     assert (resumed.kind, resumed.left["replicas"], resumed.kept, resumed.failures) == ("replica", ["w5"], True, (1,))
     assert resumed.left["checkpoint"] == 8 and resumed.left["snapshot"] is None   # host memory went with attempt 1
+
+
+def test_a_pipelined_runs_copy_is_one_every_stage_holds_and_a_stage_without_survivors_loses_the_state():
+    piped = {**CFG, "dcn_pipeline_parallelism": 2}
+    loaded = ev("programs_loaded", compile_seconds={}, program_bytes=0, stages={"w0": 0, "w1": 0, "w2": 1, "w3": 1})
+    snap = lambda worker, step: ev("snapshot_saved", worker=worker, host=None, step=step)
+    events = [*start(active=["w0", "w1", "w2", "w3"]), loaded, *commits(0, 9), snap("w0", 4), snap("w2", 4),
+              snap("w0", 8), failure(9), *dead("w2", "w3"), decision("restore", ["w0", "w1", "w4", "w5"]),
+              restored("snapshot", 4, 9), recovered("snapshot"), *commits(4, 20)]
+    (p,) = promises(events, piped)
+    # Stage 1 lost both its slices: w0 and w1 hold stage 0's state only. Step 8 is no copy (stage 1 never saved it).
+    assert (p.kind, p.left["replicas"], p.newest, p.kept) == ("snapshot", [], 4, True), p

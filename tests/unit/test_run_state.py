@@ -135,3 +135,16 @@ def test_a_series_appends_without_changing_the_views_it_came_from():
     assert Series([float("nan")]) == [float("nan")], "losses compare by their bits"
     with pytest.raises(IndexError):
         b[3]
+
+
+def test_a_pipelined_run_folds_each_workers_stage_and_its_backups_by_stage():
+    s = RunState.replay(START + [
+        ev("programs_loaded", compile_seconds={}, program_bytes=0, stages={"a": 0, "b": 1, "s": 0}),
+        ev("snapshot_saved", worker="a", host=None, step=4),
+        ev("stage_loaded", worker="s", stage=1, compile_seconds=0.1, seconds=0.1),
+        ev("snapshot_copied", worker="s", peer=None, host=None, step=4),
+        ev("checkpoint_saved", worker="b", step=4, directory="/ck"),
+        ev("snapshot_saved", worker="nobody", host=None, step=5)])
+    assert s.stages == {"a": 0, "b": 1, "s": 1}, "stage_loaded moves a spare to its stage"
+    assert s.stage_backups == {("snapshot", 0, 4), ("snapshot", 1, 4), ("checkpoint", 1, 4)}
+    assert s.snapshots == ((4, "a"), (5, "nobody")) and s.checkpoints == (4,)
