@@ -21,8 +21,10 @@ A failure is a value: deaths arrive on the group's queue, failed calls as
 typed errors, a stalled step as ``Stalled``.
 
 What the controller knows of the run is one :class:`~runtime.control.run_state.RunState`
-(``self.state``), the fold of the events it writes: it subscribes to its own
-event log, so the log alone rebuilds it (``RunState.replay``).
+(``self.state``), the fold of the events written to its log
+(:class:`~runtime.control.run_state.RunLedger`, shared with the worker group:
+who is dead is the state's, and no one keeps a copy), so the log alone
+rebuilds it (``RunState.replay``).
 
 It never holds the training state: only programs (bytes), per-step losses
 and timings pass through it.
@@ -36,6 +38,7 @@ import enum
 import os
 import time
 import uuid
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -54,7 +57,7 @@ from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.policy import StepPlan, plan_step, stage_groups
 from runtime.core.programs import ProgramSet
 from runtime.core.stage_programs import stages_digest
-from runtime.control.run_state import RunState
+from runtime.control.run_state import RunLedger, RunState
 from runtime.control.shadows import Shadows
 from runtime.control.snapshotting import Snapshotting
 from runtime.control.startup import start
@@ -107,18 +110,16 @@ class Controller:
         self.reattach = reattach
         self.run_id = reattach.state.run_id if reattach else options.run_id or uuid.uuid4().hex[:12]
         self.events = events
-        self.state = reattach.state if reattach else RunState()
-        self._last_event_t = time.time()   # _fold reads it: an event may come before __init__ ends (its failure)
-        events.subscribe(self._fold)
+        self.ledger = RunLedger(events, reattach.state if reattach else None)   # the run's one state
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
-                                          options, events)
+                                          options, events, self.ledger)
         self.observer = observer or ControllerObserver()
         self.checkpoints = Checkpointing(self.group, options, events,
                                          notify=lambda step: self.observer.checkpoint_saved(step))
         self.snapshots = Snapshotting(self.group, options, events,
                                       notify=lambda step: self.observer.snapshot_saved(step))
         self.shadows = Shadows(self.group, events, options.shadow_spares)
-        self.executor = PlanExecutor(self.group, options, events, checkpoints=self.checkpoints,
+        self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,
                                      snapshots=self.snapshots, shadows=self.shadows,
                                      before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
         self.phase = Phase.STARTING
@@ -135,9 +136,10 @@ class Controller:
         # client's alone, and it may not take a fenced run back (the run then recovers as from any refusal).
         self.ownership = ownership
 
-    def _fold(self, event: dict) -> None:
-        self.state = self.state.apply(event)
-        self._last_event_t = event.get("t", self._last_event_t)
+    @property
+    def state(self) -> RunState:
+        """The run's state: the fold of every event written so far (:class:`RunLedger`)."""
+        return self.ledger.state
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -160,7 +162,7 @@ class Controller:
             self.group.detach()
         else:
             self.group.close()
-        self.events.unsubscribe(self._fold)
+        self.ledger.close()
 
     # -- what observers may use (the chaos injector) -------------------------
 
@@ -178,9 +180,9 @@ class Controller:
         return self.state.recoveries
 
     @property
-    def dead(self) -> dict[str, str]:
-        """Workers declared dead, with why."""
-        return self.group.dead
+    def dead(self) -> Mapping[str, str]:
+        """Workers declared dead, with why (the run state's)."""
+        return self.state.dead
 
     def live_spares(self) -> tuple[str, ...]:
         """Spares of the current placement not declared dead."""
@@ -221,8 +223,8 @@ class Controller:
         step not applied by every survivor: no committed step is lost or
         applied twice. With ``max_seconds``, dispatching stops that long after
         training started and the run ends at the last dispatched step
-        (``run_truncated``). Raises ``CapacityExhaustedError`` when the
-        policy gives up (``StateLostError``: no copy of the state left),
+        (``run_truncated``). Raises ``CapacityExhaustedError`` when too few
+        workers are left, ``StateLostError`` when no copy of the state is left,
         ``ReplicaDivergenceError`` when replicas disagree and
         ``BadInputError`` for an unusable ``load_full_state_path`` (all
         ``ElasticTrainingFailedError``).
@@ -280,7 +282,7 @@ class Controller:
         self.group.new_generation(generation)
         self.pending.clear()
         self.plans.clear()
-        attach(self, time.time() - self._last_event_t, os.getpid(), first=False)
+        attach(self, time.time() - self.ledger.last_event_t, os.getpid(), first=False)
         self.slow.restart()
         return Phase.RUNNING
 
@@ -322,14 +324,14 @@ class Controller:
                 self.shadows.behind(self.placement.spares, self.dead):
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile
-                self._commit(*self.pending.popleft())
+                self._collect(*self.pending.popleft())
                 return Phase.RUNNING
             return Phase.BOUNDARY
         while len(self.pending) < self.opts.dispatch_depth and self.state.dispatched < self.state.steps:
             self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches,
                                      self.opts.pipeline_stages))
         if self.pending:
-            self._commit(*self.pending.popleft())
+            self._collect(*self.pending.popleft())
         return Phase.RUNNING
 
     def _dispatch(self, plan: StepPlan) -> None:
@@ -343,7 +345,7 @@ class Controller:
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
         self.pending.append((plan, futs, time.time()))
 
-    def _commit(self, plan: StepPlan, futs, t_dispatch: float) -> None:
+    def _collect(self, plan: StepPlan, futs, t_dispatch: float) -> None:
         """Waits for a step (the watchdog looks once if it runs far past the median), checks and records it."""
         deadline, median = self.slow.deadline()
         results = self.group.wait(futs, deadline)
@@ -366,14 +368,14 @@ class Controller:
                                           [[results[w].stage_stream_seconds for w in g] for g in groups])
             if bubble is not None:
                 stages["bubble"] = bubble
-        self._record(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan, **stages,
+        self._commit(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan, **stages,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
                      apply_seconds=max(r.apply_seconds for r in results.values()),
                      bytes_sent=sum(r.bytes_sent for r in results.values()),
                      phases=slowest_phases([r.phases for r in results.values()]))
 
-    def _record(self, step: int, epoch: int, loss_sum: float, *, t_dispatch=None, plan=None, **fields) -> None:
+    def _commit(self, step: int, epoch: int, loss_sum: float, *, t_dispatch=None, plan=None, **fields) -> None:
         """Commits one step: the only place that emits ``step_committed``, calls ``on_step`` and the observer."""
         loss = self.mean_loss(loss_sum)
         if plan is not None:
@@ -468,7 +470,7 @@ class Controller:
                 raise failed(plan, "cannot recover", step=self.state.committed)
             x.adopt(plan, self.state.deferred)
             for step, loss_sum in plan.commits:   # every survivor applied them: committed from their losses
-                self._record(step, plan.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
+                self._commit(step, plan.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
             outcome = x.carry_out(plan, survey, self.state.committed, dead, started)
             if isinstance(outcome, Done):
                 return

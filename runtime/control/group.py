@@ -25,8 +25,6 @@ class Group(Protocol):
     client_host: str
     #: Where this run's in-memory snapshots live on the client's host ("" when it takes none).
     snapshot_root: str
-    #: ``{worker: why}`` of every worker declared dead (written only by :meth:`declare_dead`).
-    dead: dict[str, str]
     #: Members that fenced themselves and wait, holding their state, for this client to take them back.
     fenced: set[str]
 

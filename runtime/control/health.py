@@ -152,7 +152,6 @@ class HealthMonitor:
         self._stopped = False
         # Everything below is the loop's: touched only on the monitor's thread.
         self._links: dict[str, _Link] = {}
-        self._dead: set[str] = set()
         self._death = asyncio.Event()        # set (and replaced) at each death: is_alive stops waiting
         self._reopen: list[tuple[float, int, str]] = []    # (when, ticket, worker): Watch streams to open again
         self._tasks: set[asyncio.Task] = set()              # calls and streams out (the loop keeps weak references)
@@ -295,7 +294,6 @@ class HealthMonitor:
         ticket = self._schedule.add(worker_id, time.monotonic())
         self._links[worker_id] = _Link(ticket, channel, health_pb2_grpc.HealthStub(channel),
                                        pb_grpc.WorkerStub(channel))
-        self._dead.discard(worker_id)
         self._open(worker_id, ticket)
         self._kick()   # a new poll is scheduled
 
@@ -424,7 +422,6 @@ class HealthMonitor:
             return
         # Dead: the schedule forgot it already; no longer probed, asked or watched.
         self._drop(v.worker_id)
-        self._dead.add(v.worker_id)
         self._death.set()
         self._death = asyncio.Event()
         self.on_dead(v.worker_id, f"no health answer for {v.silent:.2f} s and {self.retries} re-probes "
@@ -440,7 +437,7 @@ class HealthMonitor:
                 except TimeoutError:
                     pass
             link = self._links.get(worker_id)
-            if link is None or worker_id in self._dead:
+            if link is None:   # unwatched, or declared dead by the loop (its link dropped)
                 return False
             try:
                 reply = await link.health.Check(_CHECK, timeout=timeout, metadata=self._metadata)

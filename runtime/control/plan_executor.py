@@ -71,15 +71,20 @@ class Replan:
 class PlanExecutor:
     """Surveys and carries out plans through a worker group (see the module docstring).
 
-    ``opts``: the run's ``ControllerOptions``; ``checkpoints``, ``snapshots``, ``shadows``: the run's backup
-    tiers (:mod:`runtime.control.checkpointing`, :mod:`runtime.control.snapshotting`,
-    :mod:`runtime.control.shadows`); ``before_transfer(source, dest)``: the observer's hook before each copy.
+    ``opts``: the run's ``ControllerOptions``; ``ledger``: the run's :class:`~runtime.control.run_state.RunLedger`
+    (who is dead: read as it is now, a probe or a call may have declared a death since the plan's state was
+    taken); ``checkpoints``, ``snapshots``, ``shadows``: the run's backup tiers
+    (:mod:`runtime.control.checkpointing`, :mod:`runtime.control.snapshotting`, :mod:`runtime.control.shadows`);
+    ``before_transfer(source, dest)``: the observer's hook before each copy.
     """
 
-    def __init__(self, group, opts, events, *, checkpoints, snapshots, shadows, before_transfer):
-        self.group, self.opts, self.events = group, opts, events
+    def __init__(self, group, opts, events, ledger, *, checkpoints, snapshots, shadows, before_transfer):
+        self.group, self.opts, self.events, self.ledger = group, opts, events, ledger
         self.checkpoints, self.snapshots, self.shadows = checkpoints, snapshots, shadows
-        self.copies = StateCopies(group, opts, events, shadows=shadows, before_transfer=before_transfer)
+        self.copies = StateCopies(group, opts, events, ledger, shadows=shadows, before_transfer=before_transfer)
+
+    def _dead(self):
+        return self.ledger.state.dead
 
     # -- the facts -------------------------------------------------------------------
 
@@ -95,7 +100,7 @@ class PlanExecutor:
         group.drain_deaths()   # the run state has them; the probe below finds the rest
         shadows = frozenset()
         if has_state:
-            shadows = frozenset(self.shadows.holding(state.committed, group.dead,
+            shadows = frozenset(self.shadows.holding(state.committed, self._dead(),
                                                      min(2.0, self.opts.rpc_timeout_seconds)))
             self.shadows.abandon()
         group.cancel_inflight()
@@ -104,7 +109,7 @@ class PlanExecutor:
     def probe(self, placement: Placement, why: str) -> None:
         """Probes every member of ``placement`` not known dead; one that does not answer is declared dead."""
         group = self.group
-        for w, alive in group.probe([w for w in placement.members if w not in group.dead]).items():
+        for w, alive in group.probe([w for w in placement.members if w not in self._dead()]).items():
             if not alive:
                 group.declare_dead(w, why)
 
@@ -121,13 +126,14 @@ class PlanExecutor:
         statuses = dict(base.statuses)
         if has_state:
             group.fence_at(old.epoch + 1)   # the epoch the plan adopts: a late step of the old one is refused
-            asked = [w for w in (members if ask is None else ask) if w not in group.dead]
+            asked = [w for w in (members if ask is None else ask) if w not in self._dead()]
             statuses.update(group.abort(asked))
         replicas = (state.replicas | base.shadows) if has_state else frozenset(members)
-        live = all(any(w in replicas and w not in group.dead for w in stage)   # (each stage holds its own)
+        dead = self._dead()
+        live = all(any(w in replicas and w not in dead for w in stage)   # (each stage holds its own)
                    for stage in stage_groups(old.active, o.pipeline_stages))
         backups = {} if live or not has_state else self._backups(state.committed)
-        return dataclasses.replace(base, statuses=statuses, shadows=base.shadows - frozenset(group.dead),
+        return dataclasses.replace(base, statuses=statuses, shadows=base.shadows - frozenset(dead),
                                    loaded={w: k for w in members if (k := group.loaded_stage(w)) is not None},
                                    hosts={w: group.host_of(w) for w in members}, **backups, **changed)
 
@@ -170,7 +176,7 @@ class PlanExecutor:
         recovery); ``FAIL`` raises its error."""
         if lost:
             self.group.drain_deaths()
-            self.failure("WorkerLostError", f"{', '.join(lost)} died before registering: {self.group.dead[lost[0]]}",
+            self.failure("WorkerLostError", f"{', '.join(lost)} died before registering: {self._dead().get(lost[0], '')}",
                          lost[0], 0)
             self.decision(plan, lost)
         if plan.action is Action.FAIL:

@@ -20,20 +20,22 @@ read are passed over; a
 attempt gets its frontier and losses from ``run_resumed``).
 
 Nothing here reads a clock, a socket or a file but :func:`replay_file`, the
-one reader, at the edge.
+one reader, at the edge, and :class:`RunLedger`, which holds a client's
+current state and notes when its last event came.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from runtime.control.policy import Placement, WorkerInfo
 from runtime.core.events import read_events
 
-__all__ = ["RunState", "Series", "replay_file"]
+__all__ = ["RunLedger", "RunState", "Series", "replay_file"]
 
 #: Recovery decisions that leave the placement as it was (the run waits, or ends).
 _UNADOPTED = ("wait", "fail")
@@ -103,7 +105,8 @@ class RunState:
     loss_sums: Series = dataclasses.field(default_factory=Series)   # the workers' sums behind them (checkpoints)
     dispatched: int = 0                          # the next step to dispatch (the dispatch frontier)
     replicas: frozenset[str] = frozenset()       # workers known to hold the state at the committed frontier
-    dead: frozenset[str] = frozenset()           # every worker declared dead in this attempt
+    dead: Mapping[str, str] = dataclasses.field(default_factory=dict)   # every worker declared dead in this
+    #                                            attempt, with why (the run's one record of deaths)
     recoveries: int = 0                          # recovery attempts so far (failures detected)
     deferred: tuple[str, ...] = ()               # dead workers whose replacements start after the next commit
     swaps: tuple[str, ...] = ()                  # stragglers to move onto spares at the next boundary
@@ -209,7 +212,7 @@ def _client_attached(s: RunState, e) -> RunState:
     workers = {w: WorkerInfo(w, i["address"], i["devices"], i["platform"], i["pid"], i.get("data_address", ""),
                              i.get("host") or "") for w, i in e["workers"].items()}
     return _replace(s, steps=e["steps"], generation=e["generation"], registered={**s.registered, **workers},
-                    dead=s.dead - frozenset(workers))
+                    dead={w: why for w, why in s.dead.items() if w not in workers})
 
 
 def _first_placement(s: RunState, e) -> RunState:
@@ -248,7 +251,7 @@ def _committed(s: RunState, e) -> RunState:
 
 
 def _worker_dead(s: RunState, e) -> RunState:
-    return _replace(s, dead=s.dead | {e["worker"]})
+    return _replace(s, dead={**s.dead, e["worker"]: e.get("reason") or e.get("cause") or "dead"})
 
 
 def _failure(s: RunState, e) -> RunState:
@@ -373,6 +376,31 @@ _FOLDS.update({
     "snapshot_saved": _by_stage("snapshot", _snapshot_saved),
     "snapshot_copied": _by_stage("snapshot", _snapshot_copied),
 })
+
+
+class RunLedger:
+    """The run's one current :class:`RunState`, shared by every reader of one client (the controller, the worker
+    group, the health monitor): it folds every event its :class:`~runtime.core.events.EventLog` writes, under the
+    log's lock, so a fact is the state's as soon as its event is written, for every thread at once. Nothing else
+    keeps a copy of a fact the state holds (who is dead, which spares shadow, which backups are held).
+
+    ``state``: the state to start from (a restarted client's: replayed from the log). ``last_event_t``: the time
+    of the newest event folded (a client that takes its run back measures its silence from it).
+    """
+
+    def __init__(self, events, state: RunState | None = None):
+        self.state = state if state is not None else RunState()
+        self.last_event_t = time.time()
+        self._events = events
+        events.subscribe(self._fold)
+
+    def _fold(self, event: Mapping[str, Any]) -> None:
+        self.state = self.state.apply(event)   # one reference swap: readers on any thread see whole states
+        self.last_event_t = event.get("t", self.last_event_t)
+
+    def close(self) -> None:
+        """Stops folding (the client is done with the run)."""
+        self._events.unsubscribe(self._fold)
 
 
 def replay_file(path) -> RunState:

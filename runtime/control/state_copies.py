@@ -17,11 +17,12 @@ __all__ = ["StateCopies"]
 
 
 class StateCopies:
-    """The copies of a run's state (see the module docstring). ``before_transfer(source, dest)``: the observer's
+    """The copies of a run's state (see the module docstring). ``ledger``: the run's
+    :class:`~runtime.control.run_state.RunLedger` (who is dead); ``before_transfer(source, dest)``: the observer's
     hook; ``shadows``: the run's :class:`runtime.control.shadows.Shadows`."""
 
-    def __init__(self, group, opts, events, *, shadows, before_transfer):
-        self.group, self.opts, self.events = group, opts, events
+    def __init__(self, group, opts, events, ledger, *, shadows, before_transfer):
+        self.group, self.opts, self.events, self.ledger = group, opts, events, ledger
         self.shadows, self.before_transfer = shadows, before_transfer
 
     def carry_out(self, copies, step: int) -> int:
@@ -65,7 +66,8 @@ class StateCopies:
     def sync_shadows(self, s) -> None:
         """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state (``s``:
         the run's ``RunState``)."""
-        behind = self.shadows.behind(s.placement.spares, self.group.dead)
+        dead = self.ledger.state.dead
+        behind = self.shadows.behind(s.placement.spares, dead)
         if not behind:
             return
         stages = self.opts.pipeline_stages
@@ -73,7 +75,7 @@ class StateCopies:
         for dest in behind:
             k = 0
             if stages > 1:   # it shadows the stage with the fewest shadows: that stage's programs, then its state
-                k = shadow_stage({w: self.group.loaded_stage(w) for w in self.shadows.at if w not in self.group.dead},
+                k = shadow_stage({w: self.group.loaded_stage(w) for w in self.shadows.at if w not in dead},
                                  stages)
                 self.take_stage(dest, k)
             source = next(w for w in groups[k] if w in s.replicas)
@@ -89,7 +91,7 @@ class StateCopies:
         doing so only when it holds the same step and bits as ``source`` (else a copy catches it up at the next
         boundary)."""
         self.shadows.forget(placement.active)
-        spares = self.shadows.feeding(placement.spares, self.group.dead)
+        spares = self.shadows.feeding(placement.spares, self.ledger.state.dead)
         if not spares:
             return
         groups = stage_groups(placement.active, self.opts.pipeline_stages)

@@ -38,15 +38,17 @@ class WorkerCalls:
     """The stubs of the adopted workers and their calls in flight. Thread-safe where noted.
 
     ``fence`` gives the fence every call carries (the group's epoch);
-    ``dead`` is the group's ``{worker: why}`` (read here, written only by
-    :meth:`record_death`); ``declare_dead(worker, reason, cause)`` is called
+    ``dead()`` answers the run's ``{worker: why}`` as it is now (the run
+    state's: a death is recorded by :meth:`record_death`, through the run's
+    event); ``declare_dead(worker, reason, cause)`` is called
     for a worker lost during a call; ``heard(worker, sent_at)`` is told of
     every step a worker answered (the health monitor's: no Check is needed
     while steps answer).
     """
 
     def __init__(self, opts, registry: Registry, programs: ProgramSet, data_source: bytes, snapshot_root: str,
-                 fence: Callable[[], pb.Fence], dead: dict[str, str], declare_dead: Callable[..., None],
+                 fence: Callable[[], pb.Fence], dead: Callable[[], Mapping[str, str]],
+                 declare_dead: Callable[..., None],
                  heard: Callable[[str, float], None] | None = None, secret: str = ""):
         self.opts, self.registry = opts, registry
         self.programs, self.data_source, self.snapshot_root = programs, data_source, snapshot_root
@@ -74,20 +76,16 @@ class WorkerCalls:
         """Every adopted worker, dead or alive."""
         return list(self._stubs)
 
-    def record_death(self, worker_id: str, reason: str) -> list[grpc.Future] | None:
-        """Thread-safe. Records ``worker_id`` as dead and takes its calls in flight (for the caller to cancel);
-        None when it already was. Atomic with every send: a call sent to a dead worker is cancelled at once."""
+    def record_death(self, worker_id: str, record: Callable[[], None]) -> list[grpc.Future] | None:
+        """Thread-safe. ``record()`` writes the death (its event, which the run state folds at once) and the
+        worker's calls in flight are taken (for the caller to cancel); None, and nothing recorded, when it was
+        dead already. Atomic with every send: a call sent to a dead worker is cancelled at once."""
         with self._lock:
-            if worker_id in self._dead:
+            if worker_id in self._dead():
                 return None
-            self._dead[worker_id] = reason
+            record()
             self._streams.drop(worker_id)
             return self._inflight.pop(worker_id, [])
-
-    def revive(self, worker_id: str) -> None:
-        """Thread-safe. A worker declared dead only for having fenced itself was taken back (Attach): alive."""
-        with self._lock:
-            self._dead.pop(worker_id, None)
 
     def close(self) -> None:
         """The step streams end (the run is over, or another client took it over)."""
@@ -129,7 +127,7 @@ class WorkerCalls:
                 futs[w] = getattr(self._stubs[w], method).future(make_request(w),
                                                                   timeout=timeout or self.opts.rpc_timeout_seconds)
                 self._inflight.setdefault(w, []).append(futs[w])
-                if w in self._dead:
+                if w in self._dead():
                     futs[w].cancel()
         out, raised = collect(futs, lambda w, error: self._declare_dead(w, f"{what}: {error}"[:300], cause="crash"))
         self._settle(futs)
@@ -209,7 +207,8 @@ class WorkerCalls:
         cold = not compile_cache.holds(cache, programs, devices)
         leader = workers[:1] if cache and cold and len(workers) > 1 else []
         replies = self._each("Load", requests.__getitem__, leader, "failed to load programs")
-        rest = [w for w in workers if w not in leader and w not in self._dead]
+        dead = self._dead()
+        rest = [w for w in workers if w not in leader and w not in dead]
         replies.update(self._each("Load", requests.__getitem__, rest, "failed to load programs"))
         if replies and cold:
             compile_cache.mark_held(cache, programs, devices)
@@ -227,9 +226,7 @@ class WorkerCalls:
             w, f"did not answer the restarted client: {error}"[:300], cause="crash"))
         if raised is not None:
             raise raised
-        for w in out:
-            self.revive(w)
-        return out
+        return out   # those that answered are alive: client_attached says so (the run state folds it)
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; returns ``{worker: state bytes}`` of those that did.
@@ -268,7 +265,7 @@ class WorkerCalls:
     def _send_step(self, w: str, req: pb.StepRequest, futs: dict) -> None:
         """With the lock held: one step on the worker's step stream without waiting
         (:mod:`runtime.control.step_stream`), tracked in flight (cancelled at once if dead)."""
-        if w in self._dead:   # never sent: cancelled at once
+        if w in self._dead():   # never sent: cancelled at once
             futs[w] = self._streams.cancelled(req)
             return
         futs[w] = self._streams.send(w, self._stubs[w], req, self._data_address(w))

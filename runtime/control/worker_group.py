@@ -76,13 +76,17 @@ def join_command(address: str, run_id: str, opts) -> str:
 class WorkerGroup:
     """The workers of one run, reached over gRPC. Thread-safe where noted; otherwise called by the controller.
 
-    ``opts`` is the run's ``ControllerOptions``. The group fences every call
+    ``opts`` is the run's ``ControllerOptions``; ``ledger`` the run's
+    :class:`~runtime.control.run_state.RunLedger`: who is dead is the run
+    state's (a death is recorded by its ``worker_dead`` event, written here
+    once; the group keeps no copy). The group fences every call
     with ``(run_id, epoch)``; the controller moves the epoch with
     :meth:`fence_at`.
     """
 
-    def __init__(self, run_id: str, secret: str, programs: ProgramSet, data_source: bytes, opts, events: EventLog):
-        self.run_id, self.secret, self.opts, self.events = run_id, secret, opts, events
+    def __init__(self, run_id: str, secret: str, programs: ProgramSet, data_source: bytes, opts, events: EventLog,
+                 ledger):
+        self.run_id, self.secret, self.opts, self.events, self.ledger = run_id, secret, opts, events, ledger
         self.programs, self.data_source = programs, data_source
         self.epoch = 0
         self.generation = opts.generation
@@ -104,7 +108,6 @@ class WorkerGroup:
         self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
         self.monitor = HealthMonitor(Dialer(secret, opts.tls), self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
-        self.dead: dict[str, str] = {}           # worker -> why; written only by declare_dead (calls.record_death)
         self.fenced: set[str] = set()            # members that fenced themselves and wait: this client takes them back
         self._deaths: queue.Queue[Death] = queue.Queue()
         self._channels: dict[str, grpc.Channel] = {}
@@ -117,7 +120,7 @@ class WorkerGroup:
                               if opts.snapshot_directory and opts.snapshot_interval else "")
         # Every call to an adopted worker: its stub, the fence it carries, the calls in flight.
         self.calls = WorkerCalls(opts, self.registry, programs, data_source, self.snapshot_root, self._fence,
-                                 self.dead, self.declare_dead, heard=self.monitor.heard, secret=secret)
+                                 self._dead, self.declare_dead, heard=self.monitor.heard, secret=secret)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -146,9 +149,9 @@ class WorkerGroup:
             if not self.calls.reaches(w.worker_id):
                 self.calls.adopt(w.worker_id, self._channel(w.address))
         for wid in self.calls.workers():
-            if wid not in self.dead:
+            if wid not in self._dead():
                 self.calls.send_home(wid, run_ended=True)
-        for wid in self.dead:
+        for wid in self._dead():
             self.launcher.kill(wid)
         self.launcher.stop_all()
         self.server.stop(0)
@@ -268,13 +271,13 @@ class WorkerGroup:
         while True:
             for wid, proc in list(self.launcher.procs.items()):
                 code = proc.poll()
-                if code is not None and wid not in self.registry.workers and wid not in self.dead:
+                if code is not None and wid not in self.registry.workers and wid not in self._dead():
                     self.declare_dead(wid, f"exited with status {code} before registering", cause="crash")
                     self.relaunch(wid)
             with self.registry.cond:
-                live = [w for w in self.registry.workers.values() if w.worker_id not in self.dead]
+                live = [w for w in self.registry.workers.values() if w.worker_id not in self._dead()]
                 waiting = [w for w, p in self.launcher.procs.items()
-                           if w not in self.registry.workers and w not in self.dead]
+                           if w not in self.registry.workers and w not in self._dead()]
                 if len(live) >= n or not (waiting or self.launcher.external):
                     break
                 left = deadline - time.monotonic()
@@ -287,7 +290,7 @@ class WorkerGroup:
                                                    f"{timeout:.0f} s; {how}")
                 self.registry.cond.wait(min(left, 0.2))
         if not live:
-            raise RegistrationTimeoutError(f"no worker registered: {len(self.dead)} exited first; "
+            raise RegistrationTimeoutError(f"no worker registered: {len(self._dead())} exited first; "
                                            f"{self.launcher.explain_unregistered([])}")
         for w in live:
             self._adopt(w)
@@ -349,15 +352,19 @@ class WorkerGroup:
             warmed.append(wid)
         return warmed
 
+    def _dead(self):
+        """The run's ``{worker: why}`` of the workers declared dead, as it is now (the run state's)."""
+        return self.ledger.state.dead
+
     def _may_take_back(self, worker_id: str) -> bool:
         """A fenced worker waits to be taken back (its rejoin is told to wait; the health monitor's finding is
         no death): it is a member this client has not let go, and the run has a client grace."""
         return bool(self.opts.client_grace_seconds) and worker_id in self.registry.workers and \
-            worker_id not in self.dead
+            worker_id not in self._dead()
 
     def _why_fenced(self, worker_id: str) -> str:
-        if worker_id in self.dead:
-            return (f"worker {worker_id} was declared dead ({self.dead[worker_id]}) and is fenced; the run is at "
+        if worker_id in self._dead():
+            return (f"worker {worker_id} was declared dead ({self._dead()[worker_id]}) and is fenced; the run is at "
                     f"epoch {self.epoch}: a fresh process joins as a new worker")
         return ""
 
@@ -375,10 +382,10 @@ class WorkerGroup:
                 self.events.emit("worker_fenced", worker=worker_id, reason=reason)
                 self._deaths.put(Death(worker_id, reason, cause))
             return
-        futs = self.calls.record_death(worker_id, reason)   # atomic with every call sent: see WorkerCalls
+        futs = self.calls.record_death(   # atomic with every call sent: see WorkerCalls
+            worker_id, lambda: self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause))
         if futs is None:
             return
-        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
         self._deaths.put(Death(worker_id, reason, cause))
         for f in futs:
             f.cancel()

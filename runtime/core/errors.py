@@ -170,9 +170,9 @@ class CapacityExhaustedError(ElasticTrainingFailedError):
               "lower minimum (min_slices) or a longer capacity wait")
 
 
-class StateLostError(CapacityExhaustedError):
-    """Every worker holding the training state was lost and no snapshot or checkpoint holds it: the capacity
-    ran out with the state. Running again starts over (or from a checkpoint)."""
+class StateLostError(ElasticTrainingFailedError):
+    """Every worker holding the training state was lost and no snapshot or checkpoint holds it. More capacity
+    would not bring it back: running again starts over (or from a checkpoint)."""
 
     advice = ("what to do: run again with spares, and keep in-memory snapshots or checkpoints so a later loss "
               "restores the state instead of ending the run")

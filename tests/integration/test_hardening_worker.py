@@ -251,13 +251,14 @@ def test_a_worker_whose_parent_dies_during_a_long_compile_exits_at_once(tmp_path
 def test_refused_calls_are_counted_by_the_worker_and_reach_the_event_log(tmp_path):
     """Callers without (or with a wrong) secret are counted per method, peer host and reason, not per call."""
     from runtime.control.controller_options import ControllerOptions
+    from runtime.control.run_state import RunLedger
     from runtime.control.worker_group import WorkerGroup
 
     programs = tiny_programs()
     events = EventLog(tmp_path / "events.jsonl")
     opts = ControllerOptions(slices=1, devices_per_slice=1, run_dir=str(tmp_path), heartbeat_seconds=0.25,
                              lease_seconds=30.0, worker_lease_seconds=0.0, standby_workers=0)
-    group = WorkerGroup(RUN, SECRET, programs, data_source(), opts, events)
+    group = WorkerGroup(RUN, SECRET, programs, data_source(), opts, events, RunLedger(events))
     group.monitor.refusals_seconds = 0.5
     group.start()
     try:

@@ -11,6 +11,7 @@ import pytest
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.controller_options import ControllerOptions
 from runtime.control.registry import Registry
+from runtime.control.run_state import RunLedger
 from runtime.control.worker_group import WorkerGroup
 from runtime.core.events import EventLog
 from runtime.wire import rpc
@@ -155,7 +156,8 @@ def test_a_worker_that_registered_too_late_to_be_placed_is_sent_home_when_the_ru
     """It registered after the client's last adoption: the end of the run still reaches it, and it exits 0."""
     opts = ControllerOptions(slices=1, devices_per_slice=1, run_dir=str(tmp_path), run_id="r", launcher="none",
                              secret="s3cret")
-    group = WorkerGroup("r", "s3cret", None, b"", opts, EventLog(tmp_path / "events.jsonl"))
+    events = EventLog(tmp_path / "events.jsonl")
+    group = WorkerGroup("r", "s3cret", None, b"", opts, events, RunLedger(events))
     group.start()
     port = int(group.address.rpartition(":")[2])
     worker = _worker(port, "--worker-id", "pod-late", env={"ELASTIC_RUN_SECRET": "s3cret"})

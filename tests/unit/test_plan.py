@@ -21,7 +21,7 @@ def plan(*, placement=P, dead=frozenset(), replicas=frozenset(), recoveries=1, c
          max_retries=5, may_wait=False, stages=1, now=0.0, statuses=None, applied=None, **survey):
     """plan_recovery over a RunState of ``placement`` (``committed`` steps, ``dead``, ``replicas``), a Survey in
     which every live member answered it applied ``applied`` (default: ``committed``) steps, and options."""
-    state = RunState(placement=placement, losses=Series([1.0] * committed), dead=frozenset(dead),
+    state = RunState(placement=placement, losses=Series([1.0] * committed), dead={w: "lost" for w in dead},
                      recoveries=recoveries, replicas=frozenset(replicas))
     opts = ControllerOptions(slices=slices, devices_per_slice=1, run_dir="", min_slices=min_slices,
                              max_retries=max_retries, pipeline_stages=stages, relaunch=may_wait,

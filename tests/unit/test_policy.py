@@ -325,11 +325,11 @@ def test_a_capacity_timeout_and_a_start_short_of_workers_are_capacity_failures()
 @pytest.mark.parametrize("failure,error", [(Failure.CAPACITY, "CapacityExhaustedError"),
                                            (Failure.STATE_LOST, "StateLostError")])
 def test_each_failure_raises_its_own_type(failure, error):
-    from runtime import CapacityExhaustedError
     from runtime.control.plan_executor import failed
+    from runtime.core.errors import ElasticTrainingFailedError
 
     err = failed(Plan(Action.FAIL, P, "why", failure=failure), "cannot recover", step=3)
-    assert type(err).__name__ == error and isinstance(err, CapacityExhaustedError)
+    assert type(err).__name__ == error and isinstance(err, ElasticTrainingFailedError)
     assert (err.message, err.step, err.cause) == ("cannot recover", 3, "why")
 
 

@@ -42,7 +42,7 @@ def test_a_recovery_adopts_its_decision_defers_relaunches_and_resumes_at_its_ste
            restore_tier="replica")]
     s = RunState.replay(log)
     assert s.placement == Placement(2, ("a", "s"), ()), "a wait keeps the placement; the replace is adopted"
-    assert (s.recoveries, s.dead, s.deferred) == (1, {"b"}, ("b",))
+    assert (s.recoveries, s.dead, s.deferred) == (1, {"b": "gone"}, ("b",))
     assert (s.committed, s.dispatched, s.replicas) == (2, 2, {"a", "s"})
     s = s.apply(ev("step_committed", step=2, epoch=2, loss=1.0, loss_sum=2.0, recovered=True))
     assert s.deferred == ("b",), "a step committed by the recovery itself does not start the replacements"
