@@ -1,9 +1,9 @@
-"""The controller's runs over the fake worker group (``tests/unit/fake_group.py``): their microbatch count and
+"""The controller's runs over the fake worker group (``tests/support/fake_group.py``): their microbatch count and
 the losses such a run reports when nothing goes wrong. Shared by the controller's tests and the re-attach tests."""
 
 import numpy as np
 
-from tests.unit.fake_group import loss_sum
+from tests.support.fake_group import loss_sum
 
 M = 4   # microbatches per step
 

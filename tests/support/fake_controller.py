@@ -1,9 +1,10 @@
-"""A controller as the fault injector sees it, and nothing more.
+"""The unit tests' one controller as the fault injector sees it, and nothing more.
 
 ``Controller`` has exactly what ``runtime.ControllerObserver.attach`` promises (``placement``, ``live_spares()``,
-``pid()``, ``inject_fault()``, ``events.emit``) and nothing else (``__slots__``), so an injector reaching for
-anything more fails. It records the worker faults it was asked to arm in ``armed`` and the events emitted in
-``events.emitted``. Used by the injector's tests and the client faults' tests (also in a subprocess of theirs).
+``pid()``, ``inject_fault()``, ``events.emit``, and the run's ``opts.pipeline_stages`` for stage targets) and
+nothing else (``__slots__``), so an injector reaching for anything more fails. It records the worker faults it was
+asked to arm in ``armed`` and the events emitted in ``events.emitted``; signals go to the processes of ``pids``.
+Used by the injector's tests, the fault grammar's and the client faults' (also in a subprocess of theirs).
 """
 
 import dataclasses
@@ -19,6 +20,13 @@ class Placement:
     spares: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the injector reads of the run's options."""
+
+    pipeline_stages: int = 1
+
+
 class Events:
     """Keeps what is emitted, in order, in ``emitted``; with ``timed``, each event carries its ``time.time()``
     as ``t``, as the events of a real log do."""
@@ -32,17 +40,21 @@ class Events:
 
 
 class Controller:
-    __slots__ = ("placement", "events", "pids", "armed", "fail")
+    """A run of ``active`` slices (stage-major over ``stages`` pipeline stages) and live ``spares``; ``pids``: the
+    workers' processes (``pid`` of another raises ``KeyError``); ``fail``: what ``inject_fault`` raises."""
 
-    def __init__(self, pids=None, fail=None):
-        self.placement = Placement(1, ("w0", "w1", "w2"), ("w3",))
+    __slots__ = ("placement", "opts", "events", "pids", "armed", "fail")
+
+    def __init__(self, pids=None, fail=None, *, active=("w0", "w1", "w2"), spares=("w3",), stages=1):
+        self.placement = Placement(1, tuple(active), tuple(spares))
+        self.opts = Options(pipeline_stages=stages)
         self.events = Events()
         self.pids = pids or {}
         self.armed = []
         self.fail = fail
 
     def live_spares(self):
-        return ("w3",)
+        return self.placement.spares
 
     def pid(self, worker_id):
         return self.pids[worker_id]

@@ -9,7 +9,7 @@ from runtime.control.controller import Controller, Phase
 from runtime.control.controller_options import ControllerOptions
 from tests.support.controller_run import M, expected_losses
 from tests.support.events import committed_steps, kinds
-from tests.unit.fake_group import FakeGroup
+from tests.support.fake_group import FakeGroup
 
 PROGRAMS = types.SimpleNamespace(num_microbatches=M)
 STEPS = 8

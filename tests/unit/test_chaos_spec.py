@@ -10,6 +10,7 @@ from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
 from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate
 from elastic.config_loading import load_config
+from tests.support.fake_controller import Controller
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((ROOT / "chaos" / "scenarios").glob("*.yml"))
@@ -344,14 +345,13 @@ def test_resolve_stage_errors(target, active, stages, message):
 
 
 def test_the_injector_hits_the_stage_through_the_controllers_pipeline_stages():
-    ctl = _Controller(active=PIPELINED)
-    ctl.opts = type("Opts", (), {"pipeline_stages": 2})()
+    ctl = Controller(active=PIPELINED, spares=(), stages=2)
     injector = FaultInjector(parse_faults("corrupt:stage=1@step=1,corrupt:stage=0,replica=1@step=1,"
                                           "corrupt:stage=2@step=1"))
     injector.attach(ctl)
     injector.step_committed(1)
     injector.close()
-    assert ctl.armed == [("s1r0", "corrupt"), ("s0r1", "corrupt")]
+    assert ctl.armed == [("s1r0", "corrupt", 0.0, 0.0, ""), ("s0r1", "corrupt", 0.0, 0.0, "")]
     [skipped] = [e for e in ctl.events.emitted if e["kind"] == "fault_skipped"]
     assert skipped["fault"] == "corrupt:stage=2@step=1" and "stage 2 is out of range" in skipped["reason"]
 
@@ -443,34 +443,8 @@ def test_elastic_chaos_refuses_a_fault_that_can_never_fire_before_anything_start
                    "(a fault @step=N fires once N steps are committed, so N must be below 20)"]
 
 
-class _Events:
-    def __init__(self):
-        self.emitted = []
-
-    def emit(self, kind, **fields):
-        self.emitted.append({"kind": kind, **fields})
-
-
-class _Controller:
-    """The observer surface the injector may use; faults are armed, nothing is signalled."""
-
-    def __init__(self, active=("w0", "w1")):
-        self.placement = type("P", (), {"active": active, "spares": ()})()
-        self.events = _Events()
-        self.armed = []
-
-    def live_spares(self):
-        return ()
-
-    def pid(self, worker_id):
-        raise KeyError(worker_id)
-
-    def inject_fault(self, worker_id, action, **kw):
-        self.armed.append((worker_id, action))
-
-
 def test_faults_that_never_fired_are_recorded_as_skipped_when_the_run_ends():
-    ctl = _Controller()
+    ctl = Controller(active=("w0", "w1"), spares=())
     injector = FaultInjector(parse_faults("corrupt:slice=1@step=1,corrupt@step=500,partition@time=10m,kill@transfer"))
     injector.attach(ctl)
     injector.step_committed(0)
@@ -478,7 +452,7 @@ def test_faults_that_never_fired_are_recorded_as_skipped_when_the_run_ends():
     injector.close()
     injector.close()   # at most once
     injector.step_committed(600)   # too late: nothing fires after the end
-    assert ctl.armed == [("w1", "corrupt")]
+    assert ctl.armed == [("w1", "corrupt", 0.0, 0.0, "")]
     done = [e for e in ctl.events.emitted if e["kind"] in ("fault_injected", "fault_skipped")]
     assert [(e["kind"], e["index"], e["fault"]) for e in done] == [
         ("fault_injected", 0, "corrupt:slice=1@step=1"), ("fault_skipped", 1, "corrupt@step=500"),

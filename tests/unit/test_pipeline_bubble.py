@@ -20,7 +20,7 @@ from runtime.pipeline.bubble import measured_bubble, stage_workers_bubble, theor
 from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
 from tests.support.events import ev
-from tests.unit.fake_group import FakeGroup
+from tests.support.fake_group import FakeGroup
 
 SCHEMA = json.loads((pathlib.Path(__file__).resolve().parents[2] / "docs" / "report.schema.json").read_text())
 

@@ -13,7 +13,7 @@ from runtime.control.controller_options import ControllerOptions
 from runtime.control.plan import Action
 from tests.support.controller_run import M, expected_losses
 from tests.support.events import committed_steps, kinds
-from tests.unit.fake_group import FakeGroup
+from tests.support.fake_group import FakeGroup
 
 
 class Recording(FakeGroup):

@@ -15,6 +15,7 @@ from runtime.control.policy import Placement, snapshot_order
 from runtime.state.snapshot import KEEP, SnapshotStore, host_directory
 from runtime.control.snapshotting import Snapshotting
 from runtime.control.calls import WorkerStatus
+from tests.support.fake_group import FakeGroup
 
 LEAVES = [np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((0, 4), np.int32),
           np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16), np.int32(7)]
@@ -106,27 +107,22 @@ def test_the_writer_rotates_and_its_copy_goes_to_another_host_a_spare_first():
     assert snapshot_order(3, 20, 4, ("a", "b"), ("s",), {"a": "h1", "b": "h0", "s": "h0"}) == ("b", "a")
 
 
-class _Group:
-    snapshot_root = "/run"
-
-    def __init__(self, stages=None):
-        self.stages = stages or {}
-
-    def host_of(self, w):
-        return {"w0": "h0", "w1": "h1", "w2": "h2", "w3": "h3", "w4": "h4"}[w]
-
-    def loaded_stage(self, w):
-        return self.stages.get(w)
-
-
 class _Opts:
     snapshot_interval, backup_kind, pipeline_stages = 2, "snapshot", 1
+
+
+def _group(stages=None):
+    """The fake worker group, worker ``wK`` on host ``hK``; ``stages``: the pipeline stage each worker loaded."""
+    group = FakeGroup(_Opts(), EventLog(None), hosts={f"w{k}": f"h{k}" for k in range(5)})
+    if stages:
+        group.load(list(stages), stages=stages)
+    return group
 
 
 def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in_place(tmp_path):
     events = EventLog(str(tmp_path / "events.jsonl"))
     notified = []
-    snaps = Snapshotting(_Group(), _Opts(), events, notify=notified.append)
+    snaps = Snapshotting(_group(), _Opts(), events, notify=notified.append)
     placement = Placement(epoch=1, active=("w0", "w1"), spares=("w2",))
     assert snaps.order_for(0, 10, placement, shadows=0) == {}
     assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w2"}
@@ -152,7 +148,7 @@ def test_each_pipeline_stage_snapshots_its_own_state_and_a_step_counts_when_ever
     class Opts(_Opts):
         pipeline_stages = 2
 
-    group = _Group({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0})
+    group = _group({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0})
     snaps = Snapshotting(group, Opts(), EventLog(str(tmp_path / "events.jsonl")))
     placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",))
     assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w4", "w3": "w4"}
