@@ -1,7 +1,11 @@
 """jax-elastic runtime: controller, workers, scheduling and recovery.
 
 Imports none of ``elastic``, ``integrations`` or ``chaos``; those packages use
-the runtime only through the names exported here.
+the runtime only through the names exported here. The surface is exactly what
+they (and the benchmarks, examples and scripts) import, plus the errors a
+caller catches (docs/user-guide.md, "Errors"); a name only tests need is
+imported from its module (``from runtime.core.microbatch import tree_sum``).
+tests/unit/test_layout.py keeps it that way.
 """
 
 import importlib
@@ -14,18 +18,17 @@ _LAZY = {
     "Controller": ("runtime.control.controller", "Controller"),
     "ControllerObserver": ("runtime.control.controller_options", "ControllerObserver"),
     "ControllerOptions": ("runtime.control.controller_options", "ControllerOptions"),
-    "RunResult": ("runtime.control.controller_options", "RunResult"),
     "peak_rss_bytes": ("runtime.control.controller_options", "peak_rss_bytes"),
     "RunState": ("runtime.control.run_state", "RunState"),
     "Reattach": ("runtime.control.attach", "Reattach"),
     "can_attach": ("runtime.control.attach", "can_attach"),
-    "replay_run_state": ("runtime.control.run_state", "replay_file"),
     **{name: ("runtime.core.errors", name) for name in (
-        "BadInputError", "CapacityExhaustedError", "ClusterUnreachableError", "ElasticError",
-        "ElasticTrainingFailedError", "PlatformMismatchError", "ReplicaDivergenceError", "StateLostError",
-        "DeviceMismatchError",
-        "ProgramExportError", "ProtocolError", "RegistrationTimeoutError", "StaleEpochError", "StepAbortedError", "WorkerError", "WorkerLostError",
-        "ClientSupersededError", "AttachRefusedError", "WorkerFencedError")},
+        # what a run raises, documented for callers to catch (docs/user-guide.md, "Errors")
+        "ElasticError", "WorkerError", "WorkerLostError", "StepAbortedError", "ProtocolError", "StaleEpochError",
+        "ProgramExportError", "RegistrationTimeoutError", "PlatformMismatchError", "ElasticTrainingFailedError",
+        "CapacityExhaustedError", "StateLostError", "DeviceMismatchError", "ReplicaDivergenceError", "BadInputError",
+        # a restarted client's own outcomes (elastic.reattach, elastic.cli, chaos.supervisor)
+        "ClientSupersededError", "AttachRefusedError")},
     "positive_seconds": ("runtime.core.arguments", "positive_seconds"),
     "checkpoint_directory_problem": ("runtime.state.checkpoint_storage", "directory_problem"),
     "locate_checkpoint": ("runtime.control.checkpointing", "locate_checkpoint"),
@@ -34,15 +37,11 @@ _LAZY = {
     "read_events": ("runtime.core.events", "read_events"),
     "EVENT_KINDS": ("runtime.core.event_kinds", "EVENT_KINDS"),
     "EVENT_COMMON_FIELDS": ("runtime.core.event_kinds", "COMMON_FIELDS"),
-    "LEGACY_EVENT_KINDS": ("runtime.core.event_kinds", "LEGACY_KINDS"),
-    "EventKind": ("runtime.core.event_kinds", "EventKind"),
     "EventFieldType": ("runtime.core.event_kinds", "FieldType"),
-    "check_event": ("runtime.core.event_kinds", "check_event"),
     **{name: ("runtime.wire.parts", name) for name in (
         "DEFAULT_CHUNK_BYTES", "MAX_CHUNK_BYTES", "MAX_STEPS_AHEAD", "MIN_CHUNK_BYTES")},
     "FAULT_ACTIONS": ("runtime.worker.fault_injection", "ACTIONS"),
     "FAULT_PHASES": ("runtime.worker.fault_injection", "PHASES"),
-    **{name: ("runtime.core.microbatch", name) for name in ("Node", "assign_microbatches", "tree_reduce", "tree_sum")},
     **{name: ("runtime.core.platforms", name) for name in (
         "default_worker_platform", "local_platform", "program_platforms")},
     "MESH_AXIS": ("runtime.core.programs", "MESH_AXIS"),
@@ -119,7 +118,6 @@ __all__ = [
     "CapacityExhaustedError",
     "DeviceMismatchError",
     "CheckpointTree",
-    "ClusterUnreachableError",
     "Controller",
     "checkpoint_directory_problem",
     "positive_seconds",
@@ -132,10 +130,7 @@ __all__ = [
     "EVENT_COMMON_FIELDS",
     "EVENT_KINDS",
     "EventFieldType",
-    "EventKind",
     "EventLog",
-    "LEGACY_EVENT_KINDS",
-    "check_event",
     "DEFAULT_CHUNK_BYTES",
     "FAULT_ACTIONS",
     "FAULT_PHASES",
@@ -143,29 +138,24 @@ __all__ = [
     "MAX_STEPS_AHEAD",
     "MIN_CHUNK_BYTES",
     "MESH_AXIS",
-    "Node",
     "PlatformMismatchError",
     "ProgramExportError",
     "ProgramSet",
     "ProtocolError",
     "RegistrationTimeoutError",
     "ReplicaDivergenceError",
-    "RunResult",
     "RunState",
     "STATE_DIGEST",
     "Reattach",
     "can_attach",
-    "replay_run_state",
     "StaleEpochError",
     "StateLostError",
     "ClientSupersededError",
     "AttachRefusedError",
-    "WorkerFencedError",
     "StepAbortedError",
     "TlsFiles",
     "WorkerError",
     "WorkerLostError",
-    "assign_microbatches",
     "default_snapshot_root",
     "default_worker_platform",
     "enable_compilation_cache",
@@ -186,7 +176,5 @@ __all__ = [
     "stage_groups",
     "stages_digest",
     "StagePrograms",
-    "tree_reduce",
-    "tree_sum",
     "worker_main",
 ]

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from chaos import Fault, FaultInjector, FaultSpecError, RunShape, Target, When, check_reachable, parse_faults, validate
+from chaos import Fault, FaultSpecError, Target, When, parse_faults, validate
+from chaos.injector import ClientSide, FaultInjector, backstop_seconds, outlasts_lease
 from chaos.promise import promises
-from chaos.injector import ClientSide, backstop_seconds, outlasts_lease
+from chaos.reach import RunShape, check_reachable
 from chaos.supervisor import (SUPERSEDED_EXIT, ClientEnd, _Supervision, _Tail, after_exit, job_blob,
                               supervision_reasons, takeover_due, wake_due)
 from tests.conftest import ROOT
@@ -239,8 +240,8 @@ def test_a_client_fault_never_strikes_once_every_step_is_committed_nor_without_a
 STRIKE = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, {root!r})
-    from chaos import FaultInjector, parse_faults
-    from chaos.injector import ClientSide
+    from chaos import parse_faults
+    from chaos.injector import ClientSide, FaultInjector
     from tests.support.fake_controller import timed_controller
     ctl = timed_controller()
     injector = FaultInjector(parse_faults({spec!r}), supervised=ClientSide(10, {lease}, 20.0))

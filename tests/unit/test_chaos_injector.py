@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from chaos import FaultInjector, parse_faults
+from chaos import parse_faults
+from chaos.injector import FaultInjector
 from runtime import WorkerLostError
 from tests.support.fake_controller import Controller
 

@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from chaos import ChaosOptions, FaultInjector, RunShape, check_reachable, fault_plan
+from chaos.harness import ChaosOptions, fault_plan
+from chaos.injector import FaultInjector
+from chaos.reach import RunShape, check_reachable
 from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
 from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate

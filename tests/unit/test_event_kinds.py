@@ -16,7 +16,8 @@ import pathlib
 import pytest
 
 from elastic.report.fold import READS
-from runtime import EVENT_KINDS, LEGACY_EVENT_KINDS, EventLog, read_events
+from runtime import EVENT_KINDS, EventLog, read_events
+from runtime.core.event_kinds import LEGACY_KINDS as LEGACY_EVENT_KINDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WRITERS = ("runtime", "elastic", "chaos", "integrations")

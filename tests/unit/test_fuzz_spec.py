@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from chaos import (KINDS, Fault, FaultSpecError, RunShape, Scenario, Target, When, check_reachable, load_scenario,
-                   parse_duration, parse_faults, validate)
+from chaos import Fault, FaultSpecError, Scenario, Target, When, load_scenario, parse_faults, validate
+from chaos.reach import RunShape, check_reachable
+from chaos.spec import KINDS, parse_duration
 
 # Hypothesis caches what it learns about the code under .hypothesis/ in the working directory; keep the
 # checkout clean (the examples are derandomized and no database is kept, so nothing is lost).

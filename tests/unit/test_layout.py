@@ -12,6 +12,7 @@ Every import counts, including the ones inside functions.
 import ast
 import filecmp
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -133,6 +134,72 @@ def test_every_name_runtime_exports_resolves():
 
     for name in runtime.__all__:   # the lazy table and __all__ must agree
         getattr(runtime, name)
+
+
+# The surfaces of runtime and chaos hold what other packages import (found below) and the names a user writes that
+# no package of ours imports; each of those is documented (README.md, docs/, examples/README.md). A name only tests
+# need is not exported: tests import it from its module (tests are exempt from the layering).
+SURFACE_USERS = ("elastic", "integrations", "chaos", "benchmarks", "examples", "scripts")
+USER_NAMES = {
+    # the errors a caller catches (docs/user-guide.md, "Errors")
+    "runtime": {"ElasticError", "WorkerError", "WorkerLostError", "StepAbortedError", "ProtocolError",
+                "StaleEpochError", "ProgramExportError", "RegistrationTimeoutError", "PlatformMismatchError",
+                "ElasticTrainingFailedError", "CapacityExhaustedError", "StateLostError", "DeviceMismatchError",
+                "ReplicaDivergenceError", "BadInputError"},
+    # run_job and its result, the fault grammar, random schedules, scenario files (docs/chaos-guide.md)
+    "chaos": {"run_job", "ChaosResult", "parse_faults", "validate", "Fault", "Target", "When", "FaultSpecError",
+              "random_faults", "load_scenario", "Scenario"},
+}
+
+
+def names_taken_from(package: str, source: str, in_package: str):
+    """The names ``source`` (a file of ``in_package``) takes from ``package``'s surface: ``from package import X``,
+    ``package.X``, and lazy re-export tables (``{"X": "package"}``, ``{name: "package" for name in ("X", ...)}``)."""
+    taken = {n for module, names in imports(source, in_package) if module == package for n in names or ()}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == package:
+            taken.add(node.attr)
+        elif isinstance(node, ast.Dict):
+            taken |= {k.value for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)
+                      and isinstance(v, ast.Constant) and v.value == package}
+        elif (isinstance(node, ast.DictComp) and isinstance(node.value, ast.Constant) and node.value.value == package
+              and isinstance(node.generators[0].iter, (ast.Tuple, ast.List))):
+            taken |= {e.value for e in node.generators[0].iter.elts if isinstance(e, ast.Constant)}
+    return taken
+
+
+def test_names_taken_from_a_surface_are_found_however_written():
+    src = ('from runtime import A, B\nimport runtime\nx = runtime.C\nT = {"D": "runtime", "E": "elastic.trainer"}\n'
+           'U = {**{n: "runtime" for n in ("F", "G")}}\ndef f():\n    from runtime.core.errors import H\n')
+    assert names_taken_from("runtime", src, "elastic") == {"A", "B", "C", "D", "F", "G"}
+
+
+def _docs_text() -> str:
+    return "\n".join(f.read_text() for f in [ROOT / "README.md", ROOT / "examples/README.md",
+                                              *sorted((ROOT / "docs").rglob("*.md"))])
+
+
+def test_runtime_and_chaos_export_only_what_their_users_take():
+    """Every exported name (``__all__`` and the lazy table) is imported by a package other than tests, or is a
+    documented user name; so the surface cannot grow back with names only tests need."""
+    import importlib
+
+    docs = _docs_text()
+    bad = []
+    for package, user_names in USER_NAMES.items():
+        mod = importlib.import_module(package)
+        exported = set(mod.__all__)
+        bad += [f"{package}._LAZY names {n}, which is not in {package}.__all__" for n in set(mod._LAZY) - exported]
+        taken = set()
+        for f in py_files(*SURFACE_USERS):
+            if f.relative_to(ROOT).parts[0] != package:
+                taken |= names_taken_from(package, f.read_text(), package_of(f))
+        bad += [f"{package}.{n} is exported but no package imports it and it is no documented user name "
+                "(tests import it from its module)" for n in sorted(exported - taken - user_names)]
+        bad += [f"USER_NAMES[{package!r}] lists {n}, which {package} does not export" for n in sorted(user_names - exported)]
+        bad += [f"USER_NAMES[{package!r}] lists {n}, which no doc mentions" for n in sorted(user_names)
+                if not re.search(rf"\b{n}\b", docs)]
+    assert not bad, bad
 
 
 def _module_name(f: pathlib.Path) -> str:
