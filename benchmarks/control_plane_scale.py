@@ -91,7 +91,7 @@ from runtime.control.registry import Registry  # noqa: E402
 
 FDS_PER_WORKER = 6             # measured: about 4 in the simulated worker's process, 1 in the client, and slack
 RUN_ID = "control-plane-scale"
-# The calls from the controller that renew a worker's lease (runtime.worker.worker.WorkerService.CONTROLLER_METHODS,
+# The calls from the controller that renew a worker's lease (runtime.worker.lease.Lease.CONTROLLER_METHODS,
 # of which the health monitor makes Check and Refusals; a Watch does not).
 CHECK, WATCH = "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"
 REFUSALS = "/jax_elastic.Worker/Refusals"

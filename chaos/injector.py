@@ -205,7 +205,7 @@ class FaultInjector(ControllerObserver):
     def _never_fired(self, fault: Fault, elapsed: float) -> str:
         when = fault.when
         if fault.hits_client and self.supervised is None:
-            return "never fired: a client fault needs the chaos supervisor to restart the client (chaos.run_chaos)"
+            return "never fired: a client fault needs the chaos supervisor to restart the client (chaos.harness.run_chaos, as elastic chaos runs it)"
         if fault.hits_client and self._came_due(fault, elapsed):
             return (f"never fired: {when.spec()} came due with every step committed, and a client fault strikes "
                     "only while steps are left for a new client to take over")

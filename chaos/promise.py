@@ -132,6 +132,7 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
     """
     cfg = config or {}
     shadowing = bool(cfg.get("elastic_shadow_spares"))
+    started = any(e.get("kind") == "shadows_started" for e in events)
     pipeline = int(cfg.get("dcn_pipeline_parallelism") or 1)
     state = RunState()
     kept: set = set()      # checkpoints left by earlier attempts or resumed from: (None, step), and (stage, step)
@@ -161,8 +162,9 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
             kept |= _checkpoints(state)   # the run state starts afresh; what is on disk stays
         frontier = state.committed
         state = state.apply(e)
-        if kind in ("state_initialized", "run_resumed") and shadowing and state.placement:
-            # Shadowing spares start with the state (from the seed, or the same checkpoint); no event says so.
+        if kind in ("state_initialized", "run_resumed") and shadowing and state.placement and not started:
+            # Shadowing spares start with the state (from the seed, or the same checkpoint): a log written
+            # before shadows_started said so has no event for it.
             for w in state.placement.spares:
                 if w not in state.dead:
                     state = state.apply({"kind": "shadow_synced", "dest": w})

@@ -56,7 +56,7 @@ from runtime.control.plan import (Action, Plan, Wait, membership_change_due, pla
 from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.policy import StepPlan, plan_step, stage_groups
 from runtime.core.programs import ProgramSet
-from runtime.core.stage_programs import stages_digest
+from runtime.core.programs import stages_digest
 from runtime.control.run_state import RunLedger, RunState
 from runtime.control.shadows import Shadows
 from runtime.control.snapshotting import Snapshotting
@@ -118,7 +118,7 @@ class Controller:
                                          notify=lambda step: self.observer.checkpoint_saved(step))
         self.snapshots = Snapshotting(self.group, options, events,
                                       notify=lambda step: self.observer.snapshot_saved(step))
-        self.shadows = Shadows(self.group, events, options.shadow_spares)
+        self.shadows = Shadows(self.group, events, self.ledger, options.shadow_spares)
         self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,
                                      snapshots=self.snapshots, shadows=self.shadows,
                                      before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
@@ -321,7 +321,7 @@ class Controller:
                              reason=f"max_seconds={a.max_seconds:g} reached")
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
                                  warmed=self.group.warmed(), swaps=bool(s.swaps), stages=self.opts.pipeline_stages) or \
-                self.shadows.behind(self.placement.spares, self.dead):
+                self.shadows.behind(self.state):
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile
                 self._collect(*self.pending.popleft())
@@ -335,7 +335,7 @@ class Controller:
         return Phase.RUNNING
 
     def _dispatch(self, plan: StepPlan) -> None:
-        shadows = self.shadows.feeding(self.placement.spares, self.dead)
+        shadows = self.shadows.feeding(self.state)
         steps = self.state.steps
         futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.workers,
                                                                     self.state.loss_sums),
@@ -418,7 +418,7 @@ class Controller:
                                                                           self.opts.pipeline_stages)]
         if any(len(digests) != 1 for digests in per_stage):
             raise ReplicaDivergenceError("replicas diverged", step=step, cause=f"state hashes {hashes}")
-        return per_stage[0].pop() if len(per_stage) == 1 else stages_digest([d.pop() for d in per_stage])
+        return stages_digest([d.pop() for d in per_stage])
 
     # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
 

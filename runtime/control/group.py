@@ -1,7 +1,7 @@
 """What the controller asks of the workers of a run: one ``Protocol``, two implementations.
 
 :class:`runtime.control.worker_group.WorkerGroup` carries every call out over gRPC
-(and the launcher); the unit tests' fake group (``tests/unit/fake_group.py``)
+(and the launcher); the unit tests' fake group (``tests/support/fake_group.py``, the one fake every test uses)
 does it in memory, so the controller's phase machine is stepped in
 milliseconds. Both implement :class:`Group`, and a test checks that each has
 every member with the same parameters. Called by the controller and the

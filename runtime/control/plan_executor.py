@@ -100,8 +100,7 @@ class PlanExecutor:
         group.drain_deaths()   # the run state has them; the probe below finds the rest
         shadows = frozenset()
         if has_state:
-            shadows = frozenset(self.shadows.holding(state.committed, self._dead(),
-                                                     min(2.0, self.opts.rpc_timeout_seconds)))
+            shadows = frozenset(self.shadows.holding(state.committed, min(2.0, self.opts.rpc_timeout_seconds)))
             self.shadows.abandon()
         group.cancel_inflight()
         return shadows
@@ -250,7 +249,6 @@ class PlanExecutor:
             where = {"directory": self.checkpoints.directory}
         moved = nbytes + self.copies.carry_out(plan.copies, step)
         self.copies.check_replicas(new.active, step)
-        self.shadows.forget(list(self.shadows.at))   # caught up by a copy at the next boundary
         self.events.emit(RESTORED_EVENT[r.tier], step=step, bytes=nbytes, steps_lost=committed - step, **where)
         self.recovered(plan, dead, started, step, new.epoch, moved, r.tier)
         return Done(step)
@@ -263,7 +261,6 @@ class PlanExecutor:
         self.events.emit("placement_changed", epoch=new.epoch, active=list(new.active), spares=list(new.spares),
                          why=plan.action.value)
         self.group.fence_at(new.epoch)
-        self.shadows.forget(new.active)
         self.group.abort(new.members)
         for w, k in plan.loads:
             self.copies.take_stage(w, k)

@@ -312,6 +312,10 @@ def _shadow_synced(s: RunState, e) -> RunState:
     return _replace(s, shadows=s.shadows | {e["dest"]})
 
 
+def _shadows_started(s: RunState, e) -> RunState:
+    return _replace(s, shadows=s.shadows | frozenset(e["workers"]))
+
+
 def _shadow_dropped(s: RunState, e) -> RunState:
     return _replace(s, shadows=s.shadows - {e["worker"]})
 
@@ -341,6 +345,7 @@ _FOLDS = {
     "snapshot_copied": _snapshot_copied,
     "shadow_synced": _shadow_synced,
     "shadow_behind": _shadow_dropped,
+    "shadows_started": _shadows_started,
 }
 
 

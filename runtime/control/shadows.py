@@ -13,9 +13,10 @@ A shadow never fails a step: the controller commits on the active slices
 alone and looks at the shadows' replies as they come (:meth:`Shadows.poll`).
 One that missed a step (a rank died mid-step, a push failed) falls behind:
 it stops getting steps and is caught up by a state copy at the next step
-boundary (:meth:`Shadows.behind`, :meth:`Shadows.synced`).
+boundary (:meth:`Shadows.behind`; ``shadow_synced``).
 
-:class:`Shadows` keeps the bookkeeping; the controller does the calls.
+:class:`Shadows` keeps the shadow steps in flight; which spares shadow is the
+run state's (``RunState.shadows``), folded from the events that say so.
 """
 
 from __future__ import annotations
@@ -27,28 +28,27 @@ __all__ = ["Shadows"]
 
 
 class Shadows:
-    """Which spares shadow the state and how far each is known to be (see the module docstring).
+    """The shadow spares' steps in flight (see the module docstring). Which spares shadow is the run state's
+    (``RunState.shadows``: ``shadow_synced``, ``shadows_started`` add one, ``shadow_behind`` drops one); this
+    keeps only the calls not yet answered.
 
-    ``group``: the worker group (``poll``); ``events``: the run's log;
-    ``enabled``: ``elastic_shadow_spares``.
+    ``group``: the worker group (``poll``); ``events``: the run's log; ``ledger``: the run's
+    :class:`~runtime.control.run_state.RunLedger`; ``enabled``: ``elastic_shadow_spares``.
     """
 
-    def __init__(self, group, events, enabled: bool):
-        self.group, self.events, self.enabled = group, events, enabled
-        self.at: dict[str, int] = {}     # shadowing spare -> applied steps it confirmed
+    def __init__(self, group, events, ledger, enabled: bool):
+        self.group, self.events, self.ledger, self.enabled = group, events, ledger, enabled
         self._pending: collections.deque = collections.deque()   # (step, {worker: future}), oldest first
 
-    def __contains__(self, worker: str) -> bool:
-        return worker in self.at
+    def feeding(self, state) -> list[str]:
+        """The spares to send the next step to, in placement order: the live ones that shadow."""
+        return [w for w in state.placement.spares if w in state.shadows and w not in state.dead]
 
-    def synced(self, worker: str, applied: int) -> None:
-        """``worker`` (a spare) holds the state after ``applied`` steps: it shadows from now on."""
-        if self.enabled:
-            self.at[worker] = applied
-
-    def feeding(self, spares, dead) -> list[str]:
-        """The spares to send the next step to, in placement order."""
-        return [w for w in spares if w in self.at and w not in dead]
+    def behind(self, state) -> list[str]:
+        """Live spares that should shadow and do not (new, or fell behind): each needs a state copy."""
+        if not self.enabled:
+            return []
+        return [w for w in state.placement.spares if w not in state.shadows and w not in state.dead]
 
     def dispatched(self, step: int, futs: dict) -> None:
         if futs:
@@ -58,8 +58,7 @@ class Shadows:
         """Takes in the shadow steps that ended, oldest first, waiting up to ``timeout`` seconds for those of
         steps before ``before`` (all, when None); later ones are taken only if already done.
 
-        A shadow whose step failed stops shadowing (``shadow_behind``) until
-        :meth:`synced` again.
+        A shadow whose step failed stops shadowing (``shadow_behind``) until it is synced again.
         """
         deadline = time.monotonic() + timeout
         while self._pending:
@@ -68,36 +67,29 @@ class Shadows:
             ended = self.group.poll(futs, deadline if wait else None)
             for w, result in ended.items():
                 del futs[w]
-                if w not in self.at:
-                    continue
                 if isinstance(result, Exception):
-                    del self.at[w]
-                    self.events.emit("shadow_behind", worker=w, step=step,
-                                     error=f"{type(result).__name__}: {result}"[:300])
-                else:
-                    self.at[w] = max(self.at[w], step + 1)
+                    self._behind(w, step, f"{type(result).__name__}: {result}")
             if futs:
                 return   # the oldest step is still running on some shadow
             self._pending.popleft()
 
-    def holding(self, committed: int, dead, wait_seconds: float) -> set[str]:
+    def _behind(self, worker: str, step: int, why: str) -> None:
+        if worker in self.ledger.state.shadows:
+            self.events.emit("shadow_behind", worker=worker, step=step, error=why[:300])
+
+    def holding(self, committed: int, wait_seconds: float) -> set[str]:
         """The live shadows at the committed frontier (or one step past it: the realignment rolls them back),
         after waiting up to ``wait_seconds`` for the committed steps they were sent (a step past the frontier
-        may never end: a rank died in it)."""
+        may never end: a rank died in it). One that did not confirm a committed step in that time falls
+        behind (``shadow_behind``): it cannot be known to hold the state."""
         self.poll(wait_seconds, before=committed)
-        return {w for w, at in self.at.items() if w not in dead and committed <= at <= committed + 1}
-
-    def forget(self, workers) -> None:
-        """``workers`` no longer shadow (promoted to active, dead, or of unknown state after a recovery)."""
-        for w in workers:
-            self.at.pop(w, None)
+        for step, futs in self._pending:
+            if step < committed:
+                for w in futs:
+                    self._behind(w, step, f"did not confirm step {step} within {wait_seconds:g} s")
+        s = self.ledger.state
+        return {w for w in s.shadows if w not in s.dead}
 
     def abandon(self) -> None:
         """A recovery started: the steps in flight are abandoned (the group cancels their calls)."""
         self._pending.clear()
-
-    def behind(self, spares, dead) -> list[str]:
-        """Live spares that should shadow and do not (new, or fell behind): each needs a state copy."""
-        if not self.enabled:
-            return []
-        return [w for w in spares if w not in self.at and w not in dead]

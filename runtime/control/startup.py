@@ -66,8 +66,8 @@ def start(ctl) -> None:
     if ctl.shadows.enabled:   # the spares start with the same state: from the seed, or the same checkpoint
         spares = [w for w in ctl.placement.spares if w not in ctl.dead]
         got = first_state(ctl, spares, resume and (resume[0], loaded.step))
-        for w in (got.bytes if got.step == ctl.state.dispatched else {}):
-            ctl.shadows.synced(w, got.step)
+        if got.bytes and got.step == ctl.state.dispatched:
+            ctl.events.emit("shadows_started", workers=sorted(got.bytes), step=got.step)
 
 def resume_from(ctl) -> tuple[str, int] | None:
     """``(directory, step)`` of the newest complete checkpoint this run resumes from (MaxText's auto-resume:

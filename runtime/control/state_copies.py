@@ -66,8 +66,7 @@ class StateCopies:
     def sync_shadows(self, s) -> None:
         """Spares that should shadow and do not (new, or fell behind) get a copy of the committed state (``s``:
         the run's ``RunState``)."""
-        dead = self.ledger.state.dead
-        behind = self.shadows.behind(s.placement.spares, dead)
+        behind = self.shadows.behind(s)
         if not behind:
             return
         stages = self.opts.pipeline_stages
@@ -75,13 +74,12 @@ class StateCopies:
         for dest in behind:
             k = 0
             if stages > 1:   # it shadows the stage with the fewest shadows: that stage's programs, then its state
-                k = shadow_stage({w: self.group.loaded_stage(w) for w in self.shadows.at if w not in dead},
-                                 stages)
+                now = self.ledger.state   # (with the shadows synced in this loop)
+                k = shadow_stage({w: self.group.loaded_stage(w) for w in now.shadows if w not in now.dead}, stages)
                 self.take_stage(dest, k)
             source = next(w for w in groups[k] if w in s.replicas)
             t0 = time.time()
             nbytes, digest, transport = self.group.transfer(source, dest, s.committed)
-            self.shadows.synced(dest, s.committed)
             self.events.emit("shadow_synced", source=source, dest=dest, step=s.committed, bytes=nbytes,
                              seconds=time.time() - t0, digest=digest, transport=transport,
                              **({"stage": k} if stages > 1 else {}))
@@ -90,11 +88,14 @@ class StateCopies:
         """After a recovery to ``placement``: the promoted shadows are active now; a spare that still shadows keeps
         doing so only when it holds the same step and bits as ``source`` (else a copy catches it up at the next
         boundary)."""
-        self.shadows.forget(placement.active)
-        spares = self.shadows.feeding(placement.spares, self.ledger.state.dead)
+        s = self.ledger.state
+        spares = [w for w in placement.spares if w in s.shadows and w not in s.dead]
         if not spares:
             return
         groups = stage_groups(placement.active, self.opts.pipeline_stages)
         like = {w: source if len(groups) == 1 else groups[self.group.loaded_stage(w) or 0][0] for w in spares}
         hashes = self.group.hashes([*set(like.values()), *spares])   # (a stage's replicas agree: checked)
-        self.shadows.forget([w for w in spares if hashes[w] != hashes[like[w]]])
+        for w in spares:
+            if hashes[w] != hashes[like[w]]:
+                self.events.emit("shadow_behind", worker=w, step=hashes[w][0],
+                                 error=f"holds other bits than {like[w]} after the recovery")

@@ -157,7 +157,7 @@ class WorkerCalls:
         run's worker of that stage gets that stage's programs."""
         if stage is None and self.pipelined:   # a spare of a pipelined run warms with stage 0's (it may take any)
             stage = 0
-        programs = self.programs if stage is None else self.programs.stages[stage]
+        programs = self.programs if stage is None else self.programs.by_stage[stage]
         request = load_request(self._fence(), programs, self.data_source, self.opts, self.snapshot_root)
         request.spare = spare and not self.opts.shadow_spares
         return request
@@ -165,7 +165,7 @@ class WorkerCalls:
     @property
     def pipelined(self) -> bool:
         """The run's programs are a pipeline's (one set per stage)."""
-        return hasattr(self.programs, "stages")
+        return self.programs.pipelined
 
     def program_bytes(self) -> int:
         return sum(len(v) for v in self.programs.programs().values())

@@ -201,7 +201,8 @@ class WorkerGroup:
             self._hosts[w] = info.host
             if not self.calls.reaches(w):
                 self.calls.adopt(w, self._channel(info.address))
-        per_stage = [programs_fingerprint(stage.programs()) for stage in getattr(self.programs, "stages", ())]
+        per_stage = ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
+                     if self.programs.pipelined else [])
         request = pb.AttachRequest(fence=self._fence(), controller=self.address, stage_fingerprints=per_stage,
                                    fingerprint="" if per_stage else programs_fingerprint(self.programs.programs()),
                                    owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,

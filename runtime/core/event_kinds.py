@@ -205,6 +205,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("shadow_synced", "a spare got a copy of the committed state (a pipelined run: of one stage's)", _COPY,
               {**_COPY_OPTIONAL, "stage": COUNT}),
     EventKind("shadow_behind", "a shadowing spare fell behind", {**_W, "step": COUNT, "error": TEXT}),
+    EventKind("shadows_started", "spares that start with the run's first state (from the seed or the same "
+              "checkpoint) shadow it from then on", {"workers": LIST, "step": COUNT}),
     # -- workers -------------------------------------------------------------------------------------
     EventKind("workers_awaited", "the controller waits for workers started by hand",
               {"count": COUNT, "controller": TEXT, "run_id": TEXT, "command": TEXT}),

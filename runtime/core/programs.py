@@ -141,15 +141,6 @@ class ProgramSet:
         return self.num_stages > 1
 
     @property
-    def stages(self) -> tuple[StagePrograms, ...]:
-        """Transitional, a pipelined set's only: ``runtime.control`` takes ``hasattr(programs, "stages")`` for
-        "pipelined" (``worker_calls``, ``worker_group``); drop this once it reads :attr:`pipelined` and
-        :attr:`by_stage`."""
-        if not self.pipelined:
-            raise AttributeError("an unpipelined program set has no 'stages' (read by_stage)")
-        return self.by_stage
-
-    @property
     def num_microbatches(self) -> int:
         return self.by_stage[0].num_microbatches
 

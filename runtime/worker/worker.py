@@ -51,8 +51,6 @@ from runtime.wire.parts import Part, checked_chunk_bytes, inline
 from runtime.wire.dataplane_client import DataClient
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.worker.executor import SliceExecutor, probe_devices
-from runtime.core.stage_programs import StagePrograms
-from runtime.worker.stage_executor import StageExecutor
 from runtime.worker.stage_step import packed_size
 from runtime.worker.fault_injection import WorkerFaults
 from runtime.worker.lease import Lease
@@ -138,11 +136,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             if request.snapshot_directory and not os.path.isabs(request.snapshot_directory):
                 raise ProtocolError(f"snapshot_directory {request.snapshot_directory!r} is not an absolute path")
             home = host_directory(request.snapshot_directory, self.host) if request.snapshot_directory else ""
-            stage = f"stage{programs.stage}" if isinstance(programs, StagePrograms) else ""
+            stage = f"stage{programs.stage}" if programs.pipelined else ""
             snapshots = SnapshotStore(os.path.join(home, stage) if stage else home) if home else None
             log.info("loading %d programs (%d bytes) for %d devices", len(request.programs),
                      sum(len(p.serialized) for p in request.programs), programs.devices_per_slice)
-            executor = (StageExecutor if isinstance(programs, StagePrograms) else SliceExecutor)(programs, source)
+            executor = SliceExecutor(programs, source)
             if request.checkpointing:   # beside the compile: the first save would pay orbax's start-up (~2 s)
                 self.state_mover.writer().warm()
             t0 = time.perf_counter()
@@ -152,8 +150,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             with self.replica.exclusive("a step is running; cannot load new programs now"):
                 self.state_mover.loaded({p.name: p.serialized for p in request.programs}, snapshots, home)
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
-                if isinstance(programs, StagePrograms):   # activations travel as pieces too
-                    p = max(p, packed_size(programs.activation_in), packed_size(programs.activation_out))
+                p = max(p, packed_size(programs.activation_in), packed_size(programs.activation_out))   # activations
                 self._mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
                 self.replica.load(executor, state_layout, chunk_bytes, Landing if request.spare else None)
             self.lease.seconds = request.lease_seconds
