@@ -223,7 +223,7 @@ def _copies(state: RunState, kept: set, pipeline: int) -> dict[str, set]:
         held = state.stage_backups | {("checkpoint", k, step) for k, step in kept if k is not None}
         return {tier: set.intersection(*({step for t, k, step in held if t == tier and k == stage}
                                          for stage in range(pipeline))) for tier in ("snapshot", "checkpoint")}
-    return {"snapshot": {step for step, _ in state.snapshots},
+    return {"snapshot": {step for step, *_ in state.snapshots},
             "checkpoint": set(state.checkpoints) | {step for k, step in kept if k is None}}
 
 

@@ -67,7 +67,6 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
                                  "applied_steps": r.applied_steps} for w, r in sorted(replies.items())},
                     lost=sorted(set(known) - set(replies)), committed=s.committed,
                     downtime_seconds=max(downtime_seconds, 0.0))
-    ctl.snapshots.known({(step, group.host_of(w), group.loaded_stage(w)) for step, w in s.snapshots})
     if first:
         ctl.observer.attach(ctl)
     alive = sorted(replies)

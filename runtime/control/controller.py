@@ -116,7 +116,7 @@ class Controller:
         self.observer = observer or ControllerObserver()
         self.checkpoints = Checkpointing(self.group, options, events,
                                          notify=lambda step: self.observer.checkpoint_saved(step))
-        self.snapshots = Snapshotting(self.group, options, events,
+        self.snapshots = Snapshotting(self.group, options, events, self.ledger,
                                       notify=lambda step: self.observer.snapshot_saved(step))
         self.shadows = Shadows(self.group, events, self.ledger, options.shadow_spares)
         self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,

@@ -34,6 +34,7 @@ from typing import Any
 
 from runtime.control.policy import Placement, WorkerInfo
 from runtime.core.events import read_events
+from runtime.state.snapshot import KEEP as KEPT
 
 __all__ = ["RunLedger", "RunState", "Series", "replay_file"]
 
@@ -111,7 +112,9 @@ class RunState:
     deferred: tuple[str, ...] = ()               # dead workers whose replacements start after the next commit
     swaps: tuple[str, ...] = ()                  # stragglers to move onto spares at the next boundary
     checkpoints: tuple[int, ...] = ()            # steps of the checkpoints reported complete, ascending
-    snapshots: tuple[tuple[int, str], ...] = ()  # (step, worker) of the snapshots reported kept, ascending
+    # (step, host, pipeline stage or None) of the in-memory snapshots reported kept: written there, or copied
+    # there from their writer; the newest KEPT of each host's stage directory, as its SnapshotStore keeps them.
+    snapshots: tuple[tuple[int, str, int | None], ...] = ()
     shadows: frozenset[str] = frozenset()        # spares given a copy of the committed state to shadow
     state_bytes: int = 0
     # The workers registered in this attempt, by id: where they serve and who they are (a restarted client
@@ -299,13 +302,21 @@ def _checkpoint_saved(s: RunState, e) -> RunState:
 
 
 def _snapshot_saved(s: RunState, e) -> RunState:
-    return _replace(s, snapshots=tuple(sorted({*s.snapshots, (e["step"], e["worker"])})))
+    return _replace(s, snapshots=_kept(s.snapshots, (e["step"], e.get("host") or e["worker"], e.get("stage"))))
 
 
 def _snapshot_copied(s: RunState, e) -> RunState:
     if not e.get("peer"):
         return s
-    return _replace(s, snapshots=tuple(sorted({*s.snapshots, (e["step"], e["peer"])})))
+    return _replace(s, snapshots=_kept(s.snapshots, (e["step"], e.get("host") or e["peer"], e.get("stage"))))
+
+
+def _kept(snapshots, new) -> tuple:
+    """``snapshots`` with ``new`` (step, host, stage), each host's stage directory keeping its newest KEPT."""
+    _, host, stage = new
+    here = sorted({new, *(x for x in snapshots if x[1:] == (host, stage))})[-KEPT:]
+    return tuple(sorted({*(x for x in snapshots if x[1:] != (host, stage)), *here},
+                        key=lambda x: (x[0], x[1], -1 if x[2] is None else x[2])))
 
 
 def _shadow_synced(s: RunState, e) -> RunState:

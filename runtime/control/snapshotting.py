@@ -12,12 +12,14 @@ and records:
   one of its replicas, into that stage's directory of the host, its copy kept
   by any worker on another host (in that stage's directory of its host);
 - :meth:`Snapshotting.note`: ``snapshot_saved`` / ``snapshot_copied`` /
-  ``snapshot_failed`` events for what the workers report, the newest step
-  known to be held, and the observer's hook;
+  ``snapshot_failed`` events for what the workers report (the run state
+  folds where each snapshot lies: ``RunState.snapshots``), and the
+  observer's hook;
 - :meth:`Snapshotting.holdings`: which members' hosts hold which snapshot
   (their own answer, from ``Abort``), for :func:`runtime.control.tiers.choose_source`.
 
-It holds no state beyond what the workers reported.
+It keeps no record of what is held: the run state does (``RunState.snapshots``); only the orders it gave that
+no report answered yet.
 """
 
 from __future__ import annotations
@@ -38,11 +40,9 @@ class Snapshotting:
     controller's observer).
     """
 
-    def __init__(self, group, opts, events, notify=None):
-        self.group, self.opts, self.events = group, opts, events
+    def __init__(self, group, opts, events, ledger, notify=None):
+        self.group, self.opts, self.events, self.ledger = group, opts, events, ledger
         self.notify = notify or (lambda step: None)
-        # (host, pipeline stage or None) -> snapshot steps reported written or copied there
-        self.held: dict[tuple[str, int | None], set[int]] = {}
         self._ordered: dict[int, dict[str, str | None]] = {}   # snapshot step -> {writer: the worker keeping its copy}
         self._in_place = EveryStage(opts.pipeline_stages)   # a pipelined run's snapshot is in place once every stage's
 
@@ -74,17 +74,15 @@ class Snapshotting:
         """Events for ``{worker: (snapshots written on its host, snapshots copied to their peer, error or "")}``."""
         for w, (saved, copied, error) in reports.items():
             stage = self.group.loaded_stage(w)
+            where = {"stage": stage} if stage is not None else {}
             for step in saved:
-                self._hold(self.group.host_of(w), stage, step)
-                self.events.emit("snapshot_saved", worker=w, host=self.group.host_of(w), step=step)
+                self.events.emit("snapshot_saved", worker=w, host=self.group.host_of(w), step=step, **where)
                 if self._ordered.get(step, {}).get(w) is None and self._in_place.saved(step, stage):
                     self.notify(step)   # no copy asked: in place now (a pipelined run's: every stage's)
             for step in copied:
                 peer = self._ordered.get(step, {}).get(w)
-                if peer is not None:
-                    self._hold(self.group.host_of(peer), stage, step)
                 self.events.emit("snapshot_copied", worker=w, peer=peer, host=peer and self.group.host_of(peer),
-                                 step=step)
+                                 step=step, **where)
                 if self._in_place.saved(step, stage):
                     self.notify(step)
             if error:
@@ -98,8 +96,9 @@ class Snapshotting:
         only snapshots reported written or copied count."""
         ordered = {s for s in self._ordered if s <= at_most} if not reported else set()
         by_stage: dict[int | None, set[int]] = {}
-        for (_, stage), held in self.held.items():
-            by_stage.setdefault(stage, set()).update(s for s in held if s <= at_most)
+        for step, _, stage in self.ledger.state.snapshots:
+            if step <= at_most:
+                by_stage.setdefault(stage, set()).add(step)
         stages = self.opts.pipeline_stages
         keys = [None] if stages == 1 else range(stages)
         steps = set.intersection(*(by_stage.get(k, set()) | ordered for k in keys))
@@ -109,16 +108,10 @@ class Snapshotting:
         """A pipelined run's: for each stage, the hosts its snapshot of ``step`` was reported written or copied
         to (an ordered one not reported may never have been written: its writer died)."""
         out = [set() for _ in range(self.opts.pipeline_stages)]
-        for (host, stage), held in self.held.items():
-            if stage is not None and step in held:
+        for held, host, stage in self.ledger.state.snapshots:
+            if stage is not None and held == step:
                 out[stage].add(host)
         return tuple(frozenset(hosts) for hosts in out)
-
-    def known(self, held) -> None:
-        """A restarted client learns the snapshots its log recorded: ``(step, host, stage)`` (the writer's pipeline
-        stage; None for an unpipelined run)."""
-        for step, host, stage in held:
-            self._hold(host, stage if self.opts.pipeline_stages > 1 else None, step)
 
     @staticmethod
     def holdings(statuses, at_most: int) -> dict[str, int]:
@@ -130,8 +123,3 @@ class Snapshotting:
             if steps:
                 out[w] = max(steps)
         return out
-
-    def _hold(self, host: str, stage: int | None, step: int) -> None:
-        held = self.held.setdefault((host, stage), set())
-        held.add(step)
-        held.difference_update(sorted(held)[:-KEEP])   # a host keeps only the newest few (SnapshotStore)

@@ -190,9 +190,10 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("capacity_wait_ended", "the wait for capacity ended (found or timed out)",
               {"seconds": FINITE_OR_NULL, "found": NAMES}),
     # -- backups: snapshots, checkpoints, shadows ------------------------------------------------------
-    EventKind("snapshot_saved", "a worker saved a snapshot", {**_W, "host": TEXT_OR_NULL, "step": COUNT}),
-    EventKind("snapshot_copied", "a worker copied its snapshot to a peer",
-              {**_W, "peer": TEXT_OR_NULL, "host": TEXT_OR_NULL, "step": COUNT}),
+    EventKind("snapshot_saved", "a worker saved a snapshot (a pipelined run: of its stage)",
+              {**_W, "host": TEXT_OR_NULL, "step": COUNT}, {"stage": COUNT}),
+    EventKind("snapshot_copied", "a worker copied its snapshot to a peer (a pipelined run: of its stage)",
+              {**_W, "peer": TEXT_OR_NULL, "host": TEXT_OR_NULL, "step": COUNT}, {"stage": COUNT}),
     EventKind("snapshot_failed", "a snapshot save failed", {**_W, "error": TEXT}),
     EventKind("snapshot_unusable", "a snapshot could not be restored", {**_W, "error": TEXT}),
     EventKind("checkpoint_saved", "a checkpoint was committed", {**_W, "step": COUNT, "directory": TEXT}),

@@ -77,7 +77,17 @@ def test_backups_are_known_from_their_reports():
         ev("snapshot_saved", worker="a", host="h1", step=3), ev("snapshot_copied", worker="a", peer="s", host="h2",
                                                                 step=3),
         ev("shadow_synced", source="a", dest="s", step=0, bytes=1, seconds=0.1, sha256="x")])
-    assert s.checkpoints == (2, 4) and s.snapshots == ((3, "a"), (3, "s")) and s.shadows == {"s"}
+    assert s.checkpoints == (2, 4) and s.snapshots == ((3, "h1", None), (3, "h2", None)) and s.shadows == {"s"}
+
+
+def test_a_hosts_stage_directory_keeps_its_newest_snapshots_as_its_store_does():
+    from runtime.state.snapshot import KEEP
+
+    saved = [ev("snapshot_saved", worker="a", host="h1", step=n, stage=1) for n in range(KEEP + 2)]
+    s = RunState.replay(START + saved + [ev("snapshot_saved", worker="b", host="h1", step=0, stage=0),
+                                         ev("snapshot_saved", worker="c", host="h9", step=0)])   # (old log: no stage)
+    assert [x for x in s.snapshots if x[1:] == ("h1", 1)] == [(n, "h1", 1) for n in range(2, KEEP + 2)]
+    assert (0, "h1", 0) in s.snapshots and (0, "h9", None) in s.snapshots
 
 
 def test_a_new_attempt_starts_from_its_own_events_and_a_resume_brings_the_losses_back():
@@ -147,4 +157,4 @@ def test_a_pipelined_run_folds_each_workers_stage_and_its_backups_by_stage():
         ev("snapshot_saved", worker="nobody", host=None, step=5)])
     assert s.stages == {"a": 0, "b": 1, "s": 1}, "stage_loaded moves a spare to its stage"
     assert s.stage_backups == {("snapshot", 0, 4), ("snapshot", 1, 4), ("checkpoint", 1, 4)}
-    assert s.snapshots == ((4, "a"), (5, "nobody")) and s.checkpoints == (4,)
+    assert s.snapshots == ((4, "a", None), (5, "nobody", None)) and s.checkpoints == (4,)

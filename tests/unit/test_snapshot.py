@@ -13,6 +13,7 @@ from runtime.state.state_copy import state_digest
 from runtime.core.events import EventLog, read_events
 from runtime.control.policy import Placement, snapshot_order
 from runtime.state.snapshot import KEEP, SnapshotStore, host_directory
+from runtime.control.run_state import RunLedger
 from runtime.control.snapshotting import Snapshotting
 from runtime.control.calls import WorkerStatus
 from tests.support.fake_group import FakeGroup
@@ -121,8 +122,9 @@ def _group(stages=None):
 
 def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in_place(tmp_path):
     events = EventLog(str(tmp_path / "events.jsonl"))
+    ledger = RunLedger(events)
     notified = []
-    snaps = Snapshotting(_group(), _Opts(), events, notify=notified.append)
+    snaps = Snapshotting(_group(), _Opts(), events, ledger, notify=notified.append)
     placement = Placement(epoch=1, active=("w0", "w1"), spares=("w2",))
     assert snaps.order_for(0, 10, placement, shadows=0) == {}
     assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w2"}
@@ -130,7 +132,7 @@ def test_the_controller_records_where_snapshots_are_and_notifies_once_each_is_in
     snaps.note({"w1": ((2,), (), "")})
     assert notified == [] and snaps.newest(10) == 2    # written, its copy not there yet
     snaps.note({"w1": ((), (2,), "")})
-    assert notified == [2] and snaps.held == {("h1", None): {2}, ("h2", None): {2}}
+    assert notified == [2] and ledger.state.snapshots == ((2, "h1", None), (2, "h2", None))
     assert snaps.order_for(3, 10, placement, shadows=0) == {"w0": "w2"}
     snaps.note({"w0": ((4,), (), "copy of snapshot 4: peer gone")})
     assert notified == [2] and snaps.newest(3) == 2 and snaps.newest(4) == 4 and snaps.newest(1) is None
@@ -149,14 +151,17 @@ def test_each_pipeline_stage_snapshots_its_own_state_and_a_step_counts_when_ever
         pipeline_stages = 2
 
     group = _group({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0})
-    snaps = Snapshotting(group, Opts(), EventLog(str(tmp_path / "events.jsonl")))
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    ledger = RunLedger(events)
+    snaps = Snapshotting(group, Opts(), events, ledger)
     placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",))
     assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w4", "w3": "w4"}
     one = Placement(epoch=1, active=("w0", "w2"))   # one replica per stage, no spare: the other stage's worker
-    other = Snapshotting(group, Opts(), EventLog(str(tmp_path / "other.jsonl")))
+    other_events = EventLog(str(tmp_path / "other.jsonl"))
+    other = Snapshotting(group, Opts(), other_events, RunLedger(other_events))
     assert other.order_for(1, 10, one, shadows=0) == {"w0": "w2", "w2": "w0"}
     snaps.note({"w1": ((2,), (2,), "")})
-    assert snaps.held == {("h1", 0): {2}, ("h4", 0): {2}}
+    assert ledger.state.snapshots == ((2, "h1", 0), (2, "h4", 0))   # stage 0's: on w1's host, its copy on w4's
     snaps._ordered.clear()   # (orders count as held until reported: here only what was reported counts)
     assert snaps.newest(10) is None    # stage 1 holds no snapshot of step 2
     snaps.note({"w3": ((2,), (), "")})
