@@ -153,7 +153,7 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str, sn
     their stage's state after the step, with the peer keeping each copy. ``shadows``: ``{spare: stage}``: the
     stage's ranks push it their reduced chunks, and it gets the step as a shadow of that stage. ``saves``: the
     checkpoint writers (one per stage), with the fields of their requests."""
-    replicas, stages = plan.replicas, plan.stages
+    replicas, stages = plan.replica_count, plan.stages
     streams = [_streams(schedule, stages, tuple(i for n in plan.nodes[r] for i in n.ids)) for r in range(replicas)]
     all_nodes, owners = _nodes_and_owners(plan.nodes[:replicas])   # replica r's subtrees are slice r's
     addresses = [where(w) for w in plan.workers]

@@ -227,7 +227,7 @@ class PlanExecutor:
         r, new = plan.restore, plan.placement
         if r.tier == "snapshot":
             try:
-                replies = self.group.load_checkpoints(list(r.loaders), "", r.step, snapshot=True)
+                replies = self.group.load_snapshots(list(r.loaders), r.step)
             except ElasticError as e:   # its snapshots cannot be read: plan again without them
                 self.events.emit("snapshot_unusable", worker=r.loaders[0], error=str(e)[:300])
                 return Replan(dataclasses.replace(survey, unreadable=survey.unreadable | set(r.loaders)))

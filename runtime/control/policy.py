@@ -71,13 +71,14 @@ class StepPlan:
     stages: int = 1   # pipeline stages: workers are stage-major, each stage's replicas in order
 
     @property
-    def replicas(self) -> int:
+    def replica_count(self) -> int:
+        """The pipeline replicas (data-parallel width): the workers of one stage."""
         return len(self.workers) // self.stages
 
     @property
     def loss_workers(self) -> tuple[str, ...]:
         """The workers that compute the loss: every one, or the last pipeline stage's."""
-        return self.workers[-self.replicas:]
+        return self.workers[-self.replica_count:]
 
     def microbatches(self) -> dict[str, list[int]]:
         """``{worker: microbatch ids}`` whose loss this step computed there (what the report's exactly-once check

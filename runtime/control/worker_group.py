@@ -471,10 +471,15 @@ class WorkerGroup:
         """``{worker: (applied steps, digest of its state)}``."""
         return self.calls.hashes(workers)
 
-    def load_checkpoints(self, workers, directory: str, applied: int, snapshot: bool = False,
+    def load_checkpoints(self, workers, directory: str, applied: int,
                          parameters_only: bool = False) -> dict[str, pb.PullStateReply]:
-        """``workers`` each load a checkpoint (a snapshot, or parameters); see :meth:`WorkerCalls.load_checkpoints`."""
-        return self.calls.load_checkpoints(workers, directory, applied, snapshot, parameters_only)
+        """``workers`` each load the newest valid checkpoint of ``directory`` at or before ``applied`` (or only
+        its parameters); see :meth:`WorkerCalls.load_checkpoints`."""
+        return self.calls.load_checkpoints(workers, directory, applied, parameters_only=parameters_only)
+
+    def load_snapshots(self, workers, applied: int) -> dict[str, pb.PullStateReply]:
+        """``workers`` each load the newest valid in-memory snapshot on their host at or before ``applied``."""
+        return self.calls.load_checkpoints(workers, "", applied, snapshot=True)
 
     def flush_checkpoints(self, workers, wait_seconds: float, *,
                           save: Mapping[str, tuple[str, list[float]]] | None = None

@@ -22,7 +22,7 @@ the group's memory:
   passed over;
 - in-memory snapshots, per host (``held``): written after the ordered step on the
   writer's host and copied to its peer's; ``abort`` lists them,
-  ``load_checkpoints(snapshot=True)`` loads them.
+  ``load_snapshots`` loads them.
 
 A test places state as a worker would have it: :meth:`FakeGroup.hold` (a
 replica after some steps), :meth:`FakeGroup.checkpoint` (a checkpoint written
@@ -492,19 +492,25 @@ class FakeGroup:
     def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
         raise AssertionError("the fake group injects no faults: give them to its constructor")
 
-    def load_checkpoints(self, workers, directory, applied, snapshot=False, parameters_only=False):
-        """Each worker loads the newest readable checkpoint (``snapshot``: in-memory snapshot) its host holds at
-        or before ``applied``; a spoiled one is passed over and named in ``skipped``."""
-        assert not parameters_only, "the fake group loads no parameters alone"
-        self.calls.append(("load_checkpoints", tuple(workers), directory, applied, snapshot))
+    def load_snapshots(self, workers, applied):
+        """Each worker loads the newest in-memory snapshot its host holds at or before ``applied``."""
+        self.calls.append(("load_checkpoints", tuple(workers), "", applied, True))
         out = {}
         for w in workers:
             self._touch(w)
-            if snapshot:
-                step = max(s for s in self.held.get(self.host_of(w), {}) if s <= applied)
-                self.replicas[w] = self.held[self.host_of(w)][step].copy()
-                out[w] = pb.PullStateReply(applied_steps=step, bytes=STATE_BYTES)
-                continue
+            step = max(s for s in self.held.get(self.host_of(w), {}) if s <= applied)
+            self.replicas[w] = self.held[self.host_of(w)][step].copy()
+            out[w] = pb.PullStateReply(applied_steps=step, bytes=STATE_BYTES)
+        return out
+
+    def load_checkpoints(self, workers, directory, applied, parameters_only=False):
+        """Each worker loads the newest readable checkpoint its host holds at or before ``applied``; a spoiled one
+        is passed over and named in ``skipped``."""
+        assert not parameters_only, "the fake group loads no parameters alone"
+        self.calls.append(("load_checkpoints", tuple(workers), directory, applied, False))
+        out = {}
+        for w in workers:
+            self._touch(w)
             stored = self._stored(w, directory)
             step = max(s for s, c in stored.items() if s <= applied and not c.spoiled)
             ck = stored[step]

@@ -31,8 +31,8 @@ class Recording(FakeGroup):
         self.moves.append(("rollback", worker_id, to_applied_steps))
         return super().rollback(worker_id, to_applied_steps)
 
-    def load_checkpoints(self, workers, directory, applied, snapshot=False, parameters_only=False):
-        replies = super().load_checkpoints(workers, directory, applied, snapshot, parameters_only)
+    def load_snapshots(self, workers, applied):
+        replies = super().load_snapshots(workers, applied)
         self.moves.append(("load", tuple(workers), applied))
         return replies
 
