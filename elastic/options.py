@@ -261,7 +261,7 @@ _OPTION_NAME = re.compile(r"(?<![\w.])(" + "|".join(sorted(map(re.escape, _CONFI
 def in_config_terms(text: str) -> str:
     """``text`` (a runtime reason or error) with each ``ControllerOptions`` field it names replaced by the
     config key that sets it (``min_slices`` -> ``elastic_min_slice_count``); for printing to a config user.
-    The runtime's decisions carry the field as data too (``RecoveryDecision.limit``); this only rewords."""
+    The runtime's decisions carry the field as data too (``runtime.control.plan.Plan.limit``); this only rewords."""
     return _OPTION_NAME.sub(lambda m: _CONFIG_TERMS[m.group(1)], text)
 
 
