@@ -50,7 +50,7 @@ _LAZY = {
     "LocalRun": ("runtime.worker.reference", "LocalRun"),
     "theoretical_bubble": ("runtime.pipeline.bubble", "theoretical_bubble"),
     "SIMULATED_STAGE_DELAY_VARIABLE": ("runtime.worker.worker_process", "STAGE_DELAY_VARIABLE"),
-    "stage_groups": ("runtime.control.policy", "stage_groups"),
+    "stage_groups": ("runtime.control.placement", "stage_groups"),
     "stages_digest": ("runtime.core.programs", "stages_digest"),
     "CheckpointTree": ("runtime.state.checkpoint_tree", "CheckpointTree"),
     "program_fingerprint": ("runtime.core.fingerprint", "program_fingerprint"),

@@ -1,7 +1,8 @@
 """The controller program: the client side of a run. The loop (``controller``), what a run is given and
 answers (``controller_options``), its start (``startup``), its state as a fold of the event log
-(``run_state``), every membership change planned (``plan``, ``tiers``, ``policy``) and carried out
-(``membership``), the backups it orders (``checkpointing``, ``snapshotting``, ``shadows``), health and the
+(``run_state``, kept current by its ``RunLedger``), where each slice runs (``placement``), every membership
+change planned once (``plan``, ``stage_plan``, ``tiers``) and carried out (``plan_executor``, ``state_copies``),
+the backups it orders (``checkpointing``, ``snapshotting``, ``shadows``), health and the
 watchdog, and the worker group that makes every call (``worker_group``, its calls to the adopted workers
 ``worker_calls`` and the stream each worker's steps go on, ``step_stream``; the ``group`` protocol,
 ``registry``, ``calls``).

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.core.errors import ClientLostError
-from runtime.control.policy import slice_stages
+from runtime.control.placement import slice_stages
 
 __all__ = ["Reattach", "attach", "can_attach"]
 

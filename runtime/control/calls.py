@@ -25,7 +25,7 @@ import grpc
 from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import WorkerLostError
-from runtime.control.policy import StepPlan
+from runtime.control.placement import StepPlan
 from runtime.core.programs import ProgramSet
 from runtime.pipeline.schedule import compile_schedule
 

@@ -4,7 +4,7 @@ The workers write and read checkpoints (:mod:`runtime.worker.saver`,
 :mod:`runtime.state.checkpoint`); the controller only decides and records:
 
 - :meth:`Checkpointing.order_for`: which replica writes after a step
-  (:func:`runtime.control.policy.checkpoint_writer`), with the loss sums the
+  (:func:`checkpoint_writer`), with the loss sums the
   checkpoint records beside the state (so a resumed run knows its losses);
   :meth:`Checkpointing.next_writer` and :meth:`Checkpointing.unfinished_writer`:
   who writes the next one, or is still writing one (the chaos ``kill_save``);
@@ -32,10 +32,24 @@ import dataclasses
 import time
 
 from runtime.core.errors import BadInputError
-from runtime.control.policy import checkpoint_writer, stage_groups
+from runtime.control.placement import stage_groups
 from runtime.control.tiers import EveryStage
 
-__all__ = ["Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint", "stage_steps"]
+__all__ = ["checkpoint_writer", "Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint", "stage_steps"]
+
+
+def checkpoint_writer(step: int, steps: int, period: int, workers) -> str | None:
+    """Which worker writes a persistent checkpoint after step ``step`` (0-based), or None.
+
+    A checkpoint follows every ``period``-th step and the last of ``steps``
+    (``period`` 0: never); the writer rotates over ``workers`` (the step's
+    slices, in rank order) from one checkpoint to the next, so no one
+    replica carries every write.
+    """
+    n = step + 1
+    if period <= 0 or not workers or (n % period and n != steps):
+        return None
+    return workers[(n // period) % len(workers)]
 
 # At the end of a run the saves in flight are waited for in rounds this long, each noting what completed: an
 # observer waiting for one checkpoint hears of it while the next is still being written.

@@ -54,7 +54,7 @@ from runtime.core.events import EventLog
 from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_start,
                                   plan_swap)
 from runtime.control.plan_executor import Done, PlanExecutor, failed
-from runtime.control.policy import StepPlan, plan_step, stage_groups
+from runtime.control.placement import StepPlan, plan_step, stage_groups
 from runtime.core.programs import ProgramSet
 from runtime.core.programs import stages_digest
 from runtime.control.run_state import RunLedger, RunState
@@ -191,7 +191,7 @@ class Controller:
     def next_checkpoint_writer(self) -> str | None:
         """A worker with a checkpoint save still ahead of it: the writer of the next checkpoint not yet
         dispatched (if the placement stays), else of the newest one dispatched and not reported complete (its
-        save waits or is being written); None when no save remains (``runtime.control.policy.checkpoint_writer``)."""
+        save waits or is being written); None when no save remains (``runtime.control.checkpointing.checkpoint_writer``)."""
         if self.placement is None:
             return None
         live = [w for w in self.placement.active if w not in self.dead]

@@ -17,9 +17,34 @@ import heapq
 import itertools
 import zlib
 
-from runtime.control.policy import cause_of, is_suspect, reprobe_wait
 
-__all__ = ["MAX_IN_FLIGHT", "Probe", "Schedule", "Verdict", "wait_seconds"]
+__all__ = ["cause_of", "is_suspect", "MAX_IN_FLIGHT", "Probe", "reprobe_wait", "Schedule", "Verdict", "wait_seconds"]
+
+
+_CAUSES = {"refused": "crash", "silent": "hang", "not_serving": "fenced"}
+
+
+def is_suspect(now: float, last_ok: float, lease: float, failure: str) -> bool:
+    """Whether a failed health probe makes a worker suspect.
+
+    ``failure`` is how the probe failed: ``"refused"`` (the process is gone:
+    suspect at once), ``"not_serving"`` (it fenced itself: at once) or
+    ``"silent"`` (no answer: suspect once silent for half the ``lease``, so
+    the re-probes that confirm it fill the other half and a hung worker is
+    declared dead about when its lease ends).
+    """
+    return failure != "silent" or now - last_ok >= lease / 2
+
+
+def reprobe_wait(lease: float, retries: int, probe_timeout: float) -> float:
+    """Seconds between the ``retries`` re-probes of a suspect, spreading them over the second half of the lease."""
+    return max(lease / 2 - (retries + 1) * probe_timeout, 0.0) / max(retries, 1)
+
+
+def cause_of(failure: str) -> str:
+    """The recorded cause of a death, from how its last probe failed: crash, hang or fenced."""
+    return _CAUSES.get(failure, "unresponsive")
+
 
 MAX_IN_FLIGHT = 16        # calls out at once (see runtime.control.health and Schedule)
 
@@ -120,9 +145,9 @@ class Schedule:
 
     - an answer renews the worker's lease (``last_ok``: when that probe was sent)
       and its next poll comes ``period`` after that probe;
-    - a failed probe makes it suspect when :func:`runtime.control.policy.is_suspect`
+    - a failed probe makes it suspect when :func:`is_suspect`
       says so, and then it is re-probed ``retries + 1`` times,
-      :func:`runtime.control.policy.reprobe_wait` apart, the first at once;
+      :func:`reprobe_wait` apart, the first at once;
     - a suspect that answers one of them is no longer suspect; one that
       answers none is dead (and forgotten).
 

@@ -25,7 +25,7 @@ can be listed) comes back with new facts (a new :class:`Survey`) and is
 planned again: one plan per set of facts, each recorded.
 
 A pipelined run is the same code over a placement grid: its active slices are
-stage-major (:func:`runtime.control.policy.stage_groups`; an unpipelined run
+stage-major (:func:`runtime.control.placement.stage_groups`; an unpipelined run
 is the one-stage case) and the rules that differ per stage live in
 :mod:`runtime.control.stage_plan`. Nothing here reads a clock, a socket or a
 file: the time is passed in (``now``: a wait for capacity past its deadline
@@ -38,7 +38,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from runtime.control.policy import Placement, WorkerInfo, place, slice_stages, stage_groups
+from runtime.control.placement import Placement, WorkerInfo, place, slice_stages, stage_groups
 from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots, grow_replicas,
                                         stage_without_replica, unmatched_stages)
 from runtime.control.tiers import Holding, TierChoice, choose_source, stage_snapshot
@@ -395,7 +395,7 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
     what holds that step ("checkpoint" or "snapshot"), for the reason.
     ``stages``: a pipelined run's stages (the active slices are stage-major,
-    :func:`runtime.control.policy.stage_groups`): each stage holds its own
+    :func:`runtime.control.placement.stage_groups`): each stage holds its own
     state, so each must keep a replica, and a replacement takes the lost
     slice's stage, a spare that shadows that stage first (``spare_stages``:
     the stage each spare's programs are for); with too few workers whole

@@ -30,7 +30,7 @@ import time
 from runtime.core.errors import (CapacityExhaustedError, DeviceMismatchError, ElasticError, ReplicaDivergenceError,
                                  StateLostError, WorkerLostError)
 from runtime.control.plan import Action, Failure, Plan, Survey
-from runtime.control.policy import Placement, stage_groups
+from runtime.control.placement import Placement, stage_groups
 from runtime.control.state_copies import StateCopies
 from runtime.control.tiers import Holding
 

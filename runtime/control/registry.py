@@ -21,7 +21,7 @@ from runtime.wire import auth
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.core.events import EventLog
-from runtime.control.policy import WorkerInfo
+from runtime.control.placement import WorkerInfo
 
 __all__ = ["Registry"]
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from runtime.control.policy import Placement, WorkerInfo
+from runtime.control.placement import Placement, WorkerInfo
 from runtime.core.events import read_events
 from runtime.state.snapshot import KEEP as KEPT
 

@@ -6,7 +6,7 @@ and records:
 
 - :meth:`Snapshotting.order_for`: after which steps a snapshot is taken, by
   which replica, and which worker on another host keeps its copy
-  (:func:`runtime.control.policy.snapshot_order`). Snapshots are the run's backup
+  (:func:`snapshot_order`). Snapshots are the run's backup
   while no spare shadows the state (:func:`runtime.control.tiers.backup_tier`).
   A pipelined run's state is one per stage: each stage snapshots its own, by
   one of its replicas, into that stage's directory of the host, its copy kept
@@ -24,11 +24,37 @@ no report answered yet.
 
 from __future__ import annotations
 
-from runtime.control.policy import Placement, snapshot_order, stage_groups
+from collections.abc import Mapping
+
+from runtime.control.placement import Placement, stage_groups
 from runtime.state.snapshot import KEEP
 from runtime.control.tiers import EveryStage, backup_tier
 
-__all__ = ["Snapshotting"]
+__all__ = ["snapshot_order", "Snapshotting"]
+
+
+def snapshot_order(step: int, steps: int, interval: int, active, spares, hosts: Mapping[str, str],
+                   others=()) -> tuple[str, str | None] | None:
+    """``(writer, peer)`` of the in-memory snapshot after step ``step`` (0-based), or None (no snapshot then).
+
+    A snapshot follows every ``interval``-th step but the last of ``steps``
+    (the run ends there; ``interval`` 0: never). The writer rotates over
+    ``active`` (the step's slices, in rank order) as checkpoint writers do;
+    the peer, which keeps the second copy, is the first worker on another
+    host (``hosts``: worker -> host; a worker missing there is a host of its
+    own): a spare first (it takes over when the active slices die), else the
+    next active slice after the writer, else one of ``others`` (a pipelined
+    run's other stages' slices, when ``active`` is one stage's). None when
+    every worker shares the writer's host.
+    """
+    n = step + 1
+    if interval <= 0 or not active or n % interval or n >= steps:
+        return None
+    i = (n // interval) % len(active)
+    writer = active[i]
+    home = hosts.get(writer, writer)
+    peer = next((w for w in (*spares, *active[i + 1:], *active[:i], *others) if hosts.get(w, w) != home), None)
+    return writer, peer
 
 
 class Snapshotting:

@@ -1,6 +1,6 @@
 """Pipeline stages in membership decisions: pure rules :mod:`runtime.control.plan` uses.
 
-A pipelined run's active slices are stage-major (:func:`runtime.control.policy.stage_groups`), and each stage
+A pipelined run's active slices are stage-major (:func:`runtime.control.placement.stage_groups`), and each stage
 holds its own share of the state, so a change keeps each slice's position (its stage) and asks per stage:
 
 - :func:`fill_slots`: who takes each lost slice (a spare that shadows the slice's stage first), and which
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from runtime.control.policy import Placement, slice_stages, stage_groups
+from runtime.control.placement import Placement, slice_stages, stage_groups
 from runtime.control.tiers import TIERS, Holding, TierChoice, choose_source
 
 __all__ = ["arrange_stages", "copy_source", "fill_slots", "grow_replicas", "stage_without_replica",

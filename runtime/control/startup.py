@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.control.policy import slice_stages
+from runtime.control.placement import slice_stages
 from runtime.control.checkpointing import Loaded
 
 __all__ = ["first_state", "resume_from", "resumed", "start"]

@@ -11,9 +11,21 @@ from __future__ import annotations
 import time
 
 from runtime.core.errors import ReplicaDivergenceError, WorkerLostError
-from runtime.control.policy import shadow_stage, stage_groups
+from collections.abc import Mapping
 
-__all__ = ["StateCopies"]
+from runtime.control.placement import stage_groups
+
+__all__ = ["shadow_stage", "StateCopies"]
+
+
+def shadow_stage(shadows: Mapping[str, int | None], stages: int) -> int:
+    """The pipeline stage a new shadow spare shadows: the one with the fewest shadows (``shadows``: each
+    shadowing spare's stage), the first of those tied."""
+    count = [0] * stages
+    for k in shadows.values():
+        if k is not None and 0 <= k < stages:
+            count[k] += 1
+    return count.index(min(count))
 
 
 class StateCopies:

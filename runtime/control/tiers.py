@@ -19,7 +19,7 @@ committed, and the controller's record of committed steps is the truth.
 extra copy of the committed state beyond the replicas, on a shadow spare
 while one exists, else in the kind the configuration names.
 
-Nothing here reads a clock, a socket or a file (see :mod:`runtime.control.policy`).
+Nothing here reads a clock, a socket or a file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Slow steps: the step watchdog (a step far slower than usual: find who holds it up) and stragglers.
 
 :func:`investigate` runs when :meth:`WorkerGroup.wait` answers ``Stalled``
-(the step ran past :func:`runtime.control.policy.watchdog_limit`). It asks every
+(the step ran past :func:`watchdog_limit`). It asks every
 worker of the step where it is (``Progress``), probes the suspects, and
 returns a :class:`WatchdogFinding`: the event to record, the stragglers to
 report, and the workers to fence out. It records nothing and declares no one
@@ -18,12 +18,83 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import time
+from collections.abc import Iterable, Mapping
 
-from runtime.control.policy import (StepPlan, StragglerDetector, StragglerPolicy, holding_up, straggler_action,
-                                    watchdog_limit)
+from runtime.control.placement import StepPlan
 
-__all__ = ["SlowSteps", "WatchdogFinding", "investigate"]
+__all__ = ["holding_up", "investigate", "SlowSteps", "straggler_action", "StragglerDetector", "StragglerPolicy",
+           "watchdog_limit", "WatchdogFinding"]
+
+
+def watchdog_limit(step_seconds: Iterable[float], factor: float, min_seconds: float,
+                   min_samples: int = 3) -> tuple[float, float] | None:
+    """``(limit, median)``: a step this long past the last commit is stalled; None until ``min_samples`` steps ran.
+
+    The limit is ``factor`` times the median recent step time, and at least
+    ``min_seconds`` (so a fast model's hiccup is not an alarm).
+    """
+    samples = sorted(step_seconds)
+    if len(samples) < min_samples:
+        return None
+    median = samples[len(samples) // 2]
+    return max(factor * median, min_seconds), median
+
+
+def holding_up(progress: Mapping[str, tuple[int, str, float]], step: int) -> list[str]:
+    """The workers holding up ``step``, from each worker's ``(step, phase, seconds in phase)``.
+
+    A worker holds the step up when it is behind (still on an earlier step)
+    or computing (``grad`` or ``apply``) while some peer is already done with
+    its part (waiting in ``reduce``, or finished). When every worker is in
+    the same state, no one is singled out: the step is slow, not a worker.
+    """
+    behind = {w for w, (s, phase, _) in progress.items() if s < step or (s == step and phase in ("grad", "apply"))}
+    return sorted(behind) if behind and len(behind) < len(progress) else []
+
+
+def straggler_action(replace_stragglers: bool, live_spare: bool) -> str:
+    """``"replaced"`` when stragglers are to be moved onto spares and a live spare exists, else ``"reported"``."""
+    return "replaced" if replace_stragglers and live_spare else "reported"
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerPolicy:
+    factor: float = 3.0         # slower than factor x median of the others
+    patience: int = 3           # for this many consecutive steps
+    min_seconds: float = 0.002  # ignore phases too short to time reliably
+
+
+class StragglerDetector:
+    """Flags a slice whose grad phase is far slower than its peers'. Bookkeeping only, no I/O.
+
+    Fed each committed step's per-worker grad seconds per microbatch; answers
+    the workers more than ``factor`` times the median of the others for
+    ``patience`` consecutive steps. A flagged worker is reported once per
+    episode (its streak restarts), so a slow host is not flagged at every step.
+    """
+
+    def __init__(self, policy: StragglerPolicy):
+        self.policy = policy
+        self._streak: dict[str, int] = {}
+
+    def observe(self, seconds: Mapping[str, float]) -> list[tuple[str, float, float]]:
+        """One step's ``{worker: seconds per microbatch}``; returns ``(worker, seconds, median of others)``
+        flagged now."""
+        flagged = []
+        if len(seconds) < 2:
+            return flagged
+        for w, s in seconds.items():
+            others = statistics.median(v for k, v in seconds.items() if k != w)
+            slow = s > self.policy.min_seconds and s > self.policy.factor * max(others, 1e-9)
+            self._streak[w] = self._streak.get(w, 0) + 1 if slow else 0
+            if self._streak[w] >= self.policy.patience:
+                self._streak[w] = 0
+                flagged.append((w, s, others))
+        for w in [k for k in self._streak if k not in seconds]:
+            del self._streak[w]
+        return flagged
 
 
 @dataclasses.dataclass(frozen=True)

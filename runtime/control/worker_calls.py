@@ -24,7 +24,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.calls import (LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
                                    load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
-from runtime.control.policy import StepPlan
+from runtime.control.placement import StepPlan
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
 from runtime.control.step_stream import StepStreams

@@ -41,7 +41,7 @@ from runtime.core.errors import AttachRefusedError, ElasticError, ProtocolError,
 from runtime.core.events import EventLog
 from runtime.control.health import Dialer, HealthMonitor
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
-from runtime.control.policy import StepPlan, WorkerInfo, may_relaunch
+from runtime.control.placement import StepPlan, WorkerInfo
 from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
@@ -49,7 +49,13 @@ from runtime.control.worker_calls import WorkerCalls
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["ATTACH_SECONDS", "WorkerGroup", "join_command"]
+__all__ = ["ATTACH_SECONDS", "join_command", "may_relaunch", "WorkerGroup"]
+
+
+def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_retries: int) -> bool:
+    """Whether a fresh process may be launched for a dead one: at most ``max_retries`` beyond the initial set."""
+    return relaunch and launched < slices + spares + max_retries
+
 
 #: How long a restarted client waits for each worker of the log to answer its Attach.
 ATTACH_SECONDS = 15.0

@@ -15,7 +15,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.health import Dialer, HealthMonitor, failure_of
 from runtime.control.health_schedule import Schedule, wait_seconds
-from runtime.control.policy import reprobe_wait
+from runtime.control.health_schedule import reprobe_wait
 from runtime.wire import auth, rpc
 from tests.conftest import ROOT
 

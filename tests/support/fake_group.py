@@ -55,7 +55,8 @@ import time
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import RegistrationTimeoutError, StepAbortedError, WorkerLostError
-from runtime.control.policy import WorkerInfo, may_relaunch
+from runtime.control.placement import WorkerInfo
+from runtime.control.worker_group import may_relaunch
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 
 #: The bytes of one replica's state: what an init, a copy or a load moves.

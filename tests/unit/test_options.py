@@ -267,7 +267,7 @@ def test_controller_option_defaults_are_the_default_configs(tmp_path):
 
 def test_the_runtimes_reasons_are_printed_in_config_terms():
     from runtime.control.plan import capacity_timed_out, decide_recovery
-    from runtime.control.policy import Placement
+    from runtime.control.placement import Placement
     p = Placement(epoch=1, active=("a", "b"), spares=())
     wait = decide_recovery(p, ("a",), {"a", "b"}, min_slices=2, recoveries=1, max_retries=5, may_wait=True)
     register = capacity_timed_out(wait, 120.0, "register_timeout_seconds")

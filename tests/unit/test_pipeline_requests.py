@@ -9,7 +9,7 @@ import pytest
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.control.calls import step_requests
-from runtime.control.policy import Placement, plan_step
+from runtime.control.placement import Placement, plan_step
 from runtime.core.errors import ProtocolError
 from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.stage_step import check_pipeline_step, pack, packed_size, unpack

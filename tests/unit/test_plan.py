@@ -9,7 +9,7 @@ from runtime.control.calls import WorkerStatus
 from runtime.control.controller_options import ControllerOptions
 from runtime.control.plan import (Action, Copy, Failure, Restore, Survey, Wait, plan_grow, plan_recovery, plan_start,
                                   plan_swap)
-from runtime.control.policy import Placement, WorkerInfo
+from runtime.control.placement import Placement, WorkerInfo
 from runtime.control.run_state import RunState, Series
 from runtime.control.tiers import Holding
 

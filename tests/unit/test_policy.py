@@ -4,7 +4,8 @@ import re
 import pytest
 
 from runtime.core.microbatch import Node
-from runtime.control.policy import WorkerInfo, checkpoint_writer, place, plan_step
+from runtime.control.checkpointing import checkpoint_writer
+from runtime.control.placement import WorkerInfo, place, plan_step
 
 
 def workers(*devices):
@@ -28,7 +29,7 @@ def test_plan_step_assigns_subtrees_in_vslice_order():
 
 
 def test_holding_up_singles_out_the_worker_computing_while_peers_wait():
-    from runtime.control.policy import holding_up
+    from runtime.control.watchdog import holding_up
 
     waiting = {"w0": (7, "reduce", 3.0), "w1": (7, "grad", 3.1), "w2": (7, "reduce", 2.9)}
     assert holding_up(waiting, 7) == ["w1"]
@@ -41,7 +42,7 @@ def test_holding_up_singles_out_the_worker_computing_while_peers_wait():
 
 
 def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
-    from runtime.control.policy import StragglerDetector, StragglerPolicy
+    from runtime.control.watchdog import StragglerDetector, StragglerPolicy
 
     d = StragglerDetector(StragglerPolicy(factor=3.0, patience=2, min_seconds=0.0))
     slow = {"w0": 0.01, "w1": 0.05, "w2": 0.01}
@@ -56,7 +57,10 @@ def test_the_straggler_detector_needs_patience_and_reports_once_per_episode():
 
 from runtime.control.plan import (Action, Failure, Plan, capacity_timed_out, decide_grow,  # noqa: E402
                                   decide_recovery, decide_swap, membership_change_due, realign)
-from runtime.control.policy import Placement, is_suspect, may_relaunch, reprobe_wait, watchdog_limit  # noqa: E402
+from runtime.control.health_schedule import is_suspect, reprobe_wait  # noqa: E402
+from runtime.control.placement import Placement  # noqa: E402
+from runtime.control.watchdog import watchdog_limit  # noqa: E402
+from runtime.control.worker_group import may_relaunch  # noqa: E402
 
 P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
 ALL = set(P.members)
@@ -121,7 +125,7 @@ def test_running_out_of_retries_names_the_limit(recoveries, max_retries, why):
 def test_reasons_speak_the_runtimes_terms_not_the_configs():
     # runtime knows nothing of elastic: a reason names ControllerOptions fields, never a config key
     src = "".join((pathlib.Path(__file__).parents[2] / "runtime" / "control" / f).read_text()
-                  for f in ("policy.py", "plan.py", "plan_executor.py"))
+                  for f in ("placement.py", "plan.py", "plan_executor.py", "health_schedule.py", "watchdog.py"))
     assert not re.findall(r"\belastic_\w+|\benable_checkpointing\b", src)
 
 
@@ -334,7 +338,7 @@ def test_each_failure_raises_its_own_type(failure, error):
 
 
 def test_a_new_shadow_spare_shadows_the_pipeline_stage_with_the_fewest_shadows():
-    from runtime.control.policy import shadow_stage
+    from runtime.control.state_copies import shadow_stage
 
     assert shadow_stage({}, 3) == 0
     assert shadow_stage({"a": 0, "b": 1}, 3) == 2

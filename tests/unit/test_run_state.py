@@ -7,7 +7,7 @@ import pytest
 
 from chaos.verdict import judge
 from runtime import EventLog, RunState, read_events
-from runtime.control.policy import Placement
+from runtime.control.placement import Placement
 from tests.support.events import timeless as ev
 
 

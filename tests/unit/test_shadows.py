@@ -6,7 +6,7 @@ only the shadows' steps in flight. The test plays the controller's part of each 
 import pytest
 
 from runtime.control.controller_options import ControllerOptions
-from runtime.control.policy import Placement, plan_step
+from runtime.control.placement import Placement, plan_step
 from runtime.control.run_state import RunLedger, RunState
 from runtime.control.shadows import Shadows
 from runtime.core.errors import WorkerLostError

@@ -1,6 +1,6 @@
 """runtime/state/snapshot.py: in-memory snapshot files (complete or absent, verified on read), their copies to another
 host, and the controller's bookkeeping of them (runtime/control/snapshotting.py,
-runtime.control.policy.snapshot_order)."""
+runtime.control.snapshotting.snapshot_order)."""
 
 import os
 
@@ -11,7 +11,8 @@ import pytest
 from runtime.state.checkpoint_record import CheckpointCorruptError, CheckpointNotFoundError
 from runtime.state.state_copy import state_digest
 from runtime.core.events import EventLog, read_events
-from runtime.control.policy import Placement, snapshot_order
+from runtime.control.placement import Placement
+from runtime.control.snapshotting import snapshot_order
 from runtime.state.snapshot import KEEP, SnapshotStore, host_directory
 from runtime.control.run_state import RunLedger
 from runtime.control.snapshotting import Snapshotting
