@@ -225,7 +225,7 @@ class WorkerGroup:
             if per_stage and r.fingerprint in per_stage:
                 self.calls.loaded_stage[w] = (stages or {}).get(w, per_stage.index(r.fingerprint))
             info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
-            self.fenced.discard(w)   # alive, a member again (WorkerCalls.attach revived it)
+            self.fenced.discard(w)   # alive, a member again (client_attached, written next, takes it off the dead)
             self.registry.add(info)
             self.monitor.watch(w, info.address)
             self.launcher.adopt(w, r.pid)
