@@ -269,9 +269,8 @@ class FaultInjector(ControllerObserver):
             return
         try:
             writer = ctl.next_checkpoint_writer() if fault.target.spec() == "role=writer" else None
-            workers = resolve_target(fault.target, ctl.placement.active, ctl.live_spares(), self.rng,
-                                     source=source, dest=dest, writer=writer,
-                                     stages=getattr(getattr(ctl, "opts", None), "pipeline_stages", 1))
+            workers = resolve_target(fault.target, ctl.placement, ctl.live_spares(), self.rng,
+                                     source=source, dest=dest, writer=writer)
         except TargetError as e:
             ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), fault_kind=fault.kind, reason=str(e),
                             step=self.committed)

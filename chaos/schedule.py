@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 
 from chaos.spec import INJECTABLE_KINDS, Fault, FaultSpecError, Target, When, validate
-from runtime import stage_groups
 
 __all__ = ["DEFAULT_KINDS", "TargetError", "random_faults", "resolve_target"]
 
@@ -70,24 +69,23 @@ def _random_target(kind: str) -> Target:
     return Target("role", "writer") if kind == "kill_save" else Target("random")
 
 
-def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, ...], rng: random.Random, *,
-                   source: str | None = None, dest: str | None = None, writer: str | None = None,
-                   stages: int = 1) -> tuple[str, ...]:
-    """The worker ids ``target`` names now; ``active[v]`` runs virtual slice ``v``.
+def resolve_target(target: Target, placement, spares: tuple[str, ...], rng: random.Random, *,
+                   source: str | None = None, dest: str | None = None, writer: str | None = None) -> tuple[str, ...]:
+    """The worker ids ``target`` names now in ``placement`` (the run's placement grid,
+    :class:`runtime.control.placement.Placement`: ``active[v]`` runs virtual slice ``v``, and
+    ``stage=K,replica=R`` is ``grid[K][R]``); ``spares``: the live spares.
 
     ``source``/``dest`` are the two ends of the state transfer in progress, if any;
-    ``writer`` the worker that writes the run's next checkpoint (None: the run writes none);
-    ``stages`` the run's pipeline stages S (the controller's ``pipeline_stages``): the active slices are
-    stage-major, so ``stage=K,replica=R`` is ``active[K * len(active) // S + R]``.
+    ``writer`` the worker that writes the run's next checkpoint (None: the run writes none).
     Random choices use ``rng`` only. Raises TargetError when nobody matches.
     """
-    kind, value = target.kind, target.value
+    kind, value, active = target.kind, target.value, placement.active
     if kind == "slice":
         if not isinstance(value, int) or not 0 <= value < len(active):
             raise TargetError(f"slice {value} is out of range: {_count(active, 'active slice')}")
         return (active[value],)
     if kind == "stage":
-        return (_stage_worker(target, active, stages),)
+        return (_stage_worker(target, placement),)
     if kind == "worker":
         if value not in active and value not in spares:
             raise TargetError(f"unknown worker {value!r} (active: {_ids(active)}; spares: {_ids(spares)})")
@@ -124,16 +122,16 @@ def resolve_target(target: Target, active: tuple[str, ...], spares: tuple[str, .
     raise TargetError(f"cannot resolve target {target.spec()!r}")
 
 
-def _stage_worker(target: Target, active: tuple[str, ...], stages: int) -> str:
+def _stage_worker(target: Target, placement) -> str:
     """The worker running stage ``target.value`` of pipeline replica ``target.replica`` (None: replica 0)."""
-    stage, replica = target.value, target.replica or 0
+    stage, replica, stages = target.value, target.replica or 0, placement.stages
     if stages <= 1:
         raise TargetError(f"target {target.spec()} names nobody: the run has no pipeline stages "
                           "(dcn_pipeline_parallelism=1); use slice=N")
     if not 0 <= stage < stages:
         raise TargetError(f"stage {stage} is out of range: the run has {stages} pipeline stages (0..{stages - 1})")
     try:
-        groups = stage_groups(active, stages)
+        groups = placement.grid
     except ValueError as e:
         raise TargetError(f"target {target.spec()} names nobody now: {e}") from None
     if not 0 <= replica < len(groups[stage]):

@@ -27,7 +27,7 @@ from typing import Any
 
 from elastic.report.goodput import goodput
 from elastic.report.pipeline import pipeline_section
-from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, read_events
+from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, RunState, read_events
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
 
@@ -180,13 +180,19 @@ def build_report(events_or_path) -> dict:
         "attempts": [],
         "pipeline": None,
     }
-    dead_at: dict[str, float] = {}   # worker -> when it was declared dead (s since start)
+    dead_at: dict[str, float] = {}   # worker -> when RunState first held it dead (s since start)
+    state = RunState()   # the run's facts (placement, deaths) are RunState's: the report reads its transitions
     step_seconds, latencies = [], []
     last_commit_t = None   # None after a failure: the interval that spans it is recovery, not a step
     t_first = events[0]["t"] if events else None
     attempt: dict | None = None   # the attempt the events belong to (see _new_attempt)
     for e in events:
         kind = e["kind"]
+        before, state = state, state.apply(e)
+        for w in state.dead.keys() - before.dead.keys():
+            dead_at[w] = e["t"] - t_first
+        if state.placement is not before.placement and state.placement is not None:
+            report["slices_at_end"] = len(state.placement.active)
         if attempt is None or kind == "job_started":
             attempt = _new_attempt(report, e, t_first)
             last_commit_t = None
@@ -251,22 +257,16 @@ def build_report(events_or_path) -> dict:
             if last_commit_t is not None and not e.get("recovered"):
                 step_seconds.append(e["t"] - last_commit_t)
             last_commit_t = e["t"]
-        elif kind == "placement":
-            report["slices_at_end"] = len(e["active"])
         elif kind == "failure_detected":
             current = {"detected_at": e["t"] - t_first, "error": e["error"], "detail": e["detail"],
                        "step": e["committed"], "workers": [], "path": None, "recovered_after_s": None,
                        "bytes_moved": 0, "kind": "error", "detected_after_s": None}
             report["failures"].append(current)
             last_commit_t = None
-        elif kind == "worker_dead":
-            dead_at[e["worker"]] = e["t"] - t_first
         elif kind == "recovery_decision" and report["failures"]:
             failure = report["failures"][-1]
             failure["workers"] += [w for w in e["dead"] if w not in failure["workers"]]
             failure["path"] = e["action"]
-            if e["action"] != "wait":
-                report["slices_at_end"] = len(e["active"])
         elif kind == "checkpoint_restored":
             report["checkpoint_restores"] += 1
         elif kind == "snapshot_restored":
@@ -286,8 +286,6 @@ def build_report(events_or_path) -> dict:
                     f.update(recovered_after_s=e["t"] - t_first - f["detected_at"], resume_step=e["resume_step"],
                              restore_tier=e.get("restore_tier", "replica"))
             report["failures"][-1].update(bytes_moved=e["bytes_moved"])
-        elif kind in ("grown", "straggler_replaced"):
-            report["slices_at_end"] = len(e["active"])
         elif kind == "straggler":
             report["stragglers"].append({k: e[k] for k in ("worker", "step", "seconds", "median_seconds", "action")})
         elif kind in ("fault_injected", "fault_skipped"):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.core.errors import ClientLostError
-from runtime.control.placement import slice_stages
 
 __all__ = ["Reattach", "attach", "can_attach"]
 
@@ -57,9 +56,8 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
     known = {w: info for w, info in s.registered.items() if w not in s.dead}   # the fenced are not dead
-    pipelined = s.placement is not None and o.pipeline_stages > 1
-    replies = group.attach(known, s.registered,
-                           slice_stages(s.placement.active, o.pipeline_stages) if pipelined else None)
+    pipelined = s.placement is not None and s.placement.stages > 1
+    replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
                     workers={w: {"address": r.address, "data_address": r.data_address, "devices": r.num_devices,

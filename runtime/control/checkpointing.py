@@ -32,7 +32,6 @@ import dataclasses
 import time
 
 from runtime.core.errors import BadInputError
-from runtime.control.placement import stage_groups
 from runtime.control.tiers import EveryStage
 
 __all__ = ["checkpoint_writer", "Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint", "stage_steps"]
@@ -106,12 +105,12 @@ class Checkpointing:
         """The worker of ``workers`` (a step's slices, in rank order) that writes after ``step``, or None."""
         return checkpoint_writer(step, steps, self.opts.checkpoint_period if self.enabled else 0, workers)
 
-    def next_writer(self, first_step: int, steps: int, workers) -> str | None:
-        """The worker that writes the first checkpoint from step ``first_step`` on, if ``workers`` stay; None
-        when the run writes no more."""
+    def next_writer(self, first_step: int, steps: int, grid) -> str | None:
+        """The worker that writes the first checkpoint from step ``first_step`` on, if the placement ``grid``
+        (:attr:`runtime.control.placement.Placement.grid`) stays; None when the run writes no more."""
         if not self.enabled:
             return None
-        first = stage_groups(tuple(workers), self.stages)[0]   # (a pipelined run: stage 0's writer)
+        first = grid[0]   # (a pipelined run: stage 0's writer)
         return next((w for s in range(first_step, steps) if (w := self.writer(s, steps, first))), None)
 
     def unfinished_writer(self, workers) -> str | None:
@@ -120,11 +119,12 @@ class Checkpointing:
         pending = [key for key, w in self._ordered.items() if w in workers]
         return self._ordered[max(pending)] if pending else None
 
-    def order_for(self, step: int, steps: int, workers, loss_sums) -> dict[str, tuple[str, list[float]]]:
+    def order_for(self, step: int, steps: int, grid, loss_sums) -> dict[str, tuple[str, list[float]]]:
         """``{writer: (directory, committed loss sums)}`` when step ``step`` ends a checkpoint period (or the
-        run), else {}: what ``WorkerGroup.dispatch`` sends the writers (one; a pipelined run: one per stage)."""
+        run), else {}: what ``WorkerGroup.dispatch`` sends the writers (one of the ``grid``'s rows, a step's
+        workers by stage; a pipelined run: one per stage)."""
         out = {}
-        for k, group in enumerate(stage_groups(tuple(workers), self.stages)):
+        for k, group in enumerate(grid):
             writer = self.writer(step, steps, group)
             if writer:
                 self._ordered[step + 1, k] = writer   # a step dispatched again (after a recovery) is ordered again
@@ -145,18 +145,18 @@ class Checkpointing:
             if error:
                 self.events.emit("checkpoint_failed", worker=w, error=error[:500])
 
-    def finish(self, workers, loss_sums) -> None:
+    def finish(self, grid, loss_sums) -> None:
         """End of a run: waits (up to ``rpc_timeout_seconds``) for the saves ``workers`` have in flight, noting
         each as it completes, then, when every one ended well (nobody writes now), removes the leftovers of
-        interrupted saves. ``loss_sums``: every committed step's. When the last step's checkpoint was ordered
-        from a worker no longer among ``workers`` and never reported (its writer died, the save cut off), the
+        interrupted saves. ``grid``: the active workers by stage; ``loss_sums``: every committed step's. When the
+        last step's checkpoint was ordered from a worker no longer among them and never reported (its writer died, the save cut off), the
         first of ``workers`` (of that stage) saves it again first. A worker lost meanwhile raises its typed
         error (``WorkerLostError``: the controller recovers and calls again)."""
         if not self.enabled:
             return
-        workers, last = list(workers), len(loss_sums)
+        workers, last = [w for row in grid for w in row], len(loss_sums)
         save = {}
-        for k, group in enumerate(stage_groups(tuple(workers), self.stages) if workers else ()):
+        for k, group in enumerate(grid if workers else ()):
             if (last, k) in self._ordered and self._ordered[last, k] not in workers:
                 save[group[0]] = (self.stage_directory(k), list(loss_sums))
                 self._ordered[last, k] = group[0]

@@ -54,7 +54,7 @@ from runtime.core.events import EventLog
 from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_start,
                                   plan_swap)
 from runtime.control.plan_executor import Done, PlanExecutor, failed
-from runtime.control.placement import StepPlan, plan_step, stage_groups
+from runtime.control.placement import StepPlan, plan_step
 from runtime.core.programs import ProgramSet
 from runtime.core.programs import stages_digest
 from runtime.control.run_state import RunLedger, RunState
@@ -195,7 +195,7 @@ class Controller:
         if self.placement is None:
             return None
         live = [w for w in self.placement.active if w not in self.dead]
-        return (self.checkpoints.next_writer(self.state.dispatched, self.state.steps, self.placement.active)
+        return (self.checkpoints.next_writer(self.state.dispatched, self.state.steps, self.placement.grid)
                 or self.checkpoints.unfinished_writer(live))
 
     def pid(self, worker_id: str) -> int:
@@ -242,6 +242,7 @@ class Controller:
             return
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
                          devices_per_slice=self.opts.devices_per_slice, spares=self.opts.spares,
+                         stages=self.opts.pipeline_stages,
                          microbatches=self.programs.num_microbatches, steps=steps, controller=self.address,
                          controller_host=self.group.client_host, generation=self.opts.generation)
 
@@ -320,7 +321,7 @@ class Controller:
             self.events.emit("run_truncated", steps=max(s.dispatched, 1),
                              reason=f"max_seconds={a.max_seconds:g} reached")
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
-                                 warmed=self.group.warmed(), swaps=bool(s.swaps), stages=self.opts.pipeline_stages) or \
+                                 warmed=self.group.warmed(), swaps=bool(s.swaps)) or \
                 self.shadows.behind(self.state):
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile
@@ -328,8 +329,7 @@ class Controller:
                 return Phase.RUNNING
             return Phase.BOUNDARY
         while len(self.pending) < self.opts.dispatch_depth and self.state.dispatched < self.state.steps:
-            self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches,
-                                     self.opts.pipeline_stages))
+            self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches))
         if self.pending:
             self._collect(*self.pending.popleft())
         return Phase.RUNNING
@@ -337,7 +337,7 @@ class Controller:
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.state)
         steps = self.state.steps
-        futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.workers,
+        futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.grid,
                                                                     self.state.loss_sums),
                                    shadows, self.snapshots.order_for(plan.step, steps, self.placement, len(shadows)))
         self.shadows.dispatched(plan.step, {w: futs.pop(w) for w in shadows})
@@ -361,7 +361,7 @@ class Controller:
         self.shadows.poll()
         stages = {}
         if plan.stages > 1:   # each stage's phases (its slowest replica's) and the step's measured bubble
-            groups = stage_groups(plan.workers, plan.stages)
+            groups = plan.grid
             stages["stage_phases"] = {str(k): slowest_phases([results[w].phases for w in g])
                                       for k, g in enumerate(groups)}
             bubble = stage_workers_bubble([[results[w].stage_busy_seconds for w in g] for g in groups],
@@ -400,7 +400,7 @@ class Controller:
     def _finish(self) -> Phase:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
         s = self.state
-        self.checkpoints.finish(self.placement.active, s.loss_sums)
+        self.checkpoints.finish(self.placement.grid, s.loss_sums)
         hashes = {w: digest for w, (_, digest) in self.group.hashes(self.placement.active).items()}
         self.result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
                                 final_state_digest=self._final_digest(hashes, s.steps), replica_hashes=hashes,
@@ -414,8 +414,7 @@ class Controller:
     def _final_digest(self, hashes: dict[str, str], step: int) -> str:
         """The state's digest: every replica's, which must agree; a pipeline's, over its stages' (the replicas of
         each stage must agree). ``ReplicaDivergenceError`` otherwise."""
-        per_stage = [{hashes[w] for w in group} for group in stage_groups(self.placement.active,
-                                                                          self.opts.pipeline_stages)]
+        per_stage = [{hashes[w] for w in group} for group in self.placement.grid]
         if any(len(digests) != 1 for digests in per_stage):
             raise ReplicaDivergenceError("replicas diverged", step=step, cause=f"state hashes {hashes}")
         return stages_digest([d.pop() for d in per_stage])
@@ -491,7 +490,8 @@ class Controller:
         """The first placement (:func:`runtime.control.plan.plan_start`) of the registered ``workers``; ``lost``:
         launched workers that died first."""
         o = self.opts
-        plan = plan_start(o.slices, o.devices_per_slice, workers, lost=lost, min_slices=o.min_slices)
+        plan = plan_start(o.slices, o.devices_per_slice, workers, lost=lost, min_slices=o.min_slices,
+                          stages=o.pipeline_stages)
         self.executor.start(plan, sorted(lost), started)
 
     def before_state(self, during: str) -> None:

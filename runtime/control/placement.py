@@ -1,8 +1,15 @@
-"""Placement: which worker runs each virtual slice, and who computes what in a step, as pure functions.
+"""Placement: the grid of virtual slices and the workers serving it, and who computes what in a step, as pure
+functions.
 
-A run's active slices are stage-major: virtual slice ``v`` is stage ``v // R``
-of pipeline replica ``v % R`` (``R`` slices per stage; an unpipelined run is
-the one-stage case), each slice one worker today. Membership changes are
+A :class:`Placement` is a grid: row ``k`` is pipeline stage ``k``, column ``r``
+pipeline replica ``r`` (the data-parallel axis), and each cell names the slice
+serving it. An unpipelined run is the one-row grid; nothing outside the stage
+schedule and the stage cut asks whether a run is pipelined. Read stage-major,
+the grid is ``active``: virtual slice ``v`` is stage ``v // R``, replica
+``v % R`` (``R`` replicas). A slice is one worker process today, named by its
+worker id; the host axis (a slice of several worker processes running one SPMD
+program) extends a cell to the slice's hosts, and nothing that reads the grid
+by stage and replica changes. Membership changes are
 decided over placements in :mod:`runtime.control.plan`; the other rules sit
 beside what they decide: failure detection with the health schedule
 (:mod:`runtime.control.health_schedule`), the step watchdog and stragglers
@@ -16,11 +23,12 @@ or a file.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Mapping
 
 from runtime.core.microbatch import Node, assign_microbatches
 
-__all__ = ["Placement", "StepPlan", "WorkerInfo", "place", "plan_step", "slice_stages", "stage_groups"]
+__all__ = ["Placement", "StepPlan", "WorkerInfo", "place", "plan_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +46,45 @@ class WorkerInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Which worker runs each virtual slice, in one membership epoch.
+    """The placement grid of one membership epoch: the slice serving each (stage, replica), and the spares.
 
-    ``active[v]`` is the worker id of virtual slice ``v``; ``spares`` are
-    registered, warmed workers no virtual slice uses.
+    ``active`` is the grid read stage-major (virtual slice ``v`` is stage ``v // replicas``, replica
+    ``v % replicas``); ``stages`` its rows (1: an unpipelined run); ``spares`` registered, warmed workers no
+    cell uses.
     """
 
     epoch: int
     active: tuple[str, ...]
     spares: tuple[str, ...] = ()
+    stages: int = 1
 
     @property
     def members(self) -> tuple[str, ...]:
         return self.active + self.spares
+
+    @property
+    def replicas(self) -> int:
+        """The grid's columns: pipeline replicas (the data-parallel width)."""
+        return len(self.active) // self.stages
+
+    @functools.cached_property
+    def grid(self) -> tuple[tuple[str, ...], ...]:
+        """``grid[stage][replica]``: the slice serving that cell (every slice in row 0 when unpipelined). A
+        ``ValueError`` when the active slices do not fill the rows (a pipelined run that lost a slice nobody
+        took: the plan that made it restores or fails)."""
+        if len(self.active) % self.stages:
+            raise ValueError(f"{len(self.active)} active slices do not split into {self.stages} pipeline stages")
+        r = self.replicas
+        return tuple(self.active[k * r:(k + 1) * r] for k in range(self.stages))
+
+    @functools.cached_property
+    def stage_of(self) -> Mapping[str, int]:
+        """``{active slice: its stage}`` (the grid's row)."""
+        return {w: k for k, row in enumerate(self.grid) for w in row}
+
+    def following(self, active: Iterable[str], spares: Iterable[str]) -> Placement:
+        """The next epoch's placement of the same grid shape with these slices."""
+        return Placement(self.epoch + 1, tuple(active), tuple(spares), self.stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +95,18 @@ class StepPlan:
     epoch: int
     workers: tuple[str, ...]
     nodes: tuple[tuple[Node, ...], ...]
-    stages: int = 1   # pipeline stages: workers are stage-major, each stage's replicas in order
+    stages: int = 1   # the placement grid's rows: workers are stage-major, each stage's replicas in order
 
     @property
     def replica_count(self) -> int:
         """The pipeline replicas (data-parallel width): the workers of one stage."""
         return len(self.workers) // self.stages
+
+    @property
+    def grid(self) -> tuple[tuple[str, ...], ...]:
+        """The workers of each stage, as :attr:`Placement.grid`."""
+        r = self.replica_count
+        return tuple(self.workers[k * r:(k + 1) * r] for k in range(self.stages))
 
     @property
     def loss_workers(self) -> tuple[str, ...]:
@@ -81,12 +121,12 @@ class StepPlan:
 
 
 def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], epoch: int = 1,
-          min_slices: int | None = None) -> Placement:
+          min_slices: int | None = None, stages: int = 1) -> Placement:
     """Initial placement: the first ``num_vslices`` fitting workers (by id) are active.
 
     A worker fits when it has exactly ``devices_per_slice`` devices (same
     program shapes on every slice keep the math identical). The rest become
-    spares. With ``min_slices``, fewer fitting workers (some died during
+    spares; the grid has ``stages`` rows. With ``min_slices``, fewer fitting workers (some died during
     startup) still give a placement of at least that many slices (the run
     grows back when capacity returns). Raises ``ValueError`` naming the
     shortfall when too few fit.
@@ -100,28 +140,14 @@ def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo
         raise ValueError(f"need {need} workers with {devices_per_slice} devices, "
                          f"have {len(fitting)}{extra}")
     ids = tuple(w.worker_id for w in fitting)
-    return Placement(epoch=epoch, active=ids[:num_vslices], spares=ids[num_vslices:])
+    return Placement(epoch=epoch, active=ids[:num_vslices], spares=ids[num_vslices:], stages=stages)
 
 
-def slice_stages(active: tuple[str, ...], stages: int) -> dict[str, int]:
-    """``{worker: the pipeline stage of its slice}`` (:func:`stage_groups`; every one 0 for an unpipelined run)."""
-    return {w: k for k, group in enumerate(stage_groups(active, stages)) for w in group}
-
-
-def stage_groups(active: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:
-    """The active slices of each pipeline stage (stage-major: virtual slice ``v`` is stage ``v // R``); one group
-    of every slice for an unpipelined run."""
-    if len(active) % stages:
-        raise ValueError(f"{len(active)} active slices do not split into {stages} pipeline stages")
-    r = len(active) // stages
-    return tuple(active[k * r:(k + 1) * r] for k in range(stages))
-
-
-def plan_step(placement: Placement, step: int, num_microbatches: int, stages: int = 1) -> StepPlan:
-    """Assigns the step's microbatch subtrees to the active slices in vslice order; with pipeline ``stages``,
-    virtual slice ``v`` is stage ``v // R`` of pipeline replica ``v % R`` (``R`` = slices / stages), and each
-    stage of a replica works on that replica's subtrees."""
-    replicas = len(stage_groups(placement.active, stages)[0])
+def plan_step(placement: Placement, step: int, num_microbatches: int) -> StepPlan:
+    """Assigns the step's microbatch subtrees to the grid's columns: every stage of pipeline replica ``r`` works
+    on replica ``r``'s subtrees (an unpipelined run: each slice on its own)."""
+    replicas = placement.replicas
     nodes = assign_microbatches(num_microbatches, replicas)
     return StepPlan(step=step, epoch=placement.epoch, workers=placement.active,
-                    nodes=tuple(tuple(nodes[v % replicas]) for v in range(len(placement.active))), stages=stages)
+                    nodes=tuple(tuple(nodes[v % replicas]) for v in range(len(placement.active))),
+                    stages=placement.stages)

@@ -24,9 +24,9 @@ read, a pipeline stage's programs that must be loaded before its snapshots
 can be listed) comes back with new facts (a new :class:`Survey`) and is
 planned again: one plan per set of facts, each recorded.
 
-A pipelined run is the same code over a placement grid: its active slices are
-stage-major (:func:`runtime.control.placement.stage_groups`; an unpipelined run
-is the one-stage case) and the rules that differ per stage live in
+A pipelined run is the same code over a placement grid
+(:class:`runtime.control.placement.Placement`: a row per stage, a column per
+pipeline replica; an unpipelined run is the one-row grid) and the rules that differ per stage live in
 :mod:`runtime.control.stage_plan`. Nothing here reads a clock, a socket or a
 file: the time is passed in (``now``: a wait for capacity past its deadline
 becomes a ``FAIL``).
@@ -38,7 +38,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from runtime.control.placement import Placement, WorkerInfo, place, slice_stages, stage_groups
+from runtime.control.placement import Placement, WorkerInfo, place
 from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots, grow_replicas,
                                         stage_without_replica, unmatched_stages)
 from runtime.control.tiers import Holding, TierChoice, choose_source, stage_snapshot
@@ -172,8 +172,9 @@ class Plan:
 
 
 def plan_start(slices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], *, lost: Iterable[str],
-               min_slices: int) -> Plan:
-    """The first placement, from the workers that registered; ``lost``: launched workers that died first.
+               min_slices: int, stages: int = 1) -> Plan:
+    """The first placement (a grid of ``stages`` rows), from the workers that registered; ``lost``: launched
+    workers that died first.
 
     A worker that registered and then died is in both: it is lost, never
     placed. ``REPLACE`` when every slice has a worker (nothing lost, or the others
@@ -186,7 +187,7 @@ def plan_start(slices: int, devices_per_slice: int, workers: Iterable[WorkerInfo
     lost = sorted(lost)
     alive = [w for w in workers if w.worker_id not in lost]
     try:
-        placement = place(slices, devices_per_slice, alive, min_slices=min_slices)
+        placement = place(slices, devices_per_slice, alive, min_slices=min_slices, stages=stages)
     except ValueError as e:
         why = f"; {len(lost)} worker(s) died before registering" if lost else ""
         if any(w.num_devices != devices_per_slice for w in alive):
@@ -223,11 +224,11 @@ NO_REPLICA = ("no live replica of the state is left and no complete snapshot or 
 
 def plan_recovery(state, survey: Survey, opts, now: float = 0.0) -> Plan:
     """The whole recovery from ``state`` (the run's ``RunState``), ``survey`` and ``opts`` (the run's
-    ``ControllerOptions``: ``slices``, ``min_slices``, ``max_retries``, ``pipeline_stages``,
-    ``capacity_timeout_seconds``, ``relaunch``); see the module docstring. ``now``: the clock a
-    ``survey.wait`` deadline is in."""
-    stages, committed = opts.pipeline_stages, state.committed
+    ``ControllerOptions``: ``slices``, ``min_slices``, ``max_retries``, ``capacity_timeout_seconds``,
+    ``relaunch``); see the module docstring. ``now``: the clock a ``survey.wait`` deadline is in."""
+    committed = state.committed
     old = survey.placement or state.placement
+    stages = old.stages
     if survey.joined:
         old = dataclasses.replace(old, spares=tuple(w for w in old.spares if w not in state.dead) + survey.joined)
     dead = sorted(w for w in old.members if w in state.dead)
@@ -242,8 +243,7 @@ def plan_recovery(state, survey: Survey, opts, now: float = 0.0) -> Plan:
     d = decide_recovery(old, dead, replicas, min_slices=opts.min_slices, recoveries=state.recoveries,
                         max_retries=opts.max_retries, may_wait=may_wait,
                         checkpoint_step=backup.step if backup and backup.ok else None,
-                        backup=backup.tier if backup and backup.ok else "checkpoint", stages=stages,
-                        spare_stages=spare_stages)
+                        backup=backup.tier if backup and backup.ok else "checkpoint", spare_stages=spare_stages)
     wait = survey.wait
     if d.action is Action.WAIT and wait is not None and now >= wait.until:
         d = capacity_timed_out(d, wait.seconds, wait.limit)
@@ -255,35 +255,34 @@ def plan_recovery(state, survey: Survey, opts, now: float = 0.0) -> Plan:
         return dataclasses.replace(d, relaunch_now=tuple(dead))
     if d.action is Action.RESTORE:
         return _plan_restore(d, state, survey, opts, now, dead, may_wait)
-    tier = copy_source(d.placement.active, old.active, stages, replicas, spare_stages, committed)
+    tier = copy_source(d.placement, old, replicas, spare_stages, committed)
     return _plan_realign(dataclasses.replace(d, tier=tier, relaunch_later=tuple(dead)), state, survey, replicas,
-                         spare_stages, stages)
+                         spare_stages)
 
 
-def _holders(active: tuple[str, ...], replicas, loaded: Mapping[str, int], stages: int) -> list[str]:
-    """The workers of ``active`` that hold the committed state of their own slice: replicas, and in a pipelined
-    run only those whose programs are for their slice's stage (a spare that shadowed another stage, promoted
-    into this one, holds that stage's state)."""
-    if stages == 1:
-        return [w for w in active if w in replicas]
-    stage = slice_stages(active, stages)
-    return [w for w in active if w in replicas and loaded.get(w) == stage[w]]
+def _holders(placement: Placement, replicas, loaded: Mapping[str, int]) -> list[str]:
+    """The active workers that hold the committed state of their own slice: replicas, and in a pipelined run only
+    those whose programs are for their slice's stage (a spare that shadowed another stage, promoted into this
+    one, holds that stage's state)."""
+    if placement.stages == 1:
+        return [w for w in placement.active if w in replicas]
+    return [w for w in placement.active if w in replicas and loaded.get(w) == placement.stage_of[w]]
 
 
-def _plan_realign(d: Plan, state, survey: Survey, replicas, spare_stages, stages: int) -> Plan:
+def _plan_realign(d: Plan, state, survey: Survey, replicas, spare_stages) -> Plan:
     """The survivors hold the state: commit the steps they all applied, roll back those one ahead, and copy from
     them to the slices that lack it."""
     new = d.placement
     loaded = {**survey.loaded, **spare_stages}
-    survivors = _holders(new.active, replicas, loaded, stages)
-    loss_workers = stage_groups(new.active, stages)[-1]   # (a pipeline's earlier stages compute none)
+    survivors = _holders(new, replicas, loaded)
+    loss_workers = new.grid[-1]   # (a pipeline's earlier stages compute none)
     applied = {w: survey.statuses[w].applied_steps for w in survivors}
     losses = {w: survey.statuses[w].losses for w in survivors if w in loss_workers}
     target, commits, rollbacks, error = realign(applied, losses, state.committed)
     if error:
         return Plan(Action.FAIL, new, f"cannot realign the survivors: {error}", failure=Failure.DIVERGED)
     source = d.tier.source if d.tier.source in survivors else survivors[0]
-    loads, copies = _copies(new.active, stages, survivors, source, loaded)
+    loads, copies = _copies(new, survivors, source, loaded)
     return dataclasses.replace(d, resume=target, commits=commits, rollbacks=rollbacks, loads=loads, copies=copies)
 
 
@@ -311,13 +310,13 @@ def realign(applied: Mapping[str, int], losses: Mapping[str, Mapping[int, float]
     return target, tuple(commits), tuple(sorted(w for w, a in applied.items() if a == target + 1)), ""
 
 
-def _copies(active: tuple[str, ...], stages: int, holders, source: str,
+def _copies(placement: Placement, holders, source: str,
             loaded: Mapping[str, int]) -> tuple[tuple[tuple[str, int], ...], tuple[Copy, ...]]:
-    """``(loads, copies)`` giving every slice of ``active`` the state: each stage's slices not in ``holders`` copy
+    """``(loads, copies)`` giving every active slice the state: each stage's slices not in ``holders`` copy
     from ``source`` when it is of that stage, else from the stage's first holder; a pipelined newcomer first
     loads its stage's programs when it has another's (``loaded``)."""
-    loads, copies = [], []
-    for k, group in enumerate(stage_groups(active, stages)):
+    loads, copies, stages = [], [], placement.stages
+    for k, group in enumerate(placement.grid):
         src = source if stages == 1 or source in group else next(w for w in group if w in holders)
         for dest in group:
             if dest in holders:
@@ -332,13 +331,13 @@ def _plan_restore(d: Plan, state, survey: Survey, opts, now: float, dead, may_wa
     """No replica is left: the newest snapshot or checkpoint comes back, to every active slice (loaded, or
     copied from the worker that loaded it). A pipelined run restores every stage at the same step, each on a
     worker where its snapshot lies when one can be."""
-    stages, committed, old = opts.pipeline_stages, state.committed, survey.placement or state.placement
+    committed, old = state.committed, survey.placement or state.placement
+    stages = old.stages
     d = dataclasses.replace(d, tier=choose_source({}, {}, survey.snapshots, survey.checkpoints, committed),
                             relaunch_later=tuple(dead))
     if stages > 1 and survey.snapshot_hosts:
-        d = dataclasses.replace(d, placement=arrange_stages(d.placement, stages, survey.snapshot_hosts,
-                                                            survey.hosts))
-        missing = unmatched_stages(d.placement, stages, survey.snapshot_hosts, survey.hosts)
+        d = dataclasses.replace(d, placement=arrange_stages(d.placement, survey.snapshot_hosts, survey.hosts))
+        missing = unmatched_stages(d.placement, survey.snapshot_hosts, survey.hosts)
         if missing and may_wait and (survey.wait is None or now < survey.wait.until):
             return Plan(Action.WAIT, old, f"{d.reason.split(':')[0]}: waiting for a worker on a host holding the "
                                           f"snapshot of stage {missing[0]}", limit="min_slices",
@@ -356,7 +355,7 @@ def _plan_restore(d: Plan, state, survey: Survey, opts, now: float, dead, may_wa
             return Plan(Action.FAIL, new, f"cannot restore the state: {choice.reason}", failure=Failure.STATE_LOST)
         return dataclasses.replace(d, tier=choice, restore=Restore("checkpoint", choice.step, new.active))
     # A pipelined run: each stage's snapshots are listed with that stage's programs loaded.
-    groups = stage_groups(new.active, stages)
+    groups = new.grid
     loads = tuple((w, k) for k, group in enumerate(groups) for w in group if survey.loaded.get(w) != k)
     if loads:
         return dataclasses.replace(d, loads=loads, resurvey=True)
@@ -381,7 +380,7 @@ def _plan_restore(d: Plan, state, survey: Survey, opts, now: float, dead, may_wa
 def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterable[str], *, min_slices: int,
                     recoveries: int, max_retries: int, may_wait: bool = False,
                     checkpoint_step: int | None = None, backup: str = "checkpoint",
-                    stages: int = 1, spare_stages: Mapping[str, int] | None = None) -> Plan:
+                    spare_stages: Mapping[str, int] | None = None) -> Plan:
     """The rule of :func:`plan_recovery` that picks the action and the placement: replace dead active slices with
     live spares; else shrink down to ``min_slices``; else wait or fail.
 
@@ -394,9 +393,8 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     there is none) and at least ``min_slices`` slices have a worker (else
     ``WAIT`` for capacity, when it may come), otherwise ``FAIL``. ``backup``:
     what holds that step ("checkpoint" or "snapshot"), for the reason.
-    ``stages``: a pipelined run's stages (the active slices are stage-major,
-    :func:`runtime.control.placement.stage_groups`): each stage holds its own
-    state, so each must keep a replica, and a replacement takes the lost
+    A pipelined run (a placement grid of several stages) holds each stage's
+    own state, so each must keep a replica, and a replacement takes the lost
     slice's stage, a spare that shadows that stage first (``spare_stages``:
     the stage each spare's programs are for); with too few workers whole
     pipeline replicas are dropped (:func:`runtime.control.stage_plan.fill_slots`).
@@ -405,22 +403,22 @@ def decide_recovery(placement: Placement, dead: Iterable[str], replicas: Iterabl
     arrive (a relaunched or joining worker), so being below the minimum
     answers ``WAIT`` (with the unchanged placement) instead of ``FAIL``.
     """
-    dead, replicas = frozenset(dead), frozenset(replicas)
+    dead, replicas, stages = frozenset(dead), frozenset(replicas), placement.stages
     if recoveries > max_retries:
         if max_retries == 0:
             return Plan(Action.FAIL, placement, "recovery is off (max_retries=0): a lost worker ends the run",
                         failure=Failure.CAPACITY, limit="max_retries")
         return Plan(Action.FAIL, placement, f"gave up after {max_retries} recoveries (max_retries)",
                     failure=Failure.CAPACITY, limit="max_retries")
-    slots, spares, dropped = fill_slots(placement, dead, replicas, stages, spare_stages or {})
+    slots, spares, dropped = fill_slots(placement, dead, replicas, spare_stages or {})
     active = [w for w in slots if w is not None]
     replaced = sum(w not in placement.active for w in active)
-    new = Placement(epoch=placement.epoch + 1, active=tuple(active), spares=tuple(spares))
+    new = placement.following(active, spares)
     survivors = [w for w in placement.active if w not in dead]
     lost_state = ("" if any(w in replicas for w in active) else "every active slice is gone" if not survivors else
                   "the surviving slices hold no copy of the state")
     if stages > 1 and not lost_state:
-        lost_state = stage_without_replica(placement, dead, replicas, stages, spare_stages or {})
+        lost_state = stage_without_replica(placement, dead, replicas, spare_stages or {})
     if lost_state and checkpoint_step is None:
         return Plan(Action.FAIL, new, f"{lost_state}: {NO_REPLICA}", failure=Failure.STATE_LOST)
     if lost_state:
@@ -460,30 +458,30 @@ def capacity_timed_out(plan: Plan, timeout_seconds: float, limit: str = "capacit
 
 
 def membership_change_due(placement: Placement, slices: int, dead: Iterable[str], *, unadopted: bool,
-                          warmed: bool, swaps: bool, stages: int = 1) -> bool:
+                          warmed: bool, swaps: bool) -> bool:
     """Whether the next step boundary has work: a worker to adopt or promote, a dead spare, a straggler to swap.
 
     ``unadopted``: a worker registered that the controller has not taken on;
     ``warmed``: a joining worker finished loading its programs; ``swaps``: a
-    straggler waits to be moved onto a spare; ``stages``: a pipelined run
-    grows by a spare per stage.
+    straggler waits to be moved onto a spare. A pipelined run grows by a
+    spare per stage.
     """
     dead = frozenset(dead)
     return (unadopted or warmed or swaps or any(s in dead for s in placement.spares)
-            or (len(placement.active) < slices and len(placement.spares) >= stages))
+            or (len(placement.active) < slices and len(placement.spares) >= placement.stages))
 
 
-def decide_grow(placement: Placement, slices: int, stages: int = 1,
+def decide_grow(placement: Placement, slices: int,
                 spare_stages: Mapping[str, int] | None = None) -> Placement | None:
     """Promotes spares while fewer than ``slices`` run; None when nothing changes. A pipelined run grows by whole
     pipeline replicas, a spare per stage (one whose programs are that stage's first: ``spare_stages``)."""
     missing = slices - len(placement.active)
-    if missing <= 0 or len(placement.spares) < stages:
+    if missing <= 0 or len(placement.spares) < placement.stages:
         return None
-    if stages > 1:
-        return grow_replicas(placement, missing, stages, spare_stages or {})
+    if placement.stages > 1:
+        return grow_replicas(placement, missing, spare_stages or {})
     take = placement.spares[:missing]
-    return Placement(epoch=placement.epoch + 1, active=placement.active + take, spares=placement.spares[len(take):])
+    return placement.following(placement.active + take, placement.spares[len(take):])
 
 
 def decide_swap(placement: Placement, slow: str) -> Placement | None:
@@ -494,21 +492,21 @@ def decide_swap(placement: Placement, slow: str) -> Placement | None:
     """
     if slow not in placement.active or not placement.spares:
         return None
-    active = tuple(placement.spares[0] if w == slow else w for w in placement.active)
-    return Placement(epoch=placement.epoch + 1, active=active, spares=placement.spares[1:])
+    return placement.following((placement.spares[0] if w == slow else w for w in placement.active),
+                               placement.spares[1:])
 
 
 def plan_grow(state, opts, loaded: Mapping[str, int]) -> Plan:
     """Spares promoted while fewer slices run than asked for (``GROW``), with the copies that give them the
     state; ``KEEP`` when nothing changes. ``loaded``: the pipeline stage each member's programs are for."""
-    p, stages = state.placement, opts.pipeline_stages
-    spare_stages = {w: k for w in p.spares if (k := loaded.get(w)) is not None} if stages > 1 else {}
-    grown = decide_grow(p, opts.slices, stages, spare_stages)
+    p = state.placement
+    spare_stages = {w: k for w in p.spares if (k := loaded.get(w)) is not None} if p.stages > 1 else {}
+    grown = decide_grow(p, opts.slices, spare_stages)
     if grown is None:
         return Plan(Action.KEEP, None, f"{len(p.active)} of {opts.slices} slices run and {len(p.spares)} "
                                        f"spare(s) wait")
     promoted = [w for w in grown.active if w not in p.active]
-    return _remap(Plan(Action.GROW, grown, f"spares {', '.join(promoted)} promoted"), state, loaded, stages)
+    return _remap(Plan(Action.GROW, grown, f"spares {', '.join(promoted)} promoted"), state, loaded)
 
 
 def plan_swap(state, opts, loaded: Mapping[str, int], slow: str) -> Plan:
@@ -519,14 +517,13 @@ def plan_swap(state, opts, loaded: Mapping[str, int], slow: str) -> Plan:
         why = "it no longer runs a slice" if slow not in p.active else "no spare to move it onto"
         return Plan(Action.KEEP, None, why)
     spare = swapped.active[p.active.index(slow)]
-    return _remap(Plan(Action.SWAP, swapped, f"{slow}'s slice moves to {spare}"), state, loaded,
-                  opts.pipeline_stages)
+    return _remap(Plan(Action.SWAP, swapped, f"{slow}'s slice moves to {spare}"), state, loaded)
 
 
-def _remap(plan: Plan, state, loaded: Mapping[str, int], stages: int) -> Plan:
+def _remap(plan: Plan, state, loaded: Mapping[str, int]) -> Plan:
     """A boundary change's copies: from the first slice that kept its place and holds the committed state."""
     new = plan.placement
     holders = [w for w in new.active if w in state.replicas]
     source = next(w for w in state.placement.active if w in state.replicas and w in new.active)
-    loads, copies = _copies(new.active, stages, holders, source, loaded)
+    loads, copies = _copies(new, holders, source, loaded)
     return dataclasses.replace(plan, resume=state.committed, loads=loads, copies=copies)

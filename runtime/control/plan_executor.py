@@ -30,7 +30,7 @@ import time
 from runtime.core.errors import (CapacityExhaustedError, DeviceMismatchError, ElasticError, ReplicaDivergenceError,
                                  StateLostError, WorkerLostError)
 from runtime.control.plan import Action, Failure, Plan, Survey
-from runtime.control.placement import Placement, stage_groups
+from runtime.control.placement import Placement
 from runtime.control.state_copies import StateCopies
 from runtime.control.tiers import Holding
 
@@ -130,13 +130,13 @@ class PlanExecutor:
         replicas = (state.replicas | base.shadows) if has_state else frozenset(members)
         dead = self._dead()
         live = all(any(w in replicas and w not in dead for w in stage)   # (each stage holds its own)
-                   for stage in stage_groups(old.active, o.pipeline_stages))
-        backups = {} if live or not has_state else self._backups(state.committed)
+                   for stage in old.grid)
+        backups = {} if live or not has_state else self._backups(state.committed, old.stages)
         return dataclasses.replace(base, statuses=statuses, shadows=base.shadows - frozenset(dead),
                                    loaded={w: k for w in members if (k := group.loaded_stage(w)) is not None},
                                    hosts={w: group.host_of(w) for w in members}, **backups, **changed)
 
-    def _backups(self, committed: int) -> dict:
+    def _backups(self, committed: int, stages: int) -> dict:
         """The newest complete backups known: ``snapshots``, ``checkpoints`` and (a pipelined run's) the hosts
         each stage's newest snapshot lies on."""
         snap, ckpt = self.snapshots.newest(committed), self.checkpoints.newest(committed)
@@ -144,7 +144,7 @@ class PlanExecutor:
                "checkpoints": (Holding(self.checkpoints.directory or "checkpoint", ckpt),) if ckpt is not None
                else ()}
         reported = self.snapshots.newest(committed, reported=True) if snap is not None else None
-        if reported is not None and self.opts.pipeline_stages > 1:
+        if reported is not None and stages > 1:
             out["snapshot_hosts"] = self.snapshots.stage_hosts(reported)
         return out
 
@@ -217,7 +217,7 @@ class PlanExecutor:
             self.group.rollback(w, plan.resume)
             self.events.emit("rolled_back", worker=w, to_step=plan.resume)
         moved = self.copies.carry_out(plan.copies, plan.resume)
-        self.copies.check_replicas(new.active, plan.resume)
+        self.copies.check_replicas(new, plan.resume)
         self.copies.recheck_shadows(new, plan.tier.source)
         self.recovered(plan, dead, started, plan.resume, new.epoch, moved, plan.tier.tier)
         return Done(plan.resume)
@@ -248,7 +248,7 @@ class PlanExecutor:
             step, nbytes = loaded.step, sum(loaded.bytes.values())
             where = {"directory": self.checkpoints.directory}
         moved = nbytes + self.copies.carry_out(plan.copies, step)
-        self.copies.check_replicas(new.active, step)
+        self.copies.check_replicas(new, step)
         self.events.emit(RESTORED_EVENT[r.tier], step=step, bytes=nbytes, steps_lost=committed - step, **where)
         self.recovered(plan, dead, started, step, new.epoch, moved, r.tier)
         return Done(step)
@@ -265,6 +265,6 @@ class PlanExecutor:
         for w, k in plan.loads:
             self.copies.take_stage(w, k)
         moved = self.copies.carry_out(plan.copies, plan.resume)
-        self.copies.check_replicas(new.active, plan.resume)
+        self.copies.check_replicas(new, plan.resume)
         self.events.emit(REMAPPED_EVENT[plan.action.value], epoch=new.epoch, promoted=promoted, active=list(new.active), spares=list(new.spares),
                          bytes_moved=moved, step=plan.resume, **fields)

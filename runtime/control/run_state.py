@@ -102,6 +102,7 @@ class RunState:
     run_id: str = ""
     steps: int = 0                               # the steps this attempt runs to (run_truncated cuts it)
     placement: Placement | None = None           # the adopted placement (its epoch is the membership epoch)
+    pipeline_stages: int = 1                     # the placement grid's rows (run_started's stages)
     losses: Series = dataclasses.field(default_factory=Series)      # per committed step (len: committed frontier)
     loss_sums: Series = dataclasses.field(default_factory=Series)   # the workers' sums behind them (checkpoints)
     dispatched: int = 0                          # the next step to dispatch (the dispatch frontier)
@@ -194,13 +195,14 @@ def _active(s: RunState) -> frozenset[str]:
     return frozenset(s.placement.active) if s.placement else frozenset()
 
 
-def _placement(e: Mapping[str, Any], spares=None) -> Placement:
+def _placement(s: RunState, e: Mapping[str, Any]) -> Placement:
     return Placement(epoch=e.get("epoch", 0), active=tuple(e["active"]),   # (older logs: no epoch, spares)
-                     spares=tuple(e.get("spares", ()) if spares is None else spares))
+                     spares=tuple(e.get("spares", ())), stages=s.pipeline_stages)
 
 
 def _run_started(s: RunState, e) -> RunState:
-    return RunState(run_id=e.get("run_id", ""), steps=e.get("steps", 0), generation=e.get("generation", 0))
+    return RunState(run_id=e.get("run_id", ""), steps=e.get("steps", 0), generation=e.get("generation", 0),
+                    pipeline_stages=e.get("stages", 1))
 
 
 def _registered(s: RunState, e) -> RunState:
@@ -219,11 +221,11 @@ def _client_attached(s: RunState, e) -> RunState:
 
 
 def _first_placement(s: RunState, e) -> RunState:
-    return _replace(s, placement=_placement(e))
+    return _replace(s, placement=_placement(s, e))
 
 
 def _placement_changed(s: RunState, e) -> RunState:
-    return _replace(s, placement=_placement(e))
+    return _replace(s, placement=_placement(s, e))
 
 
 def _state_initialized(s: RunState, e) -> RunState:
@@ -264,7 +266,7 @@ def _failure(s: RunState, e) -> RunState:
 def _decision(s: RunState, e) -> RunState:
     if e["action"] in _UNADOPTED:
         return s
-    return _replace(s, placement=_placement(e))
+    return _replace(s, placement=_placement(s, e))
 
 
 def _deferred(s: RunState, e) -> RunState:
@@ -281,7 +283,7 @@ def _recovered(s: RunState, e) -> RunState:
 
 
 def _remapped(s: RunState, e) -> RunState:
-    placement = _placement(e)
+    placement = _placement(s, e)
     return _replace(s, placement=placement, replicas=frozenset(placement.active),
                     shadows=s.shadows - frozenset(placement.active),
                     swaps=tuple(w for w in s.swaps if w != e.get("slow")))

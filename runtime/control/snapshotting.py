@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runtime.control.placement import Placement, stage_groups
+from runtime.control.placement import Placement
 from runtime.state.snapshot import KEEP
 from runtime.control.tiers import EveryStage, backup_tier
 
@@ -83,7 +83,7 @@ class Snapshotting:
         if not self.enabled or backup_tier(self.opts.backup_kind, shadow_spares=shadows) != "snapshot":
             return {}
         hosts = {w: self.group.host_of(w) for w in placement.members}
-        groups = stage_groups(placement.active, self.opts.pipeline_stages)
+        groups = placement.grid
         ordered = {}
         for group in groups:   # a pipelined run's: each stage's own, its copy kept by any worker on another host
             order = snapshot_order(step, steps, self.opts.snapshot_interval, group, placement.spares, hosts,

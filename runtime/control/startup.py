@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-from runtime.control.placement import slice_stages
 from runtime.control.checkpointing import Loaded
 
 __all__ = ["first_state", "resume_from", "resumed", "start"]
@@ -38,7 +37,7 @@ def start(ctl) -> None:
     workers = ctl.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
     ctl.place(workers, sorted(ctl.dead), t0)   # lost: died before registering
     pipelined = o.pipeline_stages > 1
-    stages = slice_stages(ctl.placement.active, o.pipeline_stages)
+    stages = dict(ctl.placement.stage_of)
     if ctl.shadows.enabled:   # shadow spares take the stages in turn (each shadows its stage's state)
         stages.update({w: i % o.pipeline_stages for i, w in enumerate(ctl.placement.spares)})
     loaded = ctl.group.load(ctl.placement.members, spares=ctl.placement.spares,
@@ -103,8 +102,7 @@ def resumed(ctl, loaded: Loaded, directory: str, state_bytes: int) -> None:
     none, and the event says so).
     """
     step = loaded.step
-    active = ctl.placement.active
-    ctl.executor.copies.check_replicas(active, step)
+    ctl.executor.copies.check_replicas(ctl.placement, step)
     sums = loaded.loss_sums if len(loaded.loss_sums) == step else [float("nan")] * step
     before = loaded.written_on   # another mesh wrote it: its losses are means over its microbatches
     losses = [ctl.mean_loss(x, before[1] if before else None) for x in sums]

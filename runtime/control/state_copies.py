@@ -13,7 +13,6 @@ import time
 from runtime.core.errors import ReplicaDivergenceError, WorkerLostError
 from collections.abc import Mapping
 
-from runtime.control.placement import stage_groups
 
 __all__ = ["shadow_stage", "StateCopies"]
 
@@ -52,10 +51,10 @@ class StateCopies:
             moved += nbytes
         return moved
 
-    def check_replicas(self, active: tuple[str, ...], step: int) -> None:
-        """Every slice of ``active`` holds ``step`` applied steps and the same bits as the other replicas of its
-        stage; ``ReplicaDivergenceError`` otherwise."""
-        groups = stage_groups(active, self.opts.pipeline_stages)
+    def check_replicas(self, placement, step: int) -> None:
+        """Every active slice of ``placement`` holds ``step`` applied steps and the same bits as the other
+        replicas of its stage; ``ReplicaDivergenceError`` otherwise."""
+        groups = placement.grid
         hashes = self.group.hashes([w for group in groups for w in group])
         for group in groups:
             held = [hashes[w] for w in group]
@@ -81,8 +80,7 @@ class StateCopies:
         behind = self.shadows.behind(s)
         if not behind:
             return
-        stages = self.opts.pipeline_stages
-        groups = stage_groups(s.placement.active, stages)
+        stages, groups = s.placement.stages, s.placement.grid
         for dest in behind:
             k = 0
             if stages > 1:   # it shadows the stage with the fewest shadows: that stage's programs, then its state
@@ -104,7 +102,7 @@ class StateCopies:
         spares = [w for w in placement.spares if w in s.shadows and w not in s.dead]
         if not spares:
             return
-        groups = stage_groups(placement.active, self.opts.pipeline_stages)
+        groups = placement.grid
         like = {w: source if len(groups) == 1 else groups[self.group.loaded_stage(w) or 0][0] for w in spares}
         hashes = self.group.hashes([*set(like.values()), *spares])   # (a stage's replicas agree: checked)
         for w in spares:

@@ -124,7 +124,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     # -- the controller's run ------------------------------------------------------------------------
     EventKind("run_started", "the controller (or the reference path) starts its run",
               {"run_id": TEXT, "slices": COUNT, "devices_per_slice": COUNT, "microbatches": COUNT, "steps": COUNT},
-              {"spares": COUNT, "controller": TEXT_OR_NULL, "controller_host": TEXT_OR_NULL, "generation": COUNT}),
+              {"spares": COUNT, "stages": COUNT, "controller": TEXT_OR_NULL, "controller_host": TEXT_OR_NULL,
+               "generation": COUNT}),
     EventKind("client_attached", "a restarted client took over the run's live workers (a new client generation)",
               {"run_id": TEXT, "generation": COUNT, "steps": COUNT, "workers": OBJECT, "lost": NAMES,
                "committed": COUNT, "downtime_seconds": FINITE},

@@ -1,30 +1,15 @@
 """The unit tests' one controller as the fault injector sees it, and nothing more.
 
 ``Controller`` has exactly what ``runtime.ControllerObserver.attach`` promises (``placement``, ``live_spares()``,
-``pid()``, ``inject_fault()``, ``events.emit``, and the run's ``opts.pipeline_stages`` for stage targets) and
-nothing else (``__slots__``), so an injector reaching for anything more fails. It records the worker faults it was
+``pid()``, ``inject_fault()``, ``events.emit``; the placement grid names the stage targets) and nothing else (``__slots__``), so an injector reaching for anything more fails. It records the worker faults it was
 asked to arm in ``armed`` and the events emitted in ``events.emitted``; signals go to the processes of ``pids``.
 Used by the injector's tests, the fault grammar's and the client faults' (also in a subprocess of theirs).
 """
 
-import dataclasses
 import time
 
 from runtime import FAULT_ACTIONS
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    epoch: int
-    active: tuple[str, ...]
-    spares: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What the injector reads of the run's options."""
-
-    pipeline_stages: int = 1
+from runtime.control.placement import Placement
 
 
 class Events:
@@ -43,11 +28,10 @@ class Controller:
     """A run of ``active`` slices (stage-major over ``stages`` pipeline stages) and live ``spares``; ``pids``: the
     workers' processes (``pid`` of another raises ``KeyError``); ``fail``: what ``inject_fault`` raises."""
 
-    __slots__ = ("placement", "opts", "events", "pids", "armed", "fail")
+    __slots__ = ("placement", "events", "pids", "armed", "fail")
 
     def __init__(self, pids=None, fail=None, *, active=("w0", "w1", "w2"), spares=("w3",), stages=1):
-        self.placement = Placement(1, tuple(active), tuple(spares))
-        self.opts = Options(pipeline_stages=stages)
+        self.placement = Placement(1, tuple(active), tuple(spares), stages)
         self.events = Events()
         self.pids = pids or {}
         self.armed = []

@@ -12,6 +12,7 @@ from chaos.scenario import Scenario, load_scenario
 from chaos.schedule import TargetError, random_faults, resolve_target
 from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate
 from elastic.config_loading import load_config
+from runtime.control.placement import Placement
 from tests.support.fake_controller import Controller
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -284,23 +285,24 @@ ACTIVE, SPARES = ("w0", "w1", "w2", "w3"), ("w4",)
     (Target("everything"), ACTIVE + SPARES),
 ])
 def test_resolve_fixed_targets(target, expected):
-    assert resolve_target(target, ACTIVE, SPARES, random.Random(0)) == expected
+    assert resolve_target(target, Placement(1, ACTIVE), SPARES, random.Random(0)) == expected
 
 
 def test_resolve_random_targets_use_the_rng_and_active_slices_only():
-    picks = [resolve_target(Target("random"), ACTIVE, SPARES, random.Random(s)) for s in range(40)]
+    picks = [resolve_target(Target("random"), Placement(1, ACTIVE), SPARES, random.Random(s)) for s in range(40)]
     assert {p for (p,) in picks} == set(ACTIVE)
-    again = [resolve_target(Target("random"), ACTIVE, SPARES, random.Random(s)) for s in range(40)]
+    again = [resolve_target(Target("random"), Placement(1, ACTIVE), SPARES, random.Random(s)) for s in range(40)]
     assert picks == again
-    assert resolve_target(Target("role", "active"), ("w9",), (), random.Random(0)) == ("w9",)
+    assert resolve_target(Target("role", "active"), Placement(1, ("w9",)), (), random.Random(0)) == ("w9",)
 
 
 def test_resolve_transfer_roles():
     rng = random.Random(0)
-    assert resolve_target(Target("role", "source"), ACTIVE, SPARES, rng, source="w1", dest="w4") == ("w1",)
-    assert resolve_target(Target("role", "dest"), ACTIVE, SPARES, rng, source="w1", dest="w4") == ("w4",)
+    grid = Placement(1, ACTIVE)
+    assert resolve_target(Target("role", "source"), grid, SPARES, rng, source="w1", dest="w4") == ("w1",)
+    assert resolve_target(Target("role", "dest"), grid, SPARES, rng, source="w1", dest="w4") == ("w4",)
     with pytest.raises(TargetError, match="no state transfer is in progress"):
-        resolve_target(Target("role", "source"), ACTIVE, SPARES, rng)
+        resolve_target(Target("role", "source"), Placement(1, ACTIVE), SPARES, rng)
 
 
 @pytest.mark.parametrize("target,active,spares,message", [
@@ -312,7 +314,7 @@ def test_resolve_transfer_roles():
 ])
 def test_resolve_errors(target, active, spares, message):
     with pytest.raises(TargetError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
-        resolve_target(target, active, spares, random.Random(0))
+        resolve_target(target, Placement(1, active), spares, random.Random(0))
     assert isinstance(info.value, ValueError)
 
 
@@ -328,7 +330,7 @@ PIPELINED = ("s0r0", "s0r1", "s1r0", "s1r1")
     (Target("slice", 3), ("s1r1",)),
 ])
 def test_resolve_stage_targets_stage_major(target, expected):
-    assert resolve_target(target, PIPELINED, (), random.Random(0), stages=2) == expected
+    assert resolve_target(target, Placement(1, PIPELINED, stages=2), (), random.Random(0)) == expected
 
 
 @pytest.mark.parametrize("target,active,stages,message", [
@@ -342,7 +344,7 @@ def test_resolve_stage_targets_stage_major(target, expected):
 ])
 def test_resolve_stage_errors(target, active, stages, message):
     with pytest.raises(TargetError) as info:
-        resolve_target(target, active, (), random.Random(0), stages=stages)
+        resolve_target(target, Placement(1, active, stages=stages), (), random.Random(0))
     assert message in str(info.value) and "\n" not in str(info.value)
 
 

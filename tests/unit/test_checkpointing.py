@@ -53,13 +53,13 @@ def flushes(group):
 
 def test_the_writer_rotates_and_the_order_carries_the_committed_loss_sums():
     ck = Checkpointing(fake_group(), Opts(checkpoint_directory="/ck"), Events())
-    assert ck.order_for(2, 10, ("a", "b"), [1.0]) == {}
-    assert ck.order_for(3, 10, ("a", "b"), [1.0, 2.0]) == {"b": ("/ck", [1.0, 2.0])}
-    assert ck.order_for(7, 10, ("a", "b"), []) == {"a": ("/ck", [])}
-    assert set(ck.order_for(9, 10, ("a", "b"), [])) <= {"a", "b"}   # the last step is always saved
-    assert ck.next_writer(4, 10, ("a", "b")) == "a" and ck.next_writer(10, 10, ("a", "b")) is None
+    assert ck.order_for(2, 10, (("a", "b"),), [1.0]) == {}
+    assert ck.order_for(3, 10, (("a", "b"),), [1.0, 2.0]) == {"b": ("/ck", [1.0, 2.0])}
+    assert ck.order_for(7, 10, (("a", "b"),), []) == {"a": ("/ck", [])}
+    assert set(ck.order_for(9, 10, (("a", "b"),), [])) <= {"a", "b"}   # the last step is always saved
+    assert ck.next_writer(4, 10, (("a", "b"),)) == "a" and ck.next_writer(10, 10, (("a", "b"),)) is None
     off = Checkpointing(fake_group(), Opts(), Events())
-    assert off.order_for(3, 10, ("a",), []) == {} and off.next_writer(0, 10, ("a",)) is None
+    assert off.order_for(3, 10, (("a",),), []) == {} and off.next_writer(0, 10, (("a",),)) is None
 
 
 def test_saved_checkpoints_become_events_and_reach_the_observer():
@@ -107,19 +107,20 @@ def test_finish_removes_the_leftovers_of_cut_saves_only_when_nobody_writes(tmp_p
     (directory / "8.orbax-checkpoint-tmp").mkdir()   # what a writer killed mid-save leaves
     busy, events = fake_group(), Events()
     busy.writing("b", str(directory), 8, rounds=None)   # b writes on past the deadline
-    Checkpointing(busy, Opts(checkpoint_directory=str(directory), rpc_timeout_seconds=0.2), events).finish(["a", "b"], [0.5] * 8)
+    Checkpointing(busy, Opts(checkpoint_directory=str(directory), rpc_timeout_seconds=0.2),
+                  events).finish([("a", "b")], [0.5] * 8)
     assert (directory / "8.orbax-checkpoint-tmp").exists()   # b may be writing it
     assert [f["error"] for k, f in events.log if k == "checkpoint_failed"] == ["still writing after 0.2 s"]
     idle = fake_group()
     idle.writing("a", str(directory), 8)
-    Checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish(["a", "b"], [0.5] * 8)
+    Checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish([("a", "b")], [0.5] * 8)
     assert not (directory / "8.orbax-checkpoint-tmp").exists() and (directory / "4").exists()
     removed = [f for k, f in events.log if k == "checkpoint_leftovers_removed"]
     assert len(removed) == 1 and removed[0]["paths"][0].endswith("8.orbax-checkpoint-tmp")
     failed = fake_group()
     failed.writing("a", str(directory), 12, error="disk full")
     (directory / "12.orbax-checkpoint-tmp").mkdir()
-    Checkpointing(failed, Opts(checkpoint_directory=str(directory)), events).finish(["a"], [0.5] * 8)
+    Checkpointing(failed, Opts(checkpoint_directory=str(directory)), events).finish([("a",)], [0.5] * 8)
     assert (directory / "12.orbax-checkpoint-tmp").exists()   # kept for whoever looks into the failure
 
 
@@ -137,7 +138,7 @@ def test_finish_reports_each_save_as_it_completes_while_the_next_is_written(tmp_
         rounds.append(len(flushes(group)))
 
     ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path)), Events(), notify=notify)
-    ck.finish(["a", "b"], [0.5] * 8)
+    ck.finish([("a", "b")], [0.5] * 8)
     assert sorted(seen) == [4, 6, 8] and rounds[seen.index(4)] == 1 and rounds[seen.index(8)] == 3
     assert [workers for workers, _ in flushes(group)] == [("a", "b"), ("a",), ("a",)]   # the idle not asked again
 
@@ -147,21 +148,21 @@ def test_a_last_checkpoint_cut_off_with_its_writer_is_saved_again_by_a_survivor(
     group.hold("a", 12)
     ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path), checkpoint_period=4), Events())
     for step in range(12):   # checkpoints of 4 (b), 8 (a), 12 (b: the last)
-        ck.order_for(step, 12, ("a", "b"), [])
+        ck.order_for(step, 12, (("a", "b"),), [])
     ck.note({"a": ([8], "")})
-    ck.finish(["a"], [0.5] * 12)   # b died writing 12: a saves its state (step 12) first, then reports it
+    ck.finish([("a",)], [0.5] * 12)   # b died writing 12: a saves its state (step 12) first, then reports it
     (flush,) = flushes(group)
     assert flush == (("a",), {"a": (str(tmp_path), [0.5] * 12)}) and ck.unfinished_writer(("a",)) is None
     assert 12 in group.checkpoints["a", str(tmp_path)]   # a's state, saved
     again = fake_group()
-    Checkpointing(again, Opts(checkpoint_directory=str(tmp_path)), Events()).finish(["a"], [0.5] * 12)
+    Checkpointing(again, Opts(checkpoint_directory=str(tmp_path)), Events()).finish([("a",)], [0.5] * 12)
     assert flushes(again) == [(("a",), {})]   # nothing was cut off: no save asked
 
 
 def test_the_unfinished_writer_is_the_newest_order_not_reported_complete():
     ck = Checkpointing(fake_group(), Opts(checkpoint_directory="/ck", checkpoint_period=2), Events())
     for step in range(10):   # checkpoints of 2 (b), 4 (a), 6 (b), 8 (a), 10 (b)
-        ck.order_for(step, 10, ("a", "b"), [])
+        ck.order_for(step, 10, (("a", "b"),), [])
     assert ck.unfinished_writer(("a", "b")) == "b" and ck.unfinished_writer(("a",)) == "a"
     ck.note({"b": ([10], "")})   # b's newest: its older orders (2, 6) are done or were replaced
     assert ck.unfinished_writer(("a", "b")) == "a"
@@ -176,7 +177,7 @@ def test_each_pipeline_stage_writes_and_loads_its_own_checkpoints(tmp_path):
     group.checkpoint("a", f"{tmp_path}/stage0", 4, [0.0] * 4)   # stage 0 computes no loss: its sums are 0
     group.checkpoint("c", f"{tmp_path}/stage1", 4, [0.5] * 4)
     ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path), pipeline_stages=2), Events())
-    assert ck.order_for(3, 10, ("a", "b", "c", "d"), [1.0]) == {"b": (f"{tmp_path}/stage0", [1.0]),
+    assert ck.order_for(3, 10, (("a", "b"), ("c", "d")), [1.0]) == {"b": (f"{tmp_path}/stage0", [1.0]),
                                                                  "d": (f"{tmp_path}/stage1", [1.0])}
     leaves = [np.arange(4, dtype=np.float32)]
     for stage, steps in ((0, (4, 8)), (1, (4,))):

@@ -18,8 +18,8 @@ FENCE = pb.Fence(run_id="run", epoch=3)
 
 
 def requests(stages=2, replicas=2, m=8, schedule="1f1b"):
-    placement = Placement(epoch=3, active=tuple(f"w{i}" for i in range(stages * replicas)))
-    plan = plan_step(placement, 5, m, stages)
+    placement = Placement(epoch=3, active=tuple(f"w{i}" for i in range(stages * replicas)), stages=stages)
+    plan = plan_step(placement, 5, m)
     return plan, dict(step_requests(FENCE, plan, lambda w: (f"{w}:1", f"{w}:2"), schedule=schedule))
 
 
@@ -78,8 +78,8 @@ def test_activations_of_any_dtypes_travel_as_one_float32_piece_bit_for_bit():
 
 
 def test_a_stages_shadow_and_snapshot_writer_get_their_stages_share_of_the_step():
-    placement = Placement(epoch=3, active=("w0", "w1", "w2", "w3"))
-    plan = plan_step(placement, 5, 8, 2)
+    placement = Placement(epoch=3, active=("w0", "w1", "w2", "w3"), stages=2)
+    plan = plan_step(placement, 5, 8)
     reqs = dict(step_requests(FENCE, plan, lambda w: (f"{w}:1", f"{w}:2"), shadows={"s0": 0, "s1": 1},
                               snapshots={"w1": "w0", "w3": None}))
     # stage 0's ranks push their reduced chunks to stage 0's shadow only, and it waits for stage 0's ranks

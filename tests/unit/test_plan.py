@@ -20,7 +20,9 @@ LIMITS = {"slices": 2, "min_slices": 1, "max_retries": 5, "recoveries": 1, "comm
 def plan(*, placement=P, dead=frozenset(), replicas=frozenset(), recoveries=1, committed=7, slices=2, min_slices=1,
          max_retries=5, may_wait=False, stages=1, now=0.0, statuses=None, applied=None, **survey):
     """plan_recovery over a RunState of ``placement`` (``committed`` steps, ``dead``, ``replicas``), a Survey in
-    which every live member answered it applied ``applied`` (default: ``committed``) steps, and options."""
+    which every live member answered it applied ``applied`` (default: ``committed``) steps, and options; the
+    placement grid has ``stages`` rows."""
+    placement = dataclasses.replace(placement, stages=stages)
     state = RunState(placement=placement, losses=Series([1.0] * committed), dead={w: "lost" for w in dead},
                      recoveries=recoveries, replicas=frozenset(replicas))
     opts = ControllerOptions(slices=slices, devices_per_slice=1, run_dir="", min_slices=min_slices,
@@ -144,6 +146,7 @@ def test_the_start_places_what_registered(registered, lost, action, active):
 
 
 def boundary(placement, slices=2, stages=1):
+    placement = dataclasses.replace(placement, stages=stages)
     return (RunState(placement=placement, losses=Series([1.0] * 7), replicas=frozenset(placement.active)),
             ControllerOptions(slices=slices, devices_per_slice=1, run_dir="", pipeline_stages=stages))
 
@@ -174,7 +177,7 @@ def test_a_swap_moves_the_stragglers_slice_or_says_why_not(slow, placement, acti
 
 
 # A pipelined run: 2 stages x 2 replicas, stage-major (a, b: stage 0; c, d: stage 1).
-PIPE = Placement(epoch=3, active=("a", "b", "c", "d"), spares=("s",))
+PIPE = Placement(epoch=3, active=("a", "b", "c", "d"), spares=("s",), stages=2)
 LOADED = {"a": 0, "b": 0, "c": 1, "d": 1}
 PIPE_LIMITS = {"placement": PIPE, "slices": 4, "min_slices": 4, "stages": 2, "replicas": frozenset("abcd"),
                "loaded": LOADED}
@@ -216,7 +219,7 @@ def test_a_pipelined_restore_gives_each_stage_a_worker_where_its_snapshot_lies()
     hosts = {"a": "h0", "b": "h1", "c": "h2", "d": "h3", "s": "h4"}
 
     def arrange(active, holders, spares=()):
-        p = arrange_stages(Placement(4, tuple(active), tuple(spares)), 2, tuple(map(frozenset, holders)), hosts)
+        p = arrange_stages(Placement(4, tuple(active), tuple(spares), 2), tuple(map(frozenset, holders)), hosts)
         return "".join(p.active) + "/" + "".join(p.spares)
 
     assert arrange("abcd", ({"h0"}, {"h2"})) == "abcd/"      # already matched (stage 0 on h0, stage 1 on h2)
@@ -301,12 +304,14 @@ def test_a_pipelined_replica_dropped_gives_its_survivor_back_to_its_stage():
 def test_a_pipelined_run_grows_back_by_whole_replicas_a_spare_per_stage():
     from runtime.control.plan import decide_grow, membership_change_due
 
-    one = Placement(3, ("a", "c"), ("p",))   # stage 0: a, stage 1: c; one replica of 2 asked for
-    assert decide_grow(one, 4, 2, {"p": 0}) is None   # one spare is not a replica
-    grown = decide_grow(Placement(3, ("a", "c"), ("p", "q", "r")), 4, 2, {"p": 1, "q": 0})
+    one = Placement(3, ("a", "c"), ("p",), stages=2)   # stage 0: a, stage 1: c; one replica of 2 asked for
+    assert decide_grow(one, 4, {"p": 0}) is None   # one spare is not a replica
+    grown = decide_grow(Placement(3, ("a", "c"), ("p", "q", "r"), stages=2), 4, {"p": 1, "q": 0})
     assert grown.active == ("a", "q", "c", "p") and grown.spares == ("r",)   # each stage its own stage's spare
-    assert not membership_change_due(one, 4, (), unadopted=False, warmed=False, swaps=False, stages=2)
-    assert membership_change_due(grown, 6, (), unadopted=False, warmed=False, swaps=False, stages=1)
+    assert grown.grid == (("a", "q"), ("c", "p")) and grown.stages == 2 and grown.epoch == 4
+    assert not membership_change_due(one, 4, (), unadopted=False, warmed=False, swaps=False)
+    assert membership_change_due(dataclasses.replace(grown, stages=1), 6, (), unadopted=False, warmed=False,
+                                 swaps=False)
     p = plan_grow(*boundary(Placement(3, ("a", "c"), ("p", "q", "r")), 4, 2), {"a": 0, "c": 1, "p": 1, "q": 0})
     assert p.copies == (Copy("a", "q", 0), Copy("c", "p", 1)) and p.loads == ()
 

@@ -5,6 +5,10 @@ import re
 from elastic.report import build_report
 from tests.support.events import ev
 
+# A worker as a client_attached event records it (runtime.control.attach).
+ATTACHED = {"address": "127.0.0.1:1", "data_address": "", "devices": 1, "platform": "cpu", "pid": 1, "host": "h",
+            "applied_steps": 0}
+
 
 def X(pair: str) -> str:
     """A state digest as the runtime writes it (``runtime.state.state_copy.state_digest``): xxh3_128, 32 hex digits."""
@@ -64,7 +68,7 @@ def test_a_client_fault_is_matched_to_the_client_s_loss_and_a_worker_lost_meanwh
                  step=3, errors={}, seconds=0.1),
               ev(3.0, "job_started", mode="distributed", config={}, global_batch_size=4, microbatches=2),
               ev(3.5, "worker_dead", worker="w1", reason="did not answer the restarted client", cause="crash"),
-              ev(3.5, "client_attached", run_id="r", generation=1, steps=6, workers={"w0": {}}, lost=["w1"],
+              ev(3.5, "client_attached", run_id="r", generation=1, steps=6, workers={"w0": ATTACHED}, lost=["w1"],
                  committed=3, downtime_seconds=2.5),
               ev(3.5, "failure_detected", error="ClientLostError", detail="restart", committed=3),
               ev(3.6, "recovery_decision", action="shrink", dead=["w1"], active=["w0"]),
@@ -284,8 +288,9 @@ def test_a_refused_re_attach_changes_nothing_and_the_next_attempt_follows_the_on
     refused = attempt_start(20, "r2") + [ev(21.5, "attach_refused", error="AttachRefusedError: other programs")]
     assert run_records.client_died(first + refused)   # attempt 1's workers still wait for the right client
     third = attempt_start(30, "r3", steps=5) + [
-        ev(31.5, "client_attached", run_id="r1", generation=2, steps=5, workers={"w0": {"pid": 1}, "w1": {"pid": 2}},
-           lost=[], committed=5, downtime_seconds=27.0),
+        ev(31.5, "client_attached", run_id="r1", generation=2, steps=5,
+           workers={"w0": {**ATTACHED, "pid": 1}, "w1": {**ATTACHED, "pid": 2}}, lost=[], committed=5,
+           downtime_seconds=27.0),
         ev(32, "run_finished", final_state_digest=X("cd"), replica_hashes={}, client_peak_rss_bytes=1)]
     report = build_report(first + refused + third)
     one, two, three = report["attempts"]

@@ -155,9 +155,9 @@ def test_each_pipeline_stage_snapshots_its_own_state_and_a_step_counts_when_ever
     events = EventLog(str(tmp_path / "events.jsonl"))
     ledger = RunLedger(events)
     snaps = Snapshotting(group, Opts(), events, ledger)
-    placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",))
+    placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",), stages=2)
     assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w4", "w3": "w4"}
-    one = Placement(epoch=1, active=("w0", "w2"))   # one replica per stage, no spare: the other stage's worker
+    one = Placement(epoch=1, active=("w0", "w2"), stages=2)   # one replica per stage, no spare: the other stage's worker
     other_events = EventLog(str(tmp_path / "other.jsonl"))
     other = Snapshotting(group, Opts(), other_events, RunLedger(other_events))
     assert other.order_for(1, 10, one, shadows=0) == {"w0": "w2", "w2": "w0"}
