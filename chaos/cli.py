@@ -42,6 +42,7 @@ def register(subparsers) -> None:
 def _cmd_chaos(args) -> int:
     from chaos.harness import fault_plan, plan, run_chaos
     from chaos.spec import FaultSpecError
+    from elastic.preflight import check_config_capacity
 
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)   # `elastic chaos --scenario F steps=9`
@@ -60,6 +61,7 @@ def _cmd_chaos(args) -> int:
         if loader is None:   # a fault that can never fire is bad input: refused before JAX starts
             cfg = load_config(config, overrides)
             fault_plan(cfg, options)
+            check_config_capacity(cfg)   # and workers this host or the Ray cluster cannot hold: before the reference
         cfg, job = make_job(config, overrides, reference=True, loader=loader, cfg=cfg)   # the reference: in process
         if loader is not None:
             fault_plan(cfg, options)

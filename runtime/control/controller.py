@@ -1,13 +1,13 @@
 """The controller: the client side of a run, as a small state machine.
 
-Phases (:class:`Phase`)::
+Phases (:class:`Phase`, each a class whose fields carry what its transition needs)::
 
-    STARTING --> RUNNING <--> BOUNDARY           (membership changes between steps)
+    Starting --> Running <--> Boundary           (membership changes between steps)
                    |  ^
                    v  |
-                RECOVERING                       (a worker was lost or a step aborted)
+                Recovering(error)                (a worker was lost or a step aborted)
                    |
-    RUNNING --> DONE                             (every step committed, replicas agree)
+    Running --> Finished(result)                 (every step committed, replicas agree)
 
 Each call of :meth:`Controller.advance` runs one transition. The controller
 keeps the loop: it dispatches steps ahead, commits them in order, records
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import os
 import time
 import uuid
@@ -66,18 +65,44 @@ from runtime.pipeline.bubble import stage_workers_bubble
 from runtime.control.watchdog import SlowSteps
 from runtime.control.worker_group import WorkerGroup
 
-__all__ = ["Attempt", "Controller", "Phase"]
+__all__ = ["Attempt", "Boundary", "Controller", "Finished", "Phase", "Recovering", "Running", "Starting"]
 
 # Errors that mean "a member was lost or the step cannot finish": the run recovers from them.
 RECOVERABLE = (WorkerLostError, StepAbortedError, StaleEpochError)
 
 
-class Phase(enum.Enum):
-    STARTING = "starting"      # launch, register, place, load, initialize
-    RUNNING = "running"        # dispatch ahead, commit in order
-    BOUNDARY = "boundary"      # nothing in flight: warm newcomers, swap stragglers out, grow
-    RECOVERING = "recovering"  # a step failed: decide, realign, copy state to newcomers
-    DONE = "done"              # every step committed and the replicas agree
+class Phase:
+    """A state of the controller: its class says what the next transition does, its fields carry what that
+    transition needs (Ray Train v2's controller states do the same)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Starting(Phase):
+    """Launch, register, place, load, initialize (or attach the live workers of a restarted client's run)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Running(Phase):
+    """Dispatch ahead, commit in order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary(Phase):
+    """Nothing in flight: warm newcomers, swap stragglers out, grow."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovering(Phase):
+    """A step failed with ``error``: survey, plan, carry the plan out."""
+
+    error: Exception
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished(Phase):
+    """Every step committed and the replicas agree: ``result``."""
+
+    result: RunResult
 
 
 @dataclasses.dataclass
@@ -98,7 +123,7 @@ class Controller:
     ``group``: the worker group to drive (default: a :class:`WorkerGroup` of
     local worker processes); a test passes a fake one. ``reattach``: the run
     a restarted client takes back (:class:`runtime.control.attach.Reattach`:
-    the state replayed from its log); its ``STARTING`` attaches the live
+    the state replayed from its log); its ``Starting`` attaches the live
     workers instead of launching new ones (:func:`runtime.control.attach.attach`).
     """
 
@@ -122,14 +147,13 @@ class Controller:
         self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,
                                      snapshots=self.snapshots, shadows=self.shadows,
                                      before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
-        self.phase = Phase.STARTING
+        self.phase: Phase = Starting()
         self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
         self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
         self.slow = SlowSteps(self.group, events, options, live_spare=lambda: bool(self.live_spares()),
                               queued=lambda: self.state.swaps)
         self.result: RunResult | None = None
         self.attempt = Attempt(seed=0)
-        self._error: Exception | None = None
         # ownership.check(ctl): raises ClientSupersededError once another client owns the run (elastic.reattach);
         # ownership.take_back(ctl, generation): this client may take its run back as ``generation`` (its workers
         # fenced themselves while it was silent), or raises ClientSupersededError. None: the run is this
@@ -230,14 +254,14 @@ class Controller:
         ``ElasticTrainingFailedError``).
         """
         self.begin(steps, seed, on_step, max_seconds)
-        while self.phase is not Phase.DONE:
+        while not isinstance(self.phase, Finished):
             self.advance()
         return self.result
 
     def begin(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> None:
         """Sets up a run without starting it; :meth:`advance` then moves it one transition at a time."""
         self.attempt = Attempt(seed=seed, steps=steps, on_step=on_step, max_seconds=max_seconds, t0=time.time())
-        self.phase = Phase.STARTING
+        self.phase: Phase = Starting()
         if self.reattach is not None:   # the same run goes on: attach records it (client_attached)
             return
         self.events.emit("run_started", run_id=self.run_id, slices=self.opts.slices,
@@ -249,26 +273,27 @@ class Controller:
     def advance(self) -> Phase:
         """Runs one transition of the current phase; returns the next phase.
 
-        A lost worker or an aborted step in ``RUNNING``, ``BOUNDARY`` or
-        ``RECOVERING`` leads to (another) ``RECOVERING``; any other error
+        A lost worker or an aborted step in ``Running``, ``Boundary`` or
+        ``Recovering`` leads to (another) ``Recovering`` with that error; any other error
         propagates and ends the run. Before a membership change
-        (``RECOVERING``, ``BOUNDARY``) ``ownership.check`` is asked: a client
+        (``Recovering``, ``Boundary``) ``ownership.check`` is asked: a client
         another one took the run from raises ``ClientSupersededError`` there.
         """
-        handler = {Phase.STARTING: self._starting, Phase.RUNNING: self._running, Phase.BOUNDARY: self._boundary,
-                   Phase.RECOVERING: self._recovering}[self.phase]
+        phase = self.phase
+        handler = {Starting: self._starting, Running: self._running, Boundary: self._boundary,
+                   Recovering: self._recovering}[type(phase)]
         try:
-            self.phase = handler()
+            self.phase = handler(phase)
         except WorkerFencedError as err:
-            if self.phase is Phase.STARTING or self.ownership is None or not self.opts.client_grace_seconds:
+            if isinstance(phase, Starting) or self.ownership is None or not self.opts.client_grace_seconds:
                 raise
             self.phase = self._take_back(err)
         except RECOVERABLE as err:
-            if self.phase is Phase.STARTING:
+            if isinstance(phase, Starting):
                 raise
             self.pending.clear()
-            self._error, self.phase = err, Phase.RECOVERING
-        if self.phase in (Phase.RECOVERING, Phase.BOUNDARY) and self.ownership is not None:
+            self.phase = Recovering(err)
+        if isinstance(self.phase, (Recovering, Boundary)) and self.ownership is not None:
             self.ownership.check(self)   # a stale client that woke changes nothing of a run that is another's now
         return self.phase
 
@@ -285,11 +310,11 @@ class Controller:
         self.plans.clear()
         attach(self, time.time() - self.ledger.last_event_t, os.getpid(), first=False)
         self.slow.restart()
-        return Phase.RUNNING
+        return Running()
 
-    # -- STARTING --------------------------------------------------------------
+    # -- Starting --------------------------------------------------------------
 
-    def _starting(self) -> Phase:
+    def _starting(self, _: Starting) -> Phase:
         """Launches, registers, places, loads and initializes (:func:`runtime.control.startup.start`); a restarted
         client attaches the live workers instead (:func:`runtime.control.attach.attach`)."""
         if self.reattach is not None:
@@ -299,11 +324,11 @@ class Controller:
         self.slow.restart()
         if self.attempt.max_seconds:   # counted from the first step, not from launch
             self.attempt.deadline = self.slow.last_commit + self.attempt.max_seconds
-        return Phase.RUNNING
+        return Running()
 
-    # -- RUNNING ---------------------------------------------------------------
+    # -- Running ---------------------------------------------------------------
 
-    def _running(self) -> Phase:
+    def _running(self, _: Running) -> Phase:
         """Commits the oldest step in flight after filling the pipeline; drains it first when membership changes."""
         for death in self.group.drain_deaths():
             if death.cause == "fenced":   # alive, waiting to be taken back (see _take_back), unless it was already
@@ -326,13 +351,13 @@ class Controller:
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile
                 self._collect(*self.pending.popleft())
-                return Phase.RUNNING
-            return Phase.BOUNDARY
+                return Running()
+            return Boundary()
         while len(self.pending) < self.opts.dispatch_depth and self.state.dispatched < self.state.steps:
             self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches))
         if self.pending:
             self._collect(*self.pending.popleft())
-        return Phase.RUNNING
+        return Running()
 
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.state)
@@ -409,7 +434,7 @@ class Controller:
         self.events.emit("run_finished", steps_completed=self.result.steps_completed,
                          final_state_digest=self.result.final_state_digest, replica_hashes=hashes,
                          wall_seconds=self.result.wall_seconds, client_peak_rss_bytes=self.result.client_peak_rss_bytes)
-        return Phase.DONE
+        return Finished(self.result)
 
     def _final_digest(self, hashes: dict[str, str], step: int) -> str:
         """The state's digest: every replica's, which must agree; a pipeline's, over its stages' (the replicas of
@@ -419,16 +444,15 @@ class Controller:
             raise ReplicaDivergenceError("replicas diverged", step=step, cause=f"state hashes {hashes}")
         return stages_digest([d.pop() for d in per_stage])
 
-    # -- RECOVERING and BOUNDARY: membership changes ---------------------------------
+    # -- Recovering and Boundary: membership changes ---------------------------------
 
-    def _recovering(self) -> Phase:
+    def _recovering(self, phase: Recovering) -> Phase:
         """One recovery (:meth:`recover`); training resumes where it says."""
         self.pending = collections.deque()
-        self.recover(self._error)
+        self.recover(phase.error)
         self.plans.clear()
         self.slow.restart()   # the watchdog times the next step from here
-        self._error = None
-        return Phase.RUNNING
+        return Running()
 
     def recover(self, err: Exception, has_state: bool = True) -> None:
         """One recovery after ``err``: survey, plan, carry the plan out; plan again from the facts that changed
@@ -501,7 +525,7 @@ class Controller:
         if dead:
             self.recover(WorkerLostError(dead[0], f"lost while {during}: {self.dead[dead[0]]}"), has_state=False)
 
-    def _boundary(self) -> Phase:
+    def _boundary(self, _: Boundary) -> Phase:
         """No step in flight: warm newcomers into spares, drop dead spares, swap stragglers out, grow."""
         warmed = self.group.warm_newcomers()
         p = self.placement
@@ -522,4 +546,4 @@ class Controller:
             self.executor.remap(plan, self.state)
         self.executor.copies.sync_shadows(self.state)
         self.slow.restart()
-        return Phase.RUNNING
+        return Running()

@@ -57,6 +57,11 @@ RUN_ELSEWHERE = {
     "tiny steps=40 elastic_spares=1 --faults kill:slice=1@step=8,kill:role=source@transfer":
         ("tests/chaos/test_chaos_faults.py::test_the_source_killed_while_sending_state_leaves_another_replica",
          "kill:role=source@transfer"),
+    "--scenario chaos/scenarios/kill-save.yml":
+        ("tests/chaos/test_state_tiers.py::test_a_save_cut_off_by_its_writers_death_is_never_counted_and_is_removed",
+         "kill_save@checkpoint"),
+    "--scenario chaos/scenarios/partition.yml steps=60":
+        ("tests/chaos/test_chaos_faults.py::test_a_partitioned_worker_that_comes_back_is_refused", "partition(for="),
 }
 
 
@@ -132,9 +137,15 @@ def test_a_documented_scenario_another_test_runs_is_accepted_and_that_test_runs_
         body = source[start:end if end != -1 else None]
         assert faults in body, (command, test)   # that test runs the documented faults
         args, extra = sub.choices["chaos"].parse_known_args(shlex.split(command))
-        _, overrides, options = plan(faults=args.faults, mtbf=args.mtbf, duration=args.duration, seed=args.seed)
+        if args.config and "=" in args.config:   # `--scenario F steps=9`: as the command takes it
+            args.overrides.insert(0, args.config)
+            args.config = None
+        scenario = str(ROOT / args.scenario) if args.scenario else None
+        found, overrides, options = plan(scenario=scenario, faults=args.faults, mtbf=args.mtbf,
+                                         duration=args.duration, seed=args.seed)
         overrides += [*args.overrides, *extra] + ([f"elastic_trainer={args.trainer}"] if args.trainer else [])
-        config = str(ROOT / args.config) if "/" in args.config else args.config
+        config = args.config or found.config
+        config = str(ROOT / config) if "/" in config else config
         if config_loader(config, overrides) is None:   # jax-elastic's own configs: every fault can fire
             fault_plan(load_config(config, overrides), options)
 

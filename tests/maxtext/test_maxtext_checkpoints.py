@@ -7,7 +7,10 @@ starts from that checkpoint (``load_full_state_path`` in MaxText's
 MaxText's layout; MaxText's trainer then auto-resumes from jax-elastic's run
 directory and trains steps 4-5. The six losses equal MaxText's trainer
 running all six steps, float for float: the whole train state (weights,
-AdamW moments, step count, RNG streams) crossed both ways exactly. And
+AdamW moments, step count, RNG streams) crossed both ways exactly. One
+jax-elastic slice from the seed equals that run too (the same
+initialisation, synthetic batches and step: one device per slice and one
+microbatch compute exactly what MaxText's fused train step does). And
 ``load_parameters_path`` fine-tunes from the weights of MaxText's checkpoint
 exactly as MaxText's trainer does.
 """
@@ -75,14 +78,21 @@ def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, 
         ours = elastic_losses(elastic_dir)
         last = losses(trainer(tmp_path, "last", elastic_dir, 6, checkpoints=True), tmp_path, "last")
         assert "restoring from this run's directory step 4" in (tmp_path / "last.log").read_text()
+        # One slice from the seed (jax-elastic's canonical math, python -m integrations.maxtext --reference) is
+        # MaxText's own 6-step run too: the same initialisation, batches and step, to the bit.
+        assert main([str(TINY), "steps=6", *SCHEDULE, f"base_output_directory={tmp_path}", "run_name=seed",
+                     "--reference"]) == 0
+        seed = elastic_losses(tmp_path / "seed")
         reference = losses(straight, tmp_path, "straight")
     finally:
         stop(straight)
     chain = first_losses + ours + last
     with capsys.disabled():
-        print(f"\nMaxText 6 steps:                 {reference}\nMaxText 2 -> jax-elastic 2 -> MaxText 2: {chain}")
+        print(f"\nMaxText 6 steps:                 {reference}\nMaxText 2 -> jax-elastic 2 -> MaxText 2: {chain}"
+              f"\njax-elastic 6 steps, one slice:  {seed}")
     assert [len(first_losses), len(ours), len(last)] == [2, 2, 2]
     assert chain == reference   # float32 values, compared exactly
+    assert seed == reference
 
 
 def test_load_parameters_path_starts_from_maxtexts_weights_with_a_fresh_optimizer(maxtext_run, tmp_path,

@@ -5,7 +5,7 @@ import dataclasses
 import types
 
 from runtime import EventLog, Reattach, RunState, can_attach, read_events
-from runtime.control.controller import Controller, Phase
+from runtime.control.controller import Controller, Starting
 from runtime.control.controller_options import ControllerOptions
 from tests.support.controller_run import M, expected_losses
 from tests.support.events import committed_steps, kinds
@@ -115,4 +115,4 @@ def test_a_log_without_a_state_yet_is_not_re_attached(tmp_path):
     ctl = Controller(PROGRAMS, b"", options, events, group=FakeGroup(options, events))
     ctl.begin(STEPS, seed=0)
     events.close()
-    assert ctl.phase is Phase.STARTING and not can_attach(RunState.replay(read_events(tmp_path / "events.jsonl")))
+    assert isinstance(ctl.phase, Starting) and not can_attach(RunState.replay(read_events(tmp_path / "events.jsonl")))
