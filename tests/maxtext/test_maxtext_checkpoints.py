@@ -1,12 +1,12 @@
 """A run moves from MaxText's trainer onto jax-elastic and back, through checkpoints, without changing a bit.
 
 MaxText's own trainer (``python -m maxtext.trainers.pre_train.train``) trains
-the tiny config for 2 steps and checkpoints; jax-elastic (local workers)
-starts from that checkpoint (``load_full_state_path`` in MaxText's
+the tiny config for 6 steps, checkpointing after each; jax-elastic (local
+workers) starts from its checkpoint after 2 steps (``load_full_state_path`` in MaxText's
 ``<step>/items`` form) and trains steps 2-3, writing its checkpoint in
 MaxText's layout; MaxText's trainer then auto-resumes from jax-elastic's run
-directory and trains steps 4-5. The six losses equal MaxText's trainer
-running all six steps, float for float: the whole train state (weights,
+directory and trains steps 4-5. The six losses equal MaxText's own six,
+float for float: the whole train state (weights,
 AdamW moments, step count, RNG streams) crossed both ways exactly. One
 jax-elastic slice from the seed equals that run too (the same
 initialisation, synthetic batches and step: one device per slice and one
@@ -33,10 +33,11 @@ SCHEDULE = ["learning_rate_schedule_steps=6"]   # every link keeps the 6-step ru
 
 
 def trainer(tmp_path, name: str, run_dir: pathlib.Path, steps: int, checkpoints: bool,
-            extra=()) -> subprocess.Popen:
-    """MaxText's trainer on TINY in ``run_dir``, synchronous checkpoints every 2 steps when ``checkpoints``."""
+            extra=(), period: int = 2) -> subprocess.Popen:
+    """MaxText's trainer on TINY in ``run_dir``, synchronous checkpoints every ``period`` steps when
+    ``checkpoints``."""
     return maxtext_trainer(TINY, tmp_path, f"steps={steps}", *SCHEDULE,
-                           f"enable_checkpointing={str(checkpoints).lower()}", "checkpoint_period=2",
+                           f"enable_checkpointing={str(checkpoints).lower()}", f"checkpoint_period={period}",
                            "async_checkpointing=false", "skip_jax_distributed_system=true", *extra,
                            name=name, run_dir=run_dir)
 
@@ -47,45 +48,42 @@ def losses(proc: subprocess.Popen, tmp_path, name: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def maxtext_run(tmp_path_factory):
-    """MaxText's trainer, 2 steps with checkpoints: ``(its checkpoint <1>/items, its losses)``."""
+    """MaxText's trainer, 6 steps with a checkpoint after each: ``(its checkpoint <1>/items, its 6 losses)``."""
     tmp_path = tmp_path_factory.mktemp("maxtext")
-    first = losses(trainer(tmp_path, "first", tmp_path / "maxtext" / "r", 2, checkpoints=True), tmp_path, "first")
+    run = losses(trainer(tmp_path, "first", tmp_path / "maxtext" / "r", 6, checkpoints=True, period=1), tmp_path,
+                 "first")
     theirs = tmp_path / "maxtext" / "r" / "checkpoints" / "1" / "items"   # MaxText's: the state after step 1
-    assert theirs.is_dir()
-    return theirs, first
+    assert theirs.is_dir() and len(run) == 6
+    return theirs, run
 
 
 def test_maxtext_to_jax_elastic_to_maxtext_equals_maxtexts_own_run(maxtext_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")   # main sets a slice's device count (1 here); restored after the test
-    theirs, first_losses = maxtext_run
-    straight = trainer(tmp_path, "straight", tmp_path / "straight" / "r", 6, checkpoints=False)
-    try:
-        elastic_dir = tmp_path / "elastic" / "r"
-        # The command line a user types; MaxText's checkpoint recorded no losses, so steps 0-1 have none.
-        assert elastic_main(["run", str(TINY), "steps=4", *SCHEDULE, f"base_output_directory={elastic_dir.parent}",
-                             "run_name=r", "enable_checkpointing=true", "checkpoint_period=4",
-                             f"load_full_state_path={theirs}", "--quiet"]) == 0
-        out = capsys.readouterr().out
-        assert "4 / 4" in out and "(steps 0-1: no loss recorded)" in out, out
-        report = json.loads((elastic_dir / "report.json").read_text())
-        assert report["losses"][:2] == [None, None] and report["resumed_from"]["losses_recorded"] is False
-        assert elastic_main(["report", str(elastic_dir), "--quiet"]) == 0   # re-rendered from the log alike
-        assert "(steps 0-1: no loss recorded)" in capsys.readouterr().out
-        events = [json.loads(line) for line in (elastic_dir / "events.jsonl").read_text().splitlines()]
-        resumed = next(e for e in events if e["kind"] == "run_resumed")
-        assert (resumed["step"], resumed["tier"]) == (2, "checkpoint")
-        assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4]
-        ours = elastic_losses(elastic_dir)
-        last = losses(trainer(tmp_path, "last", elastic_dir, 6, checkpoints=True), tmp_path, "last")
-        assert "restoring from this run's directory step 4" in (tmp_path / "last.log").read_text()
-        # One slice from the seed (jax-elastic's canonical math, python -m integrations.maxtext --reference) is
-        # MaxText's own 6-step run too: the same initialisation, batches and step, to the bit.
-        assert main([str(TINY), "steps=6", *SCHEDULE, f"base_output_directory={tmp_path}", "run_name=seed",
-                     "--reference"]) == 0
-        seed = elastic_losses(tmp_path / "seed")
-        reference = losses(straight, tmp_path, "straight")
-    finally:
-        stop(straight)
+    theirs, reference = maxtext_run   # MaxText's own 6 steps; the chain starts from its state after 2
+    first_losses = reference[:2]
+    elastic_dir = tmp_path / "elastic" / "r"
+    # The command line a user types; MaxText's checkpoint recorded no losses, so steps 0-1 have none.
+    assert elastic_main(["run", str(TINY), "steps=4", *SCHEDULE, f"base_output_directory={elastic_dir.parent}",
+                         "run_name=r", "enable_checkpointing=true", "checkpoint_period=4",
+                         f"load_full_state_path={theirs}", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "4 / 4" in out and "(steps 0-1: no loss recorded)" in out, out
+    report = json.loads((elastic_dir / "report.json").read_text())
+    assert report["losses"][:2] == [None, None] and report["resumed_from"]["losses_recorded"] is False
+    assert elastic_main(["report", str(elastic_dir), "--quiet"]) == 0   # re-rendered from the log alike
+    assert "(steps 0-1: no loss recorded)" in capsys.readouterr().out
+    events = [json.loads(line) for line in (elastic_dir / "events.jsonl").read_text().splitlines()]
+    resumed = next(e for e in events if e["kind"] == "run_resumed")
+    assert (resumed["step"], resumed["tier"]) == (2, "checkpoint")
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4]
+    ours = elastic_losses(elastic_dir)
+    last = losses(trainer(tmp_path, "last", elastic_dir, 6, checkpoints=True), tmp_path, "last")
+    assert "restoring from this run's directory step 4" in (tmp_path / "last.log").read_text()
+    # One slice from the seed (jax-elastic's canonical math, python -m integrations.maxtext --reference) is
+    # MaxText's own 6-step run too: the same initialisation, batches and step, to the bit.
+    assert main([str(TINY), "steps=6", *SCHEDULE, f"base_output_directory={tmp_path}", "run_name=seed",
+                 "--reference"]) == 0
+    seed = elastic_losses(tmp_path / "seed")
     chain = first_losses + ours + last
     with capsys.disabled():
         print(f"\nMaxText 6 steps:                 {reference}\nMaxText 2 -> jax-elastic 2 -> MaxText 2: {chain}"
