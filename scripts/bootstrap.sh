@@ -23,7 +23,7 @@ find_python() {
 # where PYTHONDONTWRITEBYTECODE is set (or the checkout is read-only to the user) each would compile them again
 # (about 1 s of CPU a process here). compileall writes only what changed since.
 compile_checkout() {
-  .venv/bin/python -m compileall -q -j 0 elastic runtime chaos integrations >/dev/null
+  .venv/bin/python -m compileall -q -j 0 elastic runtime chaos integrations tests >/dev/null
 }
 
 stamp=.venv/.jax-elastic-installed

@@ -24,7 +24,7 @@ from tests.support.events import live_events
 
 RUN_ID, SECRET = "manual-join", "s3cret-for-this-test"
 # Long enough (a few seconds of steps after the kill) for the replacement to start JAX and join before the end.
-MODEL = ["tiny", "steps=800", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
+MODEL = ["tiny", "steps=600", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2"]
 
 
 def _free_port() -> int:
@@ -97,7 +97,7 @@ def test_workers_started_by_hand_train_and_a_replacement_joins_as_a_spare(tmp_pa
 
     report = json.loads((run_dir / "report.json").read_text())
     events = live_events(run_dir)
-    assert report["finished"] and report["steps_completed"] == 800 and report["steps_lost"] == 0
+    assert report["finished"] and report["steps_completed"] == 600 and report["steps_lost"] == 0
     failure, restart = report["failures"]
     assert failure["workers"] == [victim] and failure["path"] == "replace", failure
     assert restart["error"] == "ClientLostError" and report["client_restarts"] == 1
