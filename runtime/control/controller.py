@@ -152,7 +152,6 @@ class Controller:
         self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
         self.slow = SlowSteps(self.group, events, options, live_spare=lambda: bool(self.live_spares()),
                               queued=lambda: self.state.swaps)
-        self.result: RunResult | None = None
         self.attempt = Attempt(seed=0)
         # ownership.check(ctl): raises ClientSupersededError once another client owns the run (elastic.reattach);
         # ownership.take_back(ctl, generation): this client may take its run back as ``generation`` (its workers
@@ -257,6 +256,11 @@ class Controller:
         while not isinstance(self.phase, Finished):
             self.advance()
         return self.result
+
+    @property
+    def result(self) -> RunResult | None:
+        """The run's result once it finished (its :class:`Finished` phase carries it), else None."""
+        return self.phase.result if isinstance(self.phase, Finished) else None
 
     def begin(self, steps: int, seed: int, on_step=None, max_seconds: float | None = None) -> None:
         """Sets up a run without starting it; :meth:`advance` then moves it one transition at a time."""
@@ -427,14 +431,14 @@ class Controller:
         s = self.state
         self.checkpoints.finish(self.placement.grid, s.loss_sums)
         hashes = {w: digest for w, (_, digest) in self.group.hashes(self.placement.active).items()}
-        self.result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
-                                final_state_digest=self._final_digest(hashes, s.steps), replica_hashes=hashes,
-                                wall_seconds=time.time() - self.attempt.t0, client_peak_rss_bytes=peak_rss_bytes(),
-                                state_bytes=s.state_bytes)
-        self.events.emit("run_finished", steps_completed=self.result.steps_completed,
-                         final_state_digest=self.result.final_state_digest, replica_hashes=hashes,
-                         wall_seconds=self.result.wall_seconds, client_peak_rss_bytes=self.result.client_peak_rss_bytes)
-        return Finished(self.result)
+        result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
+                           final_state_digest=self._final_digest(hashes, s.steps), replica_hashes=hashes,
+                           wall_seconds=time.time() - self.attempt.t0, client_peak_rss_bytes=peak_rss_bytes(),
+                           state_bytes=s.state_bytes)
+        self.events.emit("run_finished", steps_completed=result.steps_completed,
+                         final_state_digest=result.final_state_digest, replica_hashes=hashes,
+                         wall_seconds=result.wall_seconds, client_peak_rss_bytes=result.client_peak_rss_bytes)
+        return Finished(result)
 
     def _final_digest(self, hashes: dict[str, str], step: int) -> str:
         """The state's digest: every replica's, which must agree; a pipeline's, over its stages' (the replicas of

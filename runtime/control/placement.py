@@ -72,10 +72,7 @@ class Placement:
         """``grid[stage][replica]``: the slice serving that cell (every slice in row 0 when unpipelined). A
         ``ValueError`` when the active slices do not fill the rows (a pipelined run that lost a slice nobody
         took: the plan that made it restores or fails)."""
-        if len(self.active) % self.stages:
-            raise ValueError(f"{len(self.active)} active slices do not split into {self.stages} pipeline stages")
-        r = self.replicas
-        return tuple(self.active[k * r:(k + 1) * r] for k in range(self.stages))
+        return _rows(self.active, self.stages)
 
     @functools.cached_property
     def stage_of(self) -> Mapping[str, int]:
@@ -105,8 +102,7 @@ class StepPlan:
     @property
     def grid(self) -> tuple[tuple[str, ...], ...]:
         """The workers of each stage, as :attr:`Placement.grid`."""
-        r = self.replica_count
-        return tuple(self.workers[k * r:(k + 1) * r] for k in range(self.stages))
+        return _rows(self.workers, self.stages)
 
     @property
     def loss_workers(self) -> tuple[str, ...]:
@@ -118,6 +114,15 @@ class StepPlan:
         reads): every worker's, or the last pipeline stage's."""
         return {w: [i for n in nodes for i in n.ids] for w, nodes in zip(self.workers, self.nodes)
                 if w in self.loss_workers}
+
+
+def _rows(slices: tuple[str, ...], stages: int) -> tuple[tuple[str, ...], ...]:
+    """Stage-major ``slices`` cut into ``stages`` rows of equal length (the grid); ``ValueError`` when they do not
+    fill the rows."""
+    if len(slices) % stages:
+        raise ValueError(f"{len(slices)} active slices do not split into {stages} pipeline stages")
+    r = len(slices) // stages
+    return tuple(slices[k * r:(k + 1) * r] for k in range(stages))
 
 
 def place(num_vslices: int, devices_per_slice: int, workers: Iterable[WorkerInfo], epoch: int = 1,

@@ -36,10 +36,11 @@ def start(ctl) -> None:
         ctl.group.launch()
     workers = ctl.group.wait_for_workers(o.slices + o.spares, o.register_timeout_seconds)
     ctl.place(workers, sorted(ctl.dead), t0)   # lost: died before registering
-    pipelined = o.pipeline_stages > 1
-    stages = dict(ctl.placement.stage_of)
+    p = ctl.placement
+    pipelined = p.stages > 1
+    stages = dict(p.stage_of)
     if ctl.shadows.enabled:   # shadow spares take the stages in turn (each shadows its stage's state)
-        stages.update({w: i % o.pipeline_stages for i, w in enumerate(ctl.placement.spares)})
+        stages.update({w: i % p.stages for i, w in enumerate(p.spares)})
     loaded = ctl.group.load(ctl.placement.members, spares=ctl.placement.spares,
                             stages=stages if pipelined else None)
     for w, r in loaded.items():

@@ -348,7 +348,7 @@ def test_resolve_stage_errors(target, active, stages, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_the_injector_hits_the_stage_through_the_controllers_pipeline_stages():
+def test_the_injector_hits_the_stage_through_the_controllers_placement_grid():
     ctl = Controller(active=PIPELINED, spares=(), stages=2)
     injector = FaultInjector(parse_faults("corrupt:stage=1@step=1,corrupt:stage=0,replica=1@step=1,"
                                           "corrupt:stage=2@step=1"))
