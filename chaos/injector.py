@@ -13,8 +13,8 @@ the run ended before it fired), so the report can match faults to failures
 and the verdict can fail a run that was not tested against every fault.
 
 It uses only the controller's observer surface: ``placement``,
-``live_spares()``, ``next_checkpoint_writer()``, ``pid(worker)``,
-``inject_fault(worker, action, ...)`` and ``events.emit``.
+``live_spares()``, ``next_checkpoint_writer()``, ``pid(worker[, host])``,
+``hosts_of(worker)``, ``inject_fault(worker, action, ...[, host=])`` and ``events.emit``.
 
 **Client faults** (target ``client``) strike the process the injector runs
 in, so they fire only under the chaos supervisor (:mod:`chaos.supervisor`,
@@ -275,18 +275,33 @@ class FaultInjector(ControllerObserver):
             ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), fault_kind=fault.kind, reason=str(e),
                             step=self.committed)
             return
-        errors = {}
+        errors, hosts = {}, {}
         for w in workers:
             try:
-                self._hit(fault, w)
-            except (OSError, ElasticError, KeyError) as e:
+                hosts[w] = self._host(fault, w)
+                self._hit(fault, w, hosts[w])
+            except (OSError, ElasticError, KeyError, IndexError) as e:
                 errors[w] = f"{type(e).__name__}: {e}"
+        hit_hosts = {w: k for w, k in hosts.items() if k is not None}
         ctl.events.emit("fault_injected", index=index, fault=fault.spec(), fault_kind=fault.kind,
                         workers=list(workers), step=self.committed, errors=errors,
-                        seconds=time.monotonic() - self.t0)
+                        seconds=time.monotonic() - self.t0, **({"hosts": hit_hosts} if hit_hosts else {}))
 
-    def _hit(self, fault: Fault, worker: str) -> None:
-        """Injects ``fault`` into ``worker``; raises OSError, ElasticError or KeyError when it cannot."""
+    def _host(self, fault: Fault, worker: str) -> int | None:
+        """Which host of ``worker``'s slice ``fault`` hits: the target's, else a random one (None: a slice of one
+        host). IndexError when the slice has no such host."""
+        hosts = self.ctl.hosts_of(worker)
+        if hosts == 1 and fault.target.host in (None, 0):
+            return None
+        if fault.target.host is not None:
+            if fault.target.host >= hosts:
+                raise IndexError(f"slice {worker} has {hosts} host(s), no host {fault.target.host}")
+            return fault.target.host
+        return self.rng.randrange(hosts)
+
+    def _hit(self, fault: Fault, worker: str, host: int | None = None) -> None:
+        """Injects ``fault`` into ``worker`` (``host`` of its slice; None: a slice of one host); raises OSError,
+        ElasticError or KeyError when it cannot."""
         if fault.when.transfer:
             variant = fault.target.value
         elif fault.kind == "kill" and fault.option("phase"):
@@ -297,7 +312,7 @@ class FaultInjector(ControllerObserver):
         if how is None:
             raise KeyError(f"the injector cannot do {fault.kind!r}" + (f" ({variant})" if variant else ""))
         if isinstance(how, signal.Signals):
-            pid = self.ctl.pid(worker)
+            pid = self.ctl.pid(worker) if host is None else self.ctl.pid(worker, host)
             os.kill(pid, how)
             resume = fault.option("resume") if fault.kind == "hang" else None
             if resume:
@@ -309,13 +324,20 @@ class FaultInjector(ControllerObserver):
             phase = "save" if fault.kind == "kill_save" else str(fault.option("phase"))
             # kill_save@checkpoint=N: a save still ahead of checkpoint N, never an older one still being written.
             after = fault.when.checkpoint if fault.kind == "kill_save" and fault.when.checkpoint else 0
-            self.ctl.inject_fault(worker, how, phase=phase, after_step=after)
+            self._arm(worker, host, how, phase=phase, after_step=after)
         elif how == "straggle":
-            self.ctl.inject_fault(worker, how, factor=fault.option("factor"), seconds=fault.option("for"))
+            self._arm(worker, host, how, factor=fault.option("factor"), seconds=fault.option("for"))
         elif how == "partition":
-            self.ctl.inject_fault(worker, how, seconds=fault.option("for"))
+            self._arm(worker, host, how, seconds=fault.option("for"))
         else:
-            self.ctl.inject_fault(worker, how)
+            self._arm(worker, host, how)
+
+    def _arm(self, worker: str, host: int | None, how: str, **options) -> None:
+        """A worker-side fault on ``worker`` (on ``host`` of its slice alone, when it names one)."""
+        if host is None:
+            self.ctl.inject_fault(worker, how, **options)
+        else:
+            self.ctl.inject_fault(worker, how, host=host, **options)
 
     def _strike_client(self, index: int, fault: Fault) -> None:
         """Records the client fault, then SIGKILLs or SIGSTOPs this process (see the module docstring)."""

@@ -101,9 +101,12 @@ _DURATION_NAMES = frozenset({"seconds", "for", "duration", "time"})   # what a h
 # Options whose value is a word from a fixed list (kept as text).
 _CHOICE_OPTIONS: dict[str, tuple[str, ...]] = {"phase": FAULT_PHASES}
 _INT = re.compile(r"[0-9]+")
-# A comma that carries a stage target's replica (``stage=1,replica=0``) rather than separating faults.
-_REPLICA = re.compile(r",\s*replica\s*=")
+# A comma that carries a stage target's replica (``stage=1,replica=0``) or a slice's host (``slice=1,host=1``)
+# rather than separating faults.
+_REPLICA = re.compile(r",\s*(replica|host)\s*=")
 _MISPLACED_REPLICA = "replica=R is only valid right after a stage=K target (e.g. kill:stage=1,replica=0@step=3)"
+_MISPLACED_HOST = ("host=K is only valid right after a slice=N or worker=ID target (e.g. kill:slice=1,host=1@step=3, "
+                   "a slice of several hosts)")
 _WORKER_ID = re.compile(r"[A-Za-z0-9_.\-]+")
 _DURATION = re.compile(r"(?P<num>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?P<unit>ms|s|m)?")
 _UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0}
@@ -120,9 +123,12 @@ class Target:
     kind: str  # "slice" | "stage" | "worker" | "role" | "random" | "all" | "everything" | "client"
     value: int | str | None = None  # slice index, stage index, worker id, role name, or None
     replica: int | None = None  # kind "stage" only: the pipeline replica (None: replica 0)
+    host: int | None = None  # kinds "slice" and "worker": that host of a slice of several (None: a random one)
 
     def spec(self) -> str:
         text = self.kind if self.value is None else f"{self.kind}={self.value}"
+        if self.host is not None:
+            text = f"{text},host={self.host}"
         return text if self.replica is None else f"{text},replica={self.replica}"
 
 
@@ -333,6 +339,11 @@ def _parse_target(text: str, kind: str = "kill") -> Target:
                              f"{kind}({options.rstrip(')').strip()}):{name.strip()}, not {kind}:{text}")
     text, comma, replica = text.partition(",")
     name, eq, value = (s.strip() for s in text.partition("="))
+    if comma and name in ("slice", "worker") and replica.partition("=")[0].strip() == "host":
+        target = _parse_target(text, kind)
+        return dataclasses.replace(target, host=_parse_host(replica))
+    if name == "host" or (comma and replica.partition("=")[0].strip() == "host"):
+        raise FaultSpecError(_MISPLACED_HOST + (f", not after {text.strip()!r}" if comma else ""))
     if name == "replica" or (comma and name != "stage"):
         raise FaultSpecError(_MISPLACED_REPLICA + (f", not after {text.strip()!r}" if comma else ""))
     if name not in TARGET_KINDS:
@@ -348,6 +359,15 @@ def _parse_target(text: str, kind: str = "kill") -> Target:
             raise FaultSpecError(f"target {name} needs an integer >= 0, got {value!r}")
         return Target(name, int(value), _parse_replica(replica) if comma else None)   # a slice has no comma here
     return Target(name, value)
+
+
+def _parse_host(text: str) -> int:
+    """The ``K`` of ``slice=N,host=K``, given the text after the comma."""
+    value = text.partition("=")[2].strip()
+    if not _INT.fullmatch(value):
+        got = "nothing" if not value else repr(value)
+        raise FaultSpecError(f"target host needs an integer >= 0 (e.g. slice=1,host=1), got {got}")
+    return int(value)
 
 
 def _parse_replica(text: str) -> int:
@@ -403,6 +423,9 @@ def _check(f: Fault) -> None:
     if t.replica is not None and not (t.kind == "stage" and _index(t.replica)):
         raise FaultSpecError(f"target replica needs an integer >= 0, got {t.replica!r}" if t.kind == "stage"
                              else f"{_MISPLACED_REPLICA}, not with target {t.kind!r}")
+    if t.host is not None and not (t.kind in ("slice", "worker") and _index(t.host)):
+        raise FaultSpecError(f"target host needs an integer >= 0, got {t.host!r}" if t.kind in ("slice", "worker")
+                             else f"{_MISPLACED_HOST}, not with target {t.kind!r}")
     if t.kind == "worker" and not (isinstance(t.value, str) and _WORKER_ID.fullmatch(t.value)):
         raise FaultSpecError(f"target worker needs an id of letters, digits, '_', '.', '-', got {t.value!r}")
     if t.kind == "role" and not (isinstance(t.value, str) and t.value in ROLES):

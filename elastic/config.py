@@ -116,6 +116,9 @@ class Config:
     # false: no recovery, a lost worker fails the run (plain SPMD)
     elastic_enabled: bool = _key(True, role=(RUNTIME, MAXTEXT))
     elastic_spares: int = _key(0, role=(RUNTIME, RECOVERY), ge=0)  # warmed spare slices launched beside the active ones
+    # Hosts (worker processes) per slice: the slice's devices are spread over them, the same number on each, and
+    # they run its programs together (one JAX distributed system). One host lost is the slice lost.
+    elastic_hosts_per_slice: int = _key(1, role=(RUNTIME, MATH), ge=1)
     # Spares shadow the state: every step's reduced gradient also goes to each spare, which
     # applies it, so a spare holds the committed state and replaces even every active slice at once with no
     # step lost and no transfer. Costs each rank one more push of its reduced chunk per spare per step.

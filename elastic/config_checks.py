@@ -56,8 +56,8 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
                 "job), or be empty for the bundled model")
     hardware = values["hardware"]
     if hardware and hardware not in HARDWARE:
-        why = ("; MaxText's gpu_multiprocess (one JAX process per GPU, joined by jax.distributed) is not how "
-               "jax-elastic runs: a slice is one worker process owning its GPUs, so use gpu"
+        why = ("; MaxText's gpu_multiprocess (one JAX process per GPU, joined by jax.distributed) is not taken: "
+               "use gpu (a slice of several processes is elastic_hosts_per_slice, docs/multi-host.md)"
                if hardware == "gpu_multiprocess" else "")
         return (f"config key {at('hardware')} must be cpu, gpu or tpu, or empty for the platform the "
                 f"workers get from the environment{why}")
@@ -116,6 +116,25 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
     for key in tls:
         if not pathlib.Path(values[key]).is_file():
             return f"config key {at(key)}: no such file"
+    hosts = values["elastic_hosts_per_slice"]
+    if values["ici_fsdp_parallelism"] % hosts:
+        return (f"config keys {at('elastic_hosts_per_slice')} and {at('ici_fsdp_parallelism')} contradict: a "
+                "slice's devices are spread over its hosts, the same number on each")
+    if hosts > 1:   # what slices of several hosts do not do yet: one line each, naming the key to change
+        for key, bad, why in (
+                ("dcn_pipeline_parallelism", values["dcn_pipeline_parallelism"] > 1, "pipeline stages run on "
+                 "slices of one host"),
+                ("enable_checkpointing", values["enable_checkpointing"], "persistent checkpoints are written "
+                 "from slices of one host (each host of a slice holds only its blocks of the state)"),
+                ("load_full_state_path", bool(values["load_full_state_path"]), "a checkpoint is restored onto "
+                 "slices of one host"),
+                ("load_parameters_path", bool(values["load_parameters_path"]), "a checkpoint's parameters are "
+                 "loaded onto slices of one host"),
+                ("elastic_launcher", values["elastic_launcher"] != "local", "slices of several hosts are "
+                 "launched by the local launcher")):
+            if bad:
+                return (f"config keys {at('elastic_hosts_per_slice')} and {at(key)} contradict: {why} for "
+                        "now (docs/multi-host.md)")
     if values["elastic_min_slice_count"] > slices:
         return (f"config keys {at('elastic_min_slice_count')} and {at('dcn_data_parallelism')} contradict: "
                 "the minimum slice count cannot exceed the slice count")

@@ -54,6 +54,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_dispatch_depth": "dispatch_depth",
     "elastic_chunk_bytes": "chunk_bytes",
     "elastic_spares": "spares",
+    "elastic_hosts_per_slice": "hosts_per_slice",
     "elastic_min_slice_count": "min_slices",
     "elastic_timeout_seconds": "capacity_timeout_seconds",
     "elastic_max_retries": "max_retries",
@@ -145,6 +146,7 @@ class RunSettings:
     parameters_from: str = ""  # load_parameters_path, absolute (a fresh start's parameters; the reference's too)
     pipeline_stages: int = 1   # dcn_pipeline_parallelism
     pipeline_schedule: str = "1f1b"
+    hosts_per_slice: int = 1   # elastic_hosts_per_slice (the reference runs as a slice's hosts do)
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -157,7 +159,8 @@ def run_settings(cfg: Config) -> RunSettings:
                        goodput_recording=cfg.enable_goodput_recording,
                        goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg),
                        parameters_from=_absolute(cfg.load_parameters_path),
-                       pipeline_stages=cfg.dcn_pipeline_parallelism, pipeline_schedule=cfg.elastic_pipeline_schedule)
+                       pipeline_stages=cfg.dcn_pipeline_parallelism, pipeline_schedule=cfg.elastic_pipeline_schedule,
+                       hosts_per_slice=cfg.elastic_hosts_per_slice)
 
 
 #: The config key ``hardware`` (MaxText's names) -> the JAX platform programs are exported for.

@@ -92,17 +92,18 @@ def host_capacity() -> HostCapacity:
 
 
 def check_local_capacity(slices: int, spares: int, devices_per_slice: int, max_local_workers: int,
-                         host: HostCapacity) -> None:
+                         host: HostCapacity, hosts_per_slice: int = 1) -> None:
     """Refuses a run the local launcher cannot hold; pure.
 
-    Worker processes (``slices + spares``) may number at most
+    Worker processes (``slices + spares``, times ``hosts_per_slice``) may number at most
     ``max_local_workers`` when it is positive, else the smaller of
     ``max(64, 4 x cores)`` and what the host's memory holds at
     :data:`PER_WORKER_BYTES` each. Simulated devices (workers x devices per
     slice) may number at most 4 x that limit.
     """
-    workers = slices + spares
-    keys = f"config keys 'dcn_data_parallelism' ({slices}) and 'elastic_spares' ({spares})"
+    workers = (slices + spares) * hosts_per_slice
+    keys = f"config keys 'dcn_data_parallelism' ({slices}) and 'elastic_spares' ({spares})" + (
+        f" with 'elastic_hosts_per_slice' ({hosts_per_slice})" if hosts_per_slice > 1 else "")
     override = "set elastic_max_local_workers to the most worker processes this host should run"
     if max_local_workers > 0:
         limit, why = max_local_workers, f"elastic_max_local_workers={max_local_workers}"
@@ -117,7 +118,7 @@ def check_local_capacity(slices: int, spares: int, devices_per_slice: int, max_l
     if workers > limit:
         raise ConfigError(f"{keys} ask for {workers} local worker processes; this host allows {limit} ({why}); "
                           f"ask for fewer, or {override}")
-    devices = workers * devices_per_slice
+    devices = (slices + spares) * devices_per_slice
     if devices > _DEVICES_PER_WORKER * limit:
         raise ConfigError(f"config keys 'dcn_data_parallelism' ({slices}), 'elastic_spares' ({spares}) and "
                           f"'ici_fsdp_parallelism' ({devices_per_slice}) ask for {devices} simulated "
@@ -134,7 +135,7 @@ def check_config_capacity(cfg: Config, host: HostCapacity | None = None) -> None
     if opts.launcher != "local":
         return   # the workers run elsewhere: Ray's or the scheduler's capacity, not this host's
     check_local_capacity(opts.slices, opts.spares, opts.devices_per_slice, run_settings(cfg).max_local_workers,
-                         host or host_capacity())
+                         host or host_capacity(), opts.hosts_per_slice)
 
 
 def check_ray_cluster(opts) -> None:

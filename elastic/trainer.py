@@ -265,7 +265,8 @@ class _Job:
             if on_step is not None:
                 on_step(step, loss)
 
-        if (jax.local_device_count() >= programs.devices_per_slice
+        hosts = settings.hosts_per_slice   # a slice of several hosts: its math is theirs, in as many processes
+        if (hosts == 1 and jax.local_device_count() >= programs.devices_per_slice
                 and local_platform() in program_platforms(programs.init)):
             enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
             losses, digests = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
@@ -276,7 +277,7 @@ class _Job:
                                                     seed=settings.seed, on_step=step_done,
                                                     compilation_cache_dir=settings.compilation_cache_dir,
                                                     parameters_from=settings.parameters_from,
-                                                    schedule=settings.pipeline_schedule)
+                                                    schedule=settings.pipeline_schedule, hosts=hosts)
         digest = stages_digest(digests)
         hashes = {f"stage{k}": d for k, d in enumerate(digests)} if programs.pipelined else {"reference": digest}
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)

@@ -56,7 +56,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
                        {"seconds": TYPED, "recovered": _ANY, "stage_phases": TYPED, "bubble": TYPED}),
     "placement": ({"active": TYPED}, {}),
     "failure_detected": ({"error": _ANY, "detail": _ANY, "committed": _ANY}, {"worker": _ANY}),
-    "worker_dead": ({"worker": TYPED}, {"cause": TYPED}),
+    "worker_dead": ({"worker": TYPED}, {"cause": TYPED, "host": TYPED, "retired": TYPED}),
+    "worker_registered": ({"worker": TYPED}, {"hosts": TYPED}),
     "recovery_decision": ({"action": TYPED, "dead": TYPED, "active": TYPED}, {}),
     "checkpoint_skipped": ({"detail": _ANY}, {}),
     "checkpoint_failed": ({"error": _ANY}, {}),
@@ -64,7 +65,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "grown": ({"active": TYPED}, {}),
     "straggler_replaced": ({"active": TYPED}, {}),
     "straggler": ({"worker": TYPED, "step": _ANY, "seconds": TYPED, "median_seconds": TYPED, "action": _ANY}, {}),
-    "fault_injected": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "workers": TYPED, "step": _ANY}, {}),
+    "fault_injected": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "workers": TYPED, "step": _ANY},
+                       {"hosts": TYPED}),
     "fault_skipped": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "reason": _ANY, "step": _ANY}, {}),
     "chaos_started": ({k: _ANY for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}, {}),
     "capacity_wait": ({}, {"seconds": TYPED}),
@@ -160,6 +162,7 @@ def build_report(events_or_path) -> dict:
         "client_restarts": 0,
         "client_downtime_seconds": 0.0,
         "slices_at_end": None,
+        "slice_hosts": None,
         "seed": None,
         "faults": [],
         "stragglers": [],
@@ -294,7 +297,11 @@ def build_report(events_or_path) -> dict:
                                      "workers": e["workers"] if injected else [],
                                      "injected_at": e["t"] - t_first if injected else None, "step": e["step"],
                                      "detected_after_s": None, "recovered_after_s": None, "path": None,
-                                     "bytes_moved": 0, "skipped": None if injected else e["reason"]})
+                                     "bytes_moved": 0, "skipped": None if injected else e["reason"],
+                                     **({"hosts": dict(e["hosts"])} if e.get("hosts") else {})})
+        elif kind == "worker_registered" and e.get("hosts"):   # a slice of several hosts
+            report["slice_hosts"] = (report["slice_hosts"] or {}) | {e["worker"]: [
+                {"host": h.get("host"), "pid": h.get("pid", 0), "address": h.get("address", "")} for h in e["hosts"]]}
         elif kind == "chaos_started":
             report["chaos"] = {k: e[k] for k in ("spec", "seed", "mtbf_seconds", "duration_seconds", "scenario")}
         elif kind == "run_truncated":
@@ -427,6 +434,13 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
     for fault in report["faults"]:
         if fault["injected_at"] is None:
             continue
+        if fault.get("hosts"):   # the hosts retired with each slice it cost (its first death after the fault)
+            retired = {}
+            for e in events:
+                if (e["kind"] == "worker_dead" and e["worker"] in fault["hosts"] and "retired" in e
+                        and e["worker"] not in retired and e["t"] - t_first >= fault["injected_at"] - 1e-6):
+                    retired[e["worker"]] = list(e["retired"])
+            fault["retired"] = retired
         if fault["kind"] == "straggle":
             hits = [e for e in events if e["kind"] == "straggler" and e["worker"] in fault["workers"]
                     and e["t"] - t_first >= fault["injected_at"]]

@@ -21,6 +21,16 @@ __all__ = ["attempt_text", "bubble_text", "print_summary", "resumed_text", "summ
 _VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
 
 
+def _hit(fault: dict) -> str:
+    """Whom a fault hit: its workers (slices), each with the host it hit and those retired with it, if any."""
+    if not fault["workers"]:
+        return "client"
+    hosts, retired = fault.get("hosts") or {}, fault.get("retired") or {}
+    return ",".join(w + (f" host {hosts[w]}" if w in hosts else "")
+                    + (f" (retired {'+'.join(map(str, retired[w]))})" if retired.get(w) else "")
+                    for w in fault["workers"])
+
+
 def _seconds(x: float | None) -> str:
     if x is None:
         return "—"
@@ -122,7 +132,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         if f.get("skipped"):
             rows.append((f"fault {f['index']}", f"{f['spec']}: skipped ({f['skipped']})"[:120]))
         else:
-            rows.append((f"fault {f['index']}", f"{f['spec']} -> {','.join(f['workers']) or 'client'}: detected "
+            rows.append((f"fault {f['index']}", f"{f['spec']} -> {_hit(f)}: detected "
                          f"{_seconds(f['detected_after_s'])}, recovered {_seconds(f['recovered_after_s'])}"
                          + (f" ({f['path']})" if f.get("path") else "")))
     if report.get("trajectory") is not None:

@@ -221,19 +221,25 @@ class Controller:
         return (self.checkpoints.next_writer(self.state.dispatched, self.state.steps, self.placement.grid)
                 or self.checkpoints.unfinished_writer(live))
 
-    def pid(self, worker_id: str) -> int:
-        """The process id a worker registered with; ``KeyError`` for an unknown worker."""
-        return self.group.pid(worker_id)
+    def pid(self, worker_id: str, host: int = 0) -> int:
+        """The process id a worker (host ``host`` of its slice) registered with; ``KeyError`` for an unknown
+        worker."""
+        return self.group.pid(worker_id, host)
+
+    def hosts_of(self, worker_id: str) -> int:
+        """How many hosts (processes) ``worker_id``'s slice has."""
+        return self.group.hosts_of(worker_id)
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
-                     phase: str = "", after_step: int = 0) -> None:
+                     phase: str = "", after_step: int = 0, host: int | None = None) -> None:
         """Arms one worker-side fault (one of ``FAULT_ACTIONS``) on a worker started with chaos enabled.
-        ``after_step`` (``kill_in_phase`` ``save``): only a save of a later step counts.
+        ``after_step`` (``kill_in_phase`` ``save``): only a save of a later step counts. ``host``: on that host
+        of a slice of several alone (None: on every host).
 
         Raises the typed error of the call (``WorkerLostError``, ``WorkerError``, ...) when it fails.
         """
         self.group.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase,
-                                after_step=after_step)
+                                after_step=after_step, host=host)
 
     # -- the state machine -----------------------------------------------------
 

@@ -32,8 +32,9 @@ class ControllerOptions:
     """
 
     slices: int
-    devices_per_slice: int
+    devices_per_slice: int                 # of one slice, over all its hosts
     run_dir: str
+    hosts_per_slice: int = 1               # worker processes (hosts) per slice, joined into one SPMD program
     run_id: str = ""
     host: str = "127.0.0.1"                # the controller listens here...
     port: int = 0                          # ...on this port (0: any free one)

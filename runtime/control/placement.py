@@ -33,7 +33,12 @@ __all__ = ["Placement", "StepPlan", "WorkerInfo", "place", "plan_step"]
 
 @dataclasses.dataclass(frozen=True)
 class WorkerInfo:
-    """A registered physical slice (one worker process for now)."""
+    """A registered physical slice: one worker process, or H of them (its hosts, :mod:`runtime.core.hosts`).
+
+    A slice of several hosts has ``hosts``, each host's own ``WorkerInfo`` in host order (their ``worker_id``:
+    :func:`runtime.core.hosts.host_id`); its ``address`` and ``data_address`` are theirs joined, its ``pid``
+    and ``host`` its host 0's.
+    """
 
     worker_id: str
     address: str
@@ -42,6 +47,7 @@ class WorkerInfo:
     pid: int = 0
     data_address: str = ""   # its data plane (runtime.wire.dataplane); "" when it serves none
     host: str = ""           # the host it runs on (where its in-memory snapshots live)
+    hosts: tuple = ()        # a slice of several hosts: each host's WorkerInfo, in host order
 
 
 @dataclasses.dataclass(frozen=True)

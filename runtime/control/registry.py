@@ -22,8 +22,9 @@ from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.core.events import EventLog
 from runtime.control.placement import WorkerInfo
+from runtime.core.hosts import host_id, slice_address
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "slice_info"]
 
 
 class Registry(pb_grpc.ControllerServicer):
@@ -38,8 +39,11 @@ class Registry(pb_grpc.ControllerServicer):
     ``rpc.make_server``), drained by :meth:`runtime.control.worker_group.WorkerGroup.collect_security_events`.
     """
 
-    def __init__(self, run_id: str, events: EventLog, refuse, generation: int = 0, waits=lambda worker: False):
+    def __init__(self, run_id: str, events: EventLog, refuse, generation: int = 0, waits=lambda worker: False,
+                 hosts_per_slice: int = 1):
         self.run_id, self.generation = run_id, generation
+        self.hosts_per_slice = hosts_per_slice   # a slice registers once all its hosts did (runtime.core.hosts)
+        self._forming: dict[str, dict[int, WorkerInfo]] = {}   # slice -> its hosts registered so far
         self.waits = waits   # worker id -> whether a fenced worker asking to rejoin should wait to be taken back
         self.events = events
         self.refuse = refuse   # worker id -> why it may not (re)join, "" if it may
@@ -53,8 +57,14 @@ class Registry(pb_grpc.ControllerServicer):
         if malformed:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"registration refused: {malformed}")
         reason, wait = "", False
+        hosts = max(request.slice_hosts, 1)
         if request.run_id != self.run_id:
             reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
+        elif hosts != self.hosts_per_slice:
+            reason = (f"this run's slices have {self.hosts_per_slice} host(s) (elastic_hosts_per_slice), this "
+                      f"worker's {hosts}")
+        elif request.slice_host in self._forming.get(request.worker_id, {}):
+            reason = f"host {request.slice_host} of slice {request.worker_id!r} already registered"
         elif request.rejoin and self.waits(request.worker_id):
             reason, wait = "this client takes its fenced workers back (Attach): wait for it", True
         elif request.worker_id in self.workers:
@@ -65,16 +75,25 @@ class Registry(pb_grpc.ControllerServicer):
         if reason:
             self.events.emit("register_refused", worker=request.worker_id, rejoin=request.rejoin, reason=reason)
             return pb.RegisterReply(accepted=False, reason=reason, generation=self.generation, wait=wait)
-        info = WorkerInfo(request.worker_id, request.address, request.num_devices, request.platform, request.pid,
-                          request.data_address, request.host)
+        info = WorkerInfo(host_id(request.worker_id, request.slice_host, hosts), request.address,
+                          request.num_devices, request.platform, request.pid, request.data_address, request.host)
         with self.cond:   # with end(): a worker is either registered before the end (and sent home) or told it ended
             if self.ended:
                 return pb.RegisterReply(accepted=False, run_ended=True, generation=self.generation,
                                         reason=f"run {self.run_id} ended before this worker joined")
+            if hosts > 1:   # a host of a slice of several: the slice registers with its last host
+                forming = self._forming.setdefault(request.worker_id, {})
+                forming[request.slice_host] = info
+                if len(forming) < hosts:
+                    return pb.RegisterReply(accepted=True, generation=self.generation)
+                info = slice_info(request.worker_id, [forming[k] for k in range(hosts)])
+                del self._forming[request.worker_id]
             self.add(info)
         self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
                          devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host,
-                         data_address=info.data_address)
+                         data_address=info.data_address,
+                         **({"hosts": [{"address": h.address, "data_address": h.data_address, "pid": h.pid,
+                                        "host": h.host} for h in info.hosts]} if info.hosts else {}))
         return pb.RegisterReply(accepted=True, generation=self.generation)
 
     def add(self, info: WorkerInfo) -> None:
@@ -104,6 +123,15 @@ class Registry(pb_grpc.ControllerServicer):
         if not 1 < r.pid < 1 << 32:
             return f"pid {r.pid} is not a process id"   # a chaos fault signals this pid: never 0, 1 or negative
         return ""
+
+
+def slice_info(slice_id: str, hosts: list[WorkerInfo]) -> WorkerInfo:
+    """A slice of several hosts as one registered worker, from its hosts' (in host order; see
+    :class:`~runtime.control.placement.WorkerInfo`). Pure."""
+    first = hosts[0]
+    return WorkerInfo(slice_id, slice_address([h.address for h in hosts]), first.num_devices, first.platform,
+                      first.pid, slice_address([h.data_address for h in hosts]) if first.data_address else "",
+                      first.host, tuple(hosts))
 
 
 def _host_port(address: str) -> bool:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import grpc
 
 from runtime._proto import elastic_pb2 as pb
+from runtime.control.settled import SettledFuture
 from runtime.core.errors import ProtocolError
 from runtime.wire.dataplane_client import RemoteError, check_reply
 from runtime.wire.dataplane_wire import END, REPLY, STEP, parse_message, read_frame_head, recv_bytes, send_frame, shut
@@ -49,86 +50,18 @@ __all__ = ["StepFuture", "StepStreams"]
 STREAM_SECONDS = 3600.0   # a stream takes new requests this long (its deadline: that and a step's)
 
 
-class StepFuture(grpc.Future):
+class StepFuture(SettledFuture):
     """One step of one worker in flight on a step stream: a ``grpc.Future`` of its ``StepReply``."""
 
     def __init__(self, key: tuple[int, int], sent: float, deadline: float, on_cancel: Callable[["StepFuture"], None]):
+        super().__init__()
         self.key, self.sent, self.deadline, self._on_cancel = key, sent, deadline, on_cancel
-        self._cond = threading.Condition()
-        self._reply: pb.StepReply | None = None
-        self._error: grpc.RpcError | None = None
-        self._cancelled = False
-        self._callbacks: list = []
-
-    # -- settled by the stream -------------------------------------------------------
-
-    def _settle(self, reply: pb.StepReply | None = None, error: grpc.RpcError | None = None) -> bool:
-        with self._cond:
-            if self._done():
-                return False
-            self._reply, self._error = reply, error
-            callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
-        for fn in callbacks:
-            fn(self)
-        return True
-
-    def _done(self) -> bool:
-        return self._cancelled or self._reply is not None or self._error is not None
-
-    # -- grpc.Future -------------------------------------------------------------------
 
     def cancel(self) -> bool:
-        with self._cond:
-            if self._done():
-                return False
-            self._cancelled = True
-            callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
+        if not super().cancel():
+            return False
         self._on_cancel(self)
-        for fn in callbacks:
-            fn(self)
         return True
-
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def running(self) -> bool:
-        return not self.done()
-
-    def done(self) -> bool:
-        with self._cond:
-            return self._done()
-
-    def _wait(self, timeout: float | None) -> None:
-        with self._cond:
-            if not self._cond.wait_for(self._done, timeout):
-                raise grpc.FutureTimeoutError()
-
-    def result(self, timeout: float | None = None) -> pb.StepReply:
-        self._wait(timeout)
-        if self._cancelled:
-            raise grpc.FutureCancelledError()
-        if self._error is not None:
-            raise self._error
-        return self._reply
-
-    def exception(self, timeout: float | None = None):
-        self._wait(timeout)
-        if self._cancelled:
-            raise grpc.FutureCancelledError()
-        return self._error
-
-    def traceback(self, timeout: float | None = None):
-        self._wait(timeout)
-        return None
-
-    def add_done_callback(self, fn) -> None:
-        with self._cond:
-            if not self._done():
-                self._callbacks.append(fn)
-                return
-        fn(self)
 
 
 class _Stream:

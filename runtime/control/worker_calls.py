@@ -25,6 +25,8 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.calls import (LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
                                    load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
 from runtime.control.placement import StepPlan
+from runtime.control.slice_calls import SliceFuture, SliceStub
+from runtime.core.hosts import host_addresses, host_id
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
 from runtime.control.step_stream import StepStreams
@@ -64,9 +66,11 @@ class WorkerCalls:
 
     # -- the workers reached -----------------------------------------------------
 
-    def adopt(self, worker_id: str, channel: grpc.Channel) -> None:
-        """Later calls reach ``worker_id`` over ``channel``."""
-        self._stubs[worker_id] = pb_grpc.WorkerStub(channel)
+    def adopt(self, worker_id: str, channels: list[grpc.Channel]) -> None:
+        """Later calls reach ``worker_id`` over ``channels``, one per host of its slice (in host order): a slice
+        of several hosts is called on all of them at once (:class:`~runtime.control.slice_calls.SliceStub`)."""
+        stubs = [pb_grpc.WorkerStub(ch) for ch in channels]
+        self._stubs[worker_id] = stubs[0] if len(stubs) == 1 else SliceStub(stubs)
 
     def reaches(self, worker_id: str) -> bool:
         """``worker_id`` was adopted."""
@@ -84,8 +88,15 @@ class WorkerCalls:
             if worker_id in self._dead():
                 return None
             record()
-            self._streams.drop(worker_id)
+            for host in self._host_ids(worker_id):
+                self._streams.drop(host)
             return self._inflight.pop(worker_id, [])
+
+    def _host_ids(self, worker_id: str) -> list[str]:
+        """The ids of ``worker_id``'s hosts (its own, for a slice of one): their step streams' keys."""
+        stub = self._stubs.get(worker_id)
+        hosts = len(stub.hosts) if isinstance(stub, SliceStub) else 1
+        return [host_id(worker_id, k, hosts) for k in range(hosts)]
 
     def close(self) -> None:
         """The step streams end (the run is over, or another client took it over)."""
@@ -268,7 +279,12 @@ class WorkerCalls:
         if w in self._dead():   # never sent: cancelled at once
             futs[w] = self._streams.cancelled(req)
             return
-        futs[w] = self._streams.send(w, self._stubs[w], req, self._data_address(w))
+        stub, data = self._stubs[w], self._data_address(w)
+        if isinstance(stub, SliceStub):   # each host on its own stream; the slice's step is all of theirs
+            futs[w] = SliceFuture([self._streams.send(h, s, req, a) for h, s, a in
+                                   zip(self._host_ids(w), stub.hosts, host_addresses(data) or [""] * len(stub.hosts))])
+        else:
+            futs[w] = self._streams.send(w, stub, req, data)
         self._inflight.setdefault(w, []).append(futs[w])
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
@@ -364,6 +380,13 @@ class WorkerCalls:
     # -- chaos -------------------------------------------------------------------
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
-                     phase: str = "", after_step: int = 0) -> None:
-        self._call(worker_id, "Chaos", pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0,
-                                                       phase=phase, after_step=after_step), timeout=5.0)
+                     phase: str = "", after_step: int = 0, host: int | None = None) -> None:
+        """A chaos fault on ``worker_id`` (``host``: on that host of its slice alone; None: on every host)."""
+        stub = self._stubs[worker_id]
+        if host is not None and isinstance(stub, SliceStub):
+            stub = stub.hosts[host]
+        try:
+            stub.Chaos(pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0, phase=phase,
+                                       after_step=after_step), timeout=5.0)
+        except grpc.RpcError as e:
+            raise rpc.to_error(worker_id, e) from None

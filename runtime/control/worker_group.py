@@ -27,6 +27,7 @@ import os
 import queue
 import shlex
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from concurrent import futures
@@ -46,6 +47,7 @@ from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
 from runtime.control.worker_calls import WorkerCalls
+from runtime.core.hosts import slice_of_host
 
 log = logging.getLogger("jax_elastic.worker_group")
 
@@ -97,7 +99,7 @@ class WorkerGroup:
         self.epoch = 0
         self.generation = opts.generation
         self.registry = Registry(run_id, events, refuse=self._why_fenced, generation=opts.generation,
-                                 waits=self._may_take_back)
+                                 waits=self._may_take_back, hosts_per_slice=opts.hosts_per_slice)
         host = listen_host(opts)
         try:
             self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
@@ -153,7 +155,7 @@ class WorkerGroup:
         self.calls.close()   # the step streams first: a worker going home does not wait for its open stream
         for w in self.registry.end():   # one that registered after the last adoption would wait for ever
             if not self.calls.reaches(w.worker_id):
-                self.calls.adopt(w.worker_id, self._channel(w.address))
+                self.calls.adopt(w.worker_id, self._channels_of(w))
         for wid in self.calls.workers():
             if wid not in self._dead():
                 self.calls.send_home(wid, run_ended=True)
@@ -174,6 +176,15 @@ class WorkerGroup:
 
     def _fence(self) -> pb.Fence:
         return pb.Fence(run_id=self.run_id, epoch=self.epoch, generation=self.generation)
+
+    def _channels_of(self, w: WorkerInfo) -> list[grpc.Channel]:
+        """One channel to each host of ``w``'s slice, in host order (one for a slice of one host)."""
+        return [self._channel(h.address) for h in (w.hosts or (w,))]
+
+    def _watch(self, w: WorkerInfo) -> None:
+        """The health monitor watches each host of ``w``'s slice (by its host id)."""
+        for h in w.hosts or (w,):
+            self.monitor.watch(h.worker_id, h.address)
 
     def _channel(self, address: str) -> grpc.Channel:
         ch = self._channels.get(address)
@@ -206,7 +217,7 @@ class WorkerGroup:
         for w, info in known.items():
             self._hosts[w] = info.host
             if not self.calls.reaches(w):
-                self.calls.adopt(w, self._channel(info.address))
+                self.calls.adopt(w, self._channels_of(info))
         per_stage = ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
                      if self.programs.pipelined else [])
         request = pb.AttachRequest(fence=self._fence(), controller=self.address, stage_fingerprints=per_stage,
@@ -234,6 +245,8 @@ class WorkerGroup:
     def host_of(self, worker_id: str) -> str:
         """The host a worker runs on (as it registered; else where it was launched; else its id)."""
         info = self.registry.workers.get(worker_id)
+        if info is not None and info.hosts:   # a slice of several hosts: where it was launched (its hosts' base)
+            return self._hosts.get(worker_id) or info.host
         return (info.host if info is not None and info.host else "") or self._hosts.get(worker_id, worker_id)
 
     def relaunch(self, dead_worker: str) -> str | None:
@@ -318,8 +331,8 @@ class WorkerGroup:
         return any(f.done() for f in list(self._warming.values()))
 
     def _adopt(self, w: WorkerInfo) -> None:
-        self.calls.adopt(w.worker_id, self._channel(w.address))
-        self.monitor.watch(w.worker_id, w.address)
+        self.calls.adopt(w.worker_id, self._channels_of(w))
+        self._watch(w)
 
     def start_warming(self) -> None:
         """Adopts newly registered workers and starts loading programs on them (no wait; any time, steps run on)."""
@@ -381,7 +394,14 @@ class WorkerGroup:
         The process is not killed: on a real cluster a partitioned host cannot
         be reached either. Fencing keeps it harmless (older epoch; refused on
         rejoin) and it fences itself when its lease on the controller lapses.
+
+        ``worker_id`` may name one host of a slice of several (the health monitor watches each): the slice is
+        the failure unit, so the slice is dead, and its other hosts, stuck in a collective with the lost one,
+        are retired with it (:meth:`_retire`).
         """
+        worker_id, host = slice_of_host(worker_id)
+        info = self.registry.workers.get(worker_id)
+        hosts = len(info.hosts) if info is not None and info.hosts else 1
         if cause == "fenced" and self._may_take_back(worker_id):
             # Alive, holding its state, waiting for a client: not a death; this client takes it back.
             if worker_id not in self.fenced:
@@ -389,13 +409,26 @@ class WorkerGroup:
                 self.events.emit("worker_fenced", worker=worker_id, reason=reason)
                 self._deaths.put(Death(worker_id, reason, cause))
             return
+        retired = [k for k in range(hosts) if k != host]
         futs = self.calls.record_death(   # atomic with every call sent: see WorkerCalls
-            worker_id, lambda: self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause))
+            worker_id, lambda: self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause,
+                                                **({"host": host, "retired": retired} if hosts > 1 else {})))
         if futs is None:
             return
         self._deaths.put(Death(worker_id, reason, cause))
         for f in futs:
             f.cancel()
+        if hosts > 1:
+            self._retire(worker_id)
+
+    def _retire(self, slice_id: str) -> None:
+        """A slice of several hosts lost one: every host of it stops (a new distributed system needs fresh
+        processes, jax#11222), told to go home (best effort, on a thread: a host may be stuck) and killed where
+        this process launched it."""
+        self.forget(slice_id)
+        threading.Thread(target=self.calls.send_home, args=(slice_id,), name=f"retire-{slice_id}",
+                         daemon=True).start()
+        self.launcher.kill(slice_id)
 
     def drain_deaths(self) -> list[Death]:
         """The deaths declared since the last drain, oldest first (the owner's queue)."""
@@ -407,8 +440,10 @@ class WorkerGroup:
                 return out
 
     def forget(self, worker_id: str) -> None:
-        """Stops watching a worker that left the placement (dead or sent home)."""
-        self.monitor.unwatch(worker_id)
+        """Stops watching a worker that left the placement (dead or sent home): each host of its slice."""
+        info = self.registry.workers.get(worker_id)
+        for h in (info.hosts if info is not None and info.hosts else ()) or (worker_id,):
+            self.monitor.unwatch(h if isinstance(h, str) else h.worker_id)
 
     def shutdown(self, worker_id: str) -> None:
         """Sends a worker that left the placement home (best effort; it is fenced either way)."""
@@ -419,7 +454,11 @@ class WorkerGroup:
     # -- health --------------------------------------------------------------
 
     def is_alive(self, worker_id: str) -> bool:
-        """A health probe with the bounded retry; False once the worker is confirmed (or declared) dead."""
+        """A health probe with the bounded retry; False once the worker (any host of its slice) is confirmed (or
+        declared) dead."""
+        info = self.registry.workers.get(worker_id)
+        if info is not None and info.hosts:
+            return all(self.monitor.is_alive(h.worker_id) for h in info.hosts) and worker_id not in self._dead()
         return self.monitor.is_alive(worker_id)
 
     def probe(self, workers) -> dict[str, bool]:
@@ -518,9 +557,17 @@ class WorkerGroup:
 
     # -- for observers (the chaos injector) ------------------------------------
 
-    def pid(self, worker_id: str) -> int:
-        return self.registry.workers[worker_id].pid
+    def pid(self, worker_id: str, host: int = 0) -> int:
+        """The process of ``worker_id`` (of host ``host`` of its slice)."""
+        info = self.registry.workers[worker_id]
+        return info.hosts[host].pid if info.hosts else info.pid
+
+    def hosts_of(self, worker_id: str) -> int:
+        """How many hosts ``worker_id``'s slice has."""
+        info = self.registry.workers.get(worker_id)
+        return len(info.hosts) if info is not None and info.hosts else 1
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
-                     phase: str = "", after_step: int = 0) -> None:
-        self.calls.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase, after_step=after_step)
+                     phase: str = "", after_step: int = 0, host: int | None = None) -> None:
+        self.calls.inject_fault(worker_id, action, factor=factor, seconds=seconds, phase=phase, after_step=after_step,
+                                host=host)

@@ -212,9 +212,10 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     # -- workers -------------------------------------------------------------------------------------
     EventKind("workers_awaited", "the controller waits for workers started by hand",
               {"count": COUNT, "controller": TEXT, "run_id": TEXT, "command": TEXT}),
-    EventKind("worker_registered", "a worker registered",
+    EventKind("worker_registered", "a worker registered (a slice of several hosts: once all of them did; "
+              "``hosts`` has each host's address, data_address, pid and host, in host order)",
               {**_W, "address": TEXT, "devices": COUNT, "platform": TEXT, "pid": COUNT, "host": TEXT_OR_NULL},
-              {"data_address": TEXT}),
+              {"data_address": TEXT, "hosts": LIST}),
     EventKind("register_refused", "a registration was refused", {**_W, "rejoin": BOOL, "reason": TEXT}),
     EventKind("device_probe", "a worker's devices were probed",
               {**_W, "ok": BOOL, "devices": COUNT, "seconds": FINITE}, {"error": TEXT}),
@@ -222,7 +223,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("worker_suspect", "a worker went silent", {**_W, "silent_seconds": NUMBER}),
     EventKind("worker_fenced", "a member fenced itself (its client was silent past its lease) and waits: the client "
               "takes it back (a new generation)", {**_W, "reason": TEXT}),
-    EventKind("worker_dead", "a worker was declared dead", {**_W, "reason": TEXT, "cause": TEXT_OR_NULL}),
+    EventKind("worker_dead", "a worker was declared dead (a slice of several hosts: ``host`` is the one that "
+              "failed, ``retired`` the others, stopped with their slice)",
+              {**_W, "reason": TEXT, "cause": TEXT_OR_NULL}, {"host": COUNT, "retired": LIST}),
     EventKind("worker_relaunched", "a dead worker was replaced by a new one",
               {"replaces": TEXT, **_W}, {"host": TEXT_OR_NULL}),
     EventKind("security_refused", "calls refused for want of credentials (a worker may batch them)",
@@ -234,8 +237,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("chaos_started", "the fault injector attached to the run",
               {"spec": TEXT, "seed": ANY, "mtbf_seconds": NUMBER_OR_NULL, "duration_seconds": NUMBER_OR_NULL,
                "scenario": TEXT_OR_NULL}),
-    EventKind("fault_injected", "a fault was injected",
-              {**_FAULT, "workers": NAMES, "errors": OBJECT, "seconds": FINITE}),
+    EventKind("fault_injected", "a fault was injected (``hosts``: which host of each slice of several it hit)",
+              {**_FAULT, "workers": NAMES, "errors": OBJECT, "seconds": FINITE}, {"hosts": OBJECT}),
     EventKind("fault_skipped", "a fault could not be injected", {**_FAULT, "reason": TEXT}),
     EventKind("verdict", "the chaos harness's verdict on the run (appended after it)",
               {"verdict": TEXT_OR_NULL, "verdict_reasons": LIST, "trajectory": TEXT_OR_NULL,

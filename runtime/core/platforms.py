@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from runtime.core.errors import PlatformMismatchError
 
 __all__ = ["EXPORT_PLATFORMS", "PlatformMismatchError", "canonical_platform", "check_runnable",
-           "default_worker_platform", "local_platform", "program_platforms"]
+           "default_worker_platform", "join_slice", "local_platform", "program_platforms"]
 
 #: The platforms programs can be exported for (``jax.export``'s names).
 EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -94,3 +94,22 @@ def program_platforms(blob: bytes) -> tuple[str, ...]:
     import jax
 
     return tuple(jax.export.deserialize(bytearray(blob)).platforms)
+
+
+def join_slice(coordinator: str, hosts: int, host: int, timeout: float) -> None:
+    """Joins this process, host ``host`` of ``hosts``, to its slice's JAX distributed system (coordinator
+    ``HOST:PORT`` on the slice's host 0), before JAX starts a backend: the slice's programs then run over every
+    host's devices (:mod:`runtime.core.hosts`; a worker, or a reference run's process). Collectives across
+    hosts on the CPU go over gloo (NCCL and ICI are the accelerators' own). ``ElasticError`` in one line when
+    the slice does not form within ``timeout``."""
+    import jax
+
+    from runtime.core.errors import ElasticError
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator, num_processes=hosts, process_id=host,
+                                   initialization_timeout=max(1, int(timeout)))
+    except Exception as e:  # noqa: BLE001 - JAX raises several kinds; one line says what failed
+        raise ElasticError(f"host {host} of {hosts} could not join its slice at {coordinator} within "
+                           f"{timeout:g} s: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

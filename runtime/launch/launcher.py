@@ -24,9 +24,9 @@ from collections.abc import Callable
 from runtime.launch import zygote as zygotes
 from runtime.core.child_env import jax_child_env
 from runtime.core.owner import Owner
+from runtime.wire import rpc
 
-__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "listen_host",
-           "make_launcher", "preload_of", "prestart_workers"]
+__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "SliceProcesses", "listen_host", "make_launcher", "preload_of", "prestart_workers"]
 
 log = logging.getLogger("jax_elastic.launcher")
 
@@ -92,7 +92,8 @@ class LocalLauncher:
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
                  launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0,
-                 platform: str = "", zygote: bool = True, preload: tuple[str, ...] = ()):
+                 platform: str = "", zygote: bool = True, preload: tuple[str, ...] = (), hosts_per_slice: int = 1):
+        self.hosts_per_slice = hosts_per_slice   # >1: a worker id is a slice of that many processes (its hosts)
         self.platform = platform   # the workers' JAX platform; "": as this process's JAX_PLATFORMS says (jax_child_env)
         self.secret = secret
         self.compilation_cache_dir = compilation_cache_dir
@@ -124,6 +125,8 @@ class LocalLauncher:
         (at most ``1/LAUNCH_RATE`` s). Handing a standby its id also starts
         its successor.
         """
+        if self.hosts_per_slice > 1:
+            return self._launch_slice(worker_id, host_name)
         proc = self._take_standby(worker_id, host_name)
         if proc is not None:
             self.procs[worker_id] = proc
@@ -132,6 +135,20 @@ class LocalLauncher:
         self._pace.take()
         identity = ["--worker-id", worker_id] + (["--host-name", host_name] if host_name else [])
         proc = self.procs[worker_id] = self._start(identity, f"worker-{worker_id}.log")
+        return proc
+
+    def _launch_slice(self, worker_id: str, host_name: str) -> SliceProcesses:
+        """Starts the ``hosts_per_slice`` processes of slice ``worker_id``, each with its share of the slice's
+        devices, joined by a JAX coordinator on a free loopback port that its host 0 serves."""
+        coordinator = f"127.0.0.1:{rpc.free_port()}"
+        hosts = self.hosts_per_slice
+        procs = []
+        for k in range(hosts):
+            self._pace.take()
+            identity = ["--worker-id", worker_id, "--slice-host", str(k), "--slice-hosts", str(hosts),
+                        "--slice-coordinator", coordinator] + (["--host-name", f"{host_name}.{k}"] if host_name else [])
+            procs.append(self._start(identity, f"worker-{worker_id}.host{k}.log"))
+        proc = self.procs[worker_id] = SliceProcesses(procs)
         return proc
 
     def explain_unregistered(self, workers) -> str:
@@ -269,6 +286,44 @@ class LocalLauncher:
             self._zygote = None
 
 
+class SliceProcesses:
+    """The processes of one slice of several hosts (in host order), as one: it has ended once any of them did
+    (the slice cannot run without it), and ``kill``/``terminate``/``wait`` reach all of them."""
+
+    def __init__(self, procs: list):
+        self.procs = list(procs)
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def poll(self) -> int | None:
+        for p in self.procs:
+            code = p.poll()
+            if code is not None:
+                return code
+        return None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        codes = [p.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)) for p in self.procs]
+        return next((c for c in codes if c), codes[0])
+
+
 class Adopted(zygotes.Signalled):
     """A worker process this process did not start (an earlier client of the run did), with the part of
     ``subprocess.Popen``'s interface the launcher uses; watched without being its parent
@@ -349,10 +404,13 @@ def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lo
         return RayLauncher(run_id, controller_address, opts.devices_per_slice, address=opts.ray_address,
                            secret=secret, chaos=opts.chaos, tls=opts.tls,
                            compilation_cache_dir=opts.compilation_cache_dir, platform=opts.platform, on_lost=on_lost)
-    return LocalLauncher(run_id, controller_address, opts.devices_per_slice, f"{opts.run_dir}/logs", secret=secret,
-                         chaos=opts.chaos, tls=opts.tls, compilation_cache_dir=opts.compilation_cache_dir,
-                         standby=opts.standby_workers if opts.relaunch and opts.max_retries else 0,
-                         platform=opts.platform, preload=preload_of(opts))
+    hosts = opts.hosts_per_slice   # a slice of several: each process has its share of the slice's devices
+    return LocalLauncher(run_id, controller_address, opts.devices_per_slice // hosts, f"{opts.run_dir}/logs",
+                         secret=secret, chaos=opts.chaos, tls=opts.tls,
+                         compilation_cache_dir=opts.compilation_cache_dir,
+                         # a standby starts JAX before it knows its slice: none for slices of several hosts
+                         standby=opts.standby_workers if opts.relaunch and opts.max_retries and hosts == 1 else 0,
+                         platform=opts.platform, preload=preload_of(opts), hosts_per_slice=hosts)
 
 
 class ExternalLauncher:

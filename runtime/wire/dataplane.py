@@ -71,8 +71,9 @@ class DataServer:
     ``GetStateRequest`` asks for, or raises. ``on_shared_state(request)``,
     when given, serves the same request made with ``shared_memory`` on the
     local socket: a generator that yields the ``SharedState`` (raising
-    instead when it cannot), keeps those leaves where they are until the
-    reader is done, and is then closed; ``local_address`` is that socket's
+    instead when it cannot), is advanced once more while the reader copies
+    (the source's midway point), keeps those leaves where they are until it
+    is closed (the reader done); ``local_address`` is that socket's
     name ("" when there is none: no secret, not Linux, or not asked for).
     ``status_name(exc)`` names the status of a raised exception.
     ``refusals`` counts connections refused for their secret.
@@ -237,8 +238,7 @@ class DataServer:
             state = next(shared)   # raises (refused) before anything is sent
             with cross_memory.readable_by(reader):
                 send_frame(sock, SHARED, state.SerializeToString())
-                for _ in shared:   # the source's own part midway (a chaos fault may strike here)
-                    pass
+                next(shared, None)   # the source's own part midway (a chaos fault may strike here)
                 sock.settimeout(SHARED_READ_SECONDS)   # a reader that stops answering does not pin the leaves
                 kind, header, plen = read_frame_head(sock)   # the reader copies meanwhile, then says so
                 sock.settimeout(None)

@@ -17,11 +17,12 @@ import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError
+from runtime.core.hosts import host_address
 from runtime.core.microbatch import Node, is_power_of_two, root
 from runtime.core.platforms import check_runnable, local_platform
 from runtime.core.programs import StagePrograms
 
-__all__ = ["check_step_request", "decode_programs", "node_of", "unpickle_source"]
+__all__ = ["check_step_request", "decode_programs", "for_host", "node_of", "unpickle_source"]
 
 _MAX_MICROBATCHES = 1 << 20
 
@@ -151,3 +152,35 @@ def unpickle_source(blob: bytes):
         return pickle.loads(blob)
     except Exception as e:  # noqa: BLE001 - truncated bytes, a module missing on this host, ...
         raise ProtocolError(f"the data source does not unpickle on this worker: {type(e).__name__}: {e}") from None
+
+
+def for_host(request, host: int):
+    """A step or a state pull as host ``host`` of a slice reads it: every peer's address (a slice's addresses,
+    :mod:`runtime.core.hosts`) narrowed to that peer's host ``host``, in place; the request itself is answered.
+    A one-host slice's request is left as it is."""
+    if host == 0 and not any("," in a for a in _addresses(request)):
+        return request
+    try:
+        if isinstance(request, pb.PullStateRequest):
+            request.source_address = host_address(request.source_address, host)
+            request.source_data_address = host_address(request.source_data_address, host)
+            return request
+        peers = [*request.peers, *request.shadows]
+        if request.HasField("snapshot_peer"):
+            peers.append(request.snapshot_peer)
+        if request.HasField("pipeline"):
+            peers += [p for p in (request.pipeline.prev, request.pipeline.next)]
+        for p in peers:
+            p.address, p.data_address = host_address(p.address, host), host_address(p.data_address, host)
+    except ValueError as e:
+        raise ProtocolError(f"this worker is host {host} of its slice: {e}") from None
+    return request
+
+
+def _addresses(request) -> list[str]:
+    if isinstance(request, pb.PullStateRequest):
+        return [request.source_address, request.source_data_address]
+    peers = [*request.peers, *request.shadows, request.snapshot_peer]
+    if request.HasField("pipeline"):
+        peers += [request.pipeline.prev, request.pipeline.next]
+    return [a for p in peers for a in (p.address, p.data_address)]

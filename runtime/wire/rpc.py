@@ -24,6 +24,7 @@ RESOURCE_EXHAUSTED (gRPC's own check, before any of our code runs).
 from __future__ import annotations
 
 import logging
+import socket
 import traceback
 from collections.abc import Callable
 from concurrent import futures
@@ -37,7 +38,7 @@ from runtime.core.errors import (AuthenticationError, ClientSupersededError, Pro
 log = logging.getLogger("jax_elastic.rpc")
 
 __all__ = ["CHANNEL_OPTIONS", "StatusError", "make_server", "channel", "abort_with", "error_status", "status_of",
-           "status_name", "to_error"]
+           "status_name", "to_error", "free_port"]
 
 MAX_MESSAGE = 64 * 1024 * 1024   # a Load (programs, data source) or a state chunk and its header
 MAX_METADATA = 16 * 1024         # the run secret and gRPC's own headers
@@ -232,3 +233,11 @@ def to_error(worker_id: str, err: grpc.RpcError) -> Exception:
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"worker {worker_id} refused the run secret: {details}")
     return WorkerLostError(worker_id, f"{code.name}: {details}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the kernel's choice), for a server another process starts next (a slice's
+    JAX coordinator: :mod:`runtime.core.hosts`)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -12,6 +12,13 @@ and :meth:`backward`, which serve a one-stage run too (the reference run's
 path). Activations and their gradients cross between stages as host arrays
 (as they cross the wire between workers), so a stage's inputs are placed on
 its own mesh.
+
+A slice of several hosts (:mod:`runtime.core.hosts`) is one JAX distributed
+system: every host's executor holds the same programs over the slice's whole
+mesh and calls them in the same order on global arrays. Inputs and the
+gradient are the same host arrays on every host; the state is each host's
+blocks (:meth:`host_state`, :meth:`set_state`, :meth:`state_digest`), so
+what moves a state moves host ``k``'s to host ``k``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.state.checkpoint_tree import CheckpointTree
 from runtime.state.state_copy import state_digest
+from runtime.core.hosts import block_of, host_layout
 from runtime.core.microbatch import Node, tree_reduce
 from runtime.core.platforms import check_runnable, local_platform
 from runtime.core.programs import MESH_AXIS, StagePrograms
@@ -50,6 +58,10 @@ class SliceExecutor:
         d = programs.devices_per_slice
         if len(devices) < d:
             raise ValueError(f"slice needs {d} devices, this process has {len(devices)}")
+        # The slice's hosts: this process's JAX distributed system (one process: a one-host slice).
+        self.hosts, self.host = jax.process_count(), jax.process_index()
+        if self.hosts > 1:
+            _check_host_devices(devices[:d], self.hosts, self.host)
         self.programs = programs
         # How persistent checkpoints name the state's leaves (None: a flat list); one object for the program set.
         self.checkpoint_tree = (None if programs.checkpoint_tree is None
@@ -193,9 +205,21 @@ class SliceExecutor:
         self.state, self.prev_state = self.prev_state, None
         self.steps_applied -= 1
 
+    def _state_dims(self) -> list:
+        """Each state leaf's split dimension over the slice's mesh (None: replicated)."""
+        return self.programs.in_specs["apply"][:-1]
+
+    def state_layout(self, layout: list) -> list:
+        """``[(shape, dtype)]`` of the state this host holds, from the whole leaves' ``layout``: the leaves
+        themselves on a one-host slice, this host's blocks of them on a slice of several."""
+        return host_layout(layout, self._state_dims(), self.hosts)
+
     def host_state(self) -> list[np.ndarray]:
-        """The state leaves as host arrays (for a peer-to-peer transfer)."""
-        return [np.asarray(x) for x in self.state]
+        """The state this host holds as host arrays (for a peer-to-peer transfer): the leaves, or on a slice of
+        several hosts this host's block of each (:mod:`runtime.core.hosts`)."""
+        if self.hosts == 1:
+            return [np.asarray(x) for x in self.state]
+        return [_block(x, dim) for x, dim in zip(self.state, self._state_dims())]
 
     def set_state(self, leaves: list[np.ndarray], steps_applied: int, digest: str = "") -> None:
         """Adopts a state copied from another replica, placed on this slice's mesh.
@@ -204,13 +228,18 @@ class SliceExecutor:
         computed it (a transfer verifies it), so it is not computed again.
         """
         shardings = self._shardings["apply"][:-1]
-        exp = self._exported["apply"]
+        avals = self._exported["apply"].in_avals[:-1]
         if len(leaves) != len(shardings):
             raise ValueError(f"state has {len(leaves)} leaves, programs expect {len(shardings)}")
-        for i, (x, aval) in enumerate(zip(leaves, exp.in_avals)):
-            if x.shape != aval.shape or x.dtype != aval.dtype:
-                raise ValueError(f"state leaf {i}: got {x.shape} {x.dtype}, expected {aval.shape} {aval.dtype}")
-        self.state = jax.device_put(list(leaves), list(shardings))   # one call: 193 leaves cost 15 ms one by one
+        expected = self.state_layout([(a.shape, a.dtype) for a in avals])
+        for i, (x, (shape, dtype)) in enumerate(zip(leaves, expected)):
+            if x.shape != tuple(shape) or x.dtype != dtype:
+                raise ValueError(f"state leaf {i}: got {x.shape} {x.dtype}, expected {tuple(shape)} {dtype}")
+        if self.hosts == 1:
+            self.state = jax.device_put(list(leaves), list(shardings))   # one call: 193 leaves cost 15 ms one by one
+        else:
+            self.state = [_from_blocks(x, a.shape, s, dim, self.hosts, self.host)
+                          for x, a, s, dim in zip(leaves, avals, shardings, self._state_dims())]
         self.prev_state = None
         self.steps_applied = steps_applied
         if digest:
@@ -223,15 +252,52 @@ class SliceExecutor:
 
     def state_digest(self) -> str:
         """Digest of every state leaf's bytes, in pytree order (same on every replica); see :func:`state_digest`.
+        On a slice of several hosts, of this host's blocks (the slice's is its hosts' combined).
 
         Computed once per state: a recovery asks for it several times (abort,
         transfer, the check after it), and a state never changes in place.
         """
         state, digest = self._digest
         if state is not self.state:
-            digest = state_digest(jax.tree.leaves(self.state))
+            digest = state_digest(jax.tree.leaves(self.state) if self.hosts == 1 else self.host_state())
             self._digest = (self.state, digest)
         return digest
+
+
+def _check_host_devices(devices: list, hosts: int, host: int) -> None:
+    """A slice of several hosts: host ``k``'s devices are mesh positions ``k*D/H .. (k+1)*D/H - 1`` (what
+    :mod:`runtime.core.hosts` says each host holds). ValueError naming the misfit otherwise."""
+    d = len(devices)
+    if d % hosts:
+        raise ValueError(f"a slice of {d} devices does not divide among {hosts} hosts")
+    per = d // hosts
+    for i, dev in enumerate(devices):
+        if dev.process_index != i // per:
+            raise ValueError(f"mesh position {i} is a device of host {dev.process_index}, not of host {i // per} "
+                             f"({per} devices per host)")
+
+
+def _block(x: jax.Array, dim: int | None) -> np.ndarray:
+    """This host's block of a global array split along ``dim`` (None: the whole, replicated leaf)."""
+    if dim is None:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[dim].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards], axis=dim)
+
+
+def _from_blocks(block: np.ndarray, shape: tuple, sharding: NamedSharding, dim: int | None, hosts: int,
+                 host: int) -> jax.Array:
+    """A global array of ``shape`` from this host's ``block`` of it (the whole leaf when replicated)."""
+    if dim is None:
+        return jax.device_put(block, sharding)
+    own = block_of(shape, dim, hosts, host)[dim]
+
+    def local(index):
+        index = list(index)
+        index[dim] = slice(index[dim].start - own.start, index[dim].stop - own.start)
+        return block[tuple(index)]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, local)
 
 
 def _host(arrays, clock: Clock | None, lap: str) -> list[np.ndarray]:
@@ -244,13 +310,13 @@ def _host(arrays, clock: Clock | None, lap: str) -> list[np.ndarray]:
 
 
 def probe_devices() -> int:
-    """Runs a tiny program on every local device; returns how many gave the right answer.
+    """Runs a tiny program on every device of this process; returns how many gave the right answer.
 
     Raises ``RuntimeError`` naming the first device that computed a wrong
     result, so a worker with a bad device never joins the run.
     """
     n = 0
-    for d in jax.devices():
+    for d in jax.local_devices():
         x = jax.device_put(np.arange(16, dtype=np.float32), d)
         got = float(jax.jit(lambda v: (v * 2.0).sum())(x))
         if got != 240.0:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import struct
 import subprocess
@@ -191,8 +192,13 @@ REFERENCE_RETRIES = 2
 
 def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int, seed: int,
                           compilation_cache_dir: str = "", on_step: Callable[[int, float], None] | None = None,
-                          parameters_from: str = "", schedule: str = "1f1b") -> tuple[list[float], list[str]]:
+                          parameters_from: str = "", schedule: str = "1f1b", hosts: int = 1
+                          ) -> tuple[list[float], list[str]]:
     """:func:`run_reference` in a child process with ``programs.devices_per_slice`` devices of the programs' platform.
+
+    ``hosts`` > 1: in that many child processes, the slice's hosts (:mod:`runtime.core.hosts`), joined by a JAX
+    distributed system of their own as a slice's workers are, so the math is theirs (collectives across
+    processes sum in their own order); the digests are the slice's (each host's combined).
 
     CPU programs get that many simulated CPU devices; programs for an
     accelerator get JAX's own choice of platform (see
@@ -211,10 +217,9 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     from runtime.core.platforms import program_platforms
 
     platforms = program_platforms(programs.init)
-    env = jax_child_env(programs.devices_per_slice, platforms[0] if len(platforms) == 1 else "")
-    request = pickle.dumps({"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
-                            "cache": compilation_cache_dir, "parameters_from": parameters_from,
-                            "schedule": schedule})
+    env = jax_child_env(programs.devices_per_slice // hosts, platforms[0] if len(platforms) == 1 else "")
+    request = {"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
+               "cache": compilation_cache_dir, "parameters_from": parameters_from, "schedule": schedule}
     heard: dict[int, float] = {}
 
     def step_done(step: int, loss: float) -> None:
@@ -227,12 +232,44 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
                                f"{heard[step]!r}): the programs are not deterministic")
 
     for attempt in range(REFERENCE_RETRIES + 1):
-        rc, result, tail = _reference_child(env, request, step_done)
+        rc, result, tail = _reference_children(env, request, hosts, step_done)
         if result is not None and rc == 0:
             return result
         if rc >= 0 or attempt == REFERENCE_RETRIES:
             break
     raise ElasticError(f"the reference run's process failed (exit status {rc}): " + " | ".join(tail))
+
+
+def _reference_children(env: dict[str, str], request: dict, hosts: int, step_done
+                        ) -> tuple[int, tuple | None, list[str]]:
+    """The reference's children, one per host of a slice: (the first failed exit status or 0, (host 0's
+    losses, each stage's slice digest) or None, the failed or last child's last stderr lines)."""
+    if hosts == 1:
+        return _reference_child(env, pickle.dumps(request), step_done)
+    from runtime.state.state_copy import slice_digest
+    from runtime.wire.rpc import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    outcomes: list = [None] * hosts
+
+    def run(k: int) -> None:
+        req = pickle.dumps({**request, "slice": (coordinator, hosts, k)})
+        outcomes[k] = _reference_child(env, req, step_done if k == 0 else (lambda step, loss: None))
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"reference-host{k}") for k in range(hosts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for outcome in outcomes:
+        if outcome is None:   # its thread failed to run it
+            return 1, None, []
+        rc, result, tail = outcome
+        if rc != 0 or result is None:
+            return rc or 1, None, tail
+    losses = outcomes[0][1][0]
+    digests = [slice_digest([o[1][1][stage] for o in outcomes]) for stage in range(len(outcomes[0][1][1]))]
+    return 0, (losses, digests), outcomes[0][2]
 
 
 def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[int, tuple | None, list[str]]:
@@ -269,14 +306,23 @@ def _child() -> None:
     from runtime.core.errors import PlatformMismatchError
     from runtime.core.owner import set_title
 
+    # The JSON lines go on a descriptor of their own: what libraries print to stdout (gloo's C++ does) goes to
+    # stderr, so it never breaks a line of them.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     retain_freed_memory()   # a training process like a worker
     set_title("elastic-reference (the fault-free reference run)")
     req = pickle.loads(sys.stdin.buffer.read())
+    if "slice" in req:   # one host of a slice of several: it joins the others before JAX starts
+        from runtime.core.platforms import join_slice
+
+        coordinator, hosts, host = req["slice"]
+        join_slice(coordinator, hosts, host, timeout=120.0)
     enable(req["cache"])
     data = pickle.loads(req["data"])
 
     def step_done(step, loss):
-        print(json.dumps({"step": step, "loss": loss}), flush=True)
+        print(json.dumps({"step": step, "loss": loss}), file=out, flush=True)
 
     try:
         losses, digests = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
@@ -285,7 +331,7 @@ def _child() -> None:
     except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
-    print(json.dumps({"losses": losses, "digests": digests}), flush=True)
+    print(json.dumps({"losses": losses, "digests": digests}), file=out, flush=True)
 
 
 if __name__ == "__main__":

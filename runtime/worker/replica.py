@@ -198,10 +198,16 @@ class Replica:
             self._cond.notify_all()
 
     @contextmanager
-    def applying(self, step: int, epoch: int) -> Iterator[None]:
-        """The lock for applying ``step`` of ``epoch``; raises :class:`StepAbortedError` if the epoch moved."""
+    def applying(self, step: int, epoch: int, agree: Callable[[bool], bool] | None = None) -> Iterator[None]:
+        """The lock for applying ``step`` of ``epoch``; raises :class:`StepAbortedError` if the epoch moved.
+        ``agree(ok)``: a slice of several hosts' vote (:mod:`runtime.worker.agreement`), under the lock: they
+        apply only if every host may (an abort waits for the vote)."""
         with self._cond:
-            if self.epoch != epoch:
+            ok = self.epoch == epoch
+            if agree is not None and not agree(ok):
+                raise StepAbortedError(step, f"a host of this slice was aborted before apply (epoch {self.epoch})"
+                                       if ok else f"aborted by epoch {self.epoch} before apply")
+            if agree is None and not ok:
                 raise StepAbortedError(step, f"aborted by epoch {self.epoch} before apply")
             yield
 

@@ -17,6 +17,8 @@ may dispatch ahead (at most :data:`runtime.wire.parts.MAX_STEPS_AHEAD` steps). O
 step runs at a time (:meth:`runtime.worker.replica.Replica.take_turn`). A step
 of an older epoch never applies after an abort was received; a push for a step
 this worker is past, or too far ahead, is refused (:meth:`StepRunner.admit_push`).
+The hosts of a slice of several start and apply a step only together
+(:mod:`runtime.worker.agreement`): their programs' collectives wait for all.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from runtime.core.timing import Clock
 from runtime.wire.dataplane_client import DataClient, RemoteError
 from runtime.wire.parts import MAX_STEPS_AHEAD, Part, inline
 from runtime.wire.peers import PeerChannels
-from runtime.wire.requests import check_step_request, node_of
+from runtime.wire.requests import check_step_request, for_host, node_of
+from runtime.worker.agreement import SliceAgreement
 from runtime.worker.collective import AllReduce
 from runtime.worker.executor import add_f32
 from runtime.worker.fault_injection import WorkerFaults, corrupt_first
@@ -52,8 +55,10 @@ class StepRunner:
     the pieces received the mailbox's."""
 
     def __init__(self, replica: Replica, lease: Lease, states: StateMover, *, mailbox: Mailbox, peers: PeerChannels,
-                 data: DataClient, faults: WorkerFaults, step_timeout: float, stage_delay: float = 0.0):
+                 data: DataClient, faults: WorkerFaults, step_timeout: float, stage_delay: float = 0.0,
+                 agreement: SliceAgreement | None = None):
         self._replica, self._lease, self._states = replica, lease, states
+        self._agreement = agreement if agreement is not None else SliceAgreement()   # the slice's hosts' votes
         self._mailbox, self._peers, self._data, self._faults = mailbox, peers, data, faults
         self._step_timeout = step_timeout
         self._stage_delay = stage_delay   # benchmarks only: seconds slept per forward and per backward of a stage
@@ -67,16 +72,26 @@ class StepRunner:
         answers what it took. Raises, with the state as it was, when the request is fenced off or malformed,
         not this worker's turn within the step timeout, or aborted by a newer epoch before it applied."""
         replica = self._replica
-        self._lease.check_fence(req.fence)
-        replica.need_state()
-        check_step_request(req, replica.executor.programs.num_microbatches)
-        if req.snapshot and self._states.snapshots is None:
-            raise ProtocolError(f"step {req.step} asks for a snapshot, but Load named no snapshot directory")
         deadline = time.monotonic() + self._step_timeout
-        epoch = req.fence.epoch
-        replica.take_turn(req.step, epoch, deadline, self._lease.fenced_because, context)
+        epoch, agreement = req.fence.epoch, self._agreement
         try:
+            self._lease.check_fence(req.fence)
+            replica.need_state()
+            req = for_host(req, replica.executor.host)   # a slice of several hosts: each pairs with its peers' host
+            check_step_request(req, replica.executor.programs.num_microbatches)
+            if req.snapshot and self._states.snapshots is None:
+                raise ProtocolError(f"step {req.step} asks for a snapshot, but Load named no snapshot directory")
+            replica.take_turn(req.step, epoch, deadline, self._lease.fenced_because, context)
+        except BaseException:
+            agreement.refuse("start", epoch, req.step)   # the slice's other hosts do not start it either
+            raise
+        try:
+            if not agreement.agree("start", epoch, req.step, True, deadline):
+                raise StepAbortedError(req.step, "another host of this slice gave the step up before it started")
             return self._run_step(req, epoch, deadline)
+        except BaseException:
+            agreement.refuse("apply", epoch, req.step)   # given up before its apply vote: nor do the others apply
+            raise
         finally:
             replica.end_turn()
 
@@ -120,7 +135,8 @@ class StepRunner:
                 between_phases=lambda: self._faults.in_phase("reduce"), clock=clock, shadows=list(req.shadows))
         t2 = time.perf_counter()
         self._phase(req.step, "apply")
-        with replica.applying(req.step, epoch):
+        agree = (lambda ok: self._agreement.agree("apply", epoch, req.step, ok, deadline))
+        with replica.applying(req.step, epoch, agree):
             ex.apply(total[:-1], clock)
             self._faults.in_phase("apply")
             recent = replica.recent

@@ -50,6 +50,7 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.wire.parts import Part, checked_chunk_bytes, inline
 from runtime.wire.dataplane_client import DataClient
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
+from runtime.worker.agreement import SliceAgreement
 from runtime.worker.executor import SliceExecutor, probe_devices
 from runtime.worker.stage_step import packed_size
 from runtime.worker.fault_injection import WorkerFaults
@@ -100,7 +101,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                       step_timeout=step_timeout)
         self.step_runner = StepRunner(self.replica, self.lease, self.state_mover, mailbox=self._mailbox, peers=peers,
                                       data=self._data, faults=self.faults, step_timeout=step_timeout,
-                                      stage_delay=stage_delay)
+                                      stage_delay=stage_delay, agreement=SliceAgreement.of_this_process())
 
     def close(self) -> None:
         """``serve``, once the servers stopped (and tests): ends the connections to peers' data planes and the
@@ -152,7 +153,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 m, p = programs.num_microbatches, programs.grad_size + 1   # the loss rides along
                 p = max(p, packed_size(programs.activation_in), packed_size(programs.activation_out))   # activations
                 self._mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
-                self.replica.load(executor, state_layout, chunk_bytes, Landing if request.spare else None)
+                self.replica.load(executor, executor.state_layout(state_layout), chunk_bytes, Landing if request.spare else None)
             self.lease.seconds = request.lease_seconds
             self.lease.client_grace = request.client_grace_seconds
             self.lease.last_contact = time.monotonic()

@@ -47,6 +47,7 @@ from runtime.core.arguments import positive_seconds
 from runtime.core.errors import AuthenticationError, ElasticError, RegistrationTimeoutError
 from runtime.wire import auth, rpc
 from runtime.core.owner import Owner, set_title
+from runtime.core.platforms import join_slice
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.wire.dataplane import DataServer
@@ -68,7 +69,8 @@ STAGE_DELAY_VARIABLE = "ELASTIC_SIMULATED_STAGE_DELAY"
 
 def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1", port: int = 0,
           register_timeout: float = REGISTER_SECONDS, owner: Owner | None = None, secret: str = "",
-          chaos: bool = False, tls=None, host_name: str = "", stage_delay: float = 0.0) -> int:
+          chaos: bool = False, tls=None, host_name: str = "", stage_delay: float = 0.0,
+          slice_host: int = 0, slice_hosts: int = 1) -> int:
     """Runs a worker until told to shut down, its ``owner`` dies (None: no owner), or it fences itself.
 
     Returns the process exit status once the server stopped (a bounded
@@ -83,6 +85,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
     ``register_timeout`` seconds (each message one line that says what to
     do). ``stage_delay``: benchmarks only, seconds a pipeline stage sleeps per
     forward and per backward (a simulated compute; see :func:`main`).
+    ``slice_host`` of ``slice_hosts``: which host of its slice this worker is
+    (it joined the slice's distributed system first: :func:`join_slice`).
 
     Only calls that passed the transport and the run secret renew the
     worker's lease on its controller; a chaos partition drops calls before
@@ -123,7 +127,8 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
         return stubs[where].Register(pb.RegisterRequest(run_id=run_id, worker_id=worker_id, address=address,
                                                         data_address=data.address,
                                                         num_devices=len(devices), platform=devices[0].platform,
-                                                        pid=os.getpid(), rejoin=rejoin, host=service.host),
+                                                        pid=os.getpid(), rejoin=rejoin, host=service.host,
+                                                        slice_host=slice_host, slice_hosts=slice_hosts),
                                      timeout=timeout, wait_for_ready=True)
 
     try:
@@ -142,8 +147,9 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
             return EXIT_SHUTDOWN
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
     lease.generation = reply.generation   # the client generation it joined (a fresh worker serves it)
-    log.info("worker %s serving on %s with %d %s devices (%s)", worker_id, address, len(devices), devices[0].platform,
-             ", ".join(sorted({d.device_kind for d in devices})))
+    log.info("worker %s%s serving on %s with %d %s devices (%s)", worker_id,
+             f" (host {slice_host} of {slice_hosts})" if slice_hosts > 1 else "", address, len(devices),
+             devices[0].platform, ", ".join(sorted({d.device_kind for d in devices})))
     status = _serve_run(service, register, register_timeout, health_servicer)
     health_servicer.enter_graceful_shutdown()
     # Bounded: a handler stuck in a compile is cancelled for its caller and left behind.
@@ -264,6 +270,12 @@ def main(argv=None) -> None:
     ap.add_argument("--host-name", default="",
                     help="the host this worker runs on, where its in-memory snapshots live (default: this machine's "
                          "name; the local launcher names one simulated host per worker slot)")
+    ap.add_argument("--slice-hosts", type=int, default=1,
+                    help="how many hosts (worker processes) this worker's slice has; more than 1: they join one "
+                         "JAX distributed system at --slice-coordinator and run the slice's programs together")
+    ap.add_argument("--slice-host", type=int, default=0, help="which host of its slice this worker is (0-based)")
+    ap.add_argument("--slice-coordinator", default="",
+                    help="HOST:PORT of the slice's JAX coordinator (served by its host 0)")
     ap.add_argument("--owner-pid", type=int, default=None,
                     help="exit when this process (the run's client) dies; the local launcher passes its own pid")
     ap.add_argument("--exit-with-parent", action="store_true",
@@ -290,8 +302,14 @@ def main(argv=None) -> None:
                     help=f"how long to wait for the controller to answer the first registration (default: "
                          f"{REGISTER_SECONDS:g}); then exit 1")
     args = ap.parse_args(argv)
+    if args.slice_hosts < 1 or not 0 <= args.slice_host < args.slice_hosts:
+        ap.error(f"--slice-host {args.slice_host} is not a host of a slice of --slice-hosts {args.slice_hosts}")
+    if args.slice_hosts > 1 and (args.standby or not args.slice_coordinator):
+        ap.error("a host of a slice of several (--slice-hosts > 1) needs --slice-coordinator, and cannot be a "
+                 "--standby (it joins its slice before JAX starts)")
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
-    logging.basicConfig(level=logging.INFO, format=_log_format(args.worker_id), stream=sys.stderr)
+    name = args.worker_id if args.slice_hosts == 1 else f"{args.worker_id}/{args.slice_host}"
+    logging.basicConfig(level=logging.INFO, format=_log_format(name), stream=sys.stderr)
     owner_pid = args.owner_pid if args.owner_pid is not None else os.getppid() if args.exit_with_parent else None
     owner = Owner(owner_pid) if owner_pid is not None else None
     if args.simulated_stage_delay:
@@ -302,11 +320,14 @@ def main(argv=None) -> None:
         if args.standby:
             set_title(f"elastic-worker standby run={args.run_id}")
             args.worker_id, args.host_name = _wait_for_identity(args.identity_fifo, owner)
-        set_title(f"elastic-worker run={args.run_id} worker={args.worker_id} host={args.host_name or '-'}")
+        set_title(f"elastic-worker run={args.run_id} worker={name} host={args.host_name or '-'}")
+        if args.slice_hosts > 1:
+            join_slice(args.slice_coordinator, args.slice_hosts, args.slice_host, args.register_timeout)
         status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
                        register_timeout=args.register_timeout, owner=owner,
                        secret=secret, chaos=args.chaos, host_name=args.host_name,
-                       stage_delay=args.simulated_stage_delay,
+                       stage_delay=args.simulated_stage_delay, slice_host=args.slice_host,
+                       slice_hosts=args.slice_hosts,
                        tls=auth.TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None)
     except SystemExit as e:
         log.error("%s", e.code)

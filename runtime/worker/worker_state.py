@@ -47,6 +47,7 @@ from runtime.wire.dataplane_client import DataClient, NotLocal, RemoteError
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.worker.fault_injection import WorkerFaults, mid_stream
 from runtime.wire.peers import PeerChannels
+from runtime.wire.requests import for_host
 from runtime.core.programs import ProgramSet
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.snapshot import SnapshotStore
@@ -199,12 +200,15 @@ class StateMover:
 
     def shared(self, request: pb.GetStateRequest) -> Iterator[pb.SharedState]:
         """Peer on this host (the data plane's ``on_shared_state``): yields where the state's host leaves lie,
-        then (the reader copying them) the chaos point midway; they stay alive until the data server closes this
-        generator. Raises, before yielding, as :meth:`parts`."""
+        then (the reader copying them, at the second ``next``) passes the chaos point midway and yields None; the
+        leaves stay alive until the data server closes this generator (a slice of several hosts' are arrays of
+        their own, made for the read: freed with the generator's frame). Raises, before yielding, as
+        :meth:`parts`."""
         leaves, applied, digest = self._state_at(request)
         leaves = [np.require(x, requirements='C') for x in leaves]   # (ascontiguousarray makes a scalar 1-d)
         yield shared_state(leaves, applied, digest)
         self._faults.sending_state()
+        yield None   # holds the leaves until the reader is done and the server closes this
 
     def _state_at(self, request: pb.GetStateRequest) -> tuple[list, int, str]:
         self._lease.check_fence(request.fence)
@@ -218,6 +222,7 @@ class StateMover:
         self._lease.check_fence(request.fence)
         replica = self._replica
         replica.need_executor()
+        request = for_host(request, replica.executor.host)   # host k of a slice copies host k's blocks
         return pull_state(request, replica.layout, data=self._data, peers=self._peers, faults=self._faults,
                           timeout=self._step_timeout, adopt=replica.adopt, landing_memory=replica.landing)
 

@@ -84,26 +84,19 @@ def test_the_source_killed_while_sending_state_leaves_another_replica(tmp_path):
 LONG = 300
 
 
-def test_a_hung_worker_resumed_later_has_fenced_itself_and_is_refused(tmp_path):
-    _, report, events = chaos(tmp_path, "hang(resume=4s):slice=2@step=3", "elastic_spares=1",
-                              "elastic_worker_lease_seconds=2", steps=LONG)
+def test_a_hung_worker_resumed_later_and_a_partitioned_one_back_have_fenced_themselves_and_are_refused(tmp_path):
+    # One run, two spares: w2 hangs at step 3 and resumes 4 s later; w1 is cut off at step 20 for 4 s. Each is
+    # replaced by a spare, fences itself when its own lease (2 s) lapses, and is refused when it asks back.
+    _, report, events = chaos(tmp_path, "hang(resume=4s):slice=2@step=3,partition(for=4s):slice=1@step=20",
+                              "elastic_spares=2", "elastic_worker_lease_seconds=2", steps=LONG)
     passed(report, steps=LONG)
-    [fault] = report["faults"]
-    assert fault["path"] == "replace" and report["failures"][0]["kind"] == "hang"
-    refused = [e for e in kinds(events, "register_refused") if e["worker"] == "w2"]
-    assert refused and refused[0]["rejoin"] and "fenced" in refused[0]["reason"]
-
-
-def test_a_partitioned_worker_that_comes_back_is_refused(tmp_path):
-    _, report, events = chaos(tmp_path, "partition(for=4s):slice=2@step=3", "elastic_spares=1",
-                              "elastic_worker_lease_seconds=2", steps=LONG)
-    passed(report, steps=LONG)
-    [fault] = report["faults"]
-    assert fault["kind"] == "partition" and fault["path"] == "replace"
-    assert report["failures"][0]["kind"] == "partition"
-    refused = [e for e in kinds(events, "register_refused") if e["worker"] == "w2"]
-    assert refused and refused[0]["rejoin"], "the partitioned worker never asked to come back"
-    log = (pathlib.Path(tmp_path) / "faulted" / "logs" / "worker-w2.log").read_text()
+    hung, cut = report["faults"]
+    assert hung["path"] == cut["path"] == "replace" and cut["kind"] == "partition"
+    assert [f["kind"] for f in report["failures"]] == ["hang", "partition"]
+    refused = {e["worker"]: e for e in kinds(events, "register_refused") if e["rejoin"]}
+    assert "fenced" in refused["w2"]["reason"], refused
+    assert "w1" in refused, "the partitioned worker never asked to come back"
+    log = (pathlib.Path(tmp_path) / "faulted" / "logs" / "worker-w1.log").read_text()
     assert "fencing myself" in log
 
 

@@ -7,11 +7,11 @@ expert's capacity drop) and a load-balancing loss (``load_balance_loss_weight: 0
 
 * one slice, one microbatch: jax-elastic's ``--reference`` run equals MaxText's own trainer loss by loss, to
   the bit (routing, capacity, load-balancing loss and dropout masks all as MaxText's);
-* a worker killed on 2 slices + 1 spare with 4 microbatches a step: the chaos verdict passes (the trajectory is
-  bit-identical to the fault-free run, every microbatch used once), so each microbatch's dropout masks depend
-  on its global index only, never on which slice runs it;
 * the 4 microbatches of a step draw 4 different dropout masks (the same rows give 4 different losses), each
-  the same every time.
+  the same every time: a microbatch's masks are a function of its global index (carried in its batch), the
+  same whichever slice runs it, so a recovery that moves microbatches between slices keeps the trajectory
+  (the chaos tests of the dense model and of the MaxText data files check that under real kills; a MoE run
+  of its own under a kill was the same property at 40 s of the suite).
 
 That the config really drops tokens (the claim of its capacity factor) is checked in MaxText's log of the
 first test: jax-elastic's losses equal its bits, so the same tokens drop.
@@ -25,7 +25,6 @@ import pytest
 pytest.importorskip("maxtext")   # the MaxText integration's requirements (integrations/maxtext/requirements.txt)
 
 from integrations.maxtext.__main__ import main  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
 from tests.maxtext.trainers import elastic_losses, finished, maxtext_trainer, stop  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -59,19 +58,6 @@ def test_moe_with_dropout_on_one_slice_reproduces_maxtext_trainer_bit_for_bit(tm
     # ... and jax-elastic's one slice is that step, dropout masks included, to the bit.
     assert len(ours) == len(theirs) == STEPS
     assert ours == theirs   # float32 values, compared exactly
-
-
-def test_worker_kill_with_moe_dropout_and_four_microbatches_passes(tmp_path):
-    # 2 slices x 2 microbatches each + 1 spare; the kill moves a slice's microbatches (and their dropout masks)
-    # to the spare. No relaunch and no standby process (fewer processes on CI).
-    _, report = run_cli(["chaos", str(TINY_MOE), "steps=4", DROPOUT, "elastic_microbatches=4",
-                         "dcn_data_parallelism=2", "elastic_spares=1", "elastic_relaunch=false",
-                         "elastic_standby_workers=0", "run_name=kill", "--faults", "kill@step=2"], tmp_path)
-    assert report["verdict"] == "pass", report.get("verdict_reasons")
-    assert (report["steps_completed"], report["steps_lost"], report["checkpoint_restores"]) == (4, 0, 0)
-    assert report["trajectory"] == "identical" and report["exactly_once"]
-    assert [f["path"] for f in report["faults"]] == ["replace"]
-    assert report["config"]["dcn_data_parallelism"] == 2 and report["config"]["elastic_microbatches"] == 4
 
 
 @pytest.fixture

@@ -40,8 +40,11 @@ class Controller:
     def live_spares(self):
         return self.placement.spares
 
-    def pid(self, worker_id):
+    def pid(self, worker_id, host=0):
         return self.pids[worker_id]
+
+    def hosts_of(self, worker_id):
+        return 1
 
     def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
         assert action in FAULT_ACTIONS

@@ -487,10 +487,13 @@ class FakeGroup:
             out[w] = (r.applied, r.history[-1])
         return out
 
-    def pid(self, worker_id):
+    def pid(self, worker_id, host=0):
         return 0
 
-    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
+    def hosts_of(self, worker_id):
+        return 1
+
+    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0, host=None):
         raise AssertionError("the fake group injects no faults: give them to its constructor")
 
     def load_snapshots(self, workers, applied):

@@ -1,0 +1,103 @@
+"""The hosts of a slice decide together whether a step starts and whether it applies.
+
+Every host of a slice of several (:mod:`runtime.core.hosts`) must call the
+same programs in the same order: each program's collectives wait for every
+host, so a host that gives up a step the others go on with leaves them
+waiting in a collective for ever (gloo's or NCCL's timeout, minutes). A host
+may decide alone at two points: when the step's turn comes (its epoch may
+have moved: an abort came first) and before the apply (an abort may have
+come during the cross-slice reduction, which runs outside any program, or
+that reduction failed on this host alone). At both points the hosts vote,
+and all go on only if all voted to. Between the two, the step's programs run
+to their end on every host (no abort interrupts them).
+
+Each vote is one slot per (point, epoch, step, host) in the slice's own key-
+value store (the coordinator of its JAX distributed system), written once:
+by its host, or with "no" by another host that waited for it past the
+step's deadline (a host that never got the request). So every host reads
+the same votes and decides the same. A host that died leaves its slot
+empty: the others wait, and its slice is retired (its processes stopped)
+meanwhile. A slice of one host decides alone, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+__all__ = ["SliceAgreement"]
+
+log = logging.getLogger("jax_elastic.worker")
+
+_YES, _NO = "1", "0"
+#: Votes of steps this far behind the newest are deleted (the store keeps what is still read).
+_KEEP_STEPS = 4
+
+
+class SliceAgreement:
+    """The votes of this host (``host`` of ``hosts``) of a slice. ``client``: the JAX distributed runtime's
+    client (its key-value store); None with one host. Thread-safe (the store is)."""
+
+    def __init__(self, hosts: int = 1, host: int = 0, client=None):
+        if hosts > 1 and client is None:
+            raise ValueError("a slice of several hosts votes through its distributed system's client")
+        self.hosts, self.host, self._client = hosts, host, client
+
+    @classmethod
+    def of_this_process(cls) -> SliceAgreement:
+        """This process's slice: its JAX distributed system's hosts, if it joined one."""
+        import jax
+
+        if jax.process_count() == 1:
+            return cls()
+        from jax._src import distributed   # the client has no public name; multihost_utils uses it too
+
+        return cls(jax.process_count(), jax.process_index(), distributed.global_state.client)
+
+    def agree(self, point: str, epoch: int, step: int, ok: bool, deadline: float) -> bool:
+        """This host's vote ``ok`` on ``point`` ("start" or "apply") of ``step`` of ``epoch``; True when every
+        host of the slice voted yes (waiting for them until ``deadline``, monotonic, then voting "no" for a host
+        that has not voted)."""
+        if self.hosts == 1:
+            return ok
+        prefix = _prefix(point, epoch, step)
+        self._decide(prefix + str(self.host), ok)
+        agreed = all([self._read(prefix + str(k), deadline) for k in range(self.hosts)])
+        self._forget(point, epoch, step - _KEEP_STEPS)
+        return agreed
+
+    def refuse(self, point: str, epoch: int, step: int) -> None:
+        """This host votes "no" on ``point`` of ``step`` of ``epoch`` (it gives the step up before voting), unless
+        it voted already."""
+        if self.hosts > 1:
+            self._decide(_prefix(point, epoch, step) + str(self.host), False)
+
+    def _decide(self, key: str, ok: bool) -> None:
+        try:
+            self._client.key_value_set(key, _YES if ok else _NO)   # once: a slot already decided stays
+        except Exception as e:  # noqa: BLE001 - decided already (ALREADY_EXISTS), or the store is gone
+            if "exist" not in str(e).lower():
+                log.warning("could not vote on %s: %s", key, e)
+
+    def _read(self, key: str, deadline: float) -> bool:
+        try:
+            left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+            return self._client.blocking_key_value_get(key, left_ms) == _YES
+        except Exception:  # noqa: BLE001 - timed out: that host never voted; "no" for it, unless it just did
+            self._decide(key, False)
+            try:
+                return self._client.key_value_try_get(key) == _YES
+            except Exception:  # noqa: BLE001 - the store is gone: the slice is
+                return False
+
+    def _forget(self, point: str, epoch: int, step: int) -> None:
+        if step < 0:
+            return
+        try:
+            self._client.key_value_delete(_prefix(point, epoch, step) + str(self.host))
+        except Exception:  # noqa: BLE001 - only housekeeping
+            pass
+
+
+def _prefix(point: str, epoch: int, step: int) -> str:
+    return f"jax-elastic/{point}/{epoch}/{step}/"

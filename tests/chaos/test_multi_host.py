@@ -1,0 +1,52 @@
+"""Slices of several hosts on real processes: `elastic chaos` with 2 slices of 2 worker processes each (2 CPU
+devices a host, one JAX distributed system a slice, gloo between its hosts) and a spare slice.
+
+One host of a slice is killed (the spare slice takes the slice's place; its other host is retired with it), later
+one host of another slice is cut off (no spare is left warm: the run shrinks). The run ends bit-identical to the
+fault-free reference, itself run as one slice of 2 processes (the same host count: collectives across processes
+sum in their own order), with no step lost; the report names each slice's hosts, the host each fault hit and the
+hosts retired with it, and no process of the run is left.
+"""
+
+import json
+import pathlib
+import time
+
+import jsonschema
+
+from tests.conftest import ROOT, processes, run_cli
+from tests.support.events import kinds, run_events
+
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+STEPS = 12
+
+
+def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_shrinks(tmp_path):
+    run_cli(["chaos", "tiny", "dcn_data_parallelism=2", "elastic_hosts_per_slice=2", "ici_fsdp_parallelism=4",
+             "elastic_spares=1", f"steps={STEPS}", "run_name=faulted",
+             "--faults", "kill:slice=1,host=1@step=3,partition:slice=0,host=0@step=8"], tmp_path)
+    run_dir = pathlib.Path(tmp_path) / "faulted"
+    report = json.loads((run_dir / "report.json").read_text())
+    events = run_events(run_dir)
+    jsonschema.validate(report, SCHEMA)
+    assert report["verdict"] == "pass", report["verdict_reasons"]
+    assert report["steps_completed"] == STEPS and report["steps_lost"] == 0
+    assert report["trajectory"] == "identical" and report["exactly_once"] is True
+    assert report["final_state_digest"] == report["reference"]["final_state_digest"]
+    assert [f["path"] for f in report["failures"]] == ["replace", "shrink"]
+
+    killed, cut = report["faults"]
+    assert killed["workers"] == ["w1"] and killed["hosts"] == {"w1": 1} and killed["retired"] == {"w1": [0]}
+    assert cut["workers"] == ["w0"] and cut["hosts"] == {"w0": 0} and cut["retired"] == {"w0": [1]}
+    hosts = report["slice_hosts"]
+    assert {"w0", "w1", "w2"} <= set(hosts) and all(len(h) == 2 for h in hosts.values())
+    [placed, *_] = kinds(events, "placement")
+    assert placed["active"] == ["w0", "w1"] and placed["spares"] == ["w2"]
+    [relaunched, *_] = kinds(events, "worker_relaunched")   # the lost slice comes back as a fresh slice of 2
+    assert relaunched["replaces"] == "w1"
+    pids = {h["pid"] for e in kinds(events, "worker_registered") for h in e["hosts"]}
+    assert len(pids) >= 8   # three slices of two hosts, and the one relaunched
+    deadline = time.monotonic() + 10
+    while pids & set(processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pids & set(processes()), "a host of the run outlived it"
