@@ -13,7 +13,12 @@ same total number of devices, in the same invocation:
   the global mesh, each process feeding its share of the batch: the SPMD setup
   the runtime replaces, so the fair yardstick.
 
-Usage: .venv/bin/python benchmarks/step_time.py [--slices 4] [--devices 2] [--steps 30] [key=value ...]
+With `--hosts H` each slice is H worker processes of `devices / H` devices
+(`elastic_hosts_per_slice`), and the multi-controller baseline has as many
+processes (`slices x H`) with as many devices each: the same processes and
+devices, one jit over all of them.
+
+Usage: .venv/bin/python benchmarks/step_time.py [--slices 4] [--devices 2] [--hosts 1] [--steps 30] [key=value ...]
 Prints the three medians and the ratios runtime/multi-controller and runtime/one-process (last).
 """
 
@@ -35,7 +40,8 @@ WARMUP = 5
 
 def _overrides(args) -> list[str]:
     return [f"dcn_data_parallelism={args.slices}", f"ici_fsdp_parallelism={args.devices}", f"steps={args.steps}",
-            f"elastic_microbatches={args.microbatches or 0}", *args.overrides]
+            f"elastic_microbatches={args.microbatches or 0}", f"elastic_hosts_per_slice={args.hosts}",
+            *args.overrides]
 
 
 class SpmdJob:
@@ -154,6 +160,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--microbatches", type=int, default=0)
+    ap.add_argument("--hosts", type=int, default=1, help="worker processes per slice (elastic_hosts_per_slice)")
     ap.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -162,19 +169,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps <= WARMUP + 2:
         ap.error(f"--steps must exceed {WARMUP + 2}")
+    if args.hosts < 1 or args.devices % args.hosts:
+        ap.error(f"--hosts {args.hosts} must divide --devices {args.devices}")
     if args.baseline_child:
         baseline(args)
         return
     base = _baseline(args, processes=1, devices=args.slices * args.devices)
-    multi = _baseline(args, processes=args.slices, devices=args.devices)
+    multi = _baseline(args, processes=args.slices * args.hosts, devices=args.devices // args.hosts)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     rt = runtime(args)
     assert rt["global_batch"] == base["global_batch"] == multi["global_batch"], (rt, base, multi)
-    print(f"config: {args.slices} slices x {args.devices} devices, global batch {base['global_batch']}, "
-          f"overrides {args.overrides}")
+    print(f"config: {args.slices} slices x {args.devices} devices ({args.hosts} host(s) a slice), global batch "
+          f"{base['global_batch']}, overrides {args.overrides}")
     print(f"one process (one jit over {base['devices']} devices):      {base['median_step_seconds'] * 1e3:7.1f} ms/step")
-    print(f"multi-controller JAX ({args.slices} processes, gloo):       {multi['median_step_seconds'] * 1e3:7.1f} ms/step")
-    print(f"jax-elastic runtime ({args.slices} workers):                {rt['median_step_seconds'] * 1e3:7.1f} ms/step")
+    n = args.slices * args.hosts
+    print(f"multi-controller JAX ({n} processes, gloo):       {multi['median_step_seconds'] * 1e3:7.1f} ms/step")
+    print(f"jax-elastic runtime ({n} workers):                {rt['median_step_seconds'] * 1e3:7.1f} ms/step")
     ph = rt["phases"]
     print(f"  runtime phases (median over steps of the slowest worker's): grad {ph['grad'] * 1e3:.1f} ms   "
           f"reduce, waiting for peers included {ph['reduce'] * 1e3:.1f} ms   apply {ph['apply'] * 1e3:.1f} ms")

@@ -56,8 +56,8 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
                 "job), or be empty for the bundled model")
     hardware = values["hardware"]
     if hardware and hardware not in HARDWARE:
-        why = ("; MaxText's gpu_multiprocess (one JAX process per GPU, joined by jax.distributed) is not taken: "
-               "use gpu (a slice of several processes is elastic_hosts_per_slice, docs/multi-host.md)"
+        why = ("; MaxText's gpu_multiprocess (one JAX process per GPU, joined by jax.distributed) is not taken "
+               "(a slice of several processes is elastic_hosts_per_slice, docs/multi-host.md), so use gpu"
                if hardware == "gpu_multiprocess" else "")
         return (f"config key {at('hardware')} must be cpu, gpu or tpu, or empty for the platform the "
                 f"workers get from the environment{why}")

@@ -4,8 +4,9 @@ answers (``controller_options``), its start (``startup``), its state as a fold o
 change planned once (``plan``, ``stage_plan``, ``tiers``) and carried out (``plan_executor``, ``state_copies``),
 the backups it orders (``checkpointing``, ``snapshotting``, ``shadows``), health and the
 watchdog, and the worker group that makes every call (``worker_group``, its calls to the adopted workers
-``worker_calls`` and the stream each worker's steps go on, ``step_stream``; the ``group`` protocol,
-``registry``, ``calls``).
+``worker_calls``, the stream each worker's steps go on, ``step_stream``, a slice of several hosts called as
+one, ``slice_calls``, and the futures both settle, ``settled``; the ``group`` protocol, ``registry``,
+``calls``).
 
 May import: ``runtime.core``, ``runtime.wire``, ``runtime.state``, ``runtime.launch``. Never
 ``runtime.worker``: the controller reaches workers only through their calls.

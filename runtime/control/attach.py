@@ -50,6 +50,19 @@ def can_attach(state) -> bool:
     return state.placement is not None and bool(state.replicas) and state.committed < state.steps
 
 
+def _attached(reply, info) -> dict:
+    """How ``client_attached`` records a worker that answered: as it answered, or a slice of several hosts as
+    the log knows it (its hosts keep their processes and addresses: it answered as all of them)."""
+    if info.hosts:
+        return {"address": info.address, "data_address": info.data_address, "devices": reply.num_devices,
+                "platform": reply.platform, "pid": info.hosts[0].pid, "host": info.host,
+                "applied_steps": reply.applied_steps,
+                "hosts": [{"address": h.address, "data_address": h.data_address, "pid": h.pid, "host": h.host}
+                          for h in info.hosts]}
+    return {"address": reply.address, "data_address": reply.data_address, "devices": reply.num_devices,
+            "platform": reply.platform, "pid": reply.pid, "host": reply.host, "applied_steps": reply.applied_steps}
+
+
 def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, first: bool = True) -> None:
     """Takes the run of ``ctl`` (a :class:`runtime.control.controller.Controller` whose ``state`` is the
     replayed one) over from its dead client; see the module docstring. ``first=False``: the client takes its
@@ -60,9 +73,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
-                    workers={w: {"address": r.address, "data_address": r.data_address, "devices": r.num_devices,
-                                 "platform": r.platform, "pid": r.pid, "host": r.host,
-                                 "applied_steps": r.applied_steps} for w, r in sorted(replies.items())},
+                    workers={w: _attached(r, known[w]) for w, r in sorted(replies.items())},
                     lost=sorted(set(known) - set(replies)), committed=s.committed,
                     downtime_seconds=max(downtime_seconds, 0.0))
     if first:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from runtime.core.hosts import host_id
 from runtime.control.placement import Placement, WorkerInfo
 from runtime.core.events import read_events
 from runtime.state.snapshot import KEEP as KEPT
@@ -205,17 +206,26 @@ def _run_started(s: RunState, e) -> RunState:
                     pipeline_stages=e.get("stages", 1))
 
 
+def _worker_info(w: str, i) -> WorkerInfo:
+    """A worker as an event records it (``worker_registered``, or one of ``client_attached``'s): a slice of
+    several hosts with each host's (``hosts``: address, data_address, pid, host; see
+    :mod:`runtime.core.hosts`)."""
+    hosts = i.get("hosts") or ()
+    return WorkerInfo(w, i["address"], i["devices"], i["platform"], i["pid"], i.get("data_address", ""),
+                      i.get("host") or "",
+                      tuple(WorkerInfo(host_id(w, k, len(hosts)), h["address"], i["devices"], i["platform"], h["pid"],
+                                       h.get("data_address", ""), h.get("host") or "") for k, h in enumerate(hosts)))
+
+
 def _registered(s: RunState, e) -> RunState:
-    info = WorkerInfo(e["worker"], e["address"], e["devices"], e["platform"], e["pid"], e.get("data_address", ""),
-                      e.get("host") or "")
+    info = _worker_info(e["worker"], e)
     return _replace(s, registered={**s.registered, info.worker_id: info})
 
 
 def _client_attached(s: RunState, e) -> RunState:
     """A restarted client took the run over: the same attempt goes on (nothing reset), the workers that
     answered it registered anew (their addresses), those that did not are dead (their own events say so)."""
-    workers = {w: WorkerInfo(w, i["address"], i["devices"], i["platform"], i["pid"], i.get("data_address", ""),
-                             i.get("host") or "") for w, i in e["workers"].items()}
+    workers = {w: _worker_info(w, i) for w, i in e["workers"].items()}
     return _replace(s, steps=e["steps"], generation=e["generation"], registered={**s.registered, **workers},
                     dead={w: why for w, why in s.dead.items() if w not in workers})
 

@@ -235,11 +235,13 @@ class WorkerGroup:
         for w, r in replies.items():
             if per_stage and r.fingerprint in per_stage:
                 self.calls.loaded_stage[w] = (stages or {}).get(w, per_stage.index(r.fingerprint))
-            info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
+            # A slice of several hosts answered as all of them: its hosts are the log's (same processes).
+            info = known[w] if known[w].hosts else WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid,
+                                                               r.data_address, r.host)
             self.fenced.discard(w)   # alive, a member again (client_attached, written next, takes it off the dead)
             self.registry.add(info)
-            self.monitor.watch(w, info.address)
-            self.launcher.adopt(w, r.pid)
+            self._watch(info)
+            self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else r.pid)
         return replies
 
     def host_of(self, worker_id: str) -> str:

@@ -251,11 +251,13 @@ class LocalLauncher:
                 log.warning("worker processes start on their own from now on: no new zygote (%s)", e)
                 self._use_zygote = False
 
-    def adopt(self, worker_id: str, pid: int) -> None:
+    def adopt(self, worker_id: str, pid: int | list[int]) -> None:
         """A worker an earlier client of the run launched, attached by this one: it is stopped and killed like
-        this launcher's own (by its pid: it is no child of this process)."""
-        if pid > 1 and worker_id not in self.procs:
-            self.procs[worker_id] = Adopted(pid)
+        this launcher's own (by its pid: it is no child of this process). A slice of several hosts: its hosts'
+        pids, in host order."""
+        pids = pid if isinstance(pid, list) else [pid]
+        if all(p > 1 for p in pids) and worker_id not in self.procs:
+            self.procs[worker_id] = Adopted(pids[0]) if len(pids) == 1 else SliceProcesses([Adopted(p) for p in pids])
 
     def kill(self, worker_id: str) -> None:
         """SIGKILLs a worker declared dead (works on a stopped process too)."""
@@ -435,7 +437,7 @@ class ExternalLauncher:
     def prepare_standby(self) -> None:
         """No standby processes outside the local launcher."""
 
-    def adopt(self, worker_id: str, pid: int) -> None:
+    def adopt(self, worker_id: str, pid: int | list[int]) -> None:
         """Nothing to adopt: the scheduler owns the processes."""
 
     def kill(self, worker_id: str) -> None:

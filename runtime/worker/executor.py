@@ -217,9 +217,14 @@ class SliceExecutor:
     def host_state(self) -> list[np.ndarray]:
         """The state this host holds as host arrays (for a peer-to-peer transfer): the leaves, or on a slice of
         several hosts this host's block of each (:mod:`runtime.core.hosts`)."""
+        return self.host_blocks(self.state)
+
+    def host_blocks(self, state) -> list[np.ndarray]:
+        """:meth:`host_state` of ``state`` (one this executor held: the background writer copies an applied
+        state to the host while the next step runs)."""
         if self.hosts == 1:
-            return [np.asarray(x) for x in self.state]
-        return [_block(x, dim) for x, dim in zip(self.state, self._state_dims())]
+            return [np.asarray(x) for x in state]
+        return [_block(x, dim) for x, dim in zip(state, self._state_dims())]
 
     def set_state(self, leaves: list[np.ndarray], steps_applied: int, digest: str = "") -> None:
         """Adopts a state copied from another replica, placed on this slice's mesh.

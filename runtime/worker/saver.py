@@ -101,7 +101,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, directory: str, step: int, device_leaves: list, metadata: dict, *, store=None,
-               then=None, tree=None) -> None:
+               then=None, tree=None, to_host=None) -> None:
         """Queues a save of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``, with
         ``metadata`` (the programs' fingerprint) recorded beside it; ``tree``: the programs' checkpoint tree
         (``runtime.state.checkpoint_tree.CheckpointTree``; None: a flat list).
@@ -109,11 +109,13 @@ class CheckpointWriter:
         ``store``: a snapshot store to save into (the kind is then
         "snapshot"); default a checkpoint store of ``directory``. ``then``:
         called as ``then(store, step)`` after the save completed (its error
-        is reported like the save's).
+        is reported like the save's). ``to_host``: the leaves as the host
+        arrays saved (default each leaf whole; a host of a slice of several
+        saves its blocks, :meth:`runtime.worker.executor.SliceExecutor.host_blocks`).
         """
         kind = "snapshot" if store is not None else "checkpoint"
         with self._cond:
-            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then, tree)
+            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then, tree, to_host)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 self._thread.start()
@@ -165,11 +167,11 @@ class CheckpointWriter:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._waiting))
                 kind = next(iter(self._waiting))
-                directory, step, leaves, metadata, store, then, tree = self._waiting.pop(kind)
+                directory, step, leaves, metadata, store, then, tree, to_host = self._waiting.pop(kind)
                 self._busy = True
             stage = "save"
             try:
-                host = [np.asarray(x) for x in leaves]
+                host = to_host(leaves) if to_host is not None else [np.asarray(x) for x in leaves]
                 if store is None:   # one store per directory and tree (a program set's tree is one object)
                     store = self._stores.get((directory, id(tree)))
                     if store is None:

@@ -421,12 +421,14 @@ def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExec
             "microbatches": ex.programs.num_microbatches,
             "loss_sums": loss_sums(req.committed_loss_sums, recent, req.step)}
     if req.checkpoint_directory:
-        writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta, tree=ex.checkpoint_tree)
+        writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta, tree=ex.checkpoint_tree,
+                      to_host=ex.host_blocks)
     if req.snapshot:
         peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
         stage = f"stage{ex.programs.stage}" if req.HasField("pipeline") else ""
         copy = functools.partial(copy_snapshot, peers, timeout, peer, req.fence, stage) if peer else None
-        writer.submit(snapshots.directory, ex.steps_applied, ex.state, meta, store=snapshots, then=copy)
+        writer.submit(snapshots.directory, ex.steps_applied, ex.state, meta, store=snapshots, then=copy,
+                      to_host=ex.host_blocks)
 
 
 def drain_saves(writer: CheckpointWriter | None) -> tuple[Drained, Drained]:

@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 
-DOCS = ("README.md", "docs/chaos-guide.md")
+DOCS = ("README.md", "docs/chaos-guide.md", "docs/multi-host.md")
 PLACEHOLDERS = {"mypkg.train:make_job": "tests.chaos.own_model:make_job", "CONFIG": "tiny"}
 
 #: Documented command -> (the test that runs its scenario for real, the faults text that test runs).
@@ -61,7 +61,13 @@ RUN_ELSEWHERE = {
         ("tests/chaos/test_state_tiers.py::test_a_save_cut_off_by_its_writers_death_is_never_counted_and_is_removed",
          "kill_save@checkpoint"),
     "--scenario chaos/scenarios/partition.yml steps=60":
-        ("tests/chaos/test_chaos_faults.py::test_a_partitioned_worker_that_comes_back_is_refused", "partition(for="),
+        ("tests/chaos/test_chaos_faults.py::"
+         "test_a_hung_worker_resumed_later_and_a_partitioned_one_back_have_fenced_themselves_and_are_refused",
+         "partition(for="),
+    "tiny dcn_data_parallelism=2 elastic_hosts_per_slice=2 ici_fsdp_parallelism=4 elastic_spares=1 steps=40 "
+    "--faults kill:slice=1,host=1@step=10":
+        ("tests/chaos/test_multi_host.py::"
+         "test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_shrinks", "kill:slice=1,host=1@"),
 }
 
 

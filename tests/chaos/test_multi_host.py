@@ -1,8 +1,9 @@
 """Slices of several hosts on real processes: `elastic chaos` with 2 slices of 2 worker processes each (2 CPU
 devices a host, one JAX distributed system a slice, gloo between its hosts) and a spare slice.
 
-One host of a slice is killed (the spare slice takes the slice's place; its other host is retired with it), later
-one host of another slice is cut off (no spare is left warm: the run shrinks). The run ends bit-identical to the
+One host of a slice is killed (the spare slice takes the slice's place; its other host is retired with it), then
+the client is killed (the harness starts it again and it re-attaches both slices, every host of each), then one
+host of another slice is cut off (no spare is left warm: the run shrinks). The run ends bit-identical to the
 fault-free reference, itself run as one slice of 2 processes (the same host count: collectives across processes
 sum in their own order), with no step lost; the report names each slice's hosts, the host each fault hit and the
 hosts retired with it, and no process of the run is left.
@@ -23,8 +24,8 @@ STEPS = 12
 
 def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_shrinks(tmp_path):
     run_cli(["chaos", "tiny", "dcn_data_parallelism=2", "elastic_hosts_per_slice=2", "ici_fsdp_parallelism=4",
-             "elastic_spares=1", f"steps={STEPS}", "run_name=faulted",
-             "--faults", "kill:slice=1,host=1@step=3,partition:slice=0,host=0@step=8"], tmp_path)
+             "elastic_spares=1", f"steps={STEPS}", "run_name=faulted", "elastic_client_grace_seconds=20",
+             "--faults", "kill:slice=1,host=1@step=3,kill:client@step=6,partition:slice=0,host=0@step=9"], tmp_path)
     run_dir = pathlib.Path(tmp_path) / "faulted"
     report = json.loads((run_dir / "report.json").read_text())
     events = run_events(run_dir)
@@ -33,9 +34,14 @@ def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_s
     assert report["steps_completed"] == STEPS and report["steps_lost"] == 0
     assert report["trajectory"] == "identical" and report["exactly_once"] is True
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
-    assert [f["path"] for f in report["failures"]] == ["replace", "shrink"]
+    assert [f["path"] for f in report["failures"]] == ["replace", "retry", "shrink"]
+    assert report["client_restarts"] == 1 and report["run_state_replayed"] is True
+    [attached] = kinds(events, "client_attached")
+    assert {"w0", "w2"} <= set(attached["workers"])   # the active slices (the relaunched one may still be forming)
+    assert all(len(w["hosts"]) == 2 for w in attached["workers"].values())
 
-    killed, cut = report["faults"]
+    killed, client, cut = report["faults"]
+    assert client["workers"] == [] and client["path"] == "retry"
     assert killed["workers"] == ["w1"] and killed["hosts"] == {"w1": 1} and killed["retired"] == {"w1": [0]}
     assert cut["workers"] == ["w0"] and cut["hosts"] == {"w0": 0} and cut["retired"] == {"w0": [1]}
     hosts = report["slice_hosts"]

@@ -246,8 +246,8 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
 def test_a_checkpoint_resumes_on_another_mesh_within_tolerance(tmp_path):
     """2 slices x 2 devices write the checkpoints; the run resumes as 1 slice x 4 devices (the same data: the
     microbatch keeps its 4 rows, per_device_batch_size 2 -> 1). The whole arrays are placed on the new slice's
-    devices; the losses before the resume are the recorded ones, those after follow a fault-free run on the new
-    mesh within tolerance, and the report says which comparison applies."""
+    devices; the losses before the resume are the recorded ones, those after follow the first run (the same math
+    on the old mesh) within tolerance, and the report says which comparison applies."""
     import numpy as np
 
     common = ["tiny", "steps=12", "enable_checkpointing=true", "checkpoint_period=4", "run_name=mesh",
@@ -262,9 +262,8 @@ def test_a_checkpoint_resumes_on_another_mesh_within_tolerance(tmp_path):
     assert resumed["step"] == 4 and resumed["comparison"] == "within tolerance"
     assert resumed["resharded_from"] == {"devices_per_slice": 2, "microbatches": 2}
     assert report["finished"] and report["losses"][:4] == first["losses"][:4]
-    _, ref = run_cli(["run", "tiny", "steps=12", "elastic_microbatches=2", *new_mesh, "run_name=ref", "--reference"],
-                     tmp_path)
-    np.testing.assert_allclose(report["losses"], ref["losses"], rtol=1e-5)
+    # The same math on another mesh: the resumed steps follow the first run's within float rounding.
+    np.testing.assert_allclose(report["losses"], first["losses"], rtol=1e-5)
 
     # MaxText's load_full_state_path: another run starts from one step of those checkpoints, bit for bit.
     _, other = run_cli(["run", "tiny", "steps=12", "elastic_microbatches=2", *new_mesh, "run_name=other",
