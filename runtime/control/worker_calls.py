@@ -103,12 +103,14 @@ class WorkerCalls:
         self._streams.close()
 
     def send_home(self, worker_id: str, run_ended: bool = False) -> None:
-        """The Shutdown call (best effort: a worker that does not answer is fenced either way)."""
-        try:
-            self._stubs[worker_id].Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended),
-                                            timeout=2.0)
-        except grpc.RpcError:
-            pass
+        """The Shutdown call (best effort: a worker that does not answer is fenced either way), to each host of
+        a slice of several on its own (one lost host must not keep the others from hearing it)."""
+        stub = self._stubs[worker_id]
+        for host in stub.hosts if isinstance(stub, SliceStub) else [stub]:
+            try:
+                host.Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended), timeout=2.0)
+            except grpc.RpcError:
+                pass
 
     # -- calls -----------------------------------------------------------------
 
