@@ -312,7 +312,7 @@ class FaultInjector(ControllerObserver):
         if how is None:
             raise KeyError(f"the injector cannot do {fault.kind!r}" + (f" ({variant})" if variant else ""))
         if isinstance(how, signal.Signals):
-            pid = self.ctl.pid(worker) if host is None else self.ctl.pid(worker, host)
+            pid = self.ctl.pid(worker, host or 0)
             os.kill(pid, how)
             resume = fault.option("resume") if fault.kind == "hang" else None
             if resume:
@@ -324,20 +324,13 @@ class FaultInjector(ControllerObserver):
             phase = "save" if fault.kind == "kill_save" else str(fault.option("phase"))
             # kill_save@checkpoint=N: a save still ahead of checkpoint N, never an older one still being written.
             after = fault.when.checkpoint if fault.kind == "kill_save" and fault.when.checkpoint else 0
-            self._arm(worker, host, how, phase=phase, after_step=after)
+            self.ctl.inject_fault(worker, how, phase=phase, after_step=after, host=host)
         elif how == "straggle":
-            self._arm(worker, host, how, factor=fault.option("factor"), seconds=fault.option("for"))
+            self.ctl.inject_fault(worker, how, factor=fault.option("factor"), seconds=fault.option("for"), host=host)
         elif how == "partition":
-            self._arm(worker, host, how, seconds=fault.option("for"))
+            self.ctl.inject_fault(worker, how, seconds=fault.option("for"), host=host)
         else:
-            self._arm(worker, host, how)
-
-    def _arm(self, worker: str, host: int | None, how: str, **options) -> None:
-        """A worker-side fault on ``worker`` (on ``host`` of its slice alone, when it names one)."""
-        if host is None:
-            self.ctl.inject_fault(worker, how, **options)
-        else:
-            self.ctl.inject_fault(worker, how, host=host, **options)
+            self.ctl.inject_fault(worker, how, host=host)
 
     def _strike_client(self, index: int, fault: Fault) -> None:
         """Records the client fault, then SIGKILLs or SIGSTOPs this process (see the module docstring)."""

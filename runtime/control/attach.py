@@ -56,9 +56,7 @@ def _attached(reply, info) -> dict:
     if info.hosts:
         return {"address": info.address, "data_address": info.data_address, "devices": reply.num_devices,
                 "platform": reply.platform, "pid": info.hosts[0].pid, "host": info.host,
-                "applied_steps": reply.applied_steps,
-                "hosts": [{"address": h.address, "data_address": h.data_address, "pid": h.pid, "host": h.host}
-                          for h in info.hosts]}
+                "applied_steps": reply.applied_steps, "hosts": info.host_records()}
     return {"address": reply.address, "data_address": reply.data_address, "devices": reply.num_devices,
             "platform": reply.platform, "pid": reply.pid, "host": reply.host, "applied_steps": reply.applied_steps}
 

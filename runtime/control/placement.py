@@ -49,6 +49,12 @@ class WorkerInfo:
     host: str = ""           # the host it runs on (where its in-memory snapshots live)
     hosts: tuple = ()        # a slice of several hosts: each host's WorkerInfo, in host order
 
+    def host_records(self) -> list[dict]:
+        """How the event log records a slice's hosts (``worker_registered``, ``client_attached``: ``hosts``), in
+        host order; ``run_state`` reads them back. Empty for a slice of one host."""
+        return [{"address": h.address, "data_address": h.data_address, "pid": h.pid, "host": h.host}
+                for h in self.hosts]
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:

@@ -92,8 +92,7 @@ class Registry(pb_grpc.ControllerServicer):
         self.events.emit("worker_registered", worker=info.worker_id, address=info.address,
                          devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host,
                          data_address=info.data_address,
-                         **({"hosts": [{"address": h.address, "data_address": h.data_address, "pid": h.pid,
-                                        "host": h.host} for h in info.hosts]} if info.hosts else {}))
+                         **({"hosts": info.host_records()} if info.hosts else {}))
         return pb.RegisterReply(accepted=True, generation=self.generation)
 
     def add(self, info: WorkerInfo) -> None:

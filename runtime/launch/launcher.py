@@ -26,7 +26,8 @@ from runtime.core.child_env import jax_child_env
 from runtime.core.owner import Owner
 from runtime.wire import rpc
 
-__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "SliceProcesses", "listen_host", "make_launcher", "preload_of", "prestart_workers"]
+__all__ = ["LAUNCH_BURST", "LAUNCH_RATE", "ExternalLauncher", "LocalLauncher", "SliceProcesses", "listen_host",
+           "make_launcher", "preload_of", "prestart_workers"]
 
 log = logging.getLogger("jax_elastic.launcher")
 

@@ -157,30 +157,25 @@ def unpickle_source(blob: bytes):
 def for_host(request, host: int):
     """A step or a state pull as host ``host`` of a slice reads it: every peer's address (a slice's addresses,
     :mod:`runtime.core.hosts`) narrowed to that peer's host ``host``, in place; the request itself is answered.
-    A one-host slice's request is left as it is."""
-    if host == 0 and not any("," in a for a in _addresses(request)):
-        return request
+    A one-host slice's addresses are left as they are."""
     try:
         if isinstance(request, pb.PullStateRequest):
             request.source_address = host_address(request.source_address, host)
             request.source_data_address = host_address(request.source_data_address, host)
             return request
-        peers = [*request.peers, *request.shadows]
-        if request.HasField("snapshot_peer"):
-            peers.append(request.snapshot_peer)
-        if request.HasField("pipeline"):
-            peers += [p for p in (request.pipeline.prev, request.pipeline.next)]
-        for p in peers:
-            p.address, p.data_address = host_address(p.address, host), host_address(p.data_address, host)
+        for p in _peers(request):
+            if "," in p.address or "," in p.data_address:
+                p.address, p.data_address = host_address(p.address, host), host_address(p.data_address, host)
     except ValueError as e:
         raise ProtocolError(f"this worker is host {host} of its slice: {e}") from None
     return request
 
 
-def _addresses(request) -> list[str]:
-    if isinstance(request, pb.PullStateRequest):
-        return [request.source_address, request.source_data_address]
-    peers = [*request.peers, *request.shadows, request.snapshot_peer]
+def _peers(request: pb.StepRequest) -> list:
+    """Every peer a step names: its ranks, the shadows, the snapshot's peer and a pipeline stage's neighbours."""
+    peers = [*request.peers, *request.shadows]
+    if request.HasField("snapshot_peer"):
+        peers.append(request.snapshot_peer)
     if request.HasField("pipeline"):
         peers += [request.pipeline.prev, request.pipeline.next]
-    return [a for p in peers for a in (p.address, p.data_address)]
+    return peers

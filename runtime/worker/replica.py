@@ -204,11 +204,9 @@ class Replica:
         apply only if every host may (an abort waits for the vote)."""
         with self._cond:
             ok = self.epoch == epoch
-            if agree is not None and not agree(ok):
+            if not (agree(ok) if agree is not None else ok):
                 raise StepAbortedError(step, f"a host of this slice was aborted before apply (epoch {self.epoch})"
                                        if ok else f"aborted by epoch {self.epoch} before apply")
-            if agree is None and not ok:
-                raise StepAbortedError(step, f"aborted by epoch {self.epoch} before apply")
             yield
 
     # -- the epoch ---------------------------------------------------------------

@@ -46,7 +46,7 @@ class Controller:
     def hosts_of(self, worker_id):
         return 1
 
-    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0):
+    def inject_fault(self, worker_id, action, *, factor=0.0, seconds=0.0, phase="", after_step=0, host=None):
         assert action in FAULT_ACTIONS
         assert after_step == 0 or (action, phase) == ("kill_in_phase", "save")
         if self.fail:
