@@ -28,7 +28,7 @@ from elastic.cli_support import (OneLineParser, config_loader, finish, make_job,
                                  usage_error)
 from elastic.config import ConfigError
 from elastic.config_loading import load_config
-from runtime import positive_seconds   # imports no JAX: the device count is set after parsing
+from runtime import positive_seconds, slice_flags_problem   # no JAX: the device count is set after parsing
 
 __all__ = ["COMMANDS_GROUP", "main", "parser"]
 
@@ -124,6 +124,8 @@ def _cmd_worker(args) -> int:
             return usage_error(f"TLS needs a certificate, its key and the CA: missing {', '.join(missing)}")
         if absent := [v for v in tls.values() if not os.path.isfile(v)]:
             return usage_error(f"TLS file not found: {', '.join(absent)}")
+    if problem := slice_flags_problem(args.slice_hosts, args.slice_host, args.slice_coordinator):
+        return usage_error(problem)
     if args.devices is not None:   # simulated CPU devices; else the devices JAX finds on this machine
         set_device_count(args.devices)
     from runtime import worker_main
@@ -134,6 +136,9 @@ def _cmd_worker(args) -> int:
         rest += ["--worker-id", args.worker_id]
     if args.compilation_cache_dir:
         rest += ["--compilation-cache-dir", args.compilation_cache_dir]
+    if args.slice_hosts > 1:
+        rest += ["--slice-hosts", str(args.slice_hosts), "--slice-host", str(args.slice_host),
+                 "--slice-coordinator", args.slice_coordinator]
     for flag, value in tls.items():
         rest += [f"--{flag.replace('_', '-')}", value] if value else []
     worker_main(rest)
@@ -168,12 +173,19 @@ def _add_builtins(sub) -> None:
                                    "says why).")
     w.add_argument("--controller", required=True, help="HOST:PORT of the controller")
     w.add_argument("--run-id", required=True)
-    w.add_argument("--worker-id", default="", help="default: this host's name and a random suffix")
+    w.add_argument("--worker-id", default="", help="default: this host's name and a random suffix; a slice of several "
+                                                   "hosts is named by its host 0 (give the others none, or the same)")
     w.add_argument("--devices", type=_count, default=None, metavar="N",
                    help="N simulated CPU devices (XLA's host platform; sets JAX_PLATFORMS=cpu unless set); "
                         "default: the devices JAX finds on this machine")
     w.add_argument("--host", default="127.0.0.1", help="the address this worker listens on and tells its peers")
     w.add_argument("--port", type=int, default=0)
+    w.add_argument("--slice-hosts", type=int, default=1, metavar="H",
+                   help="this worker is one host of a slice of H processes (the run's elastic_hosts_per_slice)")
+    w.add_argument("--slice-host", type=int, default=0, metavar="K", help="which host of its slice, 0..H-1")
+    w.add_argument("--slice-coordinator", default="", metavar="HOST0:PORT",
+                   help="where host 0 of the slice serves its JAX coordinator (an address and a free port of host "
+                        "0's machine that the other hosts reach), the same on every host of the slice")
     w.add_argument("--register-timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
                    help="how long to wait for the controller to answer (default: 60); then exit 1")
     for flag, env in _WORKER_TLS.items():

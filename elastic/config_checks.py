@@ -130,8 +130,8 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
                  "slices of one host"),
                 ("load_parameters_path", bool(values["load_parameters_path"]), "a checkpoint's parameters are "
                  "loaded onto slices of one host"),
-                ("elastic_launcher", values["elastic_launcher"] != "local", "slices of several hosts are "
-                 "launched by the local launcher")):
+                ("elastic_launcher", values["elastic_launcher"] == "ray", "slices of several hosts are not "
+                 "launched as Ray actors")):
             if bad:
                 return (f"config keys {at('elastic_hosts_per_slice')} and {at(key)} contradict: {why} for "
                         "now (docs/multi-host.md)")

@@ -30,6 +30,7 @@ _LAZY = {
         # a restarted client's own outcomes (elastic.reattach, elastic.cli, chaos.supervisor)
         "ClientSupersededError", "AttachRefusedError")},
     "positive_seconds": ("runtime.core.arguments", "positive_seconds"),
+    "slice_flags_problem": ("runtime.core.arguments", "slice_flags_problem"),
     "checkpoint_directory_problem": ("runtime.state.checkpoint_storage", "directory_problem"),
     "locate_checkpoint": ("runtime.control.checkpointing", "locate_checkpoint"),
     "newest_checkpoint": ("runtime.control.checkpointing", "newest_checkpoint"),
@@ -120,6 +121,7 @@ __all__ = [
     "Controller",
     "checkpoint_directory_problem",
     "positive_seconds",
+    "slice_flags_problem",
     "ControllerObserver",
     "ControllerOptions",
     "ElasticError",

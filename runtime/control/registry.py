@@ -61,8 +61,10 @@ class Registry(pb_grpc.ControllerServicer):
         if request.run_id != self.run_id:
             reason = f"this controller runs {self.run_id!r}, not {request.run_id!r}"
         elif hosts != self.hosts_per_slice:
-            reason = (f"this run's slices have {self.hosts_per_slice} host(s) (elastic_hosts_per_slice), this "
-                      f"worker's {hosts}")
+            reason = (f"this run's slices have {self.hosts_per_slice} host(s) (elastic_hosts_per_slice="
+                      f"{self.hosts_per_slice}), this worker's {hosts}: start each host of a slice with "
+                      f"--slice-hosts {self.hosts_per_slice}" + (" --slice-host K --slice-coordinator HOST0:PORT"
+                                                                 if hosts == 1 else ""))
         elif request.slice_host in self._forming.get(request.worker_id, {}):
             reason = f"host {request.slice_host} of slice {request.worker_id!r} already registered"
         elif request.rejoin and self.waits(request.worker_id):

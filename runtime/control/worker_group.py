@@ -71,11 +71,16 @@ def join_command(address: str, run_id: str, opts) -> str:
 
     On the CPU a worker simulates the devices of a slice (``--devices``); on an accelerator it has the devices
     its JAX finds, so the command names none. With TLS it names this client's files (the same certificate
-    works for a worker on this machine, or where the same Secret is mounted at the same paths). Pure.
+    works for a worker on this machine, or where the same Secret is mounted at the same paths). A slice of
+    several hosts is that many processes, each with its share of the devices: the command names the slice's
+    flags, with ``K`` (which host) and ``HOST0:PORT`` (its coordinator) for the user to fill in. Pure.
     """
+    hosts = opts.hosts_per_slice
     words = ["elastic", "worker", "--controller", address, "--run-id", run_id]
     if opts.platform == "cpu":
-        words += ["--devices", str(opts.devices_per_slice)]
+        words += ["--devices", str(opts.devices_per_slice // hosts)]
+    if hosts > 1:
+        words += ["--slice-hosts", str(hosts), "--slice-host", "K", "--slice-coordinator", "HOST0:PORT"]
     if opts.tls is not None:
         words += ["--tls-cert", opts.tls.cert_file, "--tls-key", opts.tls.key_file, "--tls-ca", opts.tls.ca_file]
     return shlex.join(words)
@@ -288,8 +293,11 @@ class WorkerGroup:
             elsewhere = "" if self.address.startswith(_LOOPBACK) else \
                 "; from another machine, give --controller a name of this host it reaches and --host its own address"
             self.events.emit("workers_awaited", count=n, controller=self.address, run_id=self.run_id, command=join)
-            log.warning("waiting up to %.0f s for %d workers to join: start each with `%s`%s and the run secret in "
-                        "ELASTIC_RUN_SECRET%s", timeout, n, join, needs, elsewhere)
+            slices = "" if o.hosts_per_slice == 1 else \
+                f" (a slice is {o.hosts_per_slice} of them, K = 0..{o.hosts_per_slice - 1}, HOST0:PORT a free port " \
+                "of host 0's machine that the others reach)"
+            log.warning("waiting up to %.0f s for %d workers to join: start each with `%s`%s%s and the run secret in "
+                        "ELASTIC_RUN_SECRET%s", timeout, n, join, slices, needs, elsewhere)
         while True:
             for wid, proc in list(self.launcher.procs.items()):
                 code = proc.poll()

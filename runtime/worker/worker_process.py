@@ -43,7 +43,7 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime.core import allocator, compile_cache
-from runtime.core.arguments import positive_seconds
+from runtime.core.arguments import positive_seconds, slice_flags_problem
 from runtime.core.errors import AuthenticationError, ElasticError, RegistrationTimeoutError
 from runtime.wire import auth, rpc
 from runtime.core.owner import Owner, set_title
@@ -54,7 +54,7 @@ from runtime.wire.dataplane import DataServer
 from runtime.worker.fault_injection import PartitionInterceptor
 from runtime.worker.worker import WorkerService
 
-__all__ = ["serve", "main", "EXIT_SHUTDOWN", "EXIT_FAILED", "EXIT_FENCED", "EXIT_ORPHANED"]
+__all__ = ["serve", "main", "slice_id", "EXIT_SHUTDOWN", "EXIT_FAILED", "EXIT_FENCED", "EXIT_ORPHANED"]
 
 log = logging.getLogger("jax_elastic.worker")
 
@@ -264,7 +264,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="elastic worker", description="Run a jax-elastic worker.")
     ap.add_argument("--controller", required=True, help="HOST:PORT of the controller")
     ap.add_argument("--run-id", required=True)
-    ap.add_argument("--worker-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    ap.add_argument("--worker-id", default="",
+                    help="default: this machine's name and a random suffix; a slice of several hosts takes its host "
+                         "0's (see slice_id)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--host-name", default="",
@@ -302,13 +304,15 @@ def main(argv=None) -> None:
                     help=f"how long to wait for the controller to answer the first registration (default: "
                          f"{REGISTER_SECONDS:g}); then exit 1")
     args = ap.parse_args(argv)
-    if args.slice_hosts < 1 or not 0 <= args.slice_host < args.slice_hosts:
-        ap.error(f"--slice-host {args.slice_host} is not a host of a slice of --slice-hosts {args.slice_hosts}")
-    if args.slice_hosts > 1 and (args.standby or not args.slice_coordinator):
-        ap.error("a host of a slice of several (--slice-hosts > 1) needs --slice-coordinator, and cannot be a "
-                 "--standby (it joins its slice before JAX starts)")
+    if problem := slice_flags_problem(args.slice_hosts, args.slice_host, args.slice_coordinator):
+        ap.error(problem)
+    if args.slice_hosts > 1 and args.standby:
+        ap.error("a host of a slice of several (--slice-hosts > 1) cannot be a --standby (it joins its slice before "
+                 "JAX starts)")
+    if not args.worker_id and (args.slice_host == 0 or args.standby):
+        args.worker_id = f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     secret = args.secret if args.secret is not None else os.environ.get("ELASTIC_RUN_SECRET", "")
-    name = args.worker_id if args.slice_hosts == 1 else f"{args.worker_id}/{args.slice_host}"
+    name = args.worker_id if args.slice_hosts == 1 else f"{args.worker_id or 'slice'}/{args.slice_host}"
     logging.basicConfig(level=logging.INFO, format=_log_format(name), stream=sys.stderr)
     owner_pid = args.owner_pid if args.owner_pid is not None else os.getppid() if args.exit_with_parent else None
     owner = Owner(owner_pid) if owner_pid is not None else None
@@ -323,6 +327,9 @@ def main(argv=None) -> None:
         set_title(f"elastic-worker run={args.run_id} worker={name} host={args.host_name or '-'}")
         if args.slice_hosts > 1:
             join_slice(args.slice_coordinator, args.slice_hosts, args.slice_host, args.register_timeout)
+            args.worker_id = _agree_slice_id(args.worker_id, args.slice_host, args.register_timeout)
+            logging.getLogger().handlers[0].setFormatter(
+                logging.Formatter(_log_format(f"{args.worker_id}/{args.slice_host}")))
         status = serve(args.controller, args.run_id, args.worker_id, args.host, args.port,
                        register_timeout=args.register_timeout, owner=owner,
                        secret=secret, chaos=args.chaos, host_name=args.host_name,
@@ -339,6 +346,33 @@ def main(argv=None) -> None:
         log.exception("worker %s failed", args.worker_id)
         status = EXIT_FAILED
     _exit_now(status)
+
+
+#: The key of a slice's id in its key-value store (its JAX coordinator's), written once by its host 0.
+_SLICE_ID_KEY = "jax_elastic/slice_id"
+
+
+def slice_id(given: str, host: int, host0s: str) -> str:
+    """The id that host ``host`` of a slice of several registers as: its host 0's (``host0s``), so that the hosts
+    of a slice started by hand (or restarted by a scheduler: a fresh slice needs a fresh id) agree without being
+    told. ``given``: this host's ``--worker-id`` ("": none). ``ElasticError`` in one line when a host other than 0
+    was given another id. Pure."""
+    if host and given and given != host0s:
+        raise ElasticError(f"--worker-id {given!r} is not its slice's: host 0 of this slice joined as {host0s!r} "
+                           "(give every host of a slice the same --worker-id, or none but host 0)")
+    return host0s
+
+
+def _agree_slice_id(given: str, host: int, timeout: float) -> str:
+    """:func:`slice_id` over the slice's key-value store: host 0 writes its id there, the others read it (waiting
+    up to ``timeout`` seconds)."""
+    from jax._src import distributed   # the client has no public name; runtime.worker.agreement uses it too
+
+    client = distributed.global_state.client
+    if host == 0:
+        client.key_value_set(_SLICE_ID_KEY, given)
+        return given
+    return slice_id(given, host, client.blocking_key_value_get(_SLICE_ID_KEY, int(timeout * 1000)))
 
 
 def _delay(text: str) -> float:
