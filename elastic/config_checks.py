@@ -124,12 +124,6 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
         for key, bad, why in (
                 ("dcn_pipeline_parallelism", values["dcn_pipeline_parallelism"] > 1, "pipeline stages run on "
                  "slices of one host"),
-                ("enable_checkpointing", values["enable_checkpointing"], "persistent checkpoints are written "
-                 "from slices of one host (each host of a slice holds only its blocks of the state)"),
-                ("load_full_state_path", bool(values["load_full_state_path"]), "a checkpoint is restored onto "
-                 "slices of one host"),
-                ("load_parameters_path", bool(values["load_parameters_path"]), "a checkpoint's parameters are "
-                 "loaded onto slices of one host"),
                 ("elastic_launcher", values["elastic_launcher"] == "ray", "slices of several hosts are not "
                  "launched as Ray actors")):
             if bad:

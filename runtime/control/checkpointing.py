@@ -18,6 +18,10 @@ The workers write and read checkpoints (:mod:`runtime.worker.saver`,
 - :meth:`Checkpointing.finish`: waits for the saves in flight at the end of
   a run, noting each as it completes, then removes what interrupted saves left.
 
+A slice of several hosts writes each host's blocks into a store of its own
+under the directory (:mod:`runtime.state.checkpoint_hosts`); a step is
+listed once every host's part is there, and any host count reads it.
+
 A pipelined run's state is one per stage: each stage writes its own
 checkpoints, by one of its replicas, into ``<directory>/stage<k>``
 (:meth:`Checkpointing.stage_directory`), and a step counts as checkpointed
@@ -174,7 +178,7 @@ class Checkpointing:
         if failed:
             return   # a save failed: its leftovers are kept for whoever looks into it; removed next time
         try:
-            removed = [path for store in self._stores() for path in store.cleanup()]
+            removed = [path for store in self._stores() for path in store.cleanup()]   # every host's too
         except Exception as e:  # noqa: BLE001 - leftovers are never restored; removing them is housekeeping
             self._unavailable(e)
             return
@@ -190,7 +194,7 @@ class Checkpointing:
         if not self.directory:
             return None
         try:
-            steps = set.intersection(*({s for s in store.steps() if s <= at_most} for store in self._stores()))
+            steps = set.intersection(*({s for s in held if s <= at_most} for held in self._steps()))
         except Exception as e:  # noqa: BLE001 - an unreadable store is no backup; the decision says so
             self._unavailable(e)
             return None
@@ -224,7 +228,7 @@ class Checkpointing:
             for why in r.skipped:
                 self.events.emit("checkpoint_skipped", worker=w, detail=why[:500])
         restored = min((r.applied_steps for r in replies.values()), default=step)
-        if any(r.applied_steps != restored for r in replies.values()):
+        if any(r.applied_steps != restored or not r.digest for r in replies.values()):   # ("": a slice's hosts did)
             replies = self._load(list(replies), restored, directory)
         last = None if self.stages == 1 else self.stages - 1   # the loss sums are the last stage's (the others'
         sums = next((list(r.loss_sums) for w, r in replies.items()   # recorded none for the steps they wrote)
@@ -243,11 +247,21 @@ class Checkpointing:
                                                        self.stage_directory(k, directory), step))
         return replies
 
-    def _stores(self) -> list:
-        from runtime.state.checkpoint import CheckpointStore   # orbax and tensorstore load only when checkpoints are on
+    def _directories(self) -> list[str]:
+        """Each stage's checkpoint directory (the run's own, unpipelined)."""
+        return [self.stage_directory(k) for k in ([None] if self.stages == 1 else range(self.stages))]
 
-        keys = [None] if self.stages == 1 else range(self.stages)
-        return [CheckpointStore(self.stage_directory(k)) for k in keys]
+    def _steps(self) -> list[list[int]]:
+        """Each stage's complete steps, of any host count (:func:`runtime.state.checkpoint_hosts.steps`)."""
+        from runtime.state import checkpoint_hosts   # orbax and tensorstore load only when checkpoints are on
+
+        return [checkpoint_hosts.steps(d) for d in self._directories()]
+
+    def _stores(self) -> list:
+        """Every checkpoint store of every stage: its own, and each host's of a slice of several."""
+        from runtime.state import checkpoint_hosts
+
+        return [store for d in self._directories() for store in checkpoint_hosts.stores(d)]
 
     def _unavailable(self, e: Exception) -> None:
         self.events.emit("checkpoint_unavailable", directory=self.directory, error=f"{type(e).__name__}: {e}"[:300])
@@ -265,6 +279,7 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
     """
     import os
 
+    from runtime.state import checkpoint_hosts
     from runtime.state.checkpoint import CheckpointStore
 
     if "://" not in path and not os.path.exists(os.path.expanduser(path)):
@@ -274,7 +289,7 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
     try:
         if tail.isdigit() and head and (step := CheckpointStore(head).step_held(tail)) is not None:
             return head, step   # MaxText's <d> holds step d + 1
-        steps = CheckpointStore(path).steps() or _common(stage_steps(path))   # a pipelined run's: its stages'
+        steps = checkpoint_hosts.steps(path) or _common(stage_steps(path))   # a pipelined run's: its stages'
     except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
         raise BadInputError(f"load_full_state_path {path!r} cannot be read", cause=f"{type(e).__name__}: {e}") from None
     if not steps:
@@ -285,10 +300,10 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
 def stage_steps(directory: str) -> list[list[int]]:
     """A pipelined run's checkpoint directory: the complete steps of each stage's (``stage0``, ``stage1``, ...,
     up to the first that holds none); [] for any other directory. Imports no JAX."""
-    from runtime.state.checkpoint import CheckpointStore
+    from runtime.state import checkpoint_hosts
 
     out = []
-    while steps := CheckpointStore(f"{directory.rstrip('/')}/stage{len(out)}").steps():
+    while steps := checkpoint_hosts.steps(f"{directory.rstrip('/')}/stage{len(out)}"):
         out.append(steps)
     return out
 
@@ -302,12 +317,12 @@ def newest_checkpoint(directory: str, at_most: int) -> int | None:
     """The newest complete checkpoint in ``directory`` at or before step ``at_most`` (a pipelined run's: the
     newest step every stage holds); None without one, or when the store cannot be read (the controller then
     counts it as none too). Imports no JAX."""
-    from runtime.state.checkpoint import CheckpointStore
+    from runtime.state import checkpoint_hosts
 
     if not directory:
         return None
     try:
-        steps = [s for s in CheckpointStore(directory).steps() or _common(stage_steps(directory)) if s <= at_most]
+        steps = [s for s in checkpoint_hosts.steps(directory) or _common(stage_steps(directory)) if s <= at_most]
     except Exception:  # noqa: BLE001 - an unreadable store holds nothing to resume from
         return None
     return max(steps) if steps else None

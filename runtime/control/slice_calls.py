@@ -32,7 +32,8 @@ def merge_replies(replies: list):
     """One slice's answer from its hosts' (the same message type, in host order).
 
     Host 0's, with: a ``digest`` the hosts' combined (:func:`slice_digest`; "" when they hold states of
-    different steps); byte and device counts summed; seconds the slowest host's. Pure.
+    different steps, and the step the oldest host's: a restore that ended on different steps is done again);
+    byte and device counts summed; seconds the slowest host's; an error any host's (the first). Pure.
     """
     if len(replies) == 1:
         return replies[0]
@@ -47,6 +48,10 @@ def merge_replies(replies: list):
         values = [getattr(r, name) for r in replies]
         if name == "digest":
             setattr(out, name, slice_digest(values) if agree else "")
+        elif name in _POSITION:
+            setattr(out, name, min(values))
+        elif name.endswith("error") and field.type == field.TYPE_STRING:
+            setattr(out, name, next((v for v in values if v), ""))
         elif name in _SUMMED:
             setattr(out, name, sum(values))
         elif name.endswith("seconds") and field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):

@@ -22,7 +22,8 @@ Pure.
 
 from __future__ import annotations
 
-__all__ = ["block_of", "host_address", "host_addresses", "host_id", "host_layout", "slice_address", "slice_of_host"]
+__all__ = ["block_of", "host_address", "host_addresses", "host_id", "host_layout", "join_blocks", "slice_address",
+           "slice_of_host", "take_blocks"]
 
 _JOIN = ","
 _HOST = "/"   # a host's id: "<slice id>/<host index>" (a one-host slice's is the slice's id)
@@ -51,6 +52,28 @@ def block_of(shape: tuple, dim: int | None, hosts: int, host: int) -> tuple[slic
         n = shape[dim] // hosts
         index[dim] = slice(host * n, (host + 1) * n)
     return tuple(index)
+
+
+def join_blocks(blocks: list[list], dims: list) -> list:
+    """The whole leaves from every host's blocks of them (``blocks[k]``: host ``k``'s, in host order): a split
+    leaf's blocks concatenated along its dimension, a replicated leaf host 0's. ValueError when the hosts hold
+    different numbers of leaves."""
+    import numpy as np
+
+    if any(len(b) != len(dims) for b in blocks):
+        raise ValueError(f"hosts hold {[len(b) for b in blocks]} blocks, for {len(dims)} leaves")
+    return [parts[0] if dim is None or len(parts) == 1 else np.concatenate(parts, axis=dim)
+            for parts, dim in zip(zip(*blocks), dims)]
+
+
+def take_blocks(leaves: list, dims: list, hosts: int, host: int) -> list:
+    """Host ``host``'s blocks (of ``hosts``) of whole ``leaves``, each split along its dimension of ``dims``
+    (None: replicated, the whole leaf); contiguous arrays of their own."""
+    import numpy as np
+
+    if hosts == 1:
+        return list(leaves)
+    return [np.ascontiguousarray(x[block_of(x.shape, dim, hosts, host)]) for x, dim in zip(leaves, dims)]
 
 
 def slice_address(addresses: list[str]) -> str:

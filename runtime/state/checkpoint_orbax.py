@@ -160,7 +160,43 @@ def _read_with(checkpointer, location, step: int) -> Restored:
 def _ocp():
     import orbax.checkpoint as ocp
 
+    _one_process_each()
     return ocp
+
+
+_ALONE = False
+
+
+def _one_process_each() -> None:
+    """Makes orbax act, in a host of a slice of several (a process of a JAX distributed system of several), as the
+    one process of its own checkpoints.
+
+    Such a host writes and reads its own blocks as numpy arrays, a checkpoint
+    of its own (:mod:`runtime.state.checkpoint_hosts`), from its background
+    writer thread. orbax would otherwise treat the slice's processes as one
+    checkpoint's writers: only process 0 writes the record and commits, and
+    its barriers and broadcasts run collectives on the slice's devices from
+    that thread, which interleave with the step's programs differently on
+    each host and break them ("passed to device_put is not the same on each
+    process"). orbax asks its ``multihost`` module who and how many the
+    processes are, and whether to synchronise them; each host answers for
+    itself alone: process 0 of 1, nothing to synchronise or broadcast. A
+    one-process worker (and the controller) is left as it is.
+    """
+    global _ALONE
+    if _ALONE:
+        return
+    from jax._src import distributed   # (asked without starting a backend: a controller has none)
+
+    if distributed.global_state.client is None or distributed.global_state.num_processes in (None, 1):
+        return
+    from orbax.checkpoint._src.multihost import multihost
+
+    multihost.process_index = lambda: 0
+    multihost.process_count = lambda: 1
+    multihost.should_skip_process_sync = lambda processes=None: True
+    multihost.broadcast_one_to_all = lambda in_tree, is_source=None: in_tree
+    _ALONE = True
 
 
 # orbax keeps process-wide state for a save in flight (its signaling client and operation ids): two saves in one

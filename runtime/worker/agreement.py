@@ -1,4 +1,5 @@
-"""The hosts of a slice decide together whether a step starts and whether it applies.
+"""The hosts of a slice decide together whether a step starts and whether it applies, and learn when all have
+written their parts of a checkpoint.
 
 Every host of a slice of several (:mod:`runtime.core.hosts`) must call the
 same programs in the same order: each program's collectives wait for every
@@ -18,6 +19,12 @@ step's deadline (a host that never got the request). So every host reads
 the same votes and decides the same. A host that died leaves its slot
 empty: the others wait, and its slice is retired (its processes stopped)
 meanwhile. A slice of one host decides alone, as before.
+
+A checkpoint of a slice of several hosts is each host's blocks, written by
+each in the background (:mod:`runtime.state.checkpoint_hosts`): a host marks
+its part :meth:`~SliceAgreement.done` in the same store, and the slice
+reports the checkpoint saved only once every host's part is
+(:meth:`~SliceAgreement.all_done`).
 """
 
 from __future__ import annotations
@@ -72,6 +79,40 @@ class SliceAgreement:
         if self.hosts > 1:
             self._decide(_prefix(point, epoch, step) + str(self.host), False)
 
+    def done(self, what: str, step: int) -> None:
+        """This host finished its part of ``what`` of ``step`` (its blocks of a checkpoint written): said in the
+        slice's store, so :meth:`all_done` on every host sees it."""
+        if self.hosts > 1:
+            self._client.key_value_set(_done(what, step) + str(self.host), _YES, allow_overwrite=True)
+
+    def undone(self, what: str, step: int) -> None:
+        """This host starts its part of ``what`` of ``step`` (again: a step redone is written again): an earlier
+        :meth:`done` of it no longer counts."""
+        if self.hosts > 1:
+            try:
+                self._client.key_value_delete(_done(what, step) + str(self.host))
+            except Exception:  # noqa: BLE001 - nothing to delete, or the store is gone (so is the slice)
+                pass
+
+    def all_done(self, what: str, step: int, deadline: float | None = None) -> bool:
+        """Whether every host of the slice finished its part of ``what`` of ``step`` (waiting for them until
+        ``deadline``, monotonic; None: not at all). A slice of one host's own part is all of it."""
+        if self.hosts == 1:
+            return True
+        prefix = _done(what, step)
+        for k in range(self.hosts):
+            try:
+                if deadline is None:
+                    if self._client.key_value_try_get(prefix + str(k)) != _YES:
+                        return False
+                else:
+                    left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+                    if self._client.blocking_key_value_get(prefix + str(k), left_ms) != _YES:
+                        return False
+            except Exception:  # noqa: BLE001 - not there (yet), or the store is gone
+                return False
+        return True
+
     def _decide(self, key: str, ok: bool) -> None:
         try:
             self._client.key_value_set(key, _YES if ok else _NO)   # once: a slot already decided stays
@@ -97,6 +138,10 @@ class SliceAgreement:
             self._client.key_value_delete(_prefix(point, epoch, step) + str(self.host))
         except Exception:  # noqa: BLE001 - only housekeeping
             pass
+
+
+def _done(what: str, step: int) -> str:
+    return f"jax-elastic/done/{what}/{step}/"
 
 
 def _prefix(point: str, epoch: int, step: int) -> str:

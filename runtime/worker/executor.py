@@ -205,14 +205,18 @@ class SliceExecutor:
         self.state, self.prev_state = self.prev_state, None
         self.steps_applied -= 1
 
-    def _state_dims(self) -> list:
+    def state_dims(self) -> list:
         """Each state leaf's split dimension over the slice's mesh (None: replicated)."""
         return self.programs.in_specs["apply"][:-1]
+
+    def whole_layout(self) -> list:
+        """``[(shape, dtype)]`` of the whole state leaves (on a slice of several hosts, more than this host holds)."""
+        return [(tuple(a.shape), a.dtype) for a in self._exported["apply"].in_avals[:-1]]
 
     def state_layout(self, layout: list) -> list:
         """``[(shape, dtype)]`` of the state this host holds, from the whole leaves' ``layout``: the leaves
         themselves on a one-host slice, this host's blocks of them on a slice of several."""
-        return host_layout(layout, self._state_dims(), self.hosts)
+        return host_layout(layout, self.state_dims(), self.hosts)
 
     def host_state(self) -> list[np.ndarray]:
         """The state this host holds as host arrays (for a peer-to-peer transfer): the leaves, or on a slice of
@@ -224,7 +228,7 @@ class SliceExecutor:
         state to the host while the next step runs)."""
         if self.hosts == 1:
             return [np.asarray(x) for x in state]
-        return [_block(x, dim) for x, dim in zip(state, self._state_dims())]
+        return [_block(x, dim) for x, dim in zip(state, self.state_dims())]
 
     def set_state(self, leaves: list[np.ndarray], steps_applied: int, digest: str = "") -> None:
         """Adopts a state copied from another replica, placed on this slice's mesh.
@@ -236,7 +240,7 @@ class SliceExecutor:
         avals = self._exported["apply"].in_avals[:-1]
         if len(leaves) != len(shardings):
             raise ValueError(f"state has {len(leaves)} leaves, programs expect {len(shardings)}")
-        expected = self.state_layout([(a.shape, a.dtype) for a in avals])
+        expected = self.state_layout(self.whole_layout())
         for i, (x, (shape, dtype)) in enumerate(zip(leaves, expected)):
             if x.shape != tuple(shape) or x.dtype != dtype:
                 raise ValueError(f"state leaf {i}: got {x.shape} {x.dtype}, expected {tuple(shape)} {dtype}")
@@ -244,7 +248,7 @@ class SliceExecutor:
             self.state = jax.device_put(list(leaves), list(shardings))   # one call: 193 leaves cost 15 ms one by one
         else:
             self.state = [_from_blocks(x, a.shape, s, dim, self.hosts, self.host)
-                          for x, a, s, dim in zip(leaves, avals, shardings, self._state_dims())]
+                          for x, a, s, dim in zip(leaves, avals, shardings, self.state_dims())]
         self.prev_state = None
         self.steps_applied = steps_applied
         if digest:

@@ -181,7 +181,7 @@ def run_reference(programs: ProgramSet, data_source, *, steps: int, seed: int,
         from runtime.worker.worker_state import with_parameters
 
         (ex,) = run.stages
-        leaves, _ = with_parameters(ex, parameters_from, [(tuple(x.shape), x.dtype) for x in ex.state])
+        leaves, _ = with_parameters(ex, parameters_from)
         ex.set_state(leaves, ex.steps_applied)
     return run.resume(steps=steps, start_step=start_step, on_step=on_step)
 

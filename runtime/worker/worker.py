@@ -97,11 +97,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._data = DataClient(secret, tls)   # to peers' data planes (runtime.wire.dataplane_client)
         self.replica = Replica(self._mailbox, peers, self._data)
         self.lease = Lease(run_id, worker_id, self.replica, step_timeout)
+        agreement = SliceAgreement.of_this_process()   # a slice of several hosts' votes and checkpoint parts
         self.state_mover = StateMover(self.replica, self.lease, peers=peers, data=self._data, faults=self.faults,
-                                      step_timeout=step_timeout)
+                                      step_timeout=step_timeout, agreement=agreement)
         self.step_runner = StepRunner(self.replica, self.lease, self.state_mover, mailbox=self._mailbox, peers=peers,
                                       data=self._data, faults=self.faults, step_timeout=step_timeout,
-                                      stage_delay=stage_delay, agreement=SliceAgreement.of_this_process())
+                                      stage_delay=stage_delay, agreement=agreement)
 
     def close(self) -> None:
         """``serve``, once the servers stopped (and tests): ends the connections to peers' data planes and the

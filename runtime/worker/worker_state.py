@@ -28,6 +28,7 @@ under its lock and refused while a step runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -48,8 +49,11 @@ from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.worker.fault_injection import WorkerFaults, mid_stream
 from runtime.wire.peers import PeerChannels
 from runtime.wire.requests import for_host
+from runtime.core.hosts import take_blocks
 from runtime.core.programs import ProgramSet
+from runtime.worker.agreement import SliceAgreement
 from runtime.worker.saver import CheckpointWriter, Drained
+from runtime.state.checkpoint_hosts import host_directory
 from runtime.state.snapshot import SnapshotStore
 from runtime.state.state_copy import (assemble_state, copy_shared_state, landing, shared_state, state_chunks,
                                       state_digest)
@@ -121,8 +125,11 @@ class StateMover:
     """
 
     def __init__(self, replica: Replica, lease: Lease, *, peers: PeerChannels, data: DataClient,
-                 faults: WorkerFaults, step_timeout: float):
+                 faults: WorkerFaults, step_timeout: float, agreement: SliceAgreement | None = None):
         self._replica, self._lease = replica, lease
+        # A slice of several hosts: a checkpoint is saved once every host's part is (runtime.worker.agreement).
+        self._agreement = agreement if agreement is not None else SliceAgreement()
+        self._unconfirmed: list[int] = []   # checkpoints this host wrote, not yet every host of the slice
         self._peers, self._data, self._faults = peers, data, faults
         self._step_timeout = step_timeout
         self.fingerprint = ""                 # sha256 of the loaded programs: which math a checkpoint holds
@@ -154,13 +161,26 @@ class StateMover:
     def save(self, req: pb.StepRequest) -> None:
         """Under the replica's lock, right after ``req.step`` applied (or between steps, for ``Checkpoints``):
         hands the state to the writer (:func:`save_step`)."""
-        replica = self._replica
+        replica, agreement = self._replica, self._agreement
+        if req.checkpoint_directory:
+            agreement.undone("checkpoint", replica.executor.steps_applied)
         save_step(self.writer(), req, replica.executor, fingerprint=self.fingerprint, recent=replica.recent,
-                  snapshots=self.snapshots, peers=self._peers, timeout=self._step_timeout)
+                  snapshots=self.snapshots, peers=self._peers, timeout=self._step_timeout,
+                  written=lambda store, step: agreement.done("checkpoint", step))
 
     def drain_saves(self) -> tuple[Drained, Drained]:
-        """The checkpoints, then the snapshots, finished since the last step asked (:func:`drain_saves`)."""
-        return drain_saves(self._writer)
+        """The checkpoints (those every host of the slice wrote its part of), then the snapshots, finished since
+        the last step asked (:func:`drain_saves`)."""
+        checkpoints, snapshots = drain_saves(self._writer)
+        return self._confirmed(checkpoints), snapshots
+
+    def _confirmed(self, drained: Drained, deadline: float | None = None) -> Drained:
+        """``drained`` with only the checkpoints every host of the slice wrote its part of (waiting for them
+        until ``deadline``, monotonic; None: not); the others are kept for the next call."""
+        self._unconfirmed += drained.saved
+        done = [s for s in self._unconfirmed if self._agreement.all_done("checkpoint", s, deadline)]
+        self._unconfirmed = [s for s in self._unconfirmed if s not in done]
+        return dataclasses.replace(drained, saved=done)
 
     def save_striker(self) -> Callable[[], None]:
         """Chaos, when ``kill_in_phase`` of the save phase is armed: what cuts off the save the writer (as it is
@@ -179,7 +199,11 @@ class StateMover:
                 ex = replica.executor
                 self.save(pb.StepRequest(step=ex.steps_applied - 1, checkpoint_directory=request.save_directory,
                                          committed_loss_sums=request.committed_loss_sums))
-        return flush_checkpoints(self._writer, max(0.0, min(request.wait_seconds, self._step_timeout)))
+        seconds = max(0.0, min(request.wait_seconds, self._step_timeout))
+        deadline = time.monotonic() + seconds
+        reply = flush_checkpoints(self._writer, seconds)
+        done = self._confirmed(Drained(saved=list(reply.saved)), deadline)
+        return pb.CheckpointsReply(saved=done.saved, error=reply.error, idle=reply.idle and not self._unconfirmed)
 
     def remove_snapshots(self) -> None:
         """The run ended (``Shutdown``): the RAM this host's snapshots hold serves nobody now, every stage's."""
@@ -234,10 +258,10 @@ class StateMover:
         replica.need_executor()
         ex = replica.executor
         if request.parameters_only:
-            return load_parameters(request, ex, replica.layout, replica.adopt)
-        return load_checkpoint(request, snapshots=self.snapshots, programs=ex.programs,
+            return load_parameters(request, ex, replica.adopt)
+        return load_checkpoint(request, snapshots=self.snapshots, executor=ex,
                                fingerprints=(self.fingerprint, lambda: legacy_programs_fingerprint(self._blobs)),
-                               layout=replica.layout, adopt=replica.adopt, tree=ex.checkpoint_tree)
+                               layout=replica.layout, adopt=replica.adopt)
 
     def keep(self, request_iterator) -> None:
         """Peer (``KeepSnapshot``): keep a copy of its snapshot on this host (:func:`keep_snapshot`)."""
@@ -313,28 +337,35 @@ def _pull_state(request, layout, data, peers, faults, timeout, adopt, memory) ->
                              seconds=time.perf_counter() - t0, transport=transport)
 
 
-def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotStore | None, programs: ProgramSet,
-                    fingerprints: tuple[str, Callable[[], str]], layout, adopt, tree=None) -> pb.PullStateReply:
+def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotStore | None, executor,
+                    fingerprints: tuple[str, Callable[[], str]], layout, adopt) -> pb.PullStateReply:
     """``LoadCheckpoint``: the newest valid checkpoint (or, with ``request.snapshot``, snapshot in
     ``snapshots``) at or before ``request.applied_steps``, given to ``adopt(leaves, step, digest)`` unless
-    other programs than ``programs`` (with state ``layout``) wrote it. ``fingerprints``: the programs'
+    other programs than ``executor``'s (this host's state ``layout``) wrote it. ``fingerprints``: the programs'
     fingerprint, and a function giving the one checkpoints written before it record (asked only when the
-    first does not match). ``tree``: how the programs' checkpoints name the leaves (reads a checkpoint
+    first does not match). A checkpoint is read as this host's blocks of it, whatever host count wrote it
+    (:func:`runtime.state.checkpoint_hosts.restore_for_host`; the programs' checkpoint tree reads one
     MaxText's trainer wrote)."""
-    from runtime.state.checkpoint import CheckpointStore
+    from runtime.state.checkpoint_hosts import restore_for_host
 
     t0 = time.perf_counter()
+    ex, programs = executor, executor.programs
     if request.snapshot and snapshots is None:
         raise StaleEpochError("this worker keeps no snapshots (the run takes none)")
-    store = snapshots if request.snapshot else CheckpointStore(request.directory, tree=tree, layout=layout)
-    (step, leaves, digest, meta), skipped = store.restore_newest_valid(at_most=request.applied_steps)
+    if request.snapshot:   # a snapshot is this host's own, of this slice's shape
+        (step, leaves, digest, meta), skipped = snapshots.restore_newest_valid(at_most=request.applied_steps)
+    else:
+        (step, leaves, digest, meta), skipped = restore_for_host(
+            request.directory, request.applied_steps, layout=ex.whole_layout(), dims=ex.state_dims(),
+            hosts=ex.hosts, host=ex.host, tree=ex.checkpoint_tree)
     mesh = (programs.devices_per_slice, programs.num_microbatches)
     written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
     fingerprint, legacy = fingerprints
     resharded = meta.get("fingerprint") not in ("", None, fingerprint) and meta["fingerprint"] != legacy()
     if resharded and (written_on == mesh or None in written_on
                       or [(tuple(x.shape), x.dtype) for x in leaves] != list(layout)):
-        raise ProtocolError(f"checkpoint {store.directory} step {step} was written by other programs "
+        where = snapshots.directory if request.snapshot else request.directory
+        raise ProtocolError(f"checkpoint {where} step {step} was written by other programs "
                             "(another model or optimizer); it cannot resume this run (to start afresh, "
                             "use another run_name or remove that directory)")
     adopt(leaves, step, digest)   # placed on this slice's devices, however many
@@ -346,23 +377,24 @@ def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotSto
                              written_microbatches=written_on[1] if resharded else 0)
 
 
-def load_parameters(request: pb.LoadCheckpointRequest, executor, layout, adopt) -> pb.PullStateReply:
+def load_parameters(request: pb.LoadCheckpointRequest, executor, adopt) -> pb.PullStateReply:
     """``LoadCheckpoint`` with ``parameters_only`` (``load_parameters_path``): the leaves the programs'
     checkpoint tree places under ``params`` are replaced by the checkpoint's at ``request.directory``, the rest
     of the state held now (the initialized optimizer) and its applied steps are kept, through
     ``adopt(leaves, step, digest)``."""
     t0 = time.perf_counter()
-    leaves, read = with_parameters(executor, request.directory, layout)
+    leaves, read = with_parameters(executor, request.directory)
     digest = state_digest(leaves)
     adopt(leaves, executor.steps_applied, digest)
     return pb.PullStateReply(digest=digest, bytes=read, seconds=time.perf_counter() - t0,
                              applied_steps=executor.steps_applied)
 
 
-def with_parameters(executor, directory: str, layout) -> tuple[list[np.ndarray], int]:
-    """``executor``'s state (host copies) with the leaves its programs' checkpoint tree places under
-    ``params`` read from the checkpoint at ``directory`` (``<dir>`` or ``<dir>/items``), and the bytes read;
-    the reference run does the same after its init."""
+def with_parameters(executor, directory: str) -> tuple[list[np.ndarray], int]:
+    """``executor``'s state as this host holds it (host copies: on a slice of several hosts, its blocks) with the
+    leaves its programs' checkpoint tree places under ``params`` read from the checkpoint at ``directory``
+    (``<dir>`` or ``<dir>/items``: whole leaves, this host's blocks of them taken), and the bytes read; the
+    reference run does the same after its init."""
     from etils import epath
 
     from runtime.state.checkpoint_orbax import read_parameters
@@ -374,8 +406,11 @@ def with_parameters(executor, directory: str, layout) -> tuple[list[np.ndarray],
                             "MaxText's)")
     if executor.state is None:
         raise StaleEpochError("this worker holds no state yet")
-    params = read_parameters(epath.Path(directory.rstrip("/").removesuffix("/items")), tree, layout)
-    return [params.get(i, np.asarray(x)) for i, x in enumerate(executor.state)], sum(x.nbytes for x in params.values())
+    params = read_parameters(epath.Path(directory.rstrip("/").removesuffix("/items")), tree, executor.whole_layout())
+    dims = executor.state_dims()
+    mine = {i: take_blocks([x], [dims[i]], executor.hosts, executor.host)[0] for i, x in params.items()}
+    return ([mine.get(i, x) for i, x in enumerate(executor.host_state())],
+            sum(x.nbytes for x in params.values()))
 
 
 def keep_snapshot(request_iterator, snapshots: SnapshotStore | None, check_fence, home: str = "") -> None:
@@ -412,17 +447,19 @@ def copy_snapshot(peers: PeerChannels, timeout: float, address: str, fence: pb.F
 
 
 def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExecutor, *, fingerprint: str,
-              recent: dict[int, float], snapshots: SnapshotStore | None, peers: PeerChannels, timeout: float) -> None:
+              recent: dict[int, float], snapshots: SnapshotStore | None, peers: PeerChannels, timeout: float,
+              written=None) -> None:
     """Right after step ``req.step`` applied (under the service's lock): hands the new state to ``writer`` for
     the checkpoint and the snapshot ``req`` asks for, with what they record (the programs' ``fingerprint`` and
-    mesh, the loss sums); a snapshot's copy then goes to ``req.snapshot_peer``, when named."""
+    mesh, the loss sums); a snapshot's copy then goes to ``req.snapshot_peer``, when named. ``written``: called
+    as ``written(store, step)`` once the checkpoint is committed."""
     ex = executor
     meta = {"fingerprint": fingerprint, "devices_per_slice": ex.programs.devices_per_slice,
             "microbatches": ex.programs.num_microbatches,
             "loss_sums": loss_sums(req.committed_loss_sums, recent, req.step)}
-    if req.checkpoint_directory:
-        writer.submit(req.checkpoint_directory, ex.steps_applied, ex.state, meta, tree=ex.checkpoint_tree,
-                      to_host=ex.host_blocks)
+    if req.checkpoint_directory:   # each host of a slice its own blocks (runtime.state.checkpoint_hosts)
+        writer.submit(host_directory(req.checkpoint_directory, ex.host, ex.hosts), ex.steps_applied, ex.state, meta,
+                      tree=ex.checkpoint_tree, to_host=ex.host_blocks, then=written)
     if req.snapshot:
         peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
         stage = f"stage{ex.programs.stage}" if req.HasField("pipeline") else ""

@@ -520,6 +520,7 @@ class FakeGroup:
             ck = stored[step]
             self.replicas[w] = ck.state.copy()
             out[w] = pb.PullStateReply(applied_steps=step, bytes=STATE_BYTES, loss_sums=ck.loss_sums[:step],
+                                       digest=f"fake:{step}",   # a worker's load always says what it holds
                                        written_devices_per_slice=ck.written_on[0] if ck.written_on else 0,
                                        written_microbatches=ck.written_on[1] if ck.written_on else 0,
                                        skipped=[f"step {s} ({directory}/{s}): does not read back"

@@ -66,7 +66,9 @@ def test_hosts_answers_are_one():
     merged = merge_replies([pb.StatusReply(applied_steps=4, digest=d0), pb.StatusReply(applied_steps=4, digest=d1)])
     assert merged.applied_steps == 4 and merged.digest == slice_digest([d0, d1])
     apart = merge_replies([pb.HashReply(step=4, digest=d0), pb.HashReply(step=3, digest=d1)])
-    assert apart.digest == ""   # hosts at different steps: the slice holds no one state
+    assert (apart.digest, apart.step) == ("", 3)   # hosts at different steps: no one state, the oldest step
+    saves = merge_replies([pb.CheckpointsReply(saved=[4], idle=True), pb.CheckpointsReply(error="disk full")])
+    assert list(saves.saved) == [4] and saves.error == "disk full"   # any host's error is the slice's
     load = merge_replies([pb.LoadReply(compile_seconds=1.0, devices_probed=2, probe_seconds=0.1),
                           pb.LoadReply(compile_seconds=3.0, devices_probed=2, probe_seconds=0.2)])
     assert (load.compile_seconds, load.devices_probed, load.probe_seconds) == (3.0, 4, 0.2)
@@ -209,7 +211,6 @@ def test_a_slice_registers_once_all_its_hosts_did(tmp_path):
     (["ici_fsdp_parallelism=3"], "'elastic_hosts_per_slice' (2, in overrides) and 'ici_fsdp_parallelism' (3, in "
                                  "overrides) contradict: a slice's devices are spread over its hosts"),
     (["ici_fsdp_parallelism=4", "dcn_pipeline_parallelism=2"], "pipeline stages run on slices of one host"),
-    (["ici_fsdp_parallelism=4", "enable_checkpointing=true"], "persistent checkpoints are written from slices"),
     (["ici_fsdp_parallelism=4", "elastic_launcher=ray"], "not launched as Ray actors"),
 ])
 def test_what_slices_of_several_hosts_cannot_do_is_refused_in_one_line(overrides, says):
