@@ -123,9 +123,7 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
     if hosts > 1:   # what slices of several hosts do not do yet: one line each, naming the key to change
         for key, bad, why in (
                 ("dcn_pipeline_parallelism", values["dcn_pipeline_parallelism"] > 1, "pipeline stages run on "
-                 "slices of one host"),
-                ("elastic_launcher", values["elastic_launcher"] == "ray", "slices of several hosts are not "
-                 "launched as Ray actors")):
+                 "slices of one host"),):
             if bad:
                 return (f"config keys {at('elastic_hosts_per_slice')} and {at(key)} contradict: {why} for "
                         "now (docs/multi-host.md)")

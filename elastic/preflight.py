@@ -141,23 +141,27 @@ def check_config_capacity(cfg: Config, host: HostCapacity | None = None) -> None
 def check_ray_cluster(opts) -> None:
     """Refuses a run on a Ray cluster (``opts``: its ``ControllerOptions``) that does not answer within
     ``elastic_register_timeout_seconds`` (at most 60 s), that has no node on this machine for the client to join,
-    or whose live nodes cannot hold every worker actor at once (slices and spares, 1 CPU each and their devices
-    as GPUs on the GPU platform): such actors would wait for a CPU until the registration timeout. The nodes are
-    those up now (an autoscaler's later ones do not count). Starts no Ray driver."""
+    or whose live nodes cannot hold every worker actor at once (slices and spares, an actor per host of each, 1
+    CPU each and its devices as GPUs on the GPU platform): such actors would wait for a CPU until the registration
+    timeout. The nodes are those up now (an autoscaler's later ones do not count). Starts no Ray driver."""
     timeout = min(opts.register_timeout_seconds, 60.0)
     if problem := ray_cluster_problem(opts.ray_address, timeout):
         raise ConfigError(problem)
-    gpus = opts.devices_per_slice if opts.platform == "gpu" else 0
+    hosts = opts.hosts_per_slice   # a slice of several hosts is an actor per host, each with its share of devices
+    gpus = opts.devices_per_slice // hosts if opts.platform == "gpu" else 0
     room = ray_cluster_room(opts.ray_address, timeout, gpus)
-    workers = opts.slices + opts.spares
+    workers = (opts.slices + opts.spares) * hosts
     if room is None or room.actors >= workers:
         return
     where = f"ray_address={opts.ray_address}" if opts.ray_address else f"$RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
     each = f"1 CPU and {gpus} GPUs" if gpus else "1 CPU"
     has = f"{room.cpus:g} CPUs" + (f" and {room.gpus:g} GPUs" if gpus else "")
-    raise ConfigError(f"config keys 'dcn_data_parallelism' ({opts.slices}) and 'elastic_spares' ({opts.spares}) ask "
-                      f"for {workers} Ray actors of {each} each; the cluster at {where} holds {room.actors} "
-                      f"({has} on {room.nodes} node{'s' * (room.nodes != 1)}): add CPUs or nodes to it "
+    keys = f"'dcn_data_parallelism' ({opts.slices}) and 'elastic_spares' ({opts.spares})"
+    if hosts > 1:
+        keys = f"'dcn_data_parallelism' ({opts.slices}), 'elastic_spares' ({opts.spares}) and " \
+               f"'elastic_hosts_per_slice' ({hosts})"
+    raise ConfigError(f"config keys {keys} ask for {workers} Ray actors of {each} each; the cluster at {where} holds "
+                      f"{room.actors} ({has} on {room.nodes} node{'s' * (room.nodes != 1)}): add CPUs or nodes to it "
                       "(`ray start --num-cpus=N`), or ask for fewer")
 
 

@@ -401,13 +401,14 @@ def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lo
     is Ray's failure signal) or nobody (:class:`ExternalLauncher`)."""
     if opts.launcher == "none":
         return ExternalLauncher()
+    hosts = opts.hosts_per_slice   # a slice of several: each process has its share of the slice's devices
     if opts.launcher == "ray":
         from runtime.launch.ray_launcher import RayLauncher   # Ray is imported only for this launcher
 
-        return RayLauncher(run_id, controller_address, opts.devices_per_slice, address=opts.ray_address,
+        return RayLauncher(run_id, controller_address, opts.devices_per_slice // hosts, address=opts.ray_address,
                            secret=secret, chaos=opts.chaos, tls=opts.tls,
-                           compilation_cache_dir=opts.compilation_cache_dir, platform=opts.platform, on_lost=on_lost)
-    hosts = opts.hosts_per_slice   # a slice of several: each process has its share of the slice's devices
+                           compilation_cache_dir=opts.compilation_cache_dir, platform=opts.platform, on_lost=on_lost,
+                           hosts_per_slice=hosts)
     return LocalLauncher(run_id, controller_address, opts.devices_per_slice // hosts, f"{opts.run_dir}/logs",
                          secret=secret, chaos=opts.chaos, tls=opts.tls,
                          compilation_cache_dir=opts.compilation_cache_dir,

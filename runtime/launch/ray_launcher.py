@@ -9,6 +9,13 @@ JAX environment (device count, platform) is the actor's ``runtime_env``, so
 it is set before the actor imports JAX; its resources are one CPU, plus
 its devices as GPUs when the platform is ``gpu``.
 
+A slice of several hosts (``elastic_hosts_per_slice``) is one actor per
+host, all in one placement group of the slice's own (:meth:`RayLauncher.launch`):
+host 0's actor serves the slice's JAX coordinator on its node, the slice is
+lost with any of its actors (the others are killed and the group removed,
+like :class:`runtime.launch.launcher.SliceProcesses`), and a fresh slice is a
+fresh group.
+
 Actors are detached (``lifetime="detached"``), each named
 ``jax-elastic-{run_id}-{worker_id}`` (:func:`actor_name`) in the namespace
 ``jax-elastic`` (:data:`NAMESPACE`: a driver's own namespace is anonymous
@@ -64,11 +71,14 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["NAMESPACE", "ClusterNode", "ClusterRoom", "RayLauncher", "actor_name", "cluster_problem", "cluster_room",
-           "connect", "driver_node", "ray_available", "room_for_actors", "unregistered_reason"]
+from runtime.core.hosts import host_id
+
+__all__ = ["NAMESPACE", "SLICE_STRATEGY", "ClusterNode", "ClusterRoom", "RayLauncher", "actor_name", "cluster_problem",
+           "cluster_room", "connect", "driver_node", "ray_available", "room_for_actors", "unregistered_reason"]
 
 log = logging.getLogger("jax_elastic.ray")
 
@@ -84,6 +94,13 @@ CLAIM_SECONDS = 60.0
 #: Threads of an actor: its ``serve`` call, the ``watch`` call of each client that adopted it (the live one, and
 #: a dead one's for at most ``WATCH_SECONDS``), its own ``leave`` call.
 _CONCURRENCY = 8
+
+#: How a slice of several hosts is placed: its actors' bundles on as few nodes as hold them (see
+#: :meth:`RayLauncher.launch`).
+SLICE_STRATEGY = "PACK"
+#: How long the last actor of a slice of several waits for its siblings to end before it removes their placement
+#: group under them (see :meth:`_WorkerActor.leave`).
+RELEASE_SECONDS = 30.0
 
 #: Env vars an actor's JAX reads (from :func:`runtime.core.child_env.jax_child_env`), passed as its runtime_env.
 _ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "ELASTIC_CHAOS", "ELASTIC_COMPILATION_CACHE_DIR")
@@ -326,17 +343,23 @@ def unregistered_reason(not_started: Sequence[str], started: Sequence[str], need
 
 
 def actor_name(run_id: str, worker_id: str) -> str:
-    """The name of the actor serving as ``worker_id`` in run ``run_id`` (in :data:`NAMESPACE`)."""
+    """The name of the actor serving as ``worker_id`` in run ``run_id`` (in :data:`NAMESPACE`); a host of a slice
+    of several is named by its host id (``w3/1``: :func:`runtime.core.hosts.host_id`)."""
     return f"jax-elastic-{run_id}-{worker_id}"
 
 
 class _Handle:
-    """A worker actor and the call that ends with its worker, polled like a process (``poll()``: None while
-    it serves). ``ref``: its ``serve`` call; for an actor an earlier client launched (``adopted``), its latest
-    ``watch`` call, which answers None while the worker still serves (the watcher then asks again)."""
+    """A worker actor (one host) and the call that ends with its worker, polled like a process (``poll()``: None
+    while it serves). ``name``: its host id; ``ref``: its ``serve`` call; for an actor an earlier client launched
+    (``adopted``), its latest ``watch`` call, which answers None while the worker still serves (the watcher then
+    asks again)."""
 
-    def __init__(self, ray, actor, ref, adopted: bool = False):
-        self.ray, self.actor, self.ref, self.adopted = ray, actor, ref, adopted
+    def __init__(self, ray, name: str, actor, ref, adopted: bool = False):
+        self.ray, self.name, self.actor, self.ref, self.adopted = ray, name, actor, ref, adopted
+
+    @property
+    def hosts(self) -> list[_Handle]:
+        return [self]
 
     def poll(self) -> int | None:
         ref = self.ref
@@ -350,27 +373,63 @@ class _Handle:
         return None if status is None else int(status)
 
 
+class _Slice:
+    """The actors of one slice of several hosts (in host order) and their placement group, as one: it has ended
+    once any of them did (the slice cannot run without it). ``group``: the placement group, or for an adopted
+    slice the calls that ask its actors for it (:meth:`_WorkerActor.group`)."""
+
+    def __init__(self, ray, hosts: list[_Handle], group):
+        self.ray, self.hosts, self._group = ray, hosts, group
+
+    def poll(self) -> int | None:
+        return next((code for code in (h.poll() for h in self.hosts) if code is not None), None)
+
+    def group(self):
+        """The slice's placement group; None when no actor of an adopted slice says which it is within 2 s."""
+        if not isinstance(self._group, list):
+            return self._group
+        from ray.util.placement_group import PlacementGroup
+
+        ready, _ = self.ray.wait(self._group, num_returns=1, timeout=2.0)
+        for ref in ready:
+            try:
+                self._group = PlacementGroup(self.ray.PlacementGroupID(bytes.fromhex(self.ray.get(ref))))
+                return self._group
+            except Exception:  # noqa: BLE001 - that actor is gone: its sibling may say
+                continue
+        return None
+
+
 def _serve(controller: str, run_id: str, worker_id: str, secret: str, chaos: bool,
-           tls: tuple[str, str, str] | None, cache_dir: str) -> int:
-    """The body of a worker actor's ``serve`` call: one worker, bound to this node's IP address."""
+           tls: tuple[str, str, str] | None, cache_dir: str, slice_host: int = 0, slice_hosts: int = 1,
+           coordinator: str = "") -> int:
+    """The body of a worker actor's ``serve`` call: one worker (host ``slice_host`` of ``slice_hosts``, joined to
+    its slice at ``coordinator`` first), bound to this node's IP address."""
     import ray
 
     from runtime.core import compile_cache
+    from runtime.core.platforms import join_slice
     from runtime.wire import auth
-    from runtime.worker.worker_process import serve
+    from runtime.worker.worker_process import REGISTER_SECONDS, serve
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id} %(levelname)s %(message)s")
+    name = host_id(worker_id, slice_host, slice_hosts)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     compile_cache.enable(cache_dir)
+    if slice_hosts > 1:   # before JAX starts a backend in this actor's process
+        join_slice(coordinator, slice_hosts, slice_host, REGISTER_SECONDS)
     # The worker's host, where its in-memory snapshots live, is its Ray node.
     return serve(controller, run_id, worker_id, host=ray.util.get_node_ip_address(), secret=secret, chaos=chaos,
-                 tls=auth.TlsFiles(*tls) if tls else None, host_name=ray.get_runtime_context().get_node_id())
+                 tls=auth.TlsFiles(*tls) if tls else None, host_name=ray.get_runtime_context().get_node_id(),
+                 slice_host=slice_host, slice_hosts=slice_hosts)
 
 
 class RayLauncher:
-    """Starts each worker as a Ray actor (see the module docstring); the interface of ``LocalLauncher``.
+    """Starts each worker as a Ray actor, a slice of several hosts as one actor per host (see the module
+    docstring); the interface of ``LocalLauncher``.
 
     ``on_lost(worker_id, reason)``: called from the watcher thread when Ray
-    reports a worker's actor dead or its call ended with a failure status.
+    reports a worker's actor dead or its call ended with a failure status (a
+    host of a slice of several: its host id, whose slice is then lost).
     """
 
     external = False   # it starts (and relaunches) the workers itself
@@ -378,7 +437,7 @@ class RayLauncher:
 
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, *, address: str = "",
                  secret: str = "", chaos: bool = False, tls=None, compilation_cache_dir: str = "",
-                 platform: str = "", on_lost=None):
+                 platform: str = "", on_lost=None, hosts_per_slice: int = 1):
         import ray
 
         from runtime.core.child_env import jax_child_env
@@ -387,7 +446,8 @@ class RayLauncher:
         connect(address)
         self.host = ray.get_runtime_context().get_node_id()   # a worker's ``host`` names its node the same way
         self.run_id, self.controller_address = run_id, controller_address
-        self.devices, self.platform = devices_per_worker, platform
+        self.devices, self.platform = devices_per_worker, platform   # an actor's (a host's, in a slice of several)
+        self.hosts_per_slice = hosts_per_slice
         self.secret, self.chaos, self.tls = secret, chaos, tls
         self.cache_dir = compilation_cache_dir
         env = jax_child_env(devices_per_worker, platform)
@@ -395,35 +455,60 @@ class RayLauncher:
         env["ELASTIC_COMPILATION_CACHE_DIR"] = compilation_cache_dir
         self._env = {k: env[k] for k in _ENV if k in env}
         self.on_lost = on_lost or (lambda worker_id, reason: None)
-        self.procs: dict[str, _Handle] = {}
+        self.procs: dict[str, _Handle | _Slice] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._actor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=_CONCURRENCY)(_WorkerActor)
         self._watcher = threading.Thread(target=self._watch, name="ray-watcher", daemon=True)
         self._watcher.start()
 
-    def launch(self, worker_id: str, host_name: str = "") -> _Handle:
+    def launch(self, worker_id: str, host_name: str = "") -> _Handle | _Slice:
         """Asks Ray for an actor serving as ``worker_id`` (detached, named: see the module docstring).
         ``host_name``: a Ray node id (the host a dead predecessor registered) is asked for first (soft
-        affinity: elsewhere when that node is gone)."""
-        ray = self.ray
-        needs = self._needs()
-        options = {"num_cpus": needs["CPU"], "runtime_env": {"env_vars": self._env}, "lifetime": "detached",
-                   "name": actor_name(self.run_id, worker_id), "namespace": NAMESPACE}
-        if "GPU" in needs:
-            options["num_gpus"] = needs["GPU"]
-        if re.fullmatch(r"[0-9a-f]{56}", host_name):
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        affinity: elsewhere when that node is gone).
 
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=host_name, soft=True)
-        actor = self._actor.options(**options).remote()
+        A slice of several hosts is ``hosts_per_slice`` actors in one placement group of their own (detached like
+        them; :data:`SLICE_STRATEGY`): Ray starts them together or not at all. Host 0's actor chooses its slice's
+        JAX coordinator (its node's IP address and a port free there, :meth:`_WorkerActor.coordinator`); every
+        host's ``serve`` call takes that address as an argument, so Ray hands it once host 0 chose it and this
+        call never waits. A relaunched slice goes wherever its group fits (no affinity)."""
         tls = (self.tls.cert_file, self.tls.key_file, self.tls.ca_file) if self.tls is not None else None
-        ref = actor.serve.remote(self.controller_address, self.run_id, worker_id, self.secret, self.chaos, tls,
-                                 self.cache_dir)
-        handle = _Handle(ray, actor, ref)
+        args = (self.controller_address, self.run_id, worker_id, self.secret, self.chaos, tls, self.cache_dir)
+        hosts = self.hosts_per_slice
+        if hosts == 1:
+            strategy = None
+            if re.fullmatch(r"[0-9a-f]{56}", host_name):
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                strategy = NodeAffinitySchedulingStrategy(node_id=host_name, soft=True)
+            actor = self._new_actor(worker_id, strategy)
+            handle = _Handle(self.ray, worker_id, actor, actor.serve.remote(*args))
+        else:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = placement_group([self._needs()] * hosts, strategy=SLICE_STRATEGY, lifetime="detached")
+            actors = [self._new_actor(host_id(worker_id, k, hosts), PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=k), (self.run_id, worker_id, k, hosts)) for k in range(hosts)]
+            coordinator = actors[0].coordinator.remote()
+            handle = _Slice(self.ray, [_Handle(self.ray, host_id(worker_id, k, hosts), a,
+                                               a.serve.remote(*args, k, hosts, coordinator))
+                                       for k, a in enumerate(actors)], group)
         with self._lock:
             self.procs[worker_id] = handle
         return handle
+
+    def _new_actor(self, name: str, strategy, in_slice: tuple | None = None):
+        """A detached actor named for host ``name`` of this run, placed by ``strategy`` (None: where Ray likes);
+        ``in_slice``: ``(run id, slice id, host, hosts)`` of a host of a slice of several."""
+        needs = self._needs()
+        options = {"num_cpus": needs["CPU"], "runtime_env": {"env_vars": self._env}, "lifetime": "detached",
+                   "name": actor_name(self.run_id, name), "namespace": NAMESPACE}
+        if "GPU" in needs:
+            options["num_gpus"] = needs["GPU"]
+        if strategy is not None:
+            options["scheduling_strategy"] = strategy
+        return self._actor.options(**options).remote(CLAIM_SECONDS, in_slice)
 
     def prepare_standby(self) -> None:
         """Ray keeps its own pool of worker processes; no standby here."""
@@ -433,87 +518,114 @@ class RayLauncher:
         worker serving, as far as Ray tells: those Ray has not started (no node with the CPU or GPUs free that
         each one needs), those it started whose worker did not register. Called by the worker group."""
         ray = self.ray
-        handles = {w: self.procs[w] for w in workers if w in self.procs}
-        probes = {h.actor.__ray_ready__.remote(): w for w, h in handles.items()}   # answers once it was created
+        hosts = [h for w in workers if w in self.procs for h in self.procs[w].hosts]
+        probes = {h.actor.__ray_ready__.remote(): h.name for h in hosts}   # answers once it was created
         ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=2.0) if probes else ([], [])
         started = sorted(probes[r] for r in ready)
-        return unregistered_reason(sorted(set(handles) - set(started)), started, self._needs(),
+        return unregistered_reason(sorted({h.name for h in hosts} - set(started)), started, self._needs(),
                                    ray.available_resources(), ray.cluster_resources())
 
     def _needs(self) -> dict[str, float]:
         """The resources of one worker actor."""
         return {"CPU": 1.0, **({"GPU": float(self.devices)} if self.platform == "gpu" else {})}
 
-    def adopt(self, worker_id: str, pid: int) -> None:
-        """A worker an earlier client of the run launched, attached by this one: its actor, found by name, is
-        killed and stopped like this launcher's own, and watched through its ``watch`` call (the ``serve``
-        call's result would go to the dead driver). ``pid`` is not needed: the name is the run's and the
-        worker's. An actor not found (gone since it answered) is left to the health monitor."""
+    def adopt(self, worker_id: str, pid: int | list[int]) -> None:
+        """A worker an earlier client of the run launched, attached by this one: its actor (each host's, for a
+        slice of several: ``pid`` lists its hosts' pids), found by name, is killed and stopped like this
+        launcher's own, and watched through its ``watch`` call (the ``serve`` call's result would go to the dead
+        driver). The pids are not needed otherwise: the names are the run's and the hosts'. A slice's placement
+        group is the one its actors say they run in. An actor not found (gone since it answered) is left to the
+        health monitor."""
         if worker_id in self.procs:
             return
-        try:
-            actor = self.ray.get_actor(actor_name(self.run_id, worker_id), namespace=NAMESPACE)
-        except ValueError as e:
-            log.warning("worker %s (process %d) has no actor of run %s in the Ray cluster: %s", worker_id, pid,
-                        self.run_id, str(e).splitlines()[0][:200])
-            return
-        handle = _Handle(self.ray, actor, actor.watch.remote(WATCH_SECONDS), adopted=True)
+        hosts = len(pid) if isinstance(pid, list) else 1
+        handles = []
+        for k in range(hosts):
+            name = host_id(worker_id, k, hosts)
+            try:
+                actor = self.ray.get_actor(actor_name(self.run_id, name), namespace=NAMESPACE)
+            except ValueError as e:
+                log.warning("worker %s has no actor of run %s in the Ray cluster: %s", name, self.run_id,
+                            str(e).splitlines()[0][:200])
+                return
+            handles.append(_Handle(self.ray, name, actor, actor.watch.remote(WATCH_SECONDS), adopted=True))
+        handle = handles[0] if hosts == 1 else _Slice(self.ray, handles, [h.actor.group.remote() for h in handles])
         with self._lock:
             self.procs[worker_id] = handle
 
     def kill(self, worker_id: str) -> None:
-        """Kills a worker declared dead (its actor; a hung one too)."""
+        """Kills a worker declared dead (its actor, a hung one too; a slice's every actor, and its group)."""
         handle = self.procs.get(worker_id)
         if handle is not None:
-            self.ray.kill(handle.actor, no_restart=True)
+            self._end(handle)
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        """Kills every actor left (live workers were told to shut down first), stops the watcher."""
+        """Kills every actor left (live workers were told to shut down first) and removes the slices' placement
+        groups, stops the watcher."""
         self._stop.set()
         for handle in list(self.procs.values()):
+            self._end(handle)
+        self._watcher.join(timeout)
+
+    def _end(self, handle: _Handle | _Slice) -> None:
+        group = handle.group() if isinstance(handle, _Slice) else None   # asked before its actors go
+        for host in handle.hosts:
             try:
-                self.ray.kill(handle.actor, no_restart=True)
+                self.ray.kill(host.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self._watcher.join(timeout)
+        if group is not None:
+            _remove_group(group)
 
     def _watch(self) -> None:
         """Reports each actor whose ``serve`` (or, adopted, ``watch``) call ended badly: Ray's failure signal
-        for that worker."""
+        for that worker (for that host, in a slice of several)."""
         ray = self.ray
         reported: set[str] = set()
         while not self._stop.is_set():
             with self._lock:
-                refs = {h.ref: (w, h) for w, h in self.procs.items() if w not in reported}
+                refs = {h.ref: h for w in self.procs for h in self.procs[w].hosts if h.name not in reported}
             if not refs:
                 self._stop.wait(0.2)
                 continue
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
             for ref in ready:
-                worker, handle = refs[ref]
+                handle = refs[ref]
                 try:
                     status = ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - actor died, node removed, ...
-                    reported.add(worker)
+                    reported.add(handle.name)
                     if not self._stop.is_set():
-                        self.on_lost(worker, f"ray: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                        self.on_lost(handle.name, f"ray: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     continue
                 if status is None and handle.adopted:   # it still serves: watch on
                     handle.ref = handle.actor.watch.remote(WATCH_SECONDS)
                     continue
-                reported.add(worker)
+                reported.add(handle.name)
                 if status not in (0, None) and not self._stop.is_set():
-                    self.on_lost(worker, f"ray: its worker exited with status {status}")
+                    self.on_lost(handle.name, f"ray: its worker exited with status {status}")
+
+
+def _remove_group(group) -> None:
+    """Removes a slice's placement group (its actors with it); one already removed is no error."""
+    from ray.util import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception as e:  # noqa: BLE001 - gone already, or Ray is shutting down
+        log.info("placement group %s not removed: %s", group.id.hex(), _first_line(e))
 
 
 class _WorkerActor:
     """A jax-elastic worker inside a Ray actor (decorated with ``ray.remote`` by :class:`RayLauncher`): one
     ``serve`` call for its life, then the actor ends itself; ``watch`` calls meanwhile from the clients that
-    adopted it."""
+    adopted it. ``in_slice``: ``(run id, slice id, host, hosts)`` of a host of a slice of several, whose placement
+    group the last of its actors to end removes (:meth:`leave`)."""
 
-    def __init__(self, claim_seconds: float = CLAIM_SECONDS):
+    def __init__(self, claim_seconds: float = CLAIM_SECONDS, in_slice: tuple | None = None):
         self._started, self._done = threading.Event(), threading.Event()
         self._status: int | None = None
+        self._slice = in_slice
         threading.Thread(target=self._unclaimed, args=(claim_seconds,), name="unclaimed", daemon=True).start()
 
     def serve(self, *args) -> int:
@@ -535,10 +647,30 @@ class _WorkerActor:
         self._done.wait(timeout)
         return self._status
 
-    def leave(self) -> None:
-        """Ends this actor once its calls running now (``serve``, ``watch``) returned their answers."""
+    def coordinator(self) -> str:
+        """``HOST:PORT`` of its slice's JAX coordinator, which this actor (host 0) serves: its node's IP address
+        (where the slice's other hosts, on any node, reach it) and a port free there now."""
         import ray
 
+        from runtime.wire.rpc import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return f"{ip}:{free_port(ip)}" if ":" not in ip else f"[{ip}]:{free_port(ip)}"
+
+    def group(self) -> str:
+        """The id (hex) of the placement group this actor runs in (a slice's: what a client that adopted it
+        removes with it)."""
+        import ray
+
+        return ray.util.get_current_placement_group().id.hex()
+
+    def leave(self) -> None:
+        """Ends this actor once its calls running now (``serve``, ``watch``) returned their answers; a slice's
+        placement group (detached: it would hold its CPUs and GPUs for ever) goes with the last of its actors."""
+        import ray
+
+        if self._slice is not None:
+            _release_group(*self._slice)
         ray.actor.exit_actor()
 
     def _unclaimed(self, seconds: float) -> None:
@@ -554,3 +686,33 @@ class _WorkerActor:
             ray.get_runtime_context().current_actor.leave.remote()
         except Exception:  # noqa: BLE001 - the actor is going anyway (killed, or Ray is shutting down)
             log.exception("the worker actor could not end itself")
+
+
+def _release_group(run_id: str, slice_id: str, host: int, hosts: int) -> None:
+    """Called by host ``host``'s actor of a slice of several as it ends: removes the slice's placement group when
+    no actor of a lower host is alive (that one does it), once the others ended (or after
+    :data:`RELEASE_SECONDS`, under them). The client removes the groups of the slices it stops or loses; this is
+    for actors that end with no client (its grace over)."""
+    import ray
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return
+    deadline = time.monotonic() + RELEASE_SECONDS
+    while True:
+        alive = [k for k in range(hosts) if k != host and _alive(ray, actor_name(run_id, host_id(slice_id, k, hosts)))]
+        if any(k < host for k in alive):
+            return
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    _remove_group(group)
+
+
+def _alive(ray, name: str) -> bool:
+    """Whether the actor named ``name`` lives (a dead actor's name is free again)."""
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True

@@ -2,12 +2,13 @@
 a real ``ray start`` process runs exactly as docs/deploy.md's one-machine block says, and three worker nodes joined
 to it as Ray's own test cluster joins them (Ray's command line adds none to a loopback head).
 
-``elastic chaos`` runs the tiny model on two actors and a spare. The harness SIGKILLs one active actor's
-process (a Ray worker process dying); later the test removes a whole node from the cluster, taking every actor
-on it at once. Ray reports both (``worker_dead`` with the reason Ray gave) beside the lease; dead workers are
-replaced by new actors that join as spares (on their predecessor's node when it still exists). The run ends with
-the usual guarantees: no step lost, every step committed, the final state bit-identical to the fault-free
-reference.
+``elastic chaos`` runs the tiny model on two slices of two hosts and a spare slice: an actor per host, a slice's
+two actors in a placement group of their own. The harness SIGKILLs host 1's actor of an active slice (a Ray worker
+process dying): the whole slice is lost, its other actor stopped with it and a fresh slice of two actors
+launched; once that slice registered, the test removes a whole node from the cluster, taking every actor on it at
+once. Ray reports both (``worker_dead`` with the reason Ray gave) beside the lease; dead slices are replaced by new
+ones that join as spares. The run ends with the usual guarantees: no step lost, every step committed, the final
+state bit-identical to the fault-free reference, and no actor or placement group of the run left in the cluster.
 
 The actors are detached: when the client (the Ray driver) is SIGKILLed mid-run, they live on for the client
 grace, and the same command run again finds them and re-attaches them, finishing bit-identical to the reference
@@ -40,6 +41,7 @@ from tests.conftest import ROOT, run_cli
 from tests.support.events import live_events
 
 STORE = 80 * 1024 * 1024   # the object store of each node: the runtime moves no tensors through Ray
+NODE_CPUS = 2   # each worker node holds a slice of two hosts (its placement group packs it there)
 LOOPBACK = "127.0.0.1"
 DOCS_PORT = "6379"
 
@@ -126,7 +128,7 @@ class _Node:
         from ray._private.node import Node
         from ray._private.parameter import RayParams
 
-        params = RayParams(node_ip_address=LOOPBACK, gcs_address=f"{LOOPBACK}:{port}", num_cpus=1, num_gpus=0,
+        params = RayParams(node_ip_address=LOOPBACK, gcs_address=f"{LOOPBACK}:{port}", num_cpus=NODE_CPUS, num_gpus=0,
                            object_store_memory=STORE, min_worker_port=0, max_worker_port=0, node_manager_port=0,
                            include_log_monitor=False, node_name=name, temp_dir=temp_dir)
         params.dashboard_agent_listen_port = None   # not the head's
@@ -159,9 +161,9 @@ def _wait_for_nodes(port: int, names: list[str], head: _Head, within: float) -> 
 
 
 def _cluster(log_dir: str, temp_dir: str) -> tuple[int, _Head, list[_Node]]:
-    """The docs' head on loopback (no CPU: no actor runs there) and three worker nodes of one CPU each, joined on
-    loopback: each actor on a node of its own, so removing a node loses one slice. The port is a free one found
-    just before; taken in between, the start is tried again on another."""
+    """The docs' head on loopback (no CPU: no actor runs there) and three worker nodes of two CPUs each, joined on
+    loopback: a slice of two hosts (or two of one) on each, so removing a node loses one slice of two hosts. The
+    port is a free one found just before; taken in between, the start is tried again on another."""
     _, commands = _docs_block()
     for attempt in range(2):
         port = _free_port()
@@ -223,6 +225,16 @@ def _actors_gone(port: int, run_id: str, within: float) -> list[str]:
     return left
 
 
+def _live_groups(port: int) -> list[str]:
+    """The ids of the placement groups of the cluster whose control store listens on ``port`` that are not
+    removed."""
+    with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+        reply = gcs_service_pb2_grpc.PlacementGroupInfoGcsServiceStub(channel).GetAllPlacementGroup(
+            gcs_service_pb2.GetAllPlacementGroupRequest(), timeout=5)
+    removed = gcs_pb2.PlacementGroupTableData.REMOVED
+    return [g.placement_group_id.hex() for g in reply.placement_group_table_data if g.state != removed]
+
+
 def _start_and_kill(args, tmp_path, run_dir, committed: int) -> str:
     """Starts ``elastic ARGS`` and SIGKILLs it (the Ray driver) once ``committed`` steps are in its log; its run
     id."""
@@ -246,13 +258,14 @@ def _start_and_kill(args, tmp_path, run_dir, committed: int) -> str:
 def test_a_run_the_cluster_cannot_hold_is_refused_in_one_line_before_anything_starts(ray_cluster, tmp_path):
     port, nodes = ray_cluster
     address = f"{LOOPBACK}:{port}"
-    cpus = len(_nodes(port)) - 1   # one per worker node, none on the head
+    nodes_up = len(_nodes(port))
+    cpus = NODE_CPUS * (nodes_up - 1)   # none on the head
     proc, _ = run_cli([*RUN, f"elastic_spares={cpus}", "elastic_launcher=ray", f"ray_address={address}",
                        "run_name=big"], tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         f"elastic: error: config keys 'dcn_data_parallelism' (2) and 'elastic_spares' ({cpus}) ask for {cpus + 2} "
-        f"Ray actors of 1 CPU each; the cluster at ray_address={address} holds {cpus} ({cpus} CPUs on {cpus + 1} "
+        f"Ray actors of 1 CPU each; the cluster at ray_address={address} holds {cpus} ({cpus} CPUs on {nodes_up} "
         "nodes): add CPUs or nodes to it (`ray start --num-cpus=N`), or ask for fewer")
     assert not (tmp_path / "big").exists(), "nothing is written for a run that cannot start"
     # The docs' `ray status` reaches the loopback head and shows its CPUs (as its autoscaler last counted them).
@@ -291,13 +304,14 @@ def test_a_killed_driver_leaves_its_actors_to_the_same_command_which_re_attaches
     assert not _actors_gone(port, run_id, 60), "an actor outlived its client grace"
 
 
-def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_cluster, tmp_path):
+def test_slices_of_two_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_cluster, tmp_path):
     port, nodes = ray_cluster
     env = dict(_env(), RAY_ADDRESS=f"{LOOPBACK}:{port}")
     run_dir = tmp_path / "ray"
-    cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=600", "dcn_data_parallelism=2",
-           "ici_fsdp_parallelism=1", "elastic_microbatches=2", "elastic_spares=1", "elastic_launcher=ray",
-           "run_name=ray", f"base_output_directory={tmp_path}", "--faults", "kill:slice=1@step=10", "--quiet",
+    cmd = [sys.executable, "-m", "elastic.cli", "chaos", "tiny", "steps=200", "dcn_data_parallelism=2",
+           "elastic_hosts_per_slice=2", "ici_fsdp_parallelism=2", "elastic_microbatches=2", "elastic_spares=1",
+           "elastic_launcher=ray", "run_name=ray", f"base_output_directory={tmp_path}",
+           "--faults", "kill:slice=1,host=1@step=10", "--quiet",
            # Silent 5 s, not 1.5, before a worker is suspect: in a full suite this host once starved both live actors
            # for 0.8 s (a relaunched actor compiling, another module's cluster) and the run lost them as hung. A
            # kill and a node removal are told by a refused connection and by Ray, not by silence.
@@ -305,16 +319,17 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_clus
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     removed = None
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
+        deadline = time.monotonic() + 420   # the reference first: a slice of two processes, 200 steps
+        relaunched_slice = False
+        while time.monotonic() < deadline and proc.poll() is None and not relaunched_slice:
             events = live_events(run_dir)
             relaunched = {e["worker"] for e in events if e["kind"] == "worker_relaunched"}
-            if any(e["kind"] == "worker_warmed" and e["worker"] in relaunched for e in events):
-                break   # the first kill was recovered and its replacement is a spare now
+            # The first kill was recovered and a fresh slice of two actors registered in the lost one's place.
+            relaunched_slice = any(e["kind"] == "worker_registered" and e["worker"] in relaunched for e in events)
             time.sleep(0.1)
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"the run ended before its first recovery ({proc.returncode}):\n{out}\n{err}")
+        if not relaunched_slice:
+            out, err = proc.communicate() if proc.poll() is not None else ("", "")
+            raise AssertionError(f"no fresh slice registered after the first kill ({proc.returncode}):\n{out}\n{err}")
         hosts = {e["worker"]: e["host"] for e in events if e["kind"] == "worker_registered"}
         active = next(e for e in reversed(events) if e["kind"] in ("placement", "recovery_decision"))["active"]
         # Not the node the client's own Ray connection goes through (all nodes share this host's IP, so Ray may
@@ -331,8 +346,13 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_clus
     report = json.loads((run_dir / "report.json").read_text())
     events = live_events(run_dir)
     assert report["verdict"] == "pass" and report["trajectory"] == "identical", report["verdict_reasons"]
-    assert report["steps_completed"] == 600 and report["steps_lost"] == 0
+    assert report["steps_completed"] == 200 and report["steps_lost"] == 0
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
+    # The actor kill lost its whole slice: host 1 dead, host 0 retired with it, a fresh slice of two in its place.
+    first = next(e for e in events if e["kind"] == "worker_dead")
+    assert (first["host"], first["retired"]) == (1, [0]), first
+    registered = [e for e in events if e["kind"] == "worker_registered"]
+    assert all(len(e["hosts"]) == 2 for e in registered) and len(registered) >= 4, registered
     on_node = {w for w, h in hosts.items() if h == removed.node_id}
     dead = {e["worker"]: e["reason"] for e in events if e["kind"] == "worker_dead"}
     assert on_node <= set(dead) and len(report["failures"]) >= 2, (on_node, dead)
@@ -341,5 +361,8 @@ def test_workers_as_ray_actors_survive_an_actor_kill_and_a_node_removal(ray_clus
     # The client listened, and every worker served, on loopback only.
     started = next(e for e in events if e["kind"] == "run_started")
     assert started["controller"].startswith(f"{LOOPBACK}:"), started["controller"]
-    addresses = [e["address"] for e in events if e["kind"] == "worker_registered"]
+    addresses = [h["address"] for e in registered for h in e["hosts"]]
     assert addresses and all(a.startswith(f"{LOOPBACK}:") for a in addresses), addresses
+    # Nothing of the run is left in the cluster: no actor (a host's), no placement group (a slice's).
+    assert not _actors_gone(port, started["run_id"], 30), "an actor outlived its run"
+    assert not _live_groups(port), "a slice's placement group outlived its run"

@@ -211,7 +211,6 @@ def test_a_slice_registers_once_all_its_hosts_did(tmp_path):
     (["ici_fsdp_parallelism=3"], "'elastic_hosts_per_slice' (2, in overrides) and 'ici_fsdp_parallelism' (3, in "
                                  "overrides) contradict: a slice's devices are spread over its hosts"),
     (["ici_fsdp_parallelism=4", "dcn_pipeline_parallelism=2"], "pipeline stages run on slices of one host"),
-    (["ici_fsdp_parallelism=4", "elastic_launcher=ray"], "not launched as Ray actors"),
 ])
 def test_what_slices_of_several_hosts_cannot_do_is_refused_in_one_line(overrides, says):
     from elastic.config import ConfigError
