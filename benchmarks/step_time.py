@@ -118,7 +118,11 @@ def baseline(args) -> None:
     cfg = load_config("tiny", _overrides(args))
     job = SpmdJob(cfg, args.processes, args.process_id)
     state = jax.jit(job.init_state, out_shardings=job.replicated)(jax.random.key(cfg.seed))
-    step = jax.jit(job.step)
+    step = jax.jit(job.step).lower(state, job.batch(0)).compile()
+    if args.processes > 1:   # every process compiled before the first collective: gloo gives its peers 30 s to
+        from jax._src import distributed   # connect, less than a compile on a loaded host may take
+
+        distributed.global_state.client.wait_at_barrier("step-time-compiled", 600_000)
     times = []
     for s in range(cfg.steps):
         rows = job.rows(s)

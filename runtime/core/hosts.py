@@ -68,12 +68,13 @@ def join_blocks(blocks: list[list], dims: list) -> list:
 
 def take_blocks(leaves: list, dims: list, hosts: int, host: int) -> list:
     """Host ``host``'s blocks (of ``hosts``) of whole ``leaves``, each split along its dimension of ``dims``
-    (None: replicated, the whole leaf); contiguous arrays of their own."""
+    (None: replicated, the whole leaf itself); a split leaf's block is a contiguous array of its own."""
     import numpy as np
 
     if hosts == 1:
         return list(leaves)
-    return [np.ascontiguousarray(x[block_of(x.shape, dim, hosts, host)]) for x, dim in zip(leaves, dims)]
+    return [x if dim is None else np.array(x[block_of(x.shape, dim, hosts, host)], order="C")
+            for x, dim in zip(leaves, dims)]
 
 
 def slice_address(addresses: list[str]) -> str:

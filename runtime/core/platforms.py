@@ -109,7 +109,22 @@ def join_slice(coordinator: str, hosts: int, host: int, timeout: float) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(coordinator, num_processes=hosts, process_id=host,
-                                   initialization_timeout=max(1, int(timeout)))
+                                   initialization_timeout=max(1, int(timeout)),
+                                   coordinator_bind_address=_bind_address(coordinator))
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; one line says what failed
         raise ElasticError(f"host {host} of {hosts} could not join its slice at {coordinator} within "
                            f"{timeout:g} s: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _bind_address(coordinator: str) -> str | None:
+    """Where host 0 serves its slice's coordinator: the coordinator's own address when it is an IP address (a
+    loopback one stays on loopback), else every interface (JAX's default: a name such as a Kubernetes pod's
+    resolves to the host's own address)."""
+    import ipaddress
+
+    host, _, port = coordinator.rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return f"{host}:{port}"

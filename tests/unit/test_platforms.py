@@ -229,3 +229,11 @@ def test_a_worker_refuses_gpu_programs_at_load_with_invalid_argument(gpu_job):
     finally:
         server.stop(0)
         service.close()
+
+
+def test_a_slices_coordinator_is_served_on_its_own_ip_address_and_a_loopback_one_stays_on_loopback():
+    from runtime.core.platforms import _bind_address
+
+    assert _bind_address("127.0.0.1:8476") == "127.0.0.1:8476" and _bind_address("[::1]:8476") == "[::1]:8476"
+    assert _bind_address("10.0.0.7:8476") == "10.0.0.7:8476"
+    assert _bind_address("jax-elastic-slice-1-0.jax-elastic-hosts:8476") is None   # a name: every interface
