@@ -6,7 +6,8 @@ the client is killed (the harness starts it again and it re-attaches both slices
 host of another slice is cut off (no spare is left warm: the run shrinks). The run ends bit-identical to the
 fault-free reference, itself run as one slice of 2 processes (the same host count: collectives across processes
 sum in their own order), with no step lost; the report names each slice's hosts, the host each fault hit and the
-hosts retired with it, and no process of the run is left.
+hosts retired with it, and no process of the run is left. Its checkpoints are each host's blocks, and a run of
+one-host slices resumes from the last of them.
 """
 
 import json
@@ -25,6 +26,7 @@ STEPS = 12
 def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_shrinks(tmp_path):
     run_cli(["chaos", "tiny", "dcn_data_parallelism=2", "elastic_hosts_per_slice=2", "ici_fsdp_parallelism=4",
              "elastic_spares=1", f"steps={STEPS}", "run_name=faulted", "elastic_client_grace_seconds=20",
+             "enable_checkpointing=true", "checkpoint_period=4",
              "--faults", "kill:slice=1,host=1@step=3,kill:client@step=6,partition:slice=0,host=0@step=9"], tmp_path)
     run_dir = pathlib.Path(tmp_path) / "faulted"
     report = json.loads((run_dir / "report.json").read_text())
@@ -56,3 +58,12 @@ def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_s
     while pids & set(processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pids & set(processes()), "a host of the run outlived it"
+
+    # Each host wrote its blocks, and a checkpoint counted once both had: a run of one-host slices resumes from it.
+    assert sorted({e["step"] for e in kinds(events, "checkpoint_saved")}) == [4, 8, 12]
+    for k in (0, 1):
+        assert (run_dir / "checkpoints" / f"host{k}-of-2" / "12" / "commit_success.txt").exists()
+    run_cli(["run", "tiny", "ici_fsdp_parallelism=4", f"steps={STEPS + 1}", "run_name=one-host",
+             f"load_full_state_path={run_dir / 'checkpoints'}"], tmp_path)
+    resumed = kinds(run_events(pathlib.Path(tmp_path) / "one-host"), "run_resumed")
+    assert [(e["step"], e["tier"]) for e in resumed] == [(STEPS, "checkpoint")]
