@@ -9,6 +9,7 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAXTEXT_TRAINER_CACHE = "ELASTIC_TESTS_MAXTEXT_TRAINER_CACHE_DIR"   # the JAX cache of MaxText's own trainer runs
 
 
 def pytest_configure(config):
@@ -21,11 +22,16 @@ def pytest_configure(config):
     """
     # Every event every process of the suite writes is checked against its schema, and a bad one fails.
     os.environ.setdefault("ELASTIC_STRICT_EVENTS", "1")
-    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    cache = tempfile.mkdtemp(prefix="jax-elastic-tests-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
-    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    # MaxText's own trainer (tests/maxtext/trainers.py) gets a cache of its own: it shares compiled programs
+    # only with its other runs in the suite, never with jax-elastic's runs it is compared with.
+    for variable, prefix in (("JAX_COMPILATION_CACHE_DIR", "jax-elastic-tests-jax-cache-"),
+                             (MAXTEXT_TRAINER_CACHE, "jax-elastic-tests-maxtext-trainer-cache-")):
+        if not os.environ.get(variable):
+            cache = tempfile.mkdtemp(prefix=prefix)
+            os.environ[variable] = cache
+            config.add_cleanup(lambda cache=cache: shutil.rmtree(cache, ignore_errors=True))
 
 
 def run_cli(args, tmp_path, *, check=True, timeout=300):
