@@ -10,7 +10,6 @@ import json
 import pathlib
 
 import jsonschema
-import pytest
 
 from tests.conftest import ROOT, run_cli
 from tests.support.events import kinds, run_events
@@ -39,23 +38,27 @@ def passed(report, steps=STEPS):
     assert report["losses"] == report["reference"]["losses"]
 
 
-@pytest.mark.parametrize("phase", ["grad", "reduce", "apply"])
-def test_sigkill_inside_each_phase_is_replaced_by_the_spare(tmp_path, phase):
-    _, report, events = chaos(tmp_path, f"kill(phase={phase}):slice=1@step=3", "elastic_spares=1")
+def test_sigkill_inside_each_phase_is_replaced_by_a_spare(tmp_path):
+    # One run, a kill inside each phase of a step: slice 1's worker in grad at step 3, slice 2's in reduce at step 6,
+    # slice 3's in apply at step 9; a spare for each.
+    faults = ",".join(f"kill(phase={phase}):slice={i}@step={3 * i}"
+                      for i, phase in enumerate(["grad", "reduce", "apply"], start=1))
+    _, report, events = chaos(tmp_path, faults, "elastic_spares=3")
     passed(report)
-    [fault] = report["faults"]
-    assert fault["workers"] == ["w1"] and fault["path"] == "replace"
-    assert fault["detected_after_s"] is not None and fault["recovered_after_s"] >= fault["detected_after_s"]
-    assert fault["bytes_moved"] == report["state_bytes"]
-    assert report["failures"][0]["kind"] == "crash"
+    assert [fault["workers"] for fault in report["faults"]] == [["w1"], ["w2"], ["w3"]]
+    for fault in report["faults"]:
+        assert fault["path"] == "replace", fault
+        assert fault["detected_after_s"] is not None and fault["recovered_after_s"] >= fault["detected_after_s"]
+        assert fault["bytes_moved"] == report["state_bytes"]
+    assert [failure["kind"] for failure in report["failures"]] == ["crash"] * 3
     assert report["slices_at_end"] == 4
-    if phase == "grad":   # `elastic report` re-renders a chaos run from its log, verdict included
-        run_dir = pathlib.Path(tmp_path) / "faulted"
-        (run_dir / "report.json").unlink()
-        proc, _ = run_cli(["report", str(run_dir)], tmp_path)
-        again = json.loads((run_dir / "report.json").read_text())
-        assert again == report and again["verdict"] == "pass"
-        assert "PASS" in proc.stdout
+    # `elastic report` re-renders a chaos run from its log, verdict included
+    run_dir = pathlib.Path(tmp_path) / "faulted"
+    (run_dir / "report.json").unlink()
+    proc, _ = run_cli(["report", str(run_dir)], tmp_path)
+    again = json.loads((run_dir / "report.json").read_text())
+    assert again == report and again["verdict"] == "pass"
+    assert "PASS" in proc.stdout
 
 
 def test_the_spare_killed_while_receiving_state_is_replaced_by_the_next(tmp_path):
