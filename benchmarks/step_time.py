@@ -67,8 +67,11 @@ class SpmdJob:
         mesh = Mesh(np.array(jax.devices()), ("data",))
         self.batch_sharding = NamedSharding(mesh, P("data"))
         self.replicated = NamedSharding(mesh, P())
-        # This process's rows of the global batch (all of them with one process).
-        self._mine = [m for m in range(cfg.microbatches) if m * processes // cfg.microbatches == process_id]
+        # This process's rows of the global batch (all of them with one process): its microbatches, or with more
+        # processes than microbatches (slices of several hosts) its share of the rows of every microbatch.
+        self.process_id = process_id
+        self._mine = [m for m in range(cfg.microbatches)
+                      if cfg.microbatches < processes or m * processes // cfg.microbatches == process_id]
 
         def init_state(key):
             params = init(key)
@@ -87,7 +90,11 @@ class SpmdJob:
         import numpy as np
 
         parts = [self._data.batch(step, m) for m in self._mine]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        if len(self._mine) == self.cfg.microbatches and self.processes > 1:   # every microbatch: this one's share
+            n = len(next(iter(rows.values()))) // self.processes
+            rows = {k: v[self.process_id * n:(self.process_id + 1) * n] for k, v in rows.items()}
+        return rows
 
     def place(self, rows: dict):
         """The global batch array from every process's :meth:`rows`."""

@@ -3,7 +3,8 @@ onto any number of hosts.
 
 A slice of H hosts (:mod:`runtime.core.hosts`) holds its state as blocks,
 host ``k`` its own, and no host holds the whole. So each host writes its
-blocks, with their own record and digest, as an ordinary checkpoint store
+blocks (a flat list: a named tree such as MaxText's places whole leaves), with their own record and
+digest, as an ordinary checkpoint store
 (:class:`runtime.state.checkpoint.CheckpointStore`) in
 ``<directory>/host<k>-of-<H>`` (:func:`host_directory`); no host gathers the
 state. A slice of one host writes into ``<directory>`` itself, as always. A
@@ -123,9 +124,10 @@ def restore_for_host(directory: str, at_most: int | None, *, layout, dims, hosts
 
 def _read(directory: str, step: int, written: int, layout, dims, hosts: int, host: int, tree) -> Restored:
     """Host ``host`` of ``hosts``' blocks of the checkpoint of ``step`` that slices of ``written`` hosts wrote."""
-    def restore(k: int) -> Restored:   # (the layout reads a checkpoint of MaxText's trainer: one host's, no record)
-        return _store(host_directory(directory, k, written), tree=tree, layout=layout if written == 1 else None
-                      ).restore(step)
+    def restore(k: int) -> Restored:   # (the tree and layout read one of MaxText's trainer: one host's, no record;
+        one = written == 1                # a host's blocks are a flat list)
+        return _store(host_directory(directory, k, written), tree=tree if one else None,
+                      layout=layout if one else None).restore(step)
 
     if written == hosts:
         return restore(host)

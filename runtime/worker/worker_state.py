@@ -458,8 +458,9 @@ def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExec
             "microbatches": ex.programs.num_microbatches,
             "loss_sums": loss_sums(req.committed_loss_sums, recent, req.step)}
     if req.checkpoint_directory:   # each host of a slice its own blocks (runtime.state.checkpoint_hosts)
+        # (a host's blocks are not the leaves a named tree places, MaxText's: they are kept as a flat list)
         writer.submit(host_directory(req.checkpoint_directory, ex.host, ex.hosts), ex.steps_applied, ex.state, meta,
-                      tree=ex.checkpoint_tree, to_host=ex.host_blocks, then=written)
+                      tree=ex.checkpoint_tree if ex.hosts == 1 else None, to_host=ex.host_blocks, then=written)
     if req.snapshot:
         peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
         stage = f"stage{ex.programs.stage}" if req.HasField("pipeline") else ""
