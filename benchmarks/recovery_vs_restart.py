@@ -65,7 +65,10 @@ committed step over the kills; steps lost; goodput and wall time of the run)
 and LAST the ratios (c)/(a) and (c)/(b) of the median kill -> next committed
 step.
 Usage: .venv/bin/python benchmarks/recovery_vs_restart.py [--kills 3] [--kill-gap 100] [--checkpoint-period 10]
-       [--slices 4] [--devices 2] [--kill-slice 1] [--out DIR]
+       [--slices 4] [--devices 2] [--hosts 1] [--kill-slice 1] [--out DIR]
+
+With ``--hosts H`` each slice is H processes (``elastic_hosts_per_slice``; (c): slices x H processes of
+devices / H devices each, one jit over all) and the kill hits the slice's last host.
 """
 
 from __future__ import annotations
@@ -121,14 +124,15 @@ def restart_child(a) -> None:
     emit("imported", started=t_start)
     # A long heartbeat timeout: on a loaded host a compiling process can miss heartbeats for a while, and here
     # the supervisor, not the coordination service, notices a death (it is the processes' parent).
-    jax.distributed.initialize(coordinator_address=a.coordinator, num_processes=a.slices,
+    processes = a.slices * a.hosts
+    jax.distributed.initialize(coordinator_address=a.coordinator, num_processes=processes,
                                process_id=a.process_id, initialization_timeout=300, heartbeat_timeout_seconds=600)
     emit("initialized", started=t_start)
 
     # The multi-controller baseline of step_time.py: same config, model, optimizer, mesh and step.
     cfg = load_config("tiny", _overrides(types.SimpleNamespace(slices=a.slices, devices=a.devices, steps=a.steps,
-                                                               microbatches=0, overrides=[])))
-    job = SpmdJob(cfg, a.slices, a.process_id)
+                                                               hosts=a.hosts, microbatches=0, overrides=[])))
+    job = SpmdJob(cfg, processes, a.process_id)
     replicated = job.replicated
     key = jax.random.key(cfg.seed)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
@@ -194,7 +198,7 @@ def run_restart(a, base: pathlib.Path, steps: int, kill_steps: list[int], name: 
     ckpt, cache, logs = base / name / "checkpoints", base / "restart_jax_cache", base / name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={a.devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={a.devices // a.hosts}")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     pending = list(kill_steps)
     incarnations: list[dict] = []
@@ -203,11 +207,11 @@ def run_restart(a, base: pathlib.Path, steps: int, kill_steps: list[int], name: 
         coordinator = f"127.0.0.1:{_free_port()}"
         inc = {"launched": time.time(), "records": []}
         procs = []
-        for i in range(a.slices):
+        for i in range(a.slices * a.hosts):
             err = open(logs / f"inc{k}-proc{i}.log", "w")
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--restart-child", "--process-id", str(i), "--coordinator", coordinator,
-                 "--slices", str(a.slices), "--devices", str(a.devices), "--steps", str(steps),
+                 "--slices", str(a.slices), "--devices", str(a.devices), "--hosts", str(a.hosts), "--steps", str(steps),
                  "--checkpoint-period", str(a.checkpoint_period), "--ckpt-dir", str(ckpt), "--cache-dir", str(cache)],
                 env=env, stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL, stderr=err, text=True, cwd=ROOT))
             err.close()
@@ -239,7 +243,7 @@ def run_restart(a, base: pathlib.Path, steps: int, kill_steps: list[int], name: 
             inc["records"].append(rec)
             if rec["kind"] == "step" and pending and rec["step"] + 1 >= pending[0]:
                 pending.pop(0)
-                victim = procs[a.kill_slice]
+                victim = procs[a.kill_slice * a.hosts + a.hosts - 1]   # the slice's last host
                 inc["kill"] = time.time()
                 os.kill(victim.pid, signal.SIGKILL)
                 os.waitpid(victim.pid, 0)       # the supervisor sees the death
@@ -280,9 +284,11 @@ def _fail(procs, logs: pathlib.Path, k: int, i: int, rc):
 
 
 def _elastic(a, base: pathlib.Path, name: str, spares: int, steps: int, kill_steps: list[int]) -> dict:
-    faults = ",".join(f"kill:slice={a.kill_slice}@step={n}" for n in kill_steps)
+    host = f",host={a.hosts - 1}" if a.hosts > 1 else ""   # the slice's last host, as (c)'s victim
+    faults = ",".join(f"kill:slice={a.kill_slice}{host}@step={n}" for n in kill_steps)
     report, events = run_elastic(base, name, ["chaos", "tiny", f"dcn_data_parallelism={a.slices}",
                                               f"ici_fsdp_parallelism={a.devices}", "elastic_microbatches=0",
+                                              f"elastic_hosts_per_slice={a.hosts}",
                                               f"steps={steps}", f"elastic_spares={spares}", "--faults", faults],
                                  timeout=1800)
     kills = elastic_kills(events)
@@ -324,6 +330,9 @@ def main():
     ap.add_argument("--slices", type=int, default=4)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--kill-slice", type=int, default=1)
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="processes (hosts) per slice: the last host of --kill-slice is killed; (c) runs slices x hosts "
+                         "processes of devices / hosts devices each")
     ap.add_argument("--out", default="", help="keep the runs' directories here (default: a temporary directory)")
     ap.add_argument("--restart-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -338,11 +347,14 @@ def main():
         return
     if not 0 <= a.kill_slice < a.slices:
         ap.error("--kill-slice must name a slice")
+    if a.hosts < 1 or a.devices % a.hosts:
+        ap.error(f"--hosts {a.hosts} must divide --devices {a.devices}")
     try:
         kill_steps, steps = kill_schedule(a.kills, a.kill_gap, a.checkpoint_period)
     except ValueError as e:
         ap.error(str(e))
-    print(f"tiny, {a.slices} slices x {a.devices} devices, {steps} steps, SIGKILL slice {a.kill_slice} once "
+    print(f"tiny, {a.slices} slices x {a.devices} devices ({a.hosts} host(s) a slice), {steps} steps, SIGKILL slice "
+          f"{a.kill_slice}{f' host {a.hosts - 1}' if a.hosts > 1 else ''} once "
           f"{', '.join(map(str, kill_steps))} steps are committed; (c) checkpoints every {a.checkpoint_period} steps",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
