@@ -160,7 +160,7 @@ def reference_report(trainer_for, cfg: Config, steps: int) -> tuple[dict, pathli
         h.update(name.encode() + hashlib.sha256(blob).digest())
     h.update(hashlib.sha256(cloudpickle.dumps(job.data)).digest())   # as shipped to the workers
     digest = h.hexdigest()[:16]
-    ref_cfg = cfg.replace(run_name=f"references/{digest}", steps=steps)
+    ref_cfg = cfg.replace(run_name=f"references/{digest}", steps=steps, metrics_file="")   # the file is the run's
     trainer = trainer_for(ref_cfg)
     run_dir = trainer.run_dir()
     cached = run_dir / "report.json"

@@ -36,6 +36,7 @@ __all__ = [
     "ElasticTrainingFailedError",
     "FunctionSource",
     "GrainSource",
+    "ModelMetrics",
     "ReplicaDivergenceError",
     "RunRecordsLostError",
     "StateLostError",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 _LAZY = {"RunRecordsLostError": "elastic.trainer", "Trainer": "elastic.trainer", "WrappedStep": "elastic.trainer",
-         "wrap": "elastic.trainer", "build_report": "elastic.report",
+         "wrap": "elastic.trainer", "build_report": "elastic.report", "ModelMetrics": "elastic.metrics",
          # why a run ended (runtime.core.errors): what ``fit`` raises, for callers to branch on
          "CheckpointTree": "runtime",   # how checkpoints name the state's leaves (elastic.wrap(checkpoint_tree=))
          **{name: "runtime" for name in ("BadInputError", "CapacityExhaustedError", "DeviceMismatchError",

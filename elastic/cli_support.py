@@ -73,6 +73,7 @@ def bundled_trainer(cfg):
     """A :class:`elastic.Trainer` for the bundled model of ``cfg`` (Adam, linear warm-up). Imports JAX."""
     import optax
 
+    from elastic.metrics import ModelMetrics
     from elastic.models import make_model
     from elastic.trainer import Trainer
 
@@ -80,6 +81,9 @@ def bundled_trainer(cfg):
     schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps) if cfg.warmup_steps else cfg.learning_rate
     trainer = Trainer(init=init, loss=loss, optimizer=optax.adam(schedule), data=data, config=cfg)
     trainer.reports_model_keys = True   # its config's model keys are its own: the report shows them
+    rate = schedule if callable(schedule) else lambda step: schedule
+    trainer.model_metrics = ModelMetrics(learning_rate=rate,
+                                         tokens_per_step=cfg.global_batch_size * cfg.max_target_length)
     return trainer
 
 

@@ -189,6 +189,13 @@ class Config:
     # are the seed's (fine-tuning). Not with load_full_state_path. "": the seed's parameters.
     load_parameters_path: str = _key("", role=(MATH, RUNTIME, MAXTEXT))
     elastic_goodput_cloud_logging: bool = _key(False, role=(OUTPUT,))
+    # MaxText's metrics keys, written by the client from committed steps (elastic.metrics): TensorBoard event files
+    # in <base_output_directory>/<run_name>/tensorboard/<run_name> (a MaxText config: on unless set, as in MaxText);
+    # metrics_file: one JSON line of the step's scalars per step ("": none); log_period: TensorBoard is flushed
+    # at every step divisible by it.
+    enable_tensorboard: bool = _key(False, role=(OUTPUT, MAXTEXT))
+    metrics_file: str = _key("", role=(OUTPUT, MAXTEXT))
+    log_period: int = _key(100, role=(OUTPUT, MAXTEXT), ge=1)
     # In-memory snapshots (MaxText's elastic_backup_kind): while no spare shadows the state, one replica writes
     # its state to its host's memory (/dev/shm) every elastic_snapshot_interval steps (0: never), and a copy
     # goes to a worker on another host; when every replica is lost, a worker on a host that holds one restores

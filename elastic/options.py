@@ -112,6 +112,9 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     "enable_goodput_recording": "RunSettings.goodput_recording: the trainer writes goodput_log.jsonl "
                                 "(elastic.report.goodput_log)",
     "elastic_goodput_cloud_logging": "RunSettings.goodput_cloud_logging: ...and sends it to Cloud Logging",
+    "enable_tensorboard": "RunSettings.tensorboard: the trainer writes TensorBoard event files (elastic.metrics)",
+    "metrics_file": "RunSettings.metrics_file: ...and one JSON line per committed step to this file",
+    "log_period": "RunSettings.log_period: ...flushing TensorBoard at every step divisible by it",
     "elastic_trainer": "RunSettings.trainer: the elastic command's trainer factory (elastic.cli_support.make_trainer)",
     "elastic_max_local_workers": "RunSettings.max_local_workers: the most worker processes the local launcher "
                                  "may start, checked before any starts (elastic.preflight)",
@@ -147,6 +150,9 @@ class RunSettings:
     pipeline_stages: int = 1   # dcn_pipeline_parallelism
     pipeline_schedule: str = "1f1b"
     hosts_per_slice: int = 1   # elastic_hosts_per_slice (the reference runs as a slice's hosts do)
+    tensorboard: bool = False  # enable_tensorboard
+    metrics_file: str = ""     # as given (relative: to the client's directory, as MaxText opens it)
+    log_period: int = 100
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -160,7 +166,8 @@ def run_settings(cfg: Config) -> RunSettings:
                        goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg),
                        parameters_from=_absolute(cfg.load_parameters_path),
                        pipeline_stages=cfg.dcn_pipeline_parallelism, pipeline_schedule=cfg.elastic_pipeline_schedule,
-                       hosts_per_slice=cfg.elastic_hosts_per_slice)
+                       hosts_per_slice=cfg.elastic_hosts_per_slice, tensorboard=cfg.enable_tensorboard,
+                       metrics_file=cfg.metrics_file, log_period=cfg.log_period)
 
 
 #: The config key ``hardware`` (MaxText's names) -> the JAX platform programs are exported for.

@@ -54,6 +54,7 @@ __all__ = [
     "check_load_full_state_path",
     "check_load_parameters_path",
     "check_local_capacity",
+    "check_metrics_file",
     "check_output_directory",
     "check_ray_cluster",
     "claim_run_directory",
@@ -325,6 +326,20 @@ def check_load_parameters_path(path: str, programs, checkpoint_directory: str = 
     if "://" not in root and not os.path.isdir(os.path.join(root, "items")):
         what = "does not exist" if not os.path.exists(path) else "holds no 'items' tree (a checkpoint's <dir>/<step>)"
         raise ConfigError(f"config key load_parameters_path {path!r} {what}")
+
+
+def check_metrics_file(path: str) -> None:
+    """Refuses a ``metrics_file`` the client cannot append to (its directory missing or not writable, a
+    directory given): a one-line ``ConfigError`` naming the key. Called by ``fit`` before anything starts;
+    the file is created empty if it was not there (the run's first step would create it)."""
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"config key 'metrics_file' ({path!r}): cannot append to it: {e.strerror or e}; choose a "
+                          "writable file (its directory must exist)") from None
 
 
 def check_output_directory(base_output_directory: str, run_name: str) -> None:

@@ -27,9 +27,11 @@ import optax
 from elastic import _programs, marker, reattach, run_records
 from elastic.config import Config, ConfigError
 from elastic.data import normalize_spec
+from elastic.metrics import ModelMetrics, open_metrics
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
 from elastic.preflight import (RunDirectory, check_checkpoint_directory, check_config_capacity, check_data_source,
-                               check_load_full_state_path, check_load_parameters_path, claim_run_directory)
+                               check_load_full_state_path, check_load_parameters_path, check_metrics_file,
+                               claim_run_directory)
 from elastic.report import build_report
 from elastic.run_records import RunRecordsLostError
 from runtime import (AttachRefusedError, ClientSupersededError, Controller, ElasticError, ProgramExportError,
@@ -47,6 +49,9 @@ class _Job:
     data: object
     #: Whether the report lists the bundled model's config keys (only the bundled model reads them).
     reports_model_keys: bool = False
+    #: The model's learning rate, tokens and TFLOPs per step for MaxText's scalars (elastic.metrics); unknown
+    #: by default, so those scalars are not written.
+    model_metrics: ModelMetrics = ModelMetrics()
 
     def _build(self) -> ProgramSet:
         raise NotImplementedError
@@ -156,6 +161,7 @@ class _Job:
         if not reference:
             check_config_capacity(cfg)
         check_data_source(self.data, cfg)   # a spec of the global batch: one line here, not a worker's traceback
+        check_metrics_file(settings.metrics_file)
         claim = self._claim()
         run_dir = claim.path
         try:
@@ -190,6 +196,11 @@ class _Job:
         except BaseException:
             claim.release()
             raise
+        metrics = open_metrics(run_dir=run_dir, tensorboard=settings.tensorboard, metrics_file=settings.metrics_file,
+                               log_period=settings.log_period, model=self.model_metrics,
+                               devices_per_slice=settings.devices_per_slice, fresh=not append, history=history)
+        if metrics is not None:
+            events.subscribe(metrics.observe)
         superseded = False
         try:
             events.emit("job_started", t=t0, mode="reference" if reference else "distributed",
@@ -221,6 +232,8 @@ class _Job:
             raise
         finally:
             events.close()
+            if metrics is not None:
+                metrics.close()   # after the log: the last goodput is the whole attempt's
             try:
                 if not superseded:
                     report, unwritten = run_records.render(run_dir, events.dropped)

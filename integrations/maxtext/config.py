@@ -82,6 +82,10 @@ SHARED_KEYS: Mapping[str, str] = {
     "load_parameters_path": "jax-elastic: a fresh start takes its parameters from that checkpoint (a full one's "
                             "or MaxText's parameter-only <dir>/items), optimizer and step from the seed; "
                             "MaxText: its default ''",
+    "enable_tensorboard": "jax-elastic: the client writes TensorBoard event files in MaxText's place from committed "
+                          "steps (unset: MaxText's default, true); MaxText: its default",
+    "metrics_file": "jax-elastic: the client appends MaxText's JSON line per committed step; MaxText: its default",
+    "log_period": "jax-elastic: TensorBoard is flushed every log_period steps, as MaxText does; MaxText: its default",
     "hardware": "both, the user's value: jax-elastic exports its programs for it, MaxText checks its options "
                 "against it (unset: jax-elastic's '', MaxText's 'tpu'); gpu_multiprocess is refused",
 }
@@ -91,10 +95,12 @@ SHARED_KEYS: Mapping[str, str] = {
 # none.
 _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
                  "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing",
-                 "checkpoint_period", "load_full_state_path", "load_parameters_path")
+                 "checkpoint_period", "load_full_state_path", "load_parameters_path", "enable_tensorboard",
+                 "metrics_file", "log_period")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
-# Runtime keys whose unset value is MaxText's default, not jax-elastic's: a MaxText run checkpoints unless told not.
-_MAXTEXT_DEFAULTS = ("enable_checkpointing", "checkpoint_period")
+# Runtime keys whose unset value is MaxText's default, not jax-elastic's: a MaxText run checkpoints and writes
+# TensorBoard unless told not.
+_MAXTEXT_DEFAULTS = ("enable_checkpointing", "checkpoint_period", "enable_tensorboard", "log_period")
 if set(SHARED_KEYS) != keys_with(MAXTEXT) - MODEL_KEYS or not set(_RUNTIME_KEYS) <= set(SHARED_KEYS):
     raise ImportError(f"integrations.maxtext: SHARED_KEYS {sorted(SHARED_KEYS)} and the schema's maxtext role "
                       f"{sorted(keys_with(MAXTEXT) - MODEL_KEYS)} disagree")

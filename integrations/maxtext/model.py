@@ -95,7 +95,25 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
                            checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
     with maxtext_jax(maxtext_config):
         job.programs()   # trace and export now, under MaxText's PRNG and mesh-typing settings
+    job.model_metrics = model_metrics(elastic_config, maxtext_config)
     return job
+
+
+def model_metrics(elastic_config: elastic.Config, maxtext_config) -> elastic.ModelMetrics:
+    """MaxText's learning-rate schedule, tokens and TFLOPs of a step (what its ``MetricLogger`` divides by the step
+    time), for the client's metrics (:mod:`elastic.metrics`). MaxText's per-device figures are of its config,
+    built for one slice and one microbatch: a step is ``microbatches`` of them on every device of a slice."""
+    from maxtext.utils import maxtext_utils
+
+    schedule = maxtext_utils.create_learning_rate_schedule(maxtext_config)
+    per_step = elastic_config.devices_per_slice * elastic_config.microbatches
+    try:
+        tflops = float(maxtext_utils.calculate_tflops_training_per_device(maxtext_config, log=False)[0]) * per_step
+    except Exception:  # noqa: BLE001 - MaxText's estimate does not cover every model; the scalar is then left out
+        tflops = 0.0
+    tokens = float(maxtext_utils.calculate_tokens_training_per_device(maxtext_config)) * per_step
+    return elastic.ModelMetrics(learning_rate=lambda step: float(schedule(step)), tflops_per_step=tflops,
+                                tokens_per_step=tokens)
 
 
 class _Pieces:

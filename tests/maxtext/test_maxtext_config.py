@@ -68,6 +68,15 @@ def test_runtime_keys_maxtext_also_defines_go_to_jax_elastic():
         assert (ec.enable_checkpointing, ec.checkpoint_period) == (True, 3)
 
 
+def test_maxtexts_metrics_keys_go_to_the_client_with_maxtexts_defaults(tmp_path):
+    unset = tmp_path / "tiny.yml"   # tiny.yml without its enable_tensorboard: false
+    unset.write_text(TINY.read_text().replace("enable_tensorboard: false\n", ""))
+    ec, _ = load(path=unset)
+    assert (ec.enable_tensorboard, ec.metrics_file, ec.log_period) == (True, "", 100)   # MaxText's base.yml
+    ec, _ = load("enable_tensorboard=false", "metrics_file=m.jsonl", "log_period=5")
+    assert (ec.enable_tensorboard, ec.metrics_file, ec.log_period) == (False, "m.jsonl", 5)
+
+
 def test_unknown_keys_are_named_with_where_they_were_set(tmp_path):
     assert "'stpes' (in overrides)" in error("stpes=3") and "did you mean 'steps'" in error("stpes=3")
     bad = tmp_path / "bad.yml"
