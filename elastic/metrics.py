@@ -217,6 +217,7 @@ class MetricsWriter:
         self._tb = self._mf = None
         self._goodput = _Sink("elastic/goodput (TensorBoard)", -1)   # its failure leaves the other scalars be
         self._goodput_cost, self._goodput_at = 0.0, 0.0
+        self._superseded = False
         if tensorboard:
             self._tb = _Sink("TensorBoard (enable_tensorboard)", -1)
             self._guard(self._tb, self._open_tensorboard, fresh)
@@ -232,15 +233,17 @@ class MetricsWriter:
         """The event log's listener (called under its lock): queues the event for the writer thread."""
         self._queue.put(event)
 
-    def close(self) -> None:
-        """Writes what is queued (waiting at most 30 s), flushes and closes the files. Never raises."""
+    def close(self, *, superseded: bool = False) -> None:
+        """Writes what is queued (waiting at most 30 s), flushes and closes the files. Never raises.
+        ``superseded``: another client drives the run now and writes its metrics; nothing more is written."""
+        self._superseded = superseded
         self._queue.put(None)
         self._thread.join(_CLOSE_SECONDS)
         if self._thread.is_alive():
             print("elastic: warning: metrics (enable_tensorboard, metrics_file) still writing after "
                   f"{_CLOSE_SECONDS:.0f} s; left unfinished", file=sys.stderr)
             return
-        if self._writer is not None:
+        if self._writer is not None and not superseded:
             self._guard(self._goodput, self._goodput_point, True)
             self._guard(self._tb, self._writer.close)
         if self._file is not None:
@@ -253,6 +256,8 @@ class MetricsWriter:
             self._write(event)
 
     def _write(self, event: Mapping[str, Any]) -> None:
+        if self._superseded:
+            return
         sinks = [sink for sink in (self._tb, self._mf) if sink is not None]
         try:
             commit = self.fold.feed(event)

@@ -232,8 +232,8 @@ class _Job:
             raise
         finally:
             events.close()
-            if metrics is not None:
-                metrics.close()   # after the log: the last goodput is the whole attempt's
+            if metrics is not None:   # after the log: the last goodput is the whole attempt's
+                metrics.close(superseded=superseded)
             try:
                 if not superseded:
                     report, unwritten = run_records.render(run_dir, events.dropped)

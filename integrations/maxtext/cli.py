@@ -61,13 +61,13 @@ def build_job(path, overrides: list[str]):
     signature of :func:`integrations.maxtext.make_job`, so it can wrap it, with
     its own ``data=`` for instance), or ``factory(elastic_config)`` when it
     takes one argument. Before tracing, the run directory is checked as for
-    every run (usable, not held by another run). What the libraries print
+    every run (usable, not held by another run), and ``metrics_file`` too. What the libraries print
     meanwhile is written to the run directory's ``logs/client.log``.
     Raises ``elastic.ConfigError`` for bad input.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")   # JAX's own default; MaxText's package would set 0
     from elastic.cli_support import factory_job, kept_library_output
-    from elastic.preflight import check_output_directory
+    from elastic.preflight import check_metrics_file, check_output_directory
 
     with kept_library_output() as kept:
         from integrations.maxtext import load_maxtext_config, make_job
@@ -75,6 +75,7 @@ def build_job(path, overrides: list[str]):
 
         ec, mt = load_maxtext_config(path, overrides)
         check_output_directory(ec.base_output_directory, ec.run_name)
+        check_metrics_file(ec.metrics_file)   # before the programs are traced (fit checks again)
         if ec.elastic_trainer:
             import_maxtext()   # what MaxText prints as it imports is kept here, not in the factory's output
             job = None

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import ROOT, processes, run_cli
 from tests.support.events import kinds, run_events
+from tests.support.metrics_files import metrics_file_lines, tensorboard_scalars
 
 RUN = ["tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "elastic_microbatches=2", "steps=40",
        "elastic_client_grace_seconds=20"]
@@ -115,8 +116,20 @@ def test_a_client_still_stopped_when_the_run_ends_is_woken_then_and_changes_noth
 
 
 def test_a_client_killed_as_the_state_transfer_of_a_recovery_begins(where):
-    proc, report, events = chaos(where, "kill:slice=1@step=5,kill:client@transfer", "elastic_spares=1")
+    base, name = where
+    metrics = pathlib.Path(base) / f"{name}.metrics.jsonl"
+    proc, report, events = chaos(where, "kill:slice=1@step=5,kill:client@transfer", "elastic_spares=1",
+                                 "enable_tensorboard=true", f"metrics_file={metrics}")
     passed(report, events)
+    # MaxText's metrics of the committed steps, each once: TensorBoard's lost its unflushed tail with the killed
+    # client (log_period 100), and the restarted one wrote it again from the event log before going on.
+    assert tensorboard_scalars(pathlib.Path(base) / name) == list(enumerate(report["losses"]))
+    assert [v for _, v in tensorboard_scalars(pathlib.Path(base) / name, "elastic/recoveries")][-1] == 1
+    lines = metrics_file_lines(metrics)
+    assert [line["step"] for line in lines] == list(range(40)) and {line["run_name"] for line in lines} == {name}
+    assert [line["learning/loss"] for line in lines] == report["losses"]
+    assert {"learning/current_learning_rate", "perf/step_time_seconds", "perf/per_device_tokens_per_sec"} \
+        <= lines[-1].keys()
     worker, client = kinds(events, "fault_injected")
     assert worker["workers"] == ["w1"] and client["fault"] == "kill:client@transfer"
     # It struck inside the recovery of the worker's death (after its decision, before its transfer), which the

@@ -17,6 +17,7 @@ pytest.importorskip("maxtext")   # the MaxText integration's requirements (integ
 
 from tests.conftest import run_cli  # noqa: E402
 from tests.maxtext.text_files import documents, write_arrayrecord  # noqa: E402
+from tests.support.metrics_files import metrics_file_lines  # noqa: E402
 
 TINY = pathlib.Path(__file__).resolve().parents[2] / "integrations" / "maxtext" / "configs" / "tiny.yml"
 LLAMA2 = pathlib.Path(__import__("maxtext").__file__).parent / "assets" / "tokenizers" / "tokenizer.llama2"
@@ -32,6 +33,7 @@ def test_arrayrecord_packed_worker_kills_a_spare_takes_one_place_then_the_surviv
     _, report = run_cli(["chaos", str(TINY), "steps=5", "dcn_data_parallelism=2", "elastic_spares=1",
                          "elastic_microbatches=4", *TEXT, "grain_file_type=arrayrecord",
                          f"grain_train_files={tmp_path}/*.array_record", "run_name=kill",
+                         f"metrics_file={tmp_path / 'metrics.jsonl'}",
                          "--faults", "kill:slice=1@step=2,kill:slice=0@step=3"], tmp_path)
     assert report["verdict"] == "pass", report.get("verdict_reasons")
     assert (report["steps_completed"], report["steps_lost"], report["checkpoint_restores"]) == (5, 0, 0)
@@ -39,3 +41,10 @@ def test_arrayrecord_packed_worker_kills_a_spare_takes_one_place_then_the_surviv
     assert [f["path"] for f in report["faults"]] == ["replace", "shrink"]
     assert report["slices_at_end"] == 1
     assert report["config"]["dcn_data_parallelism"] == 2 and "elastic_spares" in report["config"]
+    # MaxText's metrics_file: a line per committed step with the scalars MaxText's trainer writes
+    lines = metrics_file_lines(tmp_path / "metrics.jsonl")
+    assert [line["learning/loss"] for line in lines] == report["losses"]
+    assert [line["step"] for line in lines] == [0.0, 1.0, 2.0, 3.0, 4.0] and lines[0]["run_name"] == "kill"
+    assert {"learning/current_learning_rate", "perf/step_time_seconds", "perf/per_device_tflops_per_sec",
+            "perf/per_device_tokens_per_sec", "elastic/slices_live"} <= lines[-1].keys()
+    assert [line["elastic/slices_live"] for line in lines][-1] == 1.0
