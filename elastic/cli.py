@@ -1,4 +1,5 @@
-"""The ``elastic`` command: ``run``, ``report``, ``worker``, and the subcommands other packages plug in.
+"""The ``elastic`` command: ``run``, ``report``, ``worker``, ``status``, ``stacks``, and the subcommands other
+packages plug in.
 
 Bad input (config, arguments, fault specs, files) prints one line,
 ``elastic: error: ...``, and exits with status 2; a run that fails, or a
@@ -28,6 +29,7 @@ from elastic.cli_support import (OneLineParser, config_loader, finish, make_job,
                                  usage_error)
 from elastic.config import ConfigError
 from elastic.config_loading import load_config
+from elastic.status import register as status_commands
 from runtime import positive_seconds, slice_flags_problem   # no JAX: the device count is set after parsing
 
 __all__ = ["COMMANDS_GROUP", "main", "parser"]
@@ -195,6 +197,7 @@ def _add_builtins(sub) -> None:
                    help="JAX's persistent compilation cache on this host (shared with the run's other workers "
                         "when the file system is; default: $ELASTIC_COMPILATION_CACHE_DIR, else none)")
     w.set_defaults(handler=_cmd_worker)
+    status_commands(sub)   # status, stacks
 
 
 def _add_plugins(sub) -> None:

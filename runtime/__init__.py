@@ -20,6 +20,8 @@ _LAZY = {
     "ControllerOptions": ("runtime.control.controller_options", "ControllerOptions"),
     "peak_rss_bytes": ("runtime.control.controller_options", "peak_rss_bytes"),
     "RunState": ("runtime.control.run_state", "RunState"),
+    "inspect_run": ("runtime.control.inspect", "inspect_run"),
+    "stacks_text": ("runtime.core.stacks", "stacks_text"),
     "Reattach": ("runtime.control.attach", "Reattach"),
     "can_attach": ("runtime.control.attach", "can_attach"),
     **{name: ("runtime.core.errors", name) for name in (
@@ -115,6 +117,8 @@ def worker_main(argv=None) -> None:
 
 __all__ = [
     "BadInputError",
+    "inspect_run",
+    "stacks_text",
     "CapacityExhaustedError",
     "DeviceMismatchError",
     "CheckpointTree",

@@ -56,7 +56,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
                        {"seconds": TYPED, "recovered": _ANY, "stage_phases": TYPED, "bubble": TYPED}),
     "placement": ({"active": TYPED}, {}),
     "failure_detected": ({"error": _ANY, "detail": _ANY, "committed": _ANY}, {"worker": _ANY}),
-    "worker_dead": ({"worker": TYPED}, {"cause": TYPED, "host": TYPED, "retired": TYPED}),
+    "worker_dead": ({"worker": TYPED}, {"cause": TYPED, "host": TYPED, "retired": TYPED, "stacks": TYPED}),
     "worker_registered": ({"worker": TYPED}, {"hosts": TYPED}),
     "recovery_decision": ({"action": TYPED, "dead": TYPED, "active": TYPED}, {}),
     "checkpoint_skipped": ({"detail": _ANY}, {}),
@@ -64,7 +64,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "recovered": ({"resume_step": _ANY, "bytes_moved": _ANY}, {"path": _ANY}),
     "grown": ({"active": TYPED}, {}),
     "straggler_replaced": ({"active": TYPED}, {}),
-    "straggler": ({"worker": TYPED, "step": _ANY, "seconds": TYPED, "median_seconds": TYPED, "action": _ANY}, {}),
+    "straggler": ({"worker": TYPED, "step": _ANY, "seconds": TYPED, "median_seconds": TYPED, "action": _ANY},
+                  {"stacks": TYPED}),
     "fault_injected": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "workers": TYPED, "step": _ANY},
                        {"hosts": TYPED}),
     "fault_skipped": ({"index": _ANY, "fault": _ANY, "fault_kind": TYPED, "reason": _ANY, "step": _ANY}, {}),
@@ -290,7 +291,8 @@ def build_report(events_or_path) -> dict:
                              restore_tier=e.get("restore_tier", "replica"))
             report["failures"][-1].update(bytes_moved=e["bytes_moved"])
         elif kind == "straggler":
-            report["stragglers"].append({k: e[k] for k in ("worker", "step", "seconds", "median_seconds", "action")})
+            report["stragglers"].append({**{k: e[k] for k in ("worker", "step", "seconds", "median_seconds", "action")},
+                                         **({"stacks": e["stacks"]} if "stacks" in e else {})})
         elif kind in ("fault_injected", "fault_skipped"):
             injected = kind == "fault_injected"
             report["faults"].append({"index": e["index"], "spec": e["fault"], "kind": e["fault_kind"],
@@ -426,7 +428,9 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
     """
     failures = report["failures"]
     for f in failures:
-        causes = {e.get("cause") for e in events if e["kind"] == "worker_dead" and e["worker"] in f["workers"]}
+        deaths = [e for e in events if e["kind"] == "worker_dead" and e["worker"] in f["workers"]]
+        causes = {e.get("cause") for e in deaths}
+        f["stacks"] = {e["worker"]: e["stacks"] for e in deaths if "stacks" in e}   # kept before it was replaced
         if f["error"] == "ClientLostError":   # the client was lost, whatever else its restart found lost
             f["kind"] = "client"
         elif causes:

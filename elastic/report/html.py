@@ -235,21 +235,34 @@ def _goodput(gp: dict) -> str:
             f"<table><tr><th>label</th><th class='num'>seconds</th><th class='num'>%</th></tr>{rows}</table></div>")
 
 
+class _Markup(str):
+    """A table cell that is HTML already (built from escaped parts), not text to escape."""
+
+
+def _stacks_links(stacks: dict) -> _Markup | str:
+    """Links to the stacks files kept of a failure's workers (paths relative to the run directory, where the
+    page lies); "—" when none was kept."""
+    return _Markup(", ".join(f"<a href='{esc(path)}'>{esc(w)}</a>" for w, path in sorted(stacks.items()))) \
+        if stacks else "—"
+
+
 def _table(title: str, headers: list[str], rows: list[list[object]], empty: str) -> str:
     if not rows:
         return f"<div class='card'><h2>{esc(title)}</h2><p class='muted'>{esc(empty)}</p></div>"
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{c if isinstance(c, _Markup) else esc(c)}</td>" for c in r) + "</tr>"
+                   for r in rows)
     return f"<div class='card'><h2>{esc(title)}</h2><table><tr>{head}</tr>{body}</table></div>"
 
 
 def _failures(report: dict) -> str:
     rows = [[i, f.get("kind", "—"), f.get("error", ""), ", ".join(f.get("workers") or []) or "—", f.get("step"),
              fmt_seconds(f.get("detected_at")), fmt_seconds(f.get("detected_after_s")), fmt_seconds(f.get("recovered_after_s")),
-             f.get("path") or "—", _fmt_bytes(f.get("bytes_moved")), f.get("resume_step", "—")]
+             f.get("path") or "—", _fmt_bytes(f.get("bytes_moved")), f.get("resume_step", "—"),
+             _stacks_links(f.get("stacks") or {})]
             for i, f in enumerate(report.get("failures") or [])]
     return _table("Failures", ["#", "kind", "error", "workers", "at step", "detected at", "detected after",
-                               "recovered after", "path", "bytes moved", "resumed at"], rows, "No failures.")
+                               "recovered after", "path", "bytes moved", "resumed at", "stacks"], rows, "No failures.")
 
 
 def _attempts(report: dict) -> str:
@@ -307,8 +320,9 @@ def _pipeline(report: dict) -> str:
 
 def _stragglers(report: dict) -> str:
     rows = [[s.get("worker"), s.get("step"), fmt_seconds(s.get("seconds")), fmt_seconds(s.get("median_seconds")),
-             s.get("action")] for s in report.get("stragglers") or []]
-    return _table("Stragglers", ["worker", "step", "step time", "median", "action"], rows, "No stragglers.") \
+             s.get("action"), _stacks_links({s["worker"]: s["stacks"]} if s.get("stacks") else {})]
+            for s in report.get("stragglers") or []]
+    return _table("Stragglers", ["worker", "step", "step time", "median", "action", "stacks"], rows, "No stragglers.") \
         if rows else ""
 
 

@@ -97,6 +97,78 @@ class Controller:
             _registered_method=True)
 
 
+class InspectorStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Inspect = channel.unary_unary(
+                '/jax_elastic.Inspector/Inspect',
+                request_serializer=elastic__pb2.InspectRequest.SerializeToString,
+                response_deserializer=elastic__pb2.InspectReply.FromString,
+                _registered_method=True)
+
+
+class InspectorServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Inspect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_InspectorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=elastic__pb2.InspectRequest.FromString,
+                    response_serializer=elastic__pb2.InspectReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'jax_elastic.Inspector', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('jax_elastic.Inspector', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Inspector:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Inspector/Inspect',
+            elastic__pb2.InspectRequest.SerializeToString,
+            elastic__pb2.InspectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class WorkerStub:
     """Missing associated documentation comment in .proto file."""
 
@@ -195,6 +267,11 @@ class WorkerStub:
                 '/jax_elastic.Worker/Refusals',
                 request_serializer=elastic__pb2.RefusalsRequest.SerializeToString,
                 response_deserializer=elastic__pb2.RefusalsReply.FromString,
+                _registered_method=True)
+        self.Stacks = channel.unary_unary(
+                '/jax_elastic.Worker/Stacks',
+                request_serializer=elastic__pb2.StacksRequest.SerializeToString,
+                response_deserializer=elastic__pb2.StacksReply.FromString,
                 _registered_method=True)
 
 
@@ -315,6 +392,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stacks(self, request, context):
+        """controller -> worker: every thread's Python stack (elastic stacks; a hung or stuck worker before it goes)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -407,6 +491,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Refusals,
                     request_deserializer=elastic__pb2.RefusalsRequest.FromString,
                     response_serializer=elastic__pb2.RefusalsReply.SerializeToString,
+            ),
+            'Stacks': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stacks,
+                    request_deserializer=elastic__pb2.StacksRequest.FromString,
+                    response_serializer=elastic__pb2.StacksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -895,6 +984,33 @@ class Worker:
             '/jax_elastic.Worker/Refusals',
             elastic__pb2.RefusalsRequest.SerializeToString,
             elastic__pb2.RefusalsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stacks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Stacks',
+            elastic__pb2.StacksRequest.SerializeToString,
+            elastic__pb2.StacksReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -209,6 +209,15 @@ class HealthMonitor:
         a dict write the loop reads at its next turn (it does not wake the loop)."""
         self._heard[worker_id] = sent_at
 
+    def heard_seconds(self, worker_id: str, now: float) -> float | None:
+        """Seconds from the last request ``worker_id`` answered (a Check or a step) to ``now`` (monotonic); None
+        when it is not watched. From any thread: reads what the loop last wrote (a step answered since its last
+        turn counts too)."""
+        last = self._schedule.last_ok(worker_id)
+        if last is None:
+            return None
+        return max(now - max(last, self._heard.get(worker_id, last)), 0.0)
+
     def is_alive(self, worker_id: str, timeout: float | None = None) -> bool:
         """Probes now with the bounded retry: False if the worker is confirmed dead (or not watched).
 

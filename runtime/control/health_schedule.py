@@ -297,6 +297,11 @@ class Schedule:
         w.heard = max(w.heard, sent_at)
         w.last_ok = max(w.last_ok, sent_at)
 
+    def last_ok(self, worker_id: str) -> float | None:
+        """When the last request ``worker_id`` answered was sent (a probe or a step); None when not watched."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.last_ok
+
     def starved(self, now: float) -> bool:
         """Every poll slot is taken: the next poll waits for an answer (or for a slot to time out)."""
         return not self._slots.free(now)

@@ -23,7 +23,7 @@ from runtime.state.state_copy import slice_digest
 __all__ = ["SliceFuture", "SliceStub", "merge_replies"]
 
 #: Reply fields that are each host's part of the slice's: summed.
-_SUMMED = {"bytes", "state_bytes", "devices_probed", "bytes_sent"}
+_SUMMED = {"bytes", "state_bytes", "devices_probed", "bytes_sent", "rss_bytes"}
 #: Reply fields that say which state a host holds: the hosts must agree, else the slice holds no one state.
 _POSITION = {"step", "applied_steps"}
 

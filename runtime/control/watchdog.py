@@ -177,17 +177,21 @@ class SlowSteps:
         return (self.last_commit + limit[0], limit[1]) if limit else (None, None)
 
     def stalled(self, plan: StepPlan, pending, median: float) -> None:
-        """The step watchdog fired: record what it found and fence out whom it names."""
+        """The step watchdog fired: record what it found, keep the suspects' stacks (their events name the files)
+        and fence out whom it names."""
         f = investigate(self.group, plan, pending, replace_stragglers=self.opts.replace_stragglers,
                         live_spare=self.live_spare())
         self.events.emit("step_watchdog", step=plan.step, seconds=time.monotonic() - self.last_commit,
                          median_seconds=median, pending=list(f.pending), suspects=list(f.suspects),
                          progress={w: list(p) for w, p in f.progress.items()})
+        # Where each suspect is stuck, before it goes: its stacks, asked of all at once, bounded (a hung one may
+        # never answer; the recovery waits no longer than the group's bound).
+        kept = self.group.keep_stacks(f.suspects, plan.step)
         for w, seconds, action in f.stragglers:
             self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
-                             action=action)
+                             action=action, **({"stacks": kept[w]} if w in kept else {}))
         for w, reason, cause in f.fence:
-            self.group.declare_dead(w, reason, cause=cause)
+            self.group.declare_dead(w, reason, cause=cause, stacks=kept.get(w, ""))
 
     def observe(self, plan: StepPlan, results) -> None:
         """A committed step's grad seconds per microbatch, per worker: a straggler is reported or queued."""

@@ -154,13 +154,37 @@ class WorkerCalls:
                 if f in self._inflight.get(w, []):
                     self._inflight[w].remove(f)
 
-    def progress(self, worker_id: str) -> tuple[int, str, float] | None:
-        """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer."""
+    def progress(self, worker_id: str, timeout: float = 2.0) -> pb.ProgressReply | None:
+        """Where a worker is in its step (``step``, ``phase``, ``seconds`` in it, its ``rss_bytes``); None when it
+        does not answer within ``timeout``."""
         try:
-            r = self._call(worker_id, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=2.0)
+            return self._call(worker_id, "Progress", pb.ProgressRequest(fence=self._fence()), timeout=timeout)
         except Exception:   # noqa: BLE001 -- any failure means "no answer"; the caller probes it next
             return None
-        return r.step, r.phase, r.seconds
+
+    def stacks(self, workers, timeout: float) -> dict[str, list[pb.ProcessStacks]]:
+        """Thread-safe. Every thread's Python stack of each of ``workers``, asked of each host of a slice on its own
+        and all at once: ``{worker: [one ProcessStacks per host, in host order]}``. A host that does not answer
+        within ``timeout`` seconds (hung, stopped, gone) has ``error`` instead of ``text``; never waits longer."""
+        calls = {}
+        for w in workers:
+            stub = self._stubs.get(w)
+            hosts = stub.hosts if isinstance(stub, SliceStub) else [stub] if stub is not None else []
+            calls[w] = [(host_id(w, k, len(hosts)), h.Stacks.future(pb.StacksRequest(), timeout=timeout))
+                        for k, h in enumerate(hosts)]
+        wait_until({(w, k): f for w, fs in calls.items() for k, (_, f) in enumerate(fs)},
+                   time.monotonic() + timeout)
+        out = {}
+        for w, fs in calls.items():
+            out[w] = []
+            for name, f in fs:
+                try:
+                    out[w].extend(f.result(timeout=0).processes)
+                except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as e:
+                    f.cancel()
+                    why = e.details() if isinstance(e, grpc.RpcError) and e.details() else "no answer"
+                    out[w].append(pb.ProcessStacks(name=name, error=f"{why} within {timeout:g} s"))
+        return out
 
     # -- programs and state ----------------------------------------------------
 

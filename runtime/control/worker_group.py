@@ -27,6 +27,7 @@ import os
 import queue
 import shlex
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -41,6 +42,7 @@ from runtime.control.calls import Death, LoadResult, Stalled, StepResult, Worker
 from runtime.core.errors import AttachRefusedError, ElasticError, ProtocolError, RegistrationTimeoutError
 from runtime.core.events import EventLog
 from runtime.control.health import Dialer, HealthMonitor
+from runtime.control.inspect import Inspector, process_dicts
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.control.placement import StepPlan, WorkerInfo
 from runtime.core.fingerprint import programs_fingerprint
@@ -48,6 +50,7 @@ from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
 from runtime.control.worker_calls import WorkerCalls
 from runtime.core.hosts import slice_of_host
+from runtime.core.stacks import STACKS_DIR, stacks_path, stacks_text, thread_stacks
 
 log = logging.getLogger("jax_elastic.worker_group")
 
@@ -59,6 +62,9 @@ def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_re
     return relaunch and launched < slices + spares + max_retries
 
 
+#: How long a worker found hung or stuck may take to give its stacks before it is replaced (and ``elastic stacks``
+#: waits for each worker): a hung one may never answer, and the recovery waits no longer than this.
+STACKS_SECONDS = 2.0
 #: How long a restarted client waits for each worker of the log to answer its Attach.
 ATTACH_SECONDS = 15.0
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
@@ -115,6 +121,7 @@ class WorkerGroup:
             raise ElasticError(f"the controller cannot listen: {e} (is another process, another run's client, "
                                "listening there? is the host an address of this machine?)") from None
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
+        pb_grpc.add_InspectorServicer_to_server(Inspector(self), self.server)   # elastic status, elastic stacks
         self.address = f"{host}:{port}"
         self.launcher = make_launcher(opts, run_id, self.address, secret,
                                       on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
@@ -398,12 +405,14 @@ class WorkerGroup:
                     f"epoch {self.epoch}: a fresh process joins as a new worker")
         return ""
 
-    def declare_dead(self, worker_id: str, reason: str, cause: str = "unresponsive") -> None:
+    def declare_dead(self, worker_id: str, reason: str, cause: str = "unresponsive", stacks: str = "") -> None:
         """Thread-safe, idempotent. Records the death, fails the worker's calls in flight, queues a :class:`Death`.
 
         The process is not killed: on a real cluster a partitioned host cannot
         be reached either. Fencing keeps it harmless (older epoch; refused on
         rejoin) and it fences itself when its lease on the controller lapses.
+
+        ``stacks``: the file its stacks were kept in (:meth:`keep_stacks`), recorded in its ``worker_dead``.
 
         ``worker_id`` may name one host of a slice of several (the health monitor watches each): the slice is
         the failure unit, so the slice is dead, and its other hosts, stuck in a collective with the lost one,
@@ -422,7 +431,8 @@ class WorkerGroup:
         retired = [k for k in range(hosts) if k != host]
         futs = self.calls.record_death(   # atomic with every call sent: see WorkerCalls
             worker_id, lambda: self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause,
-                                                **({"host": host, "retired": retired} if hosts > 1 else {})))
+                                                **({"host": host, "retired": retired} if hosts > 1 else {}),
+                                                **({"stacks": stacks} if stacks else {})))
         if futs is None:
             return
         self._deaths.put(Death(worker_id, reason, cause))
@@ -493,8 +503,40 @@ class WorkerGroup:
         return events
 
     def progress(self, worker_id: str) -> tuple[int, str, float] | None:
-        """Where a worker is in its step; see :meth:`WorkerCalls.progress`."""
-        return self.calls.progress(worker_id)
+        """Where a worker is in its step: ``(step, phase, seconds in phase)``; None when it does not answer (see
+        :meth:`WorkerCalls.progress`)."""
+        r = self.calls.progress(worker_id)
+        return None if r is None else (r.step, r.phase, r.seconds)
+
+    def keep_stacks(self, workers, step: int, timeout: float = STACKS_SECONDS) -> dict[str, str]:
+        """Before ``workers`` (found hung or stuck at ``step``) are replaced: asks each for its Python stacks
+        (every host of a slice), waiting at most ``timeout`` seconds in all, and keeps what came back as
+        ``<run_dir>/stacks/<worker>-<step>.txt``; ``{worker: path in the run directory}`` of the files written
+        (a worker whose hosts all stayed silent leaves none). A file it cannot write is a warning, never an error:
+        the recovery goes on."""
+        if not workers or not self.opts.run_dir:
+            return {}
+        kept = {}
+        for w, processes in self.calls.stacks(list(workers), timeout).items():
+            if not any(p.text for p in processes):
+                continue
+            path = stacks_path(w, step)
+            try:
+                os.makedirs(os.path.join(self.opts.run_dir, STACKS_DIR), exist_ok=True)
+                with open(os.path.join(self.opts.run_dir, path), "w") as f:
+                    f.write(stacks_text(process_dicts(processes)))
+            except OSError as e:
+                log.warning("could not keep the stacks of %s: %s", w, e)
+                continue
+            kept[w] = path
+        return kept
+
+    def all_stacks(self, timeout: float = STACKS_SECONDS) -> list[pb.ProcessStacks]:
+        """Thread-safe. This client's own stacks, then every live adopted worker's by id (each host of a slice), asked
+        at once and waited for at most ``timeout`` seconds (``elastic stacks``)."""
+        own = pb.ProcessStacks(name="client", host=socket.gethostname(), pid=os.getpid(), text=thread_stacks())
+        live = sorted(w for w in self.calls.workers() if w not in self._dead())
+        return [own, *(p for ps in self.calls.stacks(live, timeout).values() for p in ps)]
 
     # -- programs and state (the calls: runtime.control.worker_calls) ----------
 

@@ -155,7 +155,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
                "suspects": NAMES, "progress": OBJECT}),
     EventKind("straggler", "a slow worker was seen", {
         "worker": TEXT, "step": COUNT, "seconds": NUMBER, "median_seconds": NUMBER, "action": TEXT},
-        {"queued": BOOL}),   # true: its slice moves onto a spare at the next step boundary
+        {"queued": BOOL,     # true: its slice moves onto a spare at the next step boundary
+         "stacks": TEXT}),   # the step watchdog kept its stacks in this file (runtime.core.stacks)
     EventKind("straggler_kept", "a straggler waiting for a swap stays where it is", {**_W, "reason": TEXT}),
     EventKind("run_finished", "the run committed its last step",
               {"steps_completed": COUNT, "final_state_digest": TEXT_OR_NULL, "replica_hashes": OBJECT,
@@ -225,7 +226,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               "takes it back (a new generation)", {**_W, "reason": TEXT}),
     EventKind("worker_dead", "a worker was declared dead (a slice of several hosts: ``host`` is the one that "
               "failed, ``retired`` the others, stopped with their slice)",
-              {**_W, "reason": TEXT, "cause": TEXT_OR_NULL}, {"host": COUNT, "retired": LIST}),
+              {**_W, "reason": TEXT, "cause": TEXT_OR_NULL},
+              {"host": COUNT, "retired": LIST, "stacks": TEXT}),   # stacks: the file its stacks were kept in
     EventKind("worker_relaunched", "a dead worker was replaced by a new one",
               {"replaces": TEXT, **_W}, {"host": TEXT_OR_NULL}),
     EventKind("security_refused", "calls refused for want of credentials (a worker may batch them)",

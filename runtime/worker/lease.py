@@ -54,7 +54,7 @@ class Lease:
 
     CONTROLLER_METHODS = ("Load", "Init", "Step", "Steps", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
                           "Attach", "LoadCheckpoint", "Checkpoints",
-                          "Chaos", "Progress", "Refusals", "/grpc.health.v1.Health/Check")
+                          "Chaos", "Progress", "Refusals", "Stacks", "/grpc.health.v1.Health/Check")
 
     def __init__(self, run_id: str, worker_id: str, replica: Replica, step_timeout: float):
         self.run_id = run_id

@@ -58,6 +58,7 @@ from runtime.worker.lease import Lease
 from runtime.worker.mailbox import Mailbox
 from runtime.worker.replica import Replica
 from runtime.core.microbatch import root
+from runtime.core.stacks import thread_stacks
 from runtime.core.owner import Owner
 from runtime.wire.peers import PeerChannels
 from runtime.wire.requests import decode_programs, unpickle_source
@@ -177,8 +178,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         def progress():
             self.lease.check_fence(request.fence)
             step, phase, since = self.step_runner.progress
-            return pb.ProgressReply(step=step, phase=phase, seconds=time.monotonic() - since)
+            return pb.ProgressReply(step=step, phase=phase, seconds=time.monotonic() - since, rss_bytes=_rss_bytes())
         return self._guard(context, progress)
+
+    def Stacks(self, request, context):
+        """Controller (``elastic stacks``; the step watchdog before a stuck worker is replaced): every thread's
+        Python stack now. Not fenced, like ``Refusals``: only a caller with the run secret gets here, and the
+        stacks of a worker fenced out for a hang are the ones worth reading. Reads frames only: a worker busy in
+        a step answers all the same (the gRPC thread pool serves it)."""
+        def stacks():
+            return pb.StacksReply(processes=[pb.ProcessStacks(name=self.worker_id, host=self.host, pid=os.getpid(),
+                                                              text=thread_stacks())])
+        return self._guard(context, stacks)
 
     def Chaos(self, request, context):
         def arm():
@@ -363,3 +374,12 @@ def _check_seconds(request) -> None:
         value = getattr(request, name)
         if not (math.isfinite(value) and value >= 0):
             raise ProtocolError(f"{name}={value} is not a number of seconds >= 0")
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (0 where ``/proc`` has none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -192,6 +192,11 @@ def test_the_step_watchdog_finds_the_worker_holding_a_step_up_and_replaces_it(tm
     assert [s["action"] for s in report["stragglers"] if s["worker"] == "w1"] == ["replaced"]
     [failure] = report["failures"]
     assert failure["workers"] == ["w1"] and failure["path"] == "replace" and failure["kind"] == "straggler"
+    # Its stacks were kept before it was replaced, linked from the failure: they show where it was stuck.
+    [(worker, path)] = failure["stacks"].items()
+    stacks = (tmp_path / "faulted" / path).read_text()
+    assert worker == "w1" and path == f"stacks/w1-{fired[0]['step']}.txt"
+    assert stacks.startswith("== w1 on ") and "in straggle\n" in stacks and "time.sleep(" in stacks
 
 
 def test_a_fault_that_cannot_fire_is_refused_and_one_that_did_not_fire_fails_the_verdict(tmp_path):

@@ -11,6 +11,8 @@ client, every worker exits once its grace ran out, leaving nothing behind:
 no process, no in-memory snapshot.
 """
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -21,6 +23,7 @@ import time
 
 import pytest
 
+from elastic.cli import main
 from tests.conftest import ROOT, processes, run_cli
 from tests.support.events import live_events
 
@@ -58,6 +61,19 @@ def reference(tmp_path_factory):
     return ref
 
 
+def _cli_out(argv) -> str:
+    """``elastic ARGV``'s standard output, run in this process (a command of its own costs a second of start-up,
+    which a short run may not last)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def _status(run_dir) -> dict:
+    return json.loads(_cli_out(["status", "--json", str(run_dir)]))
+
+
 def _alive(pids) -> list[int]:
     live = processes()
     return [p for p in pids if p in live]
@@ -66,8 +82,21 @@ def _alive(pids) -> list[int]:
 def test_a_killed_client_is_re_attached_by_the_same_command_and_a_changed_model_is_refused(tmp_path, reference):
     args = [*RUN, "steps=150", "run_name=rc"]
     run_dir = tmp_path / "rc"
-    pids = _kill_client_after(_start(args, tmp_path), run_dir, 20)
+    client = _start(args, tmp_path)
+    _wait_for_committed(client, run_dir, 20)
+    # From another terminal, while it runs: every worker with its step, a stack of every worker and the client.
+    live = _status(run_dir)
+    stacks = _cli_out(["stacks", str(run_dir)])
+    assert client.poll() is None, "the run ended before it was looked at"
+    assert live["client"]["answered"] and [s["worker"] for s in live["slices"]] == ["w0", "w1"]
+    assert all(live["workers"][w]["step"] >= 19 and live["workers"][w]["rss_bytes"] > 0 for w in ("w0", "w1"))
+    assert [line.split(" on ")[0] for line in stacks.splitlines() if line.startswith("== ")] == \
+        ["== client", "== w0", "== w1"]
+    assert stacks.count("Thread MainThread (") == 3
+    pids = _kill_client_after(client, run_dir, 20)
     assert len(_alive(pids)) == 2, "the workers died with their client"
+    gone = _status(run_dir)   # the client is gone: the event log's view
+    assert not gone["client"]["answered"] and "not running" in gone["client"]["note"] and gone["committed"] >= 20
     before = live_events(run_dir)
 
     # The model changed (another learning rate: another apply program): refused, nothing changes on the workers.

@@ -275,11 +275,12 @@ class FakeGroup:
             self.events.emit("worker_warmed", worker=w, compile_seconds=0.0)
         return new
 
-    def declare_dead(self, worker_id, reason, cause="unresponsive"):
+    def declare_dead(self, worker_id, reason, cause="unresponsive", stacks=""):
         if worker_id in self.dead:
             return
         self.dead[worker_id] = reason
-        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause)
+        self.events.emit("worker_dead", worker=worker_id, reason=reason, cause=cause,
+                         **({"stacks": stacks} if stacks else {}))
         self._deaths.put(Death(worker_id, reason, cause))
 
     def drain_deaths(self):
@@ -307,6 +308,10 @@ class FakeGroup:
 
     def probe(self, workers):
         return {w: self._reachable(w) for w in workers}
+
+    def keep_stacks(self, workers, step, timeout=2.0):
+        """Stacks kept only of the reachable (a hung worker does not answer): ``{worker: path}``, no file."""
+        return {w: f"stacks/{w}-{step}.txt" for w in workers if self._reachable(w)}
 
     def progress(self, worker_id):
         if not self._reachable(worker_id):

@@ -66,6 +66,13 @@ def test_a_call_from_the_controller_renews_the_lease_and_a_peer_call_does_not():
         service.close()
 
 
+def test_a_worker_answers_stacks_with_its_own_threads_without_a_fence_and_progress_with_its_memory(worker):
+    _, stub = worker
+    [p] = stub.Stacks(pb.StacksRequest(), timeout=10).processes
+    assert p.name == "w" and p.pid > 0 and "Thread MainThread (" in p.text and "in Stacks\n" in p.text
+    assert stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run")), timeout=10).rss_bytes > 1 << 20
+
+
 def test_every_controller_method_is_a_method_of_the_service():
     names = {m for m in pb.DESCRIPTOR.services_by_name["Worker"].methods_by_name}
     assert {m for m in Lease.CONTROLLER_METHODS if not m.startswith("/")} <= names
