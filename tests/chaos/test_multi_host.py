@@ -59,10 +59,13 @@ def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_s
         time.sleep(0.1)
     assert not pids & set(processes()), "a host of the run outlived it"
 
-    # Each host wrote its blocks, and a checkpoint counted once both had: a run of one-host slices resumes from it.
-    assert sorted({e["step"] for e in kinds(events, "checkpoint_saved")}) == [4, 8, 12]
-    for k in (0, 1):
-        assert (run_dir / "checkpoints" / f"host{k}-of-2" / "12" / "commit_success.txt").exists()
+    # Each host wrote its blocks, and a checkpoint counted once both had (step 8's may be lost with its writer
+    # slice, cut off at step 9): a run of one-host slices resumes from the last.
+    saved = sorted({e["step"] for e in kinds(events, "checkpoint_saved")})
+    assert {4, STEPS} <= set(saved) <= {4, 8, STEPS}
+    for step in saved:
+        for k in (0, 1):
+            assert (run_dir / "checkpoints" / f"host{k}-of-2" / str(step) / "commit_success.txt").exists()
     run_cli(["run", "tiny", "ici_fsdp_parallelism=4", f"steps={STEPS + 1}", "run_name=one-host",
              f"load_full_state_path={run_dir / 'checkpoints'}"], tmp_path)
     resumed = kinds(run_events(pathlib.Path(tmp_path) / "one-host"), "run_resumed")
