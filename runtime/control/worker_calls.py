@@ -179,7 +179,9 @@ class WorkerCalls:
             out[w] = []
             for name, f in fs:
                 try:
-                    out[w].extend(f.result(timeout=0).processes)
+                    for process in f.result(timeout=0).processes:   # named by its host id (host_id)
+                        process.name = name
+                        out[w].append(process)
                 except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as e:
                     f.cancel()
                     why = e.details() if isinstance(e, grpc.RpcError) and e.details() else "no answer"

@@ -24,16 +24,23 @@ FENCE = pb.Fence(run_id="run", epoch=1)
 
 
 @pytest.fixture
-def worker():
+def served():
+    """A worker service on a real server: ``(service, its address)``."""
     service = WorkerService("run", "w")
     server, port = rpc.make_server()
     pb_grpc.add_WorkerServicer_to_server(service, server)
     server.start()
     try:
-        yield service, pb_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        yield service, f"127.0.0.1:{port}"
     finally:
         server.stop(0)
         service.close()
+
+
+@pytest.fixture
+def worker(served):
+    service, address = served
+    return service, pb_grpc.WorkerStub(grpc.insecure_channel(address))
 
 
 @pytest.mark.parametrize("chunk_bytes", [-1, 100, 4095])
@@ -71,6 +78,25 @@ def test_a_worker_answers_stacks_with_its_own_threads_without_a_fence_and_progre
     [p] = stub.Stacks(pb.StacksRequest(), timeout=10).processes
     assert p.name == "w" and p.pid > 0 and "Thread MainThread (" in p.text and "in Stacks\n" in p.text
     assert stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run")), timeout=10).rss_bytes > 1 << 20
+
+
+def test_the_stacks_of_a_slice_come_back_per_host_and_a_host_that_cannot_answer_is_named(served):
+    from types import SimpleNamespace
+
+    from runtime.control.worker_calls import WorkerCalls
+
+    _, address = served
+    calls = WorkerCalls(SimpleNamespace(rpc_timeout_seconds=5.0, tls=None), None, None, b"", "", lambda: FENCE,
+                        dict, lambda *a, **k: None)
+    try:
+        calls.adopt("w3", [grpc.insecure_channel(address),
+                           grpc.insecure_channel(f"127.0.0.1:{rpc.free_port()}")])
+        [up, down] = calls.stacks(["w3"], timeout=1.0)["w3"]
+    finally:
+        calls.close()
+    assert (up.name, down.name) == ("w3/0", "w3/1")
+    assert "Thread MainThread (" in up.text and up.pid > 0 and not up.error
+    assert not down.text and down.error.endswith("within 1 s")
 
 
 def test_every_controller_method_is_a_method_of_the_service():
