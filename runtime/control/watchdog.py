@@ -194,10 +194,14 @@ class SlowSteps:
             self.group.declare_dead(w, reason, cause=cause, stacks=kept.get(w, ""))
 
     def observe(self, plan: StepPlan, results) -> None:
-        """A committed step's grad seconds per microbatch, per worker: a straggler is reported or queued."""
+        """A committed step's grad seconds per microbatch, per worker: a straggler is reported or queued, with
+        its stacks kept (where it is slow, in the step it runs now; bounded as the watchdog's)."""
         per_mb = {w: results[w].grad_seconds / max(len(ids), 1) for w, ids in plan.microbatches().items()}
-        for w, seconds, median in self.detector.observe(per_mb):
+        flagged = self.detector.observe(per_mb)
+        kept = self.group.keep_stacks([w for w, _, _ in flagged], plan.step) if flagged else {}
+        for w, seconds, median in flagged:
             action = straggler_action(self.opts.replace_stragglers, self.live_spare())
             queued = action == "replaced" and w not in self.queued()   # moved onto a spare at the next boundary
             self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
-                             action="replaced" if queued else "reported", **({"queued": True} if queued else {}))
+                             action="replaced" if queued else "reported", **({"queued": True} if queued else {}),
+                             **({"stacks": kept[w]} if w in kept else {}))

@@ -156,7 +156,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("straggler", "a slow worker was seen", {
         "worker": TEXT, "step": COUNT, "seconds": NUMBER, "median_seconds": NUMBER, "action": TEXT},
         {"queued": BOOL,     # true: its slice moves onto a spare at the next step boundary
-         "stacks": TEXT}),   # the step watchdog kept its stacks in this file (runtime.core.stacks)
+         "stacks": TEXT}),   # its stacks were kept in this file when it was flagged (runtime.core.stacks)
     EventKind("straggler_kept", "a straggler waiting for a swap stays where it is", {**_W, "reason": TEXT}),
     EventKind("run_finished", "the run committed its last step",
               {"steps_completed": COUNT, "final_state_digest": TEXT_OR_NULL, "replica_hashes": OBJECT,

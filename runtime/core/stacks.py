@@ -2,7 +2,8 @@
 
 A worker answers its ``Stacks`` call with :func:`thread_stacks` of its own
 process; the client adds its own. When the step watchdog finds a worker stuck
-(or silent), the client asks it for its stacks before it is replaced and keeps
+(or silent), or the straggler detector flags one, the client asks it for its
+stacks before it is replaced and keeps
 them as ``<run_dir>/stacks/<file_name(worker, step)>`` (:func:`stacks_path`),
 recorded in the worker's ``worker_dead`` (or ``straggler``) event. Pure but
 for reading this process's frames.

@@ -118,6 +118,7 @@ def test_a_straggler_is_reported_and_moved_onto_the_spare(tmp_path):
     passed(report, steps=16)
     [straggler] = report["stragglers"]
     assert straggler["worker"] == "w1" and straggler["action"] == "replaced"
+    assert (tmp_path / "faulted" / straggler["stacks"]).read_text().startswith("== w1 on ")   # kept when flagged
     [swap] = kinds(events, "straggler_replaced")
     assert swap["slow"] == "w1" and "w1" not in swap["active"] and len(swap["active"]) == 4
 
