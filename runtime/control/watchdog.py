@@ -184,9 +184,10 @@ class SlowSteps:
         self.events.emit("step_watchdog", step=plan.step, seconds=time.monotonic() - self.last_commit,
                          median_seconds=median, pending=list(f.pending), suspects=list(f.suspects),
                          progress={w: list(p) for w, p in f.progress.items()})
-        # Where each suspect is stuck, before it goes: its stacks, asked of all at once, bounded (a hung one may
-        # never answer; the recovery waits no longer than the group's bound).
-        kept = self.group.keep_stacks(f.suspects, plan.step)
+        # Where each suspect is stuck, before it goes: its stacks, asked of all at once, bounded. Only of those that
+        # answered Progress: one silent for its 2 s (stopped, its gRPC threads starved) would not answer this either,
+        # and asking would only delay its recovery by the bound.
+        kept = self.group.keep_stacks([w for w in f.suspects if w in f.progress], plan.step)
         for w, seconds, action in f.stragglers:
             self.events.emit("straggler", worker=w, step=plan.step, seconds=seconds, median_seconds=median,
                              action=action, **({"stacks": kept[w]} if w in kept else {}))
