@@ -5,14 +5,17 @@ directory that is not a run's."""
 import json
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from elastic.cli import main
 from elastic.report import build_report, render_html
 from elastic.status import render, status_view
+from runtime.control.watchdog import SlowSteps
 from runtime.core.stacks import file_name, format_stacks, stacks_path, stacks_text, thread_stacks
 from tests.support.events import ev
+from tests.support.fake_group import FakeGroup
 
 
 def _stuck_in_a_named_frame(ready, release):
@@ -52,39 +55,33 @@ def test_several_processes_stacks_read_as_one_text_each_under_its_header():
     assert "== w1 ==\n(no stacks: Deadline Exceeded within 2 s)" in text
 
 
-class _StalledGroup:
-    """w1 computes while w0 waits (holding the step up), w2 is silent: what the watchdog's stacks ask."""
+class _Stalled(FakeGroup):
+    """w1 computes while w0 waits (holding the step up), w2 is silent (hung): whom the watchdog asks for stacks."""
 
-    def __init__(self):
-        self.asked, self.dead = [], {}
+    def __init__(self, events):
+        super().__init__(SimpleNamespace(snapshot_interval=0), events)
+        self.hung.add("w2")
+        self.asked = []
 
-    def progress(self, w):
-        return {"w0": (5, "reduce", 0.1), "w1": (5, "grad", 9.0)}.get(w)
-
-    def is_alive(self, w):
-        return w != "w2"
+    def progress(self, worker_id):
+        return None if worker_id in self.hung else (5, "grad", 9.0) if worker_id == "w1" else (5, "reduce", 0.1)
 
     def keep_stacks(self, workers, step, timeout=2.0):
         self.asked.append((list(workers), step))
-        return {w: f"stacks/{w}-{step}.txt" for w in workers}
-
-    def declare_dead(self, w, reason, cause="unresponsive", stacks=""):
-        self.dead[w] = (cause, stacks)
+        return super().keep_stacks(workers, step, timeout)
 
 
 def test_the_watchdog_keeps_the_stacks_of_the_suspects_that_answered_and_names_them_in_their_deaths():
-    from types import SimpleNamespace
-
-    from runtime.control.watchdog import SlowSteps
-
-    group, emitted = _StalledGroup(), []
-    events = SimpleNamespace(emit=lambda kind, **f: emitted.append((kind, f)))
+    emitted = []
+    events = SimpleNamespace(emit=lambda kind, **f: emitted.append({"kind": kind, **f}))
+    group = _Stalled(events)
     opts = SimpleNamespace(replace_stragglers=True, straggler_factor=3.0, straggler_patience=3)
     slow = SlowSteps(group, events, opts, live_spare=lambda: True, queued=lambda: ())
     slow.stalled(SimpleNamespace(workers=["w0", "w1", "w2"], step=5), ["w1", "w2"], 1.0)
     assert group.asked == [(["w1"], 5)]   # the silent w2 is not asked: it would not answer, only delay
-    assert group.dead == {"w1": ("stuck", "stacks/w1-5.txt"), "w2": ("hang", "")}
-    [straggler] = [f for kind, f in emitted if kind == "straggler"]
+    dead = {e["worker"]: (e["cause"], e.get("stacks")) for e in emitted if e["kind"] == "worker_dead"}
+    assert dead == {"w1": ("stuck", "stacks/w1-5.txt"), "w2": ("hang", None)}
+    [straggler] = [e for e in emitted if e["kind"] == "straggler"]
     assert straggler["worker"] == "w1" and straggler["stacks"] == "stacks/w1-5.txt"
 
 
