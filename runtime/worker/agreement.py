@@ -99,17 +99,15 @@ class SliceAgreement:
         ``deadline``, monotonic; None: not at all). A slice of one host's own part is all of it."""
         if self.hosts == 1:
             return True
-        prefix = _done(what, step)
+        client, prefix = self._client, _done(what, step)
         for k in range(self.hosts):
             try:
-                if deadline is None:
-                    if self._client.key_value_try_get(prefix + str(k)) != _YES:
-                        return False
-                else:
-                    left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-                    if self._client.blocking_key_value_get(prefix + str(k), left_ms) != _YES:
-                        return False
+                said = (client.key_value_try_get(prefix + str(k)) if deadline is None else
+                        client.blocking_key_value_get(prefix + str(k),
+                                                      max(int((deadline - time.monotonic()) * 1000), 1)))
             except Exception:  # noqa: BLE001 - not there (yet), or the store is gone
+                return False
+            if said != _YES:
                 return False
         return True
 

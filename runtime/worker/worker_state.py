@@ -50,7 +50,6 @@ from runtime.worker.fault_injection import WorkerFaults, mid_stream
 from runtime.wire.peers import PeerChannels
 from runtime.wire.requests import for_host
 from runtime.core.hosts import take_blocks
-from runtime.core.programs import ProgramSet
 from runtime.worker.agreement import SliceAgreement
 from runtime.worker.saver import CheckpointWriter, Drained
 from runtime.state.checkpoint_hosts import host_directory
@@ -349,7 +348,7 @@ def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotSto
     from runtime.state.checkpoint_hosts import restore_for_host
 
     t0 = time.perf_counter()
-    ex, programs = executor, executor.programs
+    ex = executor
     if request.snapshot and snapshots is None:
         raise StaleEpochError("this worker keeps no snapshots (the run takes none)")
     if request.snapshot:   # a snapshot is this host's own, of this slice's shape
@@ -358,7 +357,7 @@ def load_checkpoint(request: pb.LoadCheckpointRequest, *, snapshots: SnapshotSto
         (step, leaves, digest, meta), skipped = restore_for_host(
             request.directory, request.applied_steps, layout=ex.whole_layout(), dims=ex.state_dims(),
             hosts=ex.hosts, host=ex.host, tree=ex.checkpoint_tree)
-    mesh = (programs.devices_per_slice, programs.num_microbatches)
+    mesh = (ex.programs.devices_per_slice, ex.programs.num_microbatches)
     written_on = (meta.get("devices_per_slice"), meta.get("microbatches"))
     fingerprint, legacy = fingerprints
     resharded = meta.get("fingerprint") not in ("", None, fingerprint) and meta["fingerprint"] != legacy()
