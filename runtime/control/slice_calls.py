@@ -26,6 +26,8 @@ __all__ = ["SliceFuture", "SliceStub", "merge_replies"]
 _SUMMED = {"bytes", "state_bytes", "devices_probed", "bytes_sent", "rss_bytes"}
 #: Reply fields that say which state a host holds: the hosts must agree, else the slice holds no one state.
 _POSITION = {"step", "applied_steps"}
+#: Reply fields that hold for the slice only when they hold on every host.
+_ALL = {"idle"}
 
 
 def merge_replies(replies: list):
@@ -33,7 +35,7 @@ def merge_replies(replies: list):
 
     Host 0's, with: a ``digest`` the hosts' combined (:func:`slice_digest`; "" when they hold states of
     different steps, and the step the oldest host's: a restore that ended on different steps is done again);
-    byte and device counts summed; seconds the slowest host's; an error any host's (the first). Pure.
+    byte and device counts summed; ``idle`` only if every host is; seconds the slowest host's; an error any host's (the first). Pure.
     """
     if len(replies) == 1:
         return replies[0]
@@ -54,6 +56,8 @@ def merge_replies(replies: list):
             setattr(out, name, next((v for v in values if v), ""))
         elif name in _SUMMED:
             setattr(out, name, sum(values))
+        elif name in _ALL:
+            setattr(out, name, all(values))
         elif name.endswith("seconds") and field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):
             setattr(out, name, max(values))
     return out

@@ -180,8 +180,9 @@ def _one_process_each() -> None:
     each host and break them ("passed to device_put is not the same on each
     process"). orbax asks its ``multihost`` module who and how many the
     processes are, and whether to synchronise them; each host answers for
-    itself alone: process 0 of 1, nothing to synchronise or broadcast. A
-    one-process worker (and the controller) is left as it is.
+    itself alone: process 0 of 1, nothing to synchronise or broadcast, its
+    signals kept in its own process. A one-process worker (and the controller)
+    is left as it is.
     """
     global _ALONE
     if _ALONE:
@@ -196,6 +197,13 @@ def _one_process_each() -> None:
     multihost.process_count = lambda: 1
     multihost.should_skip_process_sync = lambda processes=None: True
     multihost.broadcast_one_to_all = lambda in_tree, is_source=None: in_tree
+    # Its signals between a save's threads go through a key-value store, by default the distributed system's, under
+    # keys of per-process operation ids: the hosts' saves would read each other's ("directory made") and write
+    # into directories not made yet. Each keeps its signals in its own process.
+    from orbax.checkpoint._src.futures import signaling_client
+
+    own = signaling_client.ThreadSafeKeyValueSignalingClient()
+    signaling_client.get_signaling_client = lambda: own
     _ALONE = True
 
 

@@ -22,9 +22,9 @@ meanwhile. A slice of one host decides alone, as before.
 
 A checkpoint of a slice of several hosts is each host's blocks, written by
 each in the background (:mod:`runtime.state.checkpoint_hosts`): a host marks
-its part :meth:`~SliceAgreement.done` in the same store, and the slice
-reports the checkpoint saved only once every host's part is
-(:meth:`~SliceAgreement.all_done`).
+its part :meth:`~SliceAgreement.done` (or failed) in the same store, and the
+slice reports the checkpoint saved only once every host's part is, and gives
+it up as soon as one host's failed (:meth:`~SliceAgreement.outcome`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ log = logging.getLogger("jax_elastic.worker")
 _YES, _NO = "1", "0"
 #: Votes of steps this far behind the newest are deleted (the store keeps what is still read).
 _KEEP_STEPS = 4
+#: While waiting for the hosts' parts, each is asked again this often (seconds).
+_POLL = 0.05
 
 
 class SliceAgreement:
@@ -79,11 +81,11 @@ class SliceAgreement:
         if self.hosts > 1:
             self._decide(_prefix(point, epoch, step) + str(self.host), False)
 
-    def done(self, what: str, step: int) -> None:
-        """This host finished its part of ``what`` of ``step`` (its blocks of a checkpoint written): said in the
-        slice's store, so :meth:`all_done` on every host sees it."""
+    def done(self, what: str, step: int, ok: bool = True) -> None:
+        """This host finished its part of ``what`` of ``step`` (its blocks of a checkpoint written; ``ok`` False:
+        failed): said in the slice's store, so :meth:`outcome` on every host sees it."""
         if self.hosts > 1:
-            self._client.key_value_set(_done(what, step) + str(self.host), _YES, allow_overwrite=True)
+            self._client.key_value_set(_done(what, step) + str(self.host), _YES if ok else _NO, allow_overwrite=True)
 
     def undone(self, what: str, step: int) -> None:
         """This host starts its part of ``what`` of ``step`` (again: a step redone is written again): an earlier
@@ -94,22 +96,33 @@ class SliceAgreement:
             except Exception:  # noqa: BLE001 - nothing to delete, or the store is gone (so is the slice)
                 pass
 
-    def all_done(self, what: str, step: int, deadline: float | None = None) -> bool:
-        """Whether every host of the slice finished its part of ``what`` of ``step`` (waiting for them until
-        ``deadline``, monotonic; None: not at all). A slice of one host's own part is all of it."""
+    def outcome(self, what: str, step: int, deadline: float | None = None) -> bool | None:
+        """Whether every host of the slice finished its part of ``what`` of ``step``: True when all did, False
+        as soon as one failed (its host reports the error), None while one has not finished (waiting for them
+        until ``deadline``, monotonic; None: not at all) or the store is gone. A slice of one host's own part
+        is all of it."""
         if self.hosts == 1:
             return True
-        client, prefix = self._client, _done(what, step)
-        for k in range(self.hosts):
-            try:
-                said = (client.key_value_try_get(prefix + str(k)) if deadline is None else
-                        client.blocking_key_value_get(prefix + str(k),
-                                                      max(int((deadline - time.monotonic()) * 1000), 1)))
-            except Exception:  # noqa: BLE001 - not there (yet), or the store is gone
+        keys = [_done(what, step) + str(k) for k in range(self.hosts)]
+        while True:
+            said = [self._said(key) for key in keys]
+            if _NO in said:
                 return False
-            if said != _YES:
-                return False
-        return True
+            if all(x == _YES for x in said):
+                return True
+            left = (deadline - time.monotonic()) if deadline is not None else 0.0
+            if left <= 0:
+                return None
+            try:   # until the first host not heard from says, for a moment: another may fail meanwhile
+                self._client.blocking_key_value_get(keys[said.index(None)], max(int(min(left, _POLL) * 1000), 1))
+            except Exception:  # noqa: BLE001 - not yet; asked again
+                pass
+
+    def _said(self, key: str) -> str | None:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - not there (yet), or the store is gone
+            return None
 
     def _decide(self, key: str, ok: bool) -> None:
         try:

@@ -22,6 +22,7 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,8 @@ import numpy as np
 from runtime.state.state_copy import state_digest
 
 __all__ = ["KINDS", "WARM_PREFIX", "CheckpointWriter", "Drained", "remove_dead_warm_ups"]
+
+log = logging.getLogger("jax_elastic.worker")
 
 
 def _store(directory: str, tree=None):
@@ -101,7 +104,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, directory: str, step: int, device_leaves: list, metadata: dict, *, store=None,
-               then=None, tree=None, to_host=None) -> None:
+               then=None, tree=None, to_host=None, failed=None) -> None:
         """Queues a save of ``device_leaves`` (the state after ``step`` applied steps) into ``directory``, with
         ``metadata`` (the programs' fingerprint) recorded beside it; ``tree``: the programs' checkpoint tree
         (``runtime.state.checkpoint_tree.CheckpointTree``; None: a flat list).
@@ -112,14 +115,20 @@ class CheckpointWriter:
         is reported like the save's). ``to_host``: the leaves as the host
         arrays saved (default each leaf whole; a host of a slice of several
         saves its blocks, :meth:`runtime.worker.executor.SliceExecutor.host_blocks`).
+        ``failed``: called as ``failed(step)`` when this save failed, or
+        was replaced before it began (a newer one of its kind came first).
         """
         kind = "snapshot" if store is not None else "checkpoint"
         with self._cond:
-            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then, tree, to_host)
+            replaced = self._waiting.get(kind)
+            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then, tree, to_host,
+                                   failed)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+        if replaced is not None:
+            _given_up(replaced[-1], replaced[1])
 
     def warm(self) -> None:
         """Pays the checkpoint library's one-time start-up now, in the background (a tiny save to a temp dir).
@@ -167,7 +176,7 @@ class CheckpointWriter:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._waiting))
                 kind = next(iter(self._waiting))
-                directory, step, leaves, metadata, store, then, tree, to_host = self._waiting.pop(kind)
+                directory, step, leaves, metadata, store, then, tree, to_host, failed = self._waiting.pop(kind)
                 self._busy = True
             stage = "save"
             try:
@@ -193,7 +202,18 @@ class CheckpointWriter:
                 with self._cond:
                     done = self._done[kind]
                     done.error = done.error or f"{what}: {type(e).__name__}: {e}"
+                if stage == "save":
+                    _given_up(failed, step)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+def _given_up(failed, step: int) -> None:
+    """Tells ``failed`` (a save's, or None) that the save of ``step`` will not be written."""
+    if failed is not None:
+        try:
+            failed(step)
+        except Exception as e:  # noqa: BLE001 - whoever waits for it then waits to its own deadline
+            log.warning("could not say that the save of step %d was given up: %s", step, e)

@@ -165,7 +165,8 @@ class StateMover:
             agreement.undone("checkpoint", replica.executor.steps_applied)
         save_step(self.writer(), req, replica.executor, fingerprint=self.fingerprint, recent=replica.recent,
                   snapshots=self.snapshots, peers=self._peers, timeout=self._step_timeout,
-                  written=lambda store, step: agreement.done("checkpoint", step))
+                  written=lambda store, step: agreement.done("checkpoint", step),
+                  failed=lambda step: agreement.done("checkpoint", step, ok=False))
 
     def drain_saves(self) -> tuple[Drained, Drained]:
         """The checkpoints (those every host of the slice wrote its part of), then the snapshots, finished since
@@ -175,11 +176,12 @@ class StateMover:
 
     def _confirmed(self, drained: Drained, deadline: float | None = None) -> Drained:
         """``drained`` with only the checkpoints every host of the slice wrote its part of (waiting for them
-        until ``deadline``, monotonic; None: not); the others are kept for the next call."""
+        until ``deadline``, monotonic; None: not); those a host failed are dropped (that host reports the
+        error), the others kept for the next call."""
         self._unconfirmed += drained.saved
-        done = [s for s in self._unconfirmed if self._agreement.all_done("checkpoint", s, deadline)]
-        self._unconfirmed = [s for s in self._unconfirmed if s not in done]
-        return dataclasses.replace(drained, saved=done)
+        outcome = {s: self._agreement.outcome("checkpoint", s, deadline) for s in self._unconfirmed}
+        self._unconfirmed = [s for s, ok in outcome.items() if ok is None]
+        return dataclasses.replace(drained, saved=[s for s, ok in outcome.items() if ok])
 
     def save_striker(self) -> Callable[[], None]:
         """Chaos, when ``kill_in_phase`` of the save phase is armed: what cuts off the save the writer (as it is
@@ -447,11 +449,12 @@ def copy_snapshot(peers: PeerChannels, timeout: float, address: str, fence: pb.F
 
 def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExecutor, *, fingerprint: str,
               recent: dict[int, float], snapshots: SnapshotStore | None, peers: PeerChannels, timeout: float,
-              written=None) -> None:
+              written=None, failed=None) -> None:
     """Right after step ``req.step`` applied (under the service's lock): hands the new state to ``writer`` for
     the checkpoint and the snapshot ``req`` asks for, with what they record (the programs' ``fingerprint`` and
     mesh, the loss sums); a snapshot's copy then goes to ``req.snapshot_peer``, when named. ``written``: called
-    as ``written(store, step)`` once the checkpoint is committed."""
+    as ``written(store, step)`` once the checkpoint is committed; ``failed``: as ``failed(step)`` if it is not
+    (its save failed, or was replaced by a newer one before it began)."""
     ex = executor
     meta = {"fingerprint": fingerprint, "devices_per_slice": ex.programs.devices_per_slice,
             "microbatches": ex.programs.num_microbatches,
@@ -459,7 +462,8 @@ def save_step(writer: CheckpointWriter, req: pb.StepRequest, executor: SliceExec
     if req.checkpoint_directory:   # each host of a slice its own blocks (runtime.state.checkpoint_hosts)
         # (a host's blocks are not the leaves a named tree places, MaxText's: they are kept as a flat list)
         writer.submit(host_directory(req.checkpoint_directory, ex.host, ex.hosts), ex.steps_applied, ex.state, meta,
-                      tree=ex.checkpoint_tree if ex.hosts == 1 else None, to_host=ex.host_blocks, then=written)
+                      tree=ex.checkpoint_tree if ex.hosts == 1 else None, to_host=ex.host_blocks, then=written,
+                      failed=failed)
     if req.snapshot:
         peer = req.snapshot_peer.address if req.HasField("snapshot_peer") else ""
         stage = f"stage{ex.programs.stage}" if req.HasField("pipeline") else ""

@@ -1,8 +1,13 @@
 """Checkpoints of slices of several hosts (runtime.state.checkpoint_hosts): each host's blocks in a store of its
 own, a step listed once every host's is there, and any host count reading any other's, to the bit (real orbax,
-a local directory)."""
+a local directory); the hosts agreeing that each wrote its part, and orbax keeping each host's saves to itself
+(a real JAX coordination service of two clients, in this process)."""
 
 from __future__ import annotations
+
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ from runtime.state.checkpoint import CheckpointStore
 from runtime.state.checkpoint_hosts import host_directory, layouts, restore_for_host, steps
 from runtime.state.checkpoint_record import CheckpointNotFoundError
 from runtime.state.state_copy import state_digest
+from runtime.worker.agreement import SliceAgreement
 
 DIMS = [0, None, 1, None]   # a leaf split by rows, a replicated one, one split by columns, a scalar
 
@@ -99,3 +105,67 @@ def test_host_directories_are_refused_for_a_host_the_slice_does_not_have():
     assert host_directory("gs://b/run/", 1, 2) == "gs://b/run/host1-of-2"
     with pytest.raises(ValueError, match="no host 2"):
         host_directory("/x", 2, 2)
+
+
+@pytest.fixture
+def slice_store():
+    """The key-value clients of a slice's two hosts: JAX's own coordination service, on loopback."""
+    from jax._src.lib import _jax
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    service = _jax.get_distributed_runtime_service(address, 2)
+    clients = [_jax.get_distributed_runtime_client(address, k) for k in range(2)]
+    each(lambda c: c.connect(), clients)   # (each waits for the other)
+    yield clients
+    each(lambda c: c.shutdown(), clients)
+    service.shutdown()
+
+
+def each(call, clients) -> None:
+    threads = [threading.Thread(target=call, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def test_a_checkpoint_counts_once_every_host_wrote_its_part_and_is_given_up_once_one_failed(slice_store):
+    host0, host1 = (SliceAgreement(2, k, c) for k, c in enumerate(slice_store))
+    host0.done("checkpoint", 4)
+    assert host0.outcome("checkpoint", 4) is None                           # host 1 still writing
+    t = time.monotonic()
+    assert host0.outcome("checkpoint", 4, deadline=t + 0.2) is None and time.monotonic() - t >= 0.15
+    host1.done("checkpoint", 4)
+    assert host0.outcome("checkpoint", 4) is True and host1.outcome("checkpoint", 4) is True
+    host1.undone("checkpoint", 4)                                            # the step redone: written again
+    assert host0.outcome("checkpoint", 4) is None
+    host1.done("checkpoint", 8, ok=False)                                    # host 1's part failed (or was replaced):
+    assert host0.outcome("checkpoint", 8, deadline=time.monotonic() + 10) is False   # no waiting for host 0's own
+    assert SliceAgreement().outcome("checkpoint", 8) is True                 # a one-host slice: its part is all
+
+
+def test_each_host_of_a_slice_keeps_orbaxs_signals_to_itself_and_writes_alone(slice_store, monkeypatch, tmp_path):
+    """orbax signals between a save's threads through the distributed system's store under per-process ids: two
+    hosts saving at once read each other's "directory made" and wrote into directories not made yet."""
+    from jax._src import distributed
+    from orbax.checkpoint._src.futures import signaling_client
+    from orbax.checkpoint._src.multihost import multihost
+
+    from runtime.state import checkpoint_orbax
+
+    for module, names in ((multihost, ("process_index", "process_count", "should_skip_process_sync",
+                                       "broadcast_one_to_all")), (signaling_client, ("get_signaling_client",))):
+        for name in names:   # restored after the test, as the rest of this process expects them
+            monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(checkpoint_orbax, "_ALONE", False)
+    monkeypatch.setattr(distributed.global_state, "client", slice_store[0])
+    monkeypatch.setattr(distributed.global_state, "num_processes", 2)
+    checkpoint_orbax._ocp()   # as host 0 of two
+    signaling_client.get_signaling_client().key_value_set("jax-elastic-test/directory-made", "1")
+    with pytest.raises(Exception):
+        slice_store[1].key_value_try_get("jax-elastic-test/directory-made")   # not in the slice's store
+    assert multihost.process_index() == 0 and multihost.process_count() == 1
+    write(tmp_path, 4, hosts=2, only=[0])   # a save runs through orbax's whole path as the one process
+    assert steps(str(tmp_path / "host0-of-2")) == [4]

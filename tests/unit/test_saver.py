@@ -41,19 +41,20 @@ def test_a_newer_request_replaces_a_waiting_one_and_errors_are_reported_once():
     gate = threading.Event()
     store = Store("/ck", gate=gate)
     writer = CheckpointWriter(store_for=lambda d: store)
-    writer.submit("/ck", 1, [np.zeros(2)], {"fingerprint": "fp"})        # being written (blocked on the gate)
-    assert store.entered.wait(5)
-    writer.submit("/ck", 2, [np.ones(2)], {"fingerprint": "fp"})         # waits...
-    writer.submit("/ck", 3, [np.full(2, 3.0)], {"fingerprint": "fp"})    # ...and is replaced by the newest
+    given_up = []   # what a slice's other hosts are told: this host will not write these steps
+    for step in (1, 2, 3):   # 1 is written (blocked on the gate), 2 waits and is replaced by the newest
+        writer.submit("/ck", step, [np.full(2, float(step))], {"fingerprint": "fp"}, failed=given_up.append)
+        assert store.entered.wait(5)
+    assert given_up == [2]
     gate.set()
     assert writer.wait(5)
-    assert [s for s, *_ in store.saved] == [1, 3]
+    assert [s for s, *_ in store.saved] == [1, 3] and given_up == [2]
     store.fail = True
-    writer.submit("/ck", 4, [np.zeros(2)], {"fingerprint": "fp"})
+    writer.submit("/ck", 4, [np.zeros(2)], {"fingerprint": "fp"}, failed=given_up.append)
     assert writer.wait(5)
     done = writer.drain()
     assert 4 not in done.saved and "checkpoint of step 4 in /ck: OSError: disk full" in done.error
-    assert writer.drain() == Drained()
+    assert given_up == [2, 4] and writer.drain() == Drained()
 
 
 def test_wait_times_out_while_a_write_is_stuck():

@@ -69,6 +69,7 @@ def test_hosts_answers_are_one():
     assert (apart.digest, apart.step) == ("", 3)   # hosts at different steps: no one state, the oldest step
     saves = merge_replies([pb.CheckpointsReply(saved=[4], idle=True), pb.CheckpointsReply(error="disk full")])
     assert list(saves.saved) == [4] and saves.error == "disk full"   # any host's error is the slice's
+    assert not saves.idle   # host 1 may still be writing: the slice is idle once every host is
     load = merge_replies([pb.LoadReply(compile_seconds=1.0, devices_probed=2, probe_seconds=0.1),
                           pb.LoadReply(compile_seconds=3.0, devices_probed=2, probe_seconds=0.2)])
     assert (load.compile_seconds, load.devices_probed, load.probe_seconds) == (3.0, 4, 0.2)
