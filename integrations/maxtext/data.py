@@ -52,8 +52,12 @@ class SyntheticSource:
     """Microbatch ``m`` of every step is rows ``m * microbatch_size ..`` of one fixed global batch.
 
     Build it with :meth:`from_configs`. Picklable (plain numpy), so it ships to
-    workers as is; ``batch`` is pure.
+    workers as is; ``batch`` is pure. It is MaxText's eval data too (MaxText's
+    eval iterator is the same ``SyntheticDataIterator``), which never ends:
+    ``steps`` is ``None``.
     """
+
+    steps = None   # steps the data holds: unbounded
 
     def __init__(self, global_batch: dict[str, np.ndarray], microbatch_size: int):
         rows = {len(v) for v in global_batch.values()}

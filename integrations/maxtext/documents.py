@@ -68,12 +68,13 @@ class ArrayRecordDocuments:
     without them.
     """
 
-    def __init__(self, files: Sequence[str], column: str, tokenize: bool):
+    def __init__(self, files: Sequence[str], column: str, tokenize: bool, *, tokenize_key: str = "tokenize_train_data"):
         import grain.python as grain
 
         self.files = [str(f) for f in files]
         self.column = column
         self.tokenize = bool(tokenize)
+        self.tokenize_key = tokenize_key
         self._source = grain.ArrayRecordDataSource(self.files)
 
     def __len__(self) -> int:
@@ -89,7 +90,7 @@ class ArrayRecordDocuments:
         for index, record in zip(indices, records):
             parsed = parse.map(record)
             if self.tokenize != (parsed[self.column].dtype == object):
-                raise ValueError(_wrong_kind(self.tokenize, self.column, f"record {index}"))
+                raise ValueError(_wrong_kind(self.tokenize, self.column, f"record {index}", self.tokenize_key))
             value = normalize.map(parsed)[self.column]
             out.append(value if self.tokenize else np.asarray(value, np.int32))
         return out
@@ -175,12 +176,11 @@ class ParquetDocuments(Unshipped):
         return f"ParquetDocuments({len(self.files)} file(s), {self._len} rows, column={self.column!r})"
 
 
-def _wrong_kind(tokenize: bool, column: str, where: str) -> str:
+def _wrong_kind(tokenize: bool, column: str, where: str, key: str = "tokenize_train_data") -> str:
     if tokenize:
-        return (f"tokenize_train_data=true but column {column!r} of {where} holds token ids; set "
-                "tokenize_train_data=false for a pre-tokenized dataset")
-    return (f"tokenize_train_data=false but column {column!r} of {where} holds text; set tokenize_train_data=true "
-            "to tokenize it")
+        return (f"{key}=true but column {column!r} of {where} holds token ids; set {key}=false for a pre-tokenized "
+                "dataset")
+    return f"{key}=false but column {column!r} of {where} holds text; set {key}=true to tokenize it"
 
 
 # --------------------------------------------------------------------------- tokens

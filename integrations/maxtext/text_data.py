@@ -48,6 +48,12 @@ Design:
   targets; the last target and targets equal to the pad id, and for ``hf`` the
   BOS id, get segment 0), so a row means what it means in MaxText.
 
+* **Eval data** (``source_for(..., split="eval")``): MaxText's eval keys
+  (``grain_eval_files``, ``hf_eval_files``, ``eval_data_columns``,
+  ``tokenize_eval_data``), the training batch shapes, no shuffling and one
+  epoch, as MaxText's eval iterator: ``steps`` steps, the last one's missing
+  rows filled with the pad id as grain's ``batch_and_pad`` fills them.
+
 How the order differs from MaxText's, honestly: MaxText's iterator shuffles
 records with grain (ArrayRecord: a global shuffle per epoch; Parquet: files
 shuffled, interleaved and window-shuffled), packs the stream into groups of
@@ -75,6 +81,7 @@ than ``num_epoch`` epochs hold.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import math
 import os
@@ -103,12 +110,17 @@ class TextSource(Unshipped):
 
     Build it with :func:`source_for` (or :meth:`build`). ``batch`` is pure: it depends only on its arguments
     and on what was fixed in the client (files, index, seed, tokenizer).
+
+    A training source (``once=False``) repeats its rows epoch after epoch and has ``steps = None``. An eval
+    source (``once=True``, MaxText's eval iterator: one epoch, no shuffling) holds ``steps`` steps, the last
+    one's rows past the end filled as MaxText's ``batch_and_pad`` fills a short last batch (every key the pad
+    id, so after ``ShiftData`` no target of theirs counts); asking for a later step is a ``ValueError``.
     """
 
     _unshipped = (("_perms", dict), ("_tokens", collections.OrderedDict))   # caches
 
     def __init__(self, documents, tokenizer: Tokenizer, index: PackedIndex, *, length: int, microbatch_size: int,
-                 microbatches: int, packing: bool, shuffle_seed: int | None = None):
+                 microbatches: int, packing: bool, shuffle_seed: int | None = None, once: bool = False):
         if index.rows < 1:
             raise ValueError("the documents make no rows (every document is empty)")
         self.documents = documents
@@ -119,6 +131,9 @@ class TextSource(Unshipped):
         self.microbatches = int(microbatches)
         self.packing = bool(packing)
         self.shuffle_seed = shuffle_seed
+        self.once = bool(once)
+        per_step = self.microbatches * self.microbatch_size
+        self.steps = -(-index.rows // per_step) if self.once else None
         self._perms: dict[int, np.ndarray] = {}
         self._tokens: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -127,8 +142,9 @@ class TextSource(Unshipped):
     def build(cls, documents, tokenizer: Tokenizer, *, length: int, microbatch_size: int, microbatches: int,
               packing: bool = True, chunk: bool = False, shuffle_seed: int | None = None,
               max_segments: int | None = None, best_fit: bool = False, bins: int = PACKING_BINS,
-              vocab_size: int | None = None) -> TextSource:
-        """Reads and tokenizes every document once (in this process) and packs them (:class:`PackedIndex`)."""
+              vocab_size: int | None = None, once: bool = False) -> TextSource:
+        """Reads and tokenizes every document once (in this process) and packs them (:class:`PackedIndex`).
+        ``once``: one pass over the rows (an eval source, see the class docstring)."""
         lengths = np.zeros(len(documents), np.int64)
         top = -1   # the largest token id of pre-tokenized documents
         for lo in range(0, len(documents), _READ_CHUNK):
@@ -162,15 +178,18 @@ class TextSource(Unshipped):
                                       "token); check the files (grain_train_files, hf_train_files) and "
                                       "train_data_columns")
         return cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
-                   microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed)
+                   microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
 
     def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return {k: ((self.microbatch_size, self.length), np.dtype(np.int32)) for k in KEYS}
 
-    def row_index(self, step: int, microbatch: int, i: int) -> int:
-        """The index row (:class:`PackedIndex`) that is row ``i`` of microbatch ``microbatch`` at ``step``."""
+    def row_index(self, step: int, microbatch: int, i: int) -> int | None:
+        """The index row (:class:`PackedIndex`) that is row ``i`` of microbatch ``microbatch`` at ``step``; ``None``
+        for a padding row past the end of an eval source."""
         g = (step * self.microbatches + microbatch) * self.microbatch_size + i
         epoch, r = divmod(g, self.index.rows)
+        if self.once and epoch:
+            return None
         return r if self.shuffle_seed is None else int(self._permutation(epoch)[r])
 
     def batch(self, step: int, microbatch: int) -> dict[str, np.ndarray]:
@@ -179,7 +198,11 @@ class TextSource(Unshipped):
         if step < 0 or not 0 <= microbatch < self.microbatches:
             raise ValueError(f"no microbatch {microbatch} of step {step}: the source has microbatches "
                              f"0..{self.microbatches - 1} of every step >= 0")
-        rows = [self.index.row(self.row_index(step, microbatch, i)) for i in range(self.microbatch_size)]
+        if self.steps is not None and step >= self.steps:
+            raise ValueError(f"no step {step}: the eval data holds {self.steps} steps ({self.index.rows} rows)")
+        at = [self.row_index(step, microbatch, i) for i in range(self.microbatch_size)]
+        real = sum(r is not None for r in at)   # rows past the end of an eval source come last
+        rows = [self.index.row(r) for r in at[:real]] or [self.index.row(0)]
         tokens = self._document_tokens(sorted({int(self.index.element_doc[e]) for row in rows for e in row}))
         pieces = [[self._piece(tokens, int(e)) for e in row] for row in rows]
         if self.packing:
@@ -188,6 +211,9 @@ class TextSource(Unshipped):
             pad = ipu.PadOrTrimToMaxLength(self.length, self.tokenizer.pad_id)
             padded = [pad.map({"inputs": p[0], "targets": p[0].copy()}) for p in pieces]
             batch = {k: np.stack([row[k] for row in padded]) for k in padded[0]}
+        if real < self.microbatch_size:   # MaxText's batch_and_pad: the short last batch, filled with the pad id
+            batch = {k: np.concatenate([v[:real], np.full((self.microbatch_size - real, *v.shape[1:]),
+                                                          self.tokenizer.pad_id, v.dtype)]) for k, v in batch.items()}
         batch = ipu.ShiftData(ignored_ids=self.tokenizer.ignored_ids, axis=1).map(batch)
         return {k: np.ascontiguousarray(batch[k], dtype=np.int32) for k in KEYS}
 
@@ -220,7 +246,8 @@ class TextSource(Unshipped):
     def __repr__(self) -> str:
         return (f"TextSource({self.documents!r}, {self.index.documents} documents in {self.index.rows} rows of "
                 f"{self.length}, packing={self.packing}, shuffle_seed={self.shuffle_seed}, "
-                f"microbatches={self.microbatches}, microbatch_size={self.microbatch_size})")
+                + (f"steps={self.steps}, " if self.once else "")
+                + f"microbatches={self.microbatches}, microbatch_size={self.microbatch_size})")
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:
@@ -247,10 +274,38 @@ def _packed(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray
 # --------------------------------------------------------------------------- configs
 
 
-def source_for(elastic_config: elastic.Config, maxtext_config) -> SyntheticSource | TextSource:
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """MaxText's keys of one split's data (its train and eval iterators read different keys)."""
+
+    name: str
+    grain_files: str      # the grain file pattern key
+    hf_files: str         # the hf file pattern key
+    columns: str          # the data column key
+    tokenize: str         # the "tokenize the column" key
+
+
+_SPLITS = {
+    "train": _Split("train", "grain_train_files", "hf_train_files", "train_data_columns", "tokenize_train_data"),
+    "eval": _Split("eval", "grain_eval_files", "hf_eval_files", "eval_data_columns", "tokenize_eval_data"),
+}
+
+
+def source_for(elastic_config: elastic.Config, maxtext_config,
+               split: str = "train") -> SyntheticSource | TextSource | None:
     """The data source MaxText's config asks for: :class:`SyntheticSource` for ``dataset_type: synthetic``, a
-    :class:`TextSource` for ``grain`` (ArrayRecord or Parquet) and ``hf`` (local Parquet); ``elastic.ConfigError``
-    naming the key otherwise. Called in the client: reads and tokenizes every document once."""
+    :class:`TextSource` for ``grain`` (ArrayRecord or Parquet) and ``hf`` (Parquet); ``elastic.ConfigError``
+    naming the key otherwise. Called in the client: reads and tokenizes every document once.
+
+    ``split="eval"``: the data of MaxText's eval iterator, with the training batch shapes (``microbatches`` of
+    ``microbatch_size`` rows). Synthetic data: the training source itself (MaxText's eval iterator is the same
+    ``SyntheticDataIterator``; ``steps`` is ``None``, it never ends). ``grain``: ``grain_eval_files``; ``hf``:
+    ``hf_eval_files`` (MaxText reads them as the split ``train``, whatever ``hf_eval_split`` says); with
+    ``eval_data_columns`` and ``tokenize_eval_data``, not shuffled, one epoch (:class:`TextSource` with
+    ``once``: ``steps`` steps, the last one padded). ``None`` when the config names no eval files."""
+    if split not in _SPLITS:
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    keys = _SPLITS[split]
     mt = maxtext_config
     kind = enum_value(mt.dataset_type)
     if kind == "synthetic":
@@ -263,11 +318,26 @@ def source_for(elastic_config: elastic.Config, maxtext_config) -> SyntheticSourc
             "maxtext_config, data=SOURCE), from Python or from the command line with elastic_trainer=MODULE:FUNCTION, "
             "FUNCTION(elastic_config, maxtext_config) returning that job")
     _refuse_objectives(mt)
-    columns = list(mt.train_data_columns)
+    eval_ = split == "eval"
+    if eval_:
+        pattern = str(getattr(mt, keys.grain_files if kind == "grain" else keys.hf_files, None) or "")
+        if not pattern:
+            if kind == "grain" and enum_value(mt.grain_file_type) == "parquet" and mt.hf_path:
+                raise elastic.ConfigError(
+                    f"config key 'grain_eval_files' is empty: MaxText would read hf_path={mt.hf_path!r}'s eval split "
+                    "from the Hugging Face hub, which jax-elastic does not; set grain_eval_files=GLOB")
+            return None
+        per_device = float(getattr(mt, "eval_per_device_batch_size", 0) or 0)
+        if per_device and per_device != float(mt.per_device_batch_size):
+            raise elastic.ConfigError(
+                f"config key 'eval_per_device_batch_size' ({per_device:g}): under jax-elastic eval batches have the "
+                f"training batch's shape (per_device_batch_size={mt.per_device_batch_size}); unset it or set it to "
+                "per_device_batch_size")
+    columns = list(getattr(mt, keys.columns))
     if len(columns) != 1:
-        raise elastic.ConfigError(f"config key 'train_data_columns' ({columns!r}): MaxText's pre-training pipeline "
-                                  "reads one text column; set train_data_columns=[COLUMN]")
-    tokenize = bool(mt.tokenize_train_data)
+        raise elastic.ConfigError(f"config key {keys.columns!r} ({columns!r}): MaxText's pre-training pipeline "
+                                  f"reads one text column; set {keys.columns}=[COLUMN]")
+    tokenize = bool(getattr(mt, keys.tokenize))
     length = int(mt.max_target_length)
     if kind == "grain":
         file_type = enum_value(mt.grain_file_type)
@@ -279,9 +349,11 @@ def source_for(elastic_config: elastic.Config, maxtext_config) -> SyntheticSourc
             raise elastic.ConfigError(
                 f"config key 'grain_train_mixture_config_path' ({mt.grain_train_mixture_config_path!r}): dataset "
                 "mixtures are not supported under jax-elastic yet; set it to '' and grain_train_files to one pattern")
-        files = _files("grain_train_files", mt.grain_train_files, hf_path=mt.hf_path)
-        documents = (ArrayRecordDocuments if file_type == "arrayrecord" else ParquetDocuments)(files, columns[0],
-                                                                                             tokenize)
+        files = _files(keys.grain_files, getattr(mt, keys.grain_files), hf_path=mt.hf_path)
+        if file_type == "arrayrecord":
+            documents = ArrayRecordDocuments(files, columns[0], tokenize, tokenize_key=keys.tokenize)
+        else:
+            documents = ParquetDocuments(files, columns[0], tokenize)
         tokenizer = Tokenizer(_tokenizer_path(mt.tokenizer_path), str(enum_value(mt.tokenizer_type)), bool(mt.add_bos),
                               bool(mt.add_eos), mt.hf_access_token or None)
         chunk = tokenize and not mt.use_truncation
@@ -296,28 +368,29 @@ def source_for(elastic_config: elastic.Config, maxtext_config) -> SyntheticSourc
         if hf_path != "parquet":
             raise elastic.ConfigError(
                 f"config key 'hf_path' is {hf_path!r}: under jax-elastic dataset_type=hf reads only local Parquet "
-                "files (hf_path=parquet, hf_train_files=GLOB), without the datasets package; set hf_path=parquet, "
-                "or dataset_type=grain grain_file_type=parquet grain_train_files=GLOB")
+                f"files (hf_path=parquet, {keys.hf_files}=GLOB), without the datasets package; set hf_path=parquet, "
+                f"or dataset_type=grain grain_file_type=parquet {keys.grain_files}=GLOB")
         for key in ("hf_name", "hf_data_dir"):
             if getattr(mt, key, None):
                 raise elastic.ConfigError(f"config key {key!r} ({getattr(mt, key)!r}) has no meaning for local "
                                           f"Parquet files under jax-elastic; set it to ''")
-        if str(mt.train_split) != "train":
+        if not eval_ and str(mt.train_split) != "train":
             raise elastic.ConfigError(f"config key 'train_split' ({mt.train_split!r}): files given by "
                                       "hf_train_files are the 'train' split; set train_split=train")
-        files = _files("hf_train_files", mt.hf_train_files or "")
+        files = _files(keys.hf_files, getattr(mt, keys.hf_files) or "")
         documents = ParquetDocuments(files, columns[0], tokenize)
         tokenizer = Tokenizer(_tokenizer_path(mt.tokenizer_path), "huggingface", bool(mt.add_bos), bool(mt.add_eos),
                               mt.hf_access_token or None, pipeline="hf", max_length=length)
         chunk, best_fit = False, False   # MaxText's hf pipeline always truncates
     _check_vocabulary(tokenizer, mt)
     max_segments = int(mt.max_segments_per_seq or 0)
-    seed = int(mt.data_shuffle_seed) if mt.enable_data_shuffling else None
+    seed = int(mt.data_shuffle_seed) if mt.enable_data_shuffling and not eval_ else None   # MaxText: eval unshuffled
     source = TextSource.build(documents, tokenizer, length=length, microbatch_size=elastic_config.microbatch_size,
                               microbatches=elastic_config.microbatches, packing=bool(mt.packing), chunk=chunk,
                               shuffle_seed=seed, max_segments=max_segments if max_segments > 0 and not best_fit
-                              else None, best_fit=best_fit, vocab_size=int(mt.vocab_size))
-    _check_epochs(source, elastic_config, mt)
+                              else None, best_fit=best_fit, vocab_size=int(mt.vocab_size), once=eval_)
+    if not eval_:
+        _check_epochs(source, elastic_config, mt)
     return source
 
 

@@ -290,9 +290,9 @@ def test_hf_parquet_uses_maxtexts_hugging_face_tokenization(data, configs):
         assert (rows["inputs_segmentation"][d, len(want):] != 1).all()
 
 
-def refusal(ec, mt, **keys) -> str:
+def refusal(ec, mt, split="train", **keys) -> str:
     with pytest.raises(elastic.ConfigError) as e:
-        source_for(ec, Over(mt, **keys))
+        source_for(ec, Over(mt, **keys), split=split)
     msg = str(e.value)
     assert "\n" not in msg
     return msg
@@ -323,3 +323,51 @@ def test_refusals_are_one_line_naming_the_key(data, configs):
     # MaxText stops after num_epoch epochs (default 1); a run that needs more rows is refused before it starts.
     msg = refusal(dataclasses.replace(ec, steps=1000), mt, num_epoch=1)
     assert "'num_epoch' (1): 1000 steps of 8 rows need 8000 rows" in msg and "set num_epoch >= " in msg
+
+
+def test_eval_sources_are_maxtexts_eval_data_one_unshuffled_pass_with_a_padded_last_step(data, configs):
+    root, docs = data
+    ec, mt = configs   # enable_data_shuffling: MaxText's default, true; its eval iterator never shuffles
+    pattern = str(root / "*.array_record")
+    assert source_for(ec, mt, split="eval") is None   # no grain_eval_files: no eval data
+    source = pickle.loads(pickle.dumps(source_for(ec, Over(mt, grain_eval_files=pattern), split="eval")))
+    plain = source_for(ec, Over(mt, enable_data_shuffling=False))   # the training rows, in file order
+    per_step = ec.microbatches * ec.microbatch_size
+    assert source.index.rows == plain.index.rows and source.steps == -(-source.index.rows // per_step)
+    assert source.element_spec() == plain.element_spec()
+    rows = rows_of(source, source.steps * per_step)
+    n = source.index.rows
+    assert n % per_step, "the test needs a short last step"
+    want = rows_of(plain, n)
+    for k in KEYS:
+        np.testing.assert_array_equal(rows[k][:n], want[k], err_msg=k)
+    # The short last step as MaxText's batch_and_pad fills it: the pad id everywhere, so no target counts.
+    assert (rows["inputs"][n:] == -1).all() and (rows["inputs_segmentation"][n:] == -1).all()
+    assert (rows["targets_segmentation"][n:] == 0).all()
+    last = source.steps - 1
+    assert all(np.array_equal(source.batch(last, m)[k], rows_of(source, source.steps * per_step)[k][
+        (last * ec.microbatches + m) * 4:(last * ec.microbatches + m + 1) * 4]) for m in range(2) for k in KEYS)
+    with pytest.raises(ValueError, match=f"no step {source.steps}: the eval data holds {source.steps} steps"):
+        source.batch(source.steps, 0)
+    # hf: hf_eval_files (MaxText reads them as the split 'train'), eval_data_columns, tokenize_eval_data.
+    hf = dict(dataset_type="hf", hf_path="parquet", hf_train_files=str(root / "*.parquet"),
+              tokenizer_path=str(QWEN3), vocab_size=151936)
+    assert source_for(ec, Over(mt, **hf), split="eval") is None
+    hf_eval = source_for(ec, Over(mt, **hf, hf_eval_files=str(root / "*.parquet"), hf_eval_split="validation"),
+                         split="eval")
+    hf_plain = source_for(ec, Over(mt, **hf, enable_data_shuffling=False))
+    assert hf_eval.shuffle_seed is None and hf_eval.index.rows == hf_plain.index.rows
+    np.testing.assert_array_equal(hf_eval.batch(0, 1)["inputs"], hf_plain.batch(0, 1)["inputs"])
+    msg = refusal(ec, mt, grain_eval_files=pattern, eval_data_columns=["text", "id"], split="eval")
+    assert "'eval_data_columns'" in msg
+    assert "tokenize_eval_data=false" in refusal(ec, mt, grain_eval_files=pattern, tokenize_eval_data=False,
+                                                  split="eval")
+    assert "'eval_per_device_batch_size' (2)" in refusal(ec, mt, grain_eval_files=pattern,
+                                                         eval_per_device_batch_size=2, split="eval")
+    assert "'grain_eval_files' is empty" in refusal(ec, mt, grain_file_type="parquet", hf_path="org/data",
+                                                    grain_train_files=str(root / "*.parquet"), split="eval")
+    # Synthetic data: MaxText's eval iterator is its training iterator (the same batch), without an end.
+    synthetic = source_for(ec, Over(mt, dataset_type="synthetic"), split="eval")
+    assert synthetic.steps is None
+    np.testing.assert_array_equal(synthetic.batch(3, 1)["inputs"],
+                                  source_for(ec, Over(mt, dataset_type="synthetic")).batch(0, 1)["inputs"])
