@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import elastic
+from integrations.maxtext.data_files import DataFile, DataFiles
 
 __all__ = ["ArrayRecordDocuments", "ParquetDocuments", "Tokenizer", "Unshipped", "enum_value"]
 
@@ -59,31 +61,89 @@ def enum_value(x: Any) -> Any:
 # --------------------------------------------------------------------------- documents
 
 
-class ArrayRecordDocuments:
+def _data_files(files: Sequence[DataFile | str], store: DataFiles | None, key: str) -> tuple[list[DataFile], DataFiles]:
+    """``files`` as :class:`DataFile` (a bare local path is stat'ed) and the store that reads them."""
+    out = []
+    for f in files:
+        if not isinstance(f, DataFile):
+            st = os.stat(f)
+            f = DataFile(os.path.abspath(f), st.st_size, st.st_mtime_ns)
+        out.append(f)
+    return out, store if store is not None else DataFiles(key)
+
+
+class ArrayRecordDocuments(Unshipped):
     """Documents of ArrayRecord files of serialized ``tf.train.Example`` records, as MaxText's grain pipeline reads
     them (grain's ``ArrayRecordDataSource``, MaxText's ``ParseFeatures`` and ``NormalizeFeatures``).
 
     ``read(indices)`` gives column ``column`` of those records: a ``str`` (``tokenize``) or int32 token ids.
-    grain's source counts the records once, in the client; it opens readers lazily in each process and pickles
-    without them.
+    The client counts each file's records once (:meth:`layout`; a ``gs://`` file is fetched into this host's
+    cache for that, see :mod:`~integrations.maxtext.data_files`); a process fetches only the files its
+    documents are in, on first use, and opens grain's source over them lazily; pickling drops it.
     """
 
-    def __init__(self, files: Sequence[str], column: str, tokenize: bool, *, tokenize_key: str = "tokenize_train_data"):
-        import grain.python as grain
+    _unshipped = (("_source", lambda: None), ("_local", dict))   # grain's source, files fetched to this host
 
-        self.files = [str(f) for f in files]
+    def __init__(self, files: Sequence[DataFile | str], column: str, tokenize: bool, *,
+                 store: DataFiles | None = None, files_key: str = "grain_train_files",
+                 tokenize_key: str = "tokenize_train_data"):
+        self.files, self.store = _data_files(files, store, files_key)
         self.column = column
         self.tokenize = bool(tokenize)
         self.tokenize_key = tokenize_key
-        self._source = grain.ArrayRecordDataSource(self.files)
+        self._counts: np.ndarray | None = None   # records of each file, from the client
+        self._source = None
+        self._local: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def layout(self) -> dict[str, np.ndarray]:
+        """What the client learns of the files (records per file): counted once, here, unless :meth:`adopt`-ed."""
+        if self._counts is None:
+            from array_record.python import array_record_module
+
+            counts = []
+            for k in range(len(self.files)):
+                reader = array_record_module.ArrayRecordReader(self._local_path(k))
+                counts.append(reader.num_records())
+                reader.close()
+            self._counts = np.asarray(counts, np.int64)
+        return {"counts": self._counts}
+
+    def adopt(self, layout: dict[str, np.ndarray]) -> None:
+        """Takes the :meth:`layout` a previous client learnt of the same files (the index cache)."""
+        counts = np.asarray(layout["counts"], np.int64)
+        if counts.shape != (len(self.files),) or (counts < 0).any():
+            raise ValueError(f"a layout of {counts.shape} counts for {len(self.files)} files")
+        self._counts = counts
 
     def __len__(self) -> int:
-        return len(self._source)
+        return int(self.layout()["counts"].sum())
+
+    def _local_path(self, k: int) -> str:
+        path = self._local.get(k)
+        if path is None:
+            path = self._local[k] = self.store.local(self.files[k])
+        return path
 
     def read(self, indices: Sequence[int]) -> list[Any]:
         from maxtext.input_pipeline import input_pipeline_utils as ipu
 
-        records = self._source.__getitems__([int(i) for i in indices])
+        indices = [int(i) for i in indices]
+        ends = np.cumsum(self.layout()["counts"])
+        for k in np.unique(np.searchsorted(ends, indices, side="right")):
+            if k < len(self.files):
+                self._local_path(int(k))   # fetch the files these documents are in, and only those
+        with self._lock:
+            if self._source is None:
+                import grain.python as grain
+
+                # "path[0:n]": grain's read instruction, so it counts nothing and opens each file when first read
+                # (a file of no document read here is never fetched, never opened).
+                paths = [f"{self.store.cached_path(file)}[0:{n}]"
+                         for file, n in zip(self.files, self._counts.tolist())]
+                self._source = grain.ArrayRecordDataSource(paths)
+            source = self._source
+        records = source.__getitems__(indices)
         parse = ipu.ParseFeatures([self.column], self.tokenize)
         normalize = ipu.NormalizeFeatures([self.column], self.tokenize)
         out = []
@@ -103,45 +163,69 @@ class ParquetDocuments(Unshipped):
     """Documents of Parquet files: column ``column`` of each row, read with pyarrow one row group at a time and
     checked with MaxText's ``KeepFeatures`` (values as grain's ``ParquetIterDataset`` gives them).
 
-    The client reads each file's metadata once (rows per row group); a process opens files lazily and keeps a few
-    decoded row groups. Pickling drops open files and caches.
+    The client reads each file's metadata once (:meth:`layout`: rows per row group; a ``gs://`` file's footer by
+    ranged reads); a process opens files lazily (a ``gs://`` file as ranged reads of one row group's column at a
+    time) and keeps a few decoded row groups. Pickling drops open files and caches.
     """
 
     _unshipped = (("_files", dict), ("_cache", collections.OrderedDict))   # open files, decoded row groups
 
-    def __init__(self, files: Sequence[str], column: str, tokenize: bool):
-        import pyarrow.parquet as pq
-
-        self.files = [str(f) for f in files]
+    def __init__(self, files: Sequence[DataFile | str], column: str, tokenize: bool, *,
+                 store: DataFiles | None = None, files_key: str = "grain_train_files",
+                 columns_key: str = "train_data_columns"):
+        self.files, self.store = _data_files(files, store, files_key)
         self.column = column
         self.tokenize = bool(tokenize)
-        starts, groups = [], []   # global first row of each (file, row group)
-        total = 0
-        for f, path in enumerate(self.files):
-            meta = pq.ParquetFile(path).metadata
-            names = meta.schema.to_arrow_schema().names
-            if column not in names:
-                raise elastic.ConfigError(f"config key 'train_data_columns': column {column!r} is not in {path} "
-                                          f"(columns {names}); set train_data_columns=[COLUMN]")
-            for g in range(meta.num_row_groups):
-                rows = meta.row_group(g).num_rows
-                if rows:
-                    starts.append(total)
-                    groups.append((f, g))
-                    total += rows
-        self._starts = np.asarray(starts, np.int64)
-        self._groups = np.asarray(groups, np.int64).reshape(-1, 2)
-        self._len = total
+        self.columns_key = columns_key
+        self._starts: np.ndarray | None = None   # global first row of each (file, row group) with rows
+        self._groups: np.ndarray | None = None   # (file, row group) of each
+        self._len = 0
         self._files: dict[int, Any] = {}
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
+    def layout(self) -> dict[str, np.ndarray]:
+        """What the client learns of the files (the rows of each row group): read once, here, unless
+        :meth:`adopt`-ed; ConfigError naming the key for a file without the column."""
+        if self._starts is None:
+            starts, groups = [], []
+            total = 0
+            for f, file in enumerate(self.files):
+                meta = self._open(f).metadata
+                names = meta.schema.to_arrow_schema().names
+                if self.column not in names:
+                    raise elastic.ConfigError(
+                        f"config key {self.columns_key!r}: column {self.column!r} is not in {file.path} "
+                        f"(columns {names}); set {self.columns_key}=[COLUMN]")
+                for g in range(meta.num_row_groups):
+                    rows = meta.row_group(g).num_rows
+                    if rows:
+                        starts.append(total)
+                        groups.append((f, g))
+                        total += rows
+            self.adopt({"starts": np.asarray(starts, np.int64), "groups": np.asarray(groups, np.int64),
+                        "rows": np.asarray([total], np.int64)})
+        return {"starts": self._starts, "groups": self._groups, "rows": np.asarray([self._len], np.int64)}
+
+    def adopt(self, layout: dict[str, np.ndarray]) -> None:
+        """Takes the :meth:`layout` a previous client learnt of the same files (the index cache)."""
+        starts = np.asarray(layout["starts"], np.int64)
+        groups = np.asarray(layout["groups"], np.int64).reshape(-1, 2)
+        rows = int(np.asarray(layout["rows"]).reshape(-1)[0])
+        if len(starts) != len(groups) or (len(groups) and not (0 <= groups[:, 0].min() <= groups[:, 0].max()
+                                                               < len(self.files))) \
+                or (starts.size and (starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= rows)):
+            raise ValueError("an inconsistent Parquet layout")
+        self._starts, self._groups, self._len = starts, groups, rows
+
     def __len__(self) -> int:
+        self.layout()
         return self._len
 
     def read(self, indices: Sequence[int]) -> list[Any]:
         from maxtext.input_pipeline import input_pipeline_utils as ipu
 
+        self.layout()
         keep = ipu.KeepFeatures(feature_names=[self.column], tokenize=self.tokenize)
         out = []
         for index in indices:
@@ -154,6 +238,18 @@ class ParquetDocuments(Unshipped):
             out.append(value if self.tokenize else np.asarray(value, np.int32))
         return out
 
+    def _open(self, f: int):
+        import pyarrow.parquet as pq
+
+        file = self.files[f]
+        try:
+            return pq.ParquetFile(self.store.open(file) if file.remote else file.path)
+        except elastic.ConfigError:
+            raise
+        except (OSError, ValueError) as e:   # pyarrow: not a Parquet file, truncated, unreadable
+            raise elastic.ConfigError(f"config key {self.store.key!r}: cannot read {file.path} as Parquet: "
+                                      f"{' '.join(str(e).split())[:300]}") from e
+
     def _row_group(self, k: int) -> np.ndarray:
         with self._lock:
             cached = self._cache.get(k)
@@ -163,9 +259,7 @@ class ParquetDocuments(Unshipped):
             f, g = (int(x) for x in self._groups[k])
             handle = self._files.get(f)
             if handle is None:
-                import pyarrow.parquet as pq
-
-                handle = self._files[f] = pq.ParquetFile(self.files[f])
+                handle = self._files[f] = self._open(f)
             values = handle.read_row_group(g, columns=[self.column]).column(0).to_numpy()
             self._cache[k] = values
             while len(self._cache) > _ROW_GROUP_CACHE:
@@ -173,7 +267,7 @@ class ParquetDocuments(Unshipped):
             return values
 
     def __repr__(self) -> str:
-        return f"ParquetDocuments({len(self.files)} file(s), {self._len} rows, column={self.column!r})"
+        return f"ParquetDocuments({len(self.files)} file(s), {len(self)} rows, column={self.column!r})"
 
 
 def _wrong_kind(tokenize: bool, column: str, where: str, key: str = "tokenize_train_data") -> str:

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
+import logging
 import math
 import os
 import pathlib
@@ -92,10 +92,12 @@ import numpy as np
 
 import elastic
 from integrations.maxtext.data import KEYS, SyntheticSource
+from integrations.maxtext.data_files import DataFile, DataFiles
+from integrations.maxtext.index_cache import index_key, load_index, save_index
 from integrations.maxtext.packing import PACKING_BINS, PackedIndex
 from integrations.maxtext.documents import ArrayRecordDocuments, ParquetDocuments, Tokenizer, Unshipped, enum_value
 
-__all__ = ["PACKING_BINS", "PackedIndex", "TextSource", "source_for"]
+__all__ = ["PACKING_BINS", "PackedIndex", "TextSource", "index_cache_dir", "source_for"]
 
 
 _TOKEN_CACHE = 1024   # tokenized documents a process keeps (a chunked document spans rows)
@@ -142,9 +144,37 @@ class TextSource(Unshipped):
     def build(cls, documents, tokenizer: Tokenizer, *, length: int, microbatch_size: int, microbatches: int,
               packing: bool = True, chunk: bool = False, shuffle_seed: int | None = None,
               max_segments: int | None = None, best_fit: bool = False, bins: int = PACKING_BINS,
-              vocab_size: int | None = None, once: bool = False) -> TextSource:
+              vocab_size: int | None = None, once: bool = False, cache_dir: str | None = None) -> TextSource:
         """Reads and tokenizes every document once (in this process) and packs them (:class:`PackedIndex`).
-        ``once``: one pass over the rows (an eval source, see the class docstring)."""
+        ``once``: one pass over the rows (an eval source, see the class docstring). ``cache_dir``: load the
+        index from there if an earlier client built it from the same files, tokenizer and settings (then no
+        document is read), else build it and store it there (:mod:`~integrations.maxtext.index_cache`)."""
+        settings = dict(length=length, packing=packing, chunk=chunk, shuffle_seed=shuffle_seed,
+                        max_segments=max_segments, best_fit=best_fit, bins=bins, vocab_size=vocab_size)
+        key = index_key(documents, tokenizer, **settings) if cache_dir else ""
+        cached = load_index(cache_dir, key) if cache_dir else None
+        if cached is not None:
+            index, layout = cached
+            try:
+                documents.adopt(layout)
+            except (KeyError, ValueError):
+                cached = None   # not this reader's layout: build anew
+            else:
+                if index.documents == len(documents):
+                    return cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
+                               microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+        index = cls._index(documents, tokenizer, **settings)
+        if cache_dir:
+            try:
+                save_index(cache_dir, key, index, documents.layout())
+            except OSError as e:   # the cache is an optimisation: the run goes on without it
+                logging.getLogger(__name__).warning("could not store the packing index in %s: %s", cache_dir, e)
+        return cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
+                   microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+
+    @staticmethod
+    def _index(documents, tokenizer: Tokenizer, *, length: int, packing: bool, chunk: bool, shuffle_seed: int | None,
+               max_segments: int | None, best_fit: bool, bins: int, vocab_size: int | None) -> PackedIndex:
         lengths = np.zeros(len(documents), np.int64)
         top = -1   # the largest token id of pre-tokenized documents
         for lo in range(0, len(documents), _READ_CHUNK):
@@ -177,8 +207,7 @@ class TextSource(Unshipped):
             raise elastic.ConfigError(f"the {len(lengths)} documents of {documents!r} make no rows (none has a "
                                       "token); check the files (grain_train_files, hf_train_files) and "
                                       "train_data_columns")
-        return cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
-                   microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+        return index
 
     def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         return {k: ((self.microbatch_size, self.length), np.dtype(np.int32)) for k in KEYS}
@@ -349,11 +378,13 @@ def source_for(elastic_config: elastic.Config, maxtext_config,
             raise elastic.ConfigError(
                 f"config key 'grain_train_mixture_config_path' ({mt.grain_train_mixture_config_path!r}): dataset "
                 "mixtures are not supported under jax-elastic yet; set it to '' and grain_train_files to one pattern")
-        files = _files(keys.grain_files, getattr(mt, keys.grain_files), hf_path=mt.hf_path)
+        files, store = _files(keys.grain_files, getattr(mt, keys.grain_files), hf_path=mt.hf_path)
         if file_type == "arrayrecord":
-            documents = ArrayRecordDocuments(files, columns[0], tokenize, tokenize_key=keys.tokenize)
+            documents = ArrayRecordDocuments(files, columns[0], tokenize, store=store, files_key=keys.grain_files,
+                                             tokenize_key=keys.tokenize)
         else:
-            documents = ParquetDocuments(files, columns[0], tokenize)
+            documents = ParquetDocuments(files, columns[0], tokenize, store=store, files_key=keys.grain_files,
+                                         columns_key=keys.columns)
         tokenizer = Tokenizer(_tokenizer_path(mt.tokenizer_path), str(enum_value(mt.tokenizer_type)), bool(mt.add_bos),
                               bool(mt.add_eos), mt.hf_access_token or None)
         chunk = tokenize and not mt.use_truncation
@@ -377,8 +408,9 @@ def source_for(elastic_config: elastic.Config, maxtext_config,
         if not eval_ and str(mt.train_split) != "train":
             raise elastic.ConfigError(f"config key 'train_split' ({mt.train_split!r}): files given by "
                                       "hf_train_files are the 'train' split; set train_split=train")
-        files = _files(keys.hf_files, getattr(mt, keys.hf_files) or "")
-        documents = ParquetDocuments(files, columns[0], tokenize)
+        files, store = _files(keys.hf_files, getattr(mt, keys.hf_files) or "")
+        documents = ParquetDocuments(files, columns[0], tokenize, store=store, files_key=keys.hf_files,
+                                     columns_key=keys.columns)
         tokenizer = Tokenizer(_tokenizer_path(mt.tokenizer_path), "huggingface", bool(mt.add_bos), bool(mt.add_eos),
                               mt.hf_access_token or None, pipeline="hf", max_length=length)
         chunk, best_fit = False, False   # MaxText's hf pipeline always truncates
@@ -388,10 +420,21 @@ def source_for(elastic_config: elastic.Config, maxtext_config,
     source = TextSource.build(documents, tokenizer, length=length, microbatch_size=elastic_config.microbatch_size,
                               microbatches=elastic_config.microbatches, packing=bool(mt.packing), chunk=chunk,
                               shuffle_seed=seed, max_segments=max_segments if max_segments > 0 and not best_fit
-                              else None, best_fit=best_fit, vocab_size=int(mt.vocab_size), once=eval_)
+                              else None, best_fit=best_fit, vocab_size=int(mt.vocab_size), once=eval_,
+                              cache_dir=index_cache_dir(elastic_config))
     if not eval_:
         _check_epochs(source, elastic_config, mt)
     return source
+
+
+def index_cache_dir(elastic_config: elastic.Config) -> str | None:
+    """Where the client keeps packing indexes: ``<base_output_directory>/.data_index`` (shared by every run
+    there, so a restarted client and another run on the same data both find it, and on the client's host,
+    where the index is built); ``None`` (no cache) for a ``gs://`` output directory."""
+    base = str(elastic_config.base_output_directory or "")
+    if not base or "://" in base:
+        return None
+    return str(pathlib.Path(base).expanduser().resolve() / ".data_index")
 
 
 def _refuse_objectives(mt) -> None:
@@ -401,22 +444,18 @@ def _refuse_objectives(mt) -> None:
                                       "yet: only MaxText's pre-training pipeline is; set it to false")
 
 
-def _files(key: str, pattern: str, *, hf_path: str = "") -> list[str]:
-    """MaxText's glob of a local file pattern (find_data_files), sorted; ConfigError naming ``key`` otherwise."""
+def _files(key: str, pattern: str, *, hf_path: str = "") -> tuple[list[DataFile], DataFiles]:
+    """MaxText's glob of a file pattern (``find_data_files``: local, or ``gs://`` with GCS's glob), sorted, and the
+    store that reads them; ConfigError naming ``key`` otherwise."""
     pattern = str(pattern or "")
     if not pattern:
         hint = f" (MaxText would read hf_path={hf_path!r} from the Hugging Face hub)" if hf_path else ""
-        raise elastic.ConfigError(f"config key {key!r} is empty{hint}: set it to a glob of local files")
+        raise elastic.ConfigError(f"config key {key!r} is empty{hint}: set it to a glob of local or gs:// files")
     if ";" in pattern:
         raise elastic.ConfigError(f"config key {key!r} ({pattern!r}) is a mixture ('pattern,weight;...'): mixtures "
                                   "are not supported under jax-elastic yet; set it to one pattern")
-    if "://" in pattern:
-        raise elastic.ConfigError(f"config key {key!r} ({pattern!r}) is remote: under jax-elastic only local files "
-                                  "(or a shared file system) are read; copy them and set a local glob")
-    files = sorted(glob.glob(str(pathlib.Path(pattern).expanduser().resolve())))
-    if not files:
-        raise elastic.ConfigError(f"config key {key!r} ({pattern!r}) matches no file")
-    return files
+    store = DataFiles(key)
+    return store.glob(pattern), store
 
 
 def _tokenizer_path(path: str | None) -> str:

@@ -36,3 +36,14 @@ def write_parquet(path: pathlib.Path, docs, *, row_group_size=7, column="text") 
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({column: docs, "id": list(range(len(docs)))}), str(path), row_group_size=row_group_size)
+
+
+def upload(endpoint: str, bucket: str, files: dict[str, pathlib.Path]) -> None:
+    """Uploads local files to ``gs://bucket/<name>`` on the GCS protocol server at ``endpoint`` (an emulator)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    client = storage.Client(project="test", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": endpoint})
+    for name, path in files.items():
+        client.bucket(bucket).blob(name).upload_from_filename(str(path))
