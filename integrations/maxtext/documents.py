@@ -12,9 +12,14 @@
   Face pipeline's ``AutoTokenizer`` and ``input_pipeline_utils.tokenization``
   for ``hf``), built lazily in each process.
 
-Document ``d`` is record ``d`` of the files' concatenation. Each reader is
-picklable (no open file in its pickled state) and reads only what it is
-asked for.
+Files are local or ``gs://`` (:mod:`~integrations.maxtext.data_files`: a
+Parquet object by ranged reads, an ArrayRecord shard fetched into this host's
+cache first, since array_record reads local paths only). Document ``d`` is
+record ``d`` of the files' concatenation. The client learns each reader's
+``layout`` (records per file, rows per row group) once, or ``adopt``-s the one
+the index cache kept. Each reader is picklable (no open file, fetched path or
+client in its pickled state), opens nothing until used and reads only what it
+is asked for.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MaxText's text pipelines (``dataset_type: grain`` and ``hf`` on local files) as indexable jax-elastic sources.
+"""MaxText's text pipelines (``dataset_type: grain`` and ``hf``, local or gs:// files) as indexable sources.
 
 jax-elastic's contract (:mod:`elastic.data`): ``source.batch(step, microbatch)``
 is a pure function of its arguments on any process, at any time, in any order.
@@ -16,7 +16,10 @@ Design:
   one row group at a time, and filtered with MaxText's ``KeepFeatures``. The
   column is ``train_data_columns`` (one, default ``text``). Files are MaxText's
   glob of ``grain_train_files`` (``hf_train_files``), sorted (MaxText keeps
-  ``glob``'s order): document ``d`` is record ``d`` of their concatenation.
+  ``glob``'s order locally; GCS lists objects sorted): document ``d`` is
+  record ``d`` of their concatenation. ``gs://`` files: Parquet by ranged
+  reads, ArrayRecord shards fetched into a per-host cache by the process that
+  reads them (:mod:`~integrations.maxtext.data_files`).
 * **Tokens.** MaxText's tokenizer code: ``data_processing_utils.
   get_tokenizer_and_pad_id`` (``tokenizer_path``, ``tokenizer_type``,
   ``add_bos``, ``add_eos``) for grain, and the Hugging Face pipeline's
@@ -36,7 +39,8 @@ Design:
   honouring ``max_segments_per_seq`` > 0, all rows of a group emitted when an
   element fits none. With ``packing: false`` a row is one element. The index
   is a few numpy arrays (about 25 bytes per element) and ships in the pickled
-  source.
+  source; the client caches it on disk (:mod:`~integrations.maxtext.index_cache`,
+  in :func:`index_cache_dir`), so a restart reads no document.
 * **Rows.** Global row ``g`` of ``(step, microbatch m, row i)`` is
   ``g = (step * microbatches + m) * microbatch_size + i``; epoch ``e = g //
   rows``, and row ``g % rows`` (or with shuffling, that entry of a permutation
@@ -71,8 +75,8 @@ MaxText's.
 
 Refused with one line naming the key (:class:`elastic.ConfigError`): tfds and
 the other dataset types, tfrecord/mmap files, mixtures (``;`` in
-``grain_train_files``, ``grain_train_mixture_config_path``), remote files
-(``gs://``, ``hf://``, the Hugging Face hub), ``hf_path`` other than
+``grain_train_files``, ``grain_train_mixture_config_path``), the Hugging Face
+hub (``hf://``, an empty file key with ``hf_path``), ``hf_path`` other than
 ``parquet``, ``concat_then_split`` packing, SFT, DPO, distillation, more than
 one data column, a ``vocab_size`` smaller than the tokenizer's, and more rows
 than ``num_epoch`` epochs hold.
@@ -342,7 +346,7 @@ def source_for(elastic_config: elastic.Config, maxtext_config,
     if kind not in ("grain", "hf"):
         raise elastic.ConfigError(
             f"config key 'dataset_type' is {kind!r}: under jax-elastic MaxText's synthetic, grain (ArrayRecord, "
-            "Parquet) and hf (local Parquet) data are built in; set dataset_type=grain with grain_file_type="
+            "Parquet) and hf (Parquet) data are built in; set dataset_type=grain with grain_file_type="
             "arrayrecord or parquet, or bring your data as a jax-elastic data source: make_job(elastic_config, "
             "maxtext_config, data=SOURCE), from Python or from the command line with elastic_trainer=MODULE:FUNCTION, "
             "FUNCTION(elastic_config, maxtext_config) returning that job")
@@ -398,12 +402,13 @@ def source_for(elastic_config: elastic.Config, maxtext_config,
         hf_path = str(mt.hf_path or "")
         if hf_path != "parquet":
             raise elastic.ConfigError(
-                f"config key 'hf_path' is {hf_path!r}: under jax-elastic dataset_type=hf reads only local Parquet "
-                f"files (hf_path=parquet, {keys.hf_files}=GLOB), without the datasets package; set hf_path=parquet, "
+                f"config key 'hf_path' is {hf_path!r}: under jax-elastic dataset_type=hf reads only Parquet files, "
+                f"local or gs:// (hf_path=parquet, {keys.hf_files}=GLOB), without the datasets package; set "
+                "hf_path=parquet, "
                 f"or dataset_type=grain grain_file_type=parquet {keys.grain_files}=GLOB")
         for key in ("hf_name", "hf_data_dir"):
             if getattr(mt, key, None):
-                raise elastic.ConfigError(f"config key {key!r} ({getattr(mt, key)!r}) has no meaning for local "
+                raise elastic.ConfigError(f"config key {key!r} ({getattr(mt, key)!r}) has no meaning for "
                                           f"Parquet files under jax-elastic; set it to ''")
         if not eval_ and str(mt.train_split) != "train":
             raise elastic.ConfigError(f"config key 'train_split' ({mt.train_split!r}): files given by "
