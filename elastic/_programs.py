@@ -102,7 +102,9 @@ def build_programs(
     init_state: Callable | None = None,    # key -> state                        } a whole step's parts
     grad_fn: Callable | None = None,       # (state, batch) -> (loss, grads)     } (elastic.wrap): one stage
     apply_fn: Callable | None = None,      # (state, mean grads pytree) -> state }
+    eval_fn: Callable | None = None,       # (state, batch) -> (loss total, weight); default (grad's loss, 1)
     checkpoint_tree=None,        # runtime.state.checkpoint_tree.CheckpointTree: how checkpoints name the leaves
+    evaluate: bool = False,      # also export ``eval`` (the loss of one microbatch, forward only): eval is configured
 ) -> ProgramSet:
     """Traces and exports a run's programs, for ``num_stages`` stages on slices of ``devices_per_slice``
     devices of ``platform``. The client calls it once, before any worker starts; what cannot be exported
@@ -110,8 +112,11 @@ def build_programs(
 
     One stage computes the whole gradient in one program (``grad``), from a loss and an optimizer or from a
     step's parts. More stages cut ``loss`` at its ``num_stages - 1`` :func:`elastic.pipeline_stage` marks
-    (:func:`_cut_stages`): only a loss and an optimizer can be cut.
+    (:func:`_cut_stages`): only a loss and an optimizer can be cut. ``evaluate``: one stage also exports ``eval``
+    (a pipelined run has none: ``ValueError``; the config refuses eval there first).
     """
+    if evaluate and num_stages > 1:
+        raise ValueError("eval is not built for a pipelined run (dcn_pipeline_parallelism > 1)")
     if loss is not None:
         if num_stages > 1:
             stages = _cut_stages(init_params, loss, optimizer, batch_spec, num_stages, devices_per_slice,
@@ -122,7 +127,7 @@ def build_programs(
         raise ValueError(f"num_stages={num_stages}: a step's own parts (init_state, grad_fn, apply_fn) are one "
                          "stage; cut a loss and an optimizer instead")
     return ProgramSet((_whole_gradient(init_state, grad_fn, apply_fn, batch_spec, devices_per_slice,
-                                       num_microbatches, platform, checkpoint_tree),))
+                                       num_microbatches, platform, checkpoint_tree, evaluate, eval_fn),))
 
 
 def _loss_step(init_params: Callable, loss: Callable, opt) -> tuple[Callable, Callable, Callable]:
@@ -165,7 +170,7 @@ _SEED = jax.ShapeDtypeStruct((), jnp.int32)
 
 
 def _whole_gradient(init_state, grad_fn, apply_fn, batch_spec, d, num_microbatches, platform,
-                    checkpoint_tree) -> StagePrograms:
+                    checkpoint_tree, evaluate=False, eval_fn=None) -> StagePrograms:
     """The one stage of an unpipelined run: init / grad / apply, the gradient of the whole model in one program."""
     mesh = AbstractMesh((d,), (MESH_AXIS,))
 
@@ -203,6 +208,19 @@ def _whole_gradient(init_state, grad_fn, apply_fn, batch_spec, d, num_microbatch
         "apply": export_program("apply", apply, (state_shapes, flat_spec), in_specs["apply"], state_dim_list, mesh,
                                 platform),
     }
+    if evaluate:
+        # The training loss as grad computes it, nothing else: XLA drops the unused backward pass, so this is
+        # the forward alone, and an eval loss means exactly what a training loss means.
+        def evaluate_fn(state, batch):
+            if eval_fn is not None:   # the job's own (loss total, weight): a loss normalised by a token count
+                total, weight = eval_fn(jax.tree.unflatten(treedef, state), batch)
+            else:
+                total, weight = grad_tree(state, batch)[0], 1.0
+            return jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(weight, jnp.float32)])
+
+        in_specs["eval"] = state_dim_list + batch_dims
+        blobs["eval"] = export_program("eval", evaluate_fn, (state_shapes, batch_shapes), in_specs["eval"], None,
+                                       mesh, platform)
     return StagePrograms(
         blobs=blobs, devices_per_slice=d, num_microbatches=num_microbatches, grad_size=int(grad_size),
         state_bytes=_nbytes(state_shapes), batch_spec=dict(zip(batch_shapes, _spec_list(batch_shapes.values()))),

@@ -79,7 +79,8 @@ def bundled_trainer(cfg):
 
     init, loss, data = make_model(cfg)
     schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps) if cfg.warmup_steps else cfg.learning_rate
-    trainer = Trainer(init=init, loss=loss, optimizer=optax.adam(schedule), data=data, config=cfg)
+    trainer = Trainer(init=init, loss=loss, optimizer=optax.adam(schedule), data=data, config=cfg,
+                      eval_data=data.held_out())   # computed only with eval_interval
     trainer.reports_model_keys = True   # its config's model keys are its own: the report shows them
     rate = schedule if callable(schedule) else lambda step: schedule
     trainer.model_metrics = ModelMetrics(learning_rate=rate,

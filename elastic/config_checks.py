@@ -127,6 +127,12 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
             if bad:
                 return (f"config keys {at('elastic_hosts_per_slice')} and {at(key)} contradict: {why} for "
                         "now (docs/multi-host.md)")
+    if values["eval_steps"] == 0:
+        return (f"config key {at('eval_steps')} must be > 0 (eval steps per eval), or -1 for the whole eval "
+                "source")
+    if values["eval_interval"] > 0 and values["dcn_pipeline_parallelism"] > 1:
+        return (f"config keys {at('eval_interval')} and {at('dcn_pipeline_parallelism')} contradict: eval is not "
+                "computed by a pipelined run yet (set eval_interval=0, or dcn_pipeline_parallelism=1)")
     if values["elastic_min_slice_count"] > slices:
         return (f"config keys {at('elastic_min_slice_count')} and {at('dcn_data_parallelism')} contradict: "
                 "the minimum slice count cannot exceed the slice count")

@@ -28,6 +28,7 @@ __all__ = [
     "ElementSpec",
     "FunctionSource",
     "GrainSource",
+    "WithEval",
     "check_batch",
     "normalize_spec",
 ]
@@ -104,6 +105,27 @@ class FunctionSource:
 
     def __repr__(self) -> str:
         return f"FunctionSource({self.fn!r}, {self._spec!r})"
+
+
+class WithEval:
+    """The training data source with an eval one beside it, as the workers get them (``eval_interval``):
+    ``batch`` is the training source's, ``eval_batch(e, m)`` the eval source's microbatch ``m`` of eval step
+    ``e``. Both pure in their arguments; picklable as both sources are."""
+
+    def __init__(self, train, eval_source):
+        self.train, self.eval = train, eval_source
+
+    def element_spec(self) -> ElementSpec:
+        return self.train.element_spec()
+
+    def batch(self, step: int, microbatch: int) -> dict[str, np.ndarray]:
+        return self.train.batch(step, microbatch)
+
+    def eval_batch(self, step: int, microbatch: int) -> dict[str, np.ndarray]:
+        return self.eval.batch(step, microbatch)
+
+    def __repr__(self) -> str:
+        return f"WithEval({self.train!r}, {self.eval!r})"
 
 
 class GrainSource:

@@ -15,6 +15,10 @@ Contract:
   under their own prefix. ``log_period`` is MaxText's: TensorBoard is flushed at every step divisible by it
   (:func:`flushes`) and at the end; each ``metrics_file`` line is flushed as written (MaxText reopens the file
   per step).
+* An eval (``eval_interval``) is written when the log records its ``eval_completed`` (after its step
+  committed, once: :func:`eval_scalars`, MaxText's ``eval/`` names), as MaxText writes its eval: the scalars
+  at the train step in TensorBoard, and one more ``metrics_file`` line of that step. Each file's evals are
+  tracked apart from its steps (an eval a recovery owed is recorded a step late).
 * A restarted client (the same run) appends: each file's last step written is read back (for TensorBoard, the
   last ``learning/loss`` of the run's event files) and only later steps are written, first those the event
   log of the earlier attempts holds (a killed client loses TensorBoard's unflushed tail: it is written again
@@ -27,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import queue
@@ -40,11 +45,14 @@ from typing import Any
 
 from runtime import RunState, read_events
 
-__all__ = ["LOSS", "Commit", "MetricsWriter", "ModelMetrics", "StepFold", "flushes", "last_metrics_file_step",
-           "last_tensorboard_step", "metrics_line", "open_metrics", "step_scalars", "tensorboard_dir"]
+__all__ = ["EVAL_LOSS", "LOSS", "Commit", "Eval", "MetricsWriter", "ModelMetrics", "StepFold", "eval_scalars",
+           "flushes", "last_metrics_file_step", "last_tensorboard_step", "metrics_line", "open_metrics",
+           "step_scalars", "tensorboard_dir"]
 
 #: TensorBoard's tag of the loss, the one read back to find a restarted run's last step written.
 LOSS = "learning/loss"
+#: The eval loss (MaxText's name), the one read back to find a restarted run's last eval written.
+EVAL_LOSS = "eval/avg_loss"
 # The elastic scalars' own prefix (MaxText's are learning/ and perf/).
 _ELASTIC = "elastic/"
 # Goodput is folded from the whole log; recomputed at a flush only while that costs under this share of the time.
@@ -84,10 +92,22 @@ class Commit:
     recoveries: int         # recoveries so far
 
 
+@dataclass(frozen=True)
+class Eval:
+    """What the event log says of one eval (``eval_completed``), for its scalars (:func:`eval_scalars`)."""
+
+    step: int
+    loss: float
+    total_loss: float
+    total_weights: float
+    seconds: float
+
+
 class StepFold:
     """Folds a run's events, in log order, into its commits (pure: no I/O, no clock).
 
-    ``feed(event)`` returns the :class:`Commit` of a ``step_committed`` event and None for any other. The
+    ``feed(event)`` returns the :class:`Commit` of a ``step_committed`` event, the :class:`Eval` of an
+    ``eval_completed`` one, and None for any other. The
     live slices are :class:`runtime.RunState`'s placement; the recoveries count ``recovered`` events; the
     step time is MaxText's, the time since the previous commit (the step's own ``seconds`` for an attempt's
     first).
@@ -105,6 +125,10 @@ class StepFold:
             self.last_commit_t = None
         elif kind == "recovered":
             self.recoveries += 1
+        elif kind == "eval_completed":
+            loss = float(event["loss"])
+            return Eval(int(event["step"]), loss, float(event.get("total_loss", loss)),
+                        float(event.get("total_weights", 1.0)), float(event.get("seconds", 0.0)))
         if kind != "step_committed":
             return None
         t, step = float(event["t"]), int(event["step"])
@@ -132,13 +156,25 @@ def step_scalars(commit: Commit, model: ModelMetrics, devices_per_slice: int) ->
     return out
 
 
+def eval_scalars(ev: Eval) -> dict[str, float]:
+    """One eval's scalars under MaxText's names (``MetricLogger._finalize_eval_metrics``): the loss over the
+    eval's tokens (or microbatches), its perplexity, and the sums behind it."""
+    try:
+        perplexity = math.exp(ev.loss)
+    except OverflowError:
+        perplexity = math.inf
+    return {EVAL_LOSS: ev.loss, "eval/avg_perplexity": perplexity, "eval/total_loss": ev.total_loss,
+            "eval/total_weights": ev.total_weights, _ELASTIC + "eval_seconds": ev.seconds}
+
+
 def metrics_line(scalars: Mapping[str, float], step: int, run_name: str) -> str:
     """MaxText's ``metrics_file`` line (``_prepare_metrics_for_json``): the scalars, ``step`` as a float, the run."""
     return json.dumps({**{k: float(v) for k, v in scalars.items()}, "step": float(step), "run_name": run_name})
 
 
-def last_metrics_file_step(path: pathlib.Path) -> int:
-    """The last step a ``metrics_file`` holds (-1: none, or no file); a torn last line is ignored."""
+def last_metrics_file_step(path: pathlib.Path, key: str = LOSS) -> int:
+    """The last step whose ``key`` (the loss, or :data:`EVAL_LOSS`) a ``metrics_file`` holds (-1: none, or no
+    file); a torn last line is ignored."""
     try:
         lines = path.read_bytes().split(b"\n")
     except FileNotFoundError:
@@ -146,14 +182,17 @@ def last_metrics_file_step(path: pathlib.Path) -> int:
     last = -1
     for raw in lines:
         try:
-            last = max(last, int(json.loads(raw)["step"]))
+            line = json.loads(raw)
+            if key in line:
+                last = max(last, int(line["step"]))
         except (ValueError, KeyError, TypeError):
             continue   # a torn line (a client killed mid-write), or not one of ours
     return last
 
 
-def last_tensorboard_step(directory: pathlib.Path) -> int:
-    """The last step whose loss (:data:`LOSS`) the event files in ``directory`` hold (-1: none). Reads the
+def last_tensorboard_step(directory: pathlib.Path, tag: str = LOSS) -> int:
+    """The last step whose ``tag`` (the loss, or :data:`EVAL_LOSS`) the event files in ``directory`` hold (-1:
+    none). Reads the
     records' framing (length, its checksum, data, its checksum) and decodes each with tensorboardX's own
     ``Event``; a file's torn last record (a client killed mid-write) ends that file."""
     from tensorboardX.proto import event_pb2
@@ -172,7 +211,7 @@ def last_tensorboard_step(directory: pathlib.Path) -> int:
                 event.ParseFromString(data[at + 12:at + 12 + length])
             except Exception:  # noqa: BLE001 - protobuf's DecodeError: a damaged record ends the file
                 break
-            if any(v.tag == LOSS for v in event.summary.value):
+            if any(v.tag == tag for v in event.summary.value):
                 last = max(last, event.step)
             at = end
     return last
@@ -194,9 +233,13 @@ class _Sink:
 
     def __init__(self, name: str, last: int):
         self.name, self.last, self.broken = name, last, False
+        self.last_eval = -1   # the last eval's step it holds
 
     def wants(self, step: int) -> bool:
         return not self.broken and step > self.last
+
+    def wants_eval(self, step: int) -> bool:
+        return not self.broken and step > self.last_eval
 
     def failed(self, error: BaseException) -> None:
         self.broken = True
@@ -261,29 +304,39 @@ class MetricsWriter:
         sinks = [sink for sink in (self._tb, self._mf) if sink is not None]
         try:
             commit = self.fold.feed(event)
-            wanting = [sink for sink in sinks if commit is not None and sink.wants(commit.step)]
-            scalars = step_scalars(commit, self.model, self.devices_per_slice) if wanting else None
+            if isinstance(commit, Eval):
+                wanting = [sink for sink in sinks if sink.wants_eval(commit.step)]
+                scalars = eval_scalars(commit) if wanting else None
+            else:
+                wanting = [sink for sink in sinks if commit is not None and sink.wants(commit.step)]
+                scalars = step_scalars(commit, self.model, self.devices_per_slice) if wanting else None
         except Exception as e:  # noqa: BLE001 - an event or a model the metrics cannot read must not stop the run
             for sink in sinks:
                 if not sink.broken:
                     sink.failed(e)
             return
-        for sink in wanting:   # only steps a file does not hold yet: none twice, the scalars computed once
+        for sink in wanting:   # only steps (evals) a file does not hold yet: none twice, the scalars computed once
             write = self._tensorboard_step if sink is self._tb else self._metrics_file_step
-            self._guard(sink, write, commit.step, scalars)
+            self._guard(sink, write, commit.step, scalars, isinstance(commit, Eval))
 
-    def _tensorboard_step(self, step: int, scalars: Mapping[str, float]) -> None:
+    def _tensorboard_step(self, step: int, scalars: Mapping[str, float], evaluated: bool = False) -> None:
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, step)
+        if evaluated:
+            self._tb.last_eval = step
+            return
         self._tb.last = step
         if flushes(step, self.log_period):
             self._guard(self._goodput, self._goodput_point, False)
             self._writer.flush()
 
-    def _metrics_file_step(self, step: int, scalars: Mapping[str, float]) -> None:
+    def _metrics_file_step(self, step: int, scalars: Mapping[str, float], evaluated: bool = False) -> None:
         self._file.write(metrics_line(scalars, step, self.run_dir.name) + "\n")
         self._file.flush()
-        self._mf.last = step
+        if evaluated:
+            self._mf.last_eval = step
+        else:
+            self._mf.last = step
 
     def _goodput_point(self, last: bool) -> None:
         """``elastic/goodput`` at the last step written: the report's goodput of the log so far, once a step,
@@ -313,6 +366,7 @@ class MetricsWriter:
                 old.unlink()
         else:
             self._tb.last = last_tensorboard_step(directory)
+            self._tb.last_eval = last_tensorboard_step(directory, EVAL_LOSS)
         # Each attempt's file is its own, named in the order they were written (TensorBoard reads them in name
         # order): two in the same second would otherwise share a name, the second overwriting the first.
         self._writer = SummaryWriter(str(directory), filename_suffix=f".{time.time_ns()}")
@@ -320,6 +374,7 @@ class MetricsWriter:
     def _open_metrics_file(self, path: pathlib.Path, fresh: bool) -> None:
         if not fresh:
             self._mf.last = last_metrics_file_step(path)
+            self._mf.last_eval = last_metrics_file_step(path, EVAL_LOSS)
             _cut_torn_line(path)
         self._file = open(path, "w" if fresh else "a", encoding="utf-8")   # noqa: SIM115 - closed by close()
 

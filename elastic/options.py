@@ -78,6 +78,8 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_launcher": "launcher",
     "ray_address": "ray_address",
     "elastic_run_id": "run_id",
+    "eval_interval": "eval_interval",   # -1 (MaxText's off) and the eval source's length: the trainer resolves them
+    "eval_steps": "eval_steps",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -123,6 +125,8 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
                                 "bundled model's marks (elastic.models.TransformerConfig.from_config)",
     "elastic_pipeline_schedule": "RunSettings.pipeline_schedule: the order each stage runs its microbatches in "
                                  "(runtime.pipeline.schedule)",
+    "eval_interval": "RunSettings.eval_interval: whether the trainer builds the eval program (elastic.trainer)",
+    "eval_steps": "RunSettings.eval_steps: the eval steps per eval, -1 resolved from the eval source's length",
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's (worker_preload: the
@@ -153,6 +157,8 @@ class RunSettings:
     tensorboard: bool = False  # enable_tensorboard
     metrics_file: str = ""     # as given (relative: to the client's directory, as MaxText opens it)
     log_period: int = 100
+    eval_interval: int = 0     # held-out loss after every this many steps; 0 or -1: none
+    eval_steps: int = -1       # eval steps per eval; -1: the eval source's length
 
 
 def run_settings(cfg: Config) -> RunSettings:
@@ -167,7 +173,8 @@ def run_settings(cfg: Config) -> RunSettings:
                        parameters_from=_absolute(cfg.load_parameters_path),
                        pipeline_stages=cfg.dcn_pipeline_parallelism, pipeline_schedule=cfg.elastic_pipeline_schedule,
                        hosts_per_slice=cfg.elastic_hosts_per_slice, tensorboard=cfg.enable_tensorboard,
-                       metrics_file=cfg.metrics_file, log_period=cfg.log_period)
+                       metrics_file=cfg.metrics_file, log_period=cfg.log_period,
+                       eval_interval=max(cfg.eval_interval, 0), eval_steps=cfg.eval_steps)
 
 
 #: The config key ``hardware`` (MaxText's names) -> the JAX platform programs are exported for.
@@ -243,6 +250,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
+    opts = dataclasses.replace(opts, eval_interval=max(cfg.eval_interval, 0))   # MaxText's -1: off
     if cfg.dcn_pipeline_parallelism > 1:   # every stage of every replica is a virtual slice; whole replicas shrink
         stages = cfg.dcn_pipeline_parallelism
         opts = dataclasses.replace(opts, slices=cfg.dcn_data_parallelism * stages,

@@ -171,7 +171,9 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
     if (run.get("devices_per_slice"), started.get("microbatches")) != (programs.devices_per_slice,
                                                                       programs.num_microbatches):
         return
-    differ = [name for name in fingerprints if recorded.get(name) != fingerprints[name]]
+    # The eval program never touches the state: a run that adds or drops eval resumes the same training.
+    differ = [name for name in fingerprints
+              if name.rpartition("/")[2] != "eval" and recorded.get(name) != fingerprints[name]]
     if not differ:
         return
     then = started.get("config") if isinstance(started.get("config"), dict) else {}

@@ -26,7 +26,7 @@ import optax
 
 from elastic import _programs, marker, reattach, run_records
 from elastic.config import Config, ConfigError
-from elastic.data import normalize_spec
+from elastic.data import WithEval, normalize_spec
 from elastic.metrics import ModelMetrics, open_metrics
 from elastic.options import RunSettings, controller_options, in_config_terms, run_settings
 from elastic.preflight import (RunDirectory, check_checkpoint_directory, check_config_capacity, check_data_source,
@@ -52,6 +52,8 @@ class _Job:
     #: The model's learning rate, tokens and TFLOPs per step for MaxText's scalars (elastic.metrics); unknown
     #: by default, so those scalars are not written.
     model_metrics: ModelMetrics = ModelMetrics()
+    #: The held-out data (``eval_interval``): a data source of the training data's microbatch spec; None: none.
+    eval_data: object = None
 
     def _build(self) -> ProgramSet:
         raise NotImplementedError
@@ -72,8 +74,8 @@ class _Job:
         job.config = config
         job._run_dir = None
         old, new = self.settings, job.settings
-        if (old.devices_per_slice, old.microbatches, old.platform) != (new.devices_per_slice, new.microbatches,
-                                                                        new.platform):
+        if ((old.devices_per_slice, old.microbatches, old.platform, old.eval_interval > 0)
+                != (new.devices_per_slice, new.microbatches, new.platform, new.eval_interval > 0)):
             job._programs = None
         return job
 
@@ -86,6 +88,47 @@ class _Job:
         if getattr(self, "_programs", None) is None:
             self._programs = self._build()
         return self._programs
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run computes a held-out loss (``eval_interval`` > 0): its programs then include ``eval``."""
+        return self.settings.eval_interval > 0
+
+    def eval_steps(self) -> int:
+        """Eval steps per eval: ``eval_steps``, or with -1 the eval source's length. ``ConfigError`` naming the key
+        when eval is on without eval data, with eval data of another microbatch spec, or with -1 and a source
+        that does not say its length."""
+        settings, data = self.settings, self.eval_data
+        if data is None:
+            raise ConfigError(f"config key 'eval_interval' is {settings.eval_interval}, but the job has no eval "
+                              "data: pass eval_data= (a data source like the training data's) to elastic.Trainer "
+                              "or elastic.wrap, or set eval_interval=0")
+        if not callable(getattr(data, "batch", None)) or not callable(getattr(data, "element_spec", None)):
+            raise ConfigError(f"eval_data must be a data source with batch(step, microbatch) and element_spec(), "
+                              f"got {type(data).__name__}")
+        try:
+            spec, want = normalize_spec(data.element_spec()), _spec(self.data)
+        except ValueError as e:
+            raise ConfigError(f"eval_data's {e}") from None
+        if spec != want:
+            raise ConfigError(f"eval_data's microbatches {spec} are not the training data's {want}: the eval program "
+                              "is the training loss of one microbatch (same keys, shapes and dtypes)")
+        if settings.eval_steps > 0:
+            return settings.eval_steps
+        n = _length(data)
+        if n is None:
+            raise ConfigError(f"config key 'eval_steps' is -1 (the whole eval source), but {type(data).__name__} "
+                              "does not say how many steps it holds (len(source), or its 'steps'; an endless "
+                              "source has none); set eval_steps to a count")
+        if n < 1:
+            raise ConfigError(f"config key 'eval_steps' is -1 (the whole eval source), but the eval source has "
+                              f"{n} eval steps")
+        return int(n)
+
+    def shipped_data(self):
+        """The data source the workers get: the training data, with the eval data beside it when eval is on
+        (:class:`elastic.data.WithEval`)."""
+        return WithEval(self.data, self.eval_data) if self.evaluates else self.data
 
     def run_dir(self) -> pathlib.Path:
         """``<base_output_directory>/<run_name>``; an unnamed run is named by its start time, once.
@@ -161,6 +204,8 @@ class _Job:
         if not reference:
             check_config_capacity(cfg)
         check_data_source(self.data, cfg)   # a spec of the global batch: one line here, not a worker's traceback
+        if self.evaluates:
+            self.eval_steps()   # no eval data, another spec, an unknown length: one line before anything starts
         check_metrics_file(settings.metrics_file)
         claim = self._claim()
         run_dir = claim.path
@@ -214,7 +259,7 @@ class _Job:
                 self._fit_reference(programs, events, on_step)
             else:
                 events.subscribe(reattach.announce)
-                with Controller(programs, cloudpickle.dumps(self.data), opts, events, reattach=again,
+                with Controller(programs, cloudpickle.dumps(self.shipped_data()), opts, events, reattach=again,
                                 observer=observer, ownership=reattach.Ownership(run_dir, claim, events, opts)) as ctl:
                     reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
@@ -255,7 +300,10 @@ class _Job:
 
     def _controller_options(self, run_dir):
         """The ``ControllerOptions`` of a distributed run of this job writing to ``run_dir``."""
-        return dataclasses.replace(controller_options(self.config, run_dir), worker_preload=_modules_of(self.data))
+        opts = controller_options(self.config, run_dir)
+        evals = ({"eval_interval": self.settings.eval_interval, "eval_steps": self.eval_steps()} if self.evaluates
+                 else {"eval_interval": 0, "eval_steps": 0})
+        return dataclasses.replace(opts, worker_preload=_modules_of(self.data) + _modules_of(self.eval_data), **evals)
 
     def _claim(self) -> RunDirectory:
         """Claims this run's directory (see :func:`elastic.preflight.claim_run_directory`)."""
@@ -330,15 +378,17 @@ class Trainer(_Job):
     """
 
     def __init__(self, *, init: Callable, loss: Callable, optimizer: optax.GradientTransformation, data,
-                 config: Config):
+                 config: Config, eval_data=None):
         self.init, self.loss, self.optimizer, self.data, self.config = init, loss, optimizer, data, config
+        self.eval_data = eval_data
 
     def _build(self) -> ProgramSet:
         settings = self.settings
         return _programs.build_programs(init_params=self.init, loss=self.loss, optimizer=self.optimizer,
                                         num_stages=settings.pipeline_stages, batch_spec=_spec(self.data),
                                         devices_per_slice=settings.devices_per_slice,
-                                        num_microbatches=settings.microbatches, platform=self._platform())
+                                        num_microbatches=settings.microbatches, platform=self._platform(),
+                                        evaluate=self.evaluates)
 
 
 class WrappedStep(_Job):
@@ -347,12 +397,16 @@ class WrappedStep(_Job):
     The step marks its sync point with ``grads = elastic.cross_slice_mean(grads)``;
     ``metrics[loss_key]`` is the microbatch loss reported per step. Everything
     after the mark may depend only on the state and the reduced gradients.
+    ``eval_keys``: ``(total key, weight key)`` of the metrics when the loss is
+    normalised by a count (tokens): the eval loss is then the totals' sum over
+    the weights' (MaxText's eval); None: the mean of the microbatches' losses.
     """
 
     def __init__(self, train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss",
-                 checkpoint_tree=None):
+                 checkpoint_tree=None, eval_data=None, eval_keys: tuple[str, str] | None = None):
         self.train_step, self.init_state, self.data, self.config = train_step, init_state, data, config
-        self.loss_key, self.checkpoint_tree = loss_key, checkpoint_tree
+        self.loss_key, self.checkpoint_tree, self.eval_data = loss_key, checkpoint_tree, eval_data
+        self.eval_keys = eval_keys
 
     def _build(self) -> ProgramSet:
         step, loss_key = self.train_step, self.loss_key
@@ -369,6 +423,16 @@ class WrappedStep(_Job):
                                          "or pass loss_key=")
             return metrics[loss_key], grads
 
+        eval_fn = None
+        if self.eval_keys is not None:
+            def eval_fn(state, batch):   # the metrics' (loss total, weight): forward only, the gradients unused
+                metrics, _ = _run_to_mark(step, state, batch, grad_shapes)
+                missing = [k for k in self.eval_keys if not hasattr(metrics, "keys") or k not in metrics]
+                if missing:
+                    raise ProgramExportError(f"the wrapped train_step's metrics have no {missing[0]!r} (eval_keys "
+                                             f"{self.eval_keys}): return it beside the loss, or drop eval_keys")
+                return metrics[self.eval_keys[0]], metrics[self.eval_keys[1]]
+
         def apply_fn(state, grads):
             zeros = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in spec.items()}
             with marker.substitute_gradients(grads):
@@ -379,21 +443,37 @@ class WrappedStep(_Job):
         return _programs.build_programs(init_state=self.init_state, grad_fn=grad_fn, apply_fn=apply_fn,
                                         batch_spec=spec, devices_per_slice=self.settings.devices_per_slice,
                                         num_microbatches=self.settings.microbatches, platform=self._platform(),
-                                        checkpoint_tree=self.checkpoint_tree)
+                                        checkpoint_tree=self.checkpoint_tree, evaluate=self.evaluates,
+                                        eval_fn=eval_fn)
 
 
 def wrap(train_step: Callable, *, init_state: Callable, data, config: Config, loss_key: str = "loss",
-         checkpoint_tree=None) -> WrappedStep:
+         checkpoint_tree=None, eval_data=None, eval_keys: tuple[str, str] | None = None) -> WrappedStep:
     """Makes a fused step elastic; see :class:`WrappedStep`. ``init_state(key) -> state``. ``checkpoint_tree``:
     how persistent checkpoints name the state's leaves (a ``runtime.state.checkpoint_tree.CheckpointTree``, one
-    entry per leaf of ``init_state``'s tree; default a flat list), e.g. so another trainer can read them."""
+    entry per leaf of ``init_state``'s tree; default a flat list), e.g. so another trainer can read them.
+    ``eval_data``: the held-out data source (``eval_interval``), of ``data``'s microbatch spec; ``eval_keys``: see
+    :class:`WrappedStep`."""
     return WrappedStep(train_step, init_state=init_state, data=data, config=config, loss_key=loss_key,
-                       checkpoint_tree=checkpoint_tree)
+                       checkpoint_tree=checkpoint_tree, eval_data=eval_data, eval_keys=eval_keys)
+
+
+def _length(source) -> int | None:
+    """The steps a finite data source holds: ``len(source)``, else its ``steps`` attribute (MaxText's eval data,
+    ``integrations.maxtext.text_data.TextSource``); None when it says neither (an endless source)."""
+    try:
+        return int(len(source))
+    except TypeError:
+        pass
+    steps = getattr(source, "steps", None)
+    return int(steps) if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _modules_of(data) -> tuple[str, ...]:
     """The module a worker imports to unpickle ``data`` (by reference), for the zygote to import once; none
-    for a class of ``__main__`` (the worker cannot import it: cloudpickle sends it by value)."""
+    for a class of ``__main__`` (the worker cannot import it: cloudpickle sends it by value) or no data."""
+    if data is None:
+        return ()
     module = type(data).__module__
     return () if module in ("__main__", "builtins") else (module,)
 

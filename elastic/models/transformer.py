@@ -145,12 +145,13 @@ class SyntheticTokens:
     a stride drawn from ``STRIDES`` (so the model must attend to the previous
     token to learn the stride); ``targets`` are ``inputs`` shifted by one.
     Generated host-side with numpy Philox seeded by ``(seed, step, microbatch)``,
-    so every process gets the same bytes.
+    so every process gets the same bytes. ``stream`` > 0 draws another stream of
+    the same data, ``(seed, step, microbatch, stream)`` (:meth:`held_out`: eval data).
     """
 
     STRIDES = (1, 2)
 
-    def __init__(self, seed: int, vocab_size: int, seq_len: int, microbatch_size: int):
+    def __init__(self, seed: int, vocab_size: int, seq_len: int, microbatch_size: int, stream: int = 0):
         if min(vocab_size, seq_len, microbatch_size) < 1 or seed < 0:
             raise ValueError(
                 f"need seed >= 0 and positive sizes, got seed={seed} vocab_size={vocab_size} "
@@ -158,6 +159,11 @@ class SyntheticTokens:
             )
         self.seed, self.vocab_size = int(seed), int(vocab_size)
         self.seq_len, self.microbatch_size = int(seq_len), int(microbatch_size)
+        self.stream = int(stream)
+
+    def held_out(self) -> SyntheticTokens:
+        """The same data's held-out stream (eval data): sequences the training stream never draws."""
+        return SyntheticTokens(self.seed, self.vocab_size, self.seq_len, self.microbatch_size, stream=1)
 
     def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         shape = (self.microbatch_size, self.seq_len)
@@ -166,7 +172,8 @@ class SyntheticTokens:
     def batch(self, step: int, microbatch: int) -> dict[str, np.ndarray]:
         if step < 0 or microbatch < 0:
             raise ValueError(f"step and microbatch must be >= 0, got step={step} microbatch={microbatch}")
-        rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self.seed, step, microbatch])))
+        key = [self.seed, step, microbatch] + ([self.stream] if self.stream else [])   # stream 0: the training data
+        rng = np.random.Generator(np.random.Philox(np.random.SeedSequence(key)))
         start = rng.integers(0, self.vocab_size, size=(self.microbatch_size, 1), dtype=np.int64)
         stride = rng.choice(np.asarray(self.STRIDES, np.int64), size=(self.microbatch_size, 1))
         seq = ((start + stride * np.arange(self.seq_len + 1)) % self.vocab_size).astype(np.int32)
@@ -175,7 +182,8 @@ class SyntheticTokens:
     def __repr__(self) -> str:
         return (
             f"SyntheticTokens(seed={self.seed}, vocab_size={self.vocab_size}, "
-            f"seq_len={self.seq_len}, microbatch_size={self.microbatch_size})"
+            f"seq_len={self.seq_len}, microbatch_size={self.microbatch_size}"
+            + (f", stream={self.stream})" if self.stream else ")")
         )
 
 

@@ -61,6 +61,10 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "recovery_decision": ({"action": TYPED, "dead": TYPED, "active": TYPED}, {}),
     "checkpoint_skipped": ({"detail": _ANY}, {}),
     "checkpoint_failed": ({"error": _ANY}, {}),
+    "eval_completed": ({"step": TYPED, "loss": TYPED},
+                       {"total_loss": TYPED, "total_weights": TYPED, "batches": TYPED, "seconds": TYPED,
+                        "before_step": TYPED}),
+    "eval_skipped": ({"step": TYPED, "reason": _ANY}, {}),
     "recovered": ({"resume_step": _ANY, "bytes_moved": _ANY}, {"path": _ANY}),
     "grown": ({"active": TYPED}, {}),
     "straggler_replaced": ({"active": TYPED}, {}),
@@ -167,6 +171,7 @@ def build_report(events_or_path) -> dict:
         "seed": None,
         "faults": [],
         "stragglers": [],
+        "evals": [],
         "goodput": None,
         "chaos": None,
         "reference": None,
@@ -290,6 +295,8 @@ def build_report(events_or_path) -> dict:
                     f.update(recovered_after_s=e["t"] - t_first - f["detected_at"], resume_step=e["resume_step"],
                              restore_tier=e.get("restore_tier", "replica"))
             report["failures"][-1].update(bytes_moved=e["bytes_moved"])
+        elif kind in ("eval_completed", "eval_skipped"):
+            _fold_eval(report["evals"], e)
         elif kind == "straggler":
             report["stragglers"].append({**{k: e[k] for k in ("worker", "step", "seconds", "median_seconds", "action")},
                                          **({"stacks": e["stacks"]} if "stacks" in e else {})})
@@ -362,6 +369,17 @@ def build_report(events_or_path) -> dict:
     if report["mode"] == "reference":
         report["slices"] = 0
     return report
+
+
+def _fold_eval(evals: list, e: dict) -> None:
+    """One eval into the report's ``evals`` (by step; a step evaluated again, after a rewind or by a later
+    attempt, keeps its last): the loss and what it was computed from, or why it was skipped."""
+    if e["kind"] == "eval_skipped":
+        entry = {"step": e["step"], "loss": None, "skipped": str(e["reason"])}
+    else:
+        entry = {"step": e["step"], "loss": e["loss"],
+                 **{k: e[k] for k in ("total_loss", "total_weights", "batches", "seconds", "before_step") if k in e}}
+    evals[:] = sorted([x for x in evals if x["step"] != e["step"]] + [entry], key=lambda x: x["step"])
 
 
 def _new_attempt(report: dict, e: dict, t_first: float) -> dict:

@@ -88,6 +88,10 @@ SHARED_KEYS: Mapping[str, str] = {
     "log_period": "jax-elastic: TensorBoard is flushed every log_period steps, as MaxText does; MaxText: its default",
     "hardware": "both, the user's value: jax-elastic exports its programs for it, MaxText checks its options "
                 "against it (unset: jax-elastic's '', MaxText's 'tpu'); gpu_multiprocess is refused",
+    "eval_interval": "jax-elastic: the live slices compute the held-out loss of MaxText's eval data after every "
+                     "eval_interval steps (-1, MaxText's default: none); MaxText: its default",
+    "eval_steps": "jax-elastic: eval steps per eval (-1, MaxText's default: the whole eval data); MaxText: its "
+                  "default",
 }
 
 # Shared keys that steer only jax-elastic's runtime: the user's value goes to jax-elastic (its default when
@@ -96,11 +100,12 @@ SHARED_KEYS: Mapping[str, str] = {
 _RUNTIME_KEYS = ("elastic_enabled", "elastic_min_slice_count", "elastic_timeout_seconds", "elastic_max_retries",
                  "elastic_backup_kind", "jax_cache_dir", "enable_goodput_recording", "enable_checkpointing",
                  "checkpoint_period", "load_full_state_path", "load_parameters_path", "enable_tensorboard",
-                 "metrics_file", "log_period")
+                 "metrics_file", "log_period", "eval_interval", "eval_steps")
 _MAXTEXT_GETS = {"jax_cache_dir": "", "enable_goodput_recording": False, "enable_checkpointing": False}
 # Runtime keys whose unset value is MaxText's default, not jax-elastic's: a MaxText run checkpoints and writes
 # TensorBoard unless told not.
-_MAXTEXT_DEFAULTS = ("enable_checkpointing", "checkpoint_period", "enable_tensorboard", "log_period")
+_MAXTEXT_DEFAULTS = ("enable_checkpointing", "checkpoint_period", "enable_tensorboard", "log_period", "eval_interval",
+                     "eval_steps")
 if set(SHARED_KEYS) != keys_with(MAXTEXT) - MODEL_KEYS or not set(_RUNTIME_KEYS) <= set(SHARED_KEYS):
     raise ImportError(f"integrations.maxtext: SHARED_KEYS {sorted(SHARED_KEYS)} and the schema's maxtext role "
                       f"{sorted(keys_with(MAXTEXT) - MODEL_KEYS)} disagree")

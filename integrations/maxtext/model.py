@@ -59,7 +59,7 @@ def import_maxtext() -> None:
         importlib.import_module(module)
 
 
-def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> elastic.WrappedStep:
+def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None, eval_data=None) -> elastic.WrappedStep:
     """An ``elastic.wrap`` job training MaxText's model; ``.fit()`` runs it.
 
     ``data``: a jax-elastic data source whose microbatches have MaxText's batch
@@ -70,6 +70,12 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     When the forward pass draws random numbers (:func:`draws_random`) the
     source is wrapped in :class:`MicrobatchIndexed`, which adds each
     microbatch's index (:data:`MICROBATCH_KEY`) for its dropout streams.
+    With ``eval_interval`` > 0 the live slices compute MaxText's eval loss
+    (``eval/avg_loss``: the eval data's cross-entropy sum over its token
+    count, with the training step's loss function) on ``eval_data``, default
+    the config's eval data (``source_for(..., split="eval")``: its eval files,
+    or the synthetic data); ``elastic.ConfigError`` naming ``eval_interval``
+    when the config names none.
     Persistent checkpoints are written in MaxText's layout
     (:mod:`integrations.maxtext.checkpoints`). Called in the client, which needs ``devices_per_slice`` local
     JAX devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
@@ -83,6 +89,13 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     _check_pair(elastic_config, maxtext_config)
     if data is None:   # MaxText's dataset_type: synthetic, grain (ArrayRecord, Parquet), hf (local Parquet)
         data = source_for(elastic_config, maxtext_config)
+    evaluates = elastic_config.eval_interval > 0
+    if evaluates and eval_data is None:
+        eval_data = source_for(elastic_config, maxtext_config, split="eval")
+        if eval_data is None:
+            raise elastic.ConfigError(f"config key 'eval_interval' is {elastic_config.eval_interval}, but the MaxText "
+                                      "config names no eval data (grain_eval_files, or hf_eval_files with "
+                                      "dataset_type=hf); set them, or eval_interval=-1")
     if elastic_config.dcn_pipeline_parallelism > 1:   # MaxText's decoder cut into stages (its own module)
         from integrations.maxtext.pipeline import make_pipeline_job
 
@@ -90,9 +103,12 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None) -> el
     else:
         if draws_random(maxtext_config):   # each microbatch draws its own dropout masks: the step needs its index
             data = MicrobatchIndexed(data, elastic_config.microbatch_size)
+            if eval_data is not None:
+                eval_data = MicrobatchIndexed(eval_data, elastic_config.microbatch_size)
         pieces = _Pieces(maxtext_config, elastic_config.devices_per_slice, elastic_config.microbatches)
         job = elastic.wrap(pieces.train_step, init_state=pieces.init_state, data=data, config=elastic_config,
-                           checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL))
+                           checkpoint_tree=checkpoint_tree(pieces.shapes, pieces.is_key, MAXTEXT_PRNG_IMPL),
+                           eval_data=eval_data if evaluates else None, eval_keys=("total_loss", "total_weights"))
     with maxtext_jax(maxtext_config):
         job.programs()   # trace and export now, under MaxText's PRNG and mesh-typing settings
     job.model_metrics = model_metrics(elastic_config, maxtext_config)
@@ -181,7 +197,7 @@ class _Pieces:
             return loss, (aux, nnx.state(local, updated))
 
         with logical_axis_rules(config.logical_axis_rules):
-            (loss, (_, non_param)), raw_grads = jax.value_and_grad(loss_of, has_aux=True)(params, rest, batch)
+            (loss, (aux, non_param)), raw_grads = jax.value_and_grad(loss_of, has_aux=True)(params, rest, batch)
         nnx.update(ts.model, non_param)   # e.g. RNG stream counts: they never depend on the batch
         raw_grads = jax.tree.map(lambda g: g.astype(config.grad_dtype) if g.dtype == jnp.float32 else g, raw_grads)
         raw_grads = elastic.cross_slice_mean(raw_grads)
@@ -189,7 +205,9 @@ class _Pieces:
         if config.gradient_clipping_threshold > 0:
             grads = maxtext_utils.apply_gradient_clipping(raw_grads, None, config.gradient_clipping_threshold)
         ts.apply_gradients(grads)
-        return self._to_arrays(nnx.state(ts, nnx.Not(nnx.Intermediate))), {"loss": loss}
+        # MaxText's eval sums (eval_step's evaluation/total_loss and total_weights): the eval program reads them
+        return self._to_arrays(nnx.state(ts, nnx.Not(nnx.Intermediate))), {
+            "loss": loss, "total_loss": aux["xent_sum"], "total_weights": aux["total_weights"]}
 
     def _to_arrays(self, state):
         import jax

@@ -59,6 +59,8 @@ class StepResult:
     snapshot_error: str = ""
     stage_busy_seconds: float = 0.0     # a pipeline stage worker's compute seconds (forward, backward, last)
     stage_stream_seconds: float = 0.0   # and its instruction stream's, first instruction to last
+    eval_losses: tuple[tuple[float, float], ...] = ()          # (total, weight) of its request's eval_items
+    eval_before_losses: tuple[tuple[float, float], ...] = ()   # and of its eval_before_items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +106,13 @@ def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts
 def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[str, str]],
                   checkpoints: Mapping[str, tuple[str, list[float]]] | None = None, shadows=(),
                   snapshots: Mapping[str, str | None] | None = None,
-                  schedule: str = "1f1b") -> list[tuple[str, pb.StepRequest]]:
+                  schedule: str = "1f1b", evals=None) -> list[tuple[str, pb.StepRequest]]:
     """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
     shadow's. ``where(worker)``: its ``(address, data address)``; the other arguments as
     :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them. A pipelined plan: each stage
     worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`); ``shadows``
-    is then ``{spare: the stage it shadows}``."""
+    is then ``{spare: the stage it shadows}``. ``evals``: a :class:`runtime.control.evaluation.EvalOrder`
+    (the eval microbatches each rank computes after the step, and before it), or None."""
     snapshots = {w: pb.Peer(address=where(p)[0]) if p else None for w, p in (snapshots or {}).items()}
     saves = {w: {"checkpoint_directory": d, "committed_loss_sums": sums} for w, (d, sums) in (checkpoints or {}).items()}
     if plan.stages > 1:
@@ -123,11 +126,20 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
                                       nodes=[pb.Node(level=n.level, index=n.index) for n in plan.nodes[r]],
                                       all_nodes=all_nodes, node_owner=owners,
                                       **saves.get(w, {}), shadows=shadow_peers,
-                                      snapshot=w in snapshots, snapshot_peer=snapshots.get(w))))
+                                      snapshot=w in snapshots, snapshot_peer=snapshots.get(w),
+                                      **_eval_fields(evals, w))))
     for w in shadows:
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=peers, all_nodes=all_nodes,
                                       node_owner=owners, shadow=True)))
     return out
+
+
+def _eval_fields(evals, w: str) -> dict:
+    """The eval microbatches of worker ``w``'s request (none without an eval order)."""
+    if evals is None:
+        return {}
+    return {"eval_items": [pb.EvalItem(step=e, microbatch=m) for e, m in evals.after.get(w, ())],
+            "eval_before_items": [pb.EvalItem(step=e, microbatch=m) for e, m in evals.before.get(w, ())]}
 
 
 def _nodes_and_owners(nodes_per_rank) -> tuple[list[pb.Node], list[int]]:
@@ -192,7 +204,9 @@ def _pipeline_requests(fence: pb.Fence, plan: StepPlan, where, schedule: str, sn
 def step_result(r: pb.StepReply) -> StepResult:
     return StepResult(r.loss_sum, r.grad_seconds, r.reduce_seconds, r.apply_seconds, r.bytes_sent, dict(r.phases),
                       tuple(r.checkpoints_saved), r.checkpoint_error, tuple(r.snapshots_saved),
-                      tuple(r.snapshots_copied), r.snapshot_error, r.stage_busy_seconds, r.stage_stream_seconds)
+                      tuple(r.snapshots_copied), r.snapshot_error, r.stage_busy_seconds, r.stage_stream_seconds,
+                      tuple((x.total, x.weight) for x in r.eval_losses),
+                      tuple((x.total, x.weight) for x in r.eval_before_losses))
 
 
 def worker_status(r: pb.StatusReply) -> WorkerStatus:

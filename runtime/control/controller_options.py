@@ -72,6 +72,8 @@ class ControllerOptions:
     pipeline_schedule: str = "1f1b"        # each stage's order of microbatches (runtime.pipeline.schedule)
     checkpoint_directory: str = ""         # persistent checkpoints (runtime.state.checkpoint); "": none
     checkpoint_period: int = 0             # a checkpoint after every this many steps (and the last); 0: none
+    eval_interval: int = 0                 # held-out loss after every this many steps; 0: none (control.evaluation)
+    eval_steps: int = -1                   # eval steps (of M microbatches each) per eval; -1: unresolved (none)
     shadow_spares: bool = False            # spares shadow the state (runtime.control.shadows)
     platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
     load_full_state_path: str = ""         # start from this checkpoint (a store, or <store>/<step>) if none to resume

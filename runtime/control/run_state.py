@@ -114,6 +114,7 @@ class RunState:
     deferred: tuple[str, ...] = ()               # dead workers whose replacements start after the next commit
     swaps: tuple[str, ...] = ()                  # stragglers to move onto spares at the next boundary
     checkpoints: tuple[int, ...] = ()            # steps of the checkpoints reported complete, ascending
+    evaluated: frozenset[int] = frozenset()      # steps whose eval is recorded (eval_completed or eval_skipped)
     # (step, host, pipeline stage or None) of the in-memory snapshots reported kept: written there, or copied
     # there from their writer; the newest KEPT of each host's stage directory, as its SnapshotStore keeps them.
     snapshots: tuple[tuple[int, str, int | None], ...] = ()
@@ -313,6 +314,10 @@ def _checkpoint_saved(s: RunState, e) -> RunState:
     return _replace(s, checkpoints=tuple(sorted({*s.checkpoints, e["step"]})))
 
 
+def _evaluated(s: RunState, e) -> RunState:
+    return _replace(s, evaluated=s.evaluated | {e["step"]})
+
+
 def _snapshot_saved(s: RunState, e) -> RunState:
     return _replace(s, snapshots=_kept(s.snapshots, (e["step"], e.get("host") or e["worker"], e.get("stage"))))
 
@@ -364,6 +369,8 @@ _FOLDS = {
     "straggler": _straggler,
     "straggler_kept": _straggler_kept,
     "checkpoint_saved": _checkpoint_saved,
+    "eval_completed": _evaluated,
+    "eval_skipped": _evaluated,
     "snapshot_saved": _snapshot_saved,
     "snapshot_copied": _snapshot_copied,
     "shadow_synced": _shadow_synced,

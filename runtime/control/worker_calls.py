@@ -280,7 +280,7 @@ class WorkerCalls:
     # -- steps -----------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
-                 shadows=(), snapshots: Mapping[str, str | None] | None = None) -> dict[str, grpc.Future]:
+                 shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
 
         ``checkpoints``: ``{writer: (directory, committed loss sums)}``: each writer (one; a pipelined run: one
@@ -289,12 +289,13 @@ class WorkerCalls:
         that shadow the state: the ranks also push them the reduced vector, and each gets the step as a
         shadow (its future is in the answer too, under its id). ``snapshots``: ``{writer: peer or None}``: each
         writer snapshots its state on its host after this step and streams a copy to its peer (one writer; a
-        pipelined run: one per stage).
+        pipelined run: one per stage). ``evals``: the step's eval order
+        (:class:`runtime.control.evaluation.EvalOrder`: the eval microbatches of each rank), or None.
         """
         if plan.stages > 1:   # each shadow shadows the stage its programs are for
             shadows = {w: self.loaded_stage.get(w, 0) for w in shadows}
         requests = step_requests(self._fence(), plan, self._addresses, checkpoints, shadows, snapshots,
-                                 self.opts.pipeline_schedule)
+                                 self.opts.pipeline_schedule, evals)
         futs = {}
         with self._lock:
             for w, req in requests:

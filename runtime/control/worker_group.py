@@ -587,9 +587,9 @@ class WorkerGroup:
     # -- steps -------------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
-                 shadows=(), snapshots: Mapping[str, str | None] | None = None) -> dict[str, grpc.Future]:
+                 shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch`."""
-        return self.calls.dispatch(plan, checkpoints, shadows, snapshots)
+        return self.calls.dispatch(plan, checkpoints, shadows, snapshots, evals)
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
         """The steps of ``futs`` that ended (by ``deadline``), each a :class:`StepResult` or the typed error."""

@@ -150,6 +150,13 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
                "reduce_seconds": NUMBER, "apply_seconds": NUMBER, "bytes_sent": COUNT, "phases": NUMBERS_BY_NAME,
                # a pipelined run's: stage ("0", "1", ...) -> its slowest replica's phases; the measured bubble
                "stage_phases": NUMBERS_BY_NAME_BY_NAME, "bubble": FINITE}),
+    EventKind("eval_completed", "the held-out loss after a step, recorded when that step committed (eval_interval)",
+              {"step": COUNT, "loss": NUMBER, "batches": COUNT, "seconds": NUMBER},
+              # the sums behind loss (loss = total_loss / total_weights); before_step: computed on that step's
+              # request, before its gradient (owed: a recovery lost the step's replies)
+              {"total_loss": NUMBER, "total_weights": NUMBER, "before_step": COUNT}),
+    EventKind("eval_skipped", "an eval due after a step could not be computed on that step's state",
+              {"step": COUNT, "reason": TEXT}),
     EventKind("step_watchdog", "a step took far longer than the median: what the watchdog found",
               {"step": COUNT, "seconds": FINITE, "median_seconds": NUMBER_OR_NULL, "pending": NAMES,
                "suspects": NAMES, "progress": OBJECT}),

@@ -30,6 +30,13 @@ previous stage and sends ``a_out`` to the next (flat lists; ``g_out`` /
 - ``last(state, batch, a_in) -> (float32[P_k + 1], g_in)`` (the last stage):
   forward, loss and backward of one microbatch; the loss last in the vector.
 
+With eval configured (an unpipelined run), one more:
+
+- ``eval(state, batch) -> float32[2]``: one microbatch's training loss, forward only (its gradient never
+  computed), on the state as it is, as ``(loss total, weight)``: the loss itself and 1, or, for a loss
+  normalised by a token count it names, the unnormalised sum and that count (MaxText's ``total_loss``,
+  ``total_weights``). Built only when a run evaluates.
+
 So every program takes ``(state, batch)``, then the stage's input activations
 if it has any, then their gradients if it sends any. Every stage's vector ends
 with a loss slot, so each stage's gradients reduce across its replicas exactly
@@ -86,8 +93,14 @@ class StagePrograms:
             return "grad"
         return "last" if self.is_last else "backward"
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the stage has the ``eval`` program (a run with eval configured)."""
+        return "eval" in self.in_specs
+
     def program_names(self) -> set[str]:
-        return {"init", "apply", self.grad_program} | (set() if self.is_last else {"forward"})
+        return ({"init", "apply", self.grad_program} | (set() if self.is_last else {"forward"})
+                | ({"eval"} if self.evaluates else set()))
 
     def programs(self) -> dict[str, bytes]:
         return dict(self.blobs)
@@ -155,6 +168,11 @@ class ProgramSet:
     @property
     def grad_size(self) -> int:
         return sum(s.grad_size for s in self.by_stage)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run's programs include ``eval`` (held-out loss at an interval)."""
+        return all(s.evaluates for s in self.by_stage)
 
     @property
     def checkpoint_tree(self) -> dict | None:

@@ -158,6 +158,20 @@ class SliceExecutor:
             clock.lap("local_sum")
         return out
 
+    def evaluate(self, items, clock: Clock | None = None) -> list[tuple[float, float]]:
+        """The ``eval`` program's ``(loss total, weight)`` of each ``(eval step, microbatch)`` in ``items``, in
+        their order, on the state as it is (float32 values). The batches come from the data source's
+        ``eval_batch`` (the eval data, pure in its arguments as ``batch`` is). Changes nothing; ``clock`` gets
+        ``eval``."""
+        out = []
+        for e, m in items:
+            out.append(self._call("eval", self.state, self.data.eval_batch(e, m)))
+        jax.block_until_ready(out)
+        losses = [(float(v[0]), float(v[1])) for v in (np.asarray(x, dtype=np.float32) for x in out)]
+        if clock is not None:
+            clock.lap("eval")
+        return losses
+
     def forward(self, step: int, microbatch: int, a_in: list, clock: Clock | None = None) -> list[np.ndarray]:
         """A pipeline stage's output activations for one microbatch, on the host; ``clock`` gets ``forward``."""
         batch = self._batch(step, microbatch)

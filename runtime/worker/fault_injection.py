@@ -32,7 +32,7 @@ ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_re
            "hang_on_send_state", "kill_in_phase", "clear")
 # Where ``kill_in_phase`` may strike: the phases of a step, in order, and "save" (mid-write of the next
 # persistent checkpoint this worker writes, once its temporary directory exists).
-PHASES = ("grad", "reduce", "apply", "save")
+PHASES = ("grad", "reduce", "apply", "save", "eval")
 
 
 class WorkerFaults:
@@ -112,7 +112,7 @@ class WorkerFaults:
             return hit
 
     def in_phase(self, phase: str) -> None:
-        """Called inside each phase of a step (after grad, mid-reduction, after apply) and mid-save."""
+        """Called inside each phase of a step (after grad, mid-reduction, after apply, after its eval) and mid-save."""
         if self._kill_in_phase == phase:
             _signal_self("kill")
 

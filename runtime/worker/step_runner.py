@@ -8,7 +8,9 @@ microbatches (``grad``), reduces them with its peers (``reduce``:
 :mod:`runtime.wire.dataplane_client`, or ``Push`` streams to a peer without
 one), then applies the optimizer update (``apply``) and hands the state to
 the background writer when the controller asked for a checkpoint or snapshot
-(:meth:`runtime.worker.worker_state.StateMover.save`). A shadow spare skips
+(:meth:`runtime.worker.worker_state.StateMover.save`), and, when the request
+names eval microbatches, computes their held-out loss on the new state
+(``eval``; the state is only read) before it answers. A shadow spare skips
 ``grad``: it receives the ranks' reduced vector and applies it as they do.
 
 Contract: steps run strictly in order; a ``Step`` request for step ``s+1``
@@ -111,6 +113,14 @@ class StepRunner:
         clock = Clock()
         stage = StageTimes(0.0, 0.0)
         t0 = time.perf_counter()
+        items = [(i.step, i.microbatch) for i in req.eval_items]
+        before = [(i.step, i.microbatch) for i in req.eval_before_items]
+        evals, evals_before = [], []
+        if before:   # owed by the previous step: on the state it left, before this step's gradient
+            self._phase(req.step, "eval")
+            evals_before = ex.evaluate(before, clock)
+            self._faults.in_phase("eval")
+            t0 = time.perf_counter()
         if req.shadow:   # a shadow spare: the ranks' reduced vector, applied as they apply it
             t1 = t0
             self._phase(req.step, "reduce")
@@ -148,12 +158,18 @@ class StepRunner:
         self._mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")
+        if items:   # held-out loss on the state this step applied; the state is not touched
+            self._phase(req.step, "eval")
+            evals = ex.evaluate(items, clock)
+            self._faults.in_phase("eval")
         ck, snap = self._states.drain_saves()
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
                             checkpoints_saved=ck.saved, checkpoint_error=ck.error, snapshots_saved=snap.saved,
                             snapshots_copied=snap.followed, snapshot_error=snap.error,
-                            stage_busy_seconds=stage.busy, stage_stream_seconds=stage.stream)
+                            stage_busy_seconds=stage.busy, stage_stream_seconds=stage.stream,
+                            eval_losses=[pb.EvalLoss(total=t, weight=w) for t, w in evals],
+                            eval_before_losses=[pb.EvalLoss(total=t, weight=w) for t, w in evals_before])
 
     # -- pushes --------------------------------------------------------------
 

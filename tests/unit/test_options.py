@@ -56,6 +56,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: 3}   # -1 (auto) resolves to 1 with recovery on
     if key == "elastic_snapshot_directory":
         return {key: str(tmp_path / "snapshots")}
+    if key == "eval_steps":
+        return {key: 5}   # -1 (the whole eval source) is the default; 0 is refused
     if key == "elastic_checkpoint_directory":
         return {key: str(tmp_path / "checkpoints")}  # fewer slices: tiny's elastic_microbatches stays >= slices
     if isinstance(value, bool):
