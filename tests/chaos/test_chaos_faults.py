@@ -39,18 +39,27 @@ def passed(report, steps=STEPS):
 
 
 def test_sigkill_inside_each_phase_is_replaced_by_a_spare(tmp_path):
-    # One run, a kill inside each phase of a step: slice 1's worker in grad at step 3, slice 2's in reduce at step 6,
-    # slice 3's in apply at step 9; a spare for each.
+    # One run with a held-out eval after every second step, and a kill inside each phase of a step: slice 0's
+    # worker in the eval of step 1, slice 1's in grad at step 3, slice 2's in reduce at step 6, slice 3's in
+    # apply at step 9; a spare for each. The reference computes no eval: the same digest says eval changed no bit.
     faults = ",".join(f"kill(phase={phase}):slice={i}@step={3 * i}"
-                      for i, phase in enumerate(["grad", "reduce", "apply"], start=1))
-    _, report, events = chaos(tmp_path, faults, "elastic_spares=3")
+                      for i, phase in enumerate(["eval", "grad", "reduce", "apply"]))
+    _, report, events = chaos(tmp_path, faults, "elastic_spares=4", "eval_interval=2", "eval_steps=2")
     passed(report)
-    assert [fault["workers"] for fault in report["faults"]] == [["w1"], ["w2"], ["w3"]]
+    assert [fault["workers"] for fault in report["faults"]] == [["w0"], ["w1"], ["w2"], ["w3"]]
+    # An eval after every second step, once each, on the state that step applied: a recovery that committed the
+    # step from the survivors' reports lost its evals, and the next step computed them first (before_step).
+    evals = report["evals"]
+    assert [e["step"] for e in evals] == list(range(1, STEPS, 2))
+    assert all(e["loss"] > 0 and e["batches"] == 8 and e["total_weights"] == 8 for e in evals), evals
+    owed = [e for e in evals if "before_step" in e]   # at least the eval its worker was killed in
+    assert owed and all(e["before_step"] == e["step"] + 1 for e in owed), evals
+    assert sorted(e["step"] for e in events if e["kind"] == "eval_completed") == [e["step"] for e in evals]
     for fault in report["faults"]:
         assert fault["path"] == "replace", fault
         assert fault["detected_after_s"] is not None and fault["recovered_after_s"] >= fault["detected_after_s"]
         assert fault["bytes_moved"] == report["state_bytes"]
-    assert [failure["kind"] for failure in report["failures"]] == ["crash"] * 3
+    assert [failure["kind"] for failure in report["failures"]] == ["crash"] * 4
     assert report["slices_at_end"] == 4
     # `elastic report` re-renders a chaos run from its log, verdict included
     run_dir = pathlib.Path(tmp_path) / "faulted"
