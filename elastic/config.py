@@ -196,10 +196,11 @@ class Config:
     enable_tensorboard: bool = _key(False, role=(OUTPUT, MAXTEXT))
     metrics_file: str = _key("", role=(OUTPUT, MAXTEXT))
     log_period: int = _key(100, role=(OUTPUT, MAXTEXT), ge=1)
-    # Held-out evaluation (MaxText's keys): after every eval_interval-th step the live slices compute the loss of
-    # eval_steps eval steps (each of elastic_microbatches microbatches of the eval data) on the new state; it never
-    # changes the training bits. 0 or -1 (MaxText's "off"): none. eval_steps -1: the whole eval source, when it
-    # says its length (len(source) eval steps).
+    # Held-out evaluation (MaxText's keys): after step k (0-based) with k % eval_interval == 0 (MaxText's schedule:
+    # after the first step, then every eval_interval steps) the live slices compute the loss of eval_steps eval
+    # steps (each of elastic_microbatches microbatches of the eval data) on the new state; it never changes the
+    # training bits. 0 or -1 (MaxText's "off"): none. eval_steps -1: the whole eval source, when it says its
+    # length (len(source), or its steps).
     eval_interval: int = _key(0, role=(RUNTIME, OUTPUT, MAXTEXT), ge=-1)
     eval_steps: int = _key(-1, role=(RUNTIME, OUTPUT, MAXTEXT), ge=-1)
     # In-memory snapshots (MaxText's elastic_backup_kind): while no spare shadows the state, one replica writes

@@ -90,6 +90,10 @@ def make_job(elastic_config: elastic.Config, maxtext_config, *, data=None, eval_
     if data is None:   # MaxText's dataset_type: synthetic, grain (ArrayRecord, Parquet), hf (local Parquet)
         data = source_for(elastic_config, maxtext_config)
     evaluates = elastic_config.eval_interval > 0
+    if evaluates and int(getattr(maxtext_config, "eval_start_step", 0) or 0):
+        raise elastic.ConfigError(f"config key 'eval_start_step' ({maxtext_config.eval_start_step}) is not "
+                                  "supported under jax-elastic: evals follow step 0 and every eval_interval steps "
+                                  "after it; set eval_start_step=0")
     if evaluates and eval_data is None:
         eval_data = source_for(elastic_config, maxtext_config, split="eval")
         if eval_data is None:

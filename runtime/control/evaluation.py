@@ -1,8 +1,9 @@
 """Held-out evaluation as the controller sees it: when an eval is due, which eval microbatches each slice
 computes, and the eval loss from the slices' answers, in one fixed order.
 
-An eval rides the step it follows, as a checkpoint order does: after step ``k`` applies, when
-``(k + 1) % eval_interval == 0`` (:func:`eval_due`), every rank of step ``k`` computes the eval program's loss of
+An eval rides the step it follows, as a checkpoint order does: after step ``k`` (0-based) applies, when
+``k % eval_interval == 0`` (:func:`eval_due`: MaxText's schedule, after the first step and every
+``eval_interval`` steps after it), every rank of step ``k`` computes the eval program's loss of
 its share of the ``eval_steps x M`` eval microbatches ``(e, m)`` on the new state (:func:`eval_items`: a contiguous,
 balanced run in ``(e, m)`` order per rank, as training microbatches are assigned) and answers them with the
 step. The client sums them in ``(e, m)`` order alone (:func:`eval_loss`), so the eval loss is the same bits for any
@@ -51,8 +52,10 @@ def eval_order(step: int, workers: Sequence[str], *, interval: int, eval_steps: 
 
 
 def eval_due(step: int, interval: int) -> bool:
-    """Whether an eval follows step ``step`` (0-based): after every ``interval``-th step (``interval`` 0: never)."""
-    return interval > 0 and (step + 1) % interval == 0
+    """Whether an eval follows step ``step`` (0-based): MaxText's rule, ``step % interval == 0`` (after the
+    first step, then every ``interval`` steps; ``interval`` <= 0: never), so a MaxText config evaluates after the
+    same steps under jax-elastic as under MaxText's trainer."""
+    return interval > 0 and step % interval == 0
 
 
 def eval_items(eval_steps: int, microbatches: int, ranks: int) -> list[list[tuple[int, int]]]:

@@ -16,7 +16,7 @@ from tests.support.metrics_files import metrics_file_lines, tensorboard_scalars
 
 
 def test_an_eval_follows_every_interval_th_step_and_none_when_off():
-    assert [s for s in range(10) if eval_due(s, 3)] == [2, 5, 8]
+    assert [s for s in range(10) if eval_due(s, 3)] == [0, 3, 6, 9]   # MaxText's: after step 0, then every 3
     assert not any(eval_due(s, 0) for s in range(10))
     assert not any(eval_due(s, -1) for s in range(10))
 
@@ -66,28 +66,29 @@ def test_a_missing_or_miscounted_answer_is_named():
 
 def test_a_step_carries_its_own_eval_and_an_owed_one_to_its_ranks_only():
     workers = ("w0", "w1")
-    order = eval_order(3, workers, interval=2, eval_steps=1, microbatches=2, committed=3, evaluated=frozenset())
-    assert order.step == 3 and order.owed is None and order.after == {"w0": [(0, 0)], "w1": [(0, 1)]}
-    assert eval_order(2, workers, interval=2, eval_steps=1, microbatches=2, committed=1,
-                      evaluated=frozenset()) is None   # step 1 in flight: it carries its own eval
-    # Step 1 was committed by a recovery (its eval not recorded): step 2, the next dispatched, computes it first.
-    owed = eval_order(2, workers, interval=2, eval_steps=1, microbatches=2, committed=2, evaluated=frozenset())
-    assert (owed.step, owed.owed, owed.before) == (None, 1, {"w0": [(0, 0)], "w1": [(0, 1)]})
+    order = eval_order(4, workers, interval=2, eval_steps=1, microbatches=2, committed=4, evaluated=frozenset())
+    assert order.step == 4 and order.owed is None and order.after == {"w0": [(0, 0)], "w1": [(0, 1)]}
+    assert eval_order(3, workers, interval=2, eval_steps=1, microbatches=2, committed=2,
+                      evaluated=frozenset()) is None   # step 2 in flight: it carries its own eval
+    # Step 2 was committed by a recovery (its eval not recorded): step 3, the next dispatched, computes it first.
+    owed = eval_order(3, workers, interval=2, eval_steps=1, microbatches=2, committed=3, evaluated=frozenset())
+    assert (owed.step, owed.owed, owed.before) == (None, 2, {"w0": [(0, 0)], "w1": [(0, 1)]})
     both = eval_order(2, workers, interval=1, eval_steps=1, microbatches=2, committed=2, evaluated=frozenset({0}))
     assert (both.step, both.owed) == (2, 1)
-    assert eval_order(3, workers, interval=0, eval_steps=1, microbatches=2, committed=3, evaluated=frozenset()) is None
+    assert eval_order(4, workers, interval=0, eval_steps=1, microbatches=2, committed=4, evaluated=frozenset()) is None
 
 
 def test_what_a_step_owes_and_what_is_lost():
-    assert owed_eval(4, 4, 2, frozenset()) == 3
-    assert owed_eval(4, 4, 2, frozenset({3})) is None       # recorded
-    assert owed_eval(4, 3, 2, frozenset()) is None           # step 3 not committed: in flight, it carries its own
-    assert owed_eval(4, 4, 2, frozenset(), floor=4) is None  # an earlier attempt's step
+    assert owed_eval(5, 5, 2, frozenset()) == 4
+    assert owed_eval(5, 5, 2, frozenset({4})) is None       # recorded
+    assert owed_eval(5, 4, 2, frozenset()) is None           # step 4 not committed: in flight, it carries its own
+    assert owed_eval(5, 5, 2, frozenset(), floor=5) is None  # an earlier attempt's step
     assert owed_eval(0, 0, 1, frozenset()) is None
-    # A recovery committed steps 3..6 from the survivors' reports: 3 and 5 lost their evals and their states.
-    assert lost_evals(7, 2, frozenset(), since=3) == [3, 5]
-    assert lost_evals(7, 2, frozenset({3}), since=3) == [5]
-    assert lost_evals(6, 2, frozenset(), since=3) == [3]     # step 5 is the last committed: owed, not lost
+    # A recovery committed steps 3..6 from the survivors' reports: 4 lost its eval and its state.
+    assert lost_evals(7, 2, frozenset(), since=3) == [4]
+    assert lost_evals(8, 2, frozenset({4}), since=3) == [6]
+    assert lost_evals(7, 3, frozenset(), since=2) == [3]
+    assert lost_evals(7, 2, frozenset(), since=6) == []      # step 6 is the last committed: owed, not lost
 
 
 @pytest.mark.parametrize("changes, message", [
