@@ -104,7 +104,18 @@ class GcsEmulator:
                 proc.wait(timeout=5)
 
     def pause(self) -> None:
+        """Stops the server; returns once the kernel shows it stopped (a signal is delivered asynchronously, and
+        a request sent in between would still be answered)."""
         self._proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                state = pathlib.Path(f"/proc/{self._proc.pid}/stat").read_text().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                return   # no /proc here: the signal is all there is
+            if state in ("T", "t"):
+                return
+            time.sleep(0.005)
 
     def resume(self) -> None:
         self._proc.send_signal(signal.SIGCONT)

@@ -228,8 +228,8 @@ class DataFiles:
         except elastic.ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure of the storage client becomes one line naming the key
-            raise elastic.ConfigError(f"config key {self.key!r}: {what}: {_reason(e)}"
-                                      + (f" (after {self.attempts} attempts)" if _transient(e) else "")) from e
+            tries = f" (after {self.attempts} attempt{'s' * (self.attempts > 1)})" if _transient(e) else ""
+            raise elastic.ConfigError(f"config key {self.key!r}: {what}: {_reason(e)}{tries}") from e
         raise AssertionError("unreachable")   # tenacity either returns or raises
 
     def __repr__(self) -> str:
