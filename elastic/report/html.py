@@ -326,6 +326,15 @@ def _stragglers(report: dict) -> str:
         if rows else ""
 
 
+def _evals(report: dict) -> str:
+    """The held-out loss per eval (``evals``): a table, absent for a run without eval."""
+    rows = [[e.get("step"), "—" if e.get("loss") is None else f"{e['loss']:.6g}", e.get("batches", "—"),
+             fmt_seconds(e.get("seconds")), e.get("skipped") or (f"owed, computed before step {e['before_step']}"
+                                                                 if "before_step" in e else "")]
+            for e in report.get("evals") or []]
+    return _table("Eval", ["after step", "loss", "microbatches", "seconds", "note"], rows, "") if rows else ""
+
+
 # -- public -------------------------------------------------------------------
 
 def render_html(report: dict, events: list[dict]) -> str:
@@ -340,7 +349,8 @@ def render_html(report: dict, events: list[dict]) -> str:
     gp = report.get("goodput") or compute_goodput(events)
     body = "".join([
         _header(report, events), _banner(report), _dropped(report), _facts(report, gp),
-        _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>", _pipeline(report),
+        _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>", _evals(report),
+        _pipeline(report),
         _attempts(report), _failures(report), _faults(report), _stragglers(report), _security(report),
     ])
     title = f"jax-elastic run {report.get('run_id') or ''}"

@@ -10,6 +10,7 @@ import elastic
 from elastic.config import ConfigError
 from elastic.metrics import EVAL_LOSS, LOSS, ModelMetrics, open_metrics
 from elastic.report import build_report
+from elastic.report.html import render_html
 from runtime.control.evaluation import (eval_due, eval_items, eval_loss, eval_order, gather_losses, lost_evals,
                                         owed_eval)
 from tests.support.metrics_files import metrics_file_lines, tensorboard_scalars
@@ -170,6 +171,9 @@ def test_the_report_lists_each_eval_once_by_step_the_last_kept():
         {"step": 5, "loss": 4.0, "total_loss": 8.0, "total_weights": 2.0, "batches": 2, "seconds": 0.02,
          "before_step": 6}]
     assert build_report(_events([]))["evals"] == []
+    html = render_html(report, _events(EVALS))
+    assert "<h2>Eval</h2>" in html and "owed, computed before step 6" in html and "a recovery committed it" in html
+    assert "<h2>Eval</h2>" not in render_html(build_report(_events([])), _events([]))
 
 
 def test_each_committed_eval_is_written_once_under_maxtexts_names(tmp_path):
