@@ -51,6 +51,20 @@ from runtime.worker.worker_state import StateMover
 __all__ = ["StepRunner"]
 
 
+def _check_evals(req: pb.StepRequest, ex) -> None:
+    """A step's eval microbatches need the eval program and eval data, and name microbatches of a step."""
+    items = [*req.eval_items, *req.eval_before_items]
+    if not items:
+        return
+    if req.shadow or not ex.programs.evaluates or not callable(getattr(ex.data, "eval_batch", None)):
+        raise ProtocolError(f"step {req.step} asks for {len(items)} eval microbatches, but this worker "
+                            + ("is its shadow" if req.shadow else "loaded no eval program and eval data"))
+    m = ex.programs.num_microbatches
+    if any(i.step < 0 or not 0 <= i.microbatch < m for i in items):
+        raise ProtocolError(f"step {req.step} names an eval microbatch outside eval steps >= 0 and microbatches "
+                            f"0..{m - 1}")
+
+
 class StepRunner:
     """Runs this worker's steps and carries their pieces. Owns the all-reduce (:attr:`collective`) and what the
     worker does now (:attr:`progress`, for ``Progress``); the state, the turn and the epoch are the replica's,
@@ -83,6 +97,7 @@ class StepRunner:
             check_step_request(req, replica.executor.programs.num_microbatches)
             if req.snapshot and self._states.snapshots is None:
                 raise ProtocolError(f"step {req.step} asks for a snapshot, but Load named no snapshot directory")
+            _check_evals(req, replica.executor)
             replica.take_turn(req.step, epoch, deadline, self._lease.fenced_because, context)
         except BaseException:
             agreement.refuse("start", epoch, req.step)   # the slice's other hosts do not start it either
