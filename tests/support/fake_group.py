@@ -67,6 +67,11 @@ def loss_sum(step: int) -> float:
     return 64.0 / (step + 1)
 
 
+def eval_answer(applied: int, e: int, m: int) -> tuple[float, float]:
+    """The fake's eval of microbatch ``(e, m)`` on the state of ``applied`` steps: ``(loss total, weight)``."""
+    return 1.0 / (applied + 1) + 0.01 * e + 0.001 * m, 1.0
+
+
 class _Replica:
     def __init__(self):
         self.history = ["init"]      # state hash after 0, 1, 2, ... applied steps
@@ -154,6 +159,7 @@ class FakeGroup:
         self.saving: dict[str, list[_Save]] = {}
         self._snapshot_orders: dict[int, dict] = {}
         self._checkpoint_orders: dict[int, dict] = {}
+        self._eval_orders: dict[int, object] = {}   # step -> its EvalOrder (eval_interval)
         self._running: list[_Future] = []   # shadow steps not ended
         self.epoch = 0
         self.dead: dict[str, str] = {}
@@ -369,9 +375,18 @@ class FakeGroup:
         self.calls.append(("dispatch", plan.step, plan.epoch, tuple(shadows)))
         self._snapshot_orders[plan.step] = dict(snapshots or {})
         self._checkpoint_orders[plan.step] = dict(checkpoints or {})
+        self._eval_orders[plan.step] = evals
         futs = _Dispatched(plan, {w: _Future(plan, w) for w in (*plan.workers, *shadows)})
         self._running += [futs[w] for w in shadows]
         return futs
+
+    def _evals(self, step: int, w: str) -> dict:
+        """Worker ``w``'s eval answers of step ``step`` (:func:`eval_answer`): after it, and an owed one before."""
+        order = self._eval_orders.get(step)
+        if order is None:
+            return {}
+        return {"eval_losses": tuple(eval_answer(step + 1, e, m) for e, m in order.after.get(w, ())),
+                "eval_before_losses": tuple(eval_answer(step, e, m) for e, m in order.before.get(w, ()))}
 
     def _snapshots(self, plan) -> dict:
         """The snapshots ordered after ``plan``'s step: written on the writer's host, copied to its peer's."""
@@ -445,7 +460,7 @@ class FakeGroup:
         for w in plan.workers:
             done, error = self._reply(w)
             out[w] = StepResult(loss_sum(plan.step), grad_seconds=0.01, checkpoints_saved=tuple(done),
-                                checkpoint_error=error, **saved.get(w, {}))
+                                checkpoint_error=error, **saved.get(w, {}), **self._evals(plan.step, w))
         self._order_saves(plan)
         return out
 

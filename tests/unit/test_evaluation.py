@@ -198,3 +198,61 @@ def test_each_committed_eval_is_written_once_under_maxtexts_names(tmp_path):
     assert evals[0]["eval/avg_perplexity"] == pytest.approx(2.718281828 ** 4.5)
     assert [int(line["step"]) for line in lines if LOSS in line] == list(range(6))
     assert tensorboard_scalars(run_dir, EVAL_LOSS) == [(1, 4.5), (5, 4.0)]
+
+
+def _controller_run(tmp_path, slices, faults=None):
+    """A run of 8 steps over the fake worker group, an eval of 2 eval steps after every second step."""
+    import types
+
+    from runtime import EventLog, RunState, read_events
+    from runtime.control.controller import Controller
+    from runtime.control.controller_options import ControllerOptions
+    from tests.support.controller_run import M
+    from tests.support.fake_group import FakeGroup
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    options = ControllerOptions(slices=slices, devices_per_slice=2, run_dir=str(tmp_path), spares=1,
+                                watchdog_min_seconds=0.0, eval_interval=2, eval_steps=2)
+    events = EventLog(tmp_path / "events.jsonl")
+    group = FakeGroup(options, events, faults)
+    programs = types.SimpleNamespace(num_microbatches=M, evaluates=True)
+    with Controller(programs, b"", options, events, group=group) as ctl:
+        ctl.train(8, seed=0)
+    events.close()
+    log = read_events(tmp_path / "events.jsonl")
+    assert RunState.replay(log) == ctl.state
+    return log
+
+
+def test_the_controller_records_each_eval_once_after_its_step_commits_the_same_for_any_slice_count(tmp_path):
+    from tests.support.controller_run import M
+    from tests.support.fake_group import eval_answer
+
+    logs = {n: _controller_run(tmp_path / str(n), n) for n in (1, 2, 3)}
+    for log in logs.values():
+        evals = [e for e in log if e["kind"] == "eval_completed"]
+        assert [e["step"] for e in evals] == [0, 2, 4, 6]
+        for e in evals:   # after its step's commit, on the state that step applied
+            committed = [i for i, x in enumerate(log) if x["kind"] == "step_committed" and x["step"] == e["step"]]
+            assert committed and committed[-1] < log.index(e)
+            want = eval_loss({(s, m): eval_answer(e["step"] + 1, s, m) for s in range(2) for m in range(M)}, 2, M)
+            assert (e["loss"], e["total_weights"], e["batches"]) == (want.loss, 2.0 * M, 2 * M)
+    assert len({tuple(e["loss"] for e in log if e["kind"] == "eval_completed") for log in logs.values()}) == 1
+
+
+def test_a_step_lost_with_its_eval_evaluates_again_and_is_recorded_once(tmp_path):
+    log = _controller_run(tmp_path, 2, faults={4: ("kill", "w1")})
+    assert [e["kind"] for e in log].count("failure_detected") == 1
+    assert [e["step"] for e in log if e["kind"] == "eval_completed"] == [0, 2, 4, 6]
+    assert not [e for e in log if e["kind"] == "eval_skipped"]
+
+
+def test_an_eval_whose_replies_a_recovery_lost_is_computed_by_the_next_step_on_the_same_state(tmp_path):
+    fault_free = _controller_run(tmp_path / "ref", 2)
+    # w1 dies after w0 applied step 4 (an eval step): the recovery commits step 4 from w0's report, and step 5
+    # computes step 4's eval first, on the state step 4 left.
+    log = _controller_run(tmp_path / "run", 2, faults={4: ("kill_after_apply", "w1")})
+    assert [e for e in log if e["kind"] == "step_committed" and e["step"] == 4][0].get("recovered")
+    evals = {e["step"]: e for e in log if e["kind"] == "eval_completed"}
+    assert sorted(evals) == [0, 2, 4, 6] and evals[4]["before_step"] == 5
+    assert [evals[s]["loss"] for s in sorted(evals)] == [e["loss"] for e in fault_free if e["kind"] == "eval_completed"]
