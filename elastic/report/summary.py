@@ -99,6 +99,17 @@ def loss_text(losses: list) -> str:
     return text
 
 
+def eval_text(evals: list) -> str:
+    """The first and last eval loss, how many evals, and how many were skipped ("" for a run without eval)."""
+    done = [e for e in evals if isinstance(e.get("loss"), (int, float))]
+    skipped = len(evals) - len(done)
+    if not evals:
+        return ""
+    text = (f"{done[0]['loss']:.4f} → {done[-1]['loss']:.4f} (after steps {done[0]['step']}-{done[-1]['step']}, "
+            f"{len(done)} evals)" if done else "none computed")
+    return text + (f", {skipped} skipped" if skipped else "")
+
+
 def _checkpoint_failures(report: dict) -> str:
     errors = "; ".join(report.get("checkpoint_errors") or ["no error recorded"])
     return f"{report['checkpoints_failed']} saves ({errors[:160]})"
@@ -114,6 +125,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
     rows = [
         ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
         ("loss", loss_text(report.get("losses") or [])),
+        *([("eval loss", eval_text(report["evals"]))] if report.get("evals") else []),
         ("slices at end", "—" if report.get("slices_at_end") is None
          else f"{report['slices_at_end']} of {report.get('slices', '—')}"),
         ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"

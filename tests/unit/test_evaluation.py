@@ -11,6 +11,7 @@ from elastic.config import ConfigError
 from elastic.metrics import EVAL_LOSS, LOSS, ModelMetrics, open_metrics
 from elastic.report import build_report
 from elastic.report.html import render_html
+from elastic.report.summary import summary_text
 from runtime.control.evaluation import (eval_due, eval_items, eval_loss, eval_order, gather_losses, lost_evals,
                                         owed_eval)
 from tests.support.metrics_files import metrics_file_lines, tensorboard_scalars
@@ -174,6 +175,8 @@ def test_the_report_lists_each_eval_once_by_step_the_last_kept():
     html = render_html(report, _events(EVALS))
     assert "<h2>Eval</h2>" in html and "owed, computed before step 6" in html and "a recovery committed it" in html
     assert "<h2>Eval</h2>" not in render_html(build_report(_events([])), _events([]))
+    summary = " ".join(summary_text(report, width=200).split())
+    assert "eval loss 4.2500 → 4.0000 (after steps 1-5, 2 evals), 1 skipped" in summary
 
 
 def test_each_committed_eval_is_written_once_under_maxtexts_names(tmp_path):
