@@ -71,10 +71,17 @@ def program_fingerprint(serialized: bytes) -> str:
     return hashlib.sha256(strip_locations(text).encode()).hexdigest()
 
 
+#: Programs that only read the state (the held-out loss): a run with or without them trains the same state, so
+#: they are no part of which math a state belongs to.
+READ_ONLY_PROGRAMS = frozenset({"eval"})
+
+
 def programs_fingerprint(programs: dict[str, bytes]) -> str:
-    """One digest over ``{name: serialized program}`` (in name order): which math a checkpoint belongs to."""
+    """One digest over ``{name: serialized program}`` (in name order): which math a checkpoint belongs to (the
+    programs that only read the state, :data:`READ_ONLY_PROGRAMS`, left out: a run with eval resumes one
+    without and the other way round)."""
     h = hashlib.sha256()
-    for name in sorted(programs):
+    for name in sorted(set(programs) - READ_ONLY_PROGRAMS):
         h.update(name.encode() + b"\0" + bytes.fromhex(program_fingerprint(programs[name])))
     return h.hexdigest()
 
@@ -89,7 +96,7 @@ def legacy_programs_fingerprint(programs: dict[str, bytes]) -> str:
     import jax
 
     h = hashlib.sha256()
-    for name in sorted(programs):
+    for name in sorted(set(programs) - READ_ONLY_PROGRAMS):
         text = jax.export.deserialize(bytearray(programs[name])).mlir_module()
         text = _MODULE_NAME.sub("module", _OLD_LOCATION.sub("", text))
         h.update(name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())

@@ -26,7 +26,7 @@ STEPS = 12
 def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_shrinks(tmp_path):
     run_cli(["chaos", "tiny", "dcn_data_parallelism=2", "elastic_hosts_per_slice=2", "ici_fsdp_parallelism=4",
              "elastic_spares=1", f"steps={STEPS}", "run_name=faulted", "elastic_client_grace_seconds=20",
-             "enable_checkpointing=true", "checkpoint_period=4",
+             "enable_checkpointing=true", "checkpoint_period=4", "eval_interval=3", "eval_steps=1",
              "--faults", "kill:slice=1,host=1@step=3,kill:client@step=6,partition:slice=0,host=0@step=9"], tmp_path)
     run_dir = pathlib.Path(tmp_path) / "faulted"
     report = json.loads((run_dir / "report.json").read_text())
@@ -38,6 +38,11 @@ def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_s
     assert report["final_state_digest"] == report["reference"]["final_state_digest"]
     assert [f["path"] for f in report["failures"]] == ["replace", "retry", "shrink"]
     assert report["client_restarts"] == 1 and report["run_state_replayed"] is True
+    # Each host of a slice runs the eval program on the slice's global arrays: an eval after every third step,
+    # recorded once (across the client's restart too), never changing the digest checked above.
+    assert [e["step"] for e in report["evals"]] == list(range(0, STEPS, 3))
+    done = [e["step"] for e in kinds(events, "eval_completed")]
+    assert len(done) == len(set(done)) and all(e["loss"] > 0 for e in report["evals"] if "skipped" not in e)
     [attached] = kinds(events, "client_attached")
     assert {"w0", "w2"} <= set(attached["workers"])   # the active slices (the relaunched one may still be forming)
     assert all(len(w["hosts"]) == 2 for w in attached["workers"].values())

@@ -259,3 +259,21 @@ def test_an_eval_whose_replies_a_recovery_lost_is_computed_by_the_next_step_on_t
     evals = {e["step"]: e for e in log if e["kind"] == "eval_completed"}
     assert sorted(evals) == [0, 2, 4, 6] and evals[4]["before_step"] == 5
     assert [evals[s]["loss"] for s in sorted(evals)] == [e["loss"] for e in fault_free if e["kind"] == "eval_completed"]
+
+
+def test_the_eval_program_is_no_part_of_which_math_a_checkpoint_belongs_to():
+    """A run with eval resumes one without, and the other way round: eval only reads the state."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    from elastic._programs import export_program
+    from runtime.core.fingerprint import legacy_programs_fingerprint, programs_fingerprint
+
+    mesh = AbstractMesh((1,), ("fsdp",))
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    grad = export_program("grad", lambda v: v * 2, (x,), [None], None, mesh)
+    other = export_program("eval", lambda v: v.sum(), (x,), [None], None, mesh)
+    for fingerprint in (programs_fingerprint, legacy_programs_fingerprint):
+        assert fingerprint({"grad": grad, "eval": other}) == fingerprint({"grad": grad})
+        assert fingerprint({"grad": grad, "apply": other}) != fingerprint({"grad": grad})
