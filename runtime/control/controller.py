@@ -321,6 +321,7 @@ class Controller:
         self.group.new_generation(generation)
         self.pending.clear()
         self.plans.clear()
+        self.evals.clear()
         attach(self, time.time() - self.ledger.last_event_t, os.getpid(), first=False)
         self.slow.restart()
         return Running()
@@ -425,10 +426,17 @@ class Controller:
 
     # -- eval (eval_interval) ----------------------------------------------------
 
+    @property
+    def evaluating(self) -> bool:
+        """Whether the run evaluates: an interval, eval steps, and the programs' ``eval`` (never a pipeline's)."""
+        o = self.opts
+        return (o.eval_interval > 0 and o.eval_steps > 0 and o.pipeline_stages == 1
+                and bool(self.programs.evaluates))
+
     def _eval_order(self, plan: StepPlan) -> EvalOrder | None:
         """What step ``plan.step`` evaluates (:func:`runtime.control.evaluation.eval_order`), on its ranks."""
         o = self.opts
-        if o.eval_interval <= 0 or o.eval_steps <= 0 or plan.stages > 1 or not self.programs.evaluates:
+        if not self.evaluating:
             return None
         return eval_order(plan.step, plan.workers, interval=o.eval_interval, eval_steps=o.eval_steps,
                           microbatches=self.programs.num_microbatches, committed=self.state.committed,
@@ -490,7 +498,8 @@ class Controller:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
         s = self.state
         last = s.committed - 1
-        if eval_due(last, self.opts.eval_interval) and last not in s.evaluated and last >= self.eval_from:
+        if (self.evaluating and eval_due(last, self.opts.eval_interval) and last not in s.evaluated
+                and last >= self.eval_from):
             self.events.emit("eval_skipped", step=last, reason="a recovery committed the run's last step from the "
                                                                "survivors' reports, whose evals it lost")
         self.checkpoints.finish(self.placement.grid, s.loss_sums)
@@ -519,6 +528,7 @@ class Controller:
         self.pending = collections.deque()
         self.recover(phase.error)
         self.plans.clear()
+        self.evals.clear()
         self.slow.restart()   # the watchdog times the next step from here
         return Running()
 
@@ -563,7 +573,7 @@ class Controller:
             x.adopt(plan, self.state.deferred)
             for step, loss_sum in plan.commits:   # every survivor applied them: committed from their losses
                 self._commit(step, plan.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
-            if plan.commits and self.opts.eval_interval:   # their replies, and evals, are lost; the last's is owed
+            if plan.commits and self.evaluating:   # their replies, and evals, are lost; the last's is owed
                 self._evals_lost(committed_before - 1, "a recovery committed it from the survivors' reports, "
                                                        "whose evals it lost, and a later step with it")
             outcome = x.carry_out(plan, survey, self.state.committed, dead, started)
