@@ -46,10 +46,10 @@ from runtime.control.attach import Reattach, attach
 from runtime.control.calls import Stalled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
-from runtime.core.errors import (ClientSupersededError, ProtocolError, ReplicaDivergenceError, StaleEpochError,
+from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
                                  StepAbortedError,
                                  WorkerFencedError, WorkerLostError)
-from runtime.control.evaluation import EvalOrder, eval_due, eval_loss, eval_order, gather_losses, lost_evals
+from runtime.control.evaluation import Evaluations
 from runtime.core.events import EventLog
 from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_start,
                                   plan_swap)
@@ -145,13 +145,12 @@ class Controller:
         self.snapshots = Snapshotting(self.group, options, events, self.ledger,
                                       notify=lambda step: self.observer.snapshot_saved(step))
         self.shadows = Shadows(self.group, events, self.ledger, options.shadow_spares)
+        self.evals = Evaluations(options, programs, events)
         self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,
                                      snapshots=self.snapshots, shadows=self.shadows,
                                      before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
         self.phase: Phase = Starting()
         self.plans: dict[int, StepPlan] = {}     # dispatched, not yet committed
-        self.evals: dict[int, EvalOrder] = {}    # the evals the steps in flight carry (eval_interval)
-        self.eval_from = 0                       # no eval is owed by a step before this one (an earlier attempt's)
         self.pending: collections.deque = collections.deque()   # (plan, futures, dispatch time), oldest first
         self.slow = SlowSteps(self.group, events, options, live_spare=lambda: bool(self.live_spares()),
                               queued=lambda: self.state.swaps)
@@ -321,7 +320,7 @@ class Controller:
         self.group.new_generation(generation)
         self.pending.clear()
         self.plans.clear()
-        self.evals.clear()
+        self.evals.forget()
         attach(self, time.time() - self.ledger.last_event_t, os.getpid(), first=False)
         self.slow.restart()
         return Running()
@@ -335,7 +334,7 @@ class Controller:
             attach(self, self.reattach.downtime_seconds, self.reattach.previous_pid)
         else:
             start(self)
-            self.eval_from = self.state.committed   # a resumed run: the earlier attempt recorded its evals
+            self.evals.floor = self.state.committed   # a resumed run: the earlier attempt recorded its evals
         self.slow.restart()
         if self.attempt.max_seconds:   # counted from the first step, not from launch
             self.attempt.deadline = self.slow.last_commit + self.attempt.max_seconds
@@ -377,17 +376,13 @@ class Controller:
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.state)
         steps = self.state.steps
-        evals = self._eval_order(plan)
+        evals = self.evals.order_for(plan, self.state)
         futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.grid,
                                                                     self.state.loss_sums),
                                    shadows, self.snapshots.order_for(plan.step, steps, self.placement, len(shadows)),
                                    evals=evals)
         self.shadows.dispatched(plan.step, {w: futs.pop(w) for w in shadows})
         self.plans[plan.step] = plan
-        if evals is not None:
-            self.evals[plan.step] = evals
-        else:
-            self.evals.pop(plan.step, None)
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
         self.pending.append((plan, futs, time.time()))
 
@@ -414,63 +409,14 @@ class Controller:
                                           [[results[w].stage_stream_seconds for w in g] for g in groups])
             if bubble is not None:
                 stages["bubble"] = bubble
-        evals = self._eval_results(plan.step, results)
+        evals = self.evals.results(plan.step, results)
         self._commit(plan.step, plan.epoch, sums.pop(), t_dispatch=t_dispatch, plan=plan, **stages,
                      grad_seconds=max(r.grad_seconds for r in results.values()),
                      reduce_seconds=max(r.reduce_seconds for r in results.values()),
                      apply_seconds=max(r.apply_seconds for r in results.values()),
                      bytes_sent=sum(r.bytes_sent for r in results.values()),
                      phases=slowest_phases([r.phases for r in results.values()]))
-        for fields in evals:   # recorded once its step committed: a step done again evaluates again
-            self.events.emit("eval_completed", **fields)
-
-    # -- eval (eval_interval) ----------------------------------------------------
-
-    @property
-    def evaluating(self) -> bool:
-        """Whether the run evaluates: an interval, eval steps, and the programs' ``eval`` (never a pipeline's)."""
-        o = self.opts
-        return (o.eval_interval > 0 and o.eval_steps > 0 and o.pipeline_stages == 1
-                and bool(self.programs.evaluates))
-
-    def _eval_order(self, plan: StepPlan) -> EvalOrder | None:
-        """What step ``plan.step`` evaluates (:func:`runtime.control.evaluation.eval_order`), on its ranks."""
-        o = self.opts
-        if not self.evaluating:
-            return None
-        return eval_order(plan.step, plan.workers, interval=o.eval_interval, eval_steps=o.eval_steps,
-                          microbatches=self.programs.num_microbatches, committed=self.state.committed,
-                          evaluated=self.state.evaluated, floor=self.eval_from)
-
-    def _eval_results(self, step: int, results) -> list[dict]:
-        """The ``eval_completed`` fields of the evals step ``step`` carried (none: []), from its ranks' answers,
-        summed in (eval step, microbatch) order. ``ProtocolError`` when a rank answered another count."""
-        order = self.evals.pop(step, None)
-        if order is None:
-            return []
-        o, m = self.opts, self.programs.num_microbatches
-        seconds = max((r.phases.get("eval", 0.0) for r in results.values()), default=0.0)
-        out = []
-        for evaluated, items, field, extra in ((order.owed, order.before, "eval_before_losses", {"before_step": step}),
-                                               (order.step, order.after, "eval_losses", {})):
-            if evaluated is None:
-                continue
-            try:
-                losses = gather_losses(items, {w: getattr(results[w], field) for w in items})
-            except ValueError as e:
-                raise ProtocolError(f"step {step}'s eval: {e}") from None
-            result = eval_loss(losses, o.eval_steps, m)
-            out.append({"step": evaluated, "loss": result.loss, "total_loss": result.total_loss,
-                        "total_weights": result.total_weights, "batches": o.eval_steps * m, "seconds": seconds,
-                        **extra})
-        return out
-
-    def _evals_lost(self, since: int, reason: str) -> None:
-        """Records ``eval_skipped`` for each eval due from step ``since`` whose state is gone (its replies lost,
-        and a later step committed)."""
-        for step in lost_evals(self.state.committed, self.opts.eval_interval, self.state.evaluated,
-                               max(since, self.eval_from)):
-            self.events.emit("eval_skipped", step=step, reason=reason)
+        self.evals.record(evals)
 
     def _commit(self, step: int, epoch: int, loss_sum: float, *, t_dispatch=None, plan=None, **fields) -> None:
         """Commits one step: the only place that emits ``step_committed``, calls ``on_step`` and the observer."""
@@ -497,11 +443,7 @@ class Controller:
     def _finish(self) -> Phase:
         """Every step committed: wait for the checkpoints in flight, check that the replicas agree, build the result."""
         s = self.state
-        last = s.committed - 1
-        if (self.evaluating and eval_due(last, self.opts.eval_interval) and last not in s.evaluated
-                and last >= self.eval_from):
-            self.events.emit("eval_skipped", step=last, reason="a recovery committed the run's last step from the "
-                                                               "survivors' reports, whose evals it lost")
+        self.evals.at_end(s)
         self.checkpoints.finish(self.placement.grid, s.loss_sums)
         hashes = {w: digest for w, (_, digest) in self.group.hashes(self.placement.active).items()}
         result = RunResult(steps_completed=s.committed, losses=list(s.losses), recoveries=s.recoveries,
@@ -528,7 +470,7 @@ class Controller:
         self.pending = collections.deque()
         self.recover(phase.error)
         self.plans.clear()
-        self.evals.clear()
+        self.evals.forget()
         self.slow.restart()   # the watchdog times the next step from here
         return Running()
 
@@ -573,9 +515,8 @@ class Controller:
             x.adopt(plan, self.state.deferred)
             for step, loss_sum in plan.commits:   # every survivor applied them: committed from their losses
                 self._commit(step, plan.placement.epoch, loss_sum, plan=self.plans.get(step), recovered=True)
-            if plan.commits and self.evaluating:   # their replies, and evals, are lost; the last's is owed
-                self._evals_lost(committed_before - 1, "a recovery committed it from the survivors' reports, "
-                                                       "whose evals it lost, and a later step with it")
+            if plan.commits:   # their replies, and evals, are lost; the last's is owed to the next step
+                self.evals.lost(self.state, committed_before - 1)
             outcome = x.carry_out(plan, survey, self.state.committed, dead, started)
             if isinstance(outcome, Done):
                 return

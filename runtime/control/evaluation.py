@@ -13,7 +13,11 @@ A step a recovery commits from the survivors' reports lost its replies, and with
 slice's among them). Its eval is then owed (:func:`owed_eval`): the next step dispatched, the first after the
 recovery, computes it before its gradient, on the state that step starts from (which is the owed step's when
 the owed step is the last committed; ``eval_before``). An owed eval whose state is gone (the recovery committed a
-later step too, or the run ended there) is recorded as ``eval_skipped`` with why. Pure: no I/O, no clock.
+later step too, or the run ended there) is recorded as ``eval_skipped`` with why.
+
+The functions are pure (no I/O, no clock); :class:`Evaluations` is the controller's side, as
+:class:`runtime.control.checkpointing.Checkpointing` is for checkpoints: the evals the steps in flight carry,
+and the ``eval_completed`` / ``eval_skipped`` events.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-__all__ = ["EvalOrder", "EvalSum", "eval_due", "eval_items", "eval_loss", "eval_order", "gather_losses", "lost_evals",
+from runtime.core.errors import ProtocolError
+
+__all__ = ["EvalOrder", "EvalSum", "Evaluations", "eval_due", "eval_items", "eval_loss", "eval_order", "gather_losses", "lost_evals",
            "owed_eval"]
 
 
@@ -127,3 +133,89 @@ def lost_evals(committed: int, interval: int, evaluated: frozenset, since: int) 
     """Steps from ``since`` whose eval was due and is not recorded, and whose state is gone: every such step
     before the last committed one (``committed - 1``; its eval may still be owed to the next step)."""
     return [s for s in range(max(since, 0), committed - 1) if eval_due(s, interval) and s not in evaluated]
+
+
+class Evaluations:
+    """The controller's side of held-out evaluation (see the module docstring).
+
+    ``opts``: the run's ``ControllerOptions`` (``eval_interval``, ``eval_steps``, ``pipeline_stages``);
+    ``programs``: its program set (``evaluates``, ``num_microbatches``); ``events``: the run's event log. Its state:
+    the evals of the steps dispatched and not yet committed, and :attr:`floor`.
+    """
+
+    def __init__(self, opts, programs, events):
+        self.opts, self.programs, self.events = opts, programs, events
+        self._carried: dict[int, EvalOrder] = {}   # step -> the evals it carries (dispatched, not committed)
+        self.floor = 0   # no eval is owed by a step before this one (an earlier attempt's, which recorded its own)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates: an interval, eval steps, and the programs' ``eval`` (never a pipeline's)."""
+        o = self.opts
+        return o.eval_interval > 0 and o.eval_steps > 0 and o.pipeline_stages == 1 and bool(self.programs.evaluates)
+
+    def order_for(self, plan, state) -> EvalOrder | None:
+        """What step ``plan.step`` evaluates on its ranks (:func:`eval_order`; None: nothing), remembered until
+        the step's answers come (:meth:`results`). ``state``: the run's ``RunState``."""
+        order = None
+        if self.enabled:
+            order = eval_order(plan.step, plan.workers, interval=self.opts.eval_interval,
+                               eval_steps=self.opts.eval_steps, microbatches=self.programs.num_microbatches,
+                               committed=state.committed, evaluated=state.evaluated, floor=self.floor)
+        if order is None:
+            self._carried.pop(plan.step, None)
+        else:
+            self._carried[plan.step] = order
+        return order
+
+    def results(self, step: int, results) -> list[dict]:
+        """The ``eval_completed`` fields of the evals step ``step`` carried (none: []), from its ranks' answers
+        (``{worker: StepReply}``), summed in (eval step, microbatch) order; :meth:`record` them once the step
+        committed. ``ProtocolError`` when a rank answered another count."""
+        order = self._carried.pop(step, None)
+        if order is None:
+            return []
+        eval_steps, m = self.opts.eval_steps, self.programs.num_microbatches
+        seconds = max((r.phases.get("eval", 0.0) for r in results.values()), default=0.0)
+        out = []
+        for evaluated, items, field, extra in ((order.owed, order.before, "eval_before_losses", {"before_step": step}),
+                                               (order.step, order.after, "eval_losses", {})):
+            if evaluated is None:
+                continue
+            try:
+                losses = gather_losses(items, {w: getattr(results[w], field) for w in items})
+            except ValueError as e:
+                raise ProtocolError(f"step {step}'s eval: {e}") from None
+            result = eval_loss(losses, eval_steps, m)
+            out.append({"step": evaluated, "loss": result.loss, "total_loss": result.total_loss,
+                        "total_weights": result.total_weights, "batches": eval_steps * m, "seconds": seconds,
+                        **extra})
+        return out
+
+    def record(self, evals: list[dict]) -> None:
+        """``eval_completed`` for each of :meth:`results`, its step committed (a step done again evaluates
+        again, and is recorded once)."""
+        for fields in evals:
+            self.events.emit("eval_completed", **fields)
+
+    def lost(self, state, since: int) -> None:
+        """A recovery committed steps from the survivors' reports: ``eval_skipped`` for each eval due from step
+        ``since`` whose state is gone (:func:`lost_evals`; the last committed one's is owed to the next step)."""
+        if not self.enabled:
+            return
+        for step in lost_evals(state.committed, self.opts.eval_interval, state.evaluated, max(since, self.floor)):
+            self.events.emit("eval_skipped", step=step, reason="a recovery committed it from the survivors' "
+                                                               "reports, whose evals it lost, and a later step with it")
+
+    def at_end(self, state) -> None:
+        """Every step committed: ``eval_skipped`` for the last step's eval when it is owed (a recovery committed
+        the last step from the survivors' reports): no step follows to compute it."""
+        last = state.committed - 1
+        if self.enabled and eval_due(last, self.opts.eval_interval) and last not in state.evaluated \
+                and last >= self.floor:
+            self.events.emit("eval_skipped", step=last, reason="a recovery committed the run's last step from the "
+                                                               "survivors' reports, whose evals it lost")
+
+    def forget(self) -> None:
+        """The steps in flight were abandoned (a recovery, a new client generation): their evals with them."""
+        self._carried.clear()
