@@ -43,7 +43,7 @@ RUN_ELSEWHERE = {
         ("tests/chaos/test_chaos_faults.py::test_soak_mode_draws_random_faults_and_stops_at_the_duration", "--mtbf"),
     "integrations/maxtext/configs/tiny.yml dcn_data_parallelism=2 elastic_spares=1 --faults kill@step=3":
         ("tests/maxtext/test_maxtext_chaos.py::"
-         "test_arrayrecord_packed_worker_kills_a_spare_takes_one_place_then_the_survivor_takes_the_microbatches",
+         "test_gcs_arrayrecord_packed_worker_kills_a_spare_takes_one_place_then_the_survivor_takes_the_microbatches",
          "kill:slice=1@step=2"),
     "tiny --trainer tests.chaos.own_model:make_job --faults kill@step=3":
         ("tests/chaos/test_own_model.py::test_own_model_under_elastic_chaos_from_the_command_line",
