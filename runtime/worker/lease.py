@@ -29,11 +29,18 @@ of the old client applies. A restarted client of the same run takes it back
 with a newer generation (:meth:`Lease.attach`); when the grace runs out
 first (:meth:`Lease.grace_over`), the worker exits as it would have at
 once without a grace.
+
+**Joining.** A worker learns the client generation it serves from its
+registration's answer; the controller may call it as soon as it registered,
+before that answer is read here. Calls that come meanwhile wait for it
+(:meth:`Lease.joining`, :meth:`Lease.joined`) rather than be refused as of
+a generation that has not attached this worker.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -45,6 +52,9 @@ from runtime.worker.replica import Replica
 __all__ = ["Lease"]
 
 log = logging.getLogger("jax_elastic.worker")
+
+#: How long a call waits for this worker's registration to be answered (the controller called it at once).
+JOIN_WAIT_SECONDS = 10.0
 
 
 class Lease:
@@ -70,13 +80,29 @@ class Lease:
         self.serving: Callable[[bool], None] = lambda ok: None   # the health service's status (set by serve)
         self._replica = replica
         self._step_timeout = step_timeout
+        self._joined = threading.Event()      # cleared while its registration's answer is on its way
+        self._joined.set()
 
     # -- fencing -------------------------------------------------------------
 
+    def joining(self) -> None:
+        """This worker registers now: calls wait for :meth:`joined` (its generation) before their fence is
+        checked."""
+        self._joined.clear()
+
+    def joined(self, generation: int) -> None:
+        """The registration was answered: this worker serves client ``generation`` (a fresh worker serves the
+        generation it joined)."""
+        self.generation = generation
+        self._joined.set()
+
     def check_fence(self, fence: pb.Fence) -> None:
         """Refuses other runs, other client generations and older epochs, and everything once fenced; adopts a
-        newer epoch."""
+        newer epoch. A call that came while this worker's registration was being answered waits for that
+        (at most :data:`JOIN_WAIT_SECONDS`)."""
         self._same_run(fence)
+        if not self._joined.is_set():
+            self._joined.wait(JOIN_WAIT_SECONDS)
         if fence.generation != self.generation:
             if fence.generation < self.generation:
                 raise ClientSupersededError(self.superseded(fence.generation))

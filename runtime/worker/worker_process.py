@@ -131,6 +131,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
                                                         slice_host=slice_host, slice_hosts=slice_hosts),
                                      timeout=timeout, wait_for_ready=True)
 
+    lease.joining()   # the controller may call before the answer below is read: those calls wait for it
     try:
         reply = register(False)
     except BaseException as e:
@@ -146,7 +147,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
             log.warning("%s: nothing to do; exiting", reply.reason)
             return EXIT_SHUTDOWN
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
-    lease.generation = reply.generation   # the client generation it joined (a fresh worker serves it)
+    lease.joined(reply.generation)   # the client generation it joined (a fresh worker serves it)
     log.info("worker %s%s serving on %s with %d %s devices (%s)", worker_id,
              f" (host {slice_host} of {slice_hosts})" if slice_hosts > 1 else "", address, len(devices),
              devices[0].platform, ", ".join(sorted({d.device_kind for d in devices})))

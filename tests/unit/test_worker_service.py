@@ -2,6 +2,8 @@
 the checks every request passes before it touches anything (the step plan check is pure)."""
 
 
+import time
+
 import grpc
 import ml_dtypes
 import numpy as np
@@ -372,6 +374,18 @@ def test_an_older_client_generation_is_refused_as_superseded_and_a_newer_one_mus
         stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=3)), timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has not attached" in info.value.details()
     stub.Progress(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=2)), timeout=10)
+
+
+def test_a_call_that_comes_before_the_registrations_answer_waits_for_the_generation_it_brings(worker):
+    """A worker relaunched by a restarted client (generation 1) is called as soon as it registered, and may
+    read its registration's answer only after the call came: the call waits for it, and is not refused."""
+    service, stub = worker
+    service.lease.joining()
+    call = stub.Progress.future(pb.ProgressRequest(fence=pb.Fence(run_id="run", epoch=1, generation=1)), timeout=10)
+    time.sleep(0.3)
+    assert not call.done()
+    service.lease.joined(1)
+    assert call.result(timeout=10) is not None and service.lease.generation == 1
 
 
 def test_attach_adopts_the_newer_generation_unfences_and_answers_who_it_is(worker):
