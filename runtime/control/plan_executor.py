@@ -28,7 +28,7 @@ import dataclasses
 import time
 
 from runtime.core.errors import (CapacityExhaustedError, DeviceMismatchError, ElasticError, ReplicaDivergenceError,
-                                 StateLostError, WorkerLostError)
+                                 StateLostError, WorkerFencedError, WorkerLostError)
 from runtime.control.plan import Action, Failure, Plan, Survey
 from runtime.control.placement import Placement
 from runtime.control.state_copies import StateCopies
@@ -106,11 +106,17 @@ class PlanExecutor:
         return shadows
 
     def probe(self, placement: Placement, why: str) -> None:
-        """Probes every member of ``placement`` not known dead; one that does not answer is declared dead."""
+        """Probes every member of ``placement`` not known dead; one that does not answer is declared dead, but for
+        one the health monitor found fenced, waiting for this client to take it back (``group.fenced``): then
+        ``WorkerFencedError``, so the controller takes its run back (its step may have failed first, as the
+        workers fenced themselves)."""
         group = self.group
         for w, alive in group.probe([w for w in placement.members if w not in self._dead()]).items():
-            if not alive:
-                group.declare_dead(w, why)
+            if alive:
+                continue
+            if w in group.fenced:
+                raise WorkerFencedError(f"worker {w} fenced itself ({why})")
+            group.declare_dead(w, why)
 
     def survey(self, state, *, has_state: bool, shadows: frozenset[str] = frozenset(), ask=None,
                previous: Survey | None = None, **changed) -> Survey:

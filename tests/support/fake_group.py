@@ -40,7 +40,11 @@ Faults are scheduled per step, or by a startup phase (``"register"``,
 - ``hang``: the worker stops answering; only the step watchdog finds it
   (``wait`` answers ``Stalled`` at its deadline, without sleeping);
 - ``partition``: a shadow spare is cut off from the ranks for the step: it
-  gets none of their pushes, its step fails and it stays alive.
+  gets none of their pushes, its step fails and it stays alive;
+- ``fence``: every worker of the step fences itself in it (its client was
+  silent past their lease: stopped, cut off): the step fails
+  (``StepAbortedError``) and they answer no probe, but the "health monitor"
+  found them fenced, waiting for this client (``fenced``), not dead.
 
 ``crash(worker)`` kills a worker at any moment (a test's observer uses it to
 kill during a state transfer).
@@ -307,7 +311,7 @@ class FakeGroup:
     # -- health ---------------------------------------------------------------
 
     def _reachable(self, w) -> bool:
-        return w not in self.dead and w not in self.crashed and w not in self.hung
+        return w not in self.dead and w not in self.crashed and w not in self.hung and w not in self.fenced
 
     def is_alive(self, worker_id):
         return self._reachable(worker_id)
@@ -436,6 +440,9 @@ class FakeGroup:
         plan = futs.plan
         assert plan.epoch == self.epoch, f"step {plan.step} of epoch {plan.epoch} waited on in epoch {self.epoch}"
         kind, target = self.faults.pop(plan.step, (None, None))
+        if kind == "fence":
+            self.fenced.update(plan.workers)
+            raise StepAbortedError(plan.step, "its workers fenced themselves")
         if kind == "kill":
             self.crashed.add(target)
         elif kind == "hang":

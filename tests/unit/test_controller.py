@@ -7,6 +7,7 @@ import pytest
 
 from runtime import (CapacityExhaustedError, ControllerObserver, EventLog, ReplicaDivergenceError, RunState,
                      StateLostError, read_events)
+from runtime.core.errors import WorkerFencedError
 from runtime.control.controller import Boundary, Controller, Finished, Recovering, Running
 from runtime.control.controller_options import ControllerOptions
 from tests.support.controller_run import M, expected_losses
@@ -66,6 +67,15 @@ def test_a_kill_is_replaced_by_the_spare_with_no_step_lost(tmp_path, fault_free)
     assert (transfer["source"], transfer["dest"]) == ("w0", "w2")
     assert [type(p.error).__name__ for p in phases if isinstance(p, Recovering)] == ["WorkerLostError"]
     assert [e["worker"] for e in kinds(events, "worker_relaunched")] == ["w3"]
+
+
+def test_workers_that_fenced_themselves_as_their_step_failed_are_taken_back_not_declared_dead(tmp_path):
+    """The client was stopped past its workers' lease: they fenced themselves, and its step failed first. The
+    recovery's probe finds them fenced, waiting for it: this client takes them back (WorkerFencedError, which
+    the controller turns into a take-back when the run has an owner), and none is recorded dead."""
+    with pytest.raises(WorkerFencedError, match="fenced itself"):
+        run(tmp_path, faults={3: ("fence", None)}, client_grace_seconds=30.0)
+    assert not kinds(read_events(tmp_path / "events.jsonl"), "worker_dead")
 
 
 def test_a_kill_without_a_spare_shrinks_onto_the_survivor(tmp_path, fault_free):
