@@ -21,6 +21,7 @@ import sys
 from elastic.config import ConfigError
 from elastic.report import build_report, render_run
 from runtime import ElasticError, EventLog, ProgramSet, read_events
+from runtime.core.fingerprint import READ_ONLY_PROGRAMS
 
 _STAGE = re.compile(r"stage\d+")   # a pipeline stage's checkpoint directory, inside the run's
 
@@ -171,9 +172,10 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
     if (run.get("devices_per_slice"), started.get("microbatches")) != (programs.devices_per_slice,
                                                                       programs.num_microbatches):
         return
-    # The eval program never touches the state: a run that adds or drops eval resumes the same training.
+    # A program that only reads the state (eval) is no part of its math: a run that adds or drops eval resumes the
+    # same training.
     differ = [name for name in fingerprints
-              if name.rpartition("/")[2] != "eval" and recorded.get(name) != fingerprints[name]]
+              if name.rpartition("/")[2] not in READ_ONLY_PROGRAMS and recorded.get(name) != fingerprints[name]]
     if not differ:
         return
     then = started.get("config") if isinstance(started.get("config"), dict) else {}

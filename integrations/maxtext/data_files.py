@@ -43,10 +43,10 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import elastic
+from runtime.state.checkpoint_storage import GCS_ENDPOINT_ENV
 
 __all__ = ["DataFile", "DataFiles", "default_cache_dir", "gcs_glob_regex"]
 
-GCS_ENDPOINT_ENV = "STORAGE_EMULATOR_HOST"   # google-cloud-storage's, as jax-elastic's checkpoints read it
 _T = TypeVar("_T")
 _CLIENTS: dict[str, Any] = {}   # endpoint -> this process's storage client
 _CLIENTS_LOCK = threading.Lock()
