@@ -90,6 +90,21 @@ class Drained:
     error: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Save:
+    """One save waiting its turn (see :meth:`CheckpointWriter.submit` for the fields)."""
+
+    directory: str
+    step: int
+    leaves: list
+    metadata: dict
+    store: object
+    then: object
+    tree: object
+    to_host: object
+    failed: object
+
+
 class CheckpointWriter:
     """Writes checkpoints and snapshots of one worker's states in a background thread. Thread-safe."""
 
@@ -98,7 +113,7 @@ class CheckpointWriter:
         self._while_saving = while_saving   # called as while_saving(store, step) once a checkpoint started (chaos)
         self._stores: dict[tuple, object] = {}
         self._cond = threading.Condition()
-        self._waiting: dict[str, tuple] = {}   # kind -> the save waiting its turn
+        self._waiting: dict[str, _Save] = {}   # kind -> the save waiting its turn
         self._busy = False
         self._done = {k: Drained() for k in KINDS}
         self._thread: threading.Thread | None = None
@@ -121,14 +136,14 @@ class CheckpointWriter:
         kind = "snapshot" if store is not None else "checkpoint"
         with self._cond:
             replaced = self._waiting.get(kind)
-            self._waiting[kind] = (directory, step, list(device_leaves), dict(metadata), store, then, tree, to_host,
-                                   failed)
+            self._waiting[kind] = _Save(directory, step, list(device_leaves), dict(metadata), store, then, tree,
+                                        to_host, failed)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         if replaced is not None:
-            _given_up(replaced[-1], replaced[1])
+            _given_up(replaced.failed, replaced.step)
 
     def warm(self) -> None:
         """Pays the checkpoint library's one-time start-up now, in the background (a tiny save to a temp dir).
@@ -176,25 +191,26 @@ class CheckpointWriter:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._waiting))
                 kind = next(iter(self._waiting))
-                directory, step, leaves, metadata, store, then, tree, to_host, failed = self._waiting.pop(kind)
+                save = self._waiting.pop(kind)
+                directory, step, store, tree = save.directory, save.step, save.store, save.tree
                 self._busy = True
             stage = "save"
             try:
-                host = to_host(leaves) if to_host is not None else [np.asarray(x) for x in leaves]
+                host = save.to_host(save.leaves) if save.to_host is not None else [np.asarray(x) for x in save.leaves]
                 if store is None:   # one store per directory and tree (a program set's tree is one object)
                     store = self._stores.get((directory, id(tree)))
                     if store is None:
                         store = self._stores[directory, id(tree)] = (
                             self._store_for(directory, tree) if tree is not None else self._store_for(directory))
-                store.save(step, host, digest=state_digest(host), metadata=metadata)
+                store.save(step, host, digest=state_digest(host), metadata=save.metadata)
                 if self._while_saving is not None and kind == "checkpoint":
                     self._while_saving(store, step)
                 store.wait()
                 with self._cond:
                     self._done[kind].saved.append(step)
-                if then is not None:
+                if save.then is not None:
                     stage = "copy"
-                    then(store, step)
+                    save.then(store, step)
                     with self._cond:
                         self._done[kind].followed.append(step)
             except Exception as e:  # noqa: BLE001 - reported to the controller with the next step reply
@@ -203,7 +219,7 @@ class CheckpointWriter:
                     done = self._done[kind]
                     done.error = done.error or f"{what}: {type(e).__name__}: {e}"
                 if stage == "save":
-                    _given_up(failed, step)
+                    _given_up(save.failed, step)
             finally:
                 with self._cond:
                     self._busy = False
