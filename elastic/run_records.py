@@ -20,8 +20,7 @@ import sys
 
 from elastic.config import ConfigError
 from elastic.report import build_report, render_run
-from runtime import ElasticError, EventLog, ProgramSet, read_events
-from runtime.core.fingerprint import READ_ONLY_PROGRAMS
+from runtime import READ_ONLY_PROGRAMS, ElasticError, EventLog, ProgramSet, read_events
 
 _STAGE = re.compile(r"stage\d+")   # a pipeline stage's checkpoint directory, inside the run's
 

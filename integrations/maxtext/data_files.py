@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import elastic
-from runtime.state.checkpoint_storage import GCS_ENDPOINT_ENV
+from runtime import GCS_ENDPOINT_ENV
 
 __all__ = ["DataFile", "DataFiles", "default_cache_dir", "gcs_glob_regex"]
 
