@@ -115,6 +115,14 @@ class StepRunner:
     def _phase(self, step: int, phase: str) -> None:
         self.progress = (step, phase, time.monotonic())
 
+    def _evaluate(self, step: int, ex, items, clock: Clock) -> list[tuple[float, float]]:
+        """The ``eval`` phase of step ``step``: ``items``' held-out losses on the state as it is (the state is only
+        read); the chaos kill of that phase strikes after it."""
+        self._phase(step, "eval")
+        losses = ex.evaluate(items, clock)
+        self._faults.in_phase("eval")
+        return losses
+
     def _run_step(self, req: pb.StepRequest, epoch: int, deadline: float) -> pb.StepReply:
         try:
             return self._run_phases(req, epoch, deadline)
@@ -132,9 +140,7 @@ class StepRunner:
         before = [(i.step, i.microbatch) for i in req.eval_before_items]
         evals, evals_before = [], []
         if before:   # owed by the previous step: on the state it left, before this step's gradient
-            self._phase(req.step, "eval")
-            evals_before = ex.evaluate(before, clock)
-            self._faults.in_phase("eval")
+            evals_before = self._evaluate(req.step, ex, before, clock)
             t0 = time.perf_counter()
         if req.shadow:   # a shadow spare: the ranks' reduced vector, applied as they apply it
             t1 = t0
@@ -173,10 +179,8 @@ class StepRunner:
         self._mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")
-        if items:   # held-out loss on the state this step applied; the state is not touched
-            self._phase(req.step, "eval")
-            evals = ex.evaluate(items, clock)
-            self._faults.in_phase("eval")
+        if items:   # held-out loss on the state this step applied
+            evals = self._evaluate(req.step, ex, items, clock)
         ck, snap = self._states.drain_saves()
         return pb.StepReply(step=req.step, loss_sum=float(total[-1]), grad_seconds=t1 - t0, reduce_seconds=t2 - t1,
                             apply_seconds=t3 - t2, bytes_sent=sent, phases=clock.seconds,
