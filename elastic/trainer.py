@@ -300,10 +300,9 @@ class _Job:
 
     def _controller_options(self, run_dir):
         """The ``ControllerOptions`` of a distributed run of this job writing to ``run_dir``."""
-        opts = controller_options(self.config, run_dir)
-        evals = ({"eval_interval": self.settings.eval_interval, "eval_steps": self.eval_steps()} if self.evaluates
-                 else {"eval_interval": 0, "eval_steps": 0})
-        return dataclasses.replace(opts, worker_preload=_modules_of(self.data) + _modules_of(self.eval_data), **evals)
+        opts = controller_options(self.config, run_dir)   # (its eval_interval: the config's, MaxText's -1 as 0)
+        return dataclasses.replace(opts, worker_preload=_modules_of(self.data) + _modules_of(self.eval_data),
+                                   eval_steps=self.eval_steps() if self.evaluates else 0)   # -1 resolved
 
     def _claim(self) -> RunDirectory:
         """Claims this run's directory (see :func:`elastic.preflight.claim_run_directory`)."""
