@@ -94,6 +94,10 @@ def make_trainer(cfg):
     ``elastic_trainer`` is ``"module:factory"`` (see :func:`factory_job`).
     Imports JAX (the caller sets the device count first).
     """
+    if cfg.rl_samplers and not cfg.elastic_trainer:   # RL post-training of the bundled policy (elastic.rl)
+        from elastic.rl.job import RLTrainer
+
+        return RLTrainer(cfg)
     if not cfg.elastic_trainer:
         return bundled_trainer(cfg)
     return factory_job(cfg)

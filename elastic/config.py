@@ -203,6 +203,21 @@ class Config:
     # length (len(source), or its steps).
     eval_interval: int = _key(0, role=(RUNTIME, OUTPUT, MAXTEXT), ge=-1)
     eval_steps: int = _key(-1, role=(RUNTIME, OUTPUT, MAXTEXT), ge=-1)
+    # RL post-training (runtime.control.sampling, elastic.rl; docs/rl.md): rl_samplers sampler slices (0: a
+    # training run) make each step's rollouts with the policy's weights version of rl_off_policy_steps steps
+    # before (0: sequential; 1: the samplers make step s+1's while the trainers train step s); the rest is the
+    # algorithm (elastic.rl.reference.RLSettings reads and checks them).
+    rl_samplers: int = _key(0, role=(RUNTIME,), ge=0)
+    rl_sampler_devices: int = _key(1, role=(RUNTIME, MATH), ge=1)
+    rl_off_policy_steps: int = _key(0, role=(RUNTIME, MATH), ge=0, le=1)
+    rl_prompts_per_microbatch: int = _key(4, role=(MATH,), ge=1)
+    rl_samples_per_prompt: int = _key(8, role=(MATH,), ge=2)
+    rl_prompt_length: int = _key(4, role=(MATH,), ge=1)
+    rl_max_new_tokens: int = _key(4, role=(MATH,), ge=1)
+    rl_temperature: float = _key(1.0, role=(MATH,), gt=0)
+    rl_clip_epsilon: float = _key(0.2, role=(MATH,), gt=0, le=1)
+    rl_kl_coef: float = _key(0.0, role=(MATH,), ge=0)
+    rl_weights_dtype: str = _key("", role=(RUNTIME, MATH), choices=("", "float32", "bfloat16"))
     # In-memory snapshots (MaxText's elastic_backup_kind): while no spare shadows the state, one replica writes
     # its state to its host's memory (/dev/shm) every elastic_snapshot_interval steps (0: never), and a copy
     # goes to a worker on another host; when every replica is lost, a worker on a host that holds one restores

@@ -80,6 +80,8 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_run_id": "run_id",
     "eval_interval": "eval_interval",   # -1 (MaxText's off) and the eval source's length: the trainer resolves them
     "eval_steps": "eval_steps",
+    "rl_samplers": "rl_samplers",
+    "rl_off_policy_steps": "rl_off_policy_steps",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -127,6 +129,12 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
                                  "(runtime.pipeline.schedule)",
     "eval_interval": "RunSettings.eval_interval: whether the trainer builds the eval program (elastic.trainer)",
     "eval_steps": "RunSettings.eval_steps: the eval steps per eval, -1 resolved from the eval source's length",
+    **{k: "an RL run's algorithm (elastic.rl.reference.RLSettings): the sampler's rollout program and the "
+          "trainer's loss" for k in ("rl_prompts_per_microbatch", "rl_samples_per_prompt", "rl_prompt_length",
+                                     "rl_max_new_tokens", "rl_temperature", "rl_clip_epsilon", "rl_kl_coef")},
+    "rl_sampler_devices": "an RL run's sampler mesh: the rollout program's devices (elastic.rl.job)",
+    "rl_weights_dtype": "an RL run's weights as they travel and samplers hold them (elastic.rl.job)",
+    "rl_off_policy_steps": "...and the RL reference's schedule (elastic.rl.job)",
 })
 
 # ControllerOptions fields that no config key sets: the caller's or the launcher's (worker_preload: the

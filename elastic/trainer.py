@@ -58,6 +58,10 @@ class _Job:
     def _build(self) -> ProgramSet:
         raise NotImplementedError
 
+    def sampler_programs(self):
+        """An RL job's samplers' programs (:class:`runtime.SamplerPrograms`); None: a training run, no samplers."""
+        return None
+
     def _platform(self) -> str:
         """The JAX platform to export for: ``hardware``'s, or (JAX chooses) this process's own, as a worker here gets."""
         return self.settings.platform or local_platform()
@@ -260,7 +264,8 @@ class _Job:
             else:
                 events.subscribe(reattach.announce)
                 with Controller(programs, cloudpickle.dumps(self.shipped_data()), opts, events, reattach=again,
-                                observer=observer, ownership=reattach.Ownership(run_dir, claim, events, opts)) as ctl:
+                                observer=observer, ownership=reattach.Ownership(run_dir, claim, events, opts),
+                                samplers=self.sampler_programs()) as ctl:
                     reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
                     ctl.train(settings.steps, settings.seed, on_step=on_step, max_seconds=max_seconds)
         except ClientSupersededError:

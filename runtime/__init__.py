@@ -50,6 +50,8 @@ _LAZY = {
     "MESH_AXIS": ("runtime.core.programs", "MESH_AXIS"),
     "ProgramSet": ("runtime.core.programs", "ProgramSet"),
     "StagePrograms": ("runtime.core.programs", "StagePrograms"),
+    "SamplerPrograms": ("runtime.core.programs", "SamplerPrograms"),
+    "run_rl_reference": ("runtime.worker.reference", "run_rl_reference"),
     "LocalRun": ("runtime.worker.reference", "LocalRun"),
     "theoretical_bubble": ("runtime.pipeline.bubble", "theoretical_bubble"),
     "SIMULATED_STAGE_DELAY_VARIABLE": ("runtime.worker.worker_process", "STAGE_DELAY_VARIABLE"),
@@ -184,5 +186,7 @@ __all__ = [
     "run_reference_process",
     "stages_digest",
     "StagePrograms",
+    "SamplerPrograms",
+    "run_rl_reference",
     "worker_main",
 ]

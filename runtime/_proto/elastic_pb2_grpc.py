@@ -273,6 +273,21 @@ class WorkerStub:
                 request_serializer=elastic__pb2.StacksRequest.SerializeToString,
                 response_deserializer=elastic__pb2.StacksReply.FromString,
                 _registered_method=True)
+        self.PublishWeights = channel.unary_unary(
+                '/jax_elastic.Worker/PublishWeights',
+                request_serializer=elastic__pb2.PublishWeightsRequest.SerializeToString,
+                response_deserializer=elastic__pb2.PublishWeightsReply.FromString,
+                _registered_method=True)
+        self.SyncWeights = channel.unary_unary(
+                '/jax_elastic.Worker/SyncWeights',
+                request_serializer=elastic__pb2.SyncWeightsRequest.SerializeToString,
+                response_deserializer=elastic__pb2.SyncWeightsReply.FromString,
+                _registered_method=True)
+        self.Rollout = channel.unary_unary(
+                '/jax_elastic.Worker/Rollout',
+                request_serializer=elastic__pb2.RolloutRequest.SerializeToString,
+                response_deserializer=elastic__pb2.RolloutReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -399,6 +414,26 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishWeights(self, request, context):
+        """RL: a trainer keeps its current parameters as a weights version (the one its applied steps make); a sampler
+        installs a weights version pulled from the first source that has it, and makes rollouts with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -496,6 +531,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stacks,
                     request_deserializer=elastic__pb2.StacksRequest.FromString,
                     response_serializer=elastic__pb2.StacksReply.SerializeToString,
+            ),
+            'PublishWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishWeights,
+                    request_deserializer=elastic__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=elastic__pb2.PublishWeightsReply.SerializeToString,
+            ),
+            'SyncWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncWeights,
+                    request_deserializer=elastic__pb2.SyncWeightsRequest.FromString,
+                    response_serializer=elastic__pb2.SyncWeightsReply.SerializeToString,
+            ),
+            'Rollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollout,
+                    request_deserializer=elastic__pb2.RolloutRequest.FromString,
+                    response_serializer=elastic__pb2.RolloutReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1011,6 +1061,87 @@ class Worker:
             '/jax_elastic.Worker/Stacks',
             elastic__pb2.StacksRequest.SerializeToString,
             elastic__pb2.StacksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/PublishWeights',
+            elastic__pb2.PublishWeightsRequest.SerializeToString,
+            elastic__pb2.PublishWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/SyncWeights',
+            elastic__pb2.SyncWeightsRequest.SerializeToString,
+            elastic__pb2.SyncWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Worker/Rollout',
+            elastic__pb2.RolloutRequest.SerializeToString,
+            elastic__pb2.RolloutReply.FromString,
             options,
             channel_credentials,
             insecure,

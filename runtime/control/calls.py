@@ -106,13 +106,15 @@ def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts
 def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[str, str]],
                   checkpoints: Mapping[str, tuple[str, list[float]]] | None = None, shadows=(),
                   snapshots: Mapping[str, str | None] | None = None,
-                  schedule: str = "1f1b", evals=None) -> list[tuple[str, pb.StepRequest]]:
+                  schedule: str = "1f1b", evals=None, feed=None) -> list[tuple[str, pb.StepRequest]]:
     """The Step calls of step ``plan.step`` in sending order, ``(worker, request)``: each rank's, then each
     shadow's. ``where(worker)``: its ``(address, data address)``; the other arguments as
     :meth:`runtime.control.worker_group.WorkerGroup.dispatch` takes them. A pipelined plan: each stage
     worker's call, with its stream of the pipeline ``schedule`` (:func:`_pipeline_requests`); ``shadows``
     is then ``{spare: the stage it shadows}``. ``evals``: a :class:`runtime.control.evaluation.EvalOrder`
-    (the eval microbatches each rank computes after the step, and before it), or None."""
+    (the eval microbatches each rank computes after the step, and before it), or None. ``feed``: an RL run's
+    :class:`runtime.control.sampling.Feed` (each microbatch's batch, made by the samplers, and the weights to
+    publish), or None."""
     snapshots = {w: pb.Peer(address=where(p)[0]) if p else None for w, p in (snapshots or {}).items()}
     saves = {w: {"checkpoint_directory": d, "committed_loss_sums": sums} for w, (d, sums) in (checkpoints or {}).items()}
     if plan.stages > 1:
@@ -127,11 +129,19 @@ def step_requests(fence: pb.Fence, plan: StepPlan, where: Callable[[str], tuple[
                                       all_nodes=all_nodes, node_owner=owners,
                                       **saves.get(w, {}), shadows=shadow_peers,
                                       snapshot=w in snapshots, snapshot_peer=snapshots.get(w),
-                                      **_eval_fields(evals, w))))
+                                      **_eval_fields(evals, w), **_feed_fields(feed, plan.nodes[r]))))
     for w in shadows:
         out.append((w, pb.StepRequest(fence=fence, step=plan.step, peers=peers, all_nodes=all_nodes,
                                       node_owner=owners, shadow=True)))
     return out
+
+
+def _feed_fields(feed, nodes) -> dict:
+    """An RL trainer's request: the batches of its microbatches, and the weights it publishes after the step."""
+    if feed is None:
+        return {}
+    return {"batches": [feed.batches[m] for n in nodes for m in n.ids],
+            "publish_leaves": list(feed.publish_leaves), "publish_dtype": feed.publish_dtype}
 
 
 def _eval_fields(evals, w: str) -> dict:

@@ -46,7 +46,7 @@ from runtime.control.attach import Reattach, attach
 from runtime.control.calls import Stalled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
-from runtime.core.errors import (ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
+from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
                                  StepAbortedError,
                                  WorkerFencedError, WorkerLostError)
 from runtime.control.evaluation import Evaluations
@@ -55,7 +55,9 @@ from runtime.control.plan import (Action, Plan, Wait, membership_change_due, pla
                                   plan_swap)
 from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.placement import StepPlan, plan_step
-from runtime.core.programs import ProgramSet
+from runtime.core.programs import ProgramSet, SamplerPrograms
+from runtime.control.sampling import Sampling
+from runtime.control.worker_group import is_sampler
 from runtime.core.programs import stages_digest
 from runtime.control.run_state import RunLedger, RunState
 from runtime.control.shadows import Shadows
@@ -130,7 +132,7 @@ class Controller:
 
     def __init__(self, programs: ProgramSet, data_source: bytes, options: ControllerOptions, events: EventLog,
                  group=None, reattach: Reattach | None = None, *, observer: ControllerObserver | None = None,
-                 ownership=None):
+                 ownership=None, samplers: SamplerPrograms | None = None):
         self.programs = programs
         self.opts = options
         self.reattach = reattach
@@ -146,6 +148,9 @@ class Controller:
                                       notify=lambda step: self.observer.snapshot_saved(step))
         self.shadows = Shadows(self.group, events, self.ledger, options.shadow_spares)
         self.evals = Evaluations(options, programs, events)
+        # An RL run's samplers (None otherwise): the rollouts each step trains on, the weights versions they use.
+        self.sampling = Sampling(self.group, options, events, samplers) if samplers is not None else None
+        self._trainers_seen: tuple = ()
         self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,
                                      snapshots=self.snapshots, shadows=self.shadows,
                                      before_transfer=lambda source, dest: self.observer.before_transfer(source, dest))
@@ -335,6 +340,9 @@ class Controller:
         else:
             start(self)
             self.evals.floor = self.state.committed   # a resumed run: the earlier attempt recorded its evals
+            if self.sampling is not None:
+                self.sampling.start(self.placement.active, self.attempt.seed, self.state.committed)
+                self._trainers_seen = self.placement.active
         self.slow.restart()
         if self.attempt.max_seconds:   # counted from the first step, not from launch
             self.attempt.deadline = self.slow.last_commit + self.attempt.max_seconds
@@ -350,6 +358,9 @@ class Controller:
                     raise WorkerFencedError(f"worker {death.worker} fenced itself: {death.reason}")
                 continue
             if death.worker not in self.dead:   # answered an Attach since: alive after all
+                continue
+            if self.sampling is not None and is_sampler(death.worker):
+                self.sampling.lost(death.worker)
                 continue
             if death.worker in self.placement.active:
                 raise WorkerLostError(death.worker, death.reason)
@@ -367,11 +378,30 @@ class Controller:
                 self._collect(*self.pending.popleft())
                 return Running()
             return Boundary()
+        fed = self.sampling is not None
+        if fed:
+            self._pump_samplers()
         while len(self.pending) < self.opts.dispatch_depth and self.state.dispatched < self.state.steps:
+            if fed and not self.sampling.ready(self.state.dispatched):
+                break
             self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches))
         if self.pending:
             self._collect(*self.pending.popleft())
+        elif fed:   # waiting for rollouts: nothing of the trainers' in flight
+            self.sampling.wait(0.05)
         return Running()
+
+    def _pump_samplers(self) -> None:
+        """An RL run: the samplers' calls that ended are taken in and the next ones started; trainers that
+        changed since (a recovery) publish the version the run stands at."""
+        s = self.state
+        if self.placement.active != self._trainers_seen:
+            self.sampling.trainers_changed([w for w in self.placement.active if w not in self.dead], s.committed)
+            self._trainers_seen = self.placement.active
+        self.sampling.pump(s.committed, s.steps, self.dead)
+        if self.sampling.starved(self.dead):
+            raise CapacityExhaustedError("every sampler is lost and none can be launched in its place "
+                                         f"(elastic_max_retries={self.opts.max_retries} relaunches used)")
 
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.state)
@@ -380,7 +410,7 @@ class Controller:
         futs = self.group.dispatch(plan, self.checkpoints.order_for(plan.step, steps, plan.grid,
                                                                     self.state.loss_sums),
                                    shadows, self.snapshots.order_for(plan.step, steps, self.placement, len(shadows)),
-                                   evals=evals)
+                                   evals=evals, feed=self.sampling.feed(plan.step) if self.sampling else None)
         self.shadows.dispatched(plan.step, {w: futs.pop(w) for w in shadows})
         self.plans[plan.step] = plan
         self.events.emit("step_dispatched", step=plan.step, epoch=plan.epoch, workers=list(plan.workers))
@@ -429,6 +459,8 @@ class Controller:
         deferred = self.state.deferred
         self.events.emit("step_committed", step=step, epoch=epoch, loss=loss, loss_sum=float(loss_sum), **fields)
         self.plans.pop(step, None)
+        if self.sampling is not None:   # its rollouts are let go; the trainers that applied it hold its version
+            self.sampling.committed(step, plan.workers if plan is not None else self.placement.active)
         if self.attempt.on_step is not None:
             self.attempt.on_step(step, loss)
         self.observer.step_committed(step)

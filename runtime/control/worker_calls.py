@@ -12,6 +12,7 @@ worker declared dead has its calls cancelled (:meth:`WorkerCalls.record_death`).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from runtime.control.calls import (LoadResult, Stalled, StepResult, WorkerStatus
 from runtime.control.placement import StepPlan
 from runtime.control.slice_calls import SliceFuture, SliceStub
 from runtime.core.hosts import host_addresses, host_id
-from runtime.core.programs import ProgramSet
+from runtime.core.programs import ProgramSet, SamplerPrograms
 from runtime.control.registry import Registry
 from runtime.control.step_stream import StepStreams
 from runtime.wire.dataplane_client import DataClient
@@ -280,7 +281,8 @@ class WorkerCalls:
     # -- steps -----------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
-                 shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None) -> dict[str, grpc.Future]:
+                 shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None,
+                 feed=None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; a dead worker's call fails at once.
 
         ``checkpoints``: ``{writer: (directory, committed loss sums)}``: each writer (one; a pipelined run: one
@@ -290,12 +292,13 @@ class WorkerCalls:
         shadow (its future is in the answer too, under its id). ``snapshots``: ``{writer: peer or None}``: each
         writer snapshots its state on its host after this step and streams a copy to its peer (one writer; a
         pipelined run: one per stage). ``evals``: the step's eval order
-        (:class:`runtime.control.evaluation.EvalOrder`: the eval microbatches of each rank), or None.
+        (:class:`runtime.control.evaluation.EvalOrder`: the eval microbatches of each rank), or None. ``feed``:
+        an RL run's batches and weights to publish (:class:`runtime.control.sampling.Feed`), or None.
         """
         if plan.stages > 1:   # each shadow shadows the stage its programs are for
             shadows = {w: self.loaded_stage.get(w, 0) for w in shadows}
         requests = step_requests(self._fence(), plan, self._addresses, checkpoints, shadows, snapshots,
-                                 self.opts.pipeline_schedule, evals)
+                                 self.opts.pipeline_schedule, evals, feed)
         futs = {}
         with self._lock:
             for w, req in requests:
@@ -405,6 +408,49 @@ class WorkerCalls:
         """``{worker: (applied steps, digest of its state)}``."""
         replies = self._all("StateHash", lambda w: pb.HashRequest(fence=self._fence()), workers)
         return {w: (r.step, r.digest) for w, r in replies.items()}
+
+    # -- RL: samplers and weights versions (runtime.control.sampling) -------------
+
+    def load_sampler(self, worker_id: str, programs: SamplerPrograms) -> LoadResult:
+        """Ships a sampler its rollout program and prompt source; it compiles and probes its devices. None when it
+        was lost meanwhile (declared dead)."""
+        request = self.sampler_load_request(programs)
+        replies = self._each("Load", lambda w: request, [worker_id], "failed to load the sampler's program")
+        return load_result(replies[worker_id]) if worker_id in replies else None
+
+    def sampler_load_request(self, programs: SamplerPrograms) -> pb.LoadRequest:
+        """A sampler's Load: its rollout program, its layout (``role: sampler``) and its prompt source."""
+        return pb.LoadRequest(fence=self._fence(), data_source=programs.prompts, layout=programs.layout_json(),
+                              programs=[pb.Program(name="rollout", serialized=programs.rollout,
+                                                   sha256=hashlib.sha256(programs.rollout).hexdigest())],
+                              lease_seconds=self.opts.worker_lease_seconds, chunk_bytes=self.opts.chunk_bytes,
+                              client_grace_seconds=self.opts.client_grace_seconds)
+
+    def publish_weights(self, workers, leaves, dtype: str) -> dict[str, pb.PublishWeightsReply]:
+        """Each trainer in ``workers`` keeps its state's ``leaves`` as the weights version its applied steps
+        make; those lost meanwhile are declared dead and left out."""
+        return self._each("PublishWeights", lambda w: pb.PublishWeightsRequest(fence=self._fence(), leaves=leaves,
+                                                                               dtype=dtype),
+                          workers, "failed to publish its weights")
+
+    def start_call(self, worker_id: str, method: str, request) -> grpc.Future:
+        """``method`` on ``worker_id`` without waiting, tracked in flight (cancelled at once when it is declared
+        dead, or already dead)."""
+        with self._lock:
+            fut = getattr(self._stubs[worker_id], method).future(request, timeout=self.opts.rpc_timeout_seconds)
+            self._inflight.setdefault(worker_id, []).append(fut)
+            if worker_id in self._dead():
+                fut.cancel()
+        return fut
+
+    def settle(self, worker_id: str, fut: grpc.Future) -> None:
+        """A call of :meth:`start_call` that ended is no longer in flight."""
+        self._settle({worker_id: fut})
+
+    def where(self, worker_id: str) -> pb.Peer:
+        """How peers reach ``worker_id``: its gRPC address and data address."""
+        address, data = self._addresses(worker_id)
+        return pb.Peer(address=address, data_address=data)
 
     # -- chaos -------------------------------------------------------------------
 

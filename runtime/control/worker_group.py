@@ -54,7 +54,12 @@ from runtime.core.stacks import STACKS_DIR, stacks_path, stacks_text, thread_sta
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["ATTACH_SECONDS", "join_command", "may_relaunch", "WorkerGroup"]
+__all__ = ["ATTACH_SECONDS", "is_sampler", "join_command", "may_relaunch", "WorkerGroup"]
+
+
+def is_sampler(worker_id: str) -> bool:
+    """An RL run's sampler: launched as one (``s<n>``), never placed in the training grid."""
+    return worker_id[:1] == "s" and worker_id[1:].isdigit()
 
 
 def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_retries: int) -> bool:
@@ -186,6 +191,10 @@ class WorkerGroup:
         """Every later call carries ``epoch``: workers refuse calls of older epochs."""
         self.epoch = epoch
 
+    def fence(self) -> pb.Fence:
+        """The fence every call carries now (the run, the epoch, the client generation)."""
+        return self._fence()
+
     def _fence(self) -> pb.Fence:
         return pb.Fence(run_id=self.run_id, epoch=self.epoch, generation=self.generation)
 
@@ -206,10 +215,11 @@ class WorkerGroup:
 
     # -- membership ----------------------------------------------------------
 
-    def launch(self, host: str = "") -> str:
+    def launch(self, host: str = "", sampler: bool = False) -> str:
         """Starts one worker process on ``host`` (default: a simulated host of its own); returns its id (it
-        registers by itself)."""
-        wid = f"w{self._launched}"
+        registers by itself). ``sampler``: an RL run's sampler (its id ``s<n>``: :func:`is_sampler`), which the
+        placement never takes."""
+        wid = f"{'s' if sampler else 'w'}{self._launched}"
         # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
         self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
         self._launched += 1
@@ -312,9 +322,10 @@ class WorkerGroup:
                     self.declare_dead(wid, f"exited with status {code} before registering", cause="crash")
                     self.relaunch(wid)
             with self.registry.cond:
-                live = [w for w in self.registry.workers.values() if w.worker_id not in self._dead()]
+                live = [w for w in self.registry.workers.values()
+                        if w.worker_id not in self._dead() and not is_sampler(w.worker_id)]
                 waiting = [w for w, p in self.launcher.procs.items()
-                           if w not in self.registry.workers and w not in self._dead()]
+                           if w not in self.registry.workers and w not in self._dead() and not is_sampler(w)]
                 if len(live) >= n or not (waiting or self.launcher.external):
                     break
                 left = deadline - time.monotonic()
@@ -333,6 +344,27 @@ class WorkerGroup:
             self._adopt(w)
         return live
 
+    def wait_for_samplers(self, workers, timeout: float) -> list[str]:
+        """Blocks until each of ``workers`` (samplers launched) registered or ended, at most ``timeout``; adopts
+        those registered and answers them (one that exited first is declared dead)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for wid in workers:
+                proc = self.launcher.procs.get(wid)
+                code = proc.poll() if proc is not None else None
+                if code is not None and wid not in self.registry.workers and wid not in self._dead():
+                    self.declare_dead(wid, f"exited with status {code} before registering", cause="crash")
+            with self.registry.cond:
+                pending = [w for w in workers if w not in self.registry.workers and w not in self._dead()]
+                if not pending or time.monotonic() >= deadline:
+                    break
+                self.registry.cond.wait(min(deadline - time.monotonic(), 0.2))
+        up = [w for w in workers if w in self.registry.workers and w not in self._dead()]
+        for w in up:
+            if not self.calls.reaches(w):
+                self._adopt(self.registry.workers[w])
+        return up
+
     def wait_for_newcomer(self, timeout: float) -> None:
         """Blocks up to ``timeout`` while no registered worker is waiting to be adopted."""
         with self.registry.cond:
@@ -341,7 +373,7 @@ class WorkerGroup:
 
     def has_newcomers(self) -> bool:
         """A worker registered that the group has not adopted yet."""
-        return any(not self.calls.reaches(w) for w in list(self.registry.workers))
+        return any(not self.calls.reaches(w) and not is_sampler(w) for w in list(self.registry.workers))
 
     def warmed(self) -> bool:
         """A newcomer finished loading (successfully or not)."""
@@ -354,7 +386,7 @@ class WorkerGroup:
     def start_warming(self) -> None:
         """Adopts newly registered workers and starts loading programs on them (no wait; any time, steps run on)."""
         for w in list(self.registry.workers.values()):
-            if not self.calls.reaches(w.worker_id):
+            if not self.calls.reaches(w.worker_id) and not is_sampler(w.worker_id):
                 self._adopt(w)
                 self._warming[w.worker_id] = self.calls.start_load(w.worker_id)
 
@@ -587,9 +619,10 @@ class WorkerGroup:
     # -- steps -------------------------------------------------------------------
 
     def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
-                 shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None) -> dict[str, grpc.Future]:
+                 shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None,
+                 feed=None) -> dict[str, grpc.Future]:
         """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch`."""
-        return self.calls.dispatch(plan, checkpoints, shadows, snapshots, evals)
+        return self.calls.dispatch(plan, checkpoints, shadows, snapshots, evals, feed)
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
         """The steps of ``futs`` that ended (by ``deadline``), each a :class:`StepResult` or the typed error."""

@@ -49,7 +49,7 @@ import dataclasses
 import hashlib
 import json
 
-__all__ = ["MESH_AXIS", "ProgramSet", "StagePrograms", "stages_digest"]
+__all__ = ["MESH_AXIS", "ProgramSet", "SamplerPrograms", "StagePrograms", "stages_digest"]
 
 #: Name of the mesh axis inside a virtual slice.
 MESH_AXIS = "fsdp"
@@ -205,3 +205,30 @@ def stages_digest(digests: list[str]) -> str:
     if len(digests) == 1:
         return digests[0]
     return "stages:" + hashlib.sha256("\n".join(digests).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerPrograms:
+    """An RL run's samplers' programs (:mod:`runtime.worker.sampler`, :mod:`runtime.control.sampling`).
+
+    ``rollout``: the ``jax.export`` bytes of ``rollout(weights, prompts, seed, step, microbatch)`` for a sampler's
+    mesh; ``layout``: what a sampler's ``Load`` carries beside it (``role: sampler``, ``devices_per_slice``, each
+    weights leaf's ``[shape, dtype, sharded dim]``, the ``prompt`` ``[shape, dtype]``, the ``outputs`` ``[name,
+    shape, dtype]`` in the program's order, ``num_microbatches``); ``prompts``: the pickled prompt source
+    (``prompts(step, microbatch)``); ``weight_leaves``: which of the trainer's state leaves are the policy's
+    weights (what a trainer publishes), in the sampler's order; ``weights_dtype``: the dtype they travel and live
+    in on a sampler ("": the trainer's).
+    """
+
+    rollout: bytes
+    layout: dict
+    prompts: bytes
+    weight_leaves: tuple[int, ...]
+    weights_dtype: str = ""
+
+    @property
+    def devices_per_slice(self) -> int:
+        return int(self.layout["devices_per_slice"])
+
+    def layout_json(self) -> bytes:
+        return json.dumps(self.layout).encode()

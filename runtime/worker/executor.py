@@ -76,6 +76,9 @@ class SliceExecutor:
         self._shardings: dict[str, list[NamedSharding]] = {}
         self._digest: tuple[object, str] = (None, "")   # (the state it is of, its digest)
         self._batches: dict[tuple[int, int], dict] = {}  # (step, microbatch) -> its batch, from forward to backward
+        # (step, microbatch) -> its batch, fed with the step's request (an RL run's rollouts), in place of the data
+        # source's: set by the step's runner for the step, cleared after it (:meth:`feed`).
+        self.fed: dict[tuple[int, int], dict] = {}
 
     # -- setup ---------------------------------------------------------------
 
@@ -135,7 +138,7 @@ class SliceExecutor:
         its inputs' host->device included) and ``device_to_host``.
         """
         clock = clock if clock is not None else Clock()
-        batch = self.data.batch(step, microbatch)
+        batch = self._source_batch(step, microbatch)
         clock.lap("data")
         vec = self._call("grad", self.state, batch)
         jax.block_until_ready(vec)
@@ -196,8 +199,18 @@ class SliceExecutor:
         """The microbatch's batch, loaded once for its forward and its backward."""
         key = (step, microbatch)
         if key not in self._batches:
-            self._batches[key] = self.data.batch(step, microbatch)
+            self._batches[key] = self._source_batch(step, microbatch)
         return self._batches[key]
+
+    def feed(self, batches: dict[tuple[int, int], dict]) -> None:
+        """The batches of the coming step's microbatches that its request carries (``{(step, microbatch):
+        batch}``; an RL run's, made by its samplers): used in place of the data source's. Replaces the last."""
+        self.fed = dict(batches)
+
+    def _source_batch(self, step: int, microbatch: int) -> dict:
+        """The fed batch of ``(step, microbatch)`` when the request carried one, else the data source's."""
+        fed = self.fed.get((step, microbatch))
+        return fed if fed is not None else self.data.batch(step, microbatch)
 
     def apply(self, grad_sum: np.ndarray, clock: Clock | None = None) -> None:
         """The optimizer update with the reduced gradient; ``clock`` gets ``apply`` (host->device included).

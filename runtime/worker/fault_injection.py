@@ -32,7 +32,7 @@ ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_re
            "hang_on_send_state", "kill_in_phase", "clear")
 # Where ``kill_in_phase`` may strike: the phases of a step, in order, and "save" (mid-write of the next
 # persistent checkpoint this worker writes, once its temporary directory exists).
-PHASES = ("grad", "reduce", "apply", "save", "eval")
+PHASES = ("grad", "reduce", "apply", "save", "eval", "rollout")
 
 
 class WorkerFaults:

@@ -46,7 +46,7 @@ from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.executor import SliceExecutor, add_f32
 
-__all__ = ["LocalRun", "StepTrace", "run_reference", "run_reference_process"]
+__all__ = ["LocalRun", "StepTrace", "run_reference", "run_reference_process", "run_rl_reference"]
 
 
 @dataclasses.dataclass
@@ -336,3 +336,49 @@ def _child() -> None:
 
 if __name__ == "__main__":
     _child()
+
+
+def run_rl_reference(programs: ProgramSet, samplers, prompts, data_source, *, steps: int, seed: int,
+                     off_policy_steps: int = 0, on_step=None) -> tuple[list[float], str]:
+    """An RL run in this process, on the very programs its workers run: the samplers' ``rollout`` program
+    (:class:`runtime.worker.sampler.Sampler`) and the trainers' (:class:`SliceExecutor`, fed the rollouts as a
+    trainer's step request feeds them), in the run's schedule: step ``s`` trains on the rollouts of every
+    microbatch made with weights version ``max(s - off_policy_steps, 0)`` (the policy after that many steps,
+    cast as the samplers hold it). Returns ``(per-step mean losses, the final state's digest)``; ``on_step(step,
+    loss, rl_step)`` hears each step, ``rl_step`` the fields of its ``rl_step`` event."""
+    from runtime.core.microbatch import root
+    from runtime.wire.batches import decode_batch
+    from runtime.worker.sampler import Sampler
+    from runtime.worker.weights import cast_weights
+    from runtime.state.state_copy import state_digest
+
+    (stage,) = programs.by_stage
+    m = programs.num_microbatches
+    ex = SliceExecutor(stage, data_source)
+    ex.load()
+    ex.init(seed)
+    sampler = Sampler(samplers.layout, samplers.rollout, prompts)
+    sampler.load()
+    leaves = list(samplers.weight_leaves)
+    versions = {0: cast_weights(ex.host_state(), leaves, samplers.weights_dtype)}
+    losses = []
+    for s in range(steps):
+        v = max(s - off_policy_steps, 0)
+        if sampler.version != v:
+            sampler.install(v, versions[v], state_digest(versions[v]))
+        t0 = time.perf_counter()
+        batches = sampler.rollout(s, list(range(m)), v, seed)
+        seconds = time.perf_counter() - t0
+        ex.feed({(s, b.microbatch): decode_batch(b, stage.batch_spec) for b in batches})
+        total = ex.partials(s, [root(m)])[root(m)]
+        ex.feed({})
+        ex.apply(total[:-1])
+        versions[s + 1] = cast_weights(ex.host_state(), leaves, samplers.weights_dtype)
+        versions.pop(s + 1 - 2 - off_policy_steps, None)
+        loss = float(np.float32(total[-1]) / np.float32(m))
+        losses.append(loss)
+        rewards = np.concatenate([decode_batch(b)["rewards"] for b in batches])
+        if on_step is not None:
+            on_step(s, loss, {"step": s, "version": v, "mean_reward": float(np.mean(rewards)),
+                              "rollout_seconds": seconds, "rollout_bytes": sum(b.ByteSize() for b in batches)})
+    return losses, ex.state_digest()

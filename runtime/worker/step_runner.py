@@ -34,6 +34,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError, StaleEpochError, StepAbortedError
 from runtime.core.microbatch import root
 from runtime.core.timing import Clock
+from runtime.wire.batches import decode_batch
 from runtime.wire.dataplane_client import DataClient, RemoteError
 from runtime.wire.parts import MAX_STEPS_AHEAD, Part, inline
 from runtime.wire.peers import PeerChannels
@@ -46,6 +47,7 @@ from runtime.worker.lease import Lease
 from runtime.worker.mailbox import Mailbox
 from runtime.worker.replica import Replica
 from runtime.worker.stage_step import StageTimes, run_stage_step
+from runtime.worker.weights import WeightOutbox, cast_weights
 from runtime.worker.worker_state import StateMover
 
 __all__ = ["StepRunner"]
@@ -72,7 +74,8 @@ class StepRunner:
 
     def __init__(self, replica: Replica, lease: Lease, states: StateMover, *, mailbox: Mailbox, peers: PeerChannels,
                  data: DataClient, faults: WorkerFaults, step_timeout: float, stage_delay: float = 0.0,
-                 agreement: SliceAgreement | None = None):
+                 agreement: SliceAgreement | None = None, weights: WeightOutbox | None = None):
+        self._weights = weights if weights is not None else WeightOutbox()   # the versions published (RL)
         self._replica, self._lease, self._states = replica, lease, states
         self._agreement = agreement if agreement is not None else SliceAgreement()   # the slice's hosts' votes
         self._mailbox, self._peers, self._data, self._faults = mailbox, peers, data, faults
@@ -139,6 +142,8 @@ class StepRunner:
         items = [(i.step, i.microbatch) for i in req.eval_items]
         before = [(i.step, i.microbatch) for i in req.eval_before_items]
         evals, evals_before = [], []
+        if req.batches:   # an RL run's: its samplers' rollouts of this worker's microbatches
+            ex.feed({(b.step, b.microbatch): decode_batch(b, ex.programs.batch_spec) for b in req.batches})
         if before:   # owed by the previous step: on the state it left, before this step's gradient
             evals_before = self._evaluate(req.step, ex, before, clock)
             t0 = time.perf_counter()
@@ -155,6 +160,7 @@ class StepRunner:
                                              self._stage_delay)
             else:
                 vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
+            ex.feed({})
             self._faults.straggle(time.perf_counter() - t0)
             self._faults.in_phase("grad")
             t1 = time.perf_counter()
@@ -176,6 +182,8 @@ class StepRunner:
                 self._states.save(req)
             for old in [k for k in recent if k < req.step - 4]:
                 del recent[old]
+            if req.publish_leaves:   # an RL run's policy: weights version step + 1, for the samplers to pull
+                self._weights.put(req.step + 1, cast_weights(ex.host_state(), req.publish_leaves, req.publish_dtype))
         self._mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")

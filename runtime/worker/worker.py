@@ -36,6 +36,7 @@ Set ``XLA_FLAGS`` (device count) before this module is imported.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -66,6 +67,10 @@ from runtime.state.snapshot import SnapshotStore, host_directory
 from runtime.worker.step_runner import StepRunner
 from runtime.worker.step_stream import serve_step_connection, serve_steps
 from runtime.worker.worker_state import Landing, StateMover
+from runtime.worker.fault_injection import mid_stream
+from runtime.worker.sampler import Sampler, sampler_role
+from runtime.worker.weights import WeightOutbox, cast_weights, pull_weights
+from runtime.core.fingerprint import programs_fingerprint
 
 __all__ = ["WorkerService", "probe_devices"]
 
@@ -101,9 +106,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         agreement = SliceAgreement.of_this_process()   # a slice of several hosts' votes and checkpoint parts
         self.state_mover = StateMover(self.replica, self.lease, peers=peers, data=self._data, faults=self.faults,
                                       step_timeout=step_timeout, agreement=agreement)
+        self.weights = WeightOutbox()   # an RL run's trainer: the policy's weights versions it published
+        self.sampler: Sampler | None = None   # an RL run's sampler (loaded with role "sampler")
+        self._peers = peers
         self.step_runner = StepRunner(self.replica, self.lease, self.state_mover, mailbox=self._mailbox, peers=peers,
                                       data=self._data, faults=self.faults, step_timeout=step_timeout,
-                                      stage_delay=stage_delay, agreement=agreement)
+                                      stage_delay=stage_delay, agreement=agreement, weights=self.weights)
 
     def close(self) -> None:
         """``serve``, once the servers stopped (and tests): ends the connections to peers' data planes and the
@@ -134,6 +142,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.lease.check_fence(request.fence)
             chunk_bytes = checked_chunk_bytes(request.chunk_bytes)
             _check_seconds(request)
+            role = sampler_role(request)
+            if role:
+                return self._load_sampler(request, role, chunk_bytes)
             programs, state_layout = decode_programs(request)
             source = unpickle_source(request.data_source)
             if request.snapshot_directory and not os.path.isabs(request.snapshot_directory):
@@ -161,6 +172,75 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.lease.last_contact = time.monotonic()
             return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
         return self._guard(context, load)
+
+    def _load_sampler(self, request, layout: dict, chunk_bytes: int) -> pb.LoadReply:
+        """``Load`` of an RL run's sampler: its rollout program and prompt source (:mod:`runtime.worker.sampler`)."""
+        blobs = {p.name: p.serialized for p in request.programs}
+        for p in request.programs:
+            if p.sha256 and hashlib.sha256(p.serialized).hexdigest() != p.sha256:
+                raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
+        if set(blobs) != {"rollout"}:
+            raise ProtocolError(f"a sampler loads the program 'rollout', got {sorted(blobs)}")
+        sampler = Sampler(layout, blobs["rollout"], unpickle_source(request.data_source))
+        t0 = time.perf_counter()
+        probed = probe_devices()
+        probe_seconds = time.perf_counter() - t0
+        compile_seconds = sampler.load()
+        self.sampler, self._chunk_bytes = sampler, chunk_bytes
+        self.state_mover.fingerprint = programs_fingerprint(blobs)
+        self.lease.seconds = request.lease_seconds
+        self.lease.client_grace = request.client_grace_seconds
+        self.lease.last_contact = time.monotonic()
+        return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
+
+    # -- RL: weights versions and rollouts (runtime.worker.weights, runtime.worker.sampler) -------
+
+    def PublishWeights(self, request, context):
+        """Controller (a trainer of an RL run): keeps the state's parameter leaves as weights version ``applied
+        steps`` (after a recovery, or at the start, when no step published the version the samplers need)."""
+        def publish():
+            self.lease.check_fence(request.fence)
+            replica = self.replica
+            replica.need_state()
+            with replica.locked():
+                version = replica.executor.steps_applied
+                leaves = cast_weights(replica.executor.host_state(), request.leaves, request.dtype)
+            digest = self.weights.put(version, leaves)
+            return pb.PublishWeightsReply(version=version, digest=digest, bytes=sum(x.nbytes for x in leaves))
+        return self._guard(context, publish)
+
+    def SyncWeights(self, request, context):
+        """Controller (a sampler): installs weights version ``request.version``, pulled whole from the first of
+        its sources that sends it (:func:`runtime.worker.weights.pull_weights`)."""
+        def sync():
+            self.lease.check_fence(request.fence)
+            sampler = self._need_sampler()
+            leaves, digest, reply = pull_weights(request, sampler.weights_layout, data=self._data, peers=self._peers,
+                                                 timeout=self.step_timeout, midway=self.faults.receiving_state)
+            sampler.install(request.version, leaves, digest)
+            return reply
+        return self._guard(context, sync)
+
+    def Rollout(self, request, context):
+        """Controller (a sampler): the rollouts of ``request.microbatches`` of its step with the weights version
+        it names (refused unless installed)."""
+        def rollout():
+            self.lease.check_fence(request.fence)
+            sampler = self._need_sampler()
+            t0 = time.perf_counter()
+            self.step_runner.progress = (request.step, "rollout", time.monotonic())
+            try:
+                batches = sampler.rollout(request.step, list(request.microbatches), request.version, request.seed)
+                self.faults.in_phase("rollout")
+            finally:
+                self.step_runner.progress = (request.step, "idle", time.monotonic())
+            return pb.RolloutReply(batches=batches, seconds=time.perf_counter() - t0)
+        return self._guard(context, rollout)
+
+    def _need_sampler(self) -> Sampler:
+        if self.sampler is None:
+            raise StaleEpochError(f"worker {self.worker_id} is not a sampler (no rollout program loaded)")
+        return self.sampler
 
     def Refusals(self, request, context):
         """Controller (its health monitor): calls refused for their secret since the last report, then resets.
@@ -293,8 +373,14 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def state_parts(self, request: pb.GetStateRequest) -> Iterator[Part]:
         """The parts of this replica's state at ``request.applied_steps`` (for ``GetState`` and the data plane,
-        ``DataServer``'s ``on_state``). Raises, before anything is sent, when the request is fenced off or the
-        state is not at that step."""
+        ``DataServer``'s ``on_state``), or of the weights version it names (an RL run's trainer or sampler).
+        Raises, before anything is sent, when the request is fenced off, or the state is not at that step, or
+        the version is not held here."""
+        if request.weights:
+            self.lease.check_fence(request.fence)
+            box = self.sampler.outbox if self.sampler is not None else self.weights
+            chunk = self._chunk_bytes if self.sampler is not None else self.replica.chunk_bytes
+            return mid_stream(box.parts(request.weights_version, chunk), self.faults.sending_state)
         return self.state_mover.parts(request)
 
     def shared_state(self, request: pb.GetStateRequest) -> Iterator[pb.SharedState]:

@@ -375,7 +375,7 @@ class FakeGroup:
     def host_of(self, worker_id):
         return self.hosts.get(worker_id, worker_id)
 
-    def dispatch(self, plan, checkpoints=None, shadows=(), snapshots=None, evals=None):
+    def dispatch(self, plan, checkpoints=None, shadows=(), snapshots=None, evals=None, feed=None):
         self.calls.append(("dispatch", plan.step, plan.epoch, tuple(shadows)))
         self._snapshot_orders[plan.step] = dict(snapshots or {})
         self._checkpoint_orders[plan.step] = dict(checkpoints or {})

@@ -111,7 +111,7 @@ def test_a_missing_base_config_says_where_it_was_looked_for(tmp_path):
     child = write(tmp_path, "child.yml", "base_config: tinyy\n")
     with pytest.raises(ConfigError) as err:
         load_config(child)
-    assert assert_one_line(err).endswith("not beside it, nor a bundled config (base, tiny)")
+    assert assert_one_line(err).endswith("not beside it, nor a bundled config (base, rl_tiny, tiny)")
 
 
 # --------------------------------------------------------------------------- overrides

@@ -1,0 +1,289 @@
+"""The controller's side of an RL run's samplers: who makes which rollouts with which weights version, and when.
+
+An RL run's trainers are the training grid as any run's (placement, tiers,
+recoveries: nothing changes for them). Its samplers are worker processes of
+their own (ids ``s<n>``, :func:`runtime.control.worker_group.is_sampler`),
+never placed in the grid, each holding one weights version and the
+``rollout`` program (:mod:`runtime.worker.sampler`). This module orders their
+work into the run's one schedule:
+
+- **Which weights.** Step ``s`` trains on rollouts made with weights version
+  ``max(s - k, 0)`` (:func:`weights_version`), ``k`` = ``rl_off_policy_steps``:
+  0 is strictly on-policy (a step's rollouts wait for the previous step's
+  commit), 1 lets the samplers make step ``s + 1``'s rollouts while the
+  trainers train step ``s`` (overlap). Version ``v`` is the policy after ``v``
+  steps: every trainer publishes it when it applies step ``v - 1`` (the step
+  request's ``publish_leaves``), and the version the run stands at is
+  published by a ``PublishWeights`` at the start and whenever the trainers
+  change (a recovery).
+- **Who makes what.** The missing microbatches of the steps a version allows
+  are split among the samplers holding that version, in contiguous runs; a
+  free sampler holding an older version first syncs the newer one, pulled
+  whole from a trainer (or a peer sampler) over the data plane
+  (:func:`runtime.worker.weights.pull_weights`; a source lost midway is passed
+  over for the next).
+- **Nothing recomputed.** A microbatch's rollout is a pure function of the run's
+  seed, its step, its index and the weights version, so it is the same bits
+  on any sampler. The client keeps each step's rollouts until the step commits
+  (a recovery re-sends them with the step); a sampler lost drops only the
+  microbatches it had not answered, which go to the others, and a fresh
+  process is launched in its place.
+
+Events: ``weights_published``, ``weights_synced``, ``rollouts_made`` (a step's
+rollouts complete) and ``rl_step`` (at the step's commit: its weights version,
+mean reward, rollout seconds), from this module alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+import grpc
+import numpy as np
+
+from runtime._proto import elastic_pb2 as pb
+from runtime.core.errors import CapacityExhaustedError
+from runtime.core.programs import SamplerPrograms
+from runtime.wire.batches import decode_batch
+
+__all__ = ["Feed", "Sampling", "split", "weights_version"]
+
+
+def weights_version(step: int, off_policy_steps: int) -> int:
+    """The weights version step ``step``'s rollouts are made with."""
+    return max(step - off_policy_steps, 0)
+
+
+def split(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` cut into ``parts`` contiguous runs as even as possible (the first ones longer); no empty run."""
+    parts = max(min(parts, len(items)), 1)
+    size, extra = divmod(len(items), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (1 if i < extra else 0)
+        out.append(items[at:at + n])
+        at += n
+    return [p for p in out if p]
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """What an RL trainer's step request carries: each microbatch's batch, and which leaves to publish after it."""
+
+    batches: Mapping[int, pb.FedBatch]
+    publish_leaves: tuple[int, ...]
+    publish_dtype: str
+
+
+@dataclasses.dataclass
+class _Call:
+    kind: str              # "sync" or "rollout" or "load"
+    future: grpc.Future
+    started: float
+    version: int = -1
+    step: int = -1
+    microbatches: tuple[int, ...] = ()
+
+
+class Sampling:
+    """The samplers of one RL run, driven by the controller's loop (:meth:`pump`, :meth:`ready`, :meth:`feed`,
+    :meth:`committed`, :meth:`lost`). Not thread-safe: the controller's thread calls it."""
+
+    def __init__(self, group, opts, events, programs: SamplerPrograms):
+        self.group, self.opts, self.events, self.programs = group, opts, events, programs
+        self.count = opts.rl_samplers
+        self.off = opts.rl_off_policy_steps
+        self.num_microbatches = int(programs.layout["num_microbatches"])
+        self.seed = 0
+        self.live: list[str] = []                    # loaded samplers, in launch order
+        self.launching: list[str] = []               # launched, not registered yet
+        self.installed: dict[str, int] = {}          # sampler -> the version it holds
+        self.calls: dict[str, _Call] = {}            # sampler -> its one call in flight
+        self.made: dict[int, dict[int, pb.FedBatch]] = {}   # step -> microbatch -> its rollout
+        self.published: dict[int, set[str]] = {}     # version -> trainers that hold it
+        self.busy: dict[str, float] = {}             # sampler -> seconds in rollouts and syncs
+        self.step_seconds: dict[int, float] = {}     # step -> seconds from its first rollout call to its last answer
+        self._first_call: dict[int, float] = {}
+        self.relaunched = 0
+        self._retry_at: dict[str, float] = {}
+
+    # -- start --------------------------------------------------------------------
+
+    def start(self, trainers, seed: int, committed: int) -> None:
+        """Launches and loads the samplers, and has ``trainers`` publish the version the run stands at."""
+        self.seed = seed
+        ids = [self.group.launch(sampler=True) for _ in range(self.count)]
+        for w in self.group.wait_for_samplers(ids, self.opts.register_timeout_seconds):
+            if self.group.calls.load_sampler(w, self.programs) is not None:
+                self.live.append(w)
+        if not self.live:
+            raise CapacityExhaustedError(f"none of the {self.count} samplers registered and loaded its program")
+        self.events.emit("samplers_started", workers=list(self.live))
+        self.publish(trainers)
+
+    def publish(self, trainers) -> None:
+        """``trainers`` keep their current weights as the version they stand at (the run's start, a recovery)."""
+        replies = self.group.calls.publish_weights(list(trainers), list(self.programs.weight_leaves),
+                                                   self.programs.weights_dtype)
+        for w, r in replies.items():
+            self.published.setdefault(r.version, set()).add(w)
+        if replies:
+            r = next(iter(replies.values()))
+            self.events.emit("weights_published", version=r.version, workers=sorted(replies), bytes=r.bytes)
+
+    # -- the schedule ---------------------------------------------------------------
+
+    def ready(self, step: int) -> bool:
+        """Every microbatch of ``step`` has its rollout."""
+        return len(self.made.get(step, ())) == self.num_microbatches
+
+    def feed(self, step: int) -> Feed:
+        """What the trainers' request of ``step`` carries (call once :meth:`ready`)."""
+        return Feed(self.made[step], tuple(self.programs.weight_leaves), self.programs.weights_dtype)
+
+    def pump(self, committed: int, steps: int, dead: Mapping[str, str]) -> None:
+        """Takes in what ended, then starts what can start now: rollouts of the steps whose weights version
+        exists (steps ``committed .. committed + k``), syncs of samplers to the version those need, loads of
+        relaunched samplers. Never waits."""
+        now = time.monotonic()
+        self._take_in(dead)
+        self._adopt_launched()
+        last = min(steps, committed + self.off + 1)
+        for step in range(committed, last):
+            version = weights_version(step, self.off)
+            missing = [m for m in range(self.num_microbatches) if m not in self.made.get(step, {})
+                       and not any(c.kind == "rollout" and c.step == step and m in c.microbatches
+                                   for c in self.calls.values())]
+            if not missing:
+                continue
+            free = [w for w in self.live if w not in self.calls and w not in dead and self._retry_at.get(w, 0) <= now]
+            ready = [w for w in free if self.installed.get(w) == version]
+            if ready:
+                for w, mbs in zip(ready, split(missing, len(ready))):
+                    self._start(w, _Call("rollout", self.group.calls.start_call(w, "Rollout", pb.RolloutRequest(
+                        fence=self.group.fence(), step=step, microbatches=mbs, version=version, seed=self.seed)),
+                        now, version, step, tuple(mbs)))
+                    self._first_call.setdefault(step, now)
+            for w in [w for w in free if w not in self.calls and self.installed.get(w, -1) < version]:
+                sources = self._sources(version, w, dead)
+                if sources:
+                    self._start(w, _Call("sync", self.group.calls.start_call(w, "SyncWeights", pb.SyncWeightsRequest(
+                        fence=self.group.fence(), version=version, sources=sources)), now, version))
+
+    def _start(self, worker: str, call: _Call) -> None:
+        self.calls[worker] = call
+
+    def _sources(self, version: int, worker: str, dead) -> list[pb.Peer]:
+        """Who can send ``version``: the trainers that published it (rotated per sampler, so syncs spread), then
+        the samplers holding it."""
+        trainers = sorted(w for w in self.published.get(version, ()) if w not in dead)
+        if trainers:
+            k = self.live.index(worker) % len(trainers) if worker in self.live else 0
+            trainers = trainers[k:] + trainers[:k]
+        peers = [w for w in self.live if w != worker and self.installed.get(w) == version and w not in dead]
+        return [self.group.calls.where(w) for w in trainers + peers]
+
+    def _take_in(self, dead) -> None:
+        """The calls that ended: installed versions, rollouts made, samplers loaded."""
+        for w, call in list(self.calls.items()):
+            if not call.future.done():
+                continue
+            del self.calls[w]
+            self.group.calls.settle(w, call.future)
+            spent = time.monotonic() - call.started
+            try:
+                reply = call.future.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                if w not in dead:   # alive: try again a little later (a dead one is dropped by lost())
+                    self._retry_at[w] = time.monotonic() + 0.2
+                    if call.kind == "load":
+                        self.group.declare_dead(w, f"failed to load the sampler's program: {_why(e)}",
+                                                cause="load_failed")
+                    elif call.kind == "rollout":
+                        self.installed.pop(w, None)   # sync again before its next rollout
+                continue
+            self.busy[w] = self.busy.get(w, 0.0) + (spent if call.kind != "load" else 0.0)
+            if call.kind == "load":
+                self.live.append(w)
+                self.events.emit("sampler_joined", worker=w)
+            elif call.kind == "sync":
+                self.installed[w] = reply.version
+                self.events.emit("weights_synced", worker=w, version=reply.version, bytes=reply.bytes,
+                                 seconds=reply.seconds, source=reply.source, failed=list(reply.failed))
+            else:
+                got = self.made.setdefault(call.step, {})
+                for b in reply.batches:
+                    got[b.microbatch] = b
+                if self.ready(call.step):
+                    self.step_seconds[call.step] = time.monotonic() - self._first_call.get(call.step, call.started)
+                    self.events.emit("rollouts_made", step=call.step, version=call.version,
+                                     seconds=self.step_seconds[call.step])
+
+    def _adopt_launched(self) -> None:
+        """Relaunched samplers that registered start loading their program."""
+        if not self.launching:
+            return
+        up = self.group.wait_for_samplers(self.launching, 0.0)
+        for w in up:
+            self.launching.remove(w)
+            self.calls[w] = _Call("load", self.group.calls.start_call(
+                w, "Load", self.group.calls.sampler_load_request(self.programs)), time.monotonic())
+
+    def wait(self, timeout: float) -> None:
+        """Blocks up to ``timeout`` until some call ends (nothing in flight: returns at once)."""
+        deadline = time.monotonic() + timeout
+        while self.calls and not any(c.future.done() for c in self.calls.values()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def starved(self, dead) -> bool:
+        """No sampler is left, and none is on its way: the run cannot make rollouts."""
+        return not [w for w in self.live if w not in dead] and not self.launching and \
+            not any(c.kind == "load" for c in self.calls.values())
+
+    # -- commits and losses -----------------------------------------------------------
+
+    def committed(self, step: int, workers) -> None:
+        """Step ``step`` committed on ``workers``: they hold version ``step + 1``; its rollouts are let go, and
+        its ``rl_step`` recorded."""
+        self.published.setdefault(step + 1, set()).update(workers)
+        for v in [v for v in self.published if v < step - 1]:
+            del self.published[v]
+        batches = self.made.pop(step, {})
+        rewards = [decode_batch(b)["rewards"] for _, b in sorted(batches.items()) if
+                   any(a.name == "rewards" for a in b.arrays)]
+        mean = float(np.mean(np.concatenate(rewards))) if rewards else float("nan")
+        versions = sorted({b.version for b in batches.values()})
+        self.events.emit("rl_step", step=step, version=versions[0] if versions else -1, mean_reward=mean,
+                         rollout_seconds=self.step_seconds.pop(step, 0.0),
+                         rollout_bytes=sum(b.ByteSize() for b in batches.values()))
+
+    def lost(self, worker: str) -> None:
+        """Sampler ``worker`` was declared dead: its unanswered microbatches go to the others; a fresh process is
+        launched in its place (within ``elastic_max_retries``)."""
+        if worker in self.launching:
+            self.launching.remove(worker)
+        if worker not in self.live and worker not in self.calls:
+            return
+        if worker in self.live:
+            self.live.remove(worker)
+        self.calls.pop(worker, None)
+        self.installed.pop(worker, None)
+        if self.opts.relaunch and self.relaunched < self.opts.max_retries:
+            self.relaunched += 1
+            wid = self.group.launch(sampler=True)
+            self.launching.append(wid)
+            self.events.emit("sampler_relaunched", replaces=worker, worker=wid)
+
+    def trainers_changed(self, trainers, committed: int) -> None:
+        """The trainers changed (a recovery): the ones now active publish the version the run stands at, and the
+        versions only the lost ones held are forgotten."""
+        for holders in self.published.values():
+            holders.intersection_update(trainers)
+        if not self.published.get(committed):
+            self.publish(trainers)
+
+
+def _why(e) -> str:
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else type(e).__name__
