@@ -13,7 +13,7 @@ the run ended before it fired), so the report can match faults to failures
 and the verdict can fail a run that was not tested against every fault.
 
 It uses only the controller's observer surface: ``placement``,
-``live_spares()``, ``next_checkpoint_writer()``, ``pid(worker[, host])``,
+``live_spares()``, ``live_samplers()`` (an RL run's), ``next_checkpoint_writer()``, ``pid(worker[, host])``,
 ``hosts_of(worker)``, ``inject_fault(worker, action, ...[, host=])`` and ``events.emit``.
 
 **Client faults** (target ``client``) strike the process the injector runs
@@ -270,7 +270,7 @@ class FaultInjector(ControllerObserver):
         try:
             writer = ctl.next_checkpoint_writer() if fault.target.spec() == "role=writer" else None
             workers = resolve_target(fault.target, ctl.placement, ctl.live_spares(), self.rng,
-                                     source=source, dest=dest, writer=writer)
+                                     source=source, dest=dest, writer=writer, samplers=ctl.live_samplers())
         except TargetError as e:
             ctl.events.emit("fault_skipped", index=index, fault=fault.spec(), fault_kind=fault.kind, reason=str(e),
                             step=self.committed)

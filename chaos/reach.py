@@ -71,6 +71,7 @@ class RunShape:
     client_grace_seconds: float = 120.0     # ``elastic_client_grace_seconds``: workers outlive their client so long
     worker_lease_seconds: float = 5.0       # ``elastic_worker_lease_seconds``: a silent client's workers fence then
     stages: int = 1                         # ``dcn_pipeline_parallelism``: the slices are stage-major, S x R
+    samplers: int = 0                       # ``rl_samplers``: an RL run's sampler slices
 
     @property
     def replicas(self) -> int:
@@ -84,6 +85,7 @@ class RunShape:
         soak = bool(mtbf_seconds)
         stages = cfg.dcn_pipeline_parallelism
         return cls(steps=cfg.steps, slices=cfg.dcn_data_parallelism * stages, stages=stages, spares=cfg.elastic_spares,
+                   samplers=getattr(cfg, "rl_samplers", 0),
                    recovery=cfg.elastic_enabled, relaunch=cfg.elastic_relaunch,
                    duration_seconds=duration_seconds if soak else None, random_faults=soak,
                    checkpoints=cfg.enable_checkpointing, checkpoint_period=cfg.checkpoint_period,
@@ -138,6 +140,17 @@ def unreachable_reason(fault: Fault, shape: RunShape, faults: Sequence[Fault] = 
             return reason
     if target.kind == "role" and target.value == "spare" and shape.spares == 0:
         return "role=spare names nobody: the run has no spares (elastic_spares=0)"
+    if target.kind == "role" and target.value == "sampler" and shape.samplers == 0:
+        return "role=sampler names nobody: the run has no samplers (an RL run's, rl_samplers > 0)"
+    phase = fault.option("phase") if fault.kind == "kill" else None
+    if phase == "rollout" and not (target.kind == "role" and target.value == "sampler"):
+        return "phase=rollout is a sampler's: target role=sampler (e.g. kill(phase=rollout):role=sampler@step=3)"
+    if phase == "weights" and not shape.samplers:
+        return ("phase=weights strikes a trainer while it sends a weights version to a sampler, and the run has no "
+                "samplers (an RL run's, rl_samplers > 0)")
+    if phase in ("grad", "reduce", "apply", "save", "eval", "weights") and target.kind == "role" \
+            and target.value == "sampler":
+        return f"phase={phase} is a trainer's: a sampler runs only phase=rollout"
     if target.kind == "client":
         reason = _client_unreachable(fault, shape)
         if reason:

@@ -70,13 +70,15 @@ def _random_target(kind: str) -> Target:
 
 
 def resolve_target(target: Target, placement, spares: tuple[str, ...], rng: random.Random, *,
-                   source: str | None = None, dest: str | None = None, writer: str | None = None) -> tuple[str, ...]:
+                   source: str | None = None, dest: str | None = None, writer: str | None = None,
+                   samplers: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The worker ids ``target`` names now in ``placement`` (the run's placement grid,
     :class:`runtime.control.placement.Placement`: ``active[v]`` runs virtual slice ``v``, and
     ``stage=K,replica=R`` is ``grid[K][R]``); ``spares``: the live spares.
 
     ``source``/``dest`` are the two ends of the state transfer in progress, if any;
-    ``writer`` the worker that writes the run's next checkpoint (None: the run writes none).
+    ``writer`` the worker that writes the run's next checkpoint (None: the run writes none); ``samplers`` an RL
+    run's live samplers (``role=sampler``; ``role=trainer`` is an active slice).
     Random choices use ``rng`` only. Raises TargetError when nobody matches.
     """
     kind, value, active = target.kind, target.value, placement.active
@@ -90,7 +92,11 @@ def resolve_target(target: Target, placement, spares: tuple[str, ...], rng: rand
         if value not in active and value not in spares:
             raise TargetError(f"unknown worker {value!r} (active: {_ids(active)}; spares: {_ids(spares)})")
         return (str(value),)
-    if kind == "random" or (kind == "role" and value == "active"):
+    if kind == "role" and value == "sampler":
+        if not samplers:
+            raise TargetError("role=sampler names nobody: no sampler is live (an RL run's, rl_samplers > 0)")
+        return (rng.choice(samplers),)
+    if kind == "random" or (kind == "role" and value in ("active", "trainer")):
         if not active:
             raise TargetError("no active slice to hit")
         return (rng.choice(active),)

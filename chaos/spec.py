@@ -75,7 +75,7 @@ _NOT_INJECTABLE: dict[str, str] = {}
 #: The kinds a run can be faulted with today (random schedules draw from these).
 INJECTABLE_KINDS = tuple(k for k in KINDS if k not in _NOT_INJECTABLE)
 TARGET_KINDS = ("slice", "stage", "worker", "role", "random", "all", "everything", "client")
-ROLES = ("active", "spare", "source", "dest", "writer")
+ROLES = ("active", "spare", "source", "dest", "writer", "trainer", "sampler")   # trainer: an active slice (of an RL run)
 TRANSFER_KINDS = ("kill", "hang")
 TRANSFER_ROLES = ("source", "dest")
 #: The kinds that can hit the client (target ``client``): SIGKILL, or SIGSTOP for ``resume`` seconds.

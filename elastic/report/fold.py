@@ -27,6 +27,7 @@ from typing import Any
 
 from elastic.report.goodput import goodput
 from elastic.report.pipeline import pipeline_section
+from elastic.report.rl import rl_section, sampler_fault
 from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, RunState, read_events
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
@@ -86,6 +87,15 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
                  "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY},
                 {"promises": TYPED, "run_state_replayed": TYPED}),
     # final_state_digest, or in logs from before it named its algorithm, final_state_sha256 (bare sha256 hex).
+    "rl_step": ({"step": TYPED, "version": TYPED, "mean_reward": TYPED, "rollout_seconds": TYPED,
+                 "rollout_bytes": TYPED}, {}),
+    "rollouts_made": ({"step": TYPED, "seconds": TYPED}, {}),
+    "weights_synced": ({"bytes": TYPED, "seconds": TYPED}, {"failed": TYPED}),
+    "samplers_started": ({"workers": TYPED}, {}),
+    "samplers_attached": ({"workers": TYPED, "launched": TYPED}, {}),
+    "sampler_relaunched": ({"worker": TYPED}, {}),
+    "sampler_joined": ({"worker": TYPED}, {}),
+    "step_dispatched": ({"step": TYPED}, {}),
     "run_finished": ({"replica_hashes": _ANY, "client_peak_rss_bytes": _ANY},
                      {"final_state_digest": TYPED, "final_state_sha256": TYPED}),
 }
@@ -188,6 +198,7 @@ def build_report(events_or_path) -> dict:
         "events_dropped": 0,
         "attempts": [],
         "pipeline": None,
+        "rl": None,
     }
     dead_at: dict[str, float] = {}   # worker -> when RunState first held it dead (s since start)
     state = RunState()   # the run's facts (placement, deaths) are RunState's: the report reads its transitions
@@ -363,6 +374,7 @@ def build_report(events_or_path) -> dict:
     _attribute(report, events, dead_at, t_first)
     report["goodput"] = goodput(events)   # an empty log: all zeros
     report["pipeline"] = pipeline_section(report["config"], report["microbatches"], events)
+    report["rl"] = rl_section(report["config"], events)
     if report["finished"] and len(report["attempts"]) > 1:
         # First event to the last run_finished, less the idle time between a finished attempt and the next.
         report["wall_seconds"] = report["goodput"]["wall_seconds"]
@@ -469,6 +481,8 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
             if hits:
                 fault["detected_after_s"] = hits[0]["t"] - t_first - fault["injected_at"]
                 fault["path"] = "replace" if hits[0]["action"] == "replaced" else None
+            continue
+        if sampler_fault(fault, events, dead_at, t_first):   # an RL run's sampler: its rollouts go to the others
             continue
         client = not fault["workers"] and fault["kind"] in ("kill", "hang")   # kill:client, hang:client
         for f in failures:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from runtime.control.sampling import is_sampler
 from runtime.core.errors import ClientLostError
 
 __all__ = ["Reattach", "attach", "can_attach"]
@@ -66,7 +67,8 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     replayed one) over from its dead client; see the module docstring. ``first=False``: the client takes its
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
-    known = {w: info for w, info in s.registered.items() if w not in s.dead}   # the fenced are not dead
+    # (the fenced are not dead; an RL run's samplers are taken over by its sampling, after)
+    known = {w: info for w, info in s.registered.items() if w not in s.dead and not is_sampler(w)}
     pipelined = s.placement is not None and s.placement.stages > 1
     replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
@@ -77,6 +79,9 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     if first:
         ctl.observer.attach(ctl)
     alive = sorted(replies)
+    if ctl.sampling is not None:
+        ctl.sampling.reattach({w: info for w, info in s.registered.items() if w not in s.dead and is_sampler(w)},
+                              ctl.attempt.seed)
     ctl.recover(ClientLostError(
         f"the run's client was lost; client generation {o.generation} attached {len(alive)} of {len(known)} "
         f"workers ({', '.join(alive) or 'none'})"), has_state=True)

@@ -56,8 +56,7 @@ from runtime.control.plan import (Action, Plan, Wait, membership_change_due, pla
 from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.placement import StepPlan, plan_step
 from runtime.core.programs import ProgramSet, SamplerPrograms
-from runtime.control.sampling import Sampling
-from runtime.control.worker_group import is_sampler
+from runtime.control.sampling import Sampling, is_sampler
 from runtime.core.programs import stages_digest
 from runtime.control.run_state import RunLedger, RunState
 from runtime.control.shadows import Shadows
@@ -217,6 +216,10 @@ class Controller:
     def live_spares(self) -> tuple[str, ...]:
         """Spares of the current placement not declared dead."""
         return tuple(s for s in self.placement.spares if s not in self.dead) if self.placement else ()
+
+    def live_samplers(self) -> tuple[str, ...]:
+        """An RL run's samplers not declared dead (none for a training run)."""
+        return tuple(w for w in self.sampling.live if w not in self.dead) if self.sampling is not None else ()
 
     def next_checkpoint_writer(self) -> str | None:
         """A worker with a checkpoint save still ahead of it: the writer of the next checkpoint not yet

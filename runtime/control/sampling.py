@@ -45,10 +45,16 @@ import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import CapacityExhaustedError
+from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import SamplerPrograms
 from runtime.wire.batches import decode_batch
 
-__all__ = ["Feed", "Sampling", "split", "weights_version"]
+__all__ = ["Feed", "Sampling", "is_sampler", "split", "weights_version"]
+
+
+def is_sampler(worker_id: str) -> bool:
+    """An RL run's sampler: launched as one (``s<n>``), never placed in the training grid."""
+    return worker_id[:1] == "s" and worker_id[1:].isdigit()
 
 
 def weights_version(step: int, off_policy_steps: int) -> int:
@@ -122,6 +128,19 @@ class Sampling:
             raise CapacityExhaustedError(f"none of the {self.count} samplers registered and loaded its program")
         self.events.emit("samplers_started", workers=list(self.live))
         self.publish(trainers)
+
+    def reattach(self, known: dict, seed: int) -> None:
+        """A restarted client takes the samplers of ``known`` (``{worker: WorkerInfo}`` from the log) over; the
+        ones that answer keep serving (they sync again: the version they hold is not known here), fresh ones
+        are launched for the rest."""
+        self.seed = seed
+        self.live, self.installed, self.calls, self.made, self.published = [], {}, {}, {}, {}
+        if known:
+            fingerprint = programs_fingerprint({"rollout": self.programs.rollout})
+            self.live = self.group.attach_samplers(known, fingerprint)
+        for _ in range(self.count - len(self.live)):
+            self.launching.append(self.group.launch(sampler=True))
+        self.events.emit("samplers_attached", workers=list(self.live), launched=list(self.launching))
 
     def publish(self, trainers) -> None:
         """``trainers`` keep their current weights as the version they stand at (the run's start, a recovery)."""

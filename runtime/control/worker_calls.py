@@ -58,6 +58,7 @@ class WorkerCalls:
         self._fence, self._dead, self._declare_dead = fence, dead, declare_dead
         self._stubs: dict[str, pb_grpc.WorkerStub] = {}
         self._inflight: dict[str, list[grpc.Future]] = {}
+        self._side_calls: dict[str, list[grpc.Future]] = {}   # an RL sampler's calls (start_call), by worker
         self._lock = threading.Lock()
         self.loaded_stage: dict[str, int] = {}   # a pipelined run: the stage whose programs each worker loaded
         # Steps go on one stream per worker: on its data plane where it serves one (the run secret's handshake).
@@ -91,7 +92,7 @@ class WorkerCalls:
             record()
             for host in self._host_ids(worker_id):
                 self._streams.drop(host)
-            return self._inflight.pop(worker_id, [])
+            return self._inflight.pop(worker_id, []) + self._side_calls.pop(worker_id, [])
 
     def _host_ids(self, worker_id: str) -> list[str]:
         """The ids of ``worker_id``'s hosts (its own, for a slice of one): their step streams' keys."""
@@ -434,18 +435,20 @@ class WorkerCalls:
                           workers, "failed to publish its weights")
 
     def start_call(self, worker_id: str, method: str, request) -> grpc.Future:
-        """``method`` on ``worker_id`` without waiting, tracked in flight (cancelled at once when it is declared
-        dead, or already dead)."""
+        """``method`` on ``worker_id`` without waiting (an RL sampler's calls): cancelled at once when it is declared
+        dead (or already dead), and never by a recovery of the trainers (:meth:`cancel_inflight`)."""
         with self._lock:
             fut = getattr(self._stubs[worker_id], method).future(request, timeout=self.opts.rpc_timeout_seconds)
-            self._inflight.setdefault(worker_id, []).append(fut)
+            self._side_calls.setdefault(worker_id, []).append(fut)
             if worker_id in self._dead():
                 fut.cancel()
         return fut
 
     def settle(self, worker_id: str, fut: grpc.Future) -> None:
         """A call of :meth:`start_call` that ended is no longer in flight."""
-        self._settle({worker_id: fut})
+        with self._lock:
+            if fut in self._side_calls.get(worker_id, []):
+                self._side_calls[worker_id].remove(fut)
 
     def where(self, worker_id: str) -> pb.Peer:
         """How peers reach ``worker_id``: its gRPC address and data address."""

@@ -38,6 +38,7 @@ import grpc
 from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.control.sampling import is_sampler
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 from runtime.core.errors import AttachRefusedError, ElasticError, ProtocolError, RegistrationTimeoutError
 from runtime.core.events import EventLog
@@ -54,12 +55,7 @@ from runtime.core.stacks import STACKS_DIR, stacks_path, stacks_text, thread_sta
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["ATTACH_SECONDS", "is_sampler", "join_command", "may_relaunch", "WorkerGroup"]
-
-
-def is_sampler(worker_id: str) -> bool:
-    """An RL run's sampler: launched as one (``s<n>``), never placed in the training grid."""
-    return worker_id[:1] == "s" and worker_id[1:].isdigit()
+__all__ = ["ATTACH_SECONDS", "join_command", "may_relaunch", "WorkerGroup"]
 
 
 def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_retries: int) -> bool:
@@ -139,6 +135,7 @@ class WorkerGroup:
         self._warming: dict[str, grpc.Future] = {}
         self._relaunched: set[str] = set()
         self._launched = 0
+        self._samplers_launched = 0
         self._hosts: dict[str, str] = {}         # worker -> the (simulated) host it was launched on
         # The run's in-memory snapshots, one directory per host under it (runtime.state.snapshot); "": none taken.
         self.snapshot_root = (os.path.join(opts.snapshot_directory, run_id)
@@ -220,6 +217,7 @@ class WorkerGroup:
         registers by itself). ``sampler``: an RL run's sampler (its id ``s<n>``: :func:`is_sampler`), which the
         placement never takes."""
         wid = f"{'s' if sampler else 'w'}{self._launched}"
+        self._samplers_launched += sampler   # (the samplers' relaunch limit is the sampling's own)
         # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
         self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
         self._launched += 1
@@ -234,19 +232,17 @@ class WorkerGroup:
         ``AttachRefusedError`` when one runs other programs (see :mod:`runtime.control.attach`). A pipelined
         run's workers may run any stage's programs: each is recorded as of the stage ``stages`` gives it (its
         slice's), else of the stage whose programs it answers it runs (a spare)."""
-        numbers = [int(w[1:]) for w in registered if w[:1] == "w" and w[1:].isdigit()]
+        numbers = [int(w[1:]) for w in registered if w[:1] in "ws" and w[1:].isdigit()]
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
+        self._samplers_launched = max(self._samplers_launched, sum(is_sampler(w) for w in registered))
         for w, info in known.items():
             self._hosts[w] = info.host
             if not self.calls.reaches(w):
                 self.calls.adopt(w, self._channels_of(info))
         per_stage = ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
                      if self.programs.pipelined else [])
-        request = pb.AttachRequest(fence=self._fence(), controller=self.address, stage_fingerprints=per_stage,
-                                   fingerprint="" if per_stage else programs_fingerprint(self.programs.programs()),
-                                   owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,
-                                   lease_seconds=self.opts.worker_lease_seconds,
-                                   client_grace_seconds=self.opts.client_grace_seconds)
+        request = self._attach_request("" if per_stage else programs_fingerprint(self.programs.programs()),
+                                       per_stage)
         timeout = min(self.opts.rpc_timeout_seconds, ATTACH_SECONDS)
         try:
             replies = self.calls.attach(list(known), request, timeout)
@@ -266,6 +262,34 @@ class WorkerGroup:
             self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else r.pid)
         return replies
 
+    def _attach_request(self, fingerprint: str, per_stage=()) -> pb.AttachRequest:
+        """A restarted client's ``Attach``: its generation and address, the programs it brings."""
+        return pb.AttachRequest(fence=self._fence(), controller=self.address, stage_fingerprints=list(per_stage),
+                                fingerprint=fingerprint,
+                                owner_pid=os.getpid() if isinstance(self.launcher, LocalLauncher) else 0,
+                                lease_seconds=self.opts.worker_lease_seconds,
+                                client_grace_seconds=self.opts.client_grace_seconds)
+
+    def attach_samplers(self, known: dict[str, WorkerInfo], fingerprint: str) -> list[str]:
+        """A restarted client takes over an RL run's live samplers of ``known`` (their rollout program's
+        ``fingerprint``); answers those that took the new generation (the others are declared dead)."""
+        for w, info in known.items():
+            self._hosts[w] = info.host
+            if not self.calls.reaches(w):
+                self.calls.adopt(w, self._channels_of(info))
+        try:
+            replies = self.calls.attach(list(known), self._attach_request(fingerprint),
+                                        min(self.opts.rpc_timeout_seconds, ATTACH_SECONDS))
+        except ProtocolError:   # another program: such a sampler is of no use; fresh ones are launched instead
+            return []
+        for w, r in replies.items():
+            info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
+            self.fenced.discard(w)
+            self.registry.add(info)
+            self._watch(info)
+            self.launcher.adopt(w, r.pid)
+        return sorted(replies)
+
     def host_of(self, worker_id: str) -> str:
         """The host a worker runs on (as it registered; else where it was launched; else its id)."""
         info = self.registry.workers.get(worker_id)
@@ -283,7 +307,7 @@ class WorkerGroup:
             return None
         self._relaunched.add(dead_worker)
         o = self.opts
-        if not may_relaunch(o.relaunch, self._launched, o.slices, o.spares, o.max_retries):
+        if not may_relaunch(o.relaunch, self._launched - self._samplers_launched, o.slices, o.spares, o.max_retries):
             return None
         wid = self.launch(self.host_of(dead_worker))   # on the same host: it finds the snapshots left there
         self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid, host=self._hosts[wid])

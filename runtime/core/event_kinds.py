@@ -160,6 +160,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     # An RL run's samplers (runtime.control.sampling)
     EventKind("samplers_started", "an RL run's samplers registered and loaded their rollout program",
               {"workers": NAMES}),
+    EventKind("samplers_attached", "a restarted client took over the samplers that answered, and launched the rest",
+              {"workers": NAMES, "launched": NAMES}),
     EventKind("sampler_joined", "a sampler launched in a lost one's place loaded its program", {"worker": TEXT}),
     EventKind("sampler_relaunched", "a fresh sampler process was launched in a lost one's place",
               {"replaces": TEXT, "worker": TEXT}),

@@ -32,7 +32,8 @@ ACTIONS = ("straggle", "partition", "corrupt", "kill_on_send_state", "kill_on_re
            "hang_on_send_state", "kill_in_phase", "clear")
 # Where ``kill_in_phase`` may strike: the phases of a step, in order, and "save" (mid-write of the next
 # persistent checkpoint this worker writes, once its temporary directory exists).
-PHASES = ("grad", "reduce", "apply", "save", "eval", "rollout")
+# "rollout": a sampler's, after its rollouts were made; "weights": a trainer's, while it sends a weights version
+PHASES = ("grad", "reduce", "apply", "save", "eval", "rollout", "weights")
 
 
 class WorkerFaults:

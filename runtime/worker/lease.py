@@ -64,7 +64,8 @@ class Lease:
 
     CONTROLLER_METHODS = ("Load", "Init", "Step", "Steps", "StateHash", "Shutdown", "Abort", "Rollback", "PullState",
                           "Attach", "LoadCheckpoint", "Checkpoints",
-                          "Chaos", "Progress", "Refusals", "Stacks", "/grpc.health.v1.Health/Check")
+                          "Chaos", "Progress", "Refusals", "Stacks", "PublishWeights", "SyncWeights", "Rollout",
+                          "/grpc.health.v1.Health/Check")
 
     def __init__(self, run_id: str, worker_id: str, replica: Replica, step_timeout: float):
         self.run_id = run_id
@@ -74,6 +75,7 @@ class Lease:
         self.last_contact = time.monotonic()  # of the controller's last authenticated call
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
         self.client_grace = 0.0               # seconds it waits for a new client once its client is gone
+        self.holds_weights = lambda: False    # an RL sampler: it holds a weights version (kept through the grace too)
         self.client_lost_at: float | None = None   # time.monotonic() when the client was lost (None: it is not)
         self.owner: Owner | None = None       # the client process watched (runtime.core.owner.Owner), if any
         self.controller = ""                  # host:port the worker registers with (a new client may move it)
@@ -147,7 +149,8 @@ class Lease:
         grace (True); else False (the worker exits now, as without a grace: a worker without a state, a spare
         that only loaded the programs, is relaunched by the next client if it needs one)."""
         executor = self._replica.executor
-        if not self.client_grace or executor is None or executor.state is None:
+        holds = (executor is not None and executor.state is not None) or self.holds_weights()
+        if not self.client_grace or not holds:
             return False
         if self.client_lost_at is None:
             self.client_lost_at = time.monotonic()

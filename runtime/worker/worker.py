@@ -187,6 +187,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         probe_seconds = time.perf_counter() - t0
         compile_seconds = sampler.load()
         self.sampler, self._chunk_bytes = sampler, chunk_bytes
+        self.lease.holds_weights = lambda: sampler.version is not None
         self.state_mover.fingerprint = programs_fingerprint(blobs)
         self.lease.seconds = request.lease_seconds
         self.lease.client_grace = request.client_grace_seconds
@@ -380,7 +381,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.lease.check_fence(request.fence)
             box = self.sampler.outbox if self.sampler is not None else self.weights
             chunk = self._chunk_bytes if self.sampler is not None else self.replica.chunk_bytes
-            return mid_stream(box.parts(request.weights_version, chunk), self.faults.sending_state)
+            return mid_stream(box.parts(request.weights_version, chunk), lambda: self.faults.in_phase("weights"))
         return self.state_mover.parts(request)
 
     def shared_state(self, request: pb.GetStateRequest) -> Iterator[pb.SharedState]:

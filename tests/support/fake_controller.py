@@ -1,6 +1,7 @@
 """The unit tests' one controller as the fault injector sees it, and nothing more.
 
 ``Controller`` has exactly what ``runtime.ControllerObserver.attach`` promises (``placement``, ``live_spares()``,
+``live_samplers()``,
 ``pid()``, ``inject_fault()``, ``events.emit``; the placement grid names the stage targets) and nothing else (``__slots__``), so an injector reaching for anything more fails. It records the worker faults it was
 asked to arm in ``armed`` and the events emitted in ``events.emitted``; signals go to the processes of ``pids``.
 Used by the injector's tests, the fault grammar's and the client faults' (also in a subprocess of theirs).
@@ -28,10 +29,11 @@ class Controller:
     """A run of ``active`` slices (stage-major over ``stages`` pipeline stages) and live ``spares``; ``pids``: the
     workers' processes (``pid`` of another raises ``KeyError``); ``fail``: what ``inject_fault`` raises."""
 
-    __slots__ = ("placement", "events", "pids", "armed", "fail")
+    __slots__ = ("placement", "events", "pids", "armed", "fail", "samplers")
 
-    def __init__(self, pids=None, fail=None, *, active=("w0", "w1", "w2"), spares=("w3",), stages=1):
+    def __init__(self, pids=None, fail=None, *, active=("w0", "w1", "w2"), spares=("w3",), stages=1, samplers=()):
         self.placement = Placement(1, tuple(active), tuple(spares), stages)
+        self.samplers = tuple(samplers)
         self.events = Events()
         self.pids = pids or {}
         self.armed = []
@@ -39,6 +41,9 @@ class Controller:
 
     def live_spares(self):
         return self.placement.spares
+
+    def live_samplers(self):
+        return self.samplers
 
     def pid(self, worker_id, host=0):
         return self.pids[worker_id]

@@ -235,7 +235,7 @@ class FakeGroup:
         assert epoch >= self.epoch, f"epoch went back from {self.epoch} to {epoch}"
         self.epoch = epoch
 
-    def launch(self, host=""):
+    def launch(self, host="", sampler=False):
         wid = f"w{self._launched}"
         self._launched += 1
         self.replicas[wid] = None

@@ -1,0 +1,105 @@
+"""The report's ``rl`` section: an RL run's rewards, weights versions, weight syncs and the two roles' time.
+
+A pure function of the event log (:func:`rl_section`), as the rest of the
+report is. Per committed step (``rl_step``): the weights version its rollouts
+were made with, their mean reward, how long the samplers took to make them
+and the bytes the client carried. Weight syncs (``weights_synced``): count,
+bytes and seconds, and the sources passed over (lost mid-transfer, or without
+the version). The roles' time, measured on the client's clock:
+
+- ``sampler_seconds``: per step, from the first rollout call to the last
+  rollout answer (``rollouts_made``), summed;
+- ``trainer_seconds``: per step, from its dispatch to its commit, summed;
+- ``span_seconds``: from the first rollout call to the last commit;
+- ``sequential_seconds``: ``sampler_seconds + trainer_seconds``, what the
+  same work takes with no overlap, and ``overlap`` = 1 - span / sequential
+  (0: none; 0.5: the span is half of the sequential time).
+
+:func:`sampler_fault` fills a fault that hit samplers: detection when the
+sampler was declared dead, recovery when the next step's rollouts were all
+made (the lost microbatches made by the others), path ``reassign``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+__all__ = ["rl_section", "sampler_fault", "samplers_of"]
+
+
+def samplers_of(events: list[dict]) -> set[str]:
+    """Every worker that served the run as a sampler."""
+    out = set()
+    for e in events:
+        if e["kind"] == "samplers_started":
+            out.update(e["workers"])
+        elif e["kind"] == "samplers_attached":
+            out.update(e["workers"], e["launched"])
+        elif e["kind"] in ("sampler_relaunched", "sampler_joined"):
+            out.add(e["worker"])
+    return out
+
+
+def rl_section(config: dict | None, events: list[dict]) -> dict | None:
+    """The ``rl`` section of a run's report; None for a run that is not RL."""
+    steps = {}
+    for e in events:
+        if e["kind"] == "rl_step":
+            steps[e["step"]] = {k: e[k] for k in ("step", "version", "mean_reward", "rollout_seconds",
+                                                  "rollout_bytes")}
+    if not steps and not (config or {}).get("rl_samplers"):
+        return None
+    syncs = [e for e in events if e["kind"] == "weights_synced"]
+    dispatched, committed, made = {}, {}, {}
+    for e in events:
+        if e["kind"] == "step_dispatched":
+            dispatched[e["step"]] = e["t"]   # the last dispatch: the one that committed
+        elif e["kind"] == "step_committed" and e["step"] in steps:
+            committed.setdefault(e["step"], e["t"])
+        elif e["kind"] == "rollouts_made":
+            made[e["step"]] = e
+    sampler = sum(s["rollout_seconds"] for s in steps.values())
+    trainer = sum(committed[k] - dispatched[k] for k in committed if k in dispatched)
+    firsts = [made[k]["t"] - made[k]["seconds"] for k in made]
+    span = (max(committed.values()) - min(firsts)) if committed and firsts else None
+    sequential = sampler + trainer
+    rewards = [s["mean_reward"] for _, s in sorted(steps.items())]
+    head, tail = rewards[:3], rewards[-3:]
+    return {
+        "samplers": (config or {}).get("rl_samplers"),
+        "off_policy_steps": (config or {}).get("rl_off_policy_steps"),
+        "steps": [s for _, s in sorted(steps.items())],
+        "reward_first": statistics.fmean(head) if head else None,
+        "reward_last": statistics.fmean(tail) if tail else None,
+        "weight_syncs": len(syncs),
+        "weight_sync_bytes": sum(e["bytes"] for e in syncs),
+        "weight_sync_seconds": sum(e["seconds"] for e in syncs),
+        "weight_sync_seconds_median": statistics.median([e["seconds"] for e in syncs]) if syncs else None,
+        "weight_sync_sources_failed": [f for e in syncs for f in e.get("failed", [])],
+        "rollout_bytes": sum(s["rollout_bytes"] for s in steps.values()),
+        "sampler_seconds": sampler,
+        "trainer_seconds": trainer,
+        "span_seconds": span,
+        "sequential_seconds": sequential,
+        "overlap": (1 - span / sequential) if span is not None and sequential > 0 else None,
+        "samplers_lost": len([e for e in events if e["kind"] == "worker_dead" and e["worker"] in samplers_of(events)]),
+        "samplers_relaunched": len([e for e in events if e["kind"] == "sampler_relaunched"]),
+    }
+
+
+def sampler_fault(fault: dict, events: list[dict], dead_at: dict[str, float], t_first: float) -> bool:
+    """Fills ``fault`` (a report's fault) when it hit samplers only: detected when the first was declared dead,
+    recovered when the next step's rollouts were all made after that, path ``reassign``. False (nothing filled)
+    for a fault that hit a trainer."""
+    samplers = samplers_of(events)
+    if not fault["workers"] or not set(fault["workers"]) <= samplers:
+        return False
+    seen = [dead_at[w] for w in fault["workers"] if w in dead_at and dead_at[w] >= fault["injected_at"] - 1e-6]
+    if not seen:
+        return True
+    detected = min(seen)
+    fault.update(detected_after_s=detected - fault["injected_at"], path="reassign")
+    after = [e["t"] - t_first for e in events if e["kind"] == "rollouts_made" and e["t"] - t_first >= detected]
+    if after:
+        fault["recovered_after_s"] = after[0] - fault["injected_at"]
+    return True

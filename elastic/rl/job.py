@@ -1,0 +1,179 @@
+"""An RL run as a job: the policy's trainer programs, its samplers' rollout program, the prompts they read.
+
+:class:`RLTrainer` is an :class:`elastic.Trainer` whose loss is the clipped
+policy-gradient loss (:func:`elastic.rl.grpo.grpo_loss`) and whose batches are
+not read from a data source: each step's come from the run's samplers
+(``rl_samplers`` worker processes, :mod:`runtime.control.sampling`), made with
+the policy's weights of ``rl_off_policy_steps`` steps before, and carried to
+the trainers with the step. Everything else about the trainers is a training
+run's: the grid, the fixed reduction order, every recovery tier.
+
+The samplers run one exported program, ``rollout(weights, prompts, seed,
+step, microbatch)`` (:func:`elastic.rl.grpo.rollout`, for a mesh of
+``rl_sampler_devices``), on weights that travel in ``rl_weights_dtype``; the
+weights are the first leaves of the trainer's state (its ``(params, optimizer
+state)``: the parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from elastic import _programs
+from elastic.config import Config, ConfigError
+from elastic.models.transformer import init_params
+from elastic.rl.reference import RLSettings
+from elastic.trainer import Trainer
+from runtime import MESH_AXIS, SamplerPrograms, peak_rss_bytes, run_rl_reference
+
+__all__ = ["Prompts", "RLTrainer", "RolloutBatches", "ROLLOUT_OUTPUTS"]
+
+#: What a sampler's rollout program returns, in order; the trainer's batch is all but ``rewards``.
+ROLLOUT_OUTPUTS = ("prompts", "completions", "logprobs", "advantages", "rewards")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """The samplers' data source: ``prompts(step, microbatch)``, the task's prompts of that rollout microbatch."""
+
+    task: object
+    per_microbatch: int
+
+    def prompts(self, step: int, microbatch: int) -> np.ndarray:
+        return self.task.prompts(step, microbatch, self.per_microbatch)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatches:
+    """The trainers' data source: a rollout microbatch's spec. Its batches come with each step's request, made
+    by the samplers; a trainer never reads one here."""
+
+    spec: tuple   # ((key, shape, dtype), ...)
+
+    def element_spec(self) -> dict:
+        return {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in self.spec}
+
+    def batch(self, step: int, microbatch: int):
+        raise RuntimeError(f"the batch of ({step}, {microbatch}) is made by the RL run's samplers and comes with "
+                           "the step's request; this trainer got none")
+
+
+class RLTrainer(Trainer):
+    """GRPO post-training of the bundled transformer on the bundled task (``elastic run rl_tiny``)."""
+
+    reports_model_keys = True
+
+    def __init__(self, config: Config):
+        try:
+            self.rl = rl = RLSettings.from_config(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        rows = rl.rows_per_microbatch
+        if config.microbatch_size != rows:
+            raise ConfigError(f"a rollout microbatch has rl_prompts_per_microbatch x rl_samples_per_prompt = {rows} "
+                              f"rows, but per_device_batch_size x ici_fsdp_parallelism is {config.microbatch_size}: "
+                              f"set per_device_batch_size={rows // config.ici_fsdp_parallelism if rows % config.ici_fsdp_parallelism == 0 else rows}")
+        if config.dcn_pipeline_parallelism > 1 or config.elastic_hosts_per_slice > 1 or config.eval_interval > 0:
+            raise ConfigError("an RL run (rl_samplers > 0) trains on one slice per replica without eval for now: set "
+                              "dcn_pipeline_parallelism=1, elastic_hosts_per_slice=1, eval_interval=0")
+        if config.elastic_launcher != "local":
+            raise ConfigError(f"an RL run's samplers are started by the local launcher for now; elastic_launcher="
+                              f"{config.elastic_launcher!r} is not supported with rl_samplers > 0")
+        self.task, self.config = rl.task, config
+        self.init = functools.partial(init_params, tcfg=rl.tcfg)
+        spec = self._rollout_spec()
+        super().__init__(init=self.init, loss=rl.loss_fn(),
+                         optimizer=rl.optimizer(), data=RolloutBatches(tuple(
+                             (k, shape, dtype) for k, (shape, dtype) in spec.items() if k != "rewards")),
+                         config=config)
+
+    # -- programs --------------------------------------------------------------------
+
+    def _weights(self):
+        """The policy's parameters as abstract leaves, and how many there are (the state's first leaves)."""
+        params = _programs.trace_init(self.init)
+        return jax.tree.leaves(params), jax.tree.structure(params)
+
+    def _weights_dtype(self):
+        return np.dtype(jnp.bfloat16) if self.config.rl_weights_dtype == "bfloat16" else None
+
+    def _rollout_fn(self):
+        """``rollout(weights leaves, prompts, seed, step, microbatch) -> outputs`` (the sampler's program)."""
+        leaves, tree = self._weights()
+        fn = self.rl.rollout_fn()
+
+        def rollout(weights, prompts, seed, step, microbatch):
+            params = jax.tree.unflatten(tree, [w.astype(x.dtype) for w, x in zip(weights, leaves)])
+            out = fn(params, prompts, seed=seed, step=step, microbatch=microbatch)
+            return tuple(out[k] for k in ROLLOUT_OUTPUTS)
+        return rollout
+
+    def _rollout_spec(self) -> dict:
+        """``{output: (shape, dtype)}`` of one rollout microbatch."""
+        leaves, _ = self._weights()
+        rl = self.rl
+        prompts = jax.ShapeDtypeStruct((rl.rl_prompts_per_microbatch, rl.rl_prompt_length), jnp.int32)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        dtype = self._weights_dtype()
+        weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in leaves]
+        out = jax.eval_shape(self._rollout_fn(), weights, prompts, i32, i32, i32)
+        return {k: (tuple(o.shape), np.dtype(o.dtype).str) for k, o in zip(ROLLOUT_OUTPUTS, out)}
+
+    def sampler_programs(self) -> SamplerPrograms:
+        """The samplers' program, layout and prompts (exported once, for ``rl_sampler_devices`` devices)."""
+        if getattr(self, "_samplers", None) is not None:
+            return self._samplers
+        rl, d = self.rl, self.config.rl_sampler_devices
+        leaves, _ = self._weights()
+        dtype = self._weights_dtype()
+        weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in leaves]
+        dims = [_programs.shard_dim(x.shape, d) for x in weights]
+        prompts = jax.ShapeDtypeStruct((rl.rl_prompts_per_microbatch, rl.rl_prompt_length), jnp.int32)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        mesh = AbstractMesh((d,), (MESH_AXIS,))
+        blob = _programs.export_program("rollout", self._rollout_fn(), (weights, prompts, i32, i32, i32),
+                                        dims + [None, None, None, None], None, mesh, self._platform())
+        spec = self._rollout_spec()
+        layout = {"role": "sampler", "devices_per_slice": d,
+                  "weights": [[list(w.shape), np.dtype(w.dtype).str, dim] for w, dim in zip(weights, dims)],
+                  "prompt": [list(prompts.shape), "<i4"],
+                  "outputs": [[k, list(spec[k][0]), spec[k][1]] for k in ROLLOUT_OUTPUTS],
+                  "num_microbatches": self.settings.microbatches}
+        self._samplers = SamplerPrograms(rollout=blob, layout=layout,
+                                         prompts=cloudpickle.dumps(Prompts(self.task, rl.rl_prompts_per_microbatch)),
+                                         weight_leaves=tuple(range(len(leaves))),
+                                         weights_dtype=np.dtype(dtype).str if dtype is not None else "")
+        return self._samplers
+
+    # -- the one-process reference ------------------------------------------------------
+
+    def _fit_reference(self, programs, events, on_step):
+        """The RL run in this process on the very programs the workers run: the samplers' rollouts, then the
+        trainers' step on them, in the run's schedule (:func:`runtime.run_rl_reference`)."""
+        settings = self.settings
+        t0 = time.time()
+        events.emit("run_started", run_id="reference", slices=0, devices_per_slice=settings.devices_per_slice,
+                    microbatches=programs.num_microbatches, steps=settings.steps)
+
+        def step_done(step, loss, rl_step):
+            events.emit("step_committed", step=step, epoch=0, loss=loss)
+            events.emit("rl_step", **rl_step)
+            if on_step is not None:
+                on_step(step, loss)
+
+        samplers = self.sampler_programs()
+        losses, digest = run_rl_reference(programs, samplers, cloudpickle.loads(samplers.prompts), self.data,
+                                          steps=settings.steps, seed=settings.seed,
+                                          off_policy_steps=self.config.rl_off_policy_steps, on_step=step_done)
+        events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
+        events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
+                    replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
+                    client_peak_rss_bytes=peak_rss_bytes())
