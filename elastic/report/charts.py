@@ -1,4 +1,4 @@
-"""The SVG pieces of ``report.html``: the timeline, the loss curve and the goodput bar.
+"""The SVG pieces of ``report.html``: the timeline, the loss and reward curves and the goodput bar.
 
 Pure functions from events, intervals and numbers to SVG text (inline, no
 scripts); every piece of text is escaped. :mod:`elastic.report.html` lays
@@ -12,7 +12,7 @@ import math
 import sys
 
 __all__ = ["COLORS", "PHASE_COLORS", "bar_svg", "esc", "finite", "first_time", "fmt_seconds", "loss_svg", "phase_color",
-           "timeline_svg"]
+           "reward_svg", "timeline_svg"]
 
 
 def esc(x: object) -> str:
@@ -199,15 +199,77 @@ def timeline_svg(events: list[dict], ivs: list, lo: float, hi: float, *, svg_id:
         out.append(f"<line x1='{xm:.1f}' x2='{xm:.1f}' y1='{top - 6}' y2='{lane_top + sh}' stroke='{color}' "
                    f"stroke-width='1.6' stroke-dasharray='5 3'><title>{esc(_marker_label(e))}</title></line>")
         label = _marker_label(e)
-        width = 6.2 * len(label)
-        row = next((r for r in range(3) if row_end[r] < xm - 2), None)
+        width = 7.0 * len(label)   # bold 11 px text, a little wider than the average character
+        # right of the line, or left of it near the right edge: a row whose labels all end before this one's
+        # left end takes it
+        anchor, lx, left, right = (("end", xm - 3, xm - 3 - width, xm - 3) if xm + 3 + width > W - R
+                                   else ("start", xm + 3, xm + 3, xm + 3 + width))
+        row = next((r for r in range(3) if row_end[r] < left - 6), None)
         if row is not None:
-            anchor, lx = ("end", xm - 3) if xm + width > W - R else ("start", xm + 3)
             out.append(_text(lx, 14 + 14 * row, label, size=11, anchor=anchor, fill=color,
                              extra="font-weight='bold'"))
-            row_end[row] = xm + width + 6 if anchor == "start" else xm + 3
+            row_end[row] = right
     out.append("</svg>")
     return "".join(out)
+
+
+def _value_range(series: list[float]) -> tuple[float, float]:
+    """The y range of a chart of ``series`` (finite numbers, not empty): 8 % of its range on each side; a single
+    value gets 5 % of its size (at least 0.5), so the range never has zero width, and it stays inside the floats
+    however close to the maximum the values come."""
+    lo, hi = min(series), max(series)
+    pad = _half_span(lo, hi) * 0.16 or max(abs(lo) * 0.05, 0.5)
+    return max(lo - pad, -sys.float_info.max), min(hi + pad, sys.float_info.max)
+
+
+class _Plot:
+    """A chart's frame: ``W`` x ``H`` with margins ``L``, ``R``, ``T``, ``B``, x from ``x0`` to ``x1`` (steps),
+    y from ``lo`` to ``hi``; :meth:`x` and :meth:`y` place a value."""
+
+    def __init__(self, W: int, H: int, L: int, R: int, T: int, B: int, x0: float, x1: float, lo: float,
+                 hi: float):
+        self.W, self.H, self.L, self.R, self.T, self.B = W, H, L, R, T, B
+        self.x0, self.x1, self.lo, self.hi = x0, max(x1, x0 + 1), lo, hi
+        self.half = _half_span(lo, hi)
+
+    def x(self, i: float) -> float:
+        return self.L + (i - self.x0) / (self.x1 - self.x0) * (self.W - self.L - self.R)
+
+    def y(self, v: float) -> float:
+        return self.T + (self.hi / 2 - v / 2) / self.half * (self.H - self.T - self.B)
+
+    def grid(self) -> list[str]:
+        """Horizontal grid lines with their values, and the step ticks under the x axis."""
+        out = []
+        for v in _ticks(self.lo, self.hi, 5):
+            out.append(f"<line x1='{self.L}' x2='{self.W - self.R}' y1='{self.y(v):.1f}' y2='{self.y(v):.1f}' "
+                       f"stroke='#e3e6ea'/>")
+            out.append(_text(self.L - 6, self.y(v) + 4, f"{v:.3g}", anchor="end"))
+        for v in self.step_ticks():
+            out.append(_text(self.x(v), self.H - self.B + 16, _tick_label(v), anchor="middle"))
+        return out
+
+    def step_ticks(self) -> list[float]:
+        return _ticks(self.x0, self.x1, 8, integer=True)
+
+    def step_lines(self, steps: list, color: str, what: str) -> list[str]:
+        """A dashed vertical line at each step (``what at step N`` as its tooltip)."""
+        return [f"<line x1='{self.x(s):.1f}' x2='{self.x(s):.1f}' y1='{self.T}' y2='{self.H - self.B}' "
+                f"stroke='{color}' stroke-dasharray='4 3'><title>{esc(what)} at step {esc(s)}</title></line>"
+                for s in steps]
+
+    def polyline(self, points: list[tuple[float, float]], style: str) -> str:
+        pts = " ".join(f"{self.x(i):.1f},{self.y(v):.1f}" for i, v in points if finite(v))
+        return f"<polyline points='{pts}' fill='none' {style}/>"
+
+    def legend(self, items: list[tuple[str, str]], width: int = 90) -> list[str]:
+        """``(colour, name)`` swatches in a row at the top right, above the plot (``T`` leaves room for it)."""
+        out = []
+        for i, (c, name) in enumerate(items):
+            lx = self.W - self.R - width * len(items) + i * width
+            out.append(f"<rect x='{lx}' y='{self.T - 16}' width='14' height='4' fill='{c}'/>"
+                       + _text(lx + 18, self.T - 10, name))
+        return out
 
 
 def loss_svg(losses: list[float], ref: list[float] | None, fail_steps: list[int], diverge: int | None, *,
@@ -216,52 +278,68 @@ def loss_svg(losses: list[float], ref: list[float] | None, fail_steps: list[int]
 
     Values that are not finite numbers (a diverged loss, a step that is not a number) are left out.
     """
-    W, H, L, R, T, B = 580, 270, 52, 12, 12, 40
+    W, H, L, R, T, B = 580, 270, 52, 12, 28, 40
     fail_steps = [s for s in fail_steps if finite(s)]
     diverge = diverge if finite(diverge) else None
     series = [float(v) for v in list(losses) + list(ref or []) if finite(v)]
     if not series:
         return f"<svg id='{svg_id}' viewBox='0 0 {W} 60' width='100%'>{_text(10, 30, 'no committed steps')}</svg>"
     n = max(len(losses), len(ref or []), 2)
-    lo, hi = min(series), max(series)
-    # 8 % of the range on each side; a single value gets 5 % of its size (at least 0.5), so the range never
-    # has zero width, and it stays inside the floats however close to the maximum the losses come.
-    pad = _half_span(lo, hi) * 0.16 or max(abs(lo) * 0.05, 0.5)
-    lo, hi = max(lo - pad, -sys.float_info.max), min(hi + pad, sys.float_info.max)
-    half = _half_span(lo, hi)
-
-    def x(i: float) -> float:
-        return L + i / (n - 1) * (W - L - R)
-
-    def y(v: float) -> float:
-        return T + (hi / 2 - v / 2) / half * (H - T - B)
-
+    p = _Plot(W, H, L, R, T, B, 0, n - 1, *_value_range(series))
     out = [f"<svg id='{svg_id}' viewBox='0 0 {W} {H}' width='100%' role='img' aria-label='loss per step'>"]
-    for v in _ticks(lo, hi, 5):
-        out.append(f"<line x1='{L}' x2='{W - R}' y1='{y(v):.1f}' y2='{y(v):.1f}' stroke='#e3e6ea'/>")
-        out.append(_text(L - 6, y(v) + 4, f"{v:.3g}", anchor="end"))
-    for v in _ticks(0, n - 1, 8, integer=True):
-        out.append(_text(x(v), H - B + 16, _tick_label(v), anchor="middle"))
+    out += p.grid()
     out.append(_text(W - R, H - 4, "step", anchor="end", fill="#777"))
-    for s in fail_steps:
-        out.append(f"<line x1='{x(s):.1f}' x2='{x(s):.1f}' y1='{T}' y2='{H - B}' stroke='#ef6c00' "
-                   f"stroke-dasharray='4 3'><title>failure at step {esc(s)}</title></line>")
+    out += p.step_lines(fail_steps, "#ef6c00", "failure")
     if diverge is not None:
-        out.append(f"<line x1='{x(diverge):.1f}' x2='{x(diverge):.1f}' y1='{T}' y2='{H - B}' stroke='#c62828' "
-                   f"stroke-width='2'/>" + _text(x(diverge) + 4, T + 12, f"diverged at {diverge}", fill="#c62828"))
-
-    def line(vals: list[float], style: str) -> str:
-        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(vals) if finite(v))
-        return f"<polyline points='{pts}' fill='none' {style}/>"
-
+        out.append(f"<line x1='{p.x(diverge):.1f}' x2='{p.x(diverge):.1f}' y1='{T}' y2='{H - B}' stroke='#c62828' "
+                   f"stroke-width='2'/>" + _text(p.x(diverge) + 4, T + 12, f"diverged at {diverge}", fill="#c62828"))
     if ref:
-        out.append(line(ref, "stroke='#9e9e9e' stroke-width='4' stroke-opacity='0.6'"))
-    out.append(line(losses, "stroke='#1a237e' stroke-width='1.6'"))
-    legend = ([("#1a237e", "this run")] + ([("#9e9e9e", "reference")] if ref else [])
-              + ([("#ef6c00", "failure")] if fail_steps else []))
-    for i, (c, name) in enumerate(legend):
-        lx = W - R - 90 * len(legend) + i * 90
-        out.append(f"<rect x='{lx}' y='{T + 2}' width='14' height='4' fill='{c}'/>" + _text(lx + 18, T + 8, name))
+        out.append(p.polyline(list(enumerate(ref)), "stroke='#9e9e9e' stroke-width='4' stroke-opacity='0.6'"))
+    out.append(p.polyline(list(enumerate(losses)), "stroke='#1a237e' stroke-width='1.6'"))
+    out += p.legend([("#1a237e", "this run")] + ([("#9e9e9e", "reference")] if ref else [])
+                    + ([("#ef6c00", "failure")] if fail_steps else []))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def reward_svg(steps: list[dict], fail_steps: list[int], sampler_steps: list[int], *, svg_id: str) -> str:
+    """An RL run's mean reward per committed step (the report's ``rl.steps``), each point with the weights
+    version its rollouts were made with: in its tooltip, and in a second row under the step ticks. Dashed
+    lines mark the steps of failures (trainers lost) and of samplers lost (``sampler_steps``).
+
+    Steps whose step or reward is not a finite number are left out.
+    """
+    W, H, L, R, T, B = 580, 280, 68, 12, 28, 54
+    pts = sorted((s["step"], float(s["mean_reward"]), s.get("version")) for s in steps
+                 if isinstance(s, dict) and finite(s.get("step")) and finite(s.get("mean_reward")))
+    if not pts:
+        return f"<svg id='{svg_id}' viewBox='0 0 {W} 60' width='100%'>{_text(10, 30, 'no committed steps')}</svg>"
+    p = _Plot(W, H, L, R, T, B, pts[0][0], pts[-1][0], *_value_range([v for _, v, _ in pts]))
+    fail_steps = [s for s in fail_steps if finite(s) and p.x0 <= s <= p.x1]
+    sampler_steps = [s for s in sampler_steps if finite(s) and p.x0 <= s <= p.x1]
+    out = [f"<svg id='{svg_id}' viewBox='0 0 {W} {H}' width='100%' role='img' "
+           f"aria-label='mean reward per step, with the weights version of its rollouts'>"]
+    out += p.grid()
+    # the second row: the weights version of the step at each tick
+    version = {s: v for s, _, v in pts}
+    row = H - B + 32
+    out.append(_text(4, H - B + 16, "step", size=10, fill="#777"))
+    out.append(_text(4, row, "version", size=10, fill="#6a1b9a"))
+    for s in p.step_ticks():
+        v = version.get(int(s)) if s == int(s) else None
+        if v is not None:   # a tick past the last step (one step: its axis spans two) has none
+            out.append(_text(p.x(s), row, v, size=10, anchor="middle", fill="#6a1b9a"))
+    out += p.step_lines(fail_steps, "#ef6c00", "failure")
+    out += p.step_lines(sampler_steps, "#00897b", "sampler lost")
+    out.append(p.polyline([(s, v) for s, v, _ in pts], "stroke='#2e7d32' stroke-width='1.6'"))
+    dots = len(pts) <= 300
+    for s, v, ver in pts:
+        lag = f", {s - ver} behind" if finite(ver) and s - ver > 0 else ""
+        tip = f"step {s}: mean reward {v:.4g}, weights v{ver if ver is not None else '?'}{lag}"
+        out.append(f"<circle cx='{p.x(s):.1f}' cy='{p.y(v):.1f}' r='{2.6 if dots else 1}' fill='#2e7d32'>"
+                   f"<title>{esc(tip)}</title></circle>")
+    out += p.legend([("#2e7d32", "mean reward")] + ([("#ef6c00", "failure")] if fail_steps else [])
+                    + ([("#00897b", "sampler lost")] if sampler_steps else []), width=100)
     out.append("</svg>")
     return "".join(out)
 

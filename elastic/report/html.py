@@ -15,7 +15,7 @@ import pathlib
 import time
 
 from elastic.report.charts import (COLORS, PHASE_COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg,
-                                   phase_color, timeline_svg)
+                                   phase_color, reward_svg, timeline_svg)
 from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, idle_gaps, intervals
 from elastic.report.summary import bubble_text, resumed_text
 
@@ -42,6 +42,9 @@ code{font:12px "DejaVu Sans Mono",monospace;word-break:break-all}
 .sw{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:4px;vertical-align:-2px}
 .big{font-size:28px;font-weight:bold} .muted{color:#8a919c} .nw{white-space:nowrap}
 svg text{font-family:"DejaVu Sans","Liberation Sans",Arial,sans-serif}
+.split{display:flex;gap:20px;align-items:flex-start} .split>*{flex:1;min-width:0}
+table.kv td:first-child{color:#59606b;width:42%} table.kv td:last-child{font-weight:bold}
+table.kv .note{display:block;font-weight:normal;font-size:12px;color:#59606b;word-break:break-all}
 """
 
 
@@ -318,6 +321,53 @@ def _pipeline(report: dict) -> str:
     return f"<div class='card' id='pipeline'><h2>Pipeline</h2><p>{esc(bubble_text(pl))}</p>{table}</div>"
 
 
+def _rl(report: dict) -> str:
+    """An RL run (the ``rl`` section): the mean reward per step with each step's weights version, and a table of
+    the samplers, the weight syncs, the rollouts and the two roles' time; absent for a run that is not RL."""
+    rl = report.get("rl")
+    if not isinstance(rl, dict):
+        return ""
+
+    def secs(x: object) -> str:
+        return fmt_seconds(x) if finite(x) else "—"
+
+    def num(x: object, fmt: str = ".3f") -> str:
+        return format(x, fmt) if finite(x) else "—"
+
+    steps = [s for s in rl.get("steps") or [] if isinstance(s, dict)]
+    fail_steps = [f.get("step") for f in report.get("failures") or [] if isinstance(f, dict)]
+    sampler_steps = [f.get("step") for f in report.get("faults") or [] if isinstance(f, dict)
+                     and f.get("path") == "reassign"]
+    failed = [str(x) for x in rl.get("weight_sync_sources_failed") or []]
+    distinct = list(dict.fromkeys(failed))
+    passed_over = _Markup(esc(len(failed)) + "".join(
+        f"<span class='note'>{esc(why)}" + (f" (×{failed.count(why)})" if failed.count(why) > 1 else "") + "</span>"
+        for why in distinct[:3]) + (f"<span class='note'>… {len(distinct) - 3} more</span>" if len(distinct) > 3
+                                    else ""))
+    overlap = rl.get("overlap")
+    rows = [
+        ("samplers", rl.get("samplers") if rl.get("samplers") is not None else "—"),
+        ("rl_off_policy_steps", rl.get("off_policy_steps") if rl.get("off_policy_steps") is not None else "—"),
+        ("reward (first 3 → last 3 steps)", f"{num(rl.get('reward_first'))} → {num(rl.get('reward_last'))}"),
+        ("weight syncs", f"{rl.get('weight_syncs')} ({_fmt_bytes(rl.get('weight_sync_bytes'))}; median "
+                         f"{secs(rl.get('weight_sync_seconds_median'))}, total {secs(rl.get('weight_sync_seconds'))})"
+                         if rl.get("weight_syncs") else "0"),
+        ("sources passed over", passed_over),
+        ("rollout bytes", _fmt_bytes(rl.get("rollout_bytes"))),
+        ("sampler seconds", secs(rl.get("sampler_seconds"))),
+        ("trainer seconds", secs(rl.get("trainer_seconds"))),
+        ("span (first rollout → last commit)", secs(rl.get("span_seconds"))),
+        ("sequential (sampler + trainer)", secs(rl.get("sequential_seconds"))),
+        ("overlap (1 - span / sequential)", f"{100 * overlap:.1f} %" if finite(overlap) else "—"),
+        ("samplers lost / relaunched", f"{rl.get('samplers_lost', 0)} / {rl.get('samplers_relaunched', 0)}"),
+    ]
+    body = "".join(f"<tr><td>{esc(k)}</td><td>{v if isinstance(v, _Markup) else esc(v)}</td></tr>" for k, v in rows)
+    return (f"<div class='card' id='rl'><h2>RL post-training</h2><div class='split'><div>"
+            f"<div class='sub'>Mean reward per step; under each step the weights version its rollouts were made "
+            f"with (hover a point for its own)</div>{reward_svg(steps, fail_steps, sampler_steps, svg_id='reward')}"
+            f"</div><table class='kv'>{body}</table></div></div>")
+
+
 def _stragglers(report: dict) -> str:
     rows = [[s.get("worker"), s.get("step"), fmt_seconds(s.get("seconds")), fmt_seconds(s.get("median_seconds")),
              s.get("action"), _stacks_links({s["worker"]: s["stacks"]} if s.get("stacks") else {})]
@@ -350,7 +400,7 @@ def render_html(report: dict, events: list[dict]) -> str:
     body = "".join([
         _header(report, events), _banner(report), _dropped(report), _facts(report, gp),
         _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>", _evals(report),
-        _pipeline(report),
+        _pipeline(report), _rl(report),
         _attempts(report), _failures(report), _faults(report), _stragglers(report), _security(report),
     ])
     title = f"jax-elastic run {report.get('run_id') or ''}"

@@ -16,7 +16,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["attempt_text", "bubble_text", "print_summary", "resumed_text", "summary_panel", "summary_text"]
+__all__ = ["attempt_text", "bubble_text", "print_summary", "resumed_text", "rl_text", "summary_panel",
+           "summary_text"]
 
 _VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
 
@@ -65,6 +66,20 @@ def bubble_text(pipeline: dict) -> str:
     ratio = num(p.get("bubble_ratio"), 2)
     return (f"{shape}: bubble {num(p['bubble_median'])} measured (median of {p.get('steps_measured')} steps), "
             f"{theory} in theory" + (f", ratio {ratio}" if ratio else ""))
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def rl_text(rl: dict) -> str:
+    """An RL run's reward in words (the report's ``rl`` section): the mean reward of its first steps and of its
+    last (3 each), how many steps, and the overlap of the samplers' and the trainers' time."""
+    steps = rl.get("steps") if isinstance(rl.get("steps"), list) else []
+    first, last, overlap = rl.get("reward_first"), rl.get("reward_last"), rl.get("overlap")
+    reward = f"{first:.3f} → {last:.3f}" if _number(first) and _number(last) else "—"
+    return (f"{reward} ({len(steps)} steps" + (f"; overlap {100 * overlap:.0f} %" if _number(overlap) else "")
+            + ")")
 
 
 def attempt_text(a: dict) -> str:
@@ -126,6 +141,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
         ("loss", loss_text(report.get("losses") or [])),
         *([("eval loss", eval_text(report["evals"]))] if report.get("evals") else []),
+        *([("reward", rl_text(report["rl"]))] if isinstance(report.get("rl"), dict) else []),
         ("slices at end", "—" if report.get("slices_at_end") is None
          else f"{report['slices_at_end']} of {report.get('slices', '—')}"),
         ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"

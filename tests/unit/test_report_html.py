@@ -224,3 +224,110 @@ def test_screenshot_script_renders_a_run_directory(tmp_path):
     (tmp_path / "report.json").write_text(json.dumps(full_report(events)))
     assert script.main([str(tmp_path), "--out", str(tmp_path / "out.png")]) == 0
     assert (tmp_path / "report.html").exists() and (tmp_path / "out.png").stat().st_size > 10_000
+
+
+# -- RL post-training ---------------------------------------------------------
+
+def rl_events(faults=True):
+    """An RL run folded from hand-built events: 2 trainers, 2 samplers, 6 steps one step off-policy (steps 0 and 1
+    on version 0), weight syncs (one passing a lost trainer over), and with ``faults`` sampler s3 killed at step 2
+    (reassign, relaunched as s4)."""
+    events = [ev(0, "job_started", mode="distributed", config={"run_name": "rl", "steps": 6, "rl_samplers": 2,
+                                                               "rl_off_policy_steps": 1},
+                 global_batch_size=8, microbatches=2),
+              ev(0.1, "run_started", run_id="r-rl", slices=2, devices_per_slice=1, steps=6),
+              ev(0.2, "placement", active=["w0", "w1"]), ev(0.3, "samplers_started", workers=["s2", "s3"]),
+              ev(0.4, "state_initialized", state_bytes=1024)]
+    rewards = [0.125, 0.25, 0.375, 0.5, 0.625, 0.875]
+    for i, r in enumerate(rewards):
+        t, version = 1 + i, max(i - 1, 0)
+        failed = ["10.0.0.1:7: ConnectionRefusedError"] if i == 4 else []
+        events += [ev(t, "weights_synced", worker="s2", version=version, bytes=2048, seconds=0.002 * (i + 1),
+                      source="10.0.0.2:7", failed=failed),
+                   ev(t + 0.3, "rollouts_made", step=i, version=version, seconds=0.25),
+                   ev(t + 0.35, "step_dispatched", step=i, workers=["w0", "w1"]),
+                   ev(t + 0.6, "step_committed", step=i, loss=-0.01 * i),
+                   ev(t + 0.6, "rl_step", step=i, version=version, mean_reward=r, rollout_seconds=0.25,
+                      rollout_bytes=3000)]
+        if faults and i == 2:
+            events += [ev(t + 0.7, "fault_injected", index=0, fault="kill:role=sampler@step=3", fault_kind="kill",
+                          workers=["s3"], step=3),
+                       ev(t + 0.75, "worker_dead", worker="s3", cause="crash"),
+                       ev(t + 0.8, "sampler_relaunched", replaces="s3", worker="s4")]
+    events.append(ev(7, "run_finished", final_state_digest=DIGEST, replica_hashes={"w0": DIGEST},
+                     client_peak_rss_bytes=1))
+    return events
+
+
+def rl_card(page):
+    start = page.index("<div class='card' id='rl'>")
+    return page[start:page.index("<div class='card'>", start)]
+
+
+def test_an_rl_run_renders_its_reward_curve_with_each_steps_weights_version_and_its_table():
+    from elastic.report import build_report
+
+    events = rl_events()
+    report = build_report(events)
+    validate(report)
+    assert report["rl"]["samplers_lost"] == 1 and report["faults"][0]["path"] == "reassign"
+    card = rl_card(render_html(report, events))
+    assert "<h2>RL post-training</h2>" in card and "<svg id='reward'" in card
+    # the curve: one point per step, each with its reward and weights version; the version row under the steps
+    points = re.findall(r"<circle [^>]*><title>([^<]*)</title></circle>", card)
+    assert len(points) == 6 and points[0] == "step 0: mean reward 0.125, weights v0"
+    assert points[5] == "step 5: mean reward 0.875, weights v4, 1 behind"
+    assert ">version</text>" in card and "<polyline" in card
+    assert "sampler lost at step 3" in card   # the reassigned fault's step is marked
+    # the table
+    for text in ("samplers</td><td>2<", "rl_off_policy_steps</td><td>1<", "0.250 → 0.667",
+                 "weight syncs</td><td>6 (12.0 KiB; median 7 ms, total 42 ms)", "10.0.0.1:7: ConnectionRefusedError",
+                 "rollout bytes</td><td>17.6 KiB", "sampler seconds</td><td>1.50 s",
+                 "trainer seconds</td><td>1.50 s", "samplers lost / relaunched</td><td>1 / 1"):
+        assert text in card, text
+    rl = report["rl"]
+    assert f"overlap (1 - span / sequential)</td><td>{100 * rl['overlap']:.1f} %" in card
+    assert f"span (first rollout → last commit)</td><td>{rl['span_seconds']:.2f} s" in card
+
+
+def test_a_run_without_rl_renders_no_rl_section_and_no_reward_line():
+    from elastic.report import build_report
+
+    rl_kinds = {"samplers_started", "weights_synced", "rollouts_made", "rl_step"}
+    events = [e for e in rl_events(faults=False) if e["kind"] not in rl_kinds]
+    events[0] = {**events[0], "config": {"run_name": "plain", "steps": 6}}
+    report = build_report(events)
+    assert report["rl"] is None and report["steps_completed"] == 6
+    page = render_html(report, events)
+    assert "RL post-training" not in page and "id='reward'" not in page
+    assert "reward" not in summary_text(report, width=120)
+    # a fault-free RL run: the section without the fault marks
+    events = rl_events(faults=False)
+    card = rl_card(render_html(build_report(events), events))
+    assert "sampler lost" not in card and "samplers lost / relaunched</td><td>0 / 0" in card
+
+
+def test_the_summary_of_an_rl_run_has_its_reward_line():
+    from elastic.report import build_report
+
+    report = build_report(rl_events())
+    overlap = report["rl"]["overlap"]
+    line = next(line for line in summary_text(report, width=120).splitlines() if " reward " in line)
+    assert line.split() == ["│", "reward", "0.250", "→", "0.667", "(6", "steps;", "overlap",
+                            f"{100 * overlap:.0f}", "%)", "│"], line
+    assert "(reassign)" in summary_text(report, width=160)
+
+
+def test_timeline_marker_labels_near_the_right_edge_do_not_overlap_in_a_row():
+    """Two markers close together near the end of the axis: their labels end at their lines, so the second may
+    not share a row with the first (it once did, drawn over it)."""
+    from elastic.report.charts import timeline_svg
+
+    events = [ev(0, "step_committed", step=0, loss=1.0), ev(9.80, "fault_injected", index=1, fault_kind="kill"),
+              ev(9.83, "failure_detected", worker="w1"), ev(9.86, "recovered", path="shrink"),
+              ev(10, "step_committed", step=1, loss=1.0)]
+    svg = timeline_svg(events, [], 0.0, 10.0, svg_id="t", max_slices=2)
+    labels = re.findall(r"<text x='([0-9.]+)' y='([0-9.]+)' font-size='11' text-anchor='(\w+)' fill='#\w+' "
+                        r"font-weight='bold'>([^<]*)</text>", svg)
+    assert len(labels) == 3 and len({y for _, y, _, _ in labels}) == 3, labels   # one row each
+    assert all(anchor == "end" for _, _, anchor, _ in labels)   # near the edge: left of their lines
