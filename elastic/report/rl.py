@@ -7,13 +7,16 @@ and the bytes the client carried. Weight syncs (``weights_synced``): count,
 bytes and seconds, and the sources passed over (lost mid-transfer, or without
 the version). The roles' time, measured on the client's clock:
 
-- ``sampler_seconds``: per step, from the first rollout call to the last
-  rollout answer (``rollouts_made``), summed;
-- ``trainer_seconds``: per step, from its dispatch to its commit, summed;
-- ``span_seconds``: from the first rollout call to the last commit;
+- over the steady steps (those committed right after the previous commit,
+  with no failure or client restart between: a recovery's time is not the
+  schedule's), summed:
+- ``sampler_seconds``: from the step's first rollout call to its last
+  rollout answer (``rollouts_made``);
+- ``trainer_seconds``: from the step's dispatch to its commit;
+- ``span_seconds``: from the previous commit to the step's commit;
 - ``sequential_seconds``: ``sampler_seconds + trainer_seconds``, what the
   same work takes with no overlap, and ``overlap`` = 1 - span / sequential
-  (0: none; 0.5: the span is half of the sequential time).
+  (0: none, as on-policy; 0.5: the steps took half the sequential time).
 
 :func:`sampler_fault` fills a fault that hit samplers: detection when the
 sampler was declared dead, recovery when the next step's rollouts were all
@@ -50,19 +53,27 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
     if not steps and not (config or {}).get("rl_samplers"):
         return None
     syncs = [e for e in events if e["kind"] == "weights_synced"]
-    dispatched, committed, made = {}, {}, {}
+    dispatched, made, last_commit = {}, {}, None
+    sampler = trainer = span = 0.0
+    steady = 0
     for e in events:
-        if e["kind"] == "step_dispatched":
+        kind = e["kind"]
+        if kind == "step_dispatched":
             dispatched[e["step"]] = e["t"]   # the last dispatch: the one that committed
-        elif e["kind"] == "step_committed" and e["step"] in steps:
-            committed.setdefault(e["step"], e["t"])
-        elif e["kind"] == "rollouts_made":
-            made[e["step"]] = e
-    sampler = sum(s["rollout_seconds"] for s in steps.values())
-    trainer = sum(committed[k] - dispatched[k] for k in committed if k in dispatched)
-    firsts = [made[k]["t"] - made[k]["seconds"] for k in made]
-    span = (max(committed.values()) - min(firsts)) if committed and firsts else None
+        elif kind == "rollouts_made":
+            made[e["step"]] = e["seconds"]
+        elif kind in ("failure_detected", "job_started", "client_attached"):
+            last_commit = None   # what follows is a recovery's, or a new client's start
+        elif kind == "step_committed":
+            k = e["step"]
+            if last_commit is not None and k in made and k in dispatched and not e.get("recovered"):
+                sampler += made[k]
+                trainer += e["t"] - dispatched[k]
+                span += e["t"] - last_commit
+                steady += 1
+            last_commit = e["t"]
     sequential = sampler + trainer
+    span = span if steady else None
     rewards = [s["mean_reward"] for _, s in sorted(steps.items())]
     head, tail = rewards[:3], rewards[-3:]
     return {
@@ -82,6 +93,7 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
         "span_seconds": span,
         "sequential_seconds": sequential,
         "overlap": (1 - span / sequential) if span is not None and sequential > 0 else None,
+        "steady_steps": steady,
         "samplers_lost": len([e for e in events if e["kind"] == "worker_dead" and e["worker"] in samplers_of(events)]),
         "samplers_relaunched": len([e for e in events if e["kind"] == "sampler_relaunched"]),
     }

@@ -44,7 +44,7 @@ import grpc
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
-from runtime.core.errors import CapacityExhaustedError
+from runtime.core.errors import CapacityExhaustedError, StateLostError
 from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import SamplerPrograms
 from runtime.wire.batches import decode_batch
@@ -106,6 +106,7 @@ class Sampling:
         self.live: list[str] = []                    # loaded samplers, in launch order
         self.launching: list[str] = []               # launched, not registered yet
         self.installed: dict[str, int] = {}          # sampler -> the version it holds
+        self.held: dict[str, list[int]] = {}         # sampler -> the versions it can send peers (its last two)
         self.calls: dict[str, _Call] = {}            # sampler -> its one call in flight
         self.made: dict[int, dict[int, pb.FedBatch]] = {}   # step -> microbatch -> its rollout
         self.published: dict[int, set[str]] = {}     # version -> trainers that hold it
@@ -134,7 +135,7 @@ class Sampling:
         ones that answer keep serving (they sync again: the version they hold is not known here), fresh ones
         are launched for the rest."""
         self.seed = seed
-        self.live, self.installed, self.calls, self.made, self.published = [], {}, {}, {}, {}
+        self.live, self.installed, self.held, self.calls, self.made, self.published = [], {}, {}, {}, {}, {}
         if known:
             fingerprint = programs_fingerprint({"rollout": self.programs.rollout})
             self.live = self.group.attach_samplers(known, fingerprint)
@@ -147,7 +148,8 @@ class Sampling:
         replies = self.group.calls.publish_weights(list(trainers), list(self.programs.weight_leaves),
                                                    self.programs.weights_dtype)
         for w, r in replies.items():
-            self.published.setdefault(r.version, set()).add(w)
+            for v in {r.version, *r.held}:
+                self.published.setdefault(v, set()).add(w)
         if replies:
             r = next(iter(replies.values()))
             self.events.emit("weights_published", version=r.version, workers=sorted(replies), bytes=r.bytes)
@@ -185,11 +187,18 @@ class Sampling:
                         fence=self.group.fence(), step=step, microbatches=mbs, version=version, seed=self.seed)),
                         now, version, step, tuple(mbs)))
                     self._first_call.setdefault(step, now)
-            for w in [w for w in free if w not in self.calls and self.installed.get(w, -1) < version]:
+            for w in [w for w in free if w not in self.calls and self.installed.get(w) != version]:
                 sources = self._sources(version, w, dead)
-                if sources:
+                if sources:   # (the earliest step's version first: a sampler moves back to it if it must)
                     self._start(w, _Call("sync", self.group.calls.start_call(w, "SyncWeights", pb.SyncWeightsRequest(
                         fence=self.group.fence(), version=version, sources=sources)), now, version))
+            if step == committed and version < committed and not self._sources(version, "", dead) and not any(
+                    c.version == version for c in self.calls.values()) and \
+                    not any(self.installed.get(w) == version for w in self.live if w not in dead):
+                raise StateLostError(
+                    f"step {step}'s rollouts need weights version {version}, and every trainer and sampler that "
+                    f"held it was lost (rl_off_policy_steps={self.off}: the run stands at version {committed}); its "
+                    "rollouts cannot be made again bit for bit")
 
     def _start(self, worker: str, call: _Call) -> None:
         self.calls[worker] = call
@@ -201,7 +210,7 @@ class Sampling:
         if trainers:
             k = self.live.index(worker) % len(trainers) if worker in self.live else 0
             trainers = trainers[k:] + trainers[:k]
-        peers = [w for w in self.live if w != worker and self.installed.get(w) == version and w not in dead]
+        peers = [w for w in self.live if w != worker and version in self.held.get(w, ()) and w not in dead]
         return [self.group.calls.where(w) for w in trainers + peers]
 
     def _take_in(self, dead) -> None:
@@ -229,6 +238,7 @@ class Sampling:
                 self.events.emit("sampler_joined", worker=w)
             elif call.kind == "sync":
                 self.installed[w] = reply.version
+                self.held[w] = [*self.held.get(w, [])[-1:], reply.version]
                 self.events.emit("weights_synced", worker=w, version=reply.version, bytes=reply.bytes,
                                  seconds=reply.seconds, source=reply.source, failed=list(reply.failed))
             else:
@@ -289,6 +299,7 @@ class Sampling:
             self.live.remove(worker)
         self.calls.pop(worker, None)
         self.installed.pop(worker, None)
+        self.held.pop(worker, None)
         if self.opts.relaunch and self.relaunched < self.opts.max_retries:
             self.relaunched += 1
             wid = self.group.launch(sampler=True)

@@ -207,7 +207,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 version = replica.executor.steps_applied
                 leaves = cast_weights(replica.executor.host_state(), request.leaves, request.dtype)
             digest = self.weights.put(version, leaves)
-            return pb.PublishWeightsReply(version=version, digest=digest, bytes=sum(x.nbytes for x in leaves))
+            return pb.PublishWeightsReply(version=version, digest=digest, bytes=sum(x.nbytes for x in leaves),
+                                          held=self.weights.versions())
         return self._guard(context, publish)
 
     def SyncWeights(self, request, context):

@@ -282,12 +282,13 @@ def test_an_rl_run_renders_its_reward_curve_with_each_steps_weights_version_and_
     # the table
     for text in ("samplers</td><td>2<", "rl_off_policy_steps</td><td>1<", "0.250 → 0.667",
                  "weight syncs</td><td>6 (12.0 KiB; median 7 ms, total 42 ms)", "10.0.0.1:7: ConnectionRefusedError",
-                 "rollout bytes</td><td>17.6 KiB", "sampler seconds</td><td>1.50 s",
-                 "trainer seconds</td><td>1.50 s", "samplers lost / relaunched</td><td>1 / 1"):
+                 "rollout bytes</td><td>17.6 KiB", "steady steps (measured below)</td><td>5<",
+                 "sampler seconds</td><td>1.25 s", "trainer seconds</td><td>1.25 s", "samplers lost / relaunched</td><td>1 / 1"):
         assert text in card, text
     rl = report["rl"]
     assert f"overlap (1 - span / sequential)</td><td>{100 * rl['overlap']:.1f} %" in card
-    assert f"span (first rollout → last commit)</td><td>{rl['span_seconds']:.2f} s" in card
+    assert rl["span_seconds"] == pytest.approx(5.0) and rl["overlap"] == pytest.approx(1 - 5.0 / 2.5)   # 1 s apart
+    assert f"span (commit to commit)</td><td>{rl['span_seconds']:.2f} s" in card
 
 
 def test_a_run_without_rl_renders_no_rl_section_and_no_reward_line():

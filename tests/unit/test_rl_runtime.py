@@ -1,0 +1,328 @@
+"""The RL runtime's pieces without worker processes: the samplers' schedule (runtime.control.sampling) against a
+fake group, weights versions held and pulled over real loopback data planes (runtime.worker.weights), and the
+batches the client carries (runtime.wire.batches)."""
+
+import socket
+import types
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from runtime._proto import elastic_pb2 as pb
+from runtime.control.sampling import Sampling, is_sampler, split, weights_version
+from runtime.core.errors import ProtocolError, StaleEpochError
+from runtime.core.programs import SamplerPrograms
+from runtime.state.state_copy import state_digest
+from runtime.wire import auth, rpc
+from runtime.wire.batches import decode_batch, encode_batch
+from runtime.wire.dataplane import DataServer
+from runtime.wire.dataplane_client import DataClient
+from runtime.wire.peers import PeerChannels
+from runtime.worker.weights import WeightOutbox, cast_weights, pull_weights
+
+FENCE = pb.Fence(run_id="r", epoch=1)
+SECRET = "s3cret"
+
+
+# -- pure rules ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step, off, version", [(0, 0, 0), (5, 0, 5), (0, 1, 0), (1, 1, 0), (5, 1, 4)])
+def test_a_steps_rollouts_use_the_weights_of_off_policy_steps_before(step, off, version):
+    assert weights_version(step, off) == version
+
+
+@pytest.mark.parametrize("items, parts, expected", [
+    ([0, 1, 2, 3], 2, [[0, 1], [2, 3]]),
+    ([0, 1, 2], 2, [[0, 1], [2]]),
+    ([5], 3, [[5]]),
+    ([0, 1, 2, 3], 1, [[0, 1, 2, 3]]),
+])
+def test_missing_microbatches_split_into_contiguous_even_runs(items, parts, expected):
+    assert split(items, parts) == expected
+
+
+def test_samplers_are_named_apart_from_trainers():
+    assert is_sampler("s3") and is_sampler("s12")
+    assert not is_sampler("w3") and not is_sampler("s") and not is_sampler("stage1") and not is_sampler("s1x")
+
+
+# -- the batches the client carries -------------------------------------------------------------------------
+
+def test_a_batch_comes_back_bit_exact_and_only_with_the_programs_keys():
+    arrays = {"prompts": np.arange(12, dtype=np.int32).reshape(3, 4), "logprobs": np.linspace(-3, 0, 6, dtype=np.float32),
+              "rewards": np.ones(3, np.float32)}
+    b = encode_batch(7, 2, 5, arrays)
+    assert (b.step, b.microbatch, b.version) == (7, 2, 5)
+    back = decode_batch(b)
+    assert all(np.array_equal(back[k], v) and back[k].dtype == v.dtype for k, v in arrays.items())
+    spec = {"prompts": ([3, 4], "<i4"), "logprobs": ([6], "<f4")}
+    assert sorted(decode_batch(b, spec)) == ["logprobs", "prompts"]   # rewards are the report's, not the program's
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"prompts": ([3, 4], "<i4"), "advantages": ([3], "<f4")}, "lacks ['advantages']"),
+    ({"prompts": ([4, 3], "<i4")}, "'prompts' is (3, 4) int32, the program takes (4, 3) int32"),
+])
+def test_a_batch_that_does_not_fit_the_program_is_refused_naming_the_key(spec, needle):
+    b = encode_batch(0, 0, 0, {"prompts": np.zeros((3, 4), np.int32)})
+    with pytest.raises(ProtocolError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        decode_batch(b, spec)
+
+
+def test_a_batch_of_python_objects_or_the_wrong_size_is_refused():
+    wrong = pb.FedBatch(step=0, microbatch=0, arrays=[pb.NamedArray(name="x", shape=[4], dtype="<f4", data=b"\0" * 8)])
+    with pytest.raises(ProtocolError, match="is not \\(4,\\) float32"):
+        decode_batch(wrong)
+    objects = pb.FedBatch(step=0, microbatch=0, arrays=[pb.NamedArray(name="x", shape=[1], dtype="|O", data=b"\0" * 8)])
+    with pytest.raises(ProtocolError):
+        decode_batch(objects)
+
+
+# -- weights versions ---------------------------------------------------------------------------------------
+
+def test_an_outbox_keeps_the_newest_versions_and_names_what_it_holds():
+    box = WeightOutbox(keep=2)
+    for v in range(4):
+        box.put(v, [np.full(3, v, np.float32)])
+    assert box.versions() == [2, 3]
+    leaves, digest = box.get(3)
+    assert np.array_equal(leaves[0], np.full(3, 3, np.float32)) and digest == state_digest(leaves)
+    with pytest.raises(StaleEpochError, match=r"version 1 is not held here \(held: \[2, 3\]\)"):
+        box.get(1)
+
+
+def test_the_weights_published_are_the_chosen_leaves_in_the_samplers_dtype():
+    state = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32), np.zeros(2, np.float32)]
+    out = cast_weights(state, [0, 2], "bfloat16")
+    assert [x.shape for x in out] == [(2, 3), (2,)] and all(x.dtype == ml_dtypes.bfloat16 for x in out)
+    assert out[0].nbytes == state[0].nbytes // 2
+    assert np.array_equal(cast_weights(state, [1], "")[0], state[1])
+    with pytest.raises(ProtocolError, match="weights leaf 3 is not one of the state's 3 leaves"):
+        cast_weights(state, [3], "")
+
+
+class _Source:
+    """A data server serving ``box``'s weights versions (as a trainer's or a sampler's worker does)."""
+
+    def __init__(self, box):
+        self.box = box
+        self.server = DataServer("127.0.0.1", secret=SECRET, tls=None, status_name=rpc.status_name,
+                                 on_push=lambda chunks: None, on_state=self.state, refusals=auth.Refusals(),
+                                 dropped=lambda: False)
+
+    def state(self, request):
+        assert request.weights
+        return self.box.parts(request.weights_version, 1024)
+
+    def peer(self):
+        return pb.Peer(address="127.0.0.1:1", data_address=self.server.address)
+
+
+def test_a_sampler_pulls_a_version_whole_from_the_first_source_that_has_it():
+    leaves = [np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32), np.arange(5, dtype=np.float32)]
+    old, new = WeightOutbox(), WeightOutbox()
+    old.put(3, [x * 0 for x in leaves])
+    new.put(4, leaves)
+    with socket.socket() as s:   # nothing listens here: a source lost before the pull
+        s.bind(("127.0.0.1", 0))
+        gone = pb.Peer(address="127.0.0.1:1", data_address=f"127.0.0.1:{s.getsockname()[1]}")
+    a, b = _Source(old), _Source(new)
+    data = DataClient(SECRET, None)
+    try:
+        layout = [(x.shape, x.dtype) for x in leaves]
+        request = pb.SyncWeightsRequest(fence=FENCE, version=4, sources=[gone, a.peer(), b.peer()],
+                                        expected_digest=state_digest(leaves))
+        got, digest, reply = pull_weights(request, layout, data=data, peers=PeerChannels(SECRET, None), timeout=5.0)
+        assert all(np.array_equal(x, y) for x, y in zip(got, leaves)) and digest == state_digest(leaves)
+        assert reply.version == 4 and reply.bytes == sum(x.nbytes for x in leaves)
+        assert reply.source == "127.0.0.1:1" and len(reply.failed) == 2
+        assert "version 4 is not held here (held: [3])" in reply.failed[1]
+        with pytest.raises(StaleEpochError, match="no source sent weights version 5"):
+            pull_weights(pb.SyncWeightsRequest(fence=FENCE, version=5, sources=[a.peer(), b.peer()]), layout,
+                         data=data, peers=PeerChannels(SECRET, None), timeout=5.0)
+        wrong = pb.SyncWeightsRequest(fence=FENCE, version=4, sources=[b.peer()], expected_digest="xxh3_128:00")
+        with pytest.raises(StaleEpochError, match="expected xxh3_128:00"):
+            pull_weights(wrong, layout, data=data, peers=PeerChannels(SECRET, None), timeout=5.0)
+    finally:
+        data.close()
+        a.server.close()
+        b.server.close()
+
+
+# -- the samplers' schedule ---------------------------------------------------------------------------------
+
+class _Future:
+    def __init__(self):
+        self._result, self._error, self._done = None, None, False
+
+    def done(self):
+        return self._done
+
+    def result(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def answer(self, result=None, error=None):
+        self._result, self._error, self._done = result, error, True
+
+
+class _Calls:
+    """What Sampling asks of the worker group's calls: each call kept, answered by the test."""
+
+    def __init__(self):
+        self.sent = []   # (worker, method, request, future)
+
+    def start_call(self, worker, method, request):
+        fut = _Future()
+        self.sent.append((worker, method, request, fut))
+        return fut
+
+    def settle(self, worker, fut):
+        pass
+
+    def where(self, worker):
+        return pb.Peer(address=f"{worker}:1", data_address=f"{worker}:2")
+
+    def publish_weights(self, workers, leaves, dtype):
+        return {w: pb.PublishWeightsReply(version=0, bytes=8) for w in workers}
+
+    def load_sampler(self, worker, programs):
+        return object()
+
+    def sampler_load_request(self, programs):
+        return pb.LoadRequest()
+
+    def open(self, method):
+        return [(w, r, f) for w, m, r, f in self.sent if m == method and not f.done()]
+
+
+class _Group:
+    def __init__(self):
+        self.calls = _Calls()
+        self.launched = []
+        self.dead = []
+
+    def fence(self):
+        return FENCE
+
+    def launch(self, sampler=False):
+        w = f"s{10 + len(self.launched)}"
+        self.launched.append(w)
+        return w
+
+    def wait_for_samplers(self, workers, timeout):
+        return list(workers)
+
+    def declare_dead(self, worker, reason, cause=""):
+        self.dead.append(worker)
+
+
+class _Events:
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, kind, **fields):
+        self.emitted.append((kind, fields))
+
+
+def _sampling(samplers=2, off=0, microbatches=4):
+    opts = types.SimpleNamespace(rl_samplers=samplers, rl_off_policy_steps=off, register_timeout_seconds=1.0,
+                                 relaunch=True, max_retries=3)
+    programs = SamplerPrograms(rollout=b"", layout={"num_microbatches": microbatches}, prompts=b"",
+                               weight_leaves=(0,))
+    group, events = _Group(), _Events()
+    sampling = Sampling(group, opts, events, programs)
+    sampling.start(["w0", "w1"], seed=0, committed=0)
+    return sampling, group, events
+
+
+def _answer_syncs(group):
+    for w, r, f in group.calls.open("SyncWeights"):
+        f.answer(pb.SyncWeightsReply(version=r.version, bytes=8, source=r.sources[0].address))
+
+
+def _answer_rollouts(group, only=None):
+    for w, r, f in group.calls.open("Rollout"):
+        if only is None or w in only:
+            f.answer(pb.RolloutReply(batches=[encode_batch(r.step, m, r.version, {"rewards": np.ones(2, np.float32)})
+                                              for m in r.microbatches]))
+
+
+def test_on_policy_a_step_is_sampled_only_with_the_weights_its_previous_step_made():
+    sampling, group, _ = _sampling(off=0)
+    sampling.pump(committed=0, steps=3, dead={})
+    syncs = group.calls.open("SyncWeights")
+    assert [(w, r.version) for w, r, _ in syncs] == [("s10", 0), ("s11", 0)]
+    assert [p.address for p in syncs[0][1].sources] == ["w0:1", "w1:1"]   # rotated per sampler:
+    assert [p.address for p in syncs[1][1].sources] == ["w1:1", "w0:1"]   # the syncs spread over the trainers
+    _answer_syncs(group)
+    sampling.pump(committed=0, steps=3, dead={})
+    rollouts = group.calls.open("Rollout")
+    assert [(w, r.step, list(r.microbatches), r.version) for w, r, _ in rollouts] == [
+        ("s10", 0, [0, 1], 0), ("s11", 0, [2, 3], 0)]
+    _answer_rollouts(group)
+    sampling.pump(committed=0, steps=3, dead={})
+    assert sampling.ready(0) and not sampling.ready(1)
+    assert not group.calls.open("Rollout") and not group.calls.open("SyncWeights")   # step 1 waits for version 1
+    sampling.committed(0, ["w0", "w1"])
+    sampling.pump(committed=1, steps=3, dead={})
+    assert [(w, r.version) for w, r, _ in group.calls.open("SyncWeights")] == [("s10", 1), ("s11", 1)]
+
+
+def test_off_policy_the_next_step_is_sampled_while_this_one_trains():
+    sampling, group, _ = _sampling(off=1)
+    sampling.pump(committed=0, steps=5, dead={})
+    _answer_syncs(group)
+    sampling.pump(committed=0, steps=5, dead={})
+    assert [(r.step, r.version) for _, r, _ in group.calls.open("Rollout")] == [(0, 0), (0, 0)]
+    _answer_rollouts(group)
+    sampling.pump(committed=0, steps=5, dead={})   # step 1 uses version 0 too: made before step 0 commits
+    assert [(r.step, r.version) for _, r, _ in group.calls.open("Rollout")] == [(1, 0), (1, 0)]
+
+
+def test_a_lost_samplers_microbatches_go_to_the_others_and_a_fresh_one_is_launched():
+    sampling, group, events = _sampling(off=0)
+    sampling.pump(committed=0, steps=2, dead={})
+    _answer_syncs(group)
+    sampling.pump(committed=0, steps=2, dead={})
+    _answer_rollouts(group, only={"s10"})   # s11 dies before it answers microbatches 2 and 3
+    for w, r, f in group.calls.open("Rollout"):
+        f.answer(error=grpc.FutureCancelledError())
+    sampling.lost("s11")
+    dead = {"s11": "killed"}
+    sampling.pump(committed=0, steps=2, dead=dead)
+    assert [(w, list(r.microbatches)) for w, r, _ in group.calls.open("Rollout")] == [("s10", [2, 3])]
+    assert ("sampler_relaunched", {"replaces": "s11", "worker": "s12"}) in events.emitted
+    _answer_rollouts(group)
+    sampling.pump(committed=0, steps=2, dead=dead)
+    assert sampling.ready(0) and sorted(sampling.feed(0).batches) == [0, 1, 2, 3]
+    assert [k for k, _ in events.emitted].count("rollouts_made") == 1
+    load = group.calls.open("Load")   # the fresh sampler loads its program, then joins
+    assert [w for w, _, _ in load] == ["s12"]
+    load[0][2].answer(pb.LoadReply())
+    sampling.pump(committed=0, steps=2, dead=dead)
+    assert "s12" in sampling.live and ("sampler_joined", {"worker": "s12"}) in events.emitted
+
+
+def test_a_step_commits_its_rewards_and_version_once():
+    sampling, group, events = _sampling(off=0)
+    sampling.pump(committed=0, steps=1, dead={})
+    _answer_syncs(group)
+    sampling.pump(committed=0, steps=1, dead={})
+    _answer_rollouts(group)
+    sampling.pump(committed=0, steps=1, dead={})
+    sampling.committed(0, ["w0", "w1"])
+    [(kind, fields)] = [e for e in events.emitted if e[0] == "rl_step"]
+    assert fields["step"] == 0 and fields["version"] == 0 and fields["mean_reward"] == 1.0
+    assert not sampling.ready(0) and sampling.published[1] == {"w0", "w1"}
+
+
+def test_with_every_sampler_lost_and_none_on_the_way_the_run_is_starved():
+    sampling, group, _ = _sampling(samplers=1)
+    sampling.opts.relaunch = False
+    sampling.lost("s10")
+    assert sampling.starved({"s10": "killed"})
