@@ -262,6 +262,23 @@ def _refuse_unknown(user, elastic_keys, maxtext_keys) -> None:
                                       f"{MAXTEXT_VERSION} nor jax-elastic defines it{hint}")
 
 
+#: Keys only MaxText's RL trainer reads (configs/post_train/rl.yml): its config is recognised by them.
+_MAXTEXT_RL_KEYS = ("rl", "trainer_devices_fraction", "sampler_devices_fraction", "num_samplers_slices",
+                    "rollout_data_parallelism")
+
+
+def _refuse_maxtext_rl(merged, path: pathlib.Path) -> None:
+    """MaxText's own RL config (``maxtext.trainers.post_train.rl.train_rl``; ``merged``: the keys of its whole
+    chain) is refused in one line naming what it needs and what runs RL here instead."""
+    found = [k for k in _MAXTEXT_RL_KEYS if k in merged]
+    if found:
+        raise elastic.ConfigError(
+            f"{path.name} is MaxText's RL config ({', '.join(found)}): its trainer "
+            "(maxtext.trainers.post_train.rl.train_rl) samples with Tunix and vLLM on Pathways, which jax-elastic does "
+            "not run; RL post-training here is jax-elastic's own (rl_samplers > 0 on the bundled policy, e.g. "
+            "`elastic run rl_tiny`; docs/rl.md)")
+
+
 def _refuse_environment(maxtext_keys) -> None:
     """MaxText reads ``M_<KEY>`` variables; jax-elastic would not see them (its half of the key would differ)."""
     for key in sorted(maxtext_keys):
@@ -416,6 +433,7 @@ def _whole(value: Any, key: str, user) -> int:
 def _maxtext_validate(pyconfig, path: pathlib.Path, hidden: set[str], cli: list[str]):
     """MaxText's own loader on the chain of ``path`` without the ``hidden`` keys, then ``cli`` overrides."""
     merged = pyconfig._load_config(str(path))   # MaxText's base_config resolution, unchanged
+    _refuse_maxtext_rl(merged, path)
     for key in hidden | {"base_config"}:
         if key in merged:
             del merged[key]

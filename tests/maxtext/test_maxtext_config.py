@@ -268,3 +268,13 @@ def test_the_docs_reference_command_is_the_same_math_as_the_run_above_it():
         a, b = loaded(run), loaded(reference)
         assert (a.global_batch_size, a.microbatches, a.steps) == (b.global_batch_size, b.microbatches, b.steps), \
             (run, reference)
+
+
+def test_maxtexts_own_rl_config_is_refused_naming_what_it_needs_and_what_runs_rl_here():
+    from integrations.maxtext.config_files import maxtext_configs_dir
+
+    with pytest.raises(elastic.ConfigError) as err:
+        load_maxtext_config(maxtext_configs_dir() / "post_train" / "rl.yml")
+    line = str(err.value)
+    assert "\n" not in line and "MaxText's RL config" in line
+    assert "Tunix and vLLM" in line and "rl_samplers" in line and "elastic run rl_tiny" in line
