@@ -67,11 +67,19 @@ class RolloutBatches:
 
 
 class RLTrainer(Trainer):
-    """GRPO post-training of the bundled transformer on the bundled task (``elastic run rl_tiny``)."""
+    """GRPO post-training of the bundled transformer (shaped by the config's model keys) on a task: the bundled
+    copy-the-prompt task (``elastic run rl_tiny``), or ``task``, any object with
+
+    - ``prompts(step, microbatch, p) -> int32[p, rl_prompt_length]``: a pure function of its arguments (numpy,
+      on the samplers' hosts, as a data source is), and
+    - ``reward(prompts, completions) -> float32[rows]``: a jax.numpy function of each row's prompt and
+      completion (traced into the samplers' rollout program; it runs on the samplers, never on the client).
+
+    ``fit()`` as for any job. The task must pickle (it is shipped to the samplers)."""
 
     reports_model_keys = True
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, task=None):
         try:
             self.rl = rl = RLSettings.from_config(config)
         except ValueError as e:
@@ -84,10 +92,17 @@ class RLTrainer(Trainer):
         if config.dcn_pipeline_parallelism > 1 or config.elastic_hosts_per_slice > 1 or config.eval_interval > 0:
             raise ConfigError("an RL run (rl_samplers > 0) trains on one slice per replica without eval for now: set "
                               "dcn_pipeline_parallelism=1, elastic_hosts_per_slice=1, eval_interval=0")
+        if rl.rl_kl_coef > 0:
+            raise ConfigError(f"rl_kl_coef={rl.rl_kl_coef}: the KL term against the frozen initial policy is in the "
+                              "one-process algorithm (elastic.rl.run_reference) but not yet on workers (the samplers "
+                              "would hold the reference weights beside their version); set rl_kl_coef=0")
         if config.elastic_launcher != "local":
             raise ConfigError(f"an RL run's samplers are started by the local launcher for now; elastic_launcher="
                               f"{config.elastic_launcher!r} is not supported with rl_samplers > 0")
-        self.task, self.config = rl.task, config
+        self.task, self.config = task if task is not None else rl.task, config
+        if not callable(getattr(self.task, "prompts", None)) or not callable(getattr(self.task, "reward", None)):
+            raise ConfigError(f"the RL task {type(self.task).__name__} needs prompts(step, microbatch, p) and "
+                              "reward(prompts, completions)")
         self.init = functools.partial(init_params, tcfg=rl.tcfg)
         spec = self._rollout_spec()
         super().__init__(init=self.init, loss=rl.loss_fn(),
@@ -108,7 +123,7 @@ class RLTrainer(Trainer):
     def _rollout_fn(self):
         """``rollout(weights leaves, prompts, seed, step, microbatch) -> outputs`` (the sampler's program)."""
         leaves, tree = self._weights()
-        fn = self.rl.rollout_fn()
+        fn = functools.partial(self.rl.rollout_fn(), task=self.task)
 
         def rollout(weights, prompts, seed, step, microbatch):
             params = jax.tree.unflatten(tree, [w.astype(x.dtype) for w, x in zip(weights, leaves)])

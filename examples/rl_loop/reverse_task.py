@@ -1,0 +1,59 @@
+"""RL post-training of your own task with jax-elastic: the policy learns to write its prompt backwards.
+
+The task is two functions, and that is all a task is (``elastic.rl.RLTrainer``):
+
+- ``prompts(step, microbatch, p)``: the prompts of one rollout microbatch, a pure function of its arguments
+  (numpy; it runs on the samplers, as a data source runs on the workers);
+- ``reward(prompts, completions)``: each row's reward, in jax.numpy (it is traced into the samplers' rollout
+  program, so it runs on the samplers and never on the client).
+
+Everything else is the config's: the policy (the bundled transformer, shaped by the model keys), the algorithm
+(GRPO, the rl_* keys), the slices (rl_samplers sampler slices, dcn_data_parallelism trainer slices) and how
+far the samplers run ahead (rl_off_policy_steps). Run it from the repository root::
+
+    elastic run rl_tiny elastic_trainer=examples.rl_loop.reverse_task:make_job
+    elastic chaos rl_tiny elastic_trainer=examples.rl_loop.reverse_task:make_job \\
+        --faults 'kill:role=sampler@step=5,kill:role=trainer@step=10'
+
+or ``python -m examples.rl_loop.reverse_task`` (the same, in this process, with the rl_tiny config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+import elastic
+
+
+@dataclasses.dataclass(frozen=True)
+class ReverseTask:
+    """Prompts of ``length`` random tokens below ``vocab``; a completion earns the fraction of its tokens that
+    are the prompt read backwards."""
+
+    vocab: int
+    length: int
+    seed: int = 0
+
+    def prompts(self, step: int, microbatch: int, p: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, step, microbatch])
+        return rng.integers(0, self.vocab, size=(p, self.length), dtype=np.int32)
+
+    def reward(self, prompts, completions):
+        target = prompts[:, ::-1][:, :completions.shape[1]]
+        return jnp.mean((completions[:, :target.shape[1]] == target).astype(jnp.float32), axis=1)
+
+
+def make_job(cfg: elastic.Config):
+    """The job the ``elastic`` command runs (``elastic_trainer=examples.rl_loop.reverse_task:make_job``)."""
+    from elastic.rl import RLTrainer
+
+    return RLTrainer(cfg, task=ReverseTask(cfg.vocab_size, cfg.rl_prompt_length, cfg.seed))
+
+
+if __name__ == "__main__":
+    report = make_job(elastic.load_config("rl_tiny", ["run_name=reverse_task"])).fit()
+    rl = report["rl"]
+    print(f"mean reward {rl['reward_first']:.3f} -> {rl['reward_last']:.3f} over {len(rl['steps'])} steps")
