@@ -1,4 +1,5 @@
-"""The pure helpers of benchmarks/recovery_vs_restart.py and benchmarks/run_all.py (no runs, no clocks)."""
+"""The pure helpers of benchmarks/recovery_vs_restart.py, benchmarks/rl_overlap.py and benchmarks/run_all.py (no runs,
+no clocks)."""
 
 import pathlib
 import sys
@@ -8,6 +9,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import recovery_vs_restart as rvr  # noqa: E402
+import rl_overlap  # noqa: E402
 import run_all  # noqa: E402
 
 from elastic.report import goodput  # noqa: E402
@@ -94,3 +96,33 @@ def test_restart_events_fold_into_the_runtime_goodput():
 def test_last_line_is_the_last_non_blank_line():
     assert run_all.last_line("a\nratio 3.0x\n\n  \n") == "ratio 3.0x"
     assert run_all.last_line("") == ""
+
+
+def _rl_events(made_before_commit: set[int], steps: int = 6) -> list[dict]:
+    """An RL run's log: step s dispatched at s + 0.5, committed at s + 1; step s + 1's rollouts made at s + 0.9 when
+    s is in ``made_before_commit`` (overlapped), else at s + 1.1; each took 0.3 s."""
+    ev = [{"t": 0.4, "kind": "rollouts_made", "step": 0, "seconds": 0.3},
+          {"t": 0.0, "kind": "weights_synced", "version": 0, "bytes": 8, "seconds": 0.5}]
+    for s in range(steps):
+        ev += [{"t": s + 0.5, "kind": "step_dispatched", "step": s},
+               {"t": s + 1.0, "kind": "step_committed", "step": s},
+               {"t": s + (0.9 if s in made_before_commit else 1.1), "kind": "rollouts_made", "step": s + 1,
+                "seconds": 0.3},
+               {"t": s + 1.05, "kind": "weights_synced", "version": s + 1, "bytes": 8, "seconds": 0.01}]
+    return sorted(ev, key=lambda e: e["t"])
+
+
+def test_rl_step_timeline_counts_steps_after_the_warmup():
+    t = rl_overlap.step_timeline(_rl_events({3, 4}), warmup=2)
+    assert t["wall_per_step"] == pytest.approx(1.0) and t["window"] == (2, 5)
+    assert (t["early"], t["pairs"]) == (2, 3)   # steps 2, 3, 4 have a next step's rollouts; 3 and 4 before the commit
+    assert t["started"] == 3                     # each started 0.3 s before it was made: 2's at 2.8, before 3.0
+    assert t["rollout_median"] == pytest.approx(0.3) and t["train_median"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="warm-up"):
+        rl_overlap.step_timeline(_rl_events(set(), steps=2), warmup=1)
+
+
+def test_rl_syncs_leave_the_first_version_out():
+    ev = _rl_events(set(), steps=2)
+    assert rl_overlap.syncs_of(ev) == [(8, 0.01), (8, 0.01)]
+    assert len(rl_overlap.syncs_of(ev, skip_version0=False)) == 3
