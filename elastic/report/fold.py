@@ -87,8 +87,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
                  "exactly_once": _ANY, "exactly_once_detail": _ANY, "reference": _ANY},
                 {"promises": TYPED, "run_state_replayed": TYPED}),
     # final_state_digest, or in logs from before it named its algorithm, final_state_sha256 (bare sha256 hex).
-    "rl_step": ({"step": TYPED, "version": TYPED, "mean_reward": TYPED, "rollout_seconds": TYPED,
-                 "rollout_bytes": TYPED}, {}),
+    "rl_step": ({"step": TYPED, "version": TYPED, "rollout_seconds": TYPED, "rollout_bytes": TYPED},
+                {"mean_reward": TYPED}),
     "rollouts_made": ({"step": TYPED, "seconds": TYPED}, {}),
     "weights_synced": ({"bytes": TYPED, "seconds": TYPED}, {"failed": TYPED}),
     "samplers_started": ({"workers": TYPED}, {}),

@@ -48,8 +48,8 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
     steps = {}
     for e in events:
         if e["kind"] == "rl_step":
-            steps[e["step"]] = {k: e[k] for k in ("step", "version", "mean_reward", "rollout_seconds",
-                                                  "rollout_bytes")}
+            steps[e["step"]] = {**{k: e[k] for k in ("step", "version", "rollout_seconds", "rollout_bytes")},
+                                "mean_reward": e.get("mean_reward")}   # None: committed by a restarted client
     if not steps and not (config or {}).get("rl_samplers"):
         return None
     syncs = [e for e in events if e["kind"] == "weights_synced"]
@@ -74,7 +74,7 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
             last_commit = e["t"]
     sequential = sampler + trainer
     span = span if steady else None
-    rewards = [s["mean_reward"] for _, s in sorted(steps.items())]
+    rewards = [s["mean_reward"] for _, s in sorted(steps.items()) if s["mean_reward"] is not None]
     head, tail = rewards[:3], rewards[-3:]
     return {
         "samplers": (config or {}).get("rl_samplers"),

@@ -2,7 +2,7 @@
 
 An RL run's trainers are the training grid as any run's (placement, tiers,
 recoveries: nothing changes for them). Its samplers are worker processes of
-their own (ids ``s<n>``, :func:`runtime.control.worker_group.is_sampler`),
+their own (ids ``s<n>``, :func:`is_sampler`),
 never placed in the grid, each holding one weights version and the
 ``rollout`` program (:mod:`runtime.worker.sampler`). This module orders their
 work into the run's one schedule:
@@ -123,7 +123,7 @@ class Sampling:
         self.seed = seed
         ids = [self.group.launch(sampler=True) for _ in range(self.count)]
         for w in self.group.wait_for_samplers(ids, self.opts.register_timeout_seconds):
-            if self.group.calls.load_sampler(w, self.programs) is not None:
+            if self.group.load_sampler(w, self.programs) is not None:
                 self.live.append(w)
         if not self.live:
             raise CapacityExhaustedError(f"none of the {self.count} samplers registered and loaded its program")
@@ -145,7 +145,7 @@ class Sampling:
 
     def publish(self, trainers) -> None:
         """``trainers`` keep their current weights as the version they stand at (the run's start, a recovery)."""
-        replies = self.group.calls.publish_weights(list(trainers), list(self.programs.weight_leaves),
+        replies = self.group.publish_weights(list(trainers), list(self.programs.weight_leaves),
                                                    self.programs.weights_dtype)
         for w, r in replies.items():
             for v in {r.version, *r.held}:
@@ -183,15 +183,13 @@ class Sampling:
             ready = [w for w in free if self.installed.get(w) == version]
             if ready:
                 for w, mbs in zip(ready, split(missing, len(ready))):
-                    self._start(w, _Call("rollout", self.group.calls.start_call(w, "Rollout", pb.RolloutRequest(
-                        fence=self.group.fence(), step=step, microbatches=mbs, version=version, seed=self.seed)),
-                        now, version, step, tuple(mbs)))
+                    self._start(w, _Call("rollout", self.group.start_rollout(w, step, mbs, version, self.seed),
+                                         now, version, step, tuple(mbs)))
                     self._first_call.setdefault(step, now)
             for w in [w for w in free if w not in self.calls and self.installed.get(w) != version]:
                 sources = self._sources(version, w, dead)
                 if sources:   # (the earliest step's version first: a sampler moves back to it if it must)
-                    self._start(w, _Call("sync", self.group.calls.start_call(w, "SyncWeights", pb.SyncWeightsRequest(
-                        fence=self.group.fence(), version=version, sources=sources)), now, version))
+                    self._start(w, _Call("sync", self.group.start_sync(w, version, sources), now, version))
             if step == committed and version < committed and not self._sources(version, "", dead) and not any(
                     c.version == version for c in self.calls.values()) and \
                     not any(self.installed.get(w) == version for w in self.live if w not in dead):
@@ -203,7 +201,7 @@ class Sampling:
     def _start(self, worker: str, call: _Call) -> None:
         self.calls[worker] = call
 
-    def _sources(self, version: int, worker: str, dead) -> list[pb.Peer]:
+    def _sources(self, version: int, worker: str, dead) -> list[str]:
         """Who can send ``version``: the trainers that published it (rotated per sampler, so syncs spread), then
         the samplers holding it."""
         trainers = sorted(w for w in self.published.get(version, ()) if w not in dead)
@@ -211,7 +209,7 @@ class Sampling:
             k = self.live.index(worker) % len(trainers) if worker in self.live else 0
             trainers = trainers[k:] + trainers[:k]
         peers = [w for w in self.live if w != worker and version in self.held.get(w, ()) and w not in dead]
-        return [self.group.calls.where(w) for w in trainers + peers]
+        return trainers + peers
 
     def _take_in(self, dead) -> None:
         """The calls that ended: installed versions, rollouts made, samplers loaded."""
@@ -219,7 +217,7 @@ class Sampling:
             if not call.future.done():
                 continue
             del self.calls[w]
-            self.group.calls.settle(w, call.future)
+            self.group.settle(w, call.future)
             spent = time.monotonic() - call.started
             try:
                 reply = call.future.result()
@@ -257,8 +255,7 @@ class Sampling:
         up = self.group.wait_for_samplers(self.launching, 0.0)
         for w in up:
             self.launching.remove(w)
-            self.calls[w] = _Call("load", self.group.calls.start_call(
-                w, "Load", self.group.calls.sampler_load_request(self.programs)), time.monotonic())
+            self.calls[w] = _Call("load", self.group.start_sampler_load(w, self.programs), time.monotonic())
 
     def wait(self, timeout: float) -> None:
         """Blocks up to ``timeout`` until some call ends (nothing in flight: returns at once)."""
@@ -282,11 +279,13 @@ class Sampling:
         batches = self.made.pop(step, {})
         rewards = [decode_batch(b)["rewards"] for _, b in sorted(batches.items()) if
                    any(a.name == "rewards" for a in b.arrays)]
-        mean = float(np.mean(np.concatenate(rewards))) if rewards else float("nan")
         versions = sorted({b.version for b in batches.values()})
-        self.events.emit("rl_step", step=step, version=versions[0] if versions else -1, mean_reward=mean,
+        # A step a restarted client commits from its workers' reports had its rollouts made for the client before:
+        # its version is the rule's, its reward is not known here.
+        reward = {"mean_reward": float(np.mean(np.concatenate(rewards)))} if rewards else {}
+        self.events.emit("rl_step", step=step, version=versions[0] if versions else weights_version(step, self.off),
                          rollout_seconds=self.step_seconds.pop(step, 0.0),
-                         rollout_bytes=sum(b.ByteSize() for b in batches.values()))
+                         rollout_bytes=sum(b.ByteSize() for b in batches.values()), **reward)
 
     def lost(self, worker: str) -> None:
         """Sampler ``worker`` was declared dead: its unanswered microbatches go to the others; a fresh process is

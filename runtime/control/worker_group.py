@@ -188,10 +188,6 @@ class WorkerGroup:
         """Every later call carries ``epoch``: workers refuse calls of older epochs."""
         self.epoch = epoch
 
-    def fence(self) -> pb.Fence:
-        """The fence every call carries now (the run, the epoch, the client generation)."""
-        return self._fence()
-
     def _fence(self) -> pb.Fence:
         return pb.Fence(run_id=self.run_id, epoch=self.epoch, generation=self.generation)
 
@@ -641,6 +637,34 @@ class WorkerGroup:
         return self.calls.flush_checkpoints(workers, wait_seconds, save=save)
 
     # -- steps -------------------------------------------------------------------
+
+    # -- an RL run's samplers and weights versions (runtime.control.sampling) ---------
+
+    def load_sampler(self, worker_id: str, programs) -> LoadResult | None:
+        """Loads a sampler's rollout program, waiting; None when it was lost meanwhile (declared dead)."""
+        return self.calls.load_sampler(worker_id, programs)
+
+    def start_sampler_load(self, worker_id: str, programs) -> grpc.Future:
+        """The same without waiting (a relaunched sampler)."""
+        return self.calls.start_call(worker_id, "Load", self.calls.sampler_load_request(programs))
+
+    def publish_weights(self, trainers, leaves, dtype: str) -> dict[str, pb.PublishWeightsReply]:
+        """Each of ``trainers`` keeps its state's ``leaves`` as the weights version it stands at."""
+        return self.calls.publish_weights(trainers, leaves, dtype)
+
+    def start_sync(self, worker_id: str, version: int, sources) -> grpc.Future:
+        """Sampler ``worker_id`` pulls weights ``version`` from the first of ``sources`` (worker ids) that has it."""
+        return self.calls.start_call(worker_id, "SyncWeights", pb.SyncWeightsRequest(
+            fence=self._fence(), version=version, sources=[self.calls.where(w) for w in sources]))
+
+    def start_rollout(self, worker_id: str, step: int, microbatches, version: int, seed: int) -> grpc.Future:
+        """Sampler ``worker_id`` makes the rollouts of ``microbatches`` of ``step`` with weights ``version``."""
+        return self.calls.start_call(worker_id, "Rollout", pb.RolloutRequest(
+            fence=self._fence(), step=step, microbatches=list(microbatches), version=version, seed=seed))
+
+    def settle(self, worker_id: str, fut: grpc.Future) -> None:
+        """A sampler's call that ended is no longer in flight."""
+        self.calls.settle(worker_id, fut)
 
     def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
                  shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None,

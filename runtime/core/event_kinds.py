@@ -173,8 +173,10 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("rollouts_made", "every rollout microbatch of a step was made",
               {"step": COUNT, "version": COUNT, "seconds": NUMBER}),
     EventKind("rl_step", "an RL step committed: the weights version its rollouts were made with, their reward",
-              {"step": COUNT, "version": COUNT, "mean_reward": NUMBER, "rollout_seconds": NUMBER,
-               "rollout_bytes": COUNT}),
+              {"step": COUNT, "version": COUNT, "rollout_seconds": NUMBER, "rollout_bytes": COUNT},
+              # absent for a step a restarted client committed from its workers' reports (an earlier client held
+              # its rollouts)
+              {"mean_reward": NUMBER}),
     EventKind("step_watchdog", "a step took far longer than the median: what the watchdog found",
               {"step": COUNT, "seconds": FINITE, "median_seconds": NUMBER_OR_NULL, "pending": NAMES,
                "suspects": NAMES, "progress": OBJECT}),

@@ -12,7 +12,7 @@ import pytest
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.control.sampling import Sampling, is_sampler, split, weights_version
-from runtime.core.errors import ProtocolError, StaleEpochError
+from runtime.core.errors import ProtocolError, StaleEpochError, StateLostError
 from runtime.core.programs import SamplerPrograms
 from runtime.state.state_copy import state_digest
 from runtime.wire import auth, rpc
@@ -21,6 +21,7 @@ from runtime.wire.dataplane import DataServer
 from runtime.wire.dataplane_client import DataClient
 from runtime.wire.peers import PeerChannels
 from runtime.worker.weights import WeightOutbox, cast_weights, pull_weights
+from tests.support.fake_samplers import SamplerGroup
 
 FENCE = pb.Fence(run_id="r", epoch=1)
 SECRET = "s3cret"
@@ -154,73 +155,6 @@ def test_a_sampler_pulls_a_version_whole_from_the_first_source_that_has_it():
 
 # -- the samplers' schedule ---------------------------------------------------------------------------------
 
-class _Future:
-    def __init__(self):
-        self._result, self._error, self._done = None, None, False
-
-    def done(self):
-        return self._done
-
-    def result(self, timeout=None):
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def answer(self, result=None, error=None):
-        self._result, self._error, self._done = result, error, True
-
-
-class _Calls:
-    """What Sampling asks of the worker group's calls: each call kept, answered by the test."""
-
-    def __init__(self):
-        self.sent = []   # (worker, method, request, future)
-
-    def start_call(self, worker, method, request):
-        fut = _Future()
-        self.sent.append((worker, method, request, fut))
-        return fut
-
-    def settle(self, worker, fut):
-        pass
-
-    def where(self, worker):
-        return pb.Peer(address=f"{worker}:1", data_address=f"{worker}:2")
-
-    def publish_weights(self, workers, leaves, dtype):
-        return {w: pb.PublishWeightsReply(version=0, bytes=8) for w in workers}
-
-    def load_sampler(self, worker, programs):
-        return object()
-
-    def sampler_load_request(self, programs):
-        return pb.LoadRequest()
-
-    def open(self, method):
-        return [(w, r, f) for w, m, r, f in self.sent if m == method and not f.done()]
-
-
-class _Group:
-    def __init__(self):
-        self.calls = _Calls()
-        self.launched = []
-        self.dead = []
-
-    def fence(self):
-        return FENCE
-
-    def launch(self, sampler=False):
-        w = f"s{10 + len(self.launched)}"
-        self.launched.append(w)
-        return w
-
-    def wait_for_samplers(self, workers, timeout):
-        return list(workers)
-
-    def declare_dead(self, worker, reason, cause=""):
-        self.dead.append(worker)
-
-
 class _Events:
     def __init__(self):
         self.emitted = []
@@ -234,43 +168,44 @@ def _sampling(samplers=2, off=0, microbatches=4):
                                  relaunch=True, max_retries=3)
     programs = SamplerPrograms(rollout=b"", layout={"num_microbatches": microbatches}, prompts=b"",
                                weight_leaves=(0,))
-    group, events = _Group(), _Events()
+    group, events = SamplerGroup(), _Events()
     sampling = Sampling(group, opts, events, programs)
     sampling.start(["w0", "w1"], seed=0, committed=0)
     return sampling, group, events
 
 
 def _answer_syncs(group):
-    for w, r, f in group.calls.open("SyncWeights"):
-        f.answer(pb.SyncWeightsReply(version=r.version, bytes=8, source=r.sources[0].address))
+    for w, r, f in group.open("SyncWeights"):
+        f.answer(pb.SyncWeightsReply(version=r["version"], bytes=8, source=r["sources"][0]))
 
 
 def _answer_rollouts(group, only=None):
-    for w, r, f in group.calls.open("Rollout"):
+    for w, r, f in group.open("Rollout"):
         if only is None or w in only:
-            f.answer(pb.RolloutReply(batches=[encode_batch(r.step, m, r.version, {"rewards": np.ones(2, np.float32)})
-                                              for m in r.microbatches]))
+            f.answer(pb.RolloutReply(batches=[encode_batch(r["step"], m, r["version"],
+                                                           {"rewards": np.ones(2, np.float32)})
+                                              for m in r["microbatches"]]))
 
 
 def test_on_policy_a_step_is_sampled_only_with_the_weights_its_previous_step_made():
     sampling, group, _ = _sampling(off=0)
     sampling.pump(committed=0, steps=3, dead={})
-    syncs = group.calls.open("SyncWeights")
-    assert [(w, r.version) for w, r, _ in syncs] == [("s10", 0), ("s11", 0)]
-    assert [p.address for p in syncs[0][1].sources] == ["w0:1", "w1:1"]   # rotated per sampler:
-    assert [p.address for p in syncs[1][1].sources] == ["w1:1", "w0:1"]   # the syncs spread over the trainers
+    syncs = group.open("SyncWeights")
+    assert [(w, r["version"]) for w, r, _ in syncs] == [("s10", 0), ("s11", 0)]
+    assert syncs[0][1]["sources"] == ["w0", "w1"]   # rotated per sampler:
+    assert syncs[1][1]["sources"] == ["w1", "w0"]   # the syncs spread over the trainers
     _answer_syncs(group)
     sampling.pump(committed=0, steps=3, dead={})
-    rollouts = group.calls.open("Rollout")
-    assert [(w, r.step, list(r.microbatches), r.version) for w, r, _ in rollouts] == [
+    rollouts = group.open("Rollout")
+    assert [(w, r["step"], r["microbatches"], r["version"]) for w, r, _ in rollouts] == [
         ("s10", 0, [0, 1], 0), ("s11", 0, [2, 3], 0)]
     _answer_rollouts(group)
     sampling.pump(committed=0, steps=3, dead={})
     assert sampling.ready(0) and not sampling.ready(1)
-    assert not group.calls.open("Rollout") and not group.calls.open("SyncWeights")   # step 1 waits for version 1
+    assert not group.open("Rollout") and not group.open("SyncWeights")   # step 1 waits for version 1
     sampling.committed(0, ["w0", "w1"])
     sampling.pump(committed=1, steps=3, dead={})
-    assert [(w, r.version) for w, r, _ in group.calls.open("SyncWeights")] == [("s10", 1), ("s11", 1)]
+    assert [(w, r["version"]) for w, r, _ in group.open("SyncWeights")] == [("s10", 1), ("s11", 1)]
 
 
 def test_off_policy_the_next_step_is_sampled_while_this_one_trains():
@@ -278,10 +213,10 @@ def test_off_policy_the_next_step_is_sampled_while_this_one_trains():
     sampling.pump(committed=0, steps=5, dead={})
     _answer_syncs(group)
     sampling.pump(committed=0, steps=5, dead={})
-    assert [(r.step, r.version) for _, r, _ in group.calls.open("Rollout")] == [(0, 0), (0, 0)]
+    assert [(r["step"], r["version"]) for _, r, _ in group.open("Rollout")] == [(0, 0), (0, 0)]
     _answer_rollouts(group)
     sampling.pump(committed=0, steps=5, dead={})   # step 1 uses version 0 too: made before step 0 commits
-    assert [(r.step, r.version) for _, r, _ in group.calls.open("Rollout")] == [(1, 0), (1, 0)]
+    assert [(r["step"], r["version"]) for _, r, _ in group.open("Rollout")] == [(1, 0), (1, 0)]
 
 
 def test_a_lost_samplers_microbatches_go_to_the_others_and_a_fresh_one_is_launched():
@@ -290,18 +225,18 @@ def test_a_lost_samplers_microbatches_go_to_the_others_and_a_fresh_one_is_launch
     _answer_syncs(group)
     sampling.pump(committed=0, steps=2, dead={})
     _answer_rollouts(group, only={"s10"})   # s11 dies before it answers microbatches 2 and 3
-    for w, r, f in group.calls.open("Rollout"):
+    for w, r, f in group.open("Rollout"):
         f.answer(error=grpc.FutureCancelledError())
     sampling.lost("s11")
     dead = {"s11": "killed"}
     sampling.pump(committed=0, steps=2, dead=dead)
-    assert [(w, list(r.microbatches)) for w, r, _ in group.calls.open("Rollout")] == [("s10", [2, 3])]
+    assert [(w, r["microbatches"]) for w, r, _ in group.open("Rollout")] == [("s10", [2, 3])]
     assert ("sampler_relaunched", {"replaces": "s11", "worker": "s12"}) in events.emitted
     _answer_rollouts(group)
     sampling.pump(committed=0, steps=2, dead=dead)
     assert sampling.ready(0) and sorted(sampling.feed(0).batches) == [0, 1, 2, 3]
     assert [k for k, _ in events.emitted].count("rollouts_made") == 1
-    load = group.calls.open("Load")   # the fresh sampler loads its program, then joins
+    load = group.open("Load")   # the fresh sampler loads its program, then joins
     assert [w for w, _, _ in load] == ["s12"]
     load[0][2].answer(pb.LoadReply())
     sampling.pump(committed=0, steps=2, dead=dead)
@@ -326,3 +261,45 @@ def test_with_every_sampler_lost_and_none_on_the_way_the_run_is_starved():
     sampling.opts.relaunch = False
     sampling.lost("s10")
     assert sampling.starved({"s10": "killed"})
+
+
+def _exported() -> bytes:
+    """A real exported program (what a restarted client fingerprints to re-attach its samplers)."""
+    import jax
+    import jax.numpy as jnp
+
+    return bytes(jax.export.export(jax.jit(lambda x: x + 1))(jax.ShapeDtypeStruct((2,), jnp.float32)).serialize())
+
+
+def test_a_restarted_client_learns_the_older_versions_the_trainers_hold_and_samplers_move_back_to_one():
+    """One step off-policy, the new client stands at version 14; step 14 needs version 13, which the trainers'
+    outboxes still hold (PublishWeightsReply.held): the samplers sync to 13, not to the newest."""
+    opts = types.SimpleNamespace(rl_samplers=2, rl_off_policy_steps=1, register_timeout_seconds=1.0, relaunch=True,
+                                 max_retries=3)
+    programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
+    group = SamplerGroup(publish_version=14, held=(12, 13, 14))
+    sampling = Sampling(group, opts, _Events(), programs)
+    sampling.reattach({"s2": None, "s3": None}, seed=0)
+    sampling.trainers_changed(["w0", "w1"], committed=14)
+    sampling.pump(committed=14, steps=30, dead={})
+    assert [(w, r["version"]) for w, r, _ in group.open("SyncWeights")] == [("s2", 13), ("s3", 13)]
+
+
+def test_a_version_an_uncommitted_step_needs_held_nowhere_fails_the_run_in_one_line():
+    opts = types.SimpleNamespace(rl_samplers=1, rl_off_policy_steps=1, register_timeout_seconds=1.0, relaunch=True,
+                                 max_retries=3)
+    programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
+    sampling = Sampling(SamplerGroup(publish_version=14, held=(14,)), opts, _Events(), programs)
+    sampling.reattach({"s2": None}, seed=0)
+    sampling.trainers_changed(["w0"], committed=14)
+    with pytest.raises(StateLostError, match="step 14's rollouts need weights version 13") as err:
+        sampling.pump(committed=14, steps=30, dead={})
+    assert "\n" not in str(err.value)
+
+
+def test_a_step_committed_without_its_rollouts_here_records_the_rules_version_and_no_reward():
+    """A restarted client commits a step from its workers' reports: the rollouts were an earlier client's."""
+    sampling, _, events = _sampling(off=1)
+    sampling.committed(7, ["w0", "w1"])
+    [(kind, fields)] = [e for e in events.emitted if e[0] == "rl_step"]
+    assert fields["version"] == 6 and "mean_reward" not in fields and fields["rollout_bytes"] == 0
