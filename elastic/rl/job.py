@@ -158,14 +158,15 @@ class RLTrainer(Trainer):
                                         dims + [None, None, None, None], None, mesh, self._platform())
         spec = self._rollout_spec()
         layout = {"role": "sampler", "devices_per_slice": d,
-                  "weights": [[list(w.shape), np.dtype(w.dtype).str, dim] for w, dim in zip(weights, dims)],
+                  # by name: a dtype's .str does not name extension types (bfloat16 is "<V2")
+                  "weights": [[list(w.shape), np.dtype(w.dtype).name, dim] for w, dim in zip(weights, dims)],
                   "prompt": [list(prompts.shape), "<i4"],
                   "outputs": [[k, list(spec[k][0]), spec[k][1]] for k in ROLLOUT_OUTPUTS],
                   "num_microbatches": self.settings.microbatches}
         self._samplers = SamplerPrograms(rollout=blob, layout=layout,
                                          prompts=cloudpickle.dumps(Prompts(self.task, rl.rl_prompts_per_microbatch)),
                                          weight_leaves=tuple(range(len(leaves))),
-                                         weights_dtype=np.dtype(dtype).str if dtype is not None else "")
+                                         weights_dtype=np.dtype(dtype).name if dtype is not None else "")
         return self._samplers
 
     # -- the one-process reference ------------------------------------------------------

@@ -389,10 +389,21 @@ class Controller:
                 break
             self._dispatch(plan_step(self.placement, self.state.dispatched, self.programs.num_microbatches))
         if self.pending:
+            if fed:   # the samplers work on (the next steps' rollouts, syncs) while this step trains
+                self._samplers_during(self.pending[0][1])
             self._collect(*self.pending.popleft())
         elif fed:   # waiting for rollouts: nothing of the trainers' in flight
             self.sampling.wait(0.05)
         return Running()
+
+    def _samplers_during(self, futs) -> None:
+        """An RL run: while the trainers' step ``futs`` is in flight, the samplers' calls are taken in as they end
+        and the next ones started (so step s+1's rollouts are made while step s trains), until the step's
+        workers all answered or the step watchdog's deadline came (``_collect`` then waits and judges as ever)."""
+        deadline, _ = self.slow.deadline()
+        while not all(f.done() for f in futs.values()) and (deadline is None or time.monotonic() < deadline):
+            self._pump_samplers()
+            self.sampling.wait(0.05, also=futs.values())
 
     def _pump_samplers(self) -> None:
         """An RL run: the samplers' calls that ended are taken in and the next ones started; trainers that
@@ -403,8 +414,9 @@ class Controller:
             self._trainers_seen = self.placement.active
         self.sampling.pump(s.committed, s.steps, self.dead)
         if self.sampling.starved(self.dead):
+            last = f"; the last failure: {self.sampling.last_error}" if self.sampling.last_error else ""
             raise CapacityExhaustedError("every sampler is lost and none can be launched in its place "
-                                         f"(elastic_max_retries={self.opts.max_retries} relaunches used)")
+                                         f"(elastic_max_retries={self.opts.max_retries} relaunches used){last}")
 
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.state)

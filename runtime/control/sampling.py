@@ -57,6 +57,10 @@ def is_sampler(worker_id: str) -> bool:
     return worker_id[:1] == "s" and worker_id[1:].isdigit()
 
 
+#: A live sampler whose calls fail this many times in a row (it answers, but cannot sync or sample) is replaced.
+FAILURES_IN_A_ROW = 3
+
+
 def weights_version(step: int, off_policy_steps: int) -> int:
     """The weights version step ``step``'s rollouts are made with."""
     return max(step - off_policy_steps, 0)
@@ -115,6 +119,8 @@ class Sampling:
         self._first_call: dict[int, float] = {}
         self.relaunched = 0
         self._retry_at: dict[str, float] = {}
+        self.failed: dict[str, int] = {}             # sampler -> its calls failed in a row (it answered each)
+        self.last_error = ""                         # the last of them, for the run's error if none is left
 
     # -- start --------------------------------------------------------------------
 
@@ -224,12 +230,18 @@ class Sampling:
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
                 if w not in dead:   # alive: try again a little later (a dead one is dropped by lost())
                     self._retry_at[w] = time.monotonic() + 0.2
+                    self.failed[w] = self.failed.get(w, 0) + 1
+                    self.last_error = f"{call.kind} on {w}: {_why(e)}"[:300]
                     if call.kind == "load":
                         self.group.declare_dead(w, f"failed to load the sampler's program: {_why(e)}",
                                                 cause="load_failed")
+                    elif self.failed[w] >= FAILURES_IN_A_ROW:   # it answers, but cannot do its work: replaced
+                        self.group.declare_dead(w, f"{self.failed[w]} calls in a row failed, the last: "
+                                                   f"{self.last_error}", cause="failed")
                     elif call.kind == "rollout":
                         self.installed.pop(w, None)   # sync again before its next rollout
                 continue
+            self.failed.pop(w, None)
             self.busy[w] = self.busy.get(w, 0.0) + (spent if call.kind != "load" else 0.0)
             if call.kind == "load":
                 self.live.append(w)
@@ -257,11 +269,14 @@ class Sampling:
             self.launching.remove(w)
             self.calls[w] = _Call("load", self.group.start_sampler_load(w, self.programs), time.monotonic())
 
-    def wait(self, timeout: float) -> None:
-        """Blocks up to ``timeout`` until some call ends (nothing in flight: returns at once)."""
+    def wait(self, timeout: float, also=()) -> None:
+        """Blocks up to ``timeout`` until some call ends, or one of the futures ``also`` (a trainers' step); with
+        nothing in flight and nothing in ``also``, returns at once."""
         deadline = time.monotonic() + timeout
-        while self.calls and not any(c.future.done() for c in self.calls.values()) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        also = list(also)
+        while (self.calls or also) and time.monotonic() < deadline and \
+                not any(c.future.done() for c in self.calls.values()) and not any(f.done() for f in also):
+            time.sleep(0.002)
 
     def starved(self, dead) -> bool:
         """No sampler is left, and none is on its way: the run cannot make rollouts."""
@@ -315,4 +330,7 @@ class Sampling:
 
 
 def _why(e) -> str:
-    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else type(e).__name__
+    """A failed call in one line: its status and details (a bare error: its type)."""
+    if callable(getattr(e, "code", None)) and callable(getattr(e, "details", None)):
+        return f"{e.code().name}: {e.details()}"
+    return type(e).__name__

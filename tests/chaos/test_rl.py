@@ -23,7 +23,9 @@ def test_rl_survives_a_trainer_lost_mid_weight_sync_a_sampler_and_the_client_and
     # every step's rollouts were made with the weights of the step before (one step off-policy), whoever made them
     assert [s["version"] for s in rl["steps"]] == [max(s - 1, 0) for s in range(30)]
     assert rl["reward_last"] - rl["reward_first"] > 0.5, (rl["reward_first"], rl["reward_last"])   # ~0.13 -> ~0.98
-    assert rl["samplers_lost"] == 1 and rl["samplers_relaunched"] == 1
+    # (a sampler relaunched after the kill that had not installed weights when the client died exits with it, as a
+    # spare without a state does, and the restarted client launches another: 1 or 2)
+    assert rl["samplers_lost"] >= 1 and rl["samplers_relaunched"] >= 1
     # the trainer killed while it sent a version: the sampler passed it over and took the version from the other
     assert any("connection closed" in f or "Connection" in f for f in rl["weight_sync_sources_failed"]), rl
     assert rl["weight_syncs"] >= 30 and rl["weight_sync_bytes"] > 0

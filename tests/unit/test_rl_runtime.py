@@ -303,3 +303,17 @@ def test_a_step_committed_without_its_rollouts_here_records_the_rules_version_an
     sampling.committed(7, ["w0", "w1"])
     [(kind, fields)] = [e for e in events.emitted if e[0] == "rl_step"]
     assert fields["version"] == 6 and "mean_reward" not in fields and fields["rollout_bytes"] == 0
+
+
+def test_a_sampler_that_answers_but_cannot_sync_is_replaced_after_three_failures_in_a_row():
+    sampling, group, _ = _sampling(samplers=1)
+    refused = grpc.RpcError()
+    for attempt in range(3):
+        sampling.pump(committed=0, steps=1, dead={})   # takes the last failure in; tries again after a pause
+        sampling._retry_at.clear()
+        sampling.pump(committed=0, steps=1, dead={})
+        [(w, r, f)] = group.open("SyncWeights")
+        f.answer(error=refused)
+        assert group.dead == []
+    sampling.pump(committed=0, steps=1, dead={})
+    assert group.dead == ["s10"] and sampling.last_error.startswith("sync on s10")
