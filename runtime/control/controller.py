@@ -344,7 +344,7 @@ class Controller:
             start(self)
             self.evals.floor = self.state.committed   # a resumed run: the earlier attempt recorded its evals
             if self.sampling is not None:
-                self.sampling.start(self.placement.active, self.attempt.seed, self.state.committed)
+                self.sampling.start(self.placement.active, self.attempt.seed)
                 self._trainers_seen = self.placement.active
         self.slow.restart()
         if self.attempt.max_seconds:   # counted from the first step, not from launch

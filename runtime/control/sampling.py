@@ -114,7 +114,6 @@ class Sampling:
         self.calls: dict[str, _Call] = {}            # sampler -> its one call in flight
         self.made: dict[int, dict[int, pb.FedBatch]] = {}   # step -> microbatch -> its rollout
         self.published: dict[int, set[str]] = {}     # version -> trainers that hold it
-        self.busy: dict[str, float] = {}             # sampler -> seconds in rollouts and syncs
         self.step_seconds: dict[int, float] = {}     # step -> seconds from its first rollout call to its last answer
         self._first_call: dict[int, float] = {}
         self.relaunched = 0
@@ -124,7 +123,7 @@ class Sampling:
 
     # -- start --------------------------------------------------------------------
 
-    def start(self, trainers, seed: int, committed: int) -> None:
+    def start(self, trainers, seed: int) -> None:
         """Launches and loads the samplers, and has ``trainers`` publish the version the run stands at."""
         self.seed = seed
         ids = [self.group.launch(sampler=True) for _ in range(self.count)]
@@ -224,7 +223,6 @@ class Sampling:
                 continue
             del self.calls[w]
             self.group.settle(w, call.future)
-            spent = time.monotonic() - call.started
             try:
                 reply = call.future.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
@@ -242,7 +240,6 @@ class Sampling:
                         self.installed.pop(w, None)   # sync again before its next rollout
                 continue
             self.failed.pop(w, None)
-            self.busy[w] = self.busy.get(w, 0.0) + (spent if call.kind != "load" else 0.0)
             if call.kind == "load":
                 self.live.append(w)
                 self.events.emit("sampler_joined", worker=w)

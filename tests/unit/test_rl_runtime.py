@@ -170,7 +170,7 @@ def _sampling(samplers=2, off=0, microbatches=4):
                                weight_leaves=(0,))
     group, events = SamplerGroup(), _Events()
     sampling = Sampling(group, opts, events, programs)
-    sampling.start(["w0", "w1"], seed=0, committed=0)
+    sampling.start(["w0", "w1"], seed=0)
     return sampling, group, events
 
 
