@@ -103,11 +103,12 @@ def status_view(events: list, live: dict | None, *, now: float, client: dict | N
 
     Returns ``{"run_id", "steps", "committed", "ended", "client", "goodput_fraction", "recovery", "slices",
     "spares", "workers"}``: ``slices`` one entry per virtual slice (its worker); ``workers`` one per worker of the
-    placement and each dead one, with ``role`` (``slice N``, ``spare``, ``dead``), ``host``, ``step`` (None
+    placement, each sampler and each dead one, with ``role`` (``slice N``, ``spare``, ``sampler`` (an RL run's), ``dead``), ``host``, ``step`` (None
     unknown or none yet), ``phase``, ``lag`` (an active worker's steps behind the furthest one),
     ``heard_seconds``, ``rss_bytes`` and ``hosts`` (a slice of several). From the log alone, ``step`` is the committed step of the active workers.
     """
     from elastic.report import goodput
+    from elastic.report.rl import samplers_of
     from runtime import RunState
 
     state = RunState.replay(events)
@@ -115,14 +116,16 @@ def status_view(events: list, live: dict | None, *, now: float, client: dict | N
     active = list(placement.active) if placement is not None else []
     spares = list(placement.spares) if placement is not None else []
     live_workers = (live or {}).get("workers", {})
+    samplers = sorted(samplers_of(events) - set(state.dead), key=lambda w: (len(w), w))   # an RL run's
     workers = {}
-    for w in [*active, *spares, *sorted(state.dead)]:
+    for w in [*active, *spares, *samplers, *sorted(state.dead)]:
         if w in workers:
             continue
         info = state.registered.get(w)
         facts = live_workers.get(w) if w not in state.dead else None
         answered = bool(facts and facts.get("answered"))
-        role = "dead" if w in state.dead else f"slice {active.index(w)}" if w in active else "spare"
+        role = ("dead" if w in state.dead else f"slice {active.index(w)}" if w in active else
+                "sampler" if w in samplers else "spare")
         step = facts["step"] if answered and facts["step"] >= 0 else \
             (state.committed if live is None and w in active else None)
         workers[w] = {

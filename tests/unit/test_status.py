@@ -182,3 +182,15 @@ def test_stacks_of_a_run_whose_client_is_gone_say_so_in_one_line(tmp_path, capsy
     assert main(["stacks", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the run ended (run_finished)" in err
+
+
+def test_an_rl_runs_samplers_show_with_the_step_they_make_rollouts_for():
+    events = _log() + [ev(0.5, "samplers_started", workers=["s3", "s4"]),
+                       ev(5, "worker_dead", worker="s4", reason="killed", cause="crash"),
+                       ev(5.1, "sampler_relaunched", replaces="s4", worker="s5")]
+    live = {"workers": {"s3": {"answered": True, "step": 5, "phase": "rollout", "seconds": 0.1, "rss_bytes": 1,
+                               "heard_seconds": 0.1}}}
+    view = status_view(events, live, now=ev(10, "x")["t"])
+    assert {w: (v["role"], v["step"], v["phase"]) for w, v in view["workers"].items() if w[0] == "s"} == {
+        "s3": ("sampler", 5, "rollout"), "s5": ("sampler", None, None), "s4": ("dead", None, "dead")}
+    assert view["slices"] == [{"slice": 0, "worker": "w0"}, {"slice": 1, "worker": "w1"}]   # not in the grid
