@@ -30,6 +30,7 @@ from jax.sharding import AbstractMesh
 from elastic import _programs
 from elastic.config import Config, ConfigError
 from elastic.models.transformer import init_params
+from elastic.rl.policy import token_logprobs
 from elastic.rl.reference import RLSettings
 from elastic.trainer import Trainer
 from runtime import MESH_AXIS, SamplerPrograms, peak_rss_bytes, run_rl_reference
@@ -92,10 +93,6 @@ class RLTrainer(Trainer):
         if config.dcn_pipeline_parallelism > 1 or config.elastic_hosts_per_slice > 1 or config.eval_interval > 0:
             raise ConfigError("an RL run (rl_samplers > 0) trains on one slice per replica without eval for now: set "
                               "dcn_pipeline_parallelism=1, elastic_hosts_per_slice=1, eval_interval=0")
-        if rl.rl_kl_coef > 0:
-            raise ConfigError(f"rl_kl_coef={rl.rl_kl_coef}: the KL term against the frozen initial policy is in the "
-                              "one-process algorithm (elastic.rl.run_reference) but not yet on workers (the samplers "
-                              "would hold the reference weights beside their version); set rl_kl_coef=0")
         if config.elastic_launcher != "local":
             raise ConfigError(f"an RL run's samplers are started by the local launcher for now; elastic_launcher="
                               f"{config.elastic_launcher!r} is not supported with rl_samplers > 0")
@@ -120,16 +117,42 @@ class RLTrainer(Trainer):
     def _weights_dtype(self):
         return np.dtype(jnp.bfloat16) if self.config.rl_weights_dtype == "bfloat16" else None
 
-    def _rollout_fn(self):
-        """``rollout(weights leaves, prompts, seed, step, microbatch) -> outputs`` (the sampler's program)."""
-        leaves, tree = self._weights()
-        fn = functools.partial(self.rl.rollout_fn(), task=self.task)
+    @property
+    def _kl(self) -> bool:
+        """A KL term against the frozen initial policy: the samplers compute its log-probabilities too."""
+        return self.rl.rl_kl_coef > 0
 
-        def rollout(weights, prompts, seed, step, microbatch):
-            params = jax.tree.unflatten(tree, [w.astype(x.dtype) for w, x in zip(weights, leaves)])
-            out = fn(params, prompts, seed=seed, step=step, microbatch=microbatch)
-            return tuple(out[k] for k in ROLLOUT_OUTPUTS)
+    @property
+    def _outputs(self) -> tuple[str, ...]:
+        """What the rollout program returns, in order (the trainer's batch is all but ``rewards``)."""
+        return (*ROLLOUT_OUTPUTS[:-1], "ref_logprobs", ROLLOUT_OUTPUTS[-1]) if self._kl else ROLLOUT_OUTPUTS
+
+    def _rollout_fn(self):
+        """``rollout(weights leaves, [reference weights,] prompts, seed, step, microbatch) -> outputs`` (the
+        sampler's program; with a KL term, the frozen initial policy's log-probabilities of each completion too)."""
+        leaves, tree = self._weights()
+        rl, outputs = self.rl, self._outputs
+        fn = functools.partial(rl.rollout_fn(), task=self.task)
+
+        def policy(weights):
+            return jax.tree.unflatten(tree, [w.astype(x.dtype) for w, x in zip(weights, leaves)])
+
+        def rollout(weights, *rest):
+            *ref, prompts, seed, step, microbatch = rest
+            out = fn(policy(weights), prompts, seed=seed, step=step, microbatch=microbatch)
+            if ref:
+                out["ref_logprobs"] = token_logprobs(policy(ref[0]), out["prompts"], out["completions"],
+                                                     tcfg=rl.tcfg, temperature=rl.rl_temperature)
+            return tuple(out[k] for k in outputs)
         return rollout
+
+    def _reference_fn(self):
+        """``reference(seed) -> weights``: the initial policy's parameters, as the samplers hold weights."""
+        dtype = self._weights_dtype()
+
+        def reference(seed):
+            return [x.astype(dtype or x.dtype) for x in jax.tree.leaves(self.init(jax.random.key(seed)))]
+        return reference
 
     def _rollout_spec(self) -> dict:
         """``{output: (shape, dtype)}`` of one rollout microbatch."""
@@ -139,8 +162,9 @@ class RLTrainer(Trainer):
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         dtype = self._weights_dtype()
         weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in leaves]
-        out = jax.eval_shape(self._rollout_fn(), weights, prompts, i32, i32, i32)
-        return {k: (tuple(o.shape), np.dtype(o.dtype).str) for k, o in zip(ROLLOUT_OUTPUTS, out)}
+        ref = (weights,) if self._kl else ()
+        out = jax.eval_shape(self._rollout_fn(), weights, *ref, prompts, i32, i32, i32)
+        return {k: (tuple(o.shape), np.dtype(o.dtype).str) for k, o in zip(self._outputs, out)}
 
     def sampler_programs(self) -> SamplerPrograms:
         """The samplers' program, layout and prompts (exported once, for ``rl_sampler_devices`` devices)."""
@@ -154,19 +178,25 @@ class RLTrainer(Trainer):
         prompts = jax.ShapeDtypeStruct((rl.rl_prompts_per_microbatch, rl.rl_prompt_length), jnp.int32)
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         mesh = AbstractMesh((d,), (MESH_AXIS,))
-        blob = _programs.export_program("rollout", self._rollout_fn(), (weights, prompts, i32, i32, i32),
-                                        dims + [None, None, None, None], None, mesh, self._platform())
+        ref = (weights,) if self._kl else ()
+        blob = _programs.export_program("rollout", self._rollout_fn(), (weights, *ref, prompts, i32, i32, i32),
+                                        dims * (1 + len(ref)) + [None, None, None, None], None, mesh,
+                                        self._platform())
+        reference = (_programs.export_program("reference", self._reference_fn(), (i32,), [None], dims, mesh,
+                                              self._platform()) if self._kl else b"")
         spec = self._rollout_spec()
         layout = {"role": "sampler", "devices_per_slice": d,
                   # by name: a dtype's .str does not name extension types (bfloat16 is "<V2")
                   "weights": [[list(w.shape), np.dtype(w.dtype).name, dim] for w, dim in zip(weights, dims)],
                   "prompt": [list(prompts.shape), "<i4"],
-                  "outputs": [[k, list(spec[k][0]), spec[k][1]] for k in ROLLOUT_OUTPUTS],
-                  "num_microbatches": self.settings.microbatches}
+                  "outputs": [[k, list(spec[k][0]), spec[k][1]] for k in self._outputs],
+                  "num_microbatches": self.settings.microbatches,
+                  **({"reference_seed": self.settings.seed} if self._kl else {})}
         self._samplers = SamplerPrograms(rollout=blob, layout=layout,
                                          prompts=cloudpickle.dumps(Prompts(self.task, rl.rl_prompts_per_microbatch)),
                                          weight_leaves=tuple(range(len(leaves))),
-                                         weights_dtype=np.dtype(dtype).name if dtype is not None else "")
+                                         weights_dtype=np.dtype(dtype).name if dtype is not None else "",
+                                         reference=reference)
         return self._samplers
 
     # -- the one-process reference ------------------------------------------------------

@@ -142,7 +142,7 @@ class Sampling:
         self.seed = seed
         self.live, self.installed, self.held, self.calls, self.made, self.published = [], {}, {}, {}, {}, {}
         if known:
-            fingerprint = programs_fingerprint({"rollout": self.programs.rollout})
+            fingerprint = programs_fingerprint(self.programs.programs())
             self.live = self.group.attach_samplers(known, fingerprint)
         for _ in range(self.count - len(self.live)):
             self.launching.append(self.group.launch(sampler=True))

@@ -422,8 +422,8 @@ class WorkerCalls:
     def sampler_load_request(self, programs: SamplerPrograms) -> pb.LoadRequest:
         """A sampler's Load: its rollout program, its layout (``role: sampler``) and its prompt source."""
         return pb.LoadRequest(fence=self._fence(), data_source=programs.prompts, layout=programs.layout_json(),
-                              programs=[pb.Program(name="rollout", serialized=programs.rollout,
-                                                   sha256=hashlib.sha256(programs.rollout).hexdigest())],
+                              programs=[pb.Program(name=name, serialized=blob, sha256=hashlib.sha256(blob).hexdigest())
+                                        for name, blob in programs.programs().items()],
                               lease_seconds=self.opts.worker_lease_seconds, chunk_bytes=self.opts.chunk_bytes,
                               client_grace_seconds=self.opts.client_grace_seconds)
 

@@ -225,6 +225,12 @@ class SamplerPrograms:
     prompts: bytes
     weight_leaves: tuple[int, ...]
     weights_dtype: str = ""
+    reference: bytes = b""   # a KL term: ``reference(seed) -> weights``, the frozen initial policy (the layout's
+                             # ``reference_seed``); b"": none
+
+    def programs(self) -> dict[str, bytes]:
+        """The samplers' programs by name, as their ``Load`` carries them."""
+        return {"rollout": self.rollout, **({"reference": self.reference} if self.reference else {})}
 
     @property
     def devices_per_slice(self) -> int:

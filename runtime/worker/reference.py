@@ -357,7 +357,7 @@ def run_rl_reference(programs: ProgramSet, samplers, prompts, data_source, *, st
     ex = SliceExecutor(stage, data_source)
     ex.load()
     ex.init(seed)
-    sampler = Sampler(samplers.layout, samplers.rollout, prompts)
+    sampler = Sampler(samplers.layout, samplers.programs(), prompts)
     sampler.load()
     leaves = list(samplers.weight_leaves)
     versions = {0: cast_weights(ex.host_state(), leaves, samplers.weights_dtype)}

@@ -8,6 +8,9 @@ trainer's outbox or a peer sampler, :mod:`runtime.worker.weights`) and the
 ``rollout`` program, exported by the client for the sampler's mesh::
 
     rollout(weights, prompts, seed, step, microbatch) -> outputs, in the layout's order
+    rollout(weights, reference, prompts, seed, step, microbatch)   (a KL term: the frozen initial policy's
+                                                                     weights too, made once by the ``reference``
+                                                                     program from the run's seed)
 
 which samples the completions of one rollout microbatch, scores them and
 returns the trainer's batch for it. Its randomness comes from keys the
@@ -71,7 +74,7 @@ def check_sampler_layout(layout: dict) -> None:
 class Sampler:
     """Holds one weights version on ``devices`` and makes rollouts with it. Thread-safe."""
 
-    def __init__(self, layout: dict, blob: bytes, source, devices=None):
+    def __init__(self, layout: dict, blobs: dict[str, bytes], source, devices=None):
         check_sampler_layout(layout)
         devices = list(devices if devices is not None else jax.devices())
         d = int(layout["devices_per_slice"])
@@ -79,34 +82,56 @@ class Sampler:
             raise ProtocolError(f"the sampler needs {d} devices, this process has {len(devices)}")
         if not callable(getattr(source, "prompts", None)):
             raise ProtocolError(f"the sampler's data source {type(source).__name__} has no prompts(step, microbatch)")
-        self.layout, self.blob, self.source = layout, blob, source
+        if set(blobs) not in ({"rollout"}, {"rollout", "reference"}):
+            raise ProtocolError(f"a sampler loads the program 'rollout' (and 'reference', for a KL term), got "
+                                f"{sorted(blobs)}")
+        if ("reference" in blobs) != ("reference_seed" in layout):
+            raise ProtocolError("a sampler's 'reference' program and its layout's reference_seed come together")
+        self.layout, self.blobs, self.source = layout, dict(blobs), source
         self.mesh = Mesh(np.array(devices[:d]), (MESH_AXIS,))
         self.weights_layout = [(tuple(s), np.dtype(t)) for s, t, _ in layout["weights"]]
         self.num_microbatches = int(layout["num_microbatches"])
         self.outbox = WeightOutbox(keep=2)   # what it installed, for peer samplers (the newest two)
         self._lock = threading.Lock()
         self._installed: tuple[int, list] | None = None   # (version, device arrays)
+        self._reference: list = []   # the frozen initial policy's weights (a KL term), made here from the seed
         self._fn = None
 
     def load(self) -> float:
-        """Deserializes and compiles the rollout program for this sampler's mesh; seconds spent."""
+        """Deserializes and compiles the rollout program for this sampler's mesh (and, for a KL term, makes the
+        frozen reference policy's weights with the ``reference`` program from the run's seed); seconds spent."""
         t0 = time.perf_counter()
-        exp = jax.export.deserialize(bytearray(self.blob))
-        check_runnable(tuple(exp.platforms), local_platform(self.mesh.devices.flat), "the 'rollout' program")
-        if exp.nr_devices != self.mesh.size:
-            raise ProtocolError(f"the rollout program is for {exp.nr_devices} devices, the sampler has "
-                                f"{self.mesh.size}")
         rep = NamedSharding(self.mesh, PartitionSpec())
+        self._rep = rep
         self._weight_shardings = [self._sharding(dim) for _, _, dim in self.layout["weights"]]
-        shardings = [*self._weight_shardings, rep, rep, rep, rep]
+        reference = "reference" in self.blobs
+        weights = self._weight_shardings * (2 if reference else 1)
+        self._fn = self._compile("rollout", [*weights, rep, rep, rep, rep])
+        if reference:
+            make = self._compile("reference", [rep])
+            self._reference = list(jax.tree.leaves(make(jax.device_put(np.int32(self.layout["reference_seed"]),
+                                                                        rep))))
+            jax.block_until_ready(self._reference)
+            got = [(tuple(x.shape), np.dtype(x.dtype)) for x in self._reference]
+            if got != self.weights_layout:
+                raise ProtocolError(f"the reference program makes weights {got}, the layout names "
+                                    f"{self.weights_layout}")
+        return time.perf_counter() - t0
+
+    def _compile(self, name: str, shardings: list):
+        """Program ``name`` deserialized, checked against this sampler's devices and ``shardings`` (one per
+        input), compiled."""
+        exp = jax.export.deserialize(bytearray(self.blobs[name]))
+        check_runnable(tuple(exp.platforms), local_platform(self.mesh.devices.flat), f"the {name!r} program")
+        if exp.nr_devices != self.mesh.size:
+            raise ProtocolError(f"the {name} program is for {exp.nr_devices} devices, the sampler has "
+                                f"{self.mesh.size}")
         if len(shardings) != len(exp.in_avals):
-            raise ProtocolError(f"the rollout program takes {len(exp.in_avals)} inputs, the layout names "
+            raise ProtocolError(f"the {name} program takes {len(exp.in_avals)} inputs, the layout names "
                                 f"{len(shardings)}")
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, shardings)]
         args, kwargs = jax.tree.unflatten(exp.in_tree, args)
-        self._exp, self._rep = exp, rep
-        self._fn = jax.jit(exp.call).lower(*args, **kwargs).compile()
-        return time.perf_counter() - t0
+        return jax.jit(exp.call).lower(*args, **kwargs).compile()
 
     def _sharding(self, dim) -> NamedSharding:
         if dim is None:
@@ -147,8 +172,9 @@ class Sampler:
             if not 0 <= m < self.num_microbatches:
                 raise ProtocolError(f"rollout microbatch {m} is not one of 0..{self.num_microbatches - 1}")
             prompts = np.asarray(self.source.prompts(step, m))
-            args = (list(weights), jax.device_put(prompts, self._rep), *(jax.device_put(np.int32(v), self._rep)
-                                                                           for v in (seed, step, m)))
+            ref = (list(self._reference),) if self._reference else ()
+            args = (list(weights), *ref, jax.device_put(prompts, self._rep),
+                    *(jax.device_put(np.int32(v), self._rep) for v in (seed, step, m)))
             results = jax.tree.leaves(self._fn(*args))
             names = [o[0] for o in self.layout["outputs"]]
             out.append(encode_batch(step, m, version, {n: np.asarray(x) for n, x in zip(names, results)}))

@@ -179,9 +179,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         for p in request.programs:
             if p.sha256 and hashlib.sha256(p.serialized).hexdigest() != p.sha256:
                 raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
-        if set(blobs) != {"rollout"}:
-            raise ProtocolError(f"a sampler loads the program 'rollout', got {sorted(blobs)}")
-        sampler = Sampler(layout, blobs["rollout"], unpickle_source(request.data_source))
+        sampler = Sampler(layout, blobs, unpickle_source(request.data_source))
         t0 = time.perf_counter()
         probed = probe_devices()
         probe_seconds = time.perf_counter() - t0
