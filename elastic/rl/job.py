@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh
 from elastic import _programs
 from elastic.config import Config, ConfigError
 from elastic.models.transformer import init_params
-from elastic.rl.policy import token_logprobs
+from elastic.rl.policy import sample, token_logprobs
 from elastic.rl.reference import RLSettings
 from elastic.trainer import Trainer
 from runtime import MESH_AXIS, SamplerPrograms, peak_rss_bytes, run_rl_reference
@@ -51,6 +51,10 @@ class Prompts:
     def prompts(self, step: int, microbatch: int) -> np.ndarray:
         return self.task.prompts(step, microbatch, self.per_microbatch)
 
+    def reward(self, prompts: np.ndarray, completions: np.ndarray) -> np.ndarray:
+        """A task whose reward runs on the samplers' hosts (``reward_on_host``): its reward of each row."""
+        return self.task.reward(prompts, completions)
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutBatches:
@@ -67,6 +71,14 @@ class RolloutBatches:
                            "the step's request; this trainer got none")
 
 
+def _sampled(params, prompts, *, seed, step, microbatch, samples, max_new, temperature, tcfg):
+    """The rollout program's part when the reward runs on the samplers' hosts: each row's prompt, completion and
+    sampling log-probabilities."""
+    out = sample(params, prompts, tcfg=tcfg, seed=seed, step=step, microbatch=microbatch, samples=samples,
+                 max_new=max_new, temperature=temperature)
+    return {"prompts": jnp.repeat(jnp.asarray(prompts, jnp.int32), samples, axis=0), **out}
+
+
 class RLTrainer(Trainer):
     """GRPO post-training of the bundled transformer (shaped by the config's model keys) on a task: the bundled
     copy-the-prompt task (``elastic run rl_tiny``), or ``task``, any object with
@@ -74,7 +86,10 @@ class RLTrainer(Trainer):
     - ``prompts(step, microbatch, p) -> int32[p, rl_prompt_length]``: a pure function of its arguments (numpy,
       on the samplers' hosts, as a data source is), and
     - ``reward(prompts, completions) -> float32[rows]``: a jax.numpy function of each row's prompt and
-      completion (traced into the samplers' rollout program; it runs on the samplers, never on the client).
+      completion (traced into the samplers' rollout program; it runs on the samplers, never on the client);
+      or, with a ``reward_on_host = True`` attribute, any Python function of numpy arrays, which each sampler
+      calls on its host after the program (a string match, a checker, a subprocess; it must be a pure function of
+      its arguments for the run to be reproducible).
 
     ``fit()`` as for any job. The task must pickle (it is shipped to the samplers)."""
 
@@ -123,9 +138,16 @@ class RLTrainer(Trainer):
         return self.rl.rl_kl_coef > 0
 
     @property
+    def _host_reward(self) -> bool:
+        """The task's reward is plain Python, called by each sampler on its host after the program."""
+        return bool(getattr(self.task, "reward_on_host", False))
+
+    @property
     def _outputs(self) -> tuple[str, ...]:
-        """What the rollout program returns, in order (the trainer's batch is all but ``rewards``)."""
-        return (*ROLLOUT_OUTPUTS[:-1], "ref_logprobs", ROLLOUT_OUTPUTS[-1]) if self._kl else ROLLOUT_OUTPUTS
+        """What the rollout program returns, in order (with a reward on the host, the sampler adds ``advantages``
+        and ``rewards`` after it); the trainer's batch is all but ``rewards``."""
+        sampled = ("prompts", "completions", "logprobs", *(("ref_logprobs",) if self._kl else ()))
+        return sampled if self._host_reward else (*sampled[:3], "advantages", *sampled[3:], "rewards")
 
     def _rollout_fn(self):
         """``rollout(weights leaves, [reference weights,] prompts, seed, step, microbatch) -> outputs`` (the
@@ -133,6 +155,9 @@ class RLTrainer(Trainer):
         leaves, tree = self._weights()
         rl, outputs = self.rl, self._outputs
         fn = functools.partial(rl.rollout_fn(), task=self.task)
+        if self._host_reward:   # the program samples; the sampler scores on its host
+            fn = functools.partial(_sampled, samples=rl.rl_samples_per_prompt, max_new=rl.rl_max_new_tokens,
+                                   temperature=rl.rl_temperature, tcfg=rl.tcfg)
 
         def policy(weights):
             return jax.tree.unflatten(tree, [w.astype(x.dtype) for w, x in zip(weights, leaves)])
@@ -164,7 +189,11 @@ class RLTrainer(Trainer):
         weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in leaves]
         ref = (weights,) if self._kl else ()
         out = jax.eval_shape(self._rollout_fn(), weights, *ref, prompts, i32, i32, i32)
-        return {k: (tuple(o.shape), np.dtype(o.dtype).str) for k, o in zip(self._outputs, out)}
+        spec = {k: (tuple(o.shape), np.dtype(o.dtype).str) for k, o in zip(self._outputs, out)}
+        if self._host_reward:
+            rows = (rl.rows_per_microbatch,)
+            spec.update(advantages=(rows, "<f4"), rewards=(rows, "<f4"))
+        return spec
 
     def sampler_programs(self) -> SamplerPrograms:
         """The samplers' program, layout and prompts (exported once, for ``rl_sampler_devices`` devices)."""
@@ -191,6 +220,7 @@ class RLTrainer(Trainer):
                   "prompt": [list(prompts.shape), "<i4"],
                   "outputs": [[k, list(spec[k][0]), spec[k][1]] for k in self._outputs],
                   "num_microbatches": self.settings.microbatches,
+                  **({"host_reward": {"samples": rl.rl_samples_per_prompt}} if self._host_reward else {}),
                   **({"reference_seed": self.settings.seed} if self._kl else {})}
         self._samplers = SamplerPrograms(rollout=blob, layout=layout,
                                          prompts=cloudpickle.dumps(Prompts(self.task, rl.rl_prompts_per_microbatch)),

@@ -5,7 +5,8 @@ The task is two functions, and that is all a task is (``elastic.rl.RLTrainer``):
 - ``prompts(step, microbatch, p)``: the prompts of one rollout microbatch, a pure function of its arguments
   (numpy; it runs on the samplers, as a data source runs on the workers);
 - ``reward(prompts, completions)``: each row's reward, in jax.numpy (it is traced into the samplers' rollout
-  program, so it runs on the samplers and never on the client).
+  program, so it runs on the samplers and never on the client), or in plain Python with ``reward_on_host = True``
+  (each sampler calls it on its host after the program: ``PythonReverseTask`` below).
 
 Everything else is the config's: the policy (the bundled transformer, shaped by the model keys), the algorithm
 (GRPO, the rl_* keys), the slices (rl_samplers sampler slices, dcn_data_parallelism trainer slices) and how
@@ -46,11 +47,33 @@ class ReverseTask:
         return jnp.mean((completions[:, :target.shape[1]] == target).astype(jnp.float32), axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class PythonReverseTask(ReverseTask):
+    """The same task with its reward in plain Python (a loop over rows, as a string match or a checker would be):
+    ``reward_on_host`` asks each sampler to call it on its host after the rollout program."""
+
+    reward_on_host = True
+
+    def reward(self, prompts, completions):
+        out = []
+        for prompt, completion in zip(prompts.tolist(), completions.tolist()):
+            target = prompt[::-1][:len(completion)]
+            out.append(sum(a == b for a, b in zip(completion, target)) / len(target))
+        return out
+
+
 def make_job(cfg: elastic.Config):
     """The job the ``elastic`` command runs (``elastic_trainer=examples.rl_loop.reverse_task:make_job``)."""
     from elastic.rl import RLTrainer
 
     return RLTrainer(cfg, task=ReverseTask(cfg.vocab_size, cfg.rl_prompt_length, cfg.seed))
+
+
+def make_python_reward_job(cfg: elastic.Config):
+    """The same with the reward in plain Python (``...reverse_task:make_python_reward_job``)."""
+    from elastic.rl import RLTrainer
+
+    return RLTrainer(cfg, task=PythonReverseTask(cfg.vocab_size, cfg.rl_prompt_length, cfg.seed))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from runtime.worker.weights import WeightOutbox
 __all__ = ["Sampler", "SAMPLER_ROLE", "check_sampler_layout", "sampler_role"]
 
 SAMPLER_ROLE = "sampler"
+ADVANTAGE_EPS = 1e-6   # what a group's standard deviation is padded by (elastic.rl.grpo.ADVANTAGE_EPS's value)
 
 
 def sampler_role(request: pb.LoadRequest) -> dict | None:
@@ -177,5 +178,21 @@ class Sampler:
                     *(jax.device_put(np.int32(v), self._rep) for v in (seed, step, m)))
             results = jax.tree.leaves(self._fn(*args))
             names = [o[0] for o in self.layout["outputs"]]
-            out.append(encode_batch(step, m, version, {n: np.asarray(x) for n, x in zip(names, results)}))
+            arrays = {n: np.asarray(x) for n, x in zip(names, results)}
+            if "host_reward" in self.layout:   # the task's reward is Python: called here, after the program
+                arrays.update(self._host_reward(arrays["prompts"], arrays["completions"]))
+            out.append(encode_batch(step, m, version, arrays))
         return out
+
+    def _host_reward(self, prompts: np.ndarray, completions: np.ndarray) -> dict[str, np.ndarray]:
+        """``rewards`` of each row by the task's Python reward (the data source's ``reward``), and their group
+        ``advantages`` (``(r - mean) / (std + 1e-6)`` over each prompt's samples, float32, as the program's)."""
+        rows = len(prompts)
+        rewards = np.asarray(self.source.reward(prompts, completions), dtype=np.float32)
+        if rewards.shape != (rows,):
+            raise ProtocolError(f"the task's reward gave {rewards.shape}, one per row is ({rows},)")
+        r = rewards.reshape(-1, int(self.layout["host_reward"]["samples"]))
+        mean = np.mean(r, axis=1, keepdims=True, dtype=np.float32)
+        std = np.sqrt(np.mean(np.square(r - mean), axis=1, keepdims=True, dtype=np.float32))
+        return {"advantages": ((r - mean) / (std + np.float32(ADVANTAGE_EPS))).reshape(-1).astype(np.float32),
+                "rewards": rewards}
