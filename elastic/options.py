@@ -82,6 +82,7 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "eval_steps": "eval_steps",
     "rl_samplers": "rl_samplers",
     "rl_off_policy_steps": "rl_off_policy_steps",
+    "rl_sampler_devices": "rl_sampler_devices",
 })
 
 _TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_file")  # -> tls, all or none
@@ -132,7 +133,7 @@ READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
     **{k: "an RL run's algorithm (elastic.rl.reference.RLSettings): the sampler's rollout program and the "
           "trainer's loss" for k in ("rl_prompts_per_microbatch", "rl_samples_per_prompt", "rl_prompt_length",
                                      "rl_max_new_tokens", "rl_temperature", "rl_clip_epsilon", "rl_kl_coef")},
-    "rl_sampler_devices": "an RL run's sampler mesh: the rollout program's devices (elastic.rl.job)",
+    "rl_sampler_devices": "...and the RL job's sampler mesh: the rollout program's devices (elastic.rl.job)",
     "rl_weights_dtype": "an RL run's weights as they travel and samplers hold them (elastic.rl.job)",
     "rl_off_policy_steps": "...and the RL reference's schedule (elastic.rl.job)",
 })

@@ -52,6 +52,7 @@ _LAZY = {
     "StagePrograms": ("runtime.core.programs", "StagePrograms"),
     "SamplerPrograms": ("runtime.core.programs", "SamplerPrograms"),
     "run_rl_reference": ("runtime.worker.reference", "run_rl_reference"),
+    "run_rl_reference_process": ("runtime.worker.reference", "run_rl_reference_process"),
     "LocalRun": ("runtime.worker.reference", "LocalRun"),
     "theoretical_bubble": ("runtime.pipeline.bubble", "theoretical_bubble"),
     "SIMULATED_STAGE_DELAY_VARIABLE": ("runtime.worker.worker_process", "STAGE_DELAY_VARIABLE"),
@@ -188,5 +189,6 @@ __all__ = [
     "StagePrograms",
     "SamplerPrograms",
     "run_rl_reference",
+    "run_rl_reference_process",
     "worker_main",
 ]

@@ -33,7 +33,8 @@ from elastic.models.transformer import init_params
 from elastic.rl.policy import sample, token_logprobs
 from elastic.rl.reference import RLSettings
 from elastic.trainer import Trainer
-from runtime import MESH_AXIS, SamplerPrograms, peak_rss_bytes, run_rl_reference
+from runtime import (MESH_AXIS, SamplerPrograms, local_platform, peak_rss_bytes, program_platforms, run_rl_reference,
+                     run_rl_reference_process)
 
 __all__ = ["Prompts", "RLTrainer", "RolloutBatches", "ROLLOUT_OUTPUTS"]
 
@@ -246,9 +247,17 @@ class RLTrainer(Trainer):
                 on_step(step, loss)
 
         samplers = self.sampler_programs()
-        losses, digest = run_rl_reference(programs, samplers, cloudpickle.loads(samplers.prompts), self.data,
-                                          steps=settings.steps, seed=settings.seed,
-                                          off_policy_steps=self.config.rl_off_policy_steps, on_step=step_done)
+        off = self.config.rl_off_policy_steps
+        if (jax.local_device_count() >= max(programs.devices_per_slice, samplers.devices_per_slice)
+                and local_platform() in program_platforms(programs.init)):
+            losses, digest = run_rl_reference(programs, samplers, cloudpickle.loads(samplers.prompts), self.data,
+                                              steps=settings.steps, seed=settings.seed, off_policy_steps=off,
+                                              on_step=step_done)
+        else:   # this process has fewer devices than a slice (or another platform): a child process gets them
+            losses, digest = run_rl_reference_process(programs, samplers, samplers.prompts,
+                                                      cloudpickle.dumps(self.data), steps=settings.steps,
+                                                      seed=settings.seed, off_policy_steps=off, on_step=step_done,
+                                                      compilation_cache_dir=settings.compilation_cache_dir)
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
         events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
                     replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,

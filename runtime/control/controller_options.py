@@ -76,6 +76,7 @@ class ControllerOptions:
     eval_steps: int = -1                   # eval steps (of M microbatches each) per eval; -1: unresolved (none)
     rl_samplers: int = 0                   # an RL run's sampler slices (control.sampling); 0: not an RL run
     rl_off_policy_steps: int = 0           # step s trains on rollouts of weights version s - this (0 or 1)
+    rl_sampler_devices: int = 1            # devices of one sampler slice (its own processes' device count)
     shadow_spares: bool = False            # spares shadow the state (runtime.control.shadows)
     platform: str = ""                     # the workers' JAX platform ("": JAX_PLATFORMS, else cpu; launcher)
     load_full_state_path: str = ""         # start from this checkpoint (a store, or <store>/<step>) if none to resume

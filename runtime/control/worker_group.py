@@ -217,7 +217,7 @@ class WorkerGroup:
         # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
         self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
         self._launched += 1
-        self.launcher.launch(wid, self._hosts[wid])
+        self.launcher.launch(wid, self._hosts[wid], devices=self.opts.rl_sampler_devices if sampler else 0)
         return wid
 
     def attach(self, known: dict[str, WorkerInfo], registered, stages: Mapping[str, int] | None = None

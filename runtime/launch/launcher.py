@@ -118,14 +118,20 @@ class LocalLauncher:
         self._replacement: zygotes.Zygote | None = None   # a zygote started after the first died
         os.makedirs(log_dir, exist_ok=True)
 
-    def launch(self, worker_id: str, host_name: str = "") -> subprocess.Popen:
+    def launch(self, worker_id: str, host_name: str = "", devices: int = 0) -> subprocess.Popen:
         """Starts worker ``worker_id`` on simulated host ``host_name`` (where its in-memory snapshots live; "":
-        this machine's name): a standby takes the id if one waits, else a new process starts.
+        this machine's name): a standby takes the id if one waits, else a new process starts. ``devices``: its
+        own device count when not the run's (an RL run's sampler; no standby has it).
 
         A new process waits its turn past the first ``LAUNCH_BURST`` starts
         (at most ``1/LAUNCH_RATE`` s). Handing a standby its id also starts
         its successor.
         """
+        if devices and devices != self.devices_per_worker:
+            self._pace.take()
+            identity = ["--worker-id", worker_id] + (["--host-name", host_name] if host_name else [])
+            proc = self.procs[worker_id] = self._start(identity, f"worker-{worker_id}.log", devices)
+            return proc
         if self.hosts_per_slice > 1:
             return self._launch_slice(worker_id, host_name)
         proc = self._take_standby(worker_id, host_name)
@@ -187,9 +193,10 @@ class LocalLauncher:
                 return proc
         return None
 
-    def _env(self) -> dict[str, str]:
-        """Every worker's environment (the same for all: only their arguments differ)."""
-        env = jax_child_env(self.devices_per_worker, self.platform)
+    def _env(self, devices: int = 0) -> dict[str, str]:
+        """Every worker's environment (the same for all but an RL sampler of its own ``devices``: only their
+        arguments differ)."""
+        env = jax_child_env(devices or self.devices_per_worker, self.platform)
         env["ELASTIC_RUN_SECRET"] = self.secret  # by environment: argv is visible to every local user
         env["ELASTIC_CHAOS"] = "1" if self.chaos else "0"
         # The controller decides where compiled programs are shared ("": nowhere), not an inherited variable.
@@ -199,12 +206,12 @@ class LocalLauncher:
             env.update(self.tls.environ())
         return env
 
-    def _start(self, identity: list[str], log_name: str):
+    def _start(self, identity: list[str], log_name: str, devices: int = 0):
         # Every worker answers to this process, the run's owner: never to the zygote it is forked from.
         argv = ["--controller", self.controller_address, "--run-id", self.run_id, *identity,
                 "--owner-pid", str(os.getpid())]
         path = os.path.join(self.log_dir, log_name)
-        env = self._env()
+        env = self._env(devices)
         zygote = self._zygote_for(env)
         if zygote is not None:
             try:
@@ -433,7 +440,7 @@ class ExternalLauncher:
     def __init__(self):
         self.procs: dict = {}   # nothing of this process's making to poll
 
-    def launch(self, worker_id: str, host_name: str = "") -> None:
+    def launch(self, worker_id: str, host_name: str = "", devices: int = 0) -> None:
         """Nothing to start: workers come by themselves."""
 
     def prepare_standby(self) -> None:

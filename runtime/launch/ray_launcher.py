@@ -462,7 +462,7 @@ class RayLauncher:
         self._watcher = threading.Thread(target=self._watch, name="ray-watcher", daemon=True)
         self._watcher.start()
 
-    def launch(self, worker_id: str, host_name: str = "") -> _Handle | _Slice:
+    def launch(self, worker_id: str, host_name: str = "", devices: int = 0) -> _Handle | _Slice:
         """Asks Ray for an actor serving as ``worker_id`` (detached, named: see the module docstring).
         ``host_name``: a Ray node id (the host a dead predecessor registered) is asked for first (soft
         affinity: elsewhere when that node is gone).

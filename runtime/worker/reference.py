@@ -46,7 +46,8 @@ from runtime.pipeline.interpreter import LocalWire, StageRunner
 from runtime.pipeline.schedule import compile_schedule
 from runtime.worker.executor import SliceExecutor, add_f32
 
-__all__ = ["LocalRun", "StepTrace", "run_reference", "run_reference_process", "run_rl_reference"]
+__all__ = ["LocalRun", "StepTrace", "run_reference", "run_reference_process", "run_rl_reference",
+           "run_rl_reference_process"]
 
 
 @dataclasses.dataclass
@@ -283,8 +284,8 @@ def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[in
         try:
             for line in proc.stdout:
                 msg = json.loads(line)
-                if "step" in msg:
-                    step_done(msg["step"], msg["loss"])
+                if "step" in msg:   # (an RL run's: with its rl_step fields)
+                    step_done(msg["step"], msg["loss"], *([msg["rl"]] if "rl" in msg else []))
                 elif "losses" in msg:
                     result = msg["losses"], msg["digests"]
         except BaseException:
@@ -296,47 +297,6 @@ def _reference_child(env: dict[str, str], request: bytes, step_done) -> tuple[in
         err.seek(0)
         tail = err.read().decode(errors="replace").strip().splitlines()[-8:]
     return rc, result, tail
-
-
-def _child() -> None:
-    import cloudpickle  # noqa: F401 - registers what cloudpickled data sources need to load
-
-    from runtime.core.allocator import retain_freed_memory
-    from runtime.core.compile_cache import enable
-    from runtime.core.errors import PlatformMismatchError
-    from runtime.core.owner import set_title
-
-    # The JSON lines go on a descriptor of their own: what libraries print to stdout (gloo's C++ does) goes to
-    # stderr, so it never breaks a line of them.
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    retain_freed_memory()   # a training process like a worker
-    set_title("elastic-reference (the fault-free reference run)")
-    req = pickle.loads(sys.stdin.buffer.read())
-    if "slice" in req:   # one host of a slice of several: it joins the others before JAX starts
-        from runtime.core.platforms import join_slice
-
-        coordinator, hosts, host = req["slice"]
-        join_slice(coordinator, hosts, host, timeout=120.0)
-    enable(req["cache"])
-    data = pickle.loads(req["data"])
-
-    def step_done(step, loss):
-        print(json.dumps({"step": step, "loss": loss}), file=out, flush=True)
-
-    try:
-        losses, digests = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
-                                        on_step=step_done, parameters_from=req["parameters_from"],
-                                        schedule=req["schedule"])
-    except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(1)
-    print(json.dumps({"losses": losses, "digests": digests}), file=out, flush=True)
-
-
-if __name__ == "__main__":
-    _child()
-
 
 def run_rl_reference(programs: ProgramSet, samplers, prompts, data_source, *, steps: int, seed: int,
                      off_policy_steps: int = 0, on_step=None) -> tuple[list[float], str]:
@@ -382,3 +342,74 @@ def run_rl_reference(programs: ProgramSet, samplers, prompts, data_source, *, st
             on_step(s, loss, {"step": s, "version": v, "mean_reward": float(np.mean(rewards)),
                               "rollout_seconds": seconds, "rollout_bytes": sum(b.ByteSize() for b in batches)})
     return losses, ex.state_digest()
+
+
+def run_rl_reference_process(programs: ProgramSet, samplers, prompts_blob: bytes, data_blob: bytes, *, steps: int,
+                             seed: int, off_policy_steps: int = 0, on_step=None,
+                             compilation_cache_dir: str = "") -> tuple[list[float], str]:
+    """:func:`run_rl_reference` in a child process with the devices of a trainer's slice and of a sampler's (the
+    most of the two; simulated on the CPU), for a client that has fewer. ``on_step(step, loss, rl_step)`` as
+    there. Raises ``ElasticError`` with the child's last output lines if it fails."""
+    from runtime.core.child_env import jax_child_env
+    from runtime.core.errors import ElasticError
+    from runtime.core.platforms import program_platforms
+
+    platforms = program_platforms(programs.init)
+    env = jax_child_env(max(programs.devices_per_slice, samplers.devices_per_slice),
+                        platforms[0] if len(platforms) == 1 else "")
+    request = {"programs": programs, "data": data_blob, "steps": steps, "seed": seed, "cache": compilation_cache_dir,
+               "rl": {"samplers": samplers, "prompts": prompts_blob, "off_policy_steps": off_policy_steps}}
+    rc, result, tail = _reference_child(env, pickle.dumps(request), on_step or (lambda *a: None))
+    if result is None or rc != 0:
+        raise ElasticError(f"the RL reference run's process failed (exit status {rc}): " + " | ".join(tail))
+    losses, digests = result
+    return losses, digests[0]
+
+
+def _child() -> None:
+    import cloudpickle  # noqa: F401 - registers what cloudpickled data sources need to load
+
+    from runtime.core.allocator import retain_freed_memory
+    from runtime.core.compile_cache import enable
+    from runtime.core.errors import PlatformMismatchError
+    from runtime.core.owner import set_title
+
+    # The JSON lines go on a descriptor of their own: what libraries print to stdout (gloo's C++ does) goes to
+    # stderr, so it never breaks a line of them.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    retain_freed_memory()   # a training process like a worker
+    set_title("elastic-reference (the fault-free reference run)")
+    req = pickle.loads(sys.stdin.buffer.read())
+    if "slice" in req:   # one host of a slice of several: it joins the others before JAX starts
+        from runtime.core.platforms import join_slice
+
+        coordinator, hosts, host = req["slice"]
+        join_slice(coordinator, hosts, host, timeout=120.0)
+    enable(req["cache"])
+    data = pickle.loads(req["data"])
+
+    def step_done(step, loss, rl=None):
+        print(json.dumps({"step": step, "loss": loss, **({"rl": rl} if rl is not None else {})}), file=out,
+              flush=True)
+
+    if "rl" in req:   # an RL run's reference: its samplers' program and the trainers', in this process
+        rl = req["rl"]
+        losses, digest = run_rl_reference(req["programs"], rl["samplers"], pickle.loads(rl["prompts"]), data,
+                                          steps=req["steps"], seed=req["seed"],
+                                          off_policy_steps=rl["off_policy_steps"], on_step=step_done)
+        print(json.dumps({"losses": losses, "digests": [digest]}), file=out, flush=True)
+        return
+    try:
+        losses, digests = run_reference(req["programs"], data, steps=req["steps"], seed=req["seed"],
+                                        on_step=step_done, parameters_from=req["parameters_from"],
+                                        schedule=req["schedule"])
+    except PlatformMismatchError as e:   # a refusal says all there is to say: one line, not a traceback
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps({"losses": losses, "digests": digests}), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    _child()
+

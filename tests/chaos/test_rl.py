@@ -14,8 +14,10 @@ FAULTS = "kill(phase=weights):role=trainer@step=4,kill:role=sampler@step=8,kill:
 
 
 def test_rl_survives_a_trainer_lost_mid_weight_sync_a_sampler_and_the_client_and_learns(tmp_path):
-    _, report = run_cli(["chaos", "rl_tiny", "rl_off_policy_steps=1", "elastic_spares=1", "--faults", FAULTS],
-                        tmp_path, timeout=600)
+    # samplers of 2 devices each (their own mesh; the trainers' slices have 1): the client's one-process reference
+    # then runs in a child process with the devices of both
+    _, report = run_cli(["chaos", "rl_tiny", "rl_off_policy_steps=1", "elastic_spares=1", "rl_sampler_devices=2",
+                         "--faults", FAULTS], tmp_path, timeout=600)
     assert report["verdict"] == "pass", report["verdict_reasons"]
     assert report["trajectory"] == "identical" and report["exactly_once"] and report["steps_lost"] == 0
     assert report["steps_completed"] == 30 and report["client_restarts"] == 1
