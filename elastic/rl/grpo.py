@@ -31,8 +31,8 @@ def advantages(rewards: jax.Array, samples: int) -> jax.Array:
     return ((r - mean) / (std + ADVANTAGE_EPS)).reshape(-1)
 
 
-def rollout(params, prompts, *, task: RLTask, tcfg: TransformerConfig, seed, step, microbatch, samples: int,
-            max_new: int, temperature: float) -> dict[str, jax.Array]:
+def rollout(params, prompts, *, task: RLTask, tcfg: TransformerConfig | None = None, seed, step, microbatch,
+            samples: int, max_new: int, temperature: float, apply=None) -> dict[str, jax.Array]:
     """The sampler's whole job for one microbatch: sample, reward, advantages (one jittable function).
 
     ``prompts`` int32[p, Lp] (``task.prompts(step, microbatch, p)``). Returns
@@ -42,7 +42,7 @@ def rollout(params, prompts, *, task: RLTask, tcfg: TransformerConfig, seed, ste
     "rewards": float32[B]}``.
     """
     prompts = jnp.asarray(prompts, jnp.int32)
-    out = sample(params, prompts, tcfg=tcfg, seed=seed, step=step, microbatch=microbatch, samples=samples,
+    out = sample(params, prompts, tcfg=tcfg, apply=apply, seed=seed, step=step, microbatch=microbatch, samples=samples,
                  max_new=max_new, temperature=temperature)
     rows = jnp.repeat(prompts, samples, axis=0)
     rewards = task.reward(rows, out["completions"]).astype(jnp.float32)
@@ -50,8 +50,8 @@ def rollout(params, prompts, *, task: RLTask, tcfg: TransformerConfig, seed, ste
             "advantages": advantages(rewards, samples), "rewards": rewards}
 
 
-def grpo_loss(params, batch, *, tcfg: TransformerConfig, temperature: float, clip_eps: float = 0.2,
-              kl_coef: float = 0.0, ref_params=None) -> jax.Array:
+def grpo_loss(params, batch, *, tcfg: TransformerConfig | None = None, temperature: float, clip_eps: float = 0.2,
+              kl_coef: float = 0.0, ref_params=None, apply=None) -> jax.Array:
     """Scalar float32: the clipped surrogate loss of one rollout microbatch (``batch`` as :func:`rollout`'s).
 
     Per token, ``ratio = exp(new - old)`` of the current policy's and the
@@ -63,7 +63,8 @@ def grpo_loss(params, batch, *, tcfg: TransformerConfig, temperature: float, cli
     log-probabilities: ``batch["ref_logprobs"]`` when the batch has them, else
     computed from ``ref_params`` (no gradient flows to them).
     """
-    new = token_logprobs(params, batch["prompts"], batch["completions"], tcfg=tcfg, temperature=temperature)
+    new = token_logprobs(params, batch["prompts"], batch["completions"], tcfg=tcfg, apply=apply,
+                         temperature=temperature)
     old = jnp.asarray(batch["logprobs"], jnp.float32)
     adv = jnp.asarray(batch["advantages"], jnp.float32)[:, None]
     ratio = jnp.exp(new - old)
@@ -74,7 +75,7 @@ def grpo_loss(params, batch, *, tcfg: TransformerConfig, temperature: float, cli
             ref = jnp.asarray(batch["ref_logprobs"], jnp.float32)
         elif ref_params is not None:
             ref = jax.lax.stop_gradient(token_logprobs(ref_params, batch["prompts"], batch["completions"],
-                                                       tcfg=tcfg, temperature=temperature))
+                                                       tcfg=tcfg, apply=apply, temperature=temperature))
         else:
             raise ValueError("grpo_loss: kl_coef > 0 needs batch['ref_logprobs'] or ref_params")
         log_ratio = ref - new

@@ -72,11 +72,11 @@ class RolloutBatches:
                            "the step's request; this trainer got none")
 
 
-def _sampled(params, prompts, *, seed, step, microbatch, samples, max_new, temperature, tcfg):
+def _sampled(params, prompts, *, seed, step, microbatch, samples, max_new, temperature, tcfg=None, apply=None):
     """The rollout program's part when the reward runs on the samplers' hosts: each row's prompt, completion and
     sampling log-probabilities."""
-    out = sample(params, prompts, tcfg=tcfg, seed=seed, step=step, microbatch=microbatch, samples=samples,
-                 max_new=max_new, temperature=temperature)
+    out = sample(params, prompts, tcfg=tcfg, apply=apply, seed=seed, step=step, microbatch=microbatch,
+                 samples=samples, max_new=max_new, temperature=temperature)
     return {"prompts": jnp.repeat(jnp.asarray(prompts, jnp.int32), samples, axis=0), **out}
 
 
@@ -92,11 +92,16 @@ class RLTrainer(Trainer):
       calls on its host after the program (a string match, a checker, a subprocess; it must be a pure function of
       its arguments for the run to be reproducible).
 
+    ``policy``: the bundled transformer (None, shaped by the config's model keys), or any object with
+    ``init(key) -> params`` and ``apply(params, tokens int32[rows, T]) -> logits [rows, T, vocab]``, a causal
+    decoder's (T = rl_prompt_length + rl_max_new_tokens; both are traced into the exported programs, so they
+    need not pickle and never run on the workers as Python).
+
     ``fit()`` as for any job. The task must pickle (it is shipped to the samplers)."""
 
     reports_model_keys = True
 
-    def __init__(self, config: Config, *, task=None):
+    def __init__(self, config: Config, *, task=None, policy=None):
         try:
             self.rl = rl = RLSettings.from_config(config)
         except ValueError as e:
@@ -116,9 +121,14 @@ class RLTrainer(Trainer):
         if not callable(getattr(self.task, "prompts", None)) or not callable(getattr(self.task, "reward", None)):
             raise ConfigError(f"the RL task {type(self.task).__name__} needs prompts(step, microbatch, p) and "
                               "reward(prompts, completions)")
-        self.init = functools.partial(init_params, tcfg=rl.tcfg)
+        if policy is not None and not (callable(getattr(policy, "init", None)) and
+                                       callable(getattr(policy, "apply", None))):
+            raise ConfigError(f"the RL policy {type(policy).__name__} needs init(key) -> params and "
+                              "apply(params, tokens) -> logits")
+        self.init = policy.init if policy is not None else functools.partial(init_params, tcfg=rl.tcfg)
+        self.apply = policy.apply if policy is not None else None   # None: the bundled transformer's forward
         spec = self._rollout_spec()
-        super().__init__(init=self.init, loss=rl.loss_fn(),
+        super().__init__(init=self.init, loss=rl.loss_fn(self.apply),
                          optimizer=rl.optimizer(), data=RolloutBatches(tuple(
                              (k, shape, dtype) for k, (shape, dtype) in spec.items() if k != "rewards")),
                          config=config)
@@ -155,20 +165,21 @@ class RLTrainer(Trainer):
         sampler's program; with a KL term, the frozen initial policy's log-probabilities of each completion too)."""
         leaves, tree = self._weights()
         rl, outputs = self.rl, self._outputs
-        fn = functools.partial(rl.rollout_fn(), task=self.task)
+        policy = {"apply": self.apply} if self.apply is not None else {"tcfg": rl.tcfg}
+        fn = functools.partial(rl.rollout_fn(self.apply), task=self.task)
         if self._host_reward:   # the program samples; the sampler scores on its host
             fn = functools.partial(_sampled, samples=rl.rl_samples_per_prompt, max_new=rl.rl_max_new_tokens,
-                                   temperature=rl.rl_temperature, tcfg=rl.tcfg)
+                                   temperature=rl.rl_temperature, **policy)
 
-        def policy(weights):
+        def params_of(weights):
             return jax.tree.unflatten(tree, [w.astype(x.dtype) for w, x in zip(weights, leaves)])
 
         def rollout(weights, *rest):
             *ref, prompts, seed, step, microbatch = rest
-            out = fn(policy(weights), prompts, seed=seed, step=step, microbatch=microbatch)
+            out = fn(params_of(weights), prompts, seed=seed, step=step, microbatch=microbatch)
             if ref:
-                out["ref_logprobs"] = token_logprobs(policy(ref[0]), out["prompts"], out["completions"],
-                                                     tcfg=rl.tcfg, temperature=rl.rl_temperature)
+                out["ref_logprobs"] = token_logprobs(params_of(ref[0]), out["prompts"], out["completions"],
+                                                     temperature=rl.rl_temperature, **policy)
             return tuple(out[k] for k in outputs)
         return rollout
 

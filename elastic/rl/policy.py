@@ -1,4 +1,5 @@
-"""Decoding and per-token log-probabilities of the bundled transformer as an RL policy.
+"""Decoding and per-token log-probabilities of an RL policy: the bundled transformer (``tcfg=``), or any
+``apply(params, tokens int32[B, T]) -> logits [B, T, vocab]`` of one's own (``apply=``), causal as a decoder is.
 
 The policy at temperature ``T`` is ``softmax(logits / T)`` of
 :func:`elastic.models.transformer.forward`'s last-position logits. Both
@@ -52,8 +53,18 @@ def _row_keys(seed, step, microbatch, p: int, samples: int) -> jax.Array:
     return keys.reshape(p * samples)   # row r = i * G + g
 
 
-def sample(params, prompts, *, tcfg: TransformerConfig, seed, step, microbatch, samples: int, max_new: int,
-           temperature: float) -> dict[str, jax.Array]:
+def _apply(tcfg: TransformerConfig | None, apply):
+    """The policy's ``apply(params, tokens int32[B, T]) -> logits [B, T, vocab]``: ``apply`` when given (a policy of
+    one's own), else the bundled transformer of ``tcfg``."""
+    if apply is not None:
+        return apply
+    if tcfg is None:
+        raise ValueError("give the policy as apply=(params, tokens) -> logits, or the bundled one's tcfg=")
+    return lambda params, tokens: forward(params, tokens, tcfg)
+
+
+def sample(params, prompts, *, tcfg: TransformerConfig | None = None, seed, step, microbatch, samples: int,
+           max_new: int, temperature: float, apply=None) -> dict[str, jax.Array]:
     """Samples ``max_new`` tokens for each of the ``p * samples`` rows of ``prompts`` int32[p, Lp].
 
     Returns ``{"completions": int32[B, max_new], "logprobs": float32[B, max_new]}``
@@ -65,7 +76,9 @@ def sample(params, prompts, *, tcfg: TransformerConfig, seed, step, microbatch, 
     """
     prompts = jnp.asarray(prompts, jnp.int32)
     p, lp = prompts.shape
-    _check_length(tcfg, lp, max_new)
+    if tcfg is not None:
+        _check_length(tcfg, lp, max_new)
+    policy = _apply(tcfg, apply)
     b = p * samples
     keys = _row_keys(seed, step, microbatch, p, samples)
     buf = jnp.concatenate([jnp.repeat(prompts, samples, axis=0), jnp.zeros((b, max_new), jnp.int32)], axis=1)
@@ -73,7 +86,7 @@ def sample(params, prompts, *, tcfg: TransformerConfig, seed, step, microbatch, 
 
     def body(t, carry):
         buf, logprobs = carry
-        logits = forward(params, buf, tcfg)
+        logits = policy(params, buf)
         last = jax.lax.dynamic_index_in_dim(logits, lp - 1 + t, axis=1, keepdims=False) / temperature
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(keys)
         tok = jax.vmap(jax.random.categorical)(step_keys, last).astype(jnp.int32)
@@ -86,7 +99,8 @@ def sample(params, prompts, *, tcfg: TransformerConfig, seed, step, microbatch, 
     return {"completions": buf[:, lp:], "logprobs": logprobs}
 
 
-def token_logprobs(params, prompts, completions, *, tcfg: TransformerConfig, temperature: float) -> jax.Array:
+def token_logprobs(params, prompts, completions, *, tcfg: TransformerConfig | None = None, temperature: float,
+                   apply=None) -> jax.Array:
     """float32[B, max_new]: teacher-forced ``log_softmax(logits / temperature)`` of each completion token.
 
     ``prompts`` int32[B, Lp] (one per row, already repeated per sample),
@@ -96,7 +110,8 @@ def token_logprobs(params, prompts, completions, *, tcfg: TransformerConfig, tem
     prompts = jnp.asarray(prompts, jnp.int32)
     completions = jnp.asarray(completions, jnp.int32)
     lp, n = prompts.shape[1], completions.shape[1]
-    _check_length(tcfg, lp, n)
-    logits = forward(params, jnp.concatenate([prompts, completions], axis=1), tcfg)
+    if tcfg is not None:
+        _check_length(tcfg, lp, n)
+    logits = _apply(tcfg, apply)(params, jnp.concatenate([prompts, completions], axis=1))
     logp = jax.nn.log_softmax(logits[:, lp - 1:lp - 1 + n] / temperature, axis=-1)
     return jnp.take_along_axis(logp, completions[..., None], axis=-1)[..., 0]

@@ -184,14 +184,17 @@ class RLSettings:
         return RLTask(vocab_size=self.vocab_size, prompt_len=self.rl_prompt_length,
                       completion_len=self.rl_max_new_tokens, seed=self.seed)
 
-    def rollout_fn(self):
-        """``rollout(params, prompts, seed, step, microbatch)`` with these settings bound (not jitted)."""
-        return functools.partial(rollout, task=self.task, tcfg=self.tcfg, samples=self.rl_samples_per_prompt,
+    def rollout_fn(self, apply=None):
+        """``rollout(params, prompts, seed, step, microbatch)`` with these settings bound (not jitted); ``apply``:
+        a policy of one's own (None: the bundled transformer of these settings)."""
+        policy = {"apply": apply} if apply is not None else {"tcfg": self.tcfg}
+        return functools.partial(rollout, task=self.task, **policy, samples=self.rl_samples_per_prompt,
                                  max_new=self.rl_max_new_tokens, temperature=self.rl_temperature)
 
-    def loss_fn(self):
+    def loss_fn(self, apply=None):
         """``loss(params, batch) -> scalar``: :func:`grpo_loss` with these settings bound (a partial, picklable)."""
-        return functools.partial(grpo_loss, tcfg=self.tcfg, temperature=self.rl_temperature,
+        policy = {"apply": apply} if apply is not None else {"tcfg": self.tcfg}
+        return functools.partial(grpo_loss, **policy, temperature=self.rl_temperature,
                                  clip_eps=self.rl_clip_epsilon, kl_coef=self.rl_kl_coef)
 
     def optimizer(self):

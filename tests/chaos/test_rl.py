@@ -4,8 +4,8 @@ One chaos run loses a trainer while it sends a weights version to a sampler (the
 from the other trainer; the spare takes the trainer's place), then a sampler (its rollouts are made by the
 other sampler; a fresh one is launched), then the client (the restarted client takes both roles back): every
 step, none lost, bit-identical to the one-process reference, and the policy learns. Fault-free runs of a task
-of one's own (the example's, its reward in plain Python), with a KL term, on one and on two samplers give the same
-bits.
+and a policy of one's own (the example's, its reward in plain Python), with a KL term, on one and on two samplers
+give the same bits.
 """
 
 from tests.conftest import run_cli
@@ -34,14 +34,14 @@ def test_rl_survives_a_trainer_lost_mid_weight_sync_a_sampler_and_the_client_and
     assert rl["weight_syncs"] >= 30 and rl["weight_sync_bytes"] > 0
 
 
-def test_ones_own_python_reward_with_a_kl_term_trains_to_the_same_bits_on_one_sampler_or_two_on_policy(tmp_path):
-    """The example's task (examples/rl_loop: reverse the prompt) with its reward in plain Python, called by each
-    sampler on its host, through elastic.rl.RLTrainer(task=...), with the KL term against the frozen initial policy
-    (whose weights each sampler makes from the seed)."""
+def test_ones_own_policy_and_python_reward_with_a_kl_term_train_to_the_same_bits_on_one_sampler_or_two(tmp_path):
+    """The example's (examples/rl_loop): its task (reverse the prompt) with the reward in plain Python, called by
+    each sampler on its host, and its own policy (init, apply), through elastic.rl.RLTrainer(task=, policy=), with
+    the KL term against the frozen initial policy (whose weights each sampler makes from the seed); on-policy."""
     digests = {}
     for n in (1, 2):
         _, report = run_cli(["run", "rl_tiny", "steps=6", f"rl_samplers={n}", f"run_name=s{n}", "rl_kl_coef=0.05",
-                             "elastic_trainer=examples.rl_loop.reverse_task:make_python_reward_job"], tmp_path / str(n))
+                             "elastic_trainer=examples.rl_loop.reverse_task:make_own_policy_job"], tmp_path / str(n))
         assert report["losses"][-1] > 0   # on-policy the surrogate averages to ~0: the KL term shows
         assert [s["version"] for s in report["rl"]["steps"]] == list(range(6))   # on-policy: version = step
         digests[n] = (report["final_state_digest"], [s["mean_reward"] for s in report["rl"]["steps"]])
