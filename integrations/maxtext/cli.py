@@ -79,6 +79,10 @@ def build_job(path, overrides: list[str]):
         if ec.elastic_trainer:
             import_maxtext()   # what MaxText prints as it imports is kept here, not in the factory's output
             job = None
+        elif ec.rl_samplers:   # RL post-training of MaxText's model (docs/rl.md)
+            from integrations.maxtext.rl import make_rl_job
+
+            job = make_rl_job(ec, mt)
         else:
             job = make_job(ec, mt)
     if job is None:   # the user's code: what it prints is theirs to see
