@@ -36,7 +36,7 @@ import elastic
 from integrations.maxtext.data import MAXTEXT_PRNG_IMPL
 from integrations.maxtext.slice import draws_random, maxtext_key, maxtext_model, slice_mesh
 
-__all__ = ["PipelineKeys", "check_pipelined", "make_pipeline_job", "pipeline_keys"]
+__all__ = ["PipelineKeys", "StagePieces", "check_pipelined", "make_pipeline_job", "pipeline_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +125,12 @@ def make_pipeline_job(elastic_config: elastic.Config, maxtext_config, data) -> e
     """An ``elastic.Trainer`` job of MaxText's model in ``dcn_pipeline_parallelism`` stages (module docstring)."""
     stages = elastic_config.dcn_pipeline_parallelism
     check_pipelined(maxtext_config, stages)
-    pieces = _StagePieces(maxtext_config, elastic_config.devices_per_slice, stages)
+    pieces = StagePieces(maxtext_config, elastic_config.devices_per_slice, stages)
     return elastic.Trainer(init=pieces.init, loss=pieces.loss, optimizer=pieces.optimizer(), data=data,
                            config=elastic_config)
 
 
-class _StagePieces:
+class StagePieces:
     """MaxText's parameters, marked loss and optimizer for a slice of ``devices`` devices."""
 
     def __init__(self, config, devices: int, stages: int):

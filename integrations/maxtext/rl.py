@@ -9,7 +9,7 @@ returning its logits. Both are traced into the exported programs, as MaxText's l
 from __future__ import annotations
 
 import elastic
-from integrations.maxtext.pipeline import _StagePieces
+from integrations.maxtext.pipeline import StagePieces
 from integrations.maxtext.slice import draws_random
 
 __all__ = ["MaxTextPolicy", "make_rl_job"]
@@ -19,7 +19,7 @@ class MaxTextPolicy:
     """MaxText's parameters and forward pass for a slice of ``devices`` devices."""
 
     def __init__(self, maxtext_config, devices: int):
-        self.pieces = _StagePieces(maxtext_config, devices, 1)
+        self.pieces = StagePieces(maxtext_config, devices, 1)
 
     def init(self, key):
         return self.pieces.init(key)

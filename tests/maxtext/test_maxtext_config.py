@@ -239,10 +239,10 @@ def test_a_jobs_maxtext_pieces_pickle_as_how_to_rebuild_them(path):
     import jax
 
     from integrations.maxtext.model import _Pieces
-    from integrations.maxtext.pipeline import _StagePieces
+    from integrations.maxtext.pipeline import StagePieces
 
     ec, mt = load(path=path)
-    pieces = (_StagePieces(mt, 1, 2) if ec.dcn_pipeline_parallelism > 1 else _Pieces(mt, 1, ec.microbatches))
+    pieces = (StagePieces(mt, 1, 2) if ec.dcn_pipeline_parallelism > 1 else _Pieces(mt, 1, ec.microbatches))
     again = cloudpickle.loads(cloudpickle.dumps(pieces))
     assert type(again) is type(pieces) and again.devices == 1
     assert again.mesh.devices.tolist() == pieces.mesh.devices.tolist()
