@@ -68,7 +68,8 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
     # (the fenced are not dead; an RL run's samplers are taken over by its sampling, after)
-    known = {w: info for w, info in s.registered.items() if w not in s.dead and not is_sampler(w)}
+    rl = ctl.sampling is not None
+    known = {w: info for w, info in s.registered.items() if w not in s.dead and not (rl and is_sampler(w))}
     pipelined = s.placement is not None and s.placement.stages > 1
     replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
@@ -79,7 +80,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     if first:
         ctl.observer.attach(ctl)
     alive = sorted(replies)
-    if ctl.sampling is not None:
+    if rl:
         ctl.sampling.reattach({w: info for w, info in s.registered.items() if w not in s.dead and is_sampler(w)},
                               ctl.attempt.seed)
     ctl.recover(ClientLostError(

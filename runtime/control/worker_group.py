@@ -230,7 +230,7 @@ class WorkerGroup:
         slice's), else of the stage whose programs it answers it runs (a spare)."""
         numbers = [int(w[1:]) for w in registered if w[:1] in "ws" and w[1:].isdigit()]
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
-        self._samplers_launched = max(self._samplers_launched, sum(is_sampler(w) for w in registered))
+        self._samplers_launched = max(self._samplers_launched, sum(self.is_sampler(w) for w in registered))
         for w, info in known.items():
             self._hosts[w] = info.host
             if not self.calls.reaches(w):
@@ -343,9 +343,9 @@ class WorkerGroup:
                     self.relaunch(wid)
             with self.registry.cond:
                 live = [w for w in self.registry.workers.values()
-                        if w.worker_id not in self._dead() and not is_sampler(w.worker_id)]
+                        if w.worker_id not in self._dead() and not self.is_sampler(w.worker_id)]
                 waiting = [w for w, p in self.launcher.procs.items()
-                           if w not in self.registry.workers and w not in self._dead() and not is_sampler(w)]
+                           if w not in self.registry.workers and w not in self._dead() and not self.is_sampler(w)]
                 if len(live) >= n or not (waiting or self.launcher.external):
                     break
                 left = deadline - time.monotonic()
@@ -363,6 +363,11 @@ class WorkerGroup:
         for w in live:
             self._adopt(w)
         return live
+
+    def is_sampler(self, worker_id: str) -> bool:
+        """``worker_id`` is one of this RL run's samplers (never in a training run: a worker that joined by hand
+        may be named ``s1``)."""
+        return self.opts.rl_samplers > 0 and is_sampler(worker_id)
 
     def wait_for_samplers(self, workers, timeout: float) -> list[str]:
         """Blocks until each of ``workers`` (samplers launched) registered or ended, at most ``timeout``; adopts
@@ -393,7 +398,7 @@ class WorkerGroup:
 
     def has_newcomers(self) -> bool:
         """A worker registered that the group has not adopted yet."""
-        return any(not self.calls.reaches(w) and not is_sampler(w) for w in list(self.registry.workers))
+        return any(not self.calls.reaches(w) and not self.is_sampler(w) for w in list(self.registry.workers))
 
     def warmed(self) -> bool:
         """A newcomer finished loading (successfully or not)."""
@@ -406,7 +411,7 @@ class WorkerGroup:
     def start_warming(self) -> None:
         """Adopts newly registered workers and starts loading programs on them (no wait; any time, steps run on)."""
         for w in list(self.registry.workers.values()):
-            if not self.calls.reaches(w.worker_id) and not is_sampler(w.worker_id):
+            if not self.calls.reaches(w.worker_id) and not self.is_sampler(w.worker_id):
                 self._adopt(w)
                 self._warming[w.worker_id] = self.calls.start_load(w.worker_id)
 
