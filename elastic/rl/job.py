@@ -36,10 +36,7 @@ from elastic.trainer import Trainer
 from runtime import (MESH_AXIS, SamplerPrograms, local_platform, peak_rss_bytes, program_platforms, run_rl_reference,
                      run_rl_reference_process)
 
-__all__ = ["Prompts", "RLTrainer", "RolloutBatches", "ROLLOUT_OUTPUTS"]
-
-#: What a sampler's rollout program returns, in order; the trainer's batch is all but ``rewards``.
-ROLLOUT_OUTPUTS = ("prompts", "completions", "logprobs", "advantages", "rewards")
+__all__ = ["Prompts", "RLTrainer", "RolloutBatches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +124,9 @@ class RLTrainer(Trainer):
                               "apply(params, tokens) -> logits")
         self.init = policy.init if policy is not None else functools.partial(init_params, tcfg=rl.tcfg)
         self.apply = policy.apply if policy is not None else None   # None: the bundled transformer's forward
+        # The policy's parameters as abstract leaves (the state's first leaves), traced once.
+        params = _programs.trace_init(self.init)
+        self._leaves, self._tree = jax.tree.leaves(params), jax.tree.structure(params)
         spec = self._rollout_spec()
         super().__init__(init=self.init, loss=rl.loss_fn(self.apply),
                          optimizer=rl.optimizer(), data=RolloutBatches(tuple(
@@ -134,11 +134,6 @@ class RLTrainer(Trainer):
                          config=config)
 
     # -- programs --------------------------------------------------------------------
-
-    def _weights(self):
-        """The policy's parameters as abstract leaves, and how many there are (the state's first leaves)."""
-        params = _programs.trace_init(self.init)
-        return jax.tree.leaves(params), jax.tree.structure(params)
 
     def _weights_dtype(self):
         return np.dtype(jnp.bfloat16) if self.config.rl_weights_dtype == "bfloat16" else None
@@ -160,10 +155,19 @@ class RLTrainer(Trainer):
         sampled = ("prompts", "completions", "logprobs", *(("ref_logprobs",) if self._kl else ()))
         return sampled if self._host_reward else (*sampled[:3], "advantages", *sampled[3:], "rewards")
 
+    def _rollout_args(self) -> tuple:
+        """The rollout program's arguments as abstract values: the weights as samplers hold them (twice with a KL
+        term: the frozen reference's too), the prompts, then seed, step and microbatch."""
+        rl, dtype = self.rl, self._weights_dtype()
+        weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in self._leaves]
+        prompts = jax.ShapeDtypeStruct((rl.rl_prompts_per_microbatch, rl.rl_prompt_length), jnp.int32)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        return (weights, *((weights,) if self._kl else ()), prompts, i32, i32, i32)
+
     def _rollout_fn(self):
         """``rollout(weights leaves, [reference weights,] prompts, seed, step, microbatch) -> outputs`` (the
         sampler's program; with a KL term, the frozen initial policy's log-probabilities of each completion too)."""
-        leaves, tree = self._weights()
+        leaves, tree = self._leaves, self._tree
         rl, outputs = self.rl, self._outputs
         policy = {"apply": self.apply} if self.apply is not None else {"tcfg": rl.tcfg}
         fn = functools.partial(rl.rollout_fn(self.apply), task=self.task)
@@ -193,14 +197,8 @@ class RLTrainer(Trainer):
 
     def _rollout_spec(self) -> dict:
         """``{output: (shape, dtype)}`` of one rollout microbatch."""
-        leaves, _ = self._weights()
         rl = self.rl
-        prompts = jax.ShapeDtypeStruct((rl.rl_prompts_per_microbatch, rl.rl_prompt_length), jnp.int32)
-        i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        dtype = self._weights_dtype()
-        weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in leaves]
-        ref = (weights,) if self._kl else ()
-        out = jax.eval_shape(self._rollout_fn(), weights, *ref, prompts, i32, i32, i32)
+        out = jax.eval_shape(self._rollout_fn(), *self._rollout_args())
         spec = {k: (tuple(o.shape), np.dtype(o.dtype).str) for k, o in zip(self._outputs, out)}
         if self._host_reward:
             rows = (rl.rows_per_microbatch,)
@@ -212,16 +210,13 @@ class RLTrainer(Trainer):
         if getattr(self, "_samplers", None) is not None:
             return self._samplers
         rl, d = self.rl, self.config.rl_sampler_devices
-        leaves, _ = self._weights()
         dtype = self._weights_dtype()
-        weights = [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in leaves]
+        args = self._rollout_args()
+        weights, prompts, i32 = args[0], args[-4], args[-1]
         dims = [_programs.shard_dim(x.shape, d) for x in weights]
-        prompts = jax.ShapeDtypeStruct((rl.rl_prompts_per_microbatch, rl.rl_prompt_length), jnp.int32)
-        i32 = jax.ShapeDtypeStruct((), jnp.int32)
         mesh = AbstractMesh((d,), (MESH_AXIS,))
-        ref = (weights,) if self._kl else ()
-        blob = _programs.export_program("rollout", self._rollout_fn(), (weights, *ref, prompts, i32, i32, i32),
-                                        dims * (1 + len(ref)) + [None, None, None, None], None, mesh,
+        blob = _programs.export_program("rollout", self._rollout_fn(), args,
+                                        dims * (len(args) - 4) + [None, None, None, None], None, mesh,
                                         self._platform())
         reference = (_programs.export_program("reference", self._reference_fn(), (i32,), [None], dims, mesh,
                                               self._platform()) if self._kl else b"")
@@ -236,7 +231,7 @@ class RLTrainer(Trainer):
                   **({"reference_seed": self.settings.seed} if self._kl else {})}
         self._samplers = SamplerPrograms(rollout=blob, layout=layout,
                                          prompts=cloudpickle.dumps(Prompts(self.task, rl.rl_prompts_per_microbatch)),
-                                         weight_leaves=tuple(range(len(leaves))),
+                                         weight_leaves=tuple(range(len(self._leaves))),
                                          weights_dtype=np.dtype(dtype).name if dtype is not None else "",
                                          reference=reference)
         return self._samplers
