@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import queue
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -254,6 +255,18 @@ def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[
         except grpc.RpcError as e:
             raise rpc.to_error(w, e) from None
     return out
+
+
+def wait_any(futs, timeout: float) -> None:
+    """Waits until one of the futures ``futs`` (any iterable) is done, or ``timeout`` seconds passed; raises
+    nothing, and returns at once when there is none. Woken by the futures' callbacks, not by polling."""
+    futs = list(futs)
+    if not futs:
+        return
+    woken = threading.Event()
+    for f in futs:
+        f.add_done_callback(lambda _: woken.set())
+    woken.wait(timeout)
 
 
 def wait_until(futs: dict[str, grpc.Future], deadline: float) -> None:

@@ -44,6 +44,7 @@ import grpc
 import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
+from runtime.control.calls import wait_any
 from runtime.core.errors import CapacityExhaustedError, StateLostError
 from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import SamplerPrograms
@@ -188,13 +189,13 @@ class Sampling:
             ready = [w for w in free if self.installed.get(w) == version]
             if ready:
                 for w, mbs in zip(ready, split(missing, len(ready))):
-                    self._start(w, _Call("rollout", self.group.start_rollout(w, step, mbs, version, self.seed),
-                                         now, version, step, tuple(mbs)))
+                    self.calls[w] = _Call("rollout", self.group.start_rollout(w, step, mbs, version, self.seed),
+                                          now, version, step, tuple(mbs))
                     self._first_call.setdefault(step, now)
             for w in [w for w in free if w not in self.calls and self.installed.get(w) != version]:
                 sources = self._sources(version, w, dead)
                 if sources:   # (the earliest step's version first: a sampler moves back to it if it must)
-                    self._start(w, _Call("sync", self.group.start_sync(w, version, sources), now, version))
+                    self.calls[w] = _Call("sync", self.group.start_sync(w, version, sources), now, version)
             if step == committed and version < committed and not self._sources(version, "", dead) and not any(
                     c.version == version for c in self.calls.values()) and \
                     not any(self.installed.get(w) == version for w in self.live if w not in dead):
@@ -202,9 +203,6 @@ class Sampling:
                     f"step {step}'s rollouts need weights version {version}, and every trainer and sampler that "
                     f"held it was lost (rl_off_policy_steps={self.off}: the run stands at version {committed}); its "
                     "rollouts cannot be made again bit for bit")
-
-    def _start(self, worker: str, call: _Call) -> None:
-        self.calls[worker] = call
 
     def _sources(self, version: int, worker: str, dead) -> list[str]:
         """Who can send ``version``: the trainers that published it (rotated per sampler, so syncs spread), then
@@ -253,7 +251,7 @@ class Sampling:
                 for b in reply.batches:
                     got[b.microbatch] = b
                 if self.ready(call.step):
-                    self.step_seconds[call.step] = time.monotonic() - self._first_call.get(call.step, call.started)
+                    self.step_seconds[call.step] = time.monotonic() - self._first_call.pop(call.step, call.started)
                     self.events.emit("rollouts_made", step=call.step, version=call.version,
                                      seconds=self.step_seconds[call.step])
 
@@ -269,11 +267,7 @@ class Sampling:
     def wait(self, timeout: float, also=()) -> None:
         """Blocks up to ``timeout`` until some call ends, or one of the futures ``also`` (a trainers' step); with
         nothing in flight and nothing in ``also``, returns at once."""
-        deadline = time.monotonic() + timeout
-        also = list(also)
-        while (self.calls or also) and time.monotonic() < deadline and \
-                not any(c.future.done() for c in self.calls.values()) and not any(f.done() for f in also):
-            time.sleep(0.002)
+        wait_any([*(c.future for c in self.calls.values()), *also], timeout)
 
     def starved(self, dead) -> bool:
         """No sampler is left, and none is on its way: the run cannot make rollouts."""
@@ -289,6 +283,7 @@ class Sampling:
         for v in [v for v in self.published if v < step - 1]:
             del self.published[v]
         batches = self.made.pop(step, {})
+        self._first_call.pop(step, None)   # (a step whose rollouts were not all made here)
         rewards = [decode_batch(b)["rewards"] for _, b in sorted(batches.items()) if
                    any(a.name == "rewards" for a in b.arrays)]
         versions = sorted({b.version for b in batches.values()})

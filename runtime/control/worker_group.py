@@ -231,10 +231,7 @@ class WorkerGroup:
         numbers = [int(w[1:]) for w in registered if w[:1] in "ws" and w[1:].isdigit()]
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
         self._samplers_launched = max(self._samplers_launched, sum(self.is_sampler(w) for w in registered))
-        for w, info in known.items():
-            self._hosts[w] = info.host
-            if not self.calls.reaches(w):
-                self.calls.adopt(w, self._channels_of(info))
+        self._reach(known)
         per_stage = ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
                      if self.programs.pipelined else [])
         request = self._attach_request("" if per_stage else programs_fingerprint(self.programs.programs()),
@@ -258,6 +255,13 @@ class WorkerGroup:
             self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else r.pid)
         return replies
 
+    def _reach(self, known: dict[str, WorkerInfo]) -> None:
+        """A restarted client's calls reach the workers of ``known`` (from the log), on the hosts they registered."""
+        for w, info in known.items():
+            self._hosts[w] = info.host
+            if not self.calls.reaches(w):
+                self.calls.adopt(w, self._channels_of(info))
+
     def _attach_request(self, fingerprint: str, per_stage=()) -> pb.AttachRequest:
         """A restarted client's ``Attach``: its generation and address, the programs it brings."""
         return pb.AttachRequest(fence=self._fence(), controller=self.address, stage_fingerprints=list(per_stage),
@@ -269,10 +273,7 @@ class WorkerGroup:
     def attach_samplers(self, known: dict[str, WorkerInfo], fingerprint: str) -> list[str]:
         """A restarted client takes over an RL run's live samplers of ``known`` (their rollout program's
         ``fingerprint``); answers those that took the new generation (the others are declared dead)."""
-        for w, info in known.items():
-            self._hosts[w] = info.host
-            if not self.calls.reaches(w):
-                self.calls.adopt(w, self._channels_of(info))
+        self._reach(known)
         try:
             replies = self.calls.attach(list(known), self._attach_request(fingerprint),
                                         min(self.opts.rpc_timeout_seconds, ATTACH_SECONDS))
