@@ -402,8 +402,8 @@ class Controller:
         workers all answered or the step watchdog's deadline came (``_collect`` then waits and judges as ever)."""
         deadline, _ = self.slow.deadline()
         while not all(f.done() for f in futs.values()) and (deadline is None or time.monotonic() < deadline):
-            self._pump_samplers()
-            self.sampling.wait(0.05, also=futs.values())
+            self._pump_samplers()   # (a trainer that answered already wakes no one: the others are waited for)
+            self.sampling.wait(0.05, also=[f for f in futs.values() if not f.done()])
 
     def _pump_samplers(self) -> None:
         """An RL run: the samplers' calls that ended are taken in and the next ones started; trainers that
