@@ -76,6 +76,17 @@ def check_step_request(req: pb.StepRequest, num_microbatches: int) -> None:
         raise ProtocolError(f"step {req.step}: the subtrees of rank {req.rank} are not its share of all_nodes")
 
 
+def checked_programs(request: pb.LoadRequest) -> dict[str, bytes]:
+    """``{name: bytes}`` of the programs a ``Load`` carries, each checked against its ``sha256`` first (a corrupted
+    program must not reach the deserializer): :class:`ProtocolError` naming the one that does not match."""
+    by_name = {}
+    for p in request.programs:
+        if p.sha256 and hashlib.sha256(p.serialized).hexdigest() != p.sha256:
+            raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
+        by_name[p.name] = p.serialized
+    return by_name
+
+
 def decode_programs(request: pb.LoadRequest) -> tuple[StagePrograms, list]:
     """The stage's programs a ``Load`` carries (an unpipelined run's one stage, or one stage of a pipeline when
     its layout names a stage) and the ``[(shape, dtype)]`` of the state, checked before any compile.
@@ -86,11 +97,7 @@ def decode_programs(request: pb.LoadRequest) -> tuple[StagePrograms, list]:
     agree with the layout; a layout that does not parse or asks for more
     devices than this host has.
     """
-    by_name = {}
-    for p in request.programs:
-        if p.sha256 and hashlib.sha256(p.serialized).hexdigest() != p.sha256:
-            raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
-        by_name[p.name] = p.serialized
+    by_name = checked_programs(request)
     try:
         programs = StagePrograms.from_parts(by_name, request.layout)
     except Exception as e:  # noqa: BLE001 - JSON, unknown keys, missing programs: a malformed message

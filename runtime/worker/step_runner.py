@@ -183,7 +183,8 @@ class StepRunner:
             for old in [k for k in recent if k < req.step - 4]:
                 del recent[old]
             if req.publish_leaves:   # an RL run's policy: weights version step + 1, for the samplers to pull
-                self._weights.put(req.step + 1, cast_weights(ex.host_state(), req.publish_leaves, req.publish_dtype))
+                # (only its leaves come to the host; their digest is taken when a sampler first asks, off the step)
+                self._weights.put(req.step + 1, cast_weights(ex.state, req.publish_leaves, req.publish_dtype))
         self._mailbox.discard_before(req.step + 1)   # pieces a faulty peer left for steps now past
         t3 = time.perf_counter()
         clock.lap("bookkeeping")

@@ -35,7 +35,8 @@ __all__ = ["WeightOutbox", "cast_weights", "pull_weights"]
 
 def cast_weights(leaves: list, indices, dtype: str) -> list[np.ndarray]:
     """The state ``leaves`` at ``indices`` (the policy's parameters), as contiguous host arrays of ``dtype`` ("":
-    as they are). ``ProtocolError`` for an index out of range or an unknown dtype."""
+    as they are): only those leaves are brought to the host (``leaves`` may be a slice of one host's device
+    arrays). ``ProtocolError`` for an index out of range or an unknown dtype."""
     try:
         target = np.dtype(dtype) if dtype else None
     except TypeError:
@@ -50,22 +51,22 @@ def cast_weights(leaves: list, indices, dtype: str) -> list[np.ndarray]:
 
 
 class WeightOutbox:
-    """The weights versions a worker holds for others: ``{version: (leaves, digest)}``, the newest ``keep``."""
+    """The weights versions a worker holds for others: ``{version: (leaves, digest)}``, the newest ``keep``. A
+    version's digest is taken when it is first asked for (a trainer keeps a version after every step, and most
+    are never sent)."""
 
     def __init__(self, keep: int = 3):
         self.keep = keep
         self._lock = threading.Lock()
-        self._versions: dict[int, tuple[list[np.ndarray], str]] = {}
+        self._versions: dict[int, tuple[list[np.ndarray], str]] = {}   # digest "" until first asked for
 
-    def put(self, version: int, leaves: list[np.ndarray], digest: str = "") -> str:
-        """Keeps ``leaves`` as ``version`` (replacing that version, dropping the oldest past ``keep``); returns
-        their digest."""
-        digest = digest or state_digest(leaves)
+    def put(self, version: int, leaves: list[np.ndarray], digest: str = "") -> None:
+        """Keeps ``leaves`` (and their ``digest``, when known) as ``version``, replacing that version and dropping
+        the oldest past ``keep``."""
         with self._lock:
             self._versions[version] = (leaves, digest)
             for old in sorted(self._versions)[:-self.keep]:
                 del self._versions[old]
-        return digest
 
     def get(self, version: int) -> tuple[list[np.ndarray], str]:
         """``(leaves, digest)`` of ``version``; ``StaleEpochError`` naming the versions held when it is not."""
@@ -73,15 +74,15 @@ class WeightOutbox:
             if version not in self._versions:
                 raise StaleEpochError(f"weights version {version} is not held here (held: "
                                       f"{sorted(self._versions) or 'none'})")
-            return self._versions[version]
+            leaves, digest = self._versions[version]
+            if not digest:
+                digest = state_digest(leaves)
+                self._versions[version] = (leaves, digest)
+            return leaves, digest
 
     def versions(self) -> list[int]:
         with self._lock:
             return sorted(self._versions)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._versions.clear()
 
     def parts(self, version: int, chunk_bytes: int) -> Iterator[Part]:
         """``version``'s leaves as a state copy's parts (the version where a state names its applied steps)."""

@@ -36,7 +36,6 @@ Set ``XLA_FLAGS`` (device count) before this module is imported.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -62,7 +61,7 @@ from runtime.core.microbatch import root
 from runtime.core.stacks import thread_stacks
 from runtime.core.owner import Owner
 from runtime.wire.peers import PeerChannels
-from runtime.wire.requests import decode_programs, unpickle_source
+from runtime.wire.requests import checked_programs, decode_programs, unpickle_source
 from runtime.state.snapshot import SnapshotStore, host_directory
 from runtime.worker.step_runner import StepRunner
 from runtime.worker.step_stream import serve_step_connection, serve_steps
@@ -167,18 +166,19 @@ class WorkerService(pb_grpc.WorkerServicer):
                 p = max(p, packed_size(programs.activation_in), packed_size(programs.activation_out))   # activations
                 self._mailbox.limit(max_piece=p, top=root(m), max_buffered=4 * (m + 1) * p)
                 self.replica.load(executor, executor.state_layout(state_layout), chunk_bytes, Landing if request.spare else None)
-            self.lease.seconds = request.lease_seconds
-            self.lease.client_grace = request.client_grace_seconds
-            self.lease.last_contact = time.monotonic()
+            self._take_lease(request)
             return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
         return self._guard(context, load)
 
+    def _take_lease(self, request) -> None:
+        """A ``Load`` that succeeded: the lease and the client grace it names, counted from now."""
+        self.lease.seconds = request.lease_seconds
+        self.lease.client_grace = request.client_grace_seconds
+        self.lease.last_contact = time.monotonic()
+
     def _load_sampler(self, request, layout: dict, chunk_bytes: int) -> pb.LoadReply:
         """``Load`` of an RL run's sampler: its rollout program and prompt source (:mod:`runtime.worker.sampler`)."""
-        blobs = {p.name: p.serialized for p in request.programs}
-        for p in request.programs:
-            if p.sha256 and hashlib.sha256(p.serialized).hexdigest() != p.sha256:
-                raise ProtocolError(f"program {p.name!r}: its bytes do not match their sha256 (corrupted on the way)")
+        blobs = checked_programs(request)
         sampler = Sampler(layout, blobs, unpickle_source(request.data_source))
         t0 = time.perf_counter()
         probed = probe_devices()
@@ -187,9 +187,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.sampler, self._chunk_bytes = sampler, chunk_bytes
         self.lease.holds_weights = lambda: sampler.version is not None
         self.state_mover.fingerprint = programs_fingerprint(blobs)
-        self.lease.seconds = request.lease_seconds
-        self.lease.client_grace = request.client_grace_seconds
-        self.lease.last_contact = time.monotonic()
+        self._take_lease(request)
         return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
 
     # -- RL: weights versions and rollouts (runtime.worker.weights, runtime.worker.sampler) -------
@@ -203,10 +201,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             replica.need_state()
             with replica.locked():
                 version = replica.executor.steps_applied
-                leaves = cast_weights(replica.executor.host_state(), request.leaves, request.dtype)
-            digest = self.weights.put(version, leaves)
-            return pb.PublishWeightsReply(version=version, digest=digest, bytes=sum(x.nbytes for x in leaves),
-                                          held=self.weights.versions())
+                leaves = cast_weights(replica.executor.state, request.leaves, request.dtype)
+            self.weights.put(version, leaves)
+            return pb.PublishWeightsReply(version=version, digest=self.weights.get(version)[1],
+                                          bytes=sum(x.nbytes for x in leaves), held=self.weights.versions())
         return self._guard(context, publish)
 
     def SyncWeights(self, request, context):
