@@ -44,12 +44,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from elastic.config import Config
 from elastic.models.transformer import TransformerConfig, init_params
 from elastic.rl.grpo import grpo_loss, rollout
 from elastic.rl.policy import token_logprobs
 from elastic.rl.task import RLTask
 
 __all__ = ["RLSettings", "run_reference", "tree_sum_f32"]
+
+
+#: Each key's default: the config schema's.
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -61,30 +66,31 @@ class RLSettings:
     """The config keys an RL run reads, typed, with defaults and checks (fields are the keys' names).
 
     :meth:`from_config` reads them from a Config, any object with them as
-    attributes, or a mapping; a key it lacks takes the default here. Every bad
-    value raises a one-line ``ValueError`` naming its key.
+    attributes, or a mapping; a key it lacks takes its default, the config
+    schema's (:class:`elastic.config.Config`: one owner). Every bad value
+    raises a one-line ``ValueError`` naming its key.
     """
 
-    rl_prompts_per_microbatch: int = 4   # p: prompts per rollout microbatch
-    rl_samples_per_prompt: int = 8       # G: samples (completions) per prompt; >= 2 for a group advantage
-    rl_max_new_tokens: int = 4           # completion length
-    rl_prompt_length: int = 4            # prompt length
-    rl_temperature: float = 1.0          # sampling temperature (the policy is softmax(logits / T))
-    rl_clip_epsilon: float = 0.2         # PPO clip range of the ratio
-    rl_kl_coef: float = 0.0              # k3 KL penalty against the initial policy; 0: none
-    rl_off_policy_steps: int = 0         # 0: step s sampled by version s; 1: by version max(s - 1, 0)
-    seed: int = 0
-    steps: int = 20
-    learning_rate: float = 1e-3
-    warmup_steps: int = 0
-    elastic_microbatches: int = 0        # M; 0: the next power of two >= dcn_data_parallelism
-    dcn_data_parallelism: int = 1
-    vocab_size: int = 64
-    max_target_length: int = 32
-    base_emb_dim: int = 32
-    base_num_decoder_layers: int = 2
-    base_num_query_heads: int = 2
-    base_mlp_dim: int = 64
+    rl_prompts_per_microbatch: int = _DEFAULT["rl_prompts_per_microbatch"]  # p: prompts per rollout microbatch
+    rl_samples_per_prompt: int = _DEFAULT["rl_samples_per_prompt"]  # G: completions per prompt (>= 2: a group)
+    rl_max_new_tokens: int = _DEFAULT["rl_max_new_tokens"]  # completion length
+    rl_prompt_length: int = _DEFAULT["rl_prompt_length"]  # prompt length
+    rl_temperature: float = _DEFAULT["rl_temperature"]  # the policy is softmax(logits / T)
+    rl_clip_epsilon: float = _DEFAULT["rl_clip_epsilon"]  # PPO clip range of the ratio
+    rl_kl_coef: float = _DEFAULT["rl_kl_coef"]  # k3 KL penalty against the initial policy; 0: none
+    rl_off_policy_steps: int = _DEFAULT["rl_off_policy_steps"]  # step s sampled by version max(s - this, 0)
+    seed: int = _DEFAULT["seed"]
+    steps: int = _DEFAULT["steps"]
+    learning_rate: float = _DEFAULT["learning_rate"]
+    warmup_steps: int = _DEFAULT["warmup_steps"]
+    elastic_microbatches: int = _DEFAULT["elastic_microbatches"]  # M; 0: next power of two >= the slices
+    dcn_data_parallelism: int = _DEFAULT["dcn_data_parallelism"]
+    vocab_size: int = _DEFAULT["vocab_size"]
+    max_target_length: int = _DEFAULT["max_target_length"]
+    base_emb_dim: int = _DEFAULT["base_emb_dim"]
+    base_num_decoder_layers: int = _DEFAULT["base_num_decoder_layers"]
+    base_num_query_heads: int = _DEFAULT["base_num_query_heads"]
+    base_mlp_dim: int = _DEFAULT["base_mlp_dim"]
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
