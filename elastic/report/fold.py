@@ -27,7 +27,7 @@ from typing import Any
 
 from elastic.report.goodput import goodput
 from elastic.report.pipeline import pipeline_section
-from elastic.report.rl import rl_section, sampler_fault
+from elastic.report.rl import rl_section, sampler_fault, samplers_of
 from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, RunState, read_events
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
@@ -465,6 +465,7 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
             f["kind"] = "client"
         elif causes:
             f["kind"] = "hang" if "hang" in causes else "straggler" if "stuck" in causes else "crash"
+    samplers = samplers_of(events) if report["faults"] else set()   # an RL run's (elastic.report.rl)
     for fault in report["faults"]:
         if fault["injected_at"] is None:
             continue
@@ -482,7 +483,7 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
                 fault["detected_after_s"] = hits[0]["t"] - t_first - fault["injected_at"]
                 fault["path"] = "replace" if hits[0]["action"] == "replaced" else None
             continue
-        if sampler_fault(fault, events, dead_at, t_first):   # an RL run's sampler: its rollouts go to the others
+        if sampler_fault(fault, events, samplers, dead_at, t_first):   # an RL run's sampler: its rollouts go to the others
             continue
         client = not fault["workers"] and fault["kind"] in ("kill", "hang")   # kill:client, hang:client
         for f in failures:

@@ -75,6 +75,7 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
     sequential = sampler + trainer
     span = span if steady else None
     rewards = [s["mean_reward"] for _, s in sorted(steps.items()) if s["mean_reward"] is not None]
+    samplers = samplers_of(events)
     head, tail = rewards[:3], rewards[-3:]
     return {
         "samplers": (config or {}).get("rl_samplers"),
@@ -94,16 +95,16 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
         "sequential_seconds": sequential,
         "overlap": (1 - span / sequential) if span is not None and sequential > 0 else None,
         "steady_steps": steady,
-        "samplers_lost": len([e for e in events if e["kind"] == "worker_dead" and e["worker"] in samplers_of(events)]),
+        "samplers_lost": len([e for e in events if e["kind"] == "worker_dead" and e["worker"] in samplers]),
         "samplers_relaunched": len([e for e in events if e["kind"] == "sampler_relaunched"]),
     }
 
 
-def sampler_fault(fault: dict, events: list[dict], dead_at: dict[str, float], t_first: float) -> bool:
-    """Fills ``fault`` (a report's fault) when it hit samplers only: detected when the first was declared dead,
-    recovered when the next step's rollouts were all made after that, path ``reassign``. False (nothing filled)
-    for a fault that hit a trainer."""
-    samplers = samplers_of(events)
+def sampler_fault(fault: dict, events: list[dict], samplers: set[str], dead_at: dict[str, float],
+                  t_first: float) -> bool:
+    """Fills ``fault`` (a report's fault) when it hit samplers only (``samplers``: :func:`samplers_of` the
+    events): detected when the first was declared dead, recovered when the next step's rollouts were all made
+    after that, path ``reassign``. False (nothing filled) for a fault that hit a trainer."""
     if not fault["workers"] or not set(fault["workers"]) <= samplers:
         return False
     seen = [dead_at[w] for w in fault["workers"] if w in dead_at and dead_at[w] >= fault["injected_at"] - 1e-6]
