@@ -213,21 +213,29 @@ def run_reference_process(programs: ProgramSet, data_blob: bytes, *, steps: int,
     is an error: the math is not deterministic). Raises ``ElasticError`` with
     the child's last output lines if it fails otherwise.
     """
+    request = {"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
+               "cache": compilation_cache_dir, "parameters_from": parameters_from, "schedule": schedule}
+    return _in_children(programs, programs.devices_per_slice // hosts, request, hosts, on_step)
+
+
+def _in_children(programs: ProgramSet, devices: int, request: dict, hosts: int, on_step):
+    """The reference ``request`` run in ``hosts`` child processes of ``devices`` devices each (of the programs'
+    platform): ``(losses, digests)``. A child killed by a signal is run again (``REFERENCE_RETRIES`` times), and
+    ``on_step(step, loss, ...)`` hears each step once; a step the rerun gives another loss for is an error.
+    ``ElasticError`` with the child's last output lines if it fails otherwise."""
     from runtime.core.errors import ElasticError
     from runtime.core.child_env import jax_child_env
     from runtime.core.platforms import program_platforms
 
     platforms = program_platforms(programs.init)
-    env = jax_child_env(programs.devices_per_slice // hosts, platforms[0] if len(platforms) == 1 else "")
-    request = {"programs": programs, "data": data_blob, "steps": steps, "seed": seed,
-               "cache": compilation_cache_dir, "parameters_from": parameters_from, "schedule": schedule}
+    env = jax_child_env(devices, platforms[0] if len(platforms) == 1 else "")
     heard: dict[int, float] = {}
 
-    def step_done(step: int, loss: float) -> None:
+    def step_done(step: int, loss: float, *more) -> None:
         if step not in heard:
             heard[step] = loss
             if on_step is not None:
-                on_step(step, loss)
+                on_step(step, loss, *more)
         elif struct.pack("<d", heard[step]) != struct.pack("<d", loss):
             raise ElasticError(f"the reference run's rerun gave step {step} another loss ({loss!r}, first "
                                f"{heard[step]!r}): the programs are not deterministic")
@@ -349,20 +357,11 @@ def run_rl_reference_process(programs: ProgramSet, samplers, prompts_blob: bytes
                              compilation_cache_dir: str = "") -> tuple[list[float], str]:
     """:func:`run_rl_reference` in a child process with the devices of a trainer's slice and of a sampler's (the
     most of the two; simulated on the CPU), for a client that has fewer. ``on_step(step, loss, rl_step)`` as
-    there. Raises ``ElasticError`` with the child's last output lines if it fails."""
-    from runtime.core.child_env import jax_child_env
-    from runtime.core.errors import ElasticError
-    from runtime.core.platforms import program_platforms
-
-    platforms = program_platforms(programs.init)
-    env = jax_child_env(max(programs.devices_per_slice, samplers.devices_per_slice),
-                        platforms[0] if len(platforms) == 1 else "")
+    there; the child is retried as :func:`run_reference_process`'s is."""
     request = {"programs": programs, "data": data_blob, "steps": steps, "seed": seed, "cache": compilation_cache_dir,
                "rl": {"samplers": samplers, "prompts": prompts_blob, "off_policy_steps": off_policy_steps}}
-    rc, result, tail = _reference_child(env, pickle.dumps(request), on_step or (lambda *a: None))
-    if result is None or rc != 0:
-        raise ElasticError(f"the RL reference run's process failed (exit status {rc}): " + " | ".join(tail))
-    losses, digests = result
+    losses, digests = _in_children(programs, max(programs.devices_per_slice, samplers.devices_per_slice), request,
+                                   1, on_step)
     return losses, digests[0]
 
 
