@@ -320,35 +320,45 @@ class _Job:
         return claim
 
     def _fit_reference(self, programs, events, on_step):
+        """The fault-free reference run (:meth:`_reference_run`), recorded as a run of its own."""
         settings = self.settings
         t0 = time.time()
         events.emit("run_started", run_id="reference", slices=0, devices_per_slice=settings.devices_per_slice,
                     microbatches=programs.num_microbatches, steps=settings.steps)
 
-        def step_done(step, loss):
+        def step_done(step, loss, rl_step=None):
             events.emit("step_committed", step=step, epoch=0, loss=loss)
+            if rl_step is not None:   # an RL run's step: its weights version and reward (elastic.rl.job)
+                events.emit("rl_step", **rl_step)
             if on_step is not None:
                 on_step(step, loss)
 
-        hosts = settings.hosts_per_slice   # a slice of several hosts: its math is theirs, in as many processes
-        if (hosts == 1 and jax.local_device_count() >= programs.devices_per_slice
-                and local_platform() in program_platforms(programs.init)):
-            enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
-            losses, digests = run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
-                                            on_step=step_done, parameters_from=settings.parameters_from,
-                                            schedule=settings.pipeline_schedule)
-        else:   # this process's JAX has fewer devices than a slice, or another platform: a child process gets them
-            losses, digests = run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
-                                                    seed=settings.seed, on_step=step_done,
-                                                    compilation_cache_dir=settings.compilation_cache_dir,
-                                                    parameters_from=settings.parameters_from,
-                                                    schedule=settings.pipeline_schedule, hosts=hosts)
+        losses, digests = self._reference_run(programs, step_done)
         digest = stages_digest(digests)
         hashes = {f"stage{k}": d for k, d in enumerate(digests)} if programs.pipelined else {"reference": digest}
         events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
         events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
                     replica_hashes=hashes, wall_seconds=time.time() - t0,
                     client_peak_rss_bytes=peak_rss_bytes())
+
+    def _reference_run(self, programs, step_done) -> tuple[list[float], list[str]]:
+        """This job's math on its programs, in this process, or in child processes with a slice's devices when
+        this one has fewer: ``(per-step losses, each stage's final digest)``; ``step_done(step, loss)`` hears each
+        step."""
+        settings = self.settings
+        hosts = settings.hosts_per_slice   # a slice of several hosts: its math is theirs, in as many processes
+        if (hosts == 1 and jax.local_device_count() >= programs.devices_per_slice
+                and local_platform() in program_platforms(programs.init)):
+            enable_compilation_cache(settings.compilation_cache_dir)   # shared with the workers of distributed runs
+            return run_reference(programs, self.data, steps=settings.steps, seed=settings.seed,
+                                 on_step=step_done, parameters_from=settings.parameters_from,
+                                 schedule=settings.pipeline_schedule)
+        # this process's JAX has fewer devices than a slice, or another platform: a child process gets them
+        return run_reference_process(programs, cloudpickle.dumps(self.data), steps=settings.steps,
+                                     seed=settings.seed, on_step=step_done,
+                                     compilation_cache_dir=settings.compilation_cache_dir,
+                                     parameters_from=settings.parameters_from,
+                                     schedule=settings.pipeline_schedule, hosts=hosts)
 
 
 def check_pipeline(job, settings, reference: bool) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import cloudpickle
 import jax
@@ -33,7 +32,7 @@ from elastic.models.transformer import init_params
 from elastic.rl.policy import sample, token_logprobs
 from elastic.rl.reference import RLSettings
 from elastic.trainer import Trainer
-from runtime import (MESH_AXIS, SamplerPrograms, local_platform, peak_rss_bytes, program_platforms, run_rl_reference,
+from runtime import (MESH_AXIS, SamplerPrograms, local_platform, program_platforms, run_rl_reference,
                      run_rl_reference_process)
 
 __all__ = ["Prompts", "RLTrainer", "RolloutBatches"]
@@ -238,33 +237,20 @@ class RLTrainer(Trainer):
 
     # -- the one-process reference ------------------------------------------------------
 
-    def _fit_reference(self, programs, events, on_step):
+    def _reference_run(self, programs, step_done) -> tuple[list[float], list[str]]:
         """The RL run in this process on the very programs the workers run: the samplers' rollouts, then the
-        trainers' step on them, in the run's schedule (:func:`runtime.run_rl_reference`)."""
-        settings = self.settings
-        t0 = time.time()
-        events.emit("run_started", run_id="reference", slices=0, devices_per_slice=settings.devices_per_slice,
-                    microbatches=programs.num_microbatches, steps=settings.steps)
-
-        def step_done(step, loss, rl_step):
-            events.emit("step_committed", step=step, epoch=0, loss=loss)
-            events.emit("rl_step", **rl_step)
-            if on_step is not None:
-                on_step(step, loss)
-
-        samplers = self.sampler_programs()
+        trainers' step on them, in the run's schedule (:func:`runtime.run_rl_reference`); in a child process with
+        the devices of both roles when this one has fewer. ``step_done(step, loss, rl_step)``."""
+        settings, samplers = self.settings, self.sampler_programs()
         off = self.config.rl_off_policy_steps
         if (jax.local_device_count() >= max(programs.devices_per_slice, samplers.devices_per_slice)
                 and local_platform() in program_platforms(programs.init)):
             losses, digest = run_rl_reference(programs, samplers, cloudpickle.loads(samplers.prompts), self.data,
                                               steps=settings.steps, seed=settings.seed, off_policy_steps=off,
                                               on_step=step_done)
-        else:   # this process has fewer devices than a slice (or another platform): a child process gets them
+        else:
             losses, digest = run_rl_reference_process(programs, samplers, samplers.prompts,
                                                       cloudpickle.dumps(self.data), steps=settings.steps,
                                                       seed=settings.seed, off_policy_steps=off, on_step=step_done,
                                                       compilation_cache_dir=settings.compilation_cache_dir)
-        events.emit("state_initialized", seed=settings.seed, state_bytes=programs.state_bytes)
-        events.emit("run_finished", steps_completed=len(losses), final_state_digest=digest,
-                    replica_hashes={"reference": digest}, wall_seconds=time.time() - t0,
-                    client_peak_rss_bytes=peak_rss_bytes())
+        return losses, [digest]
