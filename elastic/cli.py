@@ -29,6 +29,7 @@ from elastic.cli_support import (OneLineParser, config_loader, finish, make_job,
                                  usage_error)
 from elastic.config import ConfigError
 from elastic.config_loading import load_config
+from elastic.pool_commands import register as pool_commands
 from elastic.status import register as status_commands
 from runtime import positive_seconds, slice_flags_problem   # no JAX: the device count is set after parsing
 
@@ -119,7 +120,18 @@ _TLS_FILE = {"tls_cert": "this worker's certificate", "tls_key": "its private ke
 
 
 def _cmd_worker(args) -> int:
-    """Serves as a worker until the run lets it go; ends the process (never returns) once JAX started."""
+    """Serves as a worker until the run lets it go; ends the process (never returns) once JAX started. With
+    ``--pool``: serves as a pool's host (one lease after another) until the pool closes."""
+    if args.pool:
+        if args.controller or args.run_id:
+            return usage_error("--pool and --controller/--run-id contradict: a pool's host serves the runs the "
+                               "pool leases it to")
+        from runtime import pool_host_main
+
+        return pool_host_main(["--pool", args.pool, "--devices", str(args.devices or 1),
+                               *(["--host-id", args.host_id] if args.host_id else [])])
+    if not (args.controller and args.run_id):
+        return usage_error("elastic worker needs --controller and --run-id (or --pool)")
     tls = {flag: getattr(args, flag) or os.environ.get(env, "") for flag, env in _WORKER_TLS.items()}
     if any(tls.values()):   # explicit flags win over the environment, each on its own
         if missing := [f"--{f.replace('_', '-')} (${_WORKER_TLS[f]})" for f, v in tls.items() if not v]:
@@ -173,8 +185,12 @@ def _add_builtins(sub) -> None:
                        description="Join a run's controller as a worker (the run secret in $ELASTIC_RUN_SECRET). "
                                    "Exits 0 when the run ends (or had ended), 1 when it cannot join (one line "
                                    "says why).")
-    w.add_argument("--controller", required=True, help="HOST:PORT of the controller")
-    w.add_argument("--run-id", required=True)
+    w.add_argument("--controller", help="HOST:PORT of the controller")
+    w.add_argument("--run-id")
+    w.add_argument("--pool", metavar="HOST:PORT",
+                   help="serve a shared pool instead, one run's lease after another (the pool secret in "
+                        "$ELASTIC_POOL_SECRET; docs/pool.md); --host-id names this host there")
+    w.add_argument("--host-id", default="", help="with --pool: this host's name in the pool (default: the machine's)")
     w.add_argument("--worker-id", default="", help="default: this host's name and a random suffix; a slice of several "
                                                    "hosts is named by its host 0 (give the others none, or the same)")
     w.add_argument("--devices", type=_count, default=None, metavar="N",
@@ -198,6 +214,7 @@ def _add_builtins(sub) -> None:
                         "when the file system is; default: $ELASTIC_COMPILATION_CACHE_DIR, else none)")
     w.set_defaults(handler=_cmd_worker)
     status_commands(sub)   # status, stacks
+    pool_commands(sub)     # pool serve, pool status
 
 
 def _add_plugins(sub) -> None:

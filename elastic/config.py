@@ -235,6 +235,13 @@ class Config:
     elastic_launcher: str = _key("local", role=(RUNTIME,), choices=("local", "ray", "none"))
     # The Ray cluster of elastic_launcher=ray ("ray://..." or "HOST:PORT"); "": $RAY_ADDRESS, else a local one.
     ray_address: str = _key("", role=(RUNTIME,))
+    # A shared pool's address (HOST:PORT; `elastic pool serve`, docs/pool.md): the run leases its workers there
+    # instead of starting them, and gives them back when it ends, shrinks or is preempted. The pool's client
+    # token in ELASTIC_POOL_TOKEN. "": no pool.
+    elastic_pool: str = _key("", role=(RUNTIME,))
+    # The run's priority in its pool: a run of a higher priority takes hosts from runs of a lower one, which
+    # shrink (down to elastic_min_slice_count) and grow back when hosts are free again.
+    elastic_pool_priority: int = _key(0, role=(RUNTIME,))
     # HOST:PORT the controller listens on; "": 127.0.0.1, any free port (the local launcher tells its workers).
     elastic_controller_address: str = _key("", role=(RUNTIME,))
     # The run's id, which every worker names when it joins; "": a fresh random one (the local launcher tells its

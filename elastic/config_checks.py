@@ -94,6 +94,18 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
     if values["ray_address"] and values["elastic_launcher"] != "ray":
         return (f"config keys {at('ray_address')} and {at('elastic_launcher')} contradict: "
                 "a Ray cluster serves only elastic_launcher=ray")
+    if values["elastic_pool"]:
+        if problem := _address_problem(values["elastic_pool"]):
+            return f"config key {at('elastic_pool')} {problem}"
+        if values["elastic_launcher"] != "local":
+            return (f"config keys {at('elastic_pool')} and {at('elastic_launcher')} contradict: a pool's hosts "
+                    "run the workers (leave elastic_launcher at local)")
+        if values["elastic_hosts_per_slice"] > 1:
+            return (f"config keys {at('elastic_pool')} and {at('elastic_hosts_per_slice')} contradict: a pool "
+                    "leases slices of one host (slices of several hosts from a pool are not built)")
+        if values["rl_samplers"]:
+            return (f"config keys {at('elastic_pool')} and {at('rl_samplers')} contradict: RL runs on a pool are "
+                    "not built (run it on its own workers)")
     if values["elastic_launcher"] == "none":
         if not values["elastic_controller_address"].rpartition(":")[2].strip("0"):
             return (f"config keys {at('elastic_launcher')} and {at('elastic_controller_address')} "

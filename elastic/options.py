@@ -77,6 +77,8 @@ _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
     "elastic_backup_kind": "backup_kind",
     "elastic_launcher": "launcher",
     "ray_address": "ray_address",
+    "elastic_pool": "pool",
+    "elastic_pool_priority": "pool_priority",
     "elastic_run_id": "run_id",
     "eval_interval": "eval_interval",   # -1 (MaxText's off) and the eval source's length: the trainer resolves them
     "eval_steps": "eval_steps",
@@ -259,7 +261,8 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})
-    opts = dataclasses.replace(opts, eval_interval=max(cfg.eval_interval, 0))   # MaxText's -1: off
+    opts = dataclasses.replace(opts, eval_interval=max(cfg.eval_interval, 0),   # MaxText's -1: off
+                               launcher="pool" if cfg.elastic_pool else opts.launcher)
     if cfg.dcn_pipeline_parallelism > 1:   # every stage of every replica is a virtual slice; whole replicas shrink
         stages = cfg.dcn_pipeline_parallelism
         opts = dataclasses.replace(opts, slices=cfg.dcn_data_parallelism * stages,

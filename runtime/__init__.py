@@ -64,6 +64,9 @@ _LAZY = {
     "default_snapshot_root": ("runtime.state.snapshot", "default_root"),
     "STATE_DIGEST": ("runtime.state.state_copy", "DIGEST"),
     "ray_available": ("runtime.launch.ray_launcher", "ray_available"),
+    "serve_pool": ("runtime.pool.service", "serve"),
+    "pool_status": ("runtime.launch.pool_launcher", "pool_status"),
+    "pool_host_main": ("runtime.pool.agent", "main"),
     "ray_cluster_problem": ("runtime.launch.ray_launcher", "cluster_problem"),
     "ray_cluster_room": ("runtime.launch.ray_launcher", "cluster_room"),
 }
@@ -122,6 +125,9 @@ def worker_main(argv=None) -> None:
 
 __all__ = [
     "BadInputError",
+    "serve_pool",
+    "pool_status",
+    "pool_host_main",
     "inspect_run",
     "stacks_text",
     "CapacityExhaustedError",

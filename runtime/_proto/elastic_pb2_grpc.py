@@ -1151,3 +1151,161 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PoolStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Host = channel.unary_unary(
+                '/jax_elastic.Pool/Host',
+                request_serializer=elastic__pb2.HostPoll.SerializeToString,
+                response_deserializer=elastic__pb2.HostOrder.FromString,
+                _registered_method=True)
+        self.Run = channel.unary_unary(
+                '/jax_elastic.Pool/Run',
+                request_serializer=elastic__pb2.RunPoll.SerializeToString,
+                response_deserializer=elastic__pb2.RunOrders.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/jax_elastic.Pool/Status',
+                request_serializer=elastic__pb2.PoolStatusRequest.SerializeToString,
+                response_deserializer=elastic__pb2.PoolStatusReply.FromString,
+                _registered_method=True)
+
+
+class PoolServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Host(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Run(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PoolServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Host': grpc.unary_unary_rpc_method_handler(
+                    servicer.Host,
+                    request_deserializer=elastic__pb2.HostPoll.FromString,
+                    response_serializer=elastic__pb2.HostOrder.SerializeToString,
+            ),
+            'Run': grpc.unary_unary_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=elastic__pb2.RunPoll.FromString,
+                    response_serializer=elastic__pb2.RunOrders.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=elastic__pb2.PoolStatusRequest.FromString,
+                    response_serializer=elastic__pb2.PoolStatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'jax_elastic.Pool', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('jax_elastic.Pool', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Pool:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Host(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Pool/Host',
+            elastic__pb2.HostPoll.SerializeToString,
+            elastic__pb2.HostOrder.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Pool/Run',
+            elastic__pb2.RunPoll.SerializeToString,
+            elastic__pb2.RunOrders.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jax_elastic.Pool/Status',
+            elastic__pb2.PoolStatusRequest.SerializeToString,
+            elastic__pb2.PoolStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -51,8 +51,8 @@ from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, 
                                  WorkerFencedError, WorkerLostError)
 from runtime.control.evaluation import Evaluations
 from runtime.core.events import EventLog
-from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_start,
-                                  plan_swap)
+from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_release,
+                                  plan_start, plan_swap)
 from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.placement import StepPlan, plan_step
 from runtime.core.programs import ProgramSet, SamplerPrograms
@@ -375,7 +375,7 @@ class Controller:
                              reason=f"max_seconds={a.max_seconds:g} reached")
         if membership_change_due(self.placement, self.opts.slices, self.dead, unadopted=self.group.has_newcomers(),
                                  warmed=self.group.warmed(), swaps=bool(s.swaps)) or \
-                self.shadows.behind(self.state):
+                self.shadows.behind(self.state) or self.group.release_due():
             if self.pending:      # drain, so the change happens at a step boundary
                 self.group.start_warming()   # a newcomer loads its programs meanwhile
                 self._collect(*self.pending.popleft())
@@ -595,6 +595,22 @@ class Controller:
         if dead:
             self.recover(WorkerLostError(dead[0], f"lost while {during}: {self.dead[dead[0]]}"), has_state=False)
 
+    def _give_back(self, loaded) -> None:
+        """A shared pool asked for slices back (a run of a higher priority needs them): spares go first, then the
+        run shrinks (never below its minimum); each given back is asked for again, to grow back once the pool
+        has a host free."""
+        due = self.group.release_due()
+        if not due:
+            return
+        plan, given = plan_release(self.state, self.opts, loaded(), due)
+        self.events.emit("lease_preempted", count=due, workers=given)
+        if plan.action is Action.KEEP:
+            self.group.release_refused(due)
+            return
+        self.executor.remap(plan, self.state, given=given)
+        for w in given:
+            self.group.release(w)
+
     def _boundary(self, _: Boundary) -> Phase:
         """No step in flight: warm newcomers into spares, drop dead spares, swap stragglers out, grow."""
         warmed = self.group.warm_newcomers()
@@ -611,6 +627,7 @@ class Controller:
                 continue
             self.executor.remap(plan, self.state, slow=slow)
             self.group.shutdown(slow)
+        self._give_back(loaded)
         plan = plan_grow(self.state, self.opts, loaded())
         if plan.action is not Action.KEEP:
             self.executor.remap(plan, self.state)

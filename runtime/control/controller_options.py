@@ -40,6 +40,8 @@ class ControllerOptions:
     port: int = 0                          # ...on this port (0: any free one)
     launcher: str = "local"                # "local": worker subprocesses; "ray": Ray actors; "none": they join
     ray_address: str = ""                  # the Ray cluster (elastic_launcher=ray); "": $RAY_ADDRESS, else a local one
+    pool: str = ""                         # a shared pool's HOST:PORT (launcher "pool"): the workers are its hosts
+    pool_priority: int = 0                 # the run's priority there (a higher one takes hosts from a lower one)
     rpc_timeout_seconds: float = 120.0
     register_timeout_seconds: float = 120.0
     dispatch_depth: int = 2

@@ -44,8 +44,8 @@ from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots,
 from runtime.control.tiers import Holding, TierChoice, choose_source, stage_snapshot
 
 __all__ = ["Action", "Copy", "Failure", "Plan", "Restore", "Survey", "Wait", "capacity_timed_out",
-           "decide_grow", "decide_recovery", "decide_swap", "membership_change_due", "plan_grow", "realign",
-           "plan_recovery", "plan_start", "plan_swap"]
+           "decide_grow", "decide_recovery", "decide_release", "decide_swap", "membership_change_due", "plan_grow", "realign",
+           "plan_recovery", "plan_release", "plan_start", "plan_swap"]
 
 
 class Action(enum.Enum):
@@ -60,6 +60,7 @@ class Action(enum.Enum):
     GROW = "grow"         # at a boundary: spares promoted back to the run's slice count
     SWAP = "swap"         # at a boundary: a straggler's slice moved onto a spare
     KEEP = "keep"         # at a boundary: nothing changes (the reason says why)
+    RELEASE = "release"   # at a boundary: slices given back (a shared pool asked for them): spares, then the run shrinks
 
 
 class Failure(enum.Enum):
@@ -507,6 +508,34 @@ def plan_grow(state, opts, loaded: Mapping[str, int]) -> Plan:
                                        f"spare(s) wait")
     promoted = [w for w in grown.active if w not in p.active]
     return _remap(Plan(Action.GROW, grown, f"spares {', '.join(promoted)} promoted"), state, loaded)
+
+
+def decide_release(placement: Placement, count: int, min_slices: int, dead: Iterable[str] = ()
+                   ) -> tuple[Placement, list[str]] | None:
+    """Gives back up to ``count`` members: live spares first, then the last active slices while more than
+    ``min_slices`` run (a pipelined run gives back spares only: a replica is a slice per stage). None when
+    nothing can be given."""
+    dead = frozenset(dead)
+    spares = [w for w in placement.spares if w not in dead]
+    given = spares[-count:] if count else []
+    active = list(placement.active)
+    while len(given) < count and placement.stages == 1 and len(active) > max(min_slices, 1):
+        given.append(active.pop())
+    if not given:
+        return None
+    return placement.following(tuple(active), tuple(w for w in placement.spares if w not in given)), given
+
+
+def plan_release(state, opts, loaded: Mapping[str, int], count: int) -> tuple[Plan, list[str]]:
+    """``count`` slices given back at a boundary (``RELEASE``: spares first, then a shrink that keeps at least
+    ``opts.min_slices``; the survivors hold the committed state, so nothing is copied), and which; ``KEEP`` and
+    why not."""
+    decided = decide_release(state.placement, count, opts.min_slices, state.dead)
+    if decided is None:
+        return Plan(Action.KEEP, None, f"nothing to give back: {len(state.placement.active)} slice(s) run, the "
+                                       f"minimum is {opts.min_slices}, no spare"), []
+    placement, given = decided
+    return _remap(Plan(Action.RELEASE, placement, f"{', '.join(given)} given back"), state, loaded), given
 
 
 def plan_swap(state, opts, loaded: Mapping[str, int], slow: str) -> Plan:

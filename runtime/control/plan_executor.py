@@ -39,7 +39,7 @@ __all__ = ["Done", "PlanExecutor", "Replan", "failed"]
 # The event a restore from each tier records (literal kinds, so a search for the kind finds where it is emitted).
 RESTORED_EVENT = {"checkpoint": "checkpoint_restored", "snapshot": "snapshot_restored"}
 # The event each boundary change records.
-REMAPPED_EVENT = {"grow": "grown", "swap": "straggler_replaced"}
+REMAPPED_EVENT = {"grow": "grown", "swap": "straggler_replaced", "release": "released"}
 
 
 def failed(plan: Plan, message: str, step: int | None = None) -> Exception:

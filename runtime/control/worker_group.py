@@ -44,6 +44,7 @@ from runtime.core.errors import AttachRefusedError, ElasticError, ProtocolError,
 from runtime.core.events import EventLog
 from runtime.control.health import Dialer, HealthMonitor
 from runtime.control.inspect import Inspector, process_dicts
+from runtime.launch.pool_launcher import PoolLauncher
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.control.placement import StepPlan, WorkerInfo
 from runtime.core.fingerprint import programs_fingerprint
@@ -124,8 +125,12 @@ class WorkerGroup:
         pb_grpc.add_ControllerServicer_to_server(self.registry, self.server)
         pb_grpc.add_InspectorServicer_to_server(Inspector(self), self.server)   # elastic status, elastic stacks
         self.address = f"{host}:{port}"
+        # The run's in-memory snapshots, one directory per host under it (runtime.state.snapshot); "": none taken.
+        self.snapshot_root = (os.path.join(opts.snapshot_directory, run_id)
+                              if opts.snapshot_directory and opts.snapshot_interval else "")
         self.launcher = make_launcher(opts, run_id, self.address, secret,
-                                      on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"))
+                                      on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"),
+                                      events=events, snapshot_root=self.snapshot_root)
         self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
         self.monitor = HealthMonitor(Dialer(secret, opts.tls), self.declare_dead, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
@@ -137,9 +142,6 @@ class WorkerGroup:
         self._launched = 0
         self._samplers_launched = 0
         self._hosts: dict[str, str] = {}         # worker -> the (simulated) host it was launched on
-        # The run's in-memory snapshots, one directory per host under it (runtime.state.snapshot); "": none taken.
-        self.snapshot_root = (os.path.join(opts.snapshot_directory, run_id)
-                              if opts.snapshot_directory and opts.snapshot_interval else "")
         # Every call to an adopted worker: its stub, the fence it carries, the calls in flight.
         self.calls = WorkerCalls(opts, self.registry, programs, data_source, self.snapshot_root, self._fence,
                                  self._dead, self.declare_dead, heard=self.monitor.heard, secret=secret)
@@ -347,8 +349,11 @@ class WorkerGroup:
                         if w.worker_id not in self._dead() and not self.is_sampler(w.worker_id)]
                 waiting = [w for w, p in self.launcher.procs.items()
                            if w not in self.registry.workers and w not in self._dead() and not self.is_sampler(w)]
-                if len(live) >= n or not (waiting or self.launcher.external):
+                queued = self.launcher.queued()   # a pool's run waits in its queue for as long as it takes
+                if len(live) >= n or not (waiting or self.launcher.external or queued):
                     break
+                if queued:
+                    deadline = time.monotonic() + timeout
                 left = deadline - time.monotonic()
                 if left <= 0 and self.launcher.external and live:
                     break
@@ -522,6 +527,22 @@ class WorkerGroup:
         info = self.registry.workers.get(worker_id)
         for h in (info.hosts if info is not None and info.hosts else ()) or (worker_id,):
             self.monitor.unwatch(h if isinstance(h, str) else h.worker_id)
+
+    def release_due(self) -> int:
+        """How many workers a shared pool asked back (a run of a higher priority needs them); 0 off a pool."""
+        return self.launcher.give_back_due() if isinstance(self.launcher, PoolLauncher) else 0
+
+    def release(self, worker_id: str) -> None:
+        """A worker given back to the pool, which left the placement: sent home, its host returned, and a host
+        asked for again (it joins as a newcomer, and the run grows back, once the pool has one free)."""
+        self.forget(worker_id)
+        self.calls.send_home(worker_id)
+        self.launcher.release(worker_id)
+        self.launch()
+
+    def release_refused(self, count: int) -> None:
+        """Nothing could be given back now (every slice needed, no spare): the pool is told so and asks others."""
+        self.launcher.cannot_release(count)
 
     def shutdown(self, worker_id: str) -> None:
         """Sends a worker that left the placement home (best effort; it is fenced either way)."""

@@ -158,6 +158,10 @@ class LocalLauncher:
         proc = self.procs[worker_id] = SliceProcesses(procs)
         return proc
 
+    def queued(self) -> str:
+        """Why the run waits for capacity beyond its registration timeout: never (a pool's run may)."""
+        return ""
+
     def explain_unregistered(self, workers) -> str:
         """Where to look when launched ``workers`` did not register (called by the worker group as it gives up):
         their logs."""
@@ -402,12 +406,23 @@ def listen_host(opts) -> str:
     return opts.host
 
 
-def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lost=None):
+def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lost=None, events=None,
+                  snapshot_root: str = ""):
     """Who starts the workers of a run (``opts.launcher``, a ``ControllerOptions``): local subprocesses
     (:class:`LocalLauncher`), Ray actors (:class:`runtime.launch.ray_launcher.RayLauncher`; ``on_lost(worker, reason)``
-    is Ray's failure signal) or nobody (:class:`ExternalLauncher`)."""
+    is Ray's failure signal), a shared pool's hosts (:class:`runtime.launch.pool_launcher.PoolLauncher`, recording the
+    run's lease timeline in ``events``; ``snapshot_root``: what its hosts wipe of the run) or nobody
+    (:class:`ExternalLauncher`)."""
     if opts.launcher == "none":
         return ExternalLauncher()
+    if opts.launcher == "pool":
+        from runtime.launch.pool_launcher import PoolLauncher
+
+        return PoolLauncher(opts.pool, run_id, controller_address, secret, devices=opts.devices_per_slice,
+                            min_hosts=max(opts.min_slices, 1), priority=opts.pool_priority,
+                            grace_seconds=opts.client_grace_seconds or 30.0, snapshot_directory=snapshot_root,
+                            chaos=opts.chaos, platform=opts.platform, events=events,
+                            run_name=os.path.basename(opts.run_dir.rstrip("/")))
     hosts = opts.hosts_per_slice   # a slice of several: each process has its share of the slice's devices
     if opts.launcher == "ray":
         from runtime.launch.ray_launcher import RayLauncher   # Ray is imported only for this launcher
@@ -442,6 +457,10 @@ class ExternalLauncher:
 
     def launch(self, worker_id: str, host_name: str = "", devices: int = 0) -> None:
         """Nothing to start: workers come by themselves."""
+
+    def queued(self) -> str:
+        """Workers come by themselves, within the registration timeout."""
+        return ""
 
     def prepare_standby(self) -> None:
         """No standby processes outside the local launcher."""

@@ -513,6 +513,10 @@ class RayLauncher:
     def prepare_standby(self) -> None:
         """Ray keeps its own pool of worker processes; no standby here."""
 
+    def queued(self) -> str:
+        """Actors wait for Ray's resources within the registration timeout (the cluster was checked first)."""
+        return ""
+
     def explain_unregistered(self, workers: Sequence[str]) -> str:
         """Why the actors of ``workers`` (launched, not registered when the worker group gave up waiting) have no
         worker serving, as far as Ray tells: those Ray has not started (no node with the CPU or GPUs free that

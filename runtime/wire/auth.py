@@ -30,6 +30,7 @@ import secrets
 import ssl
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from typing import Callable
 
 import grpc
@@ -127,21 +128,27 @@ class SecretServerInterceptor(grpc.ServerInterceptor):
         secret: str,
         on_refused: Callable[[str, str, str], None] | None = None,
         exempt: frozenset[str] = frozenset(),
+        per_method: Mapping[str, Callable[[], Iterable[str]]] | None = None,
     ):
         if not secret:
             raise ValueError("run secret must be a non-empty string")
         self._secret = secret.encode()
         self._on_refused = on_refused
         self._exempt = frozenset(exempt)
+        # method -> the secrets it takes instead (asked at each call: a pool's client tokens may change)
+        self._per_method = dict(per_method or {})
 
-    def _authentic(self, metadata) -> str | None:
-        """None when the metadata carries the secret, else the reason it does not."""
+    def _authentic(self, metadata, method: str = "") -> str | None:
+        """None when the metadata carries the secret (one of ``method``'s own, if it has any), else the reason
+        it does not."""
         values = [v for k, v in (metadata or ()) if k == METADATA_KEY]
         if not values:
             return "missing run secret"
+        own = self._per_method.get(method)
+        accepted = [s.encode() for s in own()] if own is not None else [self._secret]
         for v in values:
             v = v if isinstance(v, bytes) else v.encode("utf-8", "replace")
-            if not hmac.compare_digest(v, self._secret):
+            if not any(hmac.compare_digest(v, a) for a in accepted):
                 return "wrong run secret"
         return None
 
@@ -149,7 +156,7 @@ class SecretServerInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method in self._exempt:
             return continuation(handler_call_details)
-        reason = self._authentic(handler_call_details.invocation_metadata)
+        reason = self._authentic(handler_call_details.invocation_metadata, method)
         if reason is None:
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)

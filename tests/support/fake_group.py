@@ -269,6 +269,21 @@ class FakeGroup:
     def wait_for_newcomer(self, timeout):
         pass
 
+    # a shared pool's give-backs: a test sets ``give_back``; each release is recorded and asks for a worker again
+    give_back = 0
+
+    def release_due(self):
+        return self.give_back
+
+    def release(self, worker_id):
+        self.give_back = max(self.give_back - 1, 0)
+        self.calls.append(("release", worker_id))
+        self.forget(worker_id)
+
+    def release_refused(self, count):
+        self.give_back = max(self.give_back - count, 0)
+        self.calls.append(("release_refused", count))
+
     def has_newcomers(self):
         return any(w not in self.adopted for w in self.replicas)
 

@@ -45,6 +45,9 @@ def _kinds_of(expr, tree: ast.Module, func: ast.FunctionDef | None, where: str) 
             if isinstance(call, ast.Call) and getattr(call.func, "attr", getattr(call.func, "id", None)) == func.name:
                 arg = (call.args[index] if index < len(call.args)
                        else next((k.value for k in call.keywords if k.arg == expr.id), None))
+                if arg is None and any(k.arg is None for k in call.keywords):   # **event: a decider's events
+                    kinds |= _decided_kinds(tree, where)
+                    continue
                 kind = _literal(arg) if arg is not None else None
                 assert kind is not None, f"{where}: a call of {func.name} passes a kind that is not a literal"
                 kinds.add(kind)
@@ -52,6 +55,19 @@ def _kinds_of(expr, tree: ast.Module, func: ast.FunctionDef | None, where: str) 
         return kinds
     raise AssertionError(f"{where}: emit a literal kind (or TABLE[key] of a dict of literal kinds), "
                          f"not {ast.unparse(expr)}")
+
+
+def _decided_kinds(tree: ast.Module, where: str) -> set[str]:
+    """An emit of events a pure decider built (``self._emit(**event)``): the module names the decider in
+    ``DECIDED_BY`` (a module path), and every kind is a literal ``dict(kind="...", ...)`` there."""
+    decider = next((_literal(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "DECIDED_BY" for t in n.targets)), None)
+    assert decider, f"{where}: an emit of **event needs a module-level DECIDED_BY naming the module deciding them"
+    source = ast.parse((ROOT / (decider.replace(".", "/") + ".py")).read_text())
+    kinds = {_literal(k.value) for c in ast.walk(source) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "dict"
+             for k in c.keywords if k.arg == "kind"}
+    assert kinds and None not in kinds, f"{where}: {decider} must build its events as dict(kind=<literal>, ...)"
+    return kinds
 
 
 def emitted_kinds() -> dict[str, list[str]]:

@@ -251,6 +251,7 @@ RUNTIME_LAYERS = {
     "worker": {"core", "wire", "state", "pipeline"},
     "launch": {"core", "wire", "worker"},
     "control": {"core", "wire", "state", "launch", "pipeline"},
+    "pool": {"core", "wire", "state", "launch"},
 }
 
 

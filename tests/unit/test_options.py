@@ -52,6 +52,8 @@ def changed(cfg: Config, key: str, tmp_path) -> dict:
         return {key: "0.0.0.0:50051"}
     if key == "elastic_run_id":
         return {key: "run-1"}
+    if key == "elastic_pool":
+        return {key: "127.0.0.1:7000"}
     if key == "elastic_standby_workers":
         return {key: 3}   # -1 (auto) resolves to 1 with recovery on
     if key == "elastic_snapshot_directory":

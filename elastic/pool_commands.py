@@ -1,0 +1,111 @@
+"""``elastic pool serve`` and ``elastic pool status``: a shared pool of hosts for many runs (docs/pool.md).
+
+``serve DIRECTORY`` runs the pool (:func:`runtime.serve_pool`) with its record
+in DIRECTORY; ``--local-hosts N`` also starts N hosts on this machine. A
+directory that served before is served again: same port, same secret and
+tokens, the leases its log holds. ``status`` asks a pool what it shows to the
+caller's credential: with the pool's directory, everything (its secret); with
+an address and ``$ELASTIC_POOL_TOKEN``, that client's runs and the free
+capacity. ``--json`` prints the same as one JSON object.
+
+:func:`render` is pure (the status in, lines out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+__all__ = ["register", "render"]
+
+
+def _pool_of(where: str) -> tuple[str, str]:
+    """(address, credential) for a pool directory (its secret) or an address (``$ELASTIC_POOL_TOKEN``)."""
+    if os.path.isdir(where):
+        record = os.path.join(where, "pool.json")
+        if not os.path.exists(record):
+            raise ValueError(f"{where} is not a pool's directory (no pool.json: has `elastic pool serve {where}` "
+                             "run?)")
+        with open(record) as f:
+            address = json.load(f)["address"]
+        secret = os.environ.get("ELASTIC_POOL_SECRET") or open(os.path.join(where, "secret")).read().strip()
+        return address, secret
+    host, sep, port = where.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{where!r} is neither a pool's directory nor HOST:PORT")
+    token = os.environ.get("ELASTIC_POOL_TOKEN", "")
+    if not token:
+        raise ValueError("set the pool's client token in $ELASTIC_POOL_TOKEN (or give the pool's directory)")
+    return where, token
+
+
+def render(status: dict, now: float | None = None) -> list[str]:
+    """The status as lines: capacity, each host, each run, the queue."""
+    now = time.time() if now is None else now
+    lines = [f"pool: {status['hosts']} host(s), {status['free']} free ({status['free_devices']} device(s))"]
+    for w in status.get("workers", []):
+        lease = f" -> run {w['run']} as {w['worker']} ({w['lease']})" if w.get("run") else ""
+        lines.append(f"  host {w['host']:<12} {w['devices']} {w['platform']} device(s)  {w['state']}{lease}")
+    for r in status["runs"]:
+        wait = (f", waiting {now - r['waiting_since']:.0f} s" if r.get("waiting_since") else "")
+        lines.append(f"  run {r['run']} ({r['name'] or 'unnamed'}): priority {r['priority']}, holds "
+                     f"{len(r['held'])} ({', '.join(r['held']) or 'none'}), minimum {r['min_hosts']}{wait}")
+        lines.append(f"      {r['status']}")
+    if status["queue"]:
+        lines.append(f"  queue: {', '.join(status['queue'])}")
+    if status.get("refused"):
+        lines.append("  refused calls: " + ", ".join(f"{n} ({why})" for why, n in sorted(status["refused"].items())))
+    return lines
+
+
+def _cmd_serve(args) -> int:
+    import logging
+
+    from runtime import serve_pool
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ready = lambda address: print(f"elastic pool: serving on {address} ({args.directory})", flush=True)
+    return serve_pool(os.path.abspath(args.directory), host=args.host, port=args.port, local_hosts=args.local_hosts,
+                      devices=args.devices, platform=args.platform, ready=ready)
+
+
+def _cmd_status(args) -> int:
+    import grpc
+
+    from runtime import pool_status
+
+    try:
+        address, credential = _pool_of(args.pool)
+    except (ValueError, OSError) as e:
+        print(f"elastic: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        status = pool_status(address, credential, timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"elastic: error: the pool at {address} did not answer: {e.code().name} {e.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=1, sort_keys=True) if args.json else "\n".join(render(status)))
+    return 0
+
+
+def register(sub) -> None:
+    from elastic.cli_support import OneLineParser
+
+    pool = sub.add_parser("pool", help="a shared pool of hosts serving many runs (docs/pool.md)")
+    cmds = pool.add_subparsers(dest="pool_command", required=True, parser_class=OneLineParser)
+    serve = cmds.add_parser("serve", help="serve a pool (its record in DIRECTORY)")
+    serve.add_argument("directory", help="the pool's directory: its log, secret, tokens, address")
+    serve.add_argument("--host", default="127.0.0.1", help="the address it listens on (default: loopback)")
+    serve.add_argument("--port", type=int, default=0, help="default: the port it had, else any free one")
+    serve.add_argument("--local-hosts", type=int, default=0, metavar="N", help="start N hosts on this machine")
+    serve.add_argument("--devices", type=int, default=1, metavar="N", help="simulated CPU devices per local host")
+    serve.add_argument("--platform", default="cpu", help="the local hosts' JAX platform")
+    serve.set_defaults(handler=_cmd_serve)
+    status = cmds.add_parser("status", help="hosts, runs and the queue of a pool")
+    status.add_argument("pool", help="the pool's directory (everything) or HOST:PORT (with $ELASTIC_POOL_TOKEN: "
+                                     "your runs and the free capacity)")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(handler=_cmd_status)
