@@ -27,6 +27,7 @@ from typing import Any
 
 from elastic.report.goodput import goodput
 from elastic.report.pipeline import pipeline_section
+from elastic.report.pool import pool_section
 from elastic.report.rl import rl_section, sampler_fault, samplers_of
 from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, RunState, read_events
 
@@ -67,7 +68,7 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
                         "before_step": TYPED}),
     "eval_skipped": ({"step": TYPED, "reason": _ANY}, {}),
     "recovered": ({"resume_step": _ANY, "bytes_moved": _ANY}, {"path": _ANY}),
-    "grown": ({"active": TYPED}, {}),
+    "grown": ({"active": TYPED}, {"step": TYPED, "promoted": TYPED}),
     "straggler_replaced": ({"active": TYPED}, {}),
     "straggler": ({"worker": TYPED, "step": _ANY, "seconds": TYPED, "median_seconds": TYPED, "action": _ANY},
                   {"stacks": TYPED}),
@@ -96,6 +97,12 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "sampler_relaunched": ({"worker": TYPED}, {}),
     "sampler_joined": ({"worker": TYPED}, {}),
     "step_dispatched": ({"step": TYPED}, {}),
+    # a shared pool's run (elastic.report.pool): its lease timeline
+    "pool_waiting": ({"status": TYPED}, {}),
+    "lease_granted": ({"worker": TYPED, "host": TYPED, "lease": TYPED}, {}),
+    "lease_returned": ({"worker": TYPED, "why": TYPED}, {}),
+    "lease_preempted": ({"count": TYPED, "workers": TYPED}, {}),
+    "released": ({"step": TYPED}, {}),
     "run_finished": ({"replica_hashes": _ANY, "client_peak_rss_bytes": _ANY},
                      {"final_state_digest": TYPED, "final_state_sha256": TYPED}),
 }
@@ -199,6 +206,7 @@ def build_report(events_or_path) -> dict:
         "attempts": [],
         "pipeline": None,
         "rl": None,
+        "pool": None,
     }
     dead_at: dict[str, float] = {}   # worker -> when RunState first held it dead (s since start)
     state = RunState()   # the run's facts (placement, deaths) are RunState's: the report reads its transitions
@@ -375,6 +383,7 @@ def build_report(events_or_path) -> dict:
     report["goodput"] = goodput(events)   # an empty log: all zeros
     report["pipeline"] = pipeline_section(report["config"], report["microbatches"], events)
     report["rl"] = rl_section(report["config"], events)
+    report["pool"] = pool_section(report["config"], events)
     if report["finished"] and len(report["attempts"]) > 1:
         # First event to the last run_finished, less the idle time between a finished attempt and the next.
         report["wall_seconds"] = report["goodput"]["wall_seconds"]

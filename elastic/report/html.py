@@ -17,7 +17,7 @@ import time
 from elastic.report.charts import (COLORS, PHASE_COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg,
                                    phase_color, reward_svg, timeline_svg)
 from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, idle_gaps, intervals
-from elastic.report.summary import bubble_text, resumed_text
+from elastic.report.summary import bubble_text, pool_text, resumed_text
 
 __all__ = ["render_html", "write_html"]
 
@@ -45,6 +45,7 @@ svg text{font-family:"DejaVu Sans","Liberation Sans",Arial,sans-serif}
 .split{display:flex;gap:20px;align-items:flex-start} .split>*{flex:1;min-width:0}
 table.kv td:first-child{color:#59606b;width:42%} table.kv td:last-child{font-weight:bold}
 table.kv .note{display:block;font-weight:normal;font-size:12px;color:#59606b;word-break:break-all}
+ul.events{margin:4px 0 0;padding-left:18px;font-size:13px} ul.events b{font-weight:normal;color:#59606b}
 """
 
 
@@ -369,6 +370,51 @@ def _rl(report: dict) -> str:
             f"</div><table class='kv'>{body}</table></div></div>")
 
 
+#: At most this many entries of a pool run's lease timeline are listed (a long wait in the queue adds one a move).
+_POOL_TIMELINE_SHOWN = 100
+
+
+def _pool(report: dict) -> str:
+    """A run leased from a shared pool (the ``pool`` section): its address, priority and time in the queue, its
+    leases and the lease timeline; absent for a run that is not a pool's."""
+    pool = report.get("pool")
+    if not isinstance(pool, dict):
+        return ""
+
+    def secs(x: object) -> str:
+        return fmt_seconds(x) if finite(x) else "—"
+
+    leases = [x for x in pool.get("leases") or [] if isinstance(x, dict)]
+    timeline = [x for x in pool.get("timeline") or [] if isinstance(x, dict)]
+    preemptions = [x for x in pool.get("preemptions") or [] if isinstance(x, dict)]
+    rows = [
+        ("address", pool.get("address") or "—"),
+        ("priority", pool.get("priority") if pool.get("priority") is not None else "—"),
+        ("time in queue", secs(pool.get("queue_seconds"))),
+        ("leases", pool_text(pool)),
+        ("preemptions (hosts asked back)", f"{len(preemptions)} ("
+         f"{sum(p.get('count') for p in preemptions if finite(p.get('count')))})" if preemptions else "0"),
+        ("hosts held (most / at end)", f"{pool.get('hosts_max', '—')} / {pool.get('hosts_at_end', '—')}"),
+    ]
+    facts = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in rows)
+    items = "".join(f"<li><span class='nw'>{secs(x.get('t'))}</span> <b>{esc(x.get('kind'))}</b> "
+                    f"{esc(x.get('detail'))}</li>" for x in timeline[:_POOL_TIMELINE_SHOWN])
+    if len(timeline) > _POOL_TIMELINE_SHOWN:
+        items += f"<li class='muted'>… {len(timeline) - _POOL_TIMELINE_SHOWN} more (report.json has them all)</li>"
+    listing = (f"<ul class='events' id='pool-timeline'>{items}</ul>" if items
+               else "<p class='muted'>No lease events.</p>")
+    head = "".join(f"<th>{h}</th>" for h in ("worker", "host", "lease", "granted at", "returned at", "why"))
+    body = "".join(f"<tr><td>{esc(x.get('worker'))}</td><td><code>{esc(x.get('host'))}</code></td>"
+                   f"<td><code>{esc(x.get('lease'))}</code></td><td class='nw'>{secs(x.get('granted_t'))}</td>"
+                   f"<td class='nw'>{secs(x.get('returned_t'))}</td><td>{esc(x.get('why') or '—')}</td></tr>"
+                   for x in leases)
+    table = (f"<table id='pool-leases'><tr>{head}</tr>{body}</table>" if body
+             else "<p class='muted'>No host was leased.</p>")
+    return (f"<div class='card' id='pool'><h2>Shared pool</h2><div class='split'><table class='kv'>{facts}</table>"
+            f"<div><div class='sub'>Lease timeline (seconds since the run's first event)</div>{listing}</div></div>"
+            f"<h2 style='margin-top:12px'>Leases</h2>{table}</div>")
+
+
 def _stragglers(report: dict) -> str:
     rows = [[s.get("worker"), s.get("step"), fmt_seconds(s.get("seconds")), fmt_seconds(s.get("median_seconds")),
              s.get("action"), _stacks_links({s["worker"]: s["stacks"]} if s.get("stacks") else {})]
@@ -401,7 +447,7 @@ def render_html(report: dict, events: list[dict]) -> str:
     body = "".join([
         _header(report, events), _banner(report), _dropped(report), _facts(report, gp),
         _timelines(report, events, ivs), f"<div class='row'>{_loss(report)}{_goodput(gp)}</div>", _evals(report),
-        _pipeline(report), _rl(report),
+        _pipeline(report), _rl(report), _pool(report),
         _attempts(report), _failures(report), _faults(report), _stragglers(report), _security(report),
     ])
     title = f"jax-elastic run {report.get('run_id') or ''}"

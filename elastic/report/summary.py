@@ -16,8 +16,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["attempt_text", "bubble_text", "print_summary", "resumed_text", "rl_text", "summary_panel",
-           "summary_text"]
+__all__ = ["attempt_text", "bubble_text", "pool_text", "print_summary", "resumed_text", "rl_text",
+           "summary_panel", "summary_text"]
 
 _VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
 
@@ -82,6 +82,16 @@ def rl_text(rl: dict) -> str:
             + ")")
 
 
+def pool_text(pool: dict) -> str:
+    """A pool run's leases in words (the report's ``pool`` section): how many hosts it was leased, how many of
+    those leases it gave back because the pool asked (preempted), and its time in the pool's queue."""
+    leases = [x for x in pool.get("leases") or [] if isinstance(x, dict)]
+    preempted = sum(1 for x in leases if x.get("why") == "preempted")
+    queue = pool.get("queue_seconds")
+    return (f"{len(leases)} lease(s), {preempted} preempted, "
+            + (f"{queue:.1f} s queued" if _number(queue) else "time queued unknown"))
+
+
 def attempt_text(a: dict) -> str:
     """One later attempt in words: how the one before ended, the gap, where its state came from, what it redid."""
     after = {"finished": "extended a finished run", "died": "restarted after the client was lost",
@@ -144,6 +154,7 @@ def _rows(report: dict) -> list[tuple[str, str]]:
         *([("reward", rl_text(report["rl"]))] if isinstance(report.get("rl"), dict) else []),
         ("slices at end", "—" if report.get("slices_at_end") is None
          else f"{report['slices_at_end']} of {report.get('slices', '—')}"),
+        *([("pool", pool_text(report["pool"]))] if isinstance(report.get("pool"), dict) else []),
         ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"
                                            if failures else "")),
         ("steps lost", str(report.get("steps_lost", 0))),
