@@ -422,7 +422,8 @@ def make_launcher(opts, run_id: str, controller_address: str, secret: str, on_lo
                             min_hosts=max(opts.min_slices, 1), priority=opts.pool_priority,
                             grace_seconds=opts.client_grace_seconds or 30.0, snapshot_directory=snapshot_root,
                             chaos=opts.chaos, platform=opts.platform, events=events,
-                            run_name=os.path.basename(opts.run_dir.rstrip("/")))
+                            run_name=os.path.basename(opts.run_dir.rstrip("/")),
+                            compilation_cache_dir=opts.compilation_cache_dir)
     hosts = opts.hosts_per_slice   # a slice of several: each process has its share of the slice's devices
     if opts.launcher == "ray":
         from runtime.launch.ray_launcher import RayLauncher   # Ray is imported only for this launcher

@@ -81,7 +81,7 @@ class PoolLauncher:
     def __init__(self, pool: str, run_id: str, controller_address: str, secret: str, *, devices: int,
                  min_hosts: int, priority: int = 0, grace_seconds: float = 120.0, snapshot_directory: str = "",
                  chaos: bool = False, platform: str = "", events=None, run_name: str = "", token: str | None = None,
-                 poll_seconds: float = POLL_SECONDS):
+                 poll_seconds: float = POLL_SECONDS, compilation_cache_dir: str = ""):
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not token:
             raise ValueError(f"elastic_pool={pool}: set the pool's client token in ${TOKEN_ENV}")
@@ -89,7 +89,8 @@ class PoolLauncher:
         self.stub = pb_grpc.PoolStub(rpc.channel(pool, token))
         self.request = dict(run_id=run_id, priority=priority, min_hosts=min_hosts, devices=devices,
                             controller=controller_address, run_secret=secret, snapshot_directory=snapshot_directory,
-                            chaos=chaos, platform=platform, grace_seconds=grace_seconds, run_name=run_name)
+                            chaos=chaos, platform=platform, grace_seconds=grace_seconds, run_name=run_name,
+                            compilation_cache_dir=compilation_cache_dir)
         self.procs: dict[str, _Leased] = {}    # granted workers
         self.hosts: dict[str, str] = {}        # worker -> the pool host it runs on
         self._wanted: list[str] = []           # launched, not granted yet

@@ -114,7 +114,7 @@ class Agent:
         self.lease = lease
         self.launcher = LocalLauncher(lease.run_id, lease.controller, self.devices, os.path.join(home, "logs"),
                                       secret=lease.run_secret, chaos=lease.chaos, platform=lease.platform or
-                                      self.platform, compilation_cache_dir="")
+                                      self.platform, compilation_cache_dir=lease.compilation_cache_dir)
         log.info("serving %s as worker %s of run %s", lease.lease_id, lease.worker_id, lease.run_id)
         try:
             self.launcher.launch(lease.worker_id, self.host_id)

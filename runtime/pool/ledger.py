@@ -247,7 +247,7 @@ class Ledger:
             return
         run.seen, run.grace = now, poll.grace_seconds or run.grace
         run.order = dict(controller=poll.controller, secret=poll.run_secret, snapshot=poll.snapshot_directory,
-                         chaos=poll.chaos, platform=poll.platform)
+                         chaos=poll.chaos, platform=poll.platform, cache=poll.compilation_cache_dir)
         mine = {x.worker_id for x in self.leases.values() if x.run_id == poll.run_id}
         run.wanted = tuple(w for w in poll.wanted if w not in mine and w not in run.ended_workers)
         for w in poll.held:
@@ -288,7 +288,7 @@ class Ledger:
                              worker=w, host=h.host_id) for k, (w, h) in enumerate(zip(run.wanted, take))]
             if run.queued_since is None and held < run.min_hosts:
                 return [dict(kind="pool_run_queued", run=run.run_id, hosts=gang, free=len(fits))]
-            missing = (gang if gang else len(run.wanted)) - len(fits) - self._incoming(run)
+            missing = len(run.wanted) - len(fits) - self._incoming(run)   # all it asks for, at once
             if missing > 0:
                 victims = self._victims(run)
                 if victims:

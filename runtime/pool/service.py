@@ -150,7 +150,8 @@ class PoolService(pb_grpc.PoolServicer):
                 order.lease.CopyFrom(pb.PoolLease(lease_id=lease.lease_id, run_id=lease.run_id,
                                                   worker_id=lease.worker_id, controller=o["controller"],
                                                   run_secret=o["secret"], snapshot_directory=o["snapshot"],
-                                                  chaos=o["chaos"], platform=o["platform"]))
+                                                  chaos=o["chaos"], platform=o["platform"],
+                                                  compilation_cache_dir=o["cache"]))
             return order
 
     def Run(self, request, context):

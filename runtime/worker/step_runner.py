@@ -80,7 +80,7 @@ class StepRunner:
         self._agreement = agreement if agreement is not None else SliceAgreement()   # the slice's hosts' votes
         self._mailbox, self._peers, self._data, self._faults = mailbox, peers, data, faults
         self._step_timeout = step_timeout
-        self._stage_delay = stage_delay   # benchmarks only: seconds slept per forward and per backward of a stage
+        self._stage_delay = stage_delay   # benchmarks only: seconds slept per forward and per backward of a stage, or per step
         self.collective = AllReduce(self.push, mailbox, add_f32)
         self.progress = (-1, "idle", time.monotonic())   # (step, phase, since): one tuple, read without a lock
 
@@ -160,6 +160,8 @@ class StepRunner:
                                              self._stage_delay)
             else:
                 vecs = ex.partials(req.step, [node_of(n) for n in req.nodes], clock)
+                if self._stage_delay:   # simulated compute, as a stage's (benchmarks and tests: long runs, idle CPU)
+                    time.sleep(self._stage_delay)
             ex.feed({})
             self._faults.straggle(time.perf_counter() - t0)
             self._faults.in_phase("grad")
