@@ -94,10 +94,12 @@ _CACHE_KEY = "jax_cache_dir"      # -> compilation_cache_dir (and RunSettings.co
 # -> checkpoint_directory and checkpoint_period, both off unless enable_checkpointing
 _CHECKPOINT_KEYS = ("enable_checkpointing", "checkpoint_period", "elastic_checkpoint_directory",
                     "load_full_state_path", "load_parameters_path")
-_SNAPSHOT_KEYS = ("elastic_snapshot_directory",)
+_SNAPSHOT_KEYS = ("elastic_snapshot_directory",)   # -> snapshot_directory (default: default_snapshot_root())
 _ADDRESS_KEY = "elastic_controller_address"   # -> host and port ("": 127.0.0.1, any port)
 #: Where the run secret comes from when the workers are started by someone else (elastic_launcher=none).
-SECRET_ENV = "ELASTIC_RUN_SECRET"   # -> snapshot_directory (default: default_snapshot_root())
+SECRET_ENV = "ELASTIC_RUN_SECRET"
+#: A shared pool's client token (elastic_pool).
+POOL_TOKEN_ENV = "ELASTIC_POOL_TOKEN"
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({
@@ -253,6 +255,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
     refused recovery keys that contradict it, so this only replaces defaults.
     """
     _check_launcher(cfg)
+    _check_pool(cfg)
     opts = ControllerOptions(run_dir=str(run_dir), tls=_tls(cfg), compilation_cache_dir=compilation_cache_dir(cfg),
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
@@ -306,6 +309,12 @@ def _address(cfg: Config) -> dict:
 def _check_launcher(cfg: Config) -> None:
     if cfg.elastic_launcher == "ray" and (why := ray_available()):
         raise ConfigError(f"elastic_launcher=ray: {why}")
+
+
+def _check_pool(cfg: Config) -> None:
+    if cfg.elastic_pool and not os.environ.get(POOL_TOKEN_ENV):
+        raise ConfigError(f"elastic_pool={cfg.elastic_pool}: set the pool's client token in ${POOL_TOKEN_ENV} (the "
+                          "pool's directory lists its tokens, one name=token a line)")
 
 
 def _secret(cfg: Config) -> str:

@@ -197,8 +197,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"lease": TEXT, "why": TEXT}),
     EventKind("pool_lease_ended", "a lease's worker is gone and its host wiped (wiped false: the host left the pool)",
               {"lease": TEXT, "host": TEXT, "exit_code": NUMBER, "wiped": BOOL}, {"leftovers": NAMES}),
-    EventKind("pool_give_back", "a run of a lower priority was asked to give hosts back to one of a higher",
-              {"run": TEXT, "count": COUNT, "for_run": TEXT}),
+    EventKind("pool_give_back", "a run of a lower priority was asked to give hosts back to one of a higher (a "
+                                "negative count: no run of a higher priority waits any more; for_run empty)",
+              {"run": TEXT, "count": NUMBER, "for_run": TEXT}),
     EventKind("pool_calls_refused", "calls to the pool refused for their credentials",
               {"method": TEXT, "peer": TEXT, "reason": TEXT, "count": COUNT}),
     # -- the shared pool: a run's own log (its lease timeline; runtime.pool.client) ----------------------------

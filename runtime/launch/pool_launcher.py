@@ -29,6 +29,7 @@ import grpc
 
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
+from runtime.core.errors import ElasticError
 from runtime.wire import rpc
 
 __all__ = ["POLL_SECONDS", "PoolLauncher", "pool_status", "TOKEN_ENV"]
@@ -84,7 +85,7 @@ class PoolLauncher:
                  poll_seconds: float = POLL_SECONDS, compilation_cache_dir: str = ""):
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not token:
-            raise ValueError(f"elastic_pool={pool}: set the pool's client token in ${TOKEN_ENV}")
+            raise ElasticError(f"elastic_pool={pool}: set the pool's client token in ${TOKEN_ENV}")
         self.pool, self.run_id, self.events = pool, run_id, events
         self.stub = pb_grpc.PoolStub(rpc.channel(pool, token))
         self.request = dict(run_id=run_id, priority=priority, min_hosts=min_hosts, devices=devices,
@@ -105,6 +106,7 @@ class PoolLauncher:
         self._unreachable = False
         self.poll_seconds = poll_seconds
         self._wake = threading.Event()
+        self._first_poll()
         self._thread = threading.Thread(target=self._loop, name="pool-poll", daemon=True)
         self._thread.start()
 
@@ -186,6 +188,20 @@ class PoolLauncher:
                         rpc.status_name(e))
 
     # -- polling ---------------------------------------------------------------
+
+    def _first_poll(self) -> None:
+        """The pool answers before anything starts, or the run fails in one line: no answer, or refused."""
+        try:
+            self._poll_once(timeout=10.0)
+        except grpc.RpcError as e:
+            code = rpc.status_of(e)
+            if code is grpc.StatusCode.UNAUTHENTICATED:
+                why = f"it refused this client's token (${TOKEN_ENV}: the pool's directory lists its tokens)"
+            elif code is grpc.StatusCode.PERMISSION_DENIED:
+                why = f"it refused the run: {e.details()}"
+            else:
+                why = f"it does not answer ({rpc.status_name(e)}): is `elastic pool serve` running there?"
+            raise ElasticError(f"elastic_pool={self.pool}: {why}") from None
 
     def poke(self) -> None:
         """Poll now rather than at the next tick."""

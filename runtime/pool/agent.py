@@ -58,6 +58,7 @@ class Agent:
         self.launcher: LocalLauncher | None = None
         self.ended: list[pb.HostEnded] = []   # reported on the next poll answered
         self.stop = False
+        self.leaving = False   # a wipe failed: exit once the pool heard of it
         self._unreachable_since: float | None = None
 
     def start(self) -> None:
@@ -94,6 +95,9 @@ class Agent:
         if self._unreachable_since is not None:
             log.info("the pool answers again after %.1f s", time.monotonic() - self._unreachable_since)
             self._unreachable_since = None
+        if self.leaving:
+            self.stop = True
+            return
         self.ended = []
         self.stop = order.stop
         if order.reclaim and self.lease is not None and order.reclaim == self.lease.lease_id:
@@ -135,6 +139,9 @@ class Agent:
         self.ended.append(pb.HostEnded(lease_id=lease.lease_id, exit_code=int(code), wiped=not leftovers,
                                        leftovers=leftovers))
         self.lease = self.launcher = None
+        if leftovers:   # a host that cannot wipe serves no one again: it leaves once the pool heard
+            log.error("could not wipe %s (%s left): this host leaves the pool", lease.lease_id, leftovers)
+            self.leaving = True
 
     def wipe(self, lease: pb.PoolLease) -> list[str]:
         """Removes what the lease left on this host; answers what could not be removed."""

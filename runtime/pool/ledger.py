@@ -92,6 +92,7 @@ class Ledger:
         self.refused: dict[str, int] = {}   # why -> calls refused
         self.lease_seq = 0
         self.host_silent_seconds = host_silent_seconds
+        self.stale: dict[str, str] = {}     # host -> a lease it still serves that had ended here (it is told to stop)
 
     # -- folding --------------------------------------------------------------
 
@@ -163,7 +164,7 @@ class Ledger:
                 self.hosts.pop(e["host"])
         elif kind == "pool_give_back":
             if e["run"] in self.runs:
-                self.runs[e["run"]].give_back += e["count"]
+                self.runs[e["run"]].give_back = max(self.runs[e["run"]].give_back + e["count"], 0)
         elif kind == "pool_calls_refused":
             self.refused[e["reason"]] = self.refused.get(e["reason"], 0) + e["count"]
 
@@ -174,7 +175,8 @@ class Ledger:
         return [x for x in self.leases.values() if x.run_id == run_id and x.state != "reclaimed"]
 
     def free_hosts(self) -> list[Host]:
-        return sorted((h for h in self.hosts.values() if not h.lease), key=lambda h: h.host_id)
+        return sorted((h for h in self.hosts.values() if not h.lease and h.host_id not in self.stale),
+                      key=lambda h: h.host_id)
 
     def queue(self) -> list[Run]:
         """The runs waiting for hosts, in the order they are served."""
@@ -206,10 +208,20 @@ class Ledger:
                                    wiped=True, leftovers=[]))
         if poll.lease_id and poll.lease_id in self.leases and self.leases[poll.lease_id].state == "granted":
             events.append(dict(kind="pool_lease_serving", lease=poll.lease_id))
+        if poll.lease_id and poll.lease_id not in self.leases:   # ended here (the host was lost): it stops it first
+            self.stale[poll.host_id] = poll.lease_id
+        else:
+            self.stale.pop(poll.host_id, None)
+        for ended in poll.ended:
+            if not ended.wiped:   # it could not wipe: it leaves (and its agent exits)
+                events.append(dict(kind="pool_host_lost", host=poll.host_id,
+                                   reason=f"could not wipe {ended.lease_id}: {', '.join(ended.leftovers)} left"))
         return events
 
     def host_orders(self, host_id: str) -> tuple[Lease | None, str]:
         """What a host is told now: the lease to start (granted, not yet taken), or the lease to reclaim."""
+        if host_id in self.stale:
+            return None, self.stale[host_id]
         host = self.hosts.get(host_id)
         lease = self.leases.get(host.lease) if host is not None and host.lease else None
         if lease is None:
@@ -250,8 +262,9 @@ class Ledger:
                          chaos=poll.chaos, platform=poll.platform, cache=poll.compilation_cache_dir)
         mine = {x.worker_id for x in self.leases.values() if x.run_id == poll.run_id}
         run.wanted = tuple(w for w in poll.wanted if w not in mine and w not in run.ended_workers)
-        for w in poll.held:
-            run.ended_workers.pop(w, None)
+        named = set(poll.held) | set(poll.wanted)
+        for w in [w for w in run.ended_workers if w not in named]:   # the client knows: it names it no more
+            del run.ended_workers[w]
 
     def host_heard(self, host_id: str, now: float) -> None:
         if host_id in self.hosts:
@@ -274,6 +287,9 @@ class Ledger:
                         for x in self.held(r.run_id)] + \
                        [dict(kind="pool_run_ended", run=r.run_id, reason=f"client silent for {now - r.seen:.0f} s "
                                                                           f"(its grace is {r.grace:g} s)")]
+        for r in sorted(self.runs.values(), key=lambda r: r.run_id):
+            if r.give_back and not any(q.wanted and q.priority > r.priority for q in self.runs.values()):
+                return [dict(kind="pool_give_back", run=r.run_id, count=-r.give_back, for_run="")]   # no one waits
         free = self.free_hosts()
         blocked: set[str] = set()   # hosts held for a run that waits for a gang
         for run in self.queue():
@@ -282,6 +298,8 @@ class Ledger:
             fits = [h for h in free if h.host_id not in blocked and _fits(h, run)]
             held = len(self.held(run.run_id))
             gang = max(run.min_hosts - held, 0)
+            if gang > len(run.wanted):   # it has not asked for its whole minimum yet (its next poll will)
+                continue
             if fits and len(fits) >= gang:
                 take = fits[:len(run.wanted)]
                 return [dict(kind="pool_lease_granted", lease=f"lease-{self.lease_seq + k}", run=run.run_id,
@@ -323,7 +341,7 @@ class Ledger:
     # -- what is shown ---------------------------------------------------------
 
     def run_status(self, run_id: str, now: float) -> str:
-        """One line: where a run stands."""
+        """One line: where a run stands (naming only runs of its own client: others are counted)."""
         run = self.runs.get(run_id)
         if run is None:
             return "not known to the pool"
@@ -333,8 +351,10 @@ class Ledger:
         queue = self.queue()
         ahead = [r for r in queue[:queue.index(run)]]
         waiting = f" for {now - run.queued_since:.0f} s" if run.queued_since is not None else ""
-        why = (f"behind {', '.join(f'{r.run_id} (priority {r.priority})' for r in ahead)}" if ahead
-               else f"{free} of {len(self.hosts)} host(s) free")
+        own = [f"{r.run_id} (priority {r.priority})" for r in ahead if r.tenant == run.tenant]
+        others = len(ahead) - len(own)
+        names = own + ([f"{others} run(s) of other clients"] if others else [])
+        why = f"behind {', '.join(names)}" if ahead else f"{free} of {len(self.hosts)} host(s) free"
         return (f"queued{waiting}: {len(run.wanted)} host(s) asked, {held} held (minimum {run.min_hosts}); "
                 f"place {queue.index(run) + 1} in the queue, {why}")
 

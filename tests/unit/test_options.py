@@ -21,8 +21,10 @@ TLS_KEYS = ("elastic_tls_cert_file", "elastic_tls_key_file", "elastic_tls_ca_fil
 
 @pytest.fixture(autouse=True)
 def run_secret(monkeypatch):
-    """The secret workers started by someone else were given (elastic_launcher=none reads it)."""
+    """The secret workers started by someone else were given (elastic_launcher=none reads it), and a pool's client
+    token (elastic_pool reads it)."""
     monkeypatch.setenv("ELASTIC_RUN_SECRET", "s3cret")
+    monkeypatch.setenv("ELASTIC_POOL_TOKEN", "t0ken")
 
 
 @pytest.fixture
@@ -293,3 +295,17 @@ def test_every_role_list_is_derived_from_the_schema():
     assert MATH_KEYS | REFERENCE_NEUTRAL == set(SCHEMA) and not MATH_KEYS & REFERENCE_NEUTRAL
     assert {"jax_cache_dir", "run_name", "base_output_directory", "dcn_data_parallelism"} <= REFERENCE_NEUTRAL
     assert {"learning_rate", "seed", "elastic_microbatches", "per_device_batch_size"} <= MATH_KEYS
+
+
+def test_a_run_on_a_shared_pool_leases_its_workers_there_and_needs_the_pools_client_token(base, monkeypatch):
+    cfg = base.replace(elastic_pool="127.0.0.1:7000", elastic_pool_priority=3)
+    opts = controller_options(cfg, "run")
+    assert (opts.launcher, opts.pool, opts.pool_priority) == ("pool", "127.0.0.1:7000", 3)
+    assert controller_options(base, "run").launcher == "local"
+    monkeypatch.delenv("ELASTIC_POOL_TOKEN")
+    with pytest.raises(ConfigError, match="ELASTIC_POOL_TOKEN"):
+        controller_options(cfg, "run")
+    for bad, why in ((dict(elastic_launcher="ray"), "elastic_launcher"), (dict(elastic_hosts_per_slice=2), "one host"),
+                     (dict(elastic_pool="nowhere"), "elastic_pool")):
+        with pytest.raises(ConfigError, match=why):
+            base.replace(elastic_pool="127.0.0.1:7000", **bad) if "elastic_pool" not in bad else base.replace(**bad)

@@ -508,19 +508,24 @@ def test_a_lease_ended_without_its_wipe_removes_its_host_from_the_pool():
     pool.run("B", 2.7, wanted=["v0"])
     order = pool.host("h0", 3.0, ended=[ended("lease-0", code=-9, wiped=False, leftovers=["/leases/lease-0"])])
     assert order == (None, "")
-    assert pool.log[-1] == {"t": 3.0, "kind": "pool_lease_ended", "lease": "lease-0", "host": "h0",
+    assert pool.log[-2] == {"t": 3.0, "kind": "pool_lease_ended", "lease": "lease-0", "host": "h0",
                             "exit_code": -9, "wiped": False, "leftovers": ["/leases/lease-0"]}
+    assert pool.log[-1]["kind"] == "pool_host_lost" and "could not wipe lease-0" in pool.log[-1]["reason"]
     assert pool.ledger.hosts == {} and pool.ledger.leases == {}
     assert pool.held("B") == {}
     assert pool.ledger.runs["A"].ended_workers == {}   # returned: the run knows
 
 
-def test_a_host_that_reports_a_lease_the_pool_does_not_know_records_nothing_for_it():
+def test_a_host_that_still_serves_a_lease_the_pool_ended_is_told_to_stop_it_and_granted_nothing_meanwhile():
     pool = Pool()
     pool.host("h0", 0.0)
     before = len(pool.log)
-    assert pool.host("h0", 1.0, lease_id="lease-7", ended=[ended("lease-6")]) == (None, "")
-    assert pool.log[before:] == []
+    assert pool.host("h0", 1.0, lease_id="lease-7", ended=[ended("lease-6")]) == (None, "lease-7")
+    assert pool.log[before:] == []   # nothing recorded: the pool knows neither lease
+    pool.run("A", 1.5, wanted=["w0"])
+    assert pool.held("A") == {}   # not granted while it serves its stale lease
+    pool.host("h0", 2.0, ended=[ended("lease-7")])
+    assert pool.held("A") == {"w0": "h0"}
 
 
 def test_an_agent_restarted_while_serving_ends_its_lease_and_its_host_is_free():
@@ -703,3 +708,50 @@ def test_refused_calls_are_counted_by_reason(count):
                      dict(kind="pool_calls_refused", method="/jax_elastic.Pool/Host", peer="10.0.0.2",
                           reason="wrong run secret", count=1)], 1.0)
     assert pool.ledger.status(1.0)["refused"] == {"missing run secret": 2 * count, "wrong run secret": count}
+
+
+# -- what a first review of the ledger found -----------------------------------------------------------------
+
+
+def test_a_gang_that_has_asked_for_part_of_its_minimum_is_granted_nothing_until_it_asks_for_all():
+    pool = Pool()
+    for h in ("h0", "h1", "h2"):
+        pool.host(h, 0.0)
+    pool.run("A", 1.0, min_hosts=2, wanted=["w0"])   # (a client's launches reach the pool over several polls)
+    pool.run("B", 1.0, min_hosts=2, wanted=["v0"])
+    assert pool.held("A") == {} and pool.held("B") == {}   # never half each
+    pool.run("A", 1.1, min_hosts=2, wanted=["w0", "w1"])
+    assert sorted(pool.held("A")) == ["w0", "w1"] and pool.held("B") == {}
+
+
+def test_a_queued_runs_status_names_only_its_own_clients_runs_ahead_of_it():
+    pool = Pool()
+    pool.run("A", 1.0, tenant="alice", priority=5, wanted=["x"])
+    pool.run("B", 1.0, tenant="bob", wanted=["x"])
+    line = pool.ledger.run_status("B", 2.0)
+    assert "A" not in line.replace("asked", "") and "1 run(s) of other clients" in line, line
+
+
+def test_a_worker_that_ended_is_told_to_its_client_until_the_client_names_it_no_more():
+    pool = Pool()
+    pool.host("h0", 0.0)
+    pool.host("h1", 0.0)
+    pool.run("A", 1.0, wanted=["w0", "w1"])
+    pool.host("h0", 1.5, lease_id=pool.lease_of("A", "w0"))
+    pool.host("h0", 2.0, ended=[ended(pool.lease_of("A", "w0"), code=3)])
+    pool.run("A", 2.5, held=["w0", "w1"])   # this poll's reply is built after it: the end must survive it
+    assert pool.ledger.runs["A"].ended_workers == {"w0": 3}
+    pool.run("A", 3.0, held=["w1"])   # the client took it in
+    assert pool.ledger.runs["A"].ended_workers == {}
+
+
+def test_a_give_back_no_run_waits_for_any_more_is_withdrawn():
+    pool = Pool()
+    for h in ("h0", "h1"):
+        pool.host(h, 0.0)
+    pool.run("low", 1.0, wanted=["w0", "w1"])
+    pool.run("high", 2.0, priority=5, wanted=["v0"])
+    assert pool.ledger.runs["low"].give_back == 1
+    pool.run("high", 3.0, done=True)   # it gave up before low gave anything back
+    assert pool.ledger.runs["low"].give_back == 0
+    assert pool.log[-1]["kind"] == "pool_give_back" and pool.log[-1]["count"] == -1
