@@ -1,7 +1,8 @@
 """``elastic pool serve`` and ``elastic pool status``: a shared pool of hosts for many runs (docs/pool.md).
 
 ``serve DIRECTORY`` runs the pool (:func:`runtime.serve_pool`) with its record
-in DIRECTORY; ``--local-hosts N`` also starts N hosts on this machine. A
+in DIRECTORY; ``--local-hosts N`` also starts N hosts on this machine,
+``--ray-hosts N`` N hosts as Ray actors. A
 directory that served before is served again: same port, same secret and
 tokens, the leases its log holds. ``status`` asks a pool what it shows to the
 caller's credential: with the pool's directory, everything (its secret); with
@@ -68,7 +69,8 @@ def _cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ready = lambda address: print(f"elastic pool: serving on {address} ({args.directory})", flush=True)
     return serve_pool(os.path.abspath(args.directory), host=args.host, port=args.port, local_hosts=args.local_hosts,
-                      devices=args.devices, platform=args.platform, ready=ready)
+                      devices=args.devices, platform=args.platform, ready=ready, ray_hosts=args.ray_hosts,
+                      ray_address=args.ray_address)
 
 
 def _cmd_status(args) -> int:
@@ -101,7 +103,10 @@ def register(sub) -> None:
     serve.add_argument("--port", type=int, default=0, help="default: the port it had, else any free one")
     serve.add_argument("--local-hosts", type=int, default=0, metavar="N", help="start N hosts on this machine")
     serve.add_argument("--devices", type=int, default=1, metavar="N", help="simulated CPU devices per local host")
-    serve.add_argument("--platform", default="cpu", help="the local hosts' JAX platform")
+    serve.add_argument("--ray-hosts", type=int, default=0, metavar="N",
+                       help="start N hosts as Ray actors (pip install 'jax-elastic[ray]'), on --ray-address")
+    serve.add_argument("--ray-address", default="", help="the Ray cluster of --ray-hosts (default: $RAY_ADDRESS)")
+    serve.add_argument("--platform", default="cpu", help="the hosts' JAX platform")
     serve.set_defaults(handler=_cmd_serve)
     status = cmds.add_parser("status", help="hosts, runs and the queue of a pool")
     status.add_argument("pool", help="the pool's directory (everything) or HOST:PORT (with $ELASTIC_POOL_TOKEN: "

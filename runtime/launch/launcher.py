@@ -93,7 +93,9 @@ class LocalLauncher:
     def __init__(self, run_id: str, controller_address: str, devices_per_worker: int, log_dir: str,
                  secret: str = "", chaos: bool = False, tls=None, launch_rate: float = LAUNCH_RATE,
                  launch_burst: int = LAUNCH_BURST, compilation_cache_dir: str = "", standby: int = 0,
-                 platform: str = "", zygote: bool = True, preload: tuple[str, ...] = (), hosts_per_slice: int = 1):
+                 platform: str = "", zygote: bool = True, preload: tuple[str, ...] = (), hosts_per_slice: int = 1,
+                 listen: str = ""):
+        self.listen = listen   # the address its workers listen on ("": the worker's default, loopback)
         self.hosts_per_slice = hosts_per_slice   # >1: a worker id is a slice of that many processes (its hosts)
         self.platform = platform   # the workers' JAX platform; "": as this process's JAX_PLATFORMS says (jax_child_env)
         self.secret = secret
@@ -213,7 +215,7 @@ class LocalLauncher:
     def _start(self, identity: list[str], log_name: str, devices: int = 0):
         # Every worker answers to this process, the run's owner: never to the zygote it is forked from.
         argv = ["--controller", self.controller_address, "--run-id", self.run_id, *identity,
-                "--owner-pid", str(os.getpid())]
+                "--owner-pid", str(os.getpid()), *(["--host", self.listen] if self.listen else [])]
         path = os.path.join(self.log_dir, log_name)
         env = self._env(devices)
         zygote = self._zygote_for(env)

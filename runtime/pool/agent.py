@@ -50,9 +50,10 @@ class Agent:
     """One host of a pool (see the module's contract)."""
 
     def __init__(self, pool: str, secret: str, host_id: str, devices: int, directory: str, platform: str = "cpu",
-                 address: str = ""):
+                 address: str = "", listen: str = ""):
         self.pool, self.host_id, self.devices, self.platform = pool, host_id, devices, platform
         self.directory, self.address = directory, address or socket.gethostname()
+        self.listen = listen   # the address its workers listen on ("": loopback, a pool of one machine)
         self.stub = pb_grpc.PoolStub(rpc.channel(pool, secret))
         self.lease: pb.PoolLease | None = None
         self.launcher: LocalLauncher | None = None
@@ -118,7 +119,8 @@ class Agent:
         self.lease = lease
         self.launcher = LocalLauncher(lease.run_id, lease.controller, self.devices, os.path.join(home, "logs"),
                                       secret=lease.run_secret, chaos=lease.chaos, platform=lease.platform or
-                                      self.platform, compilation_cache_dir=lease.compilation_cache_dir)
+                                      self.platform, compilation_cache_dir=lease.compilation_cache_dir,
+                                      listen=self.listen)
         log.info("serving %s as worker %s of run %s", lease.lease_id, lease.worker_id, lease.run_id)
         try:
             self.launcher.launch(lease.worker_id, self.host_id)
@@ -160,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=0, help="simulated CPU devices (default: what JAX finds)")
     ap.add_argument("--platform", default="cpu")
     ap.add_argument("--directory", default="", help="where leases keep their files (wiped after each)")
+    ap.add_argument("--listen", default="", help="the address its workers listen on, which the runs' clients and "
+                                                 "peers reach (default: 127.0.0.1, a pool of one machine)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     secret = os.environ.get("ELASTIC_POOL_SECRET", "")
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
         return 2
     host_id = args.host_id or socket.gethostname()
     directory = args.directory or os.path.join(os.path.expanduser("~"), ".cache", "jax-elastic", "pool", host_id)
-    agent = Agent(args.pool, secret, host_id, args.devices or 1, directory, args.platform)
+    agent = Agent(args.pool, secret, host_id, args.devices or 1, directory, args.platform, listen=args.listen)
     return agent.run()
 
 

@@ -228,12 +228,13 @@ def _start_local_hosts(directory: str, address: str, count: int, devices: int, p
 
 def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts: int = 0, devices: int = 1,
           platform: str = "cpu", host_silent_seconds: float = HOST_SILENT_SECONDS, ready=None,
-          stop_event: threading.Event | None = None) -> int:
+          stop_event: threading.Event | None = None, ray_hosts: int = 0, ray_address: str = "") -> int:
     """Serves the pool of ``directory`` until SIGTERM or SIGINT (or ``stop_event``); returns 0.
 
     A directory that served before gives back its port (unless ``port`` is
     given), its secret and tokens, and its log. ``ready(address)`` is called
-    once it serves."""
+    once it serves. ``ray_hosts``: that many hosts as Ray actors on the cluster at ``ray_address``
+    (:mod:`runtime.pool.ray_hosts`)."""
     os.makedirs(directory, exist_ok=True)
     secret, tokens = pool_credentials(directory)
     where = os.path.join(directory, "pool.json")
@@ -259,6 +260,11 @@ def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts
                 restarted=bool(before))
     if local_hosts:
         _start_local_hosts(directory, address, local_hosts, devices, platform, secret)
+    if ray_hosts:
+        from runtime.pool.ray_hosts import start_ray_hosts   # Ray is imported only for these
+
+        start_ray_hosts(ray_address, address, secret, os.path.basename(directory.rstrip("/")), ray_hosts, devices,
+                        platform)
     stop = stop_event or threading.Event()
     if stop_event is None:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -316,6 +316,48 @@ def test_a_killed_driver_leaves_its_actors_to_the_same_command_which_re_attaches
     assert not _actors_gone(port, run_id, 60), "an actor outlived its client grace"
 
 
+def test_a_pools_hosts_as_ray_actors_serve_a_run_and_outlive_the_pool(ray_cluster, tmp_path, monkeypatch):
+    """``elastic pool serve --ray-hosts 2``: two detached actors, each a pool host; a run leases them (bit-identical)
+    and a killed pool, started again, finds them serving."""
+    port, _ = ray_cluster
+    pool_dir = tmp_path / "raypool"
+
+    def serve():
+        return subprocess.Popen([sys.executable, "-m", "elastic.cli", "pool", "serve", str(pool_dir), "--ray-hosts",
+                                 "2", "--ray-address", f"{LOOPBACK}:{port}"], env=_env(), cwd=tmp_path,
+                                stdout=open(tmp_path / "pool.log", "ab"), stderr=subprocess.STDOUT)
+
+    from runtime import pool_status
+
+    def hosts(pid):
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            record = pool_dir / "pool.json"
+            if record.exists() and json.loads(record.read_text())["pid"] == pid:
+                status = pool_status(json.loads(record.read_text())["address"], (pool_dir / "secret").read_text())
+                if status["hosts"] == 2:
+                    return status
+            time.sleep(0.5)
+        raise AssertionError(f"the pool's Ray hosts did not join: {(tmp_path / 'pool.log').read_text()[-3000:]}")
+
+    pool = serve()
+    try:
+        hosts(pool.pid)
+        address = json.loads((pool_dir / "pool.json").read_text())["address"]
+        monkeypatch.setenv("ELASTIC_POOL_TOKEN", (pool_dir / "tokens").read_text().split("=", 1)[1].strip())
+        _, report = run_cli([*RUN, "steps=20", "run_name=onpool", f"elastic_pool={address}"], tmp_path)
+        _, ref = run_cli([*RUN, "steps=20", "run_name=ref20", "--reference"], tmp_path)
+        assert report["final_state_digest"] == ref["final_state_digest"] and report["pool"]["leases"]
+        pool.kill()
+        pool.wait()
+        pool = serve()   # its hosts are Ray's, not its own: they wait for it and join again
+        status = hosts(pool.pid)
+        assert sorted(w["host"] for w in status["workers"]) == ["raypool-ray-0", "raypool-ray-1"]
+    finally:
+        pool.terminate()   # the hosts hear it close and leave: their actors end
+        pool.wait(30)
+
+
 STEPS = 120
 
 
