@@ -26,7 +26,7 @@ import time
 import grpc
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, processes, run_cli
 from tests.support.events import kinds, live_events
 
 pytestmark = pytest.mark.timeout(400)
@@ -185,6 +185,10 @@ def test_a_pool_serves_two_runs_at_once_queues_a_third_survives_its_own_restart_
     b_run = kinds(live_events(tmp_path / "b"), "run_started")[0]["run_id"]
     b_leases = [x for x in pool.status()["leases"] if x["run"] == b_run]
     assert len(b_leases) == 3, b_leases
+    from runtime import default_snapshot_root
+
+    b_snapshots = pathlib.Path(default_snapshot_root(), b_run)
+    assert [p for p in b_snapshots.glob("*") if p.name.startswith("pool-")], "b kept no snapshot on its hosts"
     b.kill()
     b.wait()
     _wait("b's hosts are back in the pool", lambda: not [x for x in pool.status()["leases"] if x["run"] == b_run], 40)
@@ -194,8 +198,10 @@ def test_a_pool_serves_two_runs_at_once_queues_a_third_survives_its_own_restart_
     for x in b_leases:
         assert reclaimed[x["lease"]] == "client gone" and ended[x["lease"]]["wiped"], (x, ended.get(x["lease"]))
         assert not (pool.dir / "hosts" / x["host"] / "leases" / x["lease"]).exists()
-    snapshots = [p for p in pathlib.Path("/dev/shm/jax-elastic-snapshots", b_run).glob("*") if p.name.startswith("pool-")]
+    snapshots = [p for p in b_snapshots.glob("*") if p.name.startswith("pool-")]
     assert not snapshots, f"b's snapshots were left on its hosts: {snapshots}"
+    b_pids = {e["pid"] for e in kinds(live_events(tmp_path / "b"), "worker_registered")}
+    assert not b_pids & set(processes()), "a worker of b outlived its lease"
 
     report_c = _finished(tmp_path, c, "c")
     assert report_c["final_state_digest"] == references["c"]
