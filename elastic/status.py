@@ -102,7 +102,7 @@ def status_view(events: list, live: dict | None, *, now: float, client: dict | N
     None when the client is gone), ``now`` wall seconds, ``client`` what is known of its client.
 
     Returns ``{"run_id", "steps", "committed", "ended", "client", "goodput_fraction", "recovery", "slices",
-    "spares", "workers"}``: ``slices`` one entry per virtual slice (its worker); ``workers`` one per worker of the
+    "spares", "workers", "pool"}``: ``pool`` a pool's run's hosts and queue place (None off a pool); ``slices`` one entry per virtual slice (its worker); ``workers`` one per worker of the
     placement, each sampler and each dead one, with ``role`` (``slice N``, ``spare``, ``sampler`` (an RL run's), ``dead``), ``host``, ``step`` (None
     unknown or none yet), ``phase``, ``lag`` (an active worker's steps behind the furthest one),
     ``heard_seconds``, ``rss_bytes`` and ``hosts`` (a slice of several). From the log alone, ``step`` is the committed step of the active workers.
@@ -148,7 +148,24 @@ def status_view(events: list, live: dict | None, *, now: float, client: dict | N
         "slices": [{"slice": i, "worker": w} for i, w in enumerate(active)],
         "spares": spares,
         "workers": workers,
+        "pool": _pool(events),
     }
+
+
+def _pool(events: list) -> dict | None:
+    """A pool's run (docs/pool.md): the hosts it holds, and where it waits in the pool's queue (None: not
+    waiting); None for a run on its own workers."""
+    held, waiting, seen = set(), None, False
+    for e in events:
+        kind = e.get("kind")
+        if kind == "lease_granted":
+            held.add(e["worker"])
+            waiting, seen = None, True
+        elif kind == "lease_returned":
+            held.discard(e["worker"])
+        elif kind == "pool_waiting":
+            waiting, seen = e["status"], True
+    return {"hosts": len(held), "waiting": waiting} if seen else None
 
 
 def _secret(run_dir: pathlib.Path) -> str:
@@ -238,6 +255,10 @@ def render(view: dict):
     if view["recovery"]:
         r = view["recovery"]
         lines.append(Text(f"recovering for {r['since_seconds']:.1f} s from {r['error']}: {r['doing']}", style="yellow"))
+    if view.get("pool"):
+        p = view["pool"]
+        lines.append(Text(f"pool: {p['waiting']}" if p["waiting"] else f"pool: {p['hosts']} host(s) leased",
+                          style="yellow" if p["waiting"] else None))
     table = Table(box=None)
     for col in ("worker", "role", "host", "step", "phase", "lag", "last heard", "memory"):
         table.add_column(col)

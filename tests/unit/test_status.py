@@ -122,6 +122,21 @@ def test_the_view_from_the_log_alone_shows_every_slice_spare_and_the_committed_s
     json.dumps(view)   # --json prints it as it is
 
 
+def test_a_pool_run_shows_where_it_waits_in_the_queue_then_the_hosts_it_holds():
+    from rich.console import Console
+
+    waiting = [ev(0, "pool_waiting", status="queued for 0 s: 2 host(s) asked, 0 held (minimum 1); place 1 in the queue")]
+    view = status_view(waiting, None, now=ev(1, "x")["t"])
+    assert view["pool"] == {"hosts": 0, "waiting": waiting[0]["status"]}
+    console = Console(record=True, width=200)
+    console.print(render(view))
+    assert "pool: queued for 0 s" in console.export_text()
+    held = waiting + [ev(1, "lease_granted", worker=w, host=f"pool-{w}", lease=f"lease-{w}") for w in ("w0", "w1")]
+    held.append(ev(2, "lease_returned", worker="w1", why="preempted"))
+    assert status_view(held, None, now=ev(3, "x")["t"])["pool"] == {"hosts": 1, "waiting": None}
+    assert status_view(_log(), None, now=ev(10, "x")["t"])["pool"] is None   # a run on its own workers
+
+
 def test_the_live_view_has_each_workers_own_step_phase_lag_memory_and_last_heard():
     live = {"workers": {
         "w0": {"answered": True, "step": 6, "phase": "reduce", "seconds": 0.2, "rss_bytes": 3 << 20,
