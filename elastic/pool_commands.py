@@ -67,10 +67,21 @@ def _cmd_serve(args) -> int:
     from runtime import serve_pool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for flag, value in (("--local-hosts", args.local_hosts), ("--ray-hosts", args.ray_hosts)):
+        if value < 0:
+            print(f"elastic: error: {flag} must be 0 or more, got {value}", file=sys.stderr)
+            return 2
+    if args.devices < 1:
+        print(f"elastic: error: --devices must be 1 or more, got {args.devices}", file=sys.stderr)
+        return 2
     ready = lambda address: print(f"elastic pool: serving on {address} ({args.directory})", flush=True)
-    return serve_pool(os.path.abspath(args.directory), host=args.host, port=args.port, local_hosts=args.local_hosts,
-                      devices=args.devices, platform=args.platform, ready=ready, ray_hosts=args.ray_hosts,
-                      ray_address=args.ray_address)
+    try:
+        return serve_pool(os.path.abspath(args.directory), host=args.host, port=args.port,
+                          local_hosts=args.local_hosts, devices=args.devices, platform=args.platform, ready=ready,
+                          ray_hosts=args.ray_hosts, ray_address=args.ray_address)
+    except (OSError, ValueError) as e:   # the directory is another pool's, the port is taken, no token...
+        print(f"elastic: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _cmd_status(args) -> int:

@@ -185,7 +185,7 @@ class PoolLauncher:
             self._poll_once(timeout=min(timeout, 5.0))
         except grpc.RpcError as e:
             log.warning("could not tell the pool the run ended (%s): it reclaims the hosts after the grace",
-                        rpc.status_name(e))
+                        e.code().name)
 
     # -- polling ---------------------------------------------------------------
 
@@ -194,13 +194,13 @@ class PoolLauncher:
         try:
             self._poll_once(timeout=10.0)
         except grpc.RpcError as e:
-            code = rpc.status_of(e)
+            code = e.code()
             if code is grpc.StatusCode.UNAUTHENTICATED:
                 why = f"it refused this client's token (${TOKEN_ENV}: the pool's directory lists its tokens)"
             elif code is grpc.StatusCode.PERMISSION_DENIED:
                 why = f"it refused the run: {e.details()}"
             else:
-                why = f"it does not answer ({rpc.status_name(e)}): is `elastic pool serve` running there?"
+                why = f"it does not answer ({e.code().name}): is `elastic pool serve` running there?"
             raise ElasticError(f"elastic_pool={self.pool}: {why}") from None
 
     def poke(self) -> None:
@@ -215,11 +215,11 @@ class PoolLauncher:
                     log.info("the pool at %s answers again", self.pool)
                 self._unreachable = False
             except grpc.RpcError as e:
-                if rpc.status_of(e) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     self.status = f"refused by the pool at {self.pool}: {e.details()}"
                 elif not self._unreachable:
                     log.warning("the pool at %s does not answer (%s): training on with the workers held",
-                                self.pool, rpc.status_name(e))
+                                self.pool, e.code().name)
                 self._unreachable = True
             self._wake.wait(self.poll_seconds)
             self._wake.clear()

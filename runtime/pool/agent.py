@@ -38,12 +38,16 @@ from runtime.launch.launcher import LocalLauncher
 from runtime.state.snapshot import host_directory
 from runtime.wire import rpc
 
-__all__ = ["Agent", "POLL_SECONDS", "main"]
+__all__ = ["Agent", "POLL_SECONDS", "PoolRefusedError", "main"]
 
 log = logging.getLogger("jax_elastic.pool.agent")
 
 #: How often a host polls its pool.
 POLL_SECONDS = 0.2
+
+
+class PoolRefusedError(RuntimeError):
+    """The pool refused this host's secret."""
 
 
 class Agent:
@@ -88,10 +92,13 @@ class Agent:
         try:
             order = self.stub.Host(poll, timeout=5.0)
         except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.UNAUTHENTICATED and self.lease is None:
+                raise PoolRefusedError(f"the pool at {self.pool} refused this host's secret (the pool's directory "
+                                       "has it in 'secret'; give it in $ELASTIC_POOL_SECRET)") from None
             if self._unreachable_since is None:
                 self._unreachable_since = time.monotonic()
                 log.warning("the pool at %s does not answer (%s): serving on, polling again", self.pool,
-                            rpc.status_name(e))
+                            e.code().name)
             return
         if self._unreachable_since is not None:
             log.info("the pool answers again after %.1f s", time.monotonic() - self._unreachable_since)
@@ -174,7 +181,11 @@ def main(argv=None) -> int:
     host_id = args.host_id or socket.gethostname()
     directory = args.directory or os.path.join(os.path.expanduser("~"), ".cache", "jax-elastic", "pool", host_id)
     agent = Agent(args.pool, secret, host_id, args.devices or 1, directory, args.platform, listen=args.listen)
-    return agent.run()
+    try:
+        return agent.run()
+    except PoolRefusedError as e:
+        print(f"elastic: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

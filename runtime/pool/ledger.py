@@ -355,6 +355,10 @@ class Ledger:
         others = len(ahead) - len(own)
         names = own + ([f"{others} run(s) of other clients"] if others else [])
         why = f"behind {', '.join(names)}" if ahead else f"{free} of {len(self.hosts)} host(s) free"
+        if self.hosts and not any(_fits(h, run) for h in self.hosts.values()):
+            kinds = sorted({f"{h.devices} {h.platform}" for h in self.hosts.values()})
+            why += (f"; no host of the pool fits it: its slices need {run.devices} {run.platform or 'any'} "
+                    f"device(s), the pool's hosts have {', '.join(kinds)}")
         return (f"queued{waiting}: {len(run.wanted)} host(s) asked, {held} held (minimum {run.min_hosts}); "
                 f"place {queue.index(run) + 1} in the queue, {why}")
 

@@ -28,6 +28,7 @@ its hosts not running already.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ from runtime.core.events import EventLog, read_events
 from runtime.pool.ledger import HOST_SILENT_SECONDS, Ledger, status_json
 from runtime.wire import auth, rpc
 
-__all__ = ["PoolService", "SECRET_ENV", "TOKENS_ENV", "pool_credentials", "serve"]
+__all__ = ["PoolBusyError", "PoolService", "SECRET_ENV", "TOKENS_ENV", "pool_credentials", "serve"]
 
 log = logging.getLogger("jax_elastic.pool")
 
@@ -57,6 +58,8 @@ SECRET_ENV = "ELASTIC_POOL_SECRET"
 TOKENS_ENV = "ELASTIC_POOL_TOKENS"
 #: How often the pool decides without being called (timeouts).
 TICK_SECONDS = 0.25
+#: How long a stopped pool still answers, so that its hosts hear it close (and leave once free).
+DRAIN_SECONDS = 2.0
 
 #: The module that decides every event this service records (tests/unit/test_event_kinds.py reads its kinds).
 DECIDED_BY = "runtime.pool.ledger"
@@ -226,6 +229,26 @@ def _start_local_hosts(directory: str, address: str, count: int, devices: int, p
     return list(pids.values())
 
 
+class PoolBusyError(OSError):
+    """Another pool process serves this directory."""
+
+
+def _lock(directory: str) -> int:
+    """Locks the pool's directory for this process (``<dir>/.lock``, held until it exits); ``PoolBusyError`` when
+    another pool holds it: two pools writing one log would each lose the other's leases."""
+    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise PoolBusyError(f"another pool (process {holder or '?'}) serves {directory}: stop it first, or give "
+                            "this one a directory of its own") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
 def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts: int = 0, devices: int = 1,
           platform: str = "cpu", host_silent_seconds: float = HOST_SILENT_SECONDS, ready=None,
           stop_event: threading.Event | None = None, ray_hosts: int = 0, ray_address: str = "") -> int:
@@ -236,6 +259,7 @@ def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts
     once it serves. ``ray_hosts``: that many hosts as Ray actors on the cluster at ``ray_address``
     (:mod:`runtime.pool.ray_hosts`)."""
     os.makedirs(directory, exist_ok=True)
+    lock = _lock(directory)
     secret, tokens = pool_credentials(directory)
     where = os.path.join(directory, "pool.json")
     before = json.load(open(where)) if os.path.exists(where) else {}
@@ -275,11 +299,12 @@ def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts
     while not stop.wait(TICK_SECONDS):
         service.tick()
     service.stopping = True   # the agents hear it on their next poll and go once free
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + DRAIN_SECONDS
     while time.monotonic() < deadline:
         service.tick()
         time.sleep(TICK_SECONDS)
     events.emit("pool_stopped", reason="signal")
     server.stop(0)
     events.close()
+    os.close(lock)
     return 0

@@ -755,3 +755,12 @@ def test_a_give_back_no_run_waits_for_any_more_is_withdrawn():
     pool.run("high", 3.0, done=True)   # it gave up before low gave anything back
     assert pool.ledger.runs["low"].give_back == 0
     assert pool.log[-1]["kind"] == "pool_give_back" and pool.log[-1]["count"] == -1
+
+
+def test_a_run_no_host_of_the_pool_fits_is_told_so_in_its_status_line():
+    pool = Pool()
+    pool.host("h0", 0.0, devices=1)
+    pool.run("A", 1.0, devices=2, wanted=["w0"])
+    assert pool.held("A") == {}
+    line = pool.ledger.run_status("A", 2.0)
+    assert "no host of the pool fits it: its slices need 2 any device(s), the pool's hosts have 1 cpu" in line, line

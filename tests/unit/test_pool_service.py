@@ -11,13 +11,11 @@ it stood (from its log); and the secret and tokens it creates when the
 environment gives none, readable by their owner only.
 """
 
-import itertools
 import json
 import os
 import stat
 import threading
 import time
-import types
 
 import grpc
 import pytest
@@ -34,19 +32,10 @@ TOKENS = "alice=tok-a,bob=tok-b"
 
 @pytest.fixture(autouse=True)
 def fast_ticks(monkeypatch):
-    """The serve loop ticks every 0.05 s rather than 0.25 s, and its last ticks after a stop (2 s of them, for
-    agents to hear it) are cut to one: these tests stop pools often."""
+    """The serve loop ticks every 0.05 s rather than 0.25 s, and a stopped pool answers no longer (its 2 s drain is
+    for agents to hear it close): these tests stop pools often."""
     monkeypatch.setattr(service, "TICK_SECONDS", 0.05)
-
-    steps = itertools.count(step=1.5)   # each look at the clock 1.5 s on: the 2 s drain ends after one tick
-
-    class Time(types.ModuleType):   # the time module, but for its monotonic clock
-        monotonic = staticmethod(lambda: next(steps))
-
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-    monkeypatch.setattr(service, "time", Time("time"))
+    monkeypatch.setattr(service, "DRAIN_SECONDS", 0.0)
 
 
 @pytest.fixture
@@ -291,3 +280,9 @@ def test_a_pool_given_no_credentials_creates_its_secret_and_a_token_readable_by_
         served.stop()
     # served again, it keeps them
     assert service.pool_credentials(str(directory)) == (secret, {token: "default"})
+
+
+def test_a_second_pool_on_the_same_directory_is_refused_while_the_first_serves(pool):
+    with pytest.raises(service.PoolBusyError, match="another pool"):
+        service.serve(pool.directory, port=0, stop_event=threading.Event())
+    assert pool.status()["hosts"] == 0   # the first serves on, its log untouched
