@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import select
 
-__all__ = ["Owner", "set_title"]
+__all__ = ["Owner", "pid_alive", "set_title"]
 
 
 class Owner:
@@ -56,6 +56,25 @@ class Owner:
             except PermissionError:
                 pass
         return not self._gone
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs now (another user's counts; a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # another user's process
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[:1] == ["Z"]
+    except OSError:
+        return False
 
 
 def _start_time(pid: int) -> int | None:

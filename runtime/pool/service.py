@@ -45,6 +45,7 @@ from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.core.child_env import jax_child_env
 from runtime.core.events import EventLog, read_events
+from runtime.core.owner import pid_alive
 from runtime.pool.ledger import HOST_SILENT_SECONDS, Ledger, status_json
 from runtime.wire import auth, rpc
 
@@ -189,16 +190,6 @@ class PoolService(pb_grpc.PoolServicer):
             return pb.PoolStatusReply(json=status_json(self.ledger.status(self.clock(), view)))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _start_local_hosts(directory: str, address: str, count: int, devices: int, platform: str,
                        secret: str) -> list[int]:
     """Starts the local agents ``pool-0 .. pool-<count-1>`` not running already (by the pids in
@@ -208,7 +199,7 @@ def _start_local_hosts(directory: str, address: str, count: int, devices: int, p
     pids = {}
     for k in range(count):
         host = f"pool-{k}"
-        if host in known and _alive(known[host]):
+        if host in known and pid_alive(known[host]):
             pids[host] = known[host]
             continue
         home = os.path.join(directory, "hosts", host)

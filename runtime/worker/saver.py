@@ -30,6 +30,7 @@ import threading
 
 import numpy as np
 
+from runtime.core.owner import pid_alive
 from runtime.state.state_copy import state_digest
 
 __all__ = ["KINDS", "WARM_PREFIX", "CheckpointWriter", "Drained", "remove_dead_warm_ups"]
@@ -62,22 +63,12 @@ def remove_dead_warm_ups(root: str | None = None) -> list[str]:
         return removed
     for entry in entries:
         pid = entry.name[len(WARM_PREFIX):].partition("-")[0]
-        if not entry.name.startswith(WARM_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+        if not entry.name.startswith(WARM_PREFIX) or not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         if not os.path.exists(entry.path):
             removed.append(entry.path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True   # another user's process
-    return True
 
 
 @dataclasses.dataclass
