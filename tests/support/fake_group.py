@@ -275,10 +275,12 @@ class FakeGroup:
     def release_due(self):
         return self.give_back
 
-    def release(self, worker_id):
+    def release(self, worker_id):   # as the worker group does: the worker goes, and a worker is asked for again
         self.give_back = max(self.give_back - 1, 0)
         self.calls.append(("release", worker_id))
         self.forget(worker_id)
+        self.dead[worker_id] = "given back to the pool"   # (its process is gone: never probed again)
+        self.launch()
 
     def release_refused(self, count):
         self.give_back = max(self.give_back - count, 0)
@@ -460,6 +462,8 @@ class FakeGroup:
             raise StepAbortedError(plan.step, "its workers fenced themselves")
         if kind == "kill":
             self.crashed.add(target)
+        elif kind == "give_back":   # a shared pool asks for ``target`` workers back
+            self.give_back += target
         elif kind == "hang":
             self.hung.add(target)
         for w in plan.workers:

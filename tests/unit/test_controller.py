@@ -247,3 +247,33 @@ def test_replicas_that_disagree_on_a_step_loss_end_the_run_as_a_divergence(tmp_p
 
     err = _diverging(tmp_path, corrupt)
     assert err.step == 2 and err.message == "replicas disagree on the step loss"
+
+
+# -- a shared pool asks for workers back (runtime.launch.pool_launcher: give_back_due) --------------------------
+
+def test_a_run_asked_for_a_host_back_gives_its_spare_first_and_keeps_every_slice(tmp_path, fault_free):
+    result, events, group, _ = run(tmp_path, faults={3: ("give_back", 1)})
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
+    [asked] = kinds(events, "lease_preempted")
+    [released] = kinds(events, "released")
+    assert asked["workers"] == ["w2"] and released["active"] == ["w0", "w1"] and released["spares"] == []
+    assert ("release", "w2") in group.calls and not kinds(events, "recovery_decision")
+
+
+def test_a_run_without_a_spare_shrinks_at_a_step_boundary_and_grows_back_on_the_host_it_asks_for_again(
+        tmp_path, fault_free):
+    result, events, group, phases = run(tmp_path, spares=0, faults={2: ("give_back", 1)}, stepwise=True)
+    assert result.losses == fault_free.losses and result.final_state_digest == fault_free.final_state_digest
+    assert committed_steps(events) == list(range(8))   # at a boundary: no step recomputed
+    [released] = kinds(events, "released")
+    assert released["given"] == ["w1"] and released["active"] == ["w0"]
+    [grown] = kinds(events, "grown")
+    assert grown["promoted"] == ["w2"] and grown["active"] == ["w0", "w2"]
+    assert not kinds(events, "recovery_decision") and result.recoveries == 0
+
+
+def test_a_run_at_its_minimum_gives_nothing_back_and_says_so(tmp_path, fault_free):
+    result, events, group, _ = run(tmp_path, slices=1, spares=0, faults={2: ("give_back", 1)})
+    assert result.losses == fault_free.losses
+    [asked] = kinds(events, "lease_preempted")
+    assert asked["workers"] == [] and ("release_refused", 1) in group.calls and not kinds(events, "released")

@@ -170,3 +170,17 @@ def test_the_executor_chooses_nothing_its_calls_follow_from_the_plan_alone(tmp_p
         result = ctl.train(6, seed=0)
     assert result.losses == expected_losses(6)
     assert group.moves == [("copy", ("w0", "w2")[pick], "w3", 3)]
+
+
+def test_a_release_gives_live_spares_first_then_the_last_slices_down_to_the_minimum_and_a_pipeline_only_spares():
+    from runtime.control.placement import Placement
+    from runtime.control.plan import decide_release
+
+    p = Placement(3, ("w0", "w1", "w2"), ("w3", "w4"), 1)
+    assert decide_release(p, 1, 1) == (Placement(4, ("w0", "w1", "w2"), ("w3",), 1), ["w4"])
+    assert decide_release(p, 1, 1, dead=["w4"]) == (Placement(4, ("w0", "w1", "w2"), ("w4",), 1), ["w3"])
+    placement, given = decide_release(p, 4, 2)   # two spares, then one slice: the minimum is 2
+    assert given == ["w3", "w4", "w2"] and placement.active == ("w0", "w1") and placement.spares == ()
+    assert decide_release(Placement(1, ("w0",), (), 1), 1, 1) is None
+    piped = Placement(1, ("a0", "a1", "b0", "b1"), ("s0",), 2)   # a pipeline of 2 stages: whole replicas only
+    assert decide_release(piped, 2, 1) == (Placement(2, piped.active, (), 2), ["s0"])
