@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "pipeline_bubble": ("pipeline_bubble.py", [], ["--microbatches", "8", "--steps", "2"]),
     "pipeline_bubble_workers": ("pipeline_bubble.py", ["--workers"],
                                 ["--workers", "--microbatches", "8", "--steps", "2"]),
+    "pool_start": ("pool_start.py", [], ["--repeats", "1"]),
 }
 
 
