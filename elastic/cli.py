@@ -129,7 +129,9 @@ def _cmd_worker(args) -> int:
         from runtime import pool_host_main
 
         return pool_host_main(["--pool", args.pool, "--devices", str(args.devices or 1),
-                               *(["--host-id", args.host_id] if args.host_id else [])])
+                               *(["--host-id", args.host_id] if args.host_id else []),
+                               *(["--listen", args.host] if args.host != "127.0.0.1" else []),
+                               *(["--platform", args.platform] if args.platform else [])])
     if not (args.controller and args.run_id):
         return usage_error("elastic worker needs --controller and --run-id (or --pool)")
     tls = {flag: getattr(args, flag) or os.environ.get(env, "") for flag, env in _WORKER_TLS.items()}
@@ -191,6 +193,7 @@ def _add_builtins(sub) -> None:
                    help="serve a shared pool instead, one run's lease after another (the pool secret in "
                         "$ELASTIC_POOL_SECRET; docs/pool.md); --host-id names this host there")
     w.add_argument("--host-id", default="", help="with --pool: this host's name in the pool (default: the machine's)")
+    w.add_argument("--platform", default="", help="with --pool: this host's JAX platform (default: cpu)")
     w.add_argument("--worker-id", default="", help="default: this host's name and a random suffix; a slice of several "
                                                    "hosts is named by its host 0 (give the others none, or the same)")
     w.add_argument("--devices", type=_count, default=None, metavar="N",

@@ -106,6 +106,9 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
         if values["rl_samplers"]:
             return (f"config keys {at('elastic_pool')} and {at('rl_samplers')} contradict: RL runs on a pool are "
                     "not built (run it on its own workers)")
+        if values["elastic_tls_cert_file"]:
+            return (f"config keys {at('elastic_pool')} and {at('elastic_tls_cert_file')} contradict: a pool's hosts "
+                    "start workers without the run's TLS files (TLS on a pool is not built)")
     if values["elastic_launcher"] == "none":
         if not values["elastic_controller_address"].rpartition(":")[2].strip("0"):
             return (f"config keys {at('elastic_launcher')} and {at('elastic_controller_address')} "

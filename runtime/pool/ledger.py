@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from runtime.core.platforms import canonical_platform
+
 __all__ = ["HOST_SILENT_SECONDS", "Host", "Lease", "Ledger", "Run"]
 
 #: A host that has not polled for this long is lost.
@@ -350,7 +352,7 @@ class Ledger:
             return f"holds {held} host(s); {free} of {len(self.hosts)} free in the pool"
         queue = self.queue()
         ahead = [r for r in queue[:queue.index(run)]]
-        waiting = f" for {now - run.queued_since:.0f} s" if run.queued_since is not None else ""
+        waiting = f" for {max(now - run.queued_since, 0.0):.0f} s" if run.queued_since is not None else ""
         own = [f"{r.run_id} (priority {r.priority})" for r in ahead if r.tenant == run.tenant]
         others = len(ahead) - len(own)
         names = own + ([f"{others} run(s) of other clients"] if others else [])
@@ -397,8 +399,18 @@ class Ledger:
 
 
 def _fits(host: Host | None, run: Run) -> bool:
-    """A host a run's workers can use: its device count and platform."""
-    return host is not None and host.devices == run.devices and (not run.platform or host.platform == run.platform)
+    """A host a run's workers can use: its device count and platform (by ``jax.export``'s name: a ``gpu`` host serves a run
+    exported for ``cuda``)."""
+    return host is not None and host.devices == run.devices and \
+        (not run.platform or _family(host.platform) == _family(run.platform))
+
+
+def _family(platform: str) -> str:
+    """A platform by ``jax.export``'s name (``gpu`` is ``cuda``); an unknown name as it is."""
+    try:
+        return canonical_platform(platform)
+    except ValueError:
+        return platform
 
 
 def status_json(status: dict) -> str:

@@ -77,7 +77,7 @@ def start_ray_hosts(ray_address: str, pool_address: str, secret: str, pool_name:
             pass
         options = {"num_cpus": 1, "runtime_env": {"env_vars": env_vars}, "lifetime": "detached", "name": name,
                    "namespace": NAMESPACE}
-        if platform == "gpu":
+        if platform in ("gpu", "cuda", "rocm"):
             options["num_gpus"] = devices
         actor.options(**options).remote().run.remote(pool_address, host_id, devices, platform)
         log.info("started host %s as Ray actor %s", host_id, name)

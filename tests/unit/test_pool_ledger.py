@@ -764,3 +764,10 @@ def test_a_run_no_host_of_the_pool_fits_is_told_so_in_its_status_line():
     assert pool.held("A") == {}
     line = pool.ledger.run_status("A", 2.0)
     assert "no host of the pool fits it: its slices need 2 any device(s), the pool's hosts have 1 cpu" in line, line
+
+
+def test_a_gpu_host_serves_a_run_exported_for_cuda():
+    pool = Pool()
+    pool.host("h0", 0.0, platform="gpu")
+    pool.run("A", 1.0, platform="cuda", wanted=["w0"])
+    assert pool.held("A") == {"w0": "h0"}
