@@ -48,7 +48,11 @@ def render(status: dict, now: float | None = None) -> list[str]:
     lines = [f"pool: {status['hosts']} host(s), {status['free']} free ({status['free_devices']} device(s))"]
     for w in status.get("workers", []):
         lease = f" -> run {w['run']} as {w['worker']} ({w['lease']})" if w.get("run") else ""
-        lines.append(f"  host {w['host']:<12} {w['devices']} {w['platform']} device(s)  {w['state']}{lease}")
+        heard = "" if w.get("heard_seconds") is None or w["heard_seconds"] < 2 else \
+            f" (not heard for {w['heard_seconds']:.0f} s)"
+        if w.get("heard_seconds", 0) is None:
+            heard = " (not heard since the pool started)"
+        lines.append(f"  host {w['host']:<12} {w['devices']} {w['platform']} device(s)  {w['state']}{lease}{heard}")
     for r in status["runs"]:
         wait = (f", waiting {now - r['waiting_since']:.0f} s" if r.get("waiting_since") else "")
         lines.append(f"  run {r['run']} ({r['name'] or 'unnamed'}): priority {r['priority']}, holds "

@@ -50,7 +50,8 @@ class Host:
     address: str = ""
     pid: int = 0
     lease: str = ""          # the lease it serves or wipes ("": free)
-    seen: float = 0.0
+    seen: float = 0.0        # for its timeout (a restarted pool counts from its start)
+    heard: float | None = None   # when it last polled this pool process (None: not yet)
 
 
 @dataclasses.dataclass
@@ -270,7 +271,7 @@ class Ledger:
 
     def host_heard(self, host_id: str, now: float) -> None:
         if host_id in self.hosts:
-            self.hosts[host_id].seen = now
+            self.hosts[host_id].seen = self.hosts[host_id].heard = now
 
     def schedule(self, now: float) -> list[dict]:
         """Timeouts, grants and give-backs, decided from the state as it stands (see the module's contract).
@@ -381,6 +382,7 @@ class Ledger:
         if tenant is None:
             out["workers"] = [{"host": h.host_id, "devices": h.devices, "platform": h.platform,
                                "address": h.address, "state": self._host_state(h),
+                               "heard_seconds": None if h.heard is None else round(max(now - h.heard, 0.0), 3),
                                **self._lease_of(h)} for h in sorted(self.hosts.values(), key=lambda h: h.host_id)]
             out["leases"] = sorted(({"lease": x.lease_id, "run": x.run_id, "worker": x.worker_id, "host": x.host_id,
                                      "state": x.state} for x in self.leases.values()), key=lambda x: x["lease"])

@@ -72,6 +72,7 @@ def start_ray_hosts(ray_address: str, pool_address: str, secret: str, pool_name:
         hosts.append(host_id)
         try:
             ray.get_actor(name, namespace=NAMESPACE)
+            log.info("host %s: Ray actor %s is running already", host_id, name)
             continue   # alive: a restarted pool finds its hosts serving
         except ValueError:
             pass

@@ -249,6 +249,10 @@ def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts
     given), its secret and tokens, and its log. ``ready(address)`` is called
     once it serves. ``ray_hosts``: that many hosts as Ray actors on the cluster at ``ray_address``
     (:mod:`runtime.pool.ray_hosts`)."""
+    stop = stop_event or threading.Event()
+    if stop_event is None:   # before anything else (Ray's start, below, must not leave a signal to kill it)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     os.makedirs(directory, exist_ok=True)
     lock = _lock(directory)
     secret, tokens = pool_credentials(directory)
@@ -280,8 +284,7 @@ def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts
 
         start_ray_hosts(ray_address, address, secret, os.path.basename(directory.rstrip("/")), ray_hosts, devices,
                         platform)
-    stop = stop_event or threading.Event()
-    if stop_event is None:
+    if stop_event is None and ray_hosts:   # Ray's start may have put handlers of its own: ours again
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     if ready is not None:

@@ -335,8 +335,8 @@ def test_a_pools_hosts_as_ray_actors_serve_a_run_and_outlive_the_pool(ray_cluste
             record = pool_dir / "pool.json"
             if record.exists() and json.loads(record.read_text())["pid"] == pid:
                 status = pool_status(json.loads(record.read_text())["address"], (pool_dir / "secret").read_text())
-                if status["hosts"] == 2:
-                    return status
+                if [w["heard_seconds"] is not None for w in status["workers"]] == [True, True]:
+                    return status   # both hosts polled this pool process
             time.sleep(0.5)
         raise AssertionError(f"the pool's Ray hosts did not join: {(tmp_path / 'pool.log').read_text()[-3000:]}")
 
@@ -356,6 +356,19 @@ def test_a_pools_hosts_as_ray_actors_serve_a_run_and_outlive_the_pool(ray_cluste
     finally:
         pool.terminate()   # the hosts hear it close and leave: their actors end
         pool.wait(30)
+    deadline = time.monotonic() + 60
+    while _pool_actors(port) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _pool_actors(port), "the pool's Ray hosts outlived the pool's close"
+
+
+def _pool_actors(port: int) -> list[str]:
+    """The names of the pool host actors (``jax-elastic-pool-*``) the control store holds as not dead."""
+    with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+        reply = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(channel).GetAllActorInfo(
+            gcs_service_pb2.GetAllActorInfoRequest(), timeout=5)
+    return [a.name for a in reply.actor_table_data if a.ray_namespace == "jax-elastic"
+            and a.name.startswith("jax-elastic-pool-") and a.state != gcs_pb2.ActorTableData.DEAD]
 
 
 STEPS = 120

@@ -626,6 +626,8 @@ def _standing(ledger: Ledger, now: float) -> dict:
     status = ledger.status(now)
     for r in status["runs"]:
         del r["status"], r["wanted"]
+    for w in status["workers"]:
+        del w["heard_seconds"]   # when it last polled this pool process: a restarted one has not heard it yet
     del status["queue"]
     return status
 
@@ -695,7 +697,7 @@ def test_a_tenant_s_status_shows_its_runs_and_the_free_capacity_only():
     assert [r["tenant"] for r in everything["runs"]] == ["alice", "bob", "bob"]
     assert [w["host"] for w in everything["workers"]] == ["big", "h0", "h1", "h2"]
     assert everything["workers"][0] == {"host": "big", "devices": 4, "platform": "cpu", "address": "big.local",
-                                        "state": "free"}
+                                        "state": "free", "heard_seconds": 2.0}
     assert everything["refused"] == {}
 
 
