@@ -75,14 +75,15 @@ class _Stream:
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], StepFuture] = {}
         self._closed = False
+        self._error: grpc.RpcError | None = None   # how it ended, when it ended with an error
         self._forget = forget
 
     def send(self, request: pb.StepRequest, step_seconds: float) -> StepFuture:
         now = time.monotonic()
         fut = StepFuture((request.fence.epoch, request.step), now, now + step_seconds, self._cancelled)
         with self._lock:
-            if self._closed:
-                fut._settle(error=StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream is closed"))
+            if self._closed:   # a request that came after the stream ended fails as the stream did (refused...)
+                fut._settle(error=self._error or StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream is closed"))
                 return fut
             self._pending[fut.key] = fut
         self._write(request)
@@ -144,7 +145,7 @@ class _Stream:
     def _ended(self, error: grpc.RpcError | None) -> None:
         """The stream ended (``error``: how, None when the worker ended it); the steps it left fail."""
         with self._lock:
-            self._closed = True
+            self._closed, self._error = True, error
             left, self._pending = list(self._pending.values()), {}
         for f in left:   # the worker went away (or the stream was cancelled): as the calls would have ended
             f._settle(error=error or StatusError(grpc.StatusCode.UNAVAILABLE, "the step stream ended"))

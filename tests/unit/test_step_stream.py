@@ -206,3 +206,21 @@ def test_a_worker_that_stops_reading_fails_its_stream_instead_of_blocking_the_co
         stop.set()
         streams.close()
         server.close()
+
+
+def test_a_step_sent_after_its_stream_was_refused_fails_as_the_stream_did_not_as_closed():
+    """The data-plane stream's reader may meet the refusal (its handshake) before the first request is written:
+    that request fails UNAUTHENTICATED, as one written before would, never with UNAVAILABLE "closed" (seen under
+    load in the suite)."""
+    from runtime.control.step_stream import _SocketStream
+    from runtime.wire.dataplane_client import RemoteError
+
+    def dial():
+        raise RemoteError("UNAUTHENTICATED", "wrong run secret")
+
+    ended = threading.Event()
+    stream = _SocketStream(dial, lambda s: ended.set(), None, 5.0)
+    assert ended.wait(10)   # the reader met the refusal before anything was sent
+    with pytest.raises(grpc.RpcError) as err:
+        stream.send(request(0), 30).result(10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
