@@ -186,7 +186,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("pool_host_lost", "a host was removed from the pool", {"host": TEXT, "reason": TEXT}),
     EventKind("pool_run_joined", "a run's client asked the pool for hosts (again, when its terms changed)",
               {"run": TEXT, "tenant": TEXT, "priority": NUMBER, "min_hosts": COUNT, "devices": COUNT},
-              {"platform": TEXT, "name": TEXT}),
+              {"platform": TEXT, "name": TEXT, "grace": NUMBER}),
     EventKind("pool_run_queued", "a run waits for its minimum of hosts", {"run": TEXT, "hosts": COUNT, "free": COUNT}),
     EventKind("pool_run_ended", "a run left the pool: it finished, or its client was silent past its grace",
               {"run": TEXT, "reason": TEXT}),

@@ -87,7 +87,7 @@ class PoolLauncher:
         if not token:
             raise ElasticError(f"elastic_pool={pool}: set the pool's client token in ${TOKEN_ENV}")
         self.pool, self.run_id, self.events = pool, run_id, events
-        self.stub = pb_grpc.PoolStub(rpc.channel(pool, token))
+        self.stub = pb_grpc.PoolStub(rpc.channel(pool, token, options=rpc.RECONNECT_SOON))
         self.request = dict(run_id=run_id, priority=priority, min_hosts=min_hosts, devices=devices,
                             controller=controller_address, run_secret=secret, snapshot_directory=snapshot_directory,
                             chaos=chaos, platform=platform, grace_seconds=grace_seconds, run_name=run_name,

@@ -58,7 +58,7 @@ class Agent:
         self.pool, self.host_id, self.devices, self.platform = pool, host_id, devices, platform
         self.directory, self.address = directory, address or socket.gethostname()
         self.listen = listen   # the address its workers listen on ("": loopback, a pool of one machine)
-        self.stub = pb_grpc.PoolStub(rpc.channel(pool, secret))
+        self.stub = pb_grpc.PoolStub(rpc.channel(pool, secret, options=rpc.RECONNECT_SOON))
         self.lease: pb.PoolLease | None = None
         self.launcher: LocalLauncher | None = None
         self.ended: list[pb.HostEnded] = []   # reported on the next poll answered

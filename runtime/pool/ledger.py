@@ -127,7 +127,8 @@ class Ledger:
                       e.get("name", ""), old.asked if old else t, t)
             if old is not None:
                 run.started, run.give_back, run.queued_since = old.started, old.give_back, old.queued_since
-                run.order, run.wanted, run.grace = old.order, old.wanted, old.grace
+                run.order, run.wanted = old.order, old.wanted
+            run.grace = e.get("grace", Run.grace)   # (a restarted pool keeps waiting for a silent client this long)
             self.runs[e["run"]] = run
         elif kind == "pool_run_queued":
             if e["run"] in self.runs:
@@ -239,11 +240,11 @@ class Ledger:
         """A client's poll: it joins (or joins again), returns what it gives back, asks for what it wants."""
         events = []
         run = self.runs.get(poll.run_id)
+        grace = poll.grace_seconds or (run.grace if run is not None else Run.grace)
         fields = dict(run=poll.run_id, tenant=tenant, priority=poll.priority, min_hosts=max(poll.min_hosts, 1),
-                      devices=poll.devices, platform=poll.platform, name=poll.run_name)
-        if run is None or any(getattr(run, k) != fields[f] for k, f in
-                              (("tenant", "tenant"), ("priority", "priority"), ("min_hosts", "min_hosts"),
-                               ("devices", "devices"))):
+                      devices=poll.devices, platform=poll.platform, name=poll.run_name, grace=grace)
+        if run is None or any(getattr(run, k) != fields[k] for k in
+                              ("tenant", "priority", "min_hosts", "devices", "grace")):
             events.append(dict(kind="pool_run_joined", **fields))
         mine = {x.worker_id: x for x in self.leases.values() if x.run_id == poll.run_id}
         gone = set(poll.returned) | (set(mine) if poll.done else set())
@@ -260,7 +261,7 @@ class Ledger:
         run = self.runs.get(poll.run_id)
         if run is None:
             return
-        run.seen, run.grace = now, poll.grace_seconds or run.grace
+        run.seen = now
         run.order = dict(controller=poll.controller, secret=poll.run_secret, snapshot=poll.snapshot_directory,
                          chaos=poll.chaos, platform=poll.platform, cache=poll.compilation_cache_dir)
         mine = {x.worker_id for x in self.leases.values() if x.run_id == poll.run_id}

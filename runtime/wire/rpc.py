@@ -49,6 +49,11 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 
+#: A channel to a peer that may restart on the same address (a shared pool) tries again within 2 s, however long
+#: it was away (gRPC's own backoff grows to 2 minutes).
+RECONNECT_SOON = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
+                  ("grpc.max_reconnect_backoff_ms", 2000))
+
 _KIND_KEY = "elastic-error"   # trailing metadata naming an error's kind finer than its status code
 
 _CODES = {
@@ -149,12 +154,14 @@ class _Handled(grpc.ServerInterceptor):
         return make(behavior, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
-def channel(address: str, secret: str = "", tls: auth.TlsFiles | None = None) -> grpc.Channel:
-    """A channel to ``address`` that attaches the run secret to every call (over mutual TLS with ``tls``)."""
+def channel(address: str, secret: str = "", tls: auth.TlsFiles | None = None, options=()) -> grpc.Channel:
+    """A channel to ``address`` that attaches the run secret to every call (over mutual TLS with ``tls``);
+    ``options``: more of gRPC's channel options (``RECONNECT_SOON``)."""
+    every = CHANNEL_OPTIONS + list(options)
     if tls is not None:
-        ch = grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        ch = grpc.secure_channel(address, tls.channel_credentials(), options=every)
     else:
-        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        ch = grpc.insecure_channel(address, options=every)
     return auth.secure_channel(ch, secret) if secret else ch
 
 

@@ -223,9 +223,9 @@ def test_the_queue_is_served_by_priority_then_by_first_ask():
     pool.run("Z", 3.0, priority=3, wanted=["z0"])
     assert [r.run_id for r in pool.ledger.queue()] == ["Z", "X", "Y"]
     assert pool.ledger.status(3.0)["queue"] == ["Z", "X", "Y"]
-    # X joins again with other terms: it keeps its place among its equals
+    # X joins again with other terms (its grace, which the log keeps): it keeps its place among its equals
     events = pool.run("X", 4.0, priority=0, min_hosts=1, devices=1, wanted=["x0"], grace=60.0)
-    assert events == []
+    assert [(e["kind"], e["grace"]) for e in events] == [("pool_run_joined", 60.0)]
     pool.run("Y", 5.0, priority=0, wanted=["y0"], name="y renamed")
     assert [r.run_id for r in pool.ledger.queue()] == ["Z", "X", "Y"]
     assert pool.ledger.runs["X"].asked == 1.0
@@ -773,3 +773,17 @@ def test_a_gpu_host_serves_a_run_exported_for_cuda():
     pool.host("h0", 0.0, platform="gpu")
     pool.run("A", 1.0, platform="cuda", wanted=["w0"])
     assert pool.held("A") == {"w0": "h0"}
+
+
+def test_a_restarted_pool_keeps_each_clients_grace_and_reclaims_a_client_silent_since_before_it_restarted():
+    """The grace is in the log: a client that died while the pool was down (so never polled the new one) is gone
+    after its own grace, not after the default 120 s."""
+    pool = Pool()
+    pool.host("h0", 0.0)
+    pool.run("A", 1.0, wanted=["w0"], grace=3.0)
+    replayed = Ledger.replay(pool.log, now=10.0)
+    assert replayed.runs["A"].grace == 3.0
+    replayed.host_heard("h0", 13.5)
+    events = replayed.schedule(13.5)
+    assert [e["kind"] for e in events] == ["pool_lease_reclaimed", "pool_run_ended"]
+    assert events[0]["why"] == "client gone"
