@@ -134,7 +134,7 @@ def _committing(tmp_path, name: str, steps: int = 1):
 def test_a_pool_serves_two_runs_at_once_queues_a_third_survives_its_own_restart_and_wipes_a_dead_clients_hosts(
         tmp_path, pools):
     pool = pools("pool", 6)
-    a_keys, c_keys = ("steps=120", "seed=1", "elastic_spares=1"), ("steps=60", "seed=3", "elastic_min_slice_count=2")
+    a_keys, c_keys = ("steps=300", "seed=1", "elastic_spares=1"), ("steps=60", "seed=3", "elastic_min_slice_count=2")
     a = _run(tmp_path, pool, "a", *a_keys)
     b = _run(tmp_path, pool, "b", "steps=5000", "seed=2", "elastic_spares=1", "elastic_snapshot_interval=4",
              "elastic_client_grace_seconds=3")
