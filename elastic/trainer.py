@@ -34,6 +34,7 @@ from elastic.preflight import (RunDirectory, check_checkpoint_directory, check_c
                                claim_run_directory)
 from elastic.report import build_report
 from elastic.run_records import RunRecordsLostError
+from elastic.shipping import ship
 from runtime import (AttachRefusedError, ClientSupersededError, Controller, ElasticError, ProgramExportError,
                      ProgramSet,
                      enable_compilation_cache, local_platform, peak_rss_bytes, prestart_workers, program_platforms,
@@ -263,7 +264,8 @@ class _Job:
                 self._fit_reference(programs, events, on_step)
             else:
                 events.subscribe(reattach.announce)
-                with Controller(programs, cloudpickle.dumps(self.shipped_data()), opts, events, reattach=again,
+                shipped = ship(self.shipped_data(), by_value=opts.launcher != "local")   # a pool's hosts: not ours
+                with Controller(programs, shipped, opts, events, reattach=again,
                                 observer=observer, ownership=reattach.Ownership(run_dir, claim, events, opts),
                                 samplers=self.sampler_programs()) as ctl:
                     reattach.record_client(run_dir, ctl, opts)   # before any worker hears of this client
