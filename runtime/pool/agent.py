@@ -4,7 +4,8 @@ Contract: an :class:`Agent` polls its pool (with the pool secret) every
 ``POLL_SECONDS``. Told to serve a lease, it starts that run's worker process as
 the run's own launcher would (:class:`runtime.launch.launcher.LocalLauncher`:
 forked from a zygote this agent keeps warm across leases, the run's secret in
-its environment, its log and compiled programs under the lease's directory),
+its environment, its log under the lease's directory, its compiled programs in
+the run's own compilation cache if it names one, listening on ``listen``),
 named for this host so the run's snapshots land in this host's directory.
 The worker then joins the run's controller like any other: nothing of the run
 goes through the agent or the pool.
@@ -13,7 +14,9 @@ A lease ends when its worker exits (the run ended, sent it home, or it died)
 or the pool reclaims it (the run gave it back, was preempted, or its client
 is gone): the worker is killed if still running, and the lease is wiped: its
 directory, and this host's snapshots of the run, removed. What could not be
-removed is reported (``leftovers``), and such a host leaves the pool. The end
+removed is reported (``leftovers``), and such a host leaves the pool (its agent
+exits). The run's checkpoints and compilation cache are the run's own, not the
+host's, and are left alone. The end
 is reported on the next poll that is answered: an agent whose pool is away
 keeps its worker serving and keeps polling (a restarted pool finds it again).
 """
