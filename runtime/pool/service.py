@@ -143,9 +143,11 @@ class PoolService(pb_grpc.PoolServicer):
     def Host(self, request, context):
         now = self.clock()
         with self.lock:
-            self._record(self.ledger.host_polled(request, now))
+            events = self.ledger.host_polled(request, now)
+            self._record(events)
             self.ledger.host_heard(request.host_id, now)
-            self._decide(now)
+            if events:   # a poll that changed nothing decides nothing (the tick handles time): O(1) at any size
+                self._decide(now)
             lease, reclaim = self.ledger.host_orders(request.host_id)
             order = pb.HostOrder(reclaim=reclaim, stop=self.stopping)
             run = self.ledger.runs.get(lease.run_id) if lease is not None else None
