@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "pipeline_bubble_workers": ("pipeline_bubble.py", ["--workers"],
                                 ["--workers", "--microbatches", "8", "--steps", "2"]),
     "pool_start": ("pool_start.py", [], ["--repeats", "1"]),
+    "pool_scale": ("pool_scale.py", [], ["--hosts", "100,1000"]),
 }
 
 

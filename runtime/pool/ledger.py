@@ -92,6 +92,7 @@ class Ledger:
         self.hosts: dict[str, Host] = {}
         self.runs: dict[str, Run] = {}
         self.leases: dict[str, Lease] = {}
+        self._of_run: dict[str, dict[str, Lease]] = {}   # run -> worker -> its lease (an index of ``leases``)
         self.refused: dict[str, int] = {}   # why -> calls refused
         self.lease_seq = 0
         self.host_silent_seconds = host_silent_seconds
@@ -137,7 +138,8 @@ class Ledger:
             self.runs.pop(e["run"], None)
         elif kind == "pool_lease_granted":
             self.lease_seq = max(self.lease_seq, int(e["lease"].rsplit("-", 1)[-1]) + 1)
-            self.leases[e["lease"]] = Lease(e["lease"], e["run"], e["worker"], e["host"], t)
+            lease = self.leases[e["lease"]] = Lease(e["lease"], e["run"], e["worker"], e["host"], t)
+            self._of_run.setdefault(e["run"], {})[e["worker"]] = lease
             if e["host"] in self.hosts:
                 self.hosts[e["host"]].lease = e["lease"]
             run = self.runs.get(e["run"])
@@ -158,6 +160,11 @@ class Ledger:
         elif kind == "pool_lease_ended":
             lease = self.leases.pop(e["lease"], None)
             if lease is not None:
+                mine = self._of_run.get(lease.run_id, {})
+                if mine.get(lease.worker_id) is lease:
+                    del mine[lease.worker_id]
+                    if not mine:
+                        del self._of_run[lease.run_id]
                 host = self.hosts.get(lease.host_id)
                 if host is not None and host.lease == lease.lease_id:
                     host.lease = ""
@@ -176,7 +183,7 @@ class Ledger:
 
     def held(self, run_id: str) -> list[Lease]:
         """The leases a run holds (granted or serving; not those being reclaimed)."""
-        return [x for x in self.leases.values() if x.run_id == run_id and x.state != "reclaimed"]
+        return [x for x in self._of_run.get(run_id, {}).values() if x.state != "reclaimed"]
 
     def free_hosts(self) -> list[Host]:
         return sorted((h for h in self.hosts.values() if not h.lease and h.host_id not in self.stale),
@@ -246,7 +253,7 @@ class Ledger:
         if run is None or any(getattr(run, k) != fields[k] for k in
                               ("tenant", "priority", "min_hosts", "devices", "grace")):
             events.append(dict(kind="pool_run_joined", **fields))
-        mine = {x.worker_id: x for x in self.leases.values() if x.run_id == poll.run_id}
+        mine = self._of_run.get(poll.run_id, {})
         gone = set(poll.returned) | (set(mine) if poll.done else set())
         for w in sorted(gone):
             if w in mine and mine[w].state != "reclaimed":
@@ -256,19 +263,22 @@ class Ledger:
             events.append(dict(kind="pool_run_ended", run=poll.run_id, reason="finished"))
         return events
 
-    def take_order(self, poll, now: float) -> None:
-        """What the client's poll says that is not an event: its address and secret, its requests, when heard."""
+    def take_order(self, poll, now: float) -> bool:
+        """What the client's poll says that is not an event: its address and secret, its requests, when heard.
+        Answers whether that changes what may be decided (its requests, or its address first known)."""
         run = self.runs.get(poll.run_id)
         if run is None:
-            return
+            return False
+        before = (run.wanted, bool(run.order))
         run.seen = now
         run.order = dict(controller=poll.controller, secret=poll.run_secret, snapshot=poll.snapshot_directory,
                          chaos=poll.chaos, platform=poll.platform, cache=poll.compilation_cache_dir)
-        mine = {x.worker_id for x in self.leases.values() if x.run_id == poll.run_id}
+        mine = self._of_run.get(poll.run_id, {})
         run.wanted = tuple(w for w in poll.wanted if w not in mine and w not in run.ended_workers)
         named = set(poll.held) | set(poll.wanted)
         for w in [w for w in run.ended_workers if w not in named]:   # the client knows: it names it no more
             del run.ended_workers[w]
+        return (run.wanted, True) != before
 
     def host_heard(self, host_id: str, now: float) -> None:
         if host_id in self.hosts:

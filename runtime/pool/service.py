@@ -170,9 +170,10 @@ class PoolService(pb_grpc.PoolServicer):
             if run is not None and run.tenant != tenant:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"run {request.run_id!r} is another client's")
-            self._record(self.ledger.run_polled(request, tenant, now))
-            self.ledger.take_order(request, now)
-            self._decide(now)
+            events = self.ledger.run_polled(request, tenant, now)
+            self._record(events)
+            if self.ledger.take_order(request, now) or events:   # (as a host's: a poll that changed nothing...)
+                self._decide(now)
             run = self.ledger.runs.get(request.run_id)
             if run is None:   # it ended
                 return pb.RunOrders(status="ended")
