@@ -29,8 +29,10 @@ PUBLIC_USERS = ("elastic", "chaos", "integrations", "benchmarks", "scripts")
 # Benchmarks of one runtime module in isolation, exempt like tests: the health monitor and the
 # registry against thousands of simulated workers; the state digest and a state's assembly from its
 # chunks against memcpy (runtime.state.state_copy); the GPU check reads its runs' final checkpoints
-# with the runtime's own reader (runtime.state.checkpoint.CheckpointStore).
-MEASURES_INTERNALS = ("benchmarks/control_plane_scale.py", "benchmarks/digest.py", "scripts/gpu_check.py")
+# with the runtime's own reader (runtime.state.checkpoint.CheckpointStore); the shared pool's service and ledger
+# against thousands of hosts' polls.
+MEASURES_INTERNALS = ("benchmarks/control_plane_scale.py", "benchmarks/digest.py", "benchmarks/pool_scale.py",
+                      "scripts/gpu_check.py")
 
 
 def package_of(path: pathlib.Path) -> str:
