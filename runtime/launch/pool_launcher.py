@@ -218,8 +218,10 @@ class PoolLauncher:
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     self.status = f"refused by the pool at {self.pool}: {e.details()}"
                 elif not self._unreachable:
-                    log.warning("the pool at %s does not answer (%s): training on with the workers held",
-                                self.pool, e.code().name)
+                    held = sum(1 for p in self.procs.values() if p.code is None)
+                    log.warning("the pool at %s does not answer (%s): %s", self.pool, e.code().name,
+                                f"training on with the {held} worker(s) held" if held else
+                                "waiting for it to come back (the run's place in its queue is kept)")
                 self._unreachable = True
             self._wake.wait(self.poll_seconds)
             self._wake.clear()
