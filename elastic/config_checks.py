@@ -103,9 +103,10 @@ def config_problem(values: Mapping[str, Any], sources: Mapping[str, str],
         if values["elastic_hosts_per_slice"] > 1:
             return (f"config keys {at('elastic_pool')} and {at('elastic_hosts_per_slice')} contradict: a pool "
                     "leases slices of one host (slices of several hosts from a pool are not built)")
-        if values["rl_samplers"]:
-            return (f"config keys {at('elastic_pool')} and {at('rl_samplers')} contradict: RL runs on a pool are "
-                    "not built (run it on its own workers)")
+        if values["rl_samplers"] and values["rl_sampler_devices"] != values["ici_fsdp_parallelism"]:
+            return (f"config keys {at('elastic_pool')} and {at('rl_sampler_devices')} contradict: a pool's hosts "
+                    f"have one device count, and an RL run's samplers ({values['rl_sampler_devices']} devices) "
+                    f"lease hosts like its trainers ({values['ici_fsdp_parallelism']}): make them equal")
         if values["elastic_tls_cert_file"]:
             return (f"config keys {at('elastic_pool')} and {at('elastic_tls_cert_file')} contradict: a pool's hosts "
                     "start workers without the run's TLS files (TLS on a pool is not built)")

@@ -227,3 +227,14 @@ def test_a_run_of_a_higher_priority_takes_hosts_from_a_lower_one_which_shrinks_a
     assert grown and len(grown[-1]["active"]) == 4, "low did not grow back once high had finished"
     assert report_low["steps_lost"] == 0 and not report_low["failures"]
     assert report_low["final_state_digest"] == references["low"]
+
+
+def test_an_rl_runs_samplers_lease_hosts_too_and_a_lost_one_is_relaunched_on_the_pool(tmp_path, pools, monkeypatch):
+    pool = pools("pool", 5)
+    monkeypatch.setenv("ELASTIC_POOL_TOKEN", pool.token)
+    _, report = run_cli(["chaos", "rl_tiny", f"elastic_pool={pool.address}", "steps=12",
+                         "--faults", "kill:role=sampler@step=5"], tmp_path)
+    assert report["verdict"] == "pass", report["verdict_reasons"]
+    leased = {x["worker"] for x in report["pool"]["leases"]}
+    assert {"w0", "w1", "s2", "s3"} <= leased and len(leased) == 5, leased   # the lost sampler's successor too
+    assert report["rl"]["samplers_lost"] and report["steps_lost"] == 0

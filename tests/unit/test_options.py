@@ -306,6 +306,7 @@ def test_a_run_on_a_shared_pool_leases_its_workers_there_and_needs_the_pools_cli
     with pytest.raises(ConfigError, match="ELASTIC_POOL_TOKEN"):
         controller_options(cfg, "run")
     for bad, why in ((dict(elastic_launcher="ray"), "elastic_launcher"), (dict(elastic_hosts_per_slice=2), "one host"),
-                     (dict(elastic_pool="nowhere"), "elastic_pool")):
+                     (dict(elastic_pool="nowhere"), "elastic_pool"),
+                     (dict(rl_samplers=2, rl_sampler_devices=2, ici_fsdp_parallelism=1), "rl_sampler_devices")):
         with pytest.raises(ConfigError, match=why):
             base.replace(elastic_pool="127.0.0.1:7000", **bad) if "elastic_pool" not in bad else base.replace(**bad)
