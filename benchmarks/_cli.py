@@ -35,3 +35,19 @@ def run_elastic(base: pathlib.Path, name: str, args: list[str], timeout: float =
         raise SystemExit(f"elastic {' '.join(args)} failed ({proc.returncode}): {why}")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return report, events
+
+
+def new_events(path: pathlib.Path, offset: int) -> tuple[list[dict], int]:
+    """The complete events a running run appended to its log ``path`` since byte ``offset``, and the offset after
+    them ([] and ``offset`` while the log does not exist or has no new whole line)."""
+    if not path.exists():
+        return [], offset
+    events = []
+    with open(path) as f:
+        f.seek(offset)
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            offset += len(line.encode())
+            events.append(json.loads(line))
+    return events, offset

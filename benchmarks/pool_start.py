@@ -54,7 +54,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _cli import ROOT, new_events
+
 TICK = os.sysconf("SC_CLK_TCK")
 RUN = ["run", "tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1", "steps=5"]
 HOSTS = 2                     # the run's workers: dcn_data_parallelism=2, no spares
@@ -261,16 +262,10 @@ def one_run(base: pathlib.Path, name: str, cache: pathlib.Path, pool: Pool | Non
         if pid:
             break
         cpu = own_cpu(proc.pid)
-        if first_cpu is None and path.exists():
-            with open(path) as f:
-                f.seek(offset)
-                for line in f:
-                    if not line.endswith("\n"):
-                        break
-                    offset += len(line.encode())
-                    if json.loads(line)["kind"] == "step_committed":
-                        first_cpu = cpu
-                        break
+        if first_cpu is None:
+            events, offset = new_events(path, offset)
+            if any(e["kind"] == "step_committed" for e in events):
+                first_cpu = cpu
         if time.monotonic() > deadline:
             events = read_events(path)
             kill([proc.pid], group=True)

@@ -43,6 +43,8 @@ import time
 
 import numpy as np
 
+from _cli import new_events
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 MODEL = ["base_emb_dim=64", "rl_max_new_tokens=8", "max_target_length=12"]
@@ -154,23 +156,16 @@ def run_rl(base: pathlib.Path, name: str, args: list[str], warmup: int, steps: i
     start_at, end_at = warmup, steps - 2
     while proc.poll() is None:
         time.sleep(0.02)
-        if not path.exists():
-            continue
-        with open(path) as f:
-            f.seek(offset)
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                offset += len(line.encode())
-                e = json.loads(line)
-                if e["kind"] == "samplers_started":   # the programs are built: a first step is seconds away
-                    progress, limit = time.monotonic(), min(stall, first_step)
-                elif e["kind"] == "worker_registered":
-                    sampler = e["worker"][:1] == "s" and e["worker"][1:].isdigit()
-                    roles[e["pid"]] = "sampler" if sampler else "trainer"
-                elif e["kind"] == "step_committed":
-                    committed = max(committed, e["step"])
-                    progress, limit = time.monotonic(), stall
+        events, offset = new_events(path, offset)
+        for e in events:
+            if e["kind"] == "samplers_started":   # the programs are built: a first step is seconds away
+                progress, limit = time.monotonic(), min(stall, first_step)
+            elif e["kind"] == "worker_registered":
+                sampler = e["worker"][:1] == "s" and e["worker"][1:].isdigit()
+                roles[e["pid"]] = "sampler" if sampler else "trainer"
+            elif e["kind"] == "step_committed":
+                committed = max(committed, e["step"])
+                progress, limit = time.monotonic(), stall
         if time.monotonic() - progress > limit:
             stop(proc, [p for p in roles if p != proc.pid])
             raise RunFailed(f"no step committed for {limit:.0f} s (step {committed} the last); stopped",
