@@ -16,7 +16,9 @@ the version). The roles' time, measured on the client's clock:
 - ``span_seconds``: from the previous commit to the step's commit;
 - ``sequential_seconds``: ``sampler_seconds + trainer_seconds``, what the
   same work takes with no overlap, and ``overlap`` = 1 - span / sequential
-  (0: none, as on-policy; 0.5: the steps took half the sequential time).
+  (0: none, as on-policy; 0.5: the steps took half the sequential time), at
+  least 0 (a span longer than the sequential time holds the client's gaps and
+  the weight syncs, which are neither role's).
 
 :func:`sampler_fault` fills a fault that hit samplers: detection when the
 sampler was declared dead, recovery when the next step's rollouts were all
@@ -93,7 +95,9 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
         "trainer_seconds": trainer,
         "span_seconds": span,
         "sequential_seconds": sequential,
-        "overlap": (1 - span / sequential) if span is not None and sequential > 0 else None,
+        # (at least 0: a span longer than the two roles' time is the client's and the weight syncs' gaps, not a
+        # negative overlap; span and sequential are kept as they are)
+        "overlap": max(1 - span / sequential, 0.0) if span is not None and sequential > 0 else None,
         "steady_steps": steady,
         "samplers_lost": len([e for e in events if e["kind"] == "worker_dead" and e["worker"] in samplers]),
         "samplers_relaunched": len([e for e in events if e["kind"] == "sampler_relaunched"]),

@@ -287,7 +287,9 @@ def test_an_rl_run_renders_its_reward_curve_with_each_steps_weights_version_and_
         assert text in card, text
     rl = report["rl"]
     assert f"overlap (1 - span / sequential)</td><td>{100 * rl['overlap']:.1f} %" in card
-    assert rl["span_seconds"] == pytest.approx(5.0) and rl["overlap"] == pytest.approx(1 - 5.0 / 2.5)   # 1 s apart
+    # 1 s apart: a span twice the two roles' time is gaps, not a negative overlap (0)
+    assert rl["span_seconds"] == pytest.approx(5.0) and rl["sequential_seconds"] == pytest.approx(2.5)
+    assert rl["overlap"] == 0.0
     assert f"span (commit to commit)</td><td>{rl['span_seconds']:.2f} s" in card
 
 
