@@ -81,6 +81,9 @@ def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from
     assert len(attached) == 1 and sorted(attached[0]["workers"]) == ["w2", "w3"]
     assert not set(attached[0]["lost"]) & {"w0", "w1", "w2", "w3"}, attached[0]
     restored = [e for e in log if e["kind"] == "checkpoint_restored"]
-    assert len(restored) == 1 and restored[0]["step"] == 6 and report["steps_lost"] == restored[0]["steps_lost"]
+    # The kill comes once step 6's checkpoint is complete; the steps after it run meanwhile, so the newest
+    # checkpoint every stage holds when they all die is 6, or the final 8 when it was written first (half the
+    # time on this host, before and after the shared pool's work): either restores bit for bit.
+    assert len(restored) == 1 and restored[0]["step"] in (6, 8) and report["steps_lost"] == restored[0]["steps_lost"]
     saved = {(e["step"], e["directory"].rsplit("/", 1)[-1]) for e in log if e["kind"] == "checkpoint_saved"}
     assert {(6, "stage0"), (6, "stage1"), (8, "stage0"), (8, "stage1")} <= saved
