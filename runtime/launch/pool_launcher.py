@@ -96,10 +96,9 @@ class PoolLauncher:
         self.hosts: dict[str, str] = {}        # worker -> the pool host it runs on
         self._wanted: list[str] = []           # launched, not granted yet
         self._returned: dict[str, str] = {}    # worker -> why, until the pool no longer lists it
-        self._give_back = 0
+        self._asked_back = 0                   # hosts the pool's last answer asks back
         self._declined = 0                     # asked back, but the run had nothing to give
         self.status = ""
-        self.answered = threading.Event()      # the pool answered at least once
         self._done = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -156,20 +155,19 @@ class PoolLauncher:
 
     def release(self, worker_id: str) -> None:
         """A worker given back because the pool asked (:meth:`give_back_due`)."""
-        with self._lock:
-            self._give_back = max(self._give_back - 1, 0)
         self.kill(worker_id, "preempted")
 
     def cannot_release(self, count: int) -> None:
         """The run cannot give ``count`` back (no spare, at its minimum): not asked again for those."""
         with self._lock:
             self._declined += count
-            self._give_back = max(self._give_back - count, 0)
 
     def give_back_due(self) -> int:
-        """How many hosts the pool asked back that the run has not released yet."""
+        """How many hosts the pool asked back that the run has neither released (a release the pool has not
+        heard of yet counts as released) nor declined."""
         with self._lock:
-            return self._give_back
+            releasing = sum(1 for why in self._returned.values() if why == "preempted")
+            return max(self._asked_back - self._declined - releasing, 0)
 
     def stop_all(self, timeout: float = 10.0) -> None:
         """The run ended: everything goes back to the pool (one last poll, within ``timeout``)."""
@@ -254,11 +252,8 @@ class PoolLauncher:
                     self._wanted.remove(w)
                     self.procs[w] = _Leased()
                     self.procs[w].ended(code)
-            self._declined = min(self._declined, orders.give_back)
-            self._give_back = max(orders.give_back - self._declined - sum(1 for why in self._returned.values()
-                                                                          if why == "preempted"), 0)
+            self._asked_back, self._declined = orders.give_back, min(self._declined, orders.give_back)
             before, self.status = self.status, orders.status
-        self.answered.set()
         if self.events is not None:
             for g in granted:
                 self.events.emit("lease_granted", worker=g.worker_id, host=g.host_id, lease=g.lease_id)
