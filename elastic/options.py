@@ -38,7 +38,8 @@ from types import MappingProxyType
 
 from elastic.config import MODEL_KEYS, OUTPUT, RECOVERY, RUNTIME, Config, ConfigError, keys_with, no_recovery_values
 from elastic.config_checks import HARDWARE
-from runtime import ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform, ray_available
+from runtime import (POOL_TOKEN_ENV, ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform,
+                     ray_available)
 
 __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",
            "compilation_cache_dir", "controller_options", "export_platform", "in_config_terms", "run_settings"]
@@ -98,8 +99,6 @@ _SNAPSHOT_KEYS = ("elastic_snapshot_directory",)   # -> snapshot_directory (defa
 _ADDRESS_KEY = "elastic_controller_address"   # -> host and port ("": 127.0.0.1, any port)
 #: Where the run secret comes from when the workers are started by someone else (elastic_launcher=none).
 SECRET_ENV = "ELASTIC_RUN_SECRET"
-#: A shared pool's client token (elastic_pool).
-POOL_TOKEN_ENV = "ELASTIC_POOL_TOKEN"
 
 # Config key -> who reads it, for keys that do not (only) configure the controller.
 READ_ELSEWHERE: Mapping[str, str] = MappingProxyType({

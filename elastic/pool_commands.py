@@ -31,14 +31,17 @@ def _pool_of(where: str) -> tuple[str, str]:
                              "run?)")
         with open(record) as f:
             address = json.load(f)["address"]
-        secret = os.environ.get("ELASTIC_POOL_SECRET") or open(os.path.join(where, "secret")).read().strip()
-        return address, secret
+        from runtime import pool_secret
+
+        return address, pool_secret(where)
     host, sep, port = where.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"{where!r} is neither a pool's directory nor HOST:PORT")
-    token = os.environ.get("ELASTIC_POOL_TOKEN", "")
+    from runtime import POOL_TOKEN_ENV
+
+    token = os.environ.get(POOL_TOKEN_ENV, "")
     if not token:
-        raise ValueError("set the pool's client token in $ELASTIC_POOL_TOKEN (or give the pool's directory)")
+        raise ValueError(f"set the pool's client token in ${POOL_TOKEN_ENV} (or give the pool's directory)")
     return where, token
 
 

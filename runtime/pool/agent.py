@@ -41,10 +41,12 @@ from runtime.launch.launcher import LocalLauncher
 from runtime.state.snapshot import host_directory
 from runtime.wire import rpc
 
-__all__ = ["Agent", "POLL_SECONDS", "PoolRefusedError", "main"]
+__all__ = ["Agent", "POLL_SECONDS", "PoolRefusedError", "SECRET_ENV", "main"]
 
 log = logging.getLogger("jax_elastic.pool.agent")
 
+#: Where a host finds the pool secret (the pool passes it to the hosts it starts).
+SECRET_ENV = "ELASTIC_POOL_SECRET"
 #: How often a host polls its pool.
 POLL_SECONDS = 0.2
 
@@ -97,7 +99,7 @@ class Agent:
         except grpc.RpcError as e:
             if e.code() is grpc.StatusCode.UNAUTHENTICATED and self.lease is None:
                 raise PoolRefusedError(f"the pool at {self.pool} refused this host's secret (the pool's directory "
-                                       "has it in 'secret'; give it in $ELASTIC_POOL_SECRET)") from None
+                                       f"has it in 'secret'; give it in ${SECRET_ENV})") from None
             if self._unreachable_since is None:
                 self._unreachable_since = time.monotonic()
                 log.warning("the pool at %s does not answer (%s): serving on, polling again", self.pool,
@@ -176,9 +178,9 @@ def main(argv=None) -> int:
                                                  "peers reach (default: 127.0.0.1, a pool of one machine)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    secret = os.environ.get("ELASTIC_POOL_SECRET", "")
+    secret = os.environ.get(SECRET_ENV, "")
     if not secret:
-        print("elastic: error: set the pool secret in $ELASTIC_POOL_SECRET (the pool's directory has it in "
+        print(f"elastic: error: set the pool secret in ${SECRET_ENV} (the pool's directory has it in "
               "'secret')", file=sys.stderr)
         return 2
     host_id = args.host_id or socket.gethostname()

@@ -36,11 +36,11 @@ class _HostActor:
     def run(self, pool: str, host_id: str, devices: int, platform: str) -> int:
         import ray
 
-        from runtime.pool.agent import Agent
+        from runtime.pool.agent import SECRET_ENV, Agent
 
         ip = ray.util.get_node_ip_address()
         directory = os.path.join(tempfile.gettempdir(), "jax-elastic-pool", host_id)
-        agent = Agent(pool, os.environ["ELASTIC_POOL_SECRET"], host_id, devices, directory, platform, address=ip,
+        agent = Agent(pool, os.environ[SECRET_ENV], host_id, devices, directory, platform, address=ip,
                       listen=ip)
         try:
             return agent.run()
@@ -60,11 +60,12 @@ def start_ray_hosts(ray_address: str, pool_address: str, secret: str, pool_name:
 
     from runtime.core.child_env import jax_child_env
     from runtime.launch.ray_launcher import NAMESPACE, connect
+    from runtime.pool.agent import SECRET_ENV
 
     connect(ray_address)
     env = jax_child_env(devices, platform)
     env_vars = {k: v for k, v in env.items() if k.startswith(("JAX_", "XLA_", "ELASTIC_"))}
-    env_vars["ELASTIC_POOL_SECRET"] = secret
+    env_vars[SECRET_ENV] = secret
     actor = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)(_HostActor)
     hosts = []
     for k in range(count):

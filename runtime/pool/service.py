@@ -46,15 +46,14 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.core.child_env import jax_child_env
 from runtime.core.events import EventLog, read_events
 from runtime.core.owner import pid_alive
+from runtime.pool.agent import SECRET_ENV   # the pool's own secret, else ``<dir>/secret``
 from runtime.pool.ledger import HOST_SILENT_SECONDS, Ledger, status_json
 from runtime.wire import auth, rpc
 
-__all__ = ["PoolBusyError", "PoolService", "SECRET_ENV", "TOKENS_ENV", "pool_credentials", "serve"]
+__all__ = ["PoolBusyError", "PoolService", "SECRET_ENV", "TOKENS_ENV", "pool_credentials", "pool_secret", "serve"]
 
 log = logging.getLogger("jax_elastic.pool")
 
-#: The pool secret (agents call with it), else ``<dir>/secret``.
-SECRET_ENV = "ELASTIC_POOL_SECRET"
 #: Client tokens, ``name=token,...``, else ``<dir>/tokens`` (one ``name=token`` a line).
 TOKENS_ENV = "ELASTIC_POOL_TOKENS"
 #: How often the pool decides without being called (timeouts).
@@ -75,15 +74,18 @@ def _private(path: str, text: str) -> None:
         f.write(text)
 
 
+def pool_secret(directory: str) -> str:
+    """The pool secret: ``$ELASTIC_POOL_SECRET``, else the pool's directory's ``secret`` file ("": neither)."""
+    path = os.path.join(directory, "secret")
+    return os.environ.get(SECRET_ENV, "") or (open(path).read().strip() if os.path.exists(path) else "")
+
+
 def pool_credentials(directory: str) -> tuple[str, dict[str, str]]:
     """The pool secret and the client tokens (``{token: client name}``), from the environment, else from the
     pool's directory, created there on first use."""
-    secret = os.environ.get(SECRET_ENV, "")
-    if not secret:
-        path = os.path.join(directory, "secret")
-        if not os.path.exists(path):
-            _private(path, auth.new_secret())
-        secret = open(path).read().strip()
+    if not pool_secret(directory):
+        _private(os.path.join(directory, "secret"), auth.new_secret())
+    secret = pool_secret(directory)
     text = os.environ.get(TOKENS_ENV, "").replace(",", "\n")
     if not text.strip():
         path = os.path.join(directory, "tokens")
