@@ -32,14 +32,14 @@ import cloudpickle
 from chaos.injector import FaultInjector
 from chaos.reach import RunShape, check_reachable
 from chaos.scenario import Scenario, load_scenario
-from chaos.schedule import random_faults
+from chaos.schedule import random_faults, recovery_budget
 from chaos.spec import Fault, FaultSpecError, parse_duration, parse_faults, validate
 from chaos.supervisor import job_blob, run_clients, supervision_reasons
 from chaos.verdict import judge
 from elastic.config import MATH_KEYS, Config, ConfigError
 from elastic.config_loading import parse_overrides
 from elastic.report import build_report, render_run
-from runtime import STATE_DIGEST, ElasticError, EventLog, read_events
+from runtime import STATE_DIGEST, ElasticError, EventLog, checkpoint_steps, read_events
 
 __all__ = ["ChaosOptions", "ChaosResult", "fault_plan", "plan", "run_chaos", "run_job", "reference_report"]
 
@@ -195,10 +195,17 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     verdict ("fail", with the error among the reasons); only bad input
     raises (FaultSpecError from :func:`fault_plan`, before anything starts).
     A fault that did not fire by the end of the run is recorded as skipped
-    by the injector, and the verdict fails.
+    by the injector, and the verdict fails. The run's ``elastic_max_retries``
+    is raised to what its faults may cost (:func:`chaos.schedule.recovery_budget`,
+    said in one line), so a run that survived every fault never fails for the budget.
     """
     faults = fault_plan(cfg, options)
     cfg = _fresh_run(cfg).replace(elastic_chaos=True)
+    budget = recovery_budget(faults, cfg.elastic_max_retries, cfg.slices + cfg.elastic_spares)
+    if budget != cfg.elastic_max_retries:   # a soak's random faults would use up the default before they all fired
+        print(f"elastic: chaos: elastic_max_retries={budget} for this run (it was {cfg.elastic_max_retries}): its "
+              f"{len(faults)} faults may cost up to {budget} recoveries", file=sys.stderr)
+        cfg = cfg.replace(elastic_max_retries=budget)
     supervised = any(f.hits_client for f in faults)   # the client is killed or stopped: it runs in a child
     if supervised and not cfg.run_name:   # every client of the run must find the same run directory
         cfg = cfg.replace(run_name=trainer_for(cfg).run_dir().name)
@@ -247,11 +254,12 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
 
 
 def _holds_checkpoints(directory: str) -> bool:
-    """Whether ``directory`` (local or ``gs://``) holds a checkpoint's step folder."""
+    """Whether ``directory`` (local or ``gs://``) holds a checkpoint's step folder, complete or not, in any layout
+    (a slice of several hosts' ``host<k>-of-<H>``, a pipeline's ``stage<k>``: :func:`runtime.checkpoint_steps`)."""
     from etils import epath
 
     try:
-        return any(p.name.isdigit() for p in epath.Path(directory).iterdir())
+        return bool(checkpoint_steps(directory)) or any(p.name.isdigit() for p in epath.Path(directory).iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return False
 

@@ -16,7 +16,8 @@ import random
 
 from chaos.spec import INJECTABLE_KINDS, Fault, FaultSpecError, Target, When, validate
 
-__all__ = ["DEFAULT_KINDS", "TargetError", "random_faults", "resolve_target"]
+__all__ = ["DEFAULT_KINDS", "RECOVERIES_PER_WORKER", "TargetError", "random_faults", "recovery_budget",
+           "resolve_target"]
 
 #: The kinds a random schedule draws from unless told otherwise: every kind the runtime can inject.
 #: What a soak draws from unless told: every injectable kind but kill_save (it needs a run that checkpoints).
@@ -63,6 +64,26 @@ def random_faults(seed: int, mtbf_seconds: float, duration_seconds: float,
             options = (("for", round(rng.uniform(*_FOR_RANGE_SECONDS[kind]), 1)),)
         faults.append(Fault(kind, _random_target(kind), When(time=round(t, 3)), options))
     return faults
+
+
+#: The recoveries one worker a fault hits may cost a run: the failure it causes, and one more when it is found again
+#: inside that recovery (a hung worker refused by a step, then its lease; the next fault landing mid-recovery).
+RECOVERIES_PER_WORKER = 2
+
+
+def recovery_budget(faults, max_retries: int, workers: int) -> int:
+    """The ``elastic_max_retries`` a chaos run of ``faults`` runs with: ``max_retries``, raised to what the faults
+    may cost when that is more, so a run that survives every fault it fires never fails for the budget.
+
+    Each fault may cost :data:`RECOVERIES_PER_WORKER` per worker it hits (``all``/``everything``: up to
+    ``workers``, the run's slices and spares; any other target, the client's too: one). ``max_retries`` 0
+    (recovery off: a negative control) stays 0. Pure; :func:`chaos.harness.run_chaos` applies it.
+    """
+    if max_retries <= 0:
+        return max_retries
+    need = sum(RECOVERIES_PER_WORKER * (max(workers, 1) if f.target.kind in ("all", "everything") else 1)
+               for f in faults)
+    return max(max_retries, need)
 
 
 def _random_target(kind: str) -> Target:

@@ -9,7 +9,7 @@ from chaos.harness import ChaosOptions, fault_plan
 from chaos.injector import FaultInjector
 from chaos.reach import RunShape, check_reachable
 from chaos.scenario import Scenario, load_scenario
-from chaos.schedule import TargetError, random_faults, resolve_target
+from chaos.schedule import TargetError, random_faults, recovery_budget, resolve_target
 from chaos.spec import Fault, FaultSpecError, Target, When, parse_duration, parse_faults, validate
 from elastic.config_loading import load_config
 from runtime.control.placement import Placement
@@ -262,6 +262,14 @@ def test_random_faults_are_deterministic_in_the_seed():
             assert f.option("resume") == 2.0
         if f.kind in ("straggle", "partition"):
             assert 1.0 < f.option("for") < 10.0 and f.options  # drawn explicitly
+
+
+def test_a_chaos_runs_recovery_budget_fits_every_fault_it_schedules():
+    soak = random_faults(7, mtbf_seconds=20.0, duration_seconds=300.0)   # the README's soak: 20 faults, 10 allowed
+    assert recovery_budget(soak, 10, workers=4) == 2 * len(soak) > 10
+    assert recovery_budget(soak[:3], 10, workers=4) == 10   # the configured budget, when it is more
+    assert recovery_budget(parse_faults("kill:all@step=3,kill:everything@step=5"), 1, workers=5) == 20
+    assert recovery_budget(soak, 0, workers=4) == 0   # recovery off (a negative control) stays off
 
 
 def test_random_faults_honours_kinds_and_arguments():
