@@ -361,10 +361,7 @@ class MetricsWriter:
 
         directory = tensorboard_dir(self.run_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        if fresh:
-            for old in directory.glob("events.out.tfevents.*"):
-                old.unlink()
-        else:
+        if not fresh:   # (a fresh run's earlier files were moved aside with its other records: run_records)
             self._tb.last = last_tensorboard_step(directory)
             self._tb.last_eval = last_tensorboard_step(directory, EVAL_LOSS)
         # Each attempt's file is its own, named in the order they were written (TensorBoard reads them in name

@@ -20,12 +20,15 @@ import sys
 
 from elastic.config import ConfigError
 from elastic.report import build_report, render_run
-from runtime import READ_ONLY_PROGRAMS, ElasticError, EventLog, ProgramSet, read_events
+from runtime import READ_ONLY_PROGRAMS, ElasticError, EventLog, ProgramSet, checkpoint_steps, read_events
 
 _STAGE = re.compile(r"stage\d+")   # a pipeline stage's checkpoint directory, inside the run's
+EARLIER = "earlier"   # <run dir>/earlier/<n>: the records of a run this one did not continue, kept aside
+# What a run directory holds that is the directory's, not an attempt's record: never moved aside.
+_RUN_FILES = frozenset({EARLIER, "client.json", "checkpoints"})
 
-__all__ = ["RunRecordsLostError", "client_died", "continues", "finished_already", "open_log", "read_history", "records_lost",
-           "refuse_other_programs", "render"]
+__all__ = ["EARLIER", "RunRecordsLostError", "client_died", "continues", "finished_already", "keep_aside", "open_log",
+           "read_history", "records_lost", "refuse_other_programs", "render"]
 
 
 class RunRecordsLostError(ElasticError):
@@ -82,13 +85,24 @@ def _attempts(events: list[dict]) -> list[list[dict]]:
 
 def _checkpoints_recorded(history: list[dict], directory: str, steps: int) -> list[tuple[int, int]]:
     """``(step, attempt index)`` of each ``checkpoint_saved`` in ``directory`` (or, for a pipelined run, in one
-    of its ``stage<k>`` directories) at or before ``steps``; in a local directory only those still there (one
+    of its ``stage<k>`` directories) at or before ``steps``; in a local directory only those still complete
+    there, in whatever layout wrote them (:func:`runtime.checkpoint_steps`: one host's, ``host<k>-of-<H>``'s; one
     removed by hand is no longer resumed from)."""
-    local = "://" not in directory
+    held: dict[str, set[int]] = {}
+
+    def there(saved: str, step: int) -> bool:
+        if "://" in directory:
+            return True   # a remote store is listed by the controller, not here (no round trip before the start)
+        if saved not in held:
+            try:
+                held[saved] = set(checkpoint_steps(saved))
+            except OSError:
+                held[saved] = set()   # unreadable: nothing to resume from (the controller says why)
+        return step in held[saved]
+
     return [(e["step"], i) for i, attempt in enumerate(_attempts(history)) for e in attempt
             if e.get("kind") == "checkpoint_saved" and _within(e.get("directory"), directory)
-            and isinstance(e.get("step"), int) and e["step"] <= steps
-            and (not local or os.path.isdir(os.path.join(e["directory"], str(e["step"]))))]
+            and isinstance(e.get("step"), int) and e["step"] <= steps and there(e["directory"], e["step"])]
 
 
 def _within(saved, directory: str) -> bool:
@@ -195,9 +209,12 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
         "its schedule a fixed length); to start afresh, use another run_name")
 
 
-def open_log(run_dir: pathlib.Path, *, append: bool, take_over: bool = False) -> EventLog:
-    """The run's event log: appended to (this attempt continues the run it holds), or new (the previous
-    log and worker logs under the same name go first).
+def open_log(run_dir: pathlib.Path, *, append: bool, take_over: bool = False, why: str = "",
+             also: tuple[str, ...] = ()) -> EventLog:
+    """The run's event log: appended to (this attempt continues the run it holds), or new: an earlier run's
+    records under the same name (its log, worker logs, report, TensorBoard files, kept stacks, and the files
+    named in ``also``, such as its ``metrics_file``) are first moved aside (:func:`keep_aside`, saying ``why``
+    in one line), never deleted.
 
     ``take_over`` (a restarted client taking the run back): the log is copied to a new file that replaces
     it, so an earlier client of the run that still has the old one open (a stopped process that wakes up)
@@ -209,13 +226,52 @@ def open_log(run_dir: pathlib.Path, *, append: bool, take_over: bool = False) ->
             shutil.copyfile(path, tmp)
             os.replace(tmp, path)
         if not append:
-            (run_dir / "events.jsonl").unlink(missing_ok=True)
-            for old in (run_dir / "logs").glob("worker-*.log"):
-                old.unlink(missing_ok=True)
+            keep_aside(run_dir, why, also)
         return EventLog(run_dir / "events.jsonl")
     except OSError as e:
         raise ConfigError(f"cannot write run files to {run_dir}: {e.strerror or e}; choose a writable "
                           "directory (config key 'base_output_directory')") from None
+
+
+def keep_aside(run_dir: pathlib.Path, why: str, also: tuple[str, ...] = ()) -> pathlib.Path | None:
+    """Moves the records of an earlier run in ``run_dir`` that this one does not continue into
+    ``<run_dir>/earlier/<n>`` (``n`` the first free number from 1) and says so in one line on stderr; returns
+    where they went (None: there were none).
+
+    Records are everything the run directory holds but its own files (its lock and secret, ``client.json``,
+    its checkpoints, ``earlier``): the event log, reports, logs, TensorBoard files, kept stacks; and each path
+    of ``also`` that holds something (a ``metrics_file`` outside the directory). Renames only: nothing is
+    copied, nothing deleted; ``elastic report <run_dir>/earlier/<n>`` renders the earlier run again. Raises
+    ``OSError`` when a move fails (what moved stays where it went)."""
+    names = sorted(p.name for p in run_dir.iterdir()
+                   if not p.name.startswith(".") and p.name not in _RUN_FILES and not _holds_checkpoints(p)) \
+        if run_dir.is_dir() else []
+    extra = [pathlib.Path(a) for a in also if a and os.path.isfile(a) and os.path.getsize(a) > 0
+             and pathlib.Path(a).resolve().parent != run_dir.resolve()]
+    if not names and not extra:
+        return None
+    n = 1
+    while (run_dir / EARLIER / str(n)).exists():
+        n += 1
+    aside = run_dir / EARLIER / str(n)
+    aside.mkdir(parents=True)
+    for name in names:
+        os.replace(run_dir / name, aside / name)
+    for path in extra:
+        os.replace(path, aside / path.name)
+    what = ", ".join(names + [str(p) for p in extra])
+    print(f"elastic: {run_dir} holds the records of an earlier run that this one does not continue"
+          f"{f' ({why})' if why else ''}: moved {what} to {aside}", file=sys.stderr)
+    return aside
+
+
+def _holds_checkpoints(path: pathlib.Path) -> bool:
+    """Whether the directory ``path`` holds a complete checkpoint (a run's checkpoint directory under another
+    name: never moved aside)."""
+    try:
+        return path.is_dir() and bool(checkpoint_steps(str(path)))
+    except OSError:
+        return True   # cannot tell: left where it is
 
 
 def render(run_dir: pathlib.Path, events_dropped: int) -> tuple[dict, OSError | None]:

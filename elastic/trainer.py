@@ -181,8 +181,9 @@ class _Job:
         the report covers every attempt (``attempts``; steps an earlier
         attempt committed and this one recomputes count in ``steps_lost``).
         Otherwise (a finished run without checkpoints run again, a reference
-        run) the previous log and worker logs under the same name are
-        removed. The same command again on a run that finished its
+        run) the earlier run's records under the same name (its log, worker
+        logs, report, TensorBoard and metrics files) are moved aside to
+        ``<run dir>/earlier/<n>``, with one line saying so: never deleted. The same command again on a run that finished its
         ``steps`` and checkpointed the last one ends at once (one line, its
         report returned, no worker started, nothing written). The programs
         are built before anything is written: a job
@@ -195,7 +196,8 @@ class _Job:
         The run directory gets ``events.jsonl``, ``report.json`` and
         ``report.html`` whether the run finishes or fails; a failed run
         records ``run_failed`` and the error propagates; one stopped by Ctrl-C
-        (``KeyboardInterrupt``) sends its workers home, records ``run_stopped``
+        (``KeyboardInterrupt``; a subclass with ``signal_name``, the ``elastic`` command's SIGTERM, names
+        its signal) sends its workers home, records ``run_stopped``
         and lets the interrupt propagate (running it again continues it, as
         after a failure). An event log that
         cannot be written (a full disk) does not stop training, but a run
@@ -242,7 +244,11 @@ class _Job:
                 claim.release()
                 return build_report(history)
             append = not reference and run_records.continues(history, opts, settings.steps)
-            events = run_records.open_log(run_dir, append=append, take_over=again is not None)
+            why = ("a reference run starts from nothing" if reference else "this run starts from nothing" if fresh
+                   else f"its last attempt ended, and no checkpoint of it at or before step {settings.steps} is "
+                        "left to resume from")
+            events = run_records.open_log(run_dir, append=append, take_over=again is not None, why=why,
+                                          also=(settings.metrics_file,))
         except BaseException:
             claim.release()
             raise
@@ -279,8 +285,9 @@ class _Job:
         except ElasticError as e:
             events.emit("run_failed", error=f"{type(e).__name__}: {in_config_terms(str(e))}")
             raise
-        except KeyboardInterrupt:   # Ctrl-C is not a crash: the controller sent the workers home on its way out
-            events.emit("run_stopped", signal="SIGINT")
+        except KeyboardInterrupt as stop:   # not a crash: the controller sent the workers home on its way out
+            # Ctrl-C's, or the command's SIGTERM (elastic.cli_support.Stopped, which names its signal)
+            events.emit("run_stopped", signal=getattr(stop, "signal_name", "SIGINT"))
             raise
         finally:
             events.close()

@@ -38,7 +38,8 @@ import time
 from runtime.core.errors import BadInputError
 from runtime.control.tiers import EveryStage
 
-__all__ = ["checkpoint_writer", "Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint", "stage_steps"]
+__all__ = ["checkpoint_steps", "checkpoint_writer", "Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint",
+           "stage_steps"]
 
 
 def checkpoint_writer(step: int, steps: int, period: int, workers) -> str | None:
@@ -279,7 +280,6 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
     """
     import os
 
-    from runtime.state import checkpoint_hosts
     from runtime.state.checkpoint import CheckpointStore
 
     if "://" not in path and not os.path.exists(os.path.expanduser(path)):
@@ -289,7 +289,7 @@ def locate_checkpoint(path: str) -> tuple[str, int]:
     try:
         if tail.isdigit() and head and (step := CheckpointStore(head).step_held(tail)) is not None:
             return head, step   # MaxText's <d> holds step d + 1
-        steps = checkpoint_hosts.steps(path) or _common(stage_steps(path))   # a pipelined run's: its stages'
+        steps = checkpoint_steps(path)   # a pipelined run's: its stages'
     except Exception as e:  # noqa: BLE001 - an unreadable path is bad input; the error says why
         raise BadInputError(f"load_full_state_path {path!r} cannot be read", cause=f"{type(e).__name__}: {e}") from None
     if not steps:
@@ -313,16 +313,25 @@ def _common(per_stage: list[list[int]]) -> list[int]:
     return sorted(set.intersection(*map(set, per_stage))) if per_stage else []
 
 
+def checkpoint_steps(directory: str) -> list[int]:
+    """The complete steps of the checkpoint directory ``directory``, ascending, whatever layout wrote them: a
+    one-host slice's ``<step>`` (or MaxText's trainer's), a slice of H hosts' ``host<k>-of-<H>/<step>`` (a step
+    every host holds), a pipelined run's ``stage<k>/...`` (a step every stage holds). The one listing of a
+    checkpoint directory outside the controller's own (the resume logic, the chaos harness and the preflight
+    read it); reads the storage each call, imports no JAX. Raises what the storage raises."""
+    from runtime.state import checkpoint_hosts
+
+    return checkpoint_hosts.steps(directory) or _common(stage_steps(directory))
+
+
 def newest_checkpoint(directory: str, at_most: int) -> int | None:
     """The newest complete checkpoint in ``directory`` at or before step ``at_most`` (a pipelined run's: the
     newest step every stage holds); None without one, or when the store cannot be read (the controller then
     counts it as none too). Imports no JAX."""
-    from runtime.state import checkpoint_hosts
-
     if not directory:
         return None
     try:
-        steps = [s for s in checkpoint_hosts.steps(directory) or _common(stage_steps(directory)) if s <= at_most]
+        steps = [s for s in checkpoint_steps(directory) if s <= at_most]
     except Exception:  # noqa: BLE001 - an unreadable store holds nothing to resume from
         return None
     return max(steps) if steps else None

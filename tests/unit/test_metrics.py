@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from elastic import run_records
 from elastic.config import ConfigError
 from elastic.metrics import (LOSS, ModelMetrics, StepFold, flushes, last_metrics_file_step, last_tensorboard_step,
                              metrics_line, open_metrics, step_scalars, tensorboard_dir)
@@ -127,12 +128,14 @@ def test_a_restarted_client_appends_and_writes_what_its_predecessor_lost(tmp_pat
     assert _file_steps(mf) == list(range(9))   # the torn line cut off
 
 
-def test_a_fresh_attempt_starts_the_files_anew(tmp_path):
+def test_a_fresh_attempt_starts_the_files_anew_with_the_earlier_ones_kept_aside(tmp_path):
     run_dir, mf = tmp_path / "exp1", tmp_path / "metrics.jsonl"
     _write(run_dir, _run(range(5)), fresh=True, metrics_file=mf)
+    aside = run_records.keep_aside(run_dir, "a test", also=(str(mf),))   # as fit does before a fresh attempt
     _write(run_dir, _run(range(3), t0=300.0), fresh=True, metrics_file=mf)
     assert _tensorboard_losses(run_dir) == [0, 1, 2]
     assert _file_steps(mf) == [0, 1, 2]
+    assert _file_steps(aside / mf.name) == [0, 1, 2, 3, 4] and list((aside / "tensorboard").rglob("events.out.*"))
 
 
 def test_a_file_that_cannot_be_written_warns_once_and_the_others_go_on(tmp_path, capsys):
