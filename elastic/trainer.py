@@ -183,9 +183,10 @@ class _Job:
         Otherwise (a finished run without checkpoints run again, a reference
         run) the earlier run's records under the same name (its log, worker
         logs, report, TensorBoard and metrics files) are moved aside to
-        ``<run dir>/earlier/<n>``, with one line saying so: never deleted. The same command again on a run that finished its
-        ``steps`` and checkpointed the last one ends at once (one line, its
-        report returned, no worker started, nothing written). The programs
+        ``<run dir>/earlier/<n>``, with one line saying so: never deleted.
+        The same command again on a run that finished its ``steps`` and
+        checkpointed the last one ends at once (one line, its report
+        returned, no worker started, nothing written). The programs
         are built before anything is written: a job
         that cannot be exported, or whose programs differ from those that
         wrote the checkpoint it would resume from (on the same mesh), is
