@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from elastic.config_checks import config_problem, key_at
-from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES
+from runtime import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_STEPS_AHEAD, MIN_CHUNK_BYTES, UserInputError
 
 __all__ = [
     "MATH",
@@ -56,8 +56,10 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config file, dict or override is invalid; the message names the key and source."""
+class ConfigError(UserInputError, ValueError):
+    """A config file, dict or override is invalid, or what a key names cannot be used (a data file that cannot
+    be read, on the client or on a worker); the message names the key and source. A worker's is said in one
+    line, its traceback kept in the worker's log (:class:`runtime.UserInputError`)."""
 
 
 # The roles of a config key, declared once per key in the schema below (``_key(..., role=...)``); every

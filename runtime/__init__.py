@@ -30,7 +30,9 @@ _LAZY = {
         "ProgramExportError", "RegistrationTimeoutError", "PlatformMismatchError", "ElasticTrainingFailedError",
         "CapacityExhaustedError", "StateLostError", "DeviceMismatchError", "ReplicaDivergenceError", "BadInputError",
         # a restarted client's own outcomes (elastic.reattach, elastic.cli, chaos.supervisor)
-        "ClientSupersededError", "AttachRefusedError")},
+        "ClientSupersededError", "AttachRefusedError",
+        # what the user gave is unusable: said in one line, a worker's without its traceback
+        "UserInputError")},
     "positive_seconds": ("runtime.core.arguments", "positive_seconds"),
     "slice_flags_problem": ("runtime.core.arguments", "slice_flags_problem"),
     "checkpoint_directory_problem": ("runtime.state.checkpoint_storage", "directory_problem"),
@@ -136,6 +138,7 @@ __all__ = [
     "inspect_run",
     "stacks_text",
     "CapacityExhaustedError",
+    "UserInputError",
     "DeviceMismatchError",
     "CheckpointTree",
     "Controller",

@@ -28,11 +28,19 @@ __all__ = [
     "ClientLostError",
     "WorkerFencedError",
     "AttachRefusedError",
+    "UserInputError",
 ]
 
 
 class ElasticError(Exception):
     """Base of every error raised by jax-elastic."""
+
+
+class UserInputError(Exception):
+    """A mixin: what the user gave (a config key, a data file, a checkpoint to start from) is unusable, and the
+    message names it and what to do. Said in one line wherever it is raised: a worker answers it without its
+    traceback (which it keeps in its own log), so the client's ``WorkerError`` is the message alone. Its
+    subclasses are also of their own kind (``elastic.ConfigError`` a ``ValueError``, :class:`BadInputError`)."""
 
 
 class WorkerError(ElasticError):
@@ -193,7 +201,7 @@ class ReplicaDivergenceError(ElasticTrainingFailedError):
               "the data source, and report it as a bug with the run's events.jsonl")
 
 
-class BadInputError(ElasticTrainingFailedError, ValueError):
+class BadInputError(ElasticTrainingFailedError, UserInputError, ValueError):
     """What the run was told to start from is unusable (``load_full_state_path``: missing, unreadable, or no
     complete checkpoint). Raised before any worker starts; the message names the input."""
 

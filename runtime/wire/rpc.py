@@ -33,12 +33,12 @@ import grpc
 
 from runtime.wire import auth
 from runtime.core.errors import (AuthenticationError, ClientSupersededError, ProtocolError, StaleEpochError,
-                                 StepAbortedError, WorkerError, WorkerFencedError, WorkerLostError)
+                                 StepAbortedError, UserInputError, WorkerError, WorkerFencedError, WorkerLostError)
 
 log = logging.getLogger("jax_elastic.rpc")
 
-__all__ = ["CHANNEL_OPTIONS", "StatusError", "make_server", "channel", "abort_with", "error_status", "status_of",
-           "status_name", "to_error", "free_port"]
+__all__ = ["CHANNEL_OPTIONS", "StatusError", "make_server", "channel", "abort_with", "error_status", "log_failure",
+           "status_of", "status_name", "to_error", "free_port"]
 
 MAX_MESSAGE = 64 * 1024 * 1024   # a Load (programs, data source) or a state chunk and its header
 MAX_METADATA = 16 * 1024         # the run secret and gRPC's own headers
@@ -186,8 +186,17 @@ def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     kind = "fenced" if isinstance(exc, WorkerFencedError) else ""
     if code != grpc.StatusCode.INTERNAL:
         return code, str(exc), kind
+    if isinstance(exc, UserInputError):   # the user's to fix: one line (the traceback stays in the worker's log)
+        return code, f"{type(exc).__name__}: {' '.join(str(exc).split())}", kind
     text = "".join(traceback.format_exception(exc))
     return code, f"{type(exc).__name__}: {exc}\n{text}", kind
+
+
+def log_failure(logger: logging.Logger, what: str, exc: BaseException) -> None:
+    """Server side: logs that ``what`` failed with ``exc``, the traceback too when the caller gets an INTERNAL
+    status (user code, a data source: :func:`error_status`), so the worker's log holds what its answer may not."""
+    internal = status_of(exc) == grpc.StatusCode.INTERNAL
+    logger.warning("%s failed: %s: %s", what, type(exc).__name__, exc, exc_info=exc if internal else None)
 
 
 def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:

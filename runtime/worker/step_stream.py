@@ -73,7 +73,7 @@ def _answer(step: Callable[[pb.StepRequest, object], pb.StepReply], req: pb.Step
     try:
         reply = step(req, caller)
     except Exception as e:  # noqa: BLE001 - answered as the unary call would have ended
-        log.warning("step %d failed: %s: %s", req.step, type(e).__name__, e)
+        rpc.log_failure(log, f"step {req.step}", e)
         code, details, kind = rpc.error_status(e)
         reply = pb.StepReply(error_code=code.name, error_details=details, error_kind=kind)
     reply.step, reply.epoch = req.step, req.fence.epoch

@@ -122,7 +122,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a status
-            log.warning("%s failed: %s: %s", getattr(fn, "__name__", "request"), type(e).__name__, e)
+            rpc.log_failure(log, getattr(fn, "__name__", "request"), e)
             rpc.abort_with(context, e)
 
     # -- control RPCs --------------------------------------------------------

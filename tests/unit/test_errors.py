@@ -1,5 +1,6 @@
 """Why a run ended, as types: each reason is its own error, picklable, and still an ElasticTrainingFailedError."""
 
+import logging
 import pickle
 
 import pytest
@@ -40,3 +41,36 @@ def test_the_reasons_are_exported_where_callers_find_them():
     for kind in REASONS:
         assert kind.__name__ in runtime.__all__ and kind.__name__ in elastic.__all__
         assert getattr(elastic, kind.__name__) is kind
+
+
+def _read_failed(path):
+    """A data source's failure as a worker meets it: the user's to fix, raised from the errors under it."""
+    try:
+        try:
+            raise FileNotFoundError(2, "No such object")
+        except FileNotFoundError as e:
+            raise ConnectionError("fetch failed") from e
+    except ConnectionError as e:
+        raise elastic.ConfigError(f"config key 'grain_train_files': reading {path}: not found\n(changed since "
+                                  "the client listed it)") from e
+
+
+def test_a_workers_error_that_is_the_users_to_fix_reaches_the_client_as_one_line_its_traceback_in_the_log(caplog):
+    from runtime.wire import rpc
+
+    with pytest.raises(elastic.ConfigError) as raised:
+        _read_failed("gs://b/docs-3.parquet")
+    rpc.log_failure(logging.getLogger("jax_elastic.worker"), "step 3", raised.value)
+    err = rpc.to_error("w1", rpc.StatusError(*rpc.error_status(raised.value)))   # a step's answer, as the client reads it
+    assert isinstance(err, runtime.WorkerError) and err.remote_traceback == ""
+    assert str(err) == ("worker w1: ConfigError: config key 'grain_train_files': reading gs://b/docs-3.parquet: not "
+                        "found (changed since the client listed it)")
+    logged = caplog.records[-1]
+    assert "step 3 failed" in logged.getMessage() and "FileNotFoundError" in caplog.text   # the worker's log keeps it
+    # User code's own error keeps its traceback for the client (and the log).
+    try:
+        raise RuntimeError("disk on fire")
+    except RuntimeError as e:
+        bug = rpc.to_error("w1", rpc.StatusError(*rpc.error_status(e)))
+    assert bug.message == "RuntimeError: disk on fire" and "Traceback" in bug.remote_traceback
+    assert issubclass(BadInputError, runtime.UserInputError) and issubclass(elastic.ConfigError, ValueError)
