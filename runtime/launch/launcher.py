@@ -192,10 +192,7 @@ class LocalLauncher:
                 if proc.poll() is not None or not _tell(fifo, f"{worker_id} {host_name}\n"):
                     _unlink(fifo)   # it died (between the poll and the write, perhaps)
                     continue
-                try:
-                    os.replace(os.path.join(self.log_dir, log), os.path.join(self.log_dir, f"worker-{worker_id}.log"))
-                except OSError:
-                    pass   # the log keeps its standby name
+                _take_name(os.path.join(self.log_dir, log), os.path.join(self.log_dir, f"worker-{worker_id}.log"))
                 return proc
         return None
 
@@ -375,6 +372,18 @@ def _tell(fifo: str, line: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _take_name(log: str, name: str) -> None:
+    """Renames a standby's ``log`` to the worker's ``name`` when no log has that name yet; else (the worker it
+    replaces wrote one: its record of how it died) to ``<name without .log>.<standby's name>``, so neither is
+    lost. A rename that fails leaves the log under its standby name."""
+    target = name if not os.path.exists(name) else f"{name.removesuffix('.log')}.{os.path.basename(log)}"
+    try:
+        os.link(log, target)   # fails if the name was taken meanwhile: nothing is ever overwritten
+        os.unlink(log)
+    except OSError:
+        pass
 
 
 def _unlink(path: str) -> None:
