@@ -11,8 +11,10 @@ import html
 import math
 import sys
 
+from runtime import RunState
+
 __all__ = ["COLORS", "PHASE_COLORS", "bar_svg", "esc", "finite", "first_time", "fmt_seconds", "loss_svg", "phase_color",
-           "reward_svg", "timeline_svg"]
+           "reward_svg", "slice_counts", "timeline_svg"]
 
 
 def esc(x: object) -> str:
@@ -35,7 +37,7 @@ PHASE_COLORS = {"forward": "#66bb6a", "backward": "#2e7d32", "pipeline_wait": "#
                 "local_sum": "#90caf9", "send": "#64b5f6", "wait_for_peers": "#1e88e5", "reduce_add": "#1565c0",
                 "gather_copy": "#0d47a1", "apply": "#8e24aa"}
 _MARKERS = {"fault_injected": "#d32f2f", "failure_detected": "#ef6c00", "recovered": "#2e7d32", "grown": "#2e7d32",
-            "attempt_started": "#6a1b9a", "run_resumed": "#6a1b9a"}
+            "released": "#0277bd", "attempt_started": "#6a1b9a", "run_resumed": "#6a1b9a"}
 
 
 def fmt_seconds(x: float | None) -> str:
@@ -108,11 +110,29 @@ def _marker_label(e: dict) -> str:
         return (f"attempt {e.get('attempt', '?')}" + (f" ({after} {fmt_seconds(gap)})" if finite(gap) else ""))
     if kind == "run_resumed":
         return f"resumed from {e.get('tier', '?')} step {e.get('step', '?')}"
+    if kind == "released":
+        return f"gave back to the pool: {len(e.get('active') or [])} left"
     return f"grown to {len(e.get('active') or [])}"
 
 
-def timeline_svg(events: list[dict], ivs: list, lo: float, hi: float, *, svg_id: str, max_slices: int) -> str:
-    """Steps committed over wall time in [lo, hi] s, goodput bands, fault markers and a slices lane."""
+def slice_counts(events: list[dict]) -> list[tuple[float, int]]:
+    """``(seconds since the first event, active slices)`` each time the count changes, as the run's
+    :class:`~runtime.RunState` folds its placement (every event that moves it: the first placement, an adopted
+    recovery, a grow, a swap, a release to a shared pool), so the lane says what the run's state says."""
+    t0, state, out = first_time(events), RunState(), []
+    for e in events:
+        before, state = state, state.apply(e)
+        if state.placement is not before.placement and state.placement is not None:
+            k = len(state.placement.active)
+            if not out or out[-1][1] != k:
+                out.append((float(e["t"]) - t0, k))
+    return out
+
+
+def timeline_svg(events: list[dict], ivs: list, lo: float, hi: float, *, svg_id: str, max_slices: int,
+                 slices: list[tuple[float, int]] | None = None) -> str:
+    """Steps committed over wall time in [lo, hi] s, goodput bands, fault markers and a slices lane (``slices``:
+    :func:`slice_counts` of ``events``, computed here when not given)."""
     t0 = first_time(events)
     labelled = any(e["kind"] in _MARKERS and lo <= float(e["t"]) - t0 <= hi for e in events)
     W, L, R, top, ph, rib, gap, sh, bot = 1200, 58, 18, 50 if labelled else 16, 170, 10, 14, 50, 30
@@ -166,12 +186,10 @@ def timeline_svg(events: list[dict], ivs: list, lo: float, hi: float, *, svg_id:
                 f"fill='{'#2e7d32' if rec else '#1a237e'}'/>" for t, c, rec in shown]
     # the active-slices lane
     lane_top = top + ph + rib + gap
-    smax = max(max_slices, *(len(e.get("active") or []) for e in events
-                             if e["kind"] in ("placement", "recovery_decision", "grown")), 1)
+    changes = slice_counts(events) if slices is None else slices
+    smax = max(max_slices, *(k for _, k in changes), 1)
     out.append(f"<rect x='{L}' y='{lane_top}' width='{W - L - R}' height='{sh}' fill='#f7f9fb' stroke='#e3e6ea'/>")
     out.append(_text(L - 6, lane_top + sh / 2 + 4, "slices", anchor="end"))
-    changes = [(float(e["t"]) - t0, len(e.get("active") or [])) for e in events
-               if e["kind"] in ("placement", "recovery_decision", "grown")]
     if changes:
         ys = lambda k: lane_top + sh - 4 - k / smax * (sh - 14)  # noqa: E731
         cur = 0

@@ -15,7 +15,7 @@ import pathlib
 import time
 
 from elastic.report.charts import (COLORS, PHASE_COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg,
-                                   phase_color, reward_svg, timeline_svg)
+                                   phase_color, reward_svg, slice_counts, timeline_svg)
 from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, idle_gaps, intervals
 from elastic.report.summary import bubble_text, pool_text, resumed_text
 
@@ -155,12 +155,14 @@ def _facts(report: dict, gp: dict) -> str:
     return f"<div class='card'><h2>Key facts</h2><table class='facts'>{body}</table></div>"
 
 
-def _legend(labels: list[str]) -> str:
+def _legend(labels: list[str], released: bool = False) -> str:
     items = "".join(f"<span><span class='sw' style='background:{COLORS[lab]}'></span>{esc(lab)}</span>"
                     for lab in labels)
     marks = ("<span><span class='sw' style='background:#d32f2f'></span>fault injected</span>"
              "<span><span class='sw' style='background:#ef6c00'></span>failure detected</span>"
              "<span><span class='sw' style='background:#2e7d32'></span>recovered / grown</span>"
+             + ("<span><span class='sw' style='background:#0277bd'></span>gave back to the pool</span>" if released
+                else "") +
              "<span><span class='sw' style='background:#6a1b9a'></span>attempt / resume</span>")
     return f"<div class='legend'>{items}{marks}</div>"
 
@@ -201,17 +203,19 @@ def _timelines(report: dict, events: list[dict], ivs: list) -> str:
     wall = ivs[-1][1] if ivs else 0.0
     slices = report.get("slices")
     max_slices = max(slices if finite(slices) else 0, 1)
+    counts = slice_counts(events)   # (the run state's placement: folded once for both charts)
     out = ["<div class='card'><h2>Timeline: committed steps over wall time</h2>",
-           timeline_svg(events, ivs, 0.0, wall, svg_id="timeline", max_slices=max_slices)]
+           timeline_svg(events, ivs, 0.0, wall, svg_id="timeline", max_slices=max_slices, slices=counts)]
     # Start-up and compile often dominate a short run: also show the training window alone.
     t0 = first_time(events)
     commits = [float(e["t"]) - t0 for e in events if e["kind"] == "step_committed"]
     if commits and wall > 0 and (wall - commits[0]) < 0.5 * wall:
         lo = max(0.0, commits[0] - 0.05 * (wall - commits[0]))
         out.append("<h2 style='margin-top:12px'>Training window</h2>")
-        out.append(timeline_svg(events, ivs, lo, wall, svg_id="timeline-training", max_slices=max_slices))
+        out.append(timeline_svg(events, ivs, lo, wall, svg_id="timeline-training", max_slices=max_slices,
+                                slices=counts))
     present = [lab for lab in ("productive",) + BADPUT_LABELS if any(i[2] == lab for i in ivs)]
-    out.append(_legend(present) + "</div>")
+    out.append(_legend(present, released=any(e["kind"] == "released" for e in events)) + "</div>")
     return "".join(out)
 
 

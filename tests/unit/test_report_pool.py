@@ -42,11 +42,13 @@ def pool_events(ended=True):
               ev(5.1, "state_initialized", seed=0, state_bytes=1024)]
     events += [ev(5.5 + 0.5 * i, "step_committed", step=i, epoch=0, loss=3.0 - 0.1 * i) for i in range(4)]
     events += [ev(7.2, "lease_preempted", count=1, workers=["w2"]),
+               ev(7.3, "placement_changed", epoch=1, active=["w0", "w1"], spares=[], why="release"),
                ev(7.3, "released", epoch=1, promoted=[], active=["w0", "w1"], spares=[], bytes_moved=0, step=4,
                   given=["w2"]),
                ev(7.35, "lease_returned", worker="w2", why="preempted")]
     events += [ev(7.5 + 0.5 * i, "step_committed", step=4 + i, epoch=1, loss=2.6 - 0.1 * i) for i in range(2)]
     events += [ev(9.0, "lease_granted", worker="w3", host="host-c", lease="lease-4"),
+               ev(9.5, "placement_changed", epoch=2, active=["w0", "w1", "w3"], spares=[], why="grow"),
                ev(9.5, "grown", epoch=2, promoted=["w3"], active=["w0", "w1", "w3"], spares=[], bytes_moved=1024,
                   step=6)]
     events += [ev(10.0 + 0.5 * i, "step_committed", step=6 + i, epoch=2, loss=2.4 - 0.1 * i) for i in range(2)]
@@ -164,6 +166,15 @@ def test_the_html_of_a_pool_run_has_its_shared_pool_card():
     items = re.findall(r"<li><span class='nw'>([^<]*)</span> <b>([^<]*)</b> ([^<]*)</li>", card)
     assert len(items) == 12 and items[5] == ("7.20 s", "preempted", "1 host(s) asked back; gave w2 at step 4")
     assert EVIL not in page and "&lt;script&gt;" in card   # the pool's status line is text, escaped
+
+
+def test_the_timeline_s_slices_lane_drops_when_the_run_gives_hosts_back_and_rises_when_it_grows():
+    """The lane follows the run's placement as its state folds it: 3 slices, 2 from the release at step 4 (the
+    lane stayed at 3 across it), 3 again from the grow; the release has a marker of its own."""
+    page = render_html(build_report(pool_events()), pool_events())
+    lane = page[page.index("<svg id='timeline'"):page.index("</svg>", page.index("<svg id='timeline'"))]
+    assert re.findall(r"font-size='10' text-anchor='start' fill='#0d47a1' >(\d+)</text>", lane) == ["3", "2", "3"]
+    assert "gave back to the pool: 2 left" in lane and "grown to 3" in lane
 
 
 def test_the_summary_of_a_pool_run_has_its_pool_row():
