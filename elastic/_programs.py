@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from elastic.stages import StageCutError, cut_at_stage, probe_stages
-from runtime import MESH_AXIS, ProgramExportError, ProgramSet, StagePrograms, program_fingerprint
+from runtime import MESH_AXIS, CheckpointTree, ProgramExportError, ProgramSet, StagePrograms, program_fingerprint
 
 __all__ = ["build_programs", "shard_dim", "export_program", "program_fingerprints", "trace_init", "used_inputs"]
 
@@ -104,6 +104,7 @@ def build_programs(
     apply_fn: Callable | None = None,      # (state, mean grads pytree) -> state }
     eval_fn: Callable | None = None,       # (state, batch) -> (loss total, weight); default (grad's loss, 1)
     checkpoint_tree=None,        # runtime.state.checkpoint_tree.CheckpointTree: how checkpoints name the leaves
+                                 # (a loss and an optimizer's: params/... and opt_state/..., by their pytree paths)
     evaluate: bool = False,      # also export ``eval`` (the loss of one microbatch, forward only): eval is configured
 ) -> ProgramSet:
     """Traces and exports a run's programs, for ``num_stages`` stages on slices of ``devices_per_slice``
@@ -123,6 +124,7 @@ def build_programs(
                                  num_microbatches, platform)
             return ProgramSet(stages)
         init_state, grad_fn, apply_fn = _loss_step(init_params, loss, optimizer)
+        checkpoint_tree = checkpoint_tree or _trainer_tree
     elif num_stages != 1:
         raise ValueError(f"num_stages={num_stages}: a step's own parts (init_state, grad_fn, apply_fn) are one "
                          "stage; cut a loss and an optimizer instead")
@@ -146,6 +148,27 @@ def _loss_step(init_params: Callable, loss: Callable, opt) -> tuple[Callable, Ca
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
     return init_state, grad_fn, apply_fn
+
+
+def _trainer_tree(state) -> CheckpointTree | None:
+    """How an ``elastic.Trainer``'s checkpoints name its state ``(params, optimizer state)`` (abstract): ``params/...``
+    and ``opt_state/...`` by each leaf's path in its pytree (dict keys, attribute names, list places), so a later
+    run's ``load_parameters_path`` picks the parameters out by name (a model whose tree has no such names, e.g.
+    a custom pytree node: None, stored flat as before)."""
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names: list = ["params" if path[0].idx == 0 else "opt_state"]
+        for key in path[1:]:
+            if isinstance(key, jax.tree_util.DictKey):
+                names.append(str(key.key))
+            elif isinstance(key, jax.tree_util.GetAttrKey):
+                names.append(key.name)
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                names.append(key.idx)
+            else:
+                return None
+        paths.append(tuple(names))
+    return CheckpointTree.named(paths)
 
 
 def _batch_shapes(batch_spec: dict, d: int) -> dict:
@@ -176,8 +199,11 @@ def _whole_gradient(init_state, grad_fn, apply_fn, batch_spec, d, num_microbatch
 
     # Programs take and return the state as a flat list of arrays: the
     # serialized form then needs no knowledge of the user's pytree types.
-    state_shapes, treedef = jax.tree.flatten(trace_init(init_state))
+    state_tree = trace_init(init_state)
+    state_shapes, treedef = jax.tree.flatten(state_tree)
     state_dim_list = [shard_dim(s.shape, d) for s in state_shapes]
+    if callable(checkpoint_tree):   # derived from the state (an elastic.Trainer's: _trainer_tree)
+        checkpoint_tree = checkpoint_tree(state_tree)
     _check_tree(checkpoint_tree, state_shapes)
 
     def init(seed):

@@ -38,11 +38,12 @@ from types import MappingProxyType
 
 from elastic.config import MODEL_KEYS, OUTPUT, RECOVERY, RUNTIME, Config, ConfigError, keys_with, no_recovery_values
 from elastic.config_checks import HARDWARE
-from runtime import (POOL_TOKEN_ENV, ControllerOptions, TlsFiles, default_snapshot_root, default_worker_platform,
-                     ray_available)
+from runtime import (POOL_TOKEN_ENV, BadInputError, ControllerOptions, TlsFiles, default_snapshot_root,
+                     default_worker_platform, locate_checkpoint, ray_available)
 
 __all__ = ["NOT_FROM_CONFIG", "PLATFORM_OF_HARDWARE", "READ_ELSEWHERE", "RunSettings", "checkpoint_directory",
-           "compilation_cache_dir", "controller_options", "export_platform", "in_config_terms", "run_settings"]
+           "compilation_cache_dir", "controller_options", "export_platform", "in_config_terms", "parameters_path",
+           "run_settings"]
 
 # Config key -> ControllerOptions field, copied as is.
 _TO_CONTROLLER: Mapping[str, str] = MappingProxyType({
@@ -182,7 +183,7 @@ def run_settings(cfg: Config) -> RunSettings:
                        compilation_cache_dir=compilation_cache_dir(cfg), trainer=cfg.elastic_trainer,
                        goodput_recording=cfg.enable_goodput_recording,
                        goodput_cloud_logging=cfg.elastic_goodput_cloud_logging, platform=export_platform(cfg),
-                       parameters_from=_absolute(cfg.load_parameters_path),
+                       parameters_from=parameters_path(cfg.load_parameters_path),
                        pipeline_stages=cfg.dcn_pipeline_parallelism, pipeline_schedule=cfg.elastic_pipeline_schedule,
                        hosts_per_slice=cfg.elastic_hosts_per_slice, tensorboard=cfg.enable_tensorboard,
                        metrics_file=cfg.metrics_file, log_period=cfg.log_period,
@@ -238,6 +239,25 @@ def checkpoint_directory(cfg: Config, run_dir: str | pathlib.Path) -> str:
     return _absolute(cfg.elastic_checkpoint_directory or os.path.join(str(run_dir), "checkpoints"))
 
 
+def parameters_path(value: str) -> str:
+    """The checkpoint ``load_parameters_path`` (``value``) names, absolute: one checkpoint as given (``<dir>/<step>``,
+    MaxText's ``<dir>/<step>/items``, a parameter-only checkpoint holding ``items``); a checkpoint directory (a run's
+    ``checkpoints``): its newest complete checkpoint's ``<dir>/<step>`` when the run starts (MaxText's ``<d>``
+    holding step ``d + 1`` for one its trainer wrote). What names neither (or a gs:// URL) is returned as given,
+    for the preflight (``elastic.preflight.check_load_parameters_path``) to say what is wrong with it."""
+    path = _absolute(value)
+    if not path or "://" in path or os.path.isdir(os.path.join(path.removesuffix("/items"), "items")):
+        return path
+    try:
+        directory, step = locate_checkpoint(path)
+    except BadInputError:
+        return path
+    for name in (str(step), str(step - 1)):   # jax-elastic's <step>, else MaxText's <step - 1>
+        if os.path.isdir(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    return path   # (a slice of several hosts keeps <dir>/host<h>-of-<n>/<step>: no parameters by name there)
+
+
 def _absolute(value: str) -> str:
     """A gs:// URL as is; a local path made absolute ("" stays "")."""
     if not value or value.startswith("gs://"):
@@ -259,7 +279,7 @@ def controller_options(cfg: Config, run_dir: str | pathlib.Path) -> ControllerOp
                              checkpoint_directory=checkpoint_directory(cfg, run_dir),
                              checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
                              platform=export_platform(cfg), load_full_state_path=_absolute(cfg.load_full_state_path),
-                             load_parameters_path=_absolute(cfg.load_parameters_path),
+                             load_parameters_path=parameters_path(cfg.load_parameters_path),
                              snapshot_directory=cfg.elastic_snapshot_directory or default_snapshot_root(),
                              secret=_secret(cfg), standby_workers=cfg.standby_workers, **_address(cfg),
                              **{option: getattr(cfg, key) for key, option in _TO_CONTROLLER.items()})

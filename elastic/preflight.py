@@ -324,7 +324,11 @@ def check_load_parameters_path(path: str, programs, checkpoint_directory: str = 
                           "use load_full_state_path with a whole state")
     root = path.rstrip("/").removesuffix("/items")
     if "://" not in root and not os.path.isdir(os.path.join(root, "items")):
-        what = "does not exist" if not os.path.exists(path) else "holds no 'items' tree (a checkpoint's <dir>/<step>)"
+        what = ("does not exist" if not os.path.exists(path) else
+                "holds its state as a flat list that names no parameters (an older jax-elastic wrote it); start "
+                "from it whole with load_full_state_path"
+                if os.path.isdir(os.path.join(root, "state")) else
+                "holds no 'items' tree (a checkpoint's <dir>/<step>, or a run's checkpoint directory)")
         raise ConfigError(f"config key load_parameters_path {path!r} {what}")
 
 

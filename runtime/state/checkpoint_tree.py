@@ -73,6 +73,48 @@ class CheckpointTree:
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a checkpoint tree ({type(e).__name__}: {e})") from None
 
+    @classmethod
+    def named(cls, paths: Sequence[tuple[str | int, ...]]) -> CheckpointTree | None:
+        """The tree placing leaf ``i`` at ``paths[i]``: its path in the state's pytree, each step a string (a dict
+        key, an attribute name: a key of the tree) or an int (a position in a sequence: a place in a list; places no
+        leaf takes are empty nodes). None when the paths do not make one tree (a path that is a prefix of another,
+        a node that is both a dict and a list, a key orbax could not tell apart: empty, or with "." or "/"): the
+        state is then stored flat. Pure; the caller (``elastic``'s
+        program builder, for an ``elastic.Trainer``'s ``(params, optimizer state)``) takes the paths from JAX."""
+        root: dict = {}
+        for index, path in enumerate(paths):
+            if not path:
+                return None
+            node = root
+            for step, key in enumerate(path):
+                if isinstance(key, str) and (not key or "." in key or "/" in key):
+                    return None   # orbax joins a leaf's keys with "." into a file name: "a.b" and a/b would clash
+                last = step == len(path) - 1
+                if key in node and (last or not isinstance(node[key], dict)):
+                    return None   # two leaves at one place, or a leaf where another path goes on
+                if last:
+                    node[key] = index
+                else:
+                    node = node.setdefault(key, {})
+
+        def build(node):
+            if not isinstance(node, dict):
+                return node
+            keys = list(node)
+            if all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+                if min(keys) < 0:
+                    raise ValueError("a negative position")
+                return [build(node[i]) if i in node else None for i in range(max(keys) + 1)]
+            if all(isinstance(k, str) for k in keys):
+                return {k: build(v) for k, v in node.items()}
+            raise ValueError("a node both a dict and a list")
+
+        try:
+            skeleton = build(root)
+            return cls(skeleton, tuple((None, None) for _ in paths))
+        except ValueError:
+            return None
+
     def __len__(self) -> int:
         return len(self.leaves)
 

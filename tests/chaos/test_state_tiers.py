@@ -222,7 +222,7 @@ def test_a_killed_client_resumes_from_the_newest_checkpoint_with_the_same_run_na
     complete = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert len(complete) >= 2, complete   # (the test waits for two, so one can be spoiled)
     newest = run_dir / "checkpoints" / str(complete[-1])
-    for f in (newest / "state").rglob("*"):   # spoil the newest: its arrays no longer match its record
+    for f in (newest / "items").rglob("*"):   # spoil the newest: its arrays no longer match its record
         if f.is_file() and f.stat().st_size > 1000:
             f.write_bytes(f.read_bytes()[:-1000])
 

@@ -56,6 +56,14 @@ def test_a_tree_places_every_leaf_once_and_names_what_is_wrong():
         CheckpointTree.from_json({"leaves": []})
 
 
+def test_a_tree_named_by_pytree_paths_places_each_leaf_at_its_path_or_is_none():
+    tree = CheckpointTree.named([("params", "w"), ("opt_state", 0, "mu", "w"), ("opt_state", 2)])
+    assert tree.skeleton == {"params": {"w": 0}, "opt_state": [{"mu": {"w": 1}}, None, 2]}   # place 1: an empty node
+    assert CheckpointTree.named([("a",), ("a", "b")]) is None          # a leaf where another path goes on
+    assert CheckpointTree.named([("a", 0), ("a", "b")]) is None        # a dict and a list at once
+    assert CheckpointTree.named([("a.b",), ("a", "b")]) is None        # orbax would write both as a.b
+
+
 def test_items_hold_each_leaf_at_its_place_in_its_stored_dtype_and_come_back_as_they_were():
     state = leaves(5)
     items = to_items(state, TREE)
@@ -163,3 +171,46 @@ def test_load_parameters_path_is_refused_in_one_line_when_a_fresh_start_could_no
         check_load_parameters_path(str(tmp_path / "nowhere"), named)
     # A run that resumes its own checkpoints never reads it (as MaxText): nothing to refuse.
     check_load_parameters_path(str(tmp_path / "nowhere"), named, str(tmp_path / "ckpt"), 10)
+
+
+def test_the_bundled_models_checkpoints_name_its_parameters_so_a_later_run_starts_from_them(tmp_path):
+    # `elastic run tiny enable_checkpointing=true run_name=a`, then `... load_parameters_path=<a's checkpoints>`:
+    # b's parameters are a's, its optimizer state its own fresh one (MaxText's load_parameters_path).
+    import elastic
+    from elastic.cli_support import bundled_trainer
+    from elastic.options import parameters_path
+    from elastic.preflight import check_load_parameters_path
+    from runtime.worker.reference import LocalRun
+    from runtime.worker.worker_state import with_parameters
+
+    cfg = elastic.load_config("tiny", ["dcn_data_parallelism=1", "ici_fsdp_parallelism=1", "elastic_microbatches=2",
+                                       f"base_output_directory={tmp_path}"])
+    programs = bundled_trainer(cfg).programs()
+    tree = CheckpointTree.from_json(programs.checkpoint_tree)
+    assert tree.skeleton["params"]["layer_0"]["qkv"] == 7 and "mu" in tree.skeleton["opt_state"][0]
+    a = LocalRun(programs, None)
+    a.load()
+    a.init(1)
+    (ex,) = a.stages
+    trained = [x + 1 for x in ex.host_state()]   # any state other than b's own init
+    CheckpointStore(str(tmp_path / "ckpt"), tree=tree, async_save=False).save(
+        3, trained, digest=state_digest(trained))
+    assert parameters_path(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / "3")   # a directory: its newest
+    check_load_parameters_path(parameters_path(str(tmp_path / "ckpt")), programs)   # not refused
+    b = LocalRun(programs, None)
+    b.load()
+    b.init(0)
+    fresh = b.stages[0].host_state()
+    got, _ = with_parameters(b.stages[0], str(tmp_path / "ckpt" / "3"))
+    params = set(leaf_indices(tree.skeleton["params"]))
+    assert params == set(range(16))   # the 4 + 2 x 6 weights; adam's count, mu and nu are the rest
+    for i, x in enumerate(got):
+        np.testing.assert_array_equal(x, trained[i] if i in params else fresh[i])
+
+
+def leaf_indices(node):
+    if isinstance(node, dict):
+        return [i for v in node.values() for i in leaf_indices(v)]
+    if isinstance(node, list):
+        return [i for v in node for i in leaf_indices(v)]
+    return [] if node is None else [node]
