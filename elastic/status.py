@@ -307,7 +307,7 @@ def cmd_status(args) -> int:
 def cmd_stacks(args) -> int:
     """``elastic stacks``: every worker's and the client's Python stacks, asked of the live client."""
     from elastic.cli_support import usage_error
-    from runtime import stacks_text
+    from runtime import pick_processes, stacks_text
 
     try:
         rd = open_run_dir(args.run_dir)
@@ -319,7 +319,11 @@ def cmd_stacks(args) -> int:
         also = f"; stacks kept when a worker hung are in {kept}" if kept.is_dir() else ""
         print(f"elastic: error: no stacks: {why} (stacks come from a running client){also}", file=sys.stderr)
         return 1
-    print(stacks_text(live["stacks"]), end="")
+    try:
+        processes = pick_processes(live["stacks"], args.worker or (), client=args.client)
+    except ValueError as e:
+        return usage_error(str(e))
+    print(stacks_text(processes, idle=args.all), end="")
     return 0
 
 
@@ -332,8 +336,15 @@ def register(sub) -> None:
     st.add_argument("--json", action="store_true", help="print once as JSON (for scripts)")
     st.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default: 1)")
     st.set_defaults(handler=cmd_status)
-    sk = sub.add_parser("stacks", help="the Python stacks of every worker and of the client of a running run")
+    sk = sub.add_parser("stacks", help="the Python stacks of every worker and of the client of a running run",
+                        description="Prints the Python stacks of a running run's processes, the threads that wait "
+                                    "idle (thread pools' spare workers, gRPC's pollers, streams between messages, "
+                                    "accept loops) counted in one line per process instead of shown.")
     sk.add_argument("run_dir")
+    sk.add_argument("--worker", action="append", metavar="ID",
+                    help="only this worker's stacks (a slice's hosts: all of them); repeat for more")
+    sk.add_argument("--client", action="store_true", help="only the client's stacks (with --worker: those too)")
+    sk.add_argument("--all", action="store_true", help="every thread, the idle ones too")
     sk.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS",
                     help="how long each worker may take to answer (default: 2)")
     sk.set_defaults(handler=cmd_stacks)

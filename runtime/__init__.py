@@ -22,6 +22,7 @@ _LAZY = {
     "RunState": ("runtime.control.run_state", "RunState"),
     "inspect_run": ("runtime.control.inspect", "inspect_run"),
     "stacks_text": ("runtime.core.stacks", "stacks_text"),
+    "pick_processes": ("runtime.core.stacks", "pick_processes"),
     "Reattach": ("runtime.control.attach", "Reattach"),
     "can_attach": ("runtime.control.attach", "can_attach"),
     **{name: ("runtime.core.errors", name) for name in (
@@ -137,6 +138,7 @@ __all__ = [
     "pool_host_main",
     "inspect_run",
     "stacks_text",
+    "pick_processes",
     "CapacityExhaustedError",
     "UserInputError",
     "DeviceMismatchError",
