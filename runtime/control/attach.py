@@ -11,7 +11,9 @@ the programs. A new client of the same run (the same command, the same
    it wake; each answers its applied steps, state hash, recent loss sums and
    snapshots. A worker that loaded other programs refuses, with nothing
    changed (:class:`~runtime.core.errors.AttachRefusedError`: the model
-   changed); one that does not answer is declared dead;
+   changed); one that does not answer is declared dead; one the dead client
+   had not placed yet (relaunched, or joined, and not warmed) warms again
+   and joins as a newcomer;
 2. records ``client_attached`` (the same attempt goes on: the fold resets
    nothing);
 3. brings the run whole as after any failure
@@ -71,7 +73,8 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     rl = ctl.sampling is not None
     known = {w: info for w, info in s.registered.items() if w not in s.dead and not (rl and is_sampler(w))}
     pipelined = s.placement is not None and s.placement.stages > 1
-    replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None)
+    replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None,
+                           placed=s.placement.members)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
                     workers={w: _attached(r, known[w]) for w, r in sorted(replies.items())},

@@ -99,7 +99,7 @@ def load_request(fence: pb.Fence, programs: ProgramSet, data_source: bytes, opts
              for k, v in programs.programs().items()]
     return pb.LoadRequest(fence=fence, programs=progs, data_source=data_source,
                           layout=programs.layout_json(), lease_seconds=opts.worker_lease_seconds,
-                          client_grace_seconds=opts.client_grace_seconds, chunk_bytes=opts.chunk_bytes,
+                          chunk_bytes=opts.chunk_bytes,
                           checkpointing=bool(opts.checkpoint_directory and opts.checkpoint_period),
                           snapshot_directory=snapshot_root)
 

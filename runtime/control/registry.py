@@ -8,7 +8,10 @@ it ends a registration that cannot describe a worker with INVALID_ARGUMENT
 (:meth:`Registry.malformed`, pure) and records nothing. Once the run ended
 (:meth:`Registry.end`) every registration is answered ``run_ended`` and
 recorded nowhere: the worker has nothing to join and exits 0. ``refusals``
-counts the calls the controller's server refused for their run secret.
+counts the calls the controller's server refused for their run secret. Every
+worker it accepts is told the run's client grace with its answer, so each
+process of the run outlives its client for the grace however and whenever it
+was started, loaded or not.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ class Registry(pb_grpc.ControllerServicer):
     """
 
     def __init__(self, run_id: str, events: EventLog, refuse, generation: int = 0, waits=lambda worker: False,
-                 hosts_per_slice: int = 1):
+                 hosts_per_slice: int = 1, client_grace: float = 0.0):
         self.run_id, self.generation = run_id, generation
+        self.client_grace = client_grace   # told every worker it accepts: how long it outlives this client
         self.hosts_per_slice = hosts_per_slice   # a slice registers once all its hosts did (runtime.core.hosts)
         self._forming: dict[str, dict[int, WorkerInfo]] = {}   # slice -> its hosts registered so far
         self.waits = waits   # worker id -> whether a fenced worker asking to rejoin should wait to be taken back
@@ -87,7 +91,7 @@ class Registry(pb_grpc.ControllerServicer):
                 forming = self._forming.setdefault(request.worker_id, {})
                 forming[request.slice_host] = info
                 if len(forming) < hosts:
-                    return pb.RegisterReply(accepted=True, generation=self.generation)
+                    return self._accepted()
                 info = slice_info(request.worker_id, [forming[k] for k in range(hosts)])
                 del self._forming[request.worker_id]
             self.add(info)
@@ -95,7 +99,12 @@ class Registry(pb_grpc.ControllerServicer):
                          devices=info.num_devices, platform=info.platform, pid=info.pid, host=info.host,
                          data_address=info.data_address,
                          **({"hosts": info.host_records()} if info.hosts else {}))
-        return pb.RegisterReply(accepted=True, generation=self.generation)
+        return self._accepted()
+
+    def _accepted(self) -> pb.RegisterReply:
+        """The answer to a worker (or a host of a slice) that joins: this client's generation and its grace, the
+        one place a worker of the run learns how long to outlive its client."""
+        return pb.RegisterReply(accepted=True, generation=self.generation, client_grace_seconds=self.client_grace)
 
     def add(self, info: WorkerInfo) -> None:
         """Records a worker as registered (a registration, or one a restarted client attached)."""

@@ -424,8 +424,7 @@ class WorkerCalls:
         return pb.LoadRequest(fence=self._fence(), data_source=programs.prompts, layout=programs.layout_json(),
                               programs=[pb.Program(name=name, serialized=blob, sha256=hashlib.sha256(blob).hexdigest())
                                         for name, blob in programs.programs().items()],
-                              lease_seconds=self.opts.worker_lease_seconds, chunk_bytes=self.opts.chunk_bytes,
-                              client_grace_seconds=self.opts.client_grace_seconds)
+                              lease_seconds=self.opts.worker_lease_seconds, chunk_bytes=self.opts.chunk_bytes)
 
     def publish_weights(self, workers, leaves, dtype: str) -> dict[str, pb.PublishWeightsReply]:
         """Each trainer in ``workers`` keeps its state's ``leaves`` as the weights version its applied steps

@@ -112,7 +112,8 @@ class WorkerGroup:
         self.epoch = 0
         self.generation = opts.generation
         self.registry = Registry(run_id, events, refuse=self._why_fenced, generation=opts.generation,
-                                 waits=self._may_take_back, hosts_per_slice=opts.hosts_per_slice)
+                                 waits=self._may_take_back, hosts_per_slice=opts.hosts_per_slice,
+                                 client_grace=opts.client_grace_seconds)
         host = listen_host(opts)
         try:
             self.server, port = rpc.make_server(host, opts.port, max_workers=8, secret=secret, tls=opts.tls,
@@ -222,11 +223,13 @@ class WorkerGroup:
         self.launcher.launch(wid, self._hosts[wid], devices=self.opts.rl_sampler_devices if sampler else 0)
         return wid
 
-    def attach(self, known: dict[str, WorkerInfo], registered, stages: Mapping[str, int] | None = None
-               ) -> dict[str, pb.AttachReply]:
+    def attach(self, known: dict[str, WorkerInfo], registered, stages: Mapping[str, int] | None = None,
+               placed=None) -> dict[str, pb.AttachReply]:
         """A restarted client takes over the live workers of ``known`` (``{worker: WorkerInfo}`` from the
         log; ``registered``: every worker the attempt had, to number new ones after them): each adopts this
-        client's generation and answers what it holds; one that does not answer is declared dead.
+        client's generation and answers what it holds; one that does not answer is declared dead. One that
+        answers and is not in ``placed`` (the log's placement: a worker relaunched or joined that the dead
+        client had not placed yet) warms again as a newcomer does (:meth:`warm_newcomers`).
         ``AttachRefusedError`` when one runs other programs (see :mod:`runtime.control.attach`). A pipelined
         run's workers may run any stage's programs: each is recorded as of the stage ``stages`` gives it (its
         slice's), else of the stage whose programs it answers it runs (a spare)."""
@@ -255,6 +258,8 @@ class WorkerGroup:
             self.registry.add(info)
             self._watch(info)
             self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else r.pid)
+            if placed is not None and w not in placed:
+                self._warming[w] = self.calls.start_load(w)
         return replies
 
     def _reach(self, known: dict[str, WorkerInfo]) -> None:

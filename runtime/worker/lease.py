@@ -23,12 +23,16 @@ the state:
   lease (:meth:`Lease.heard`), never a peer's.
 
 **The client's grace.** A worker whose client is gone (its owner process
-died, or its lease lapsed) and that holds a state keeps it and its programs
-for ``client_grace_seconds`` (:meth:`Lease.lose_client`), fenced: no step
-of the old client applies. A restarted client of the same run takes it back
-with a newer generation (:meth:`Lease.attach`); when the grace runs out
-first (:meth:`Lease.grace_over`), the worker exits as it would have at
-once without a grace.
+died, or its lease lapsed) waits for ``client_grace_seconds``
+(:meth:`Lease.lose_client`), fenced, keeping whatever it holds (a state, its
+programs, or nothing yet: a worker relaunched, a spare, a newcomer not yet
+loaded): no step of the old client applies. Every worker of the run learns
+the grace as it joins (its registration's answer, :meth:`Lease.joined`),
+whatever started it and whenever, so none dies with its client for having
+joined late. A restarted client of the same run takes it back with a newer
+generation (:meth:`Lease.attach`, bringing its own grace); when the grace
+runs out first (:meth:`Lease.grace_over`), the worker exits as it would have
+at once without a grace.
 
 **Joining.** A worker learns the client generation it serves from its
 registration's answer; the controller may call it as soon as it registered,
@@ -75,7 +79,6 @@ class Lease:
         self.last_contact = time.monotonic()  # of the controller's last authenticated call
         self.fenced = ""                      # why this worker fenced itself ("" while a member)
         self.client_grace = 0.0               # seconds it waits for a new client once its client is gone
-        self.holds_weights = lambda: False    # an RL sampler: it holds a weights version (kept through the grace too)
         self.client_lost_at: float | None = None   # time.monotonic() when the client was lost (None: it is not)
         self.owner: Owner | None = None       # the client process watched (runtime.core.owner.Owner), if any
         self.controller = ""                  # host:port the worker registers with (a new client may move it)
@@ -92,10 +95,10 @@ class Lease:
         checked."""
         self._joined.clear()
 
-    def joined(self, generation: int) -> None:
+    def joined(self, generation: int, client_grace: float = 0.0) -> None:
         """The registration was answered: this worker serves client ``generation`` (a fresh worker serves the
-        generation it joined)."""
-        self.generation = generation
+        generation it joined) and outlives it for ``client_grace`` seconds."""
+        self.generation, self.client_grace = generation, client_grace
         self._joined.set()
 
     def check_fence(self, fence: pb.Fence) -> None:
@@ -145,20 +148,26 @@ class Lease:
     # -- the client's grace ------------------------------------------------------
 
     def lose_client(self, why: str) -> bool:
-        """The client is gone (``why``): with a grace and a state to keep, fences this worker and starts the
-        grace (True); else False (the worker exits now, as without a grace: a worker without a state, a spare
-        that only loaded the programs, is relaunched by the next client if it needs one)."""
-        executor = self._replica.executor
-        holds = (executor is not None and executor.state is not None) or self.holds_weights()
-        if not self.client_grace or not holds:
+        """The client is gone (``why``): with a grace, fences this worker and starts the grace (True), whatever it
+        holds (a worker not loaded yet waits too: the restarted client attaches it and loads it); else False (the
+        worker exits now)."""
+        if not self.client_grace:
             return False
         if self.client_lost_at is None:
             self.client_lost_at = time.monotonic()
             self.fenced = self.fenced or why
             self.serving(False)
-            log.warning("%s: keeping the state for a client of run %s for %.0f s", why, self.run_id, self.client_grace)
+            log.warning("%s: keeping %s for a client of run %s for %.0f s", why, self._held(), self.run_id,
+                        self.client_grace)
             self._replica.abort_step()
         return True
+
+    def _held(self) -> str:
+        """What this worker keeps through the grace, in a log line's words."""
+        executor = self._replica.executor
+        if executor is not None and executor.state is not None:
+            return "the state"
+        return "its programs" if executor is not None else "what it holds"
 
     def grace_over(self) -> bool:
         """The client was lost longer than the grace ago (and none attached since)."""

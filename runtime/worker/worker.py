@@ -171,9 +171,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._guard(context, load)
 
     def _take_lease(self, request) -> None:
-        """A ``Load`` that succeeded: the lease and the client grace it names, counted from now."""
+        """A ``Load`` that succeeded: the lease it names, counted from now (the client grace came with the
+        registration's answer: :meth:`~runtime.worker.lease.Lease.joined`)."""
         self.lease.seconds = request.lease_seconds
-        self.lease.client_grace = request.client_grace_seconds
         self.lease.last_contact = time.monotonic()
 
     def _load_sampler(self, request, layout: dict, chunk_bytes: int) -> pb.LoadReply:
@@ -185,7 +185,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         probe_seconds = time.perf_counter() - t0
         compile_seconds = sampler.load()
         self.sampler, self._chunk_bytes = sampler, chunk_bytes
-        self.lease.holds_weights = lambda: sampler.version is not None
         self.state_mover.fingerprint = programs_fingerprint(blobs)
         self._take_lease(request)
         return pb.LoadReply(compile_seconds=compile_seconds, devices_probed=probed, probe_seconds=probe_seconds)
@@ -453,8 +452,10 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 def _check_seconds(request) -> None:
-    """``Load`` and ``Attach``: the lease and the client grace are finite numbers of seconds >= 0."""
+    """``Load`` and ``Attach``: the lease (and an Attach's client grace) are finite numbers of seconds >= 0."""
     for name in ("lease_seconds", "client_grace_seconds"):
+        if name not in request.DESCRIPTOR.fields_by_name:
+            continue
         value = getattr(request, name)
         if not (math.isfinite(value) and value >= 0):
             raise ProtocolError(f"{name}={value} is not a number of seconds >= 0")

@@ -5,10 +5,12 @@
 port 0 unless told otherwise, registers its address with the controller, and
 exits when told to shut down, when the run's owner (the client that
 launched it, ``--owner-pid``; see :mod:`runtime.core.owner`) dies, or when it
-fenced itself and the controller refused to take it back. A worker given a
-client grace (``elastic_client_grace_seconds``) and holding a state outlives
-its client instead: fenced, holding its state, it waits that long for a
-restarted client of the run to attach it, then exits as it would have.
+fenced itself and the controller refused to take it back. A worker whose
+run has a client grace (``elastic_client_grace_seconds``, told with its
+registration's answer) outlives its client instead, whether it holds a
+state or has loaded nothing yet: fenced, keeping what it holds, it waits
+that long for a restarted client of the run to attach it, then exits as it
+would have.
 Locally launched workers run in a process group of their own, so a signal to the
 client's process group (a terminal closing) does not reach them.
 
@@ -147,7 +149,7 @@ def serve(controller: str, run_id: str, worker_id: str, host: str = "127.0.0.1",
             log.warning("%s: nothing to do; exiting", reply.reason)
             return EXIT_SHUTDOWN
         raise SystemExit(f"controller refused worker {worker_id}: {reply.reason}")
-    lease.joined(reply.generation)   # the client generation it joined (a fresh worker serves it)
+    lease.joined(reply.generation, reply.client_grace_seconds)   # the client generation it joined, and its grace
     log.info("worker %s%s serving on %s with %d %s devices (%s)", worker_id,
              f" (host {slice_host} of {slice_hosts})" if slice_hosts > 1 else "", address, len(devices),
              devices[0].platform, ", ".join(sorted({d.device_kind for d in devices})))
@@ -178,7 +180,7 @@ def _serve_run(service: WorkerService, register, register_timeout: float, health
     """Watches the run until this worker must go; returns its exit status.
 
     It goes when told to shut down; when its owner died or its lease lapsed,
-    at once without a client grace (or a state to keep), else once the grace
+    at once without a client grace, else once the grace
     ran out with no new client attached; when it fenced itself and its
     client, asked, refused to take it back (the run moved on without it).
     """

@@ -139,6 +139,10 @@ def test_a_client_killed_as_the_state_transfer_of_a_recovery_begins(where):
     assert not kinds(events[:events.index(client)], "state_transferred")
     [promise] = report["promises"]
     assert promise["failures"] == [0, 1] and promise["left"]["replicas"] == ["w0"]
+    # The spare the transfer was for had its programs and no state yet: it outlived its client for the grace
+    # too (every worker of the run does, whatever it holds), and the restarted client re-attached it.
+    [attached] = kinds(events, "client_attached")
+    assert attached["lost"] == [] and sorted(attached["workers"]) == ["w0", "w2"]
 
 
 def test_a_client_stopped_past_the_lease_is_taken_over_and_refused_when_it_wakes(where):

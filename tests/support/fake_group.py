@@ -213,9 +213,10 @@ class FakeGroup:
     def detach(self):
         self.calls.append(("detach",))
 
-    def attach(self, known, registered, stages=None):
+    def attach(self, known, registered, stages=None, placed=None):
         """A restarted client's attach: the workers of ``known`` that live (this group's ``replicas``, shared
-        with the dead client's group by the test) take it; the others are declared dead."""
+        with the dead client's group by the test) take it; the others are declared dead. One not in ``placed``
+        warms again as a newcomer (it is left unadopted for :meth:`warm_newcomers`)."""
         self._launched = max([self._launched, *(int(w[1:]) + 1 for w in registered)])
         out = {}
         for w in known:
@@ -223,7 +224,8 @@ class FakeGroup:
                 self.declare_dead(w, "did not answer the restarted client", cause="crash")
                 continue
             r = self.replicas[w]
-            self.adopted.add(w)
+            if placed is None or w in placed:
+                self.adopted.add(w)
             out[w] = pb.AttachReply(worker_id=w, address=f"fake:{w}", num_devices=self.devices, platform="cpu",
                                     pid=2, host="", applied_steps=r.applied if r else -1)
         return out

@@ -116,3 +116,19 @@ def test_a_log_without_a_state_yet_is_not_re_attached(tmp_path):
     ctl.begin(STEPS, seed=0)
     events.close()
     assert isinstance(ctl.phase, Starting) and not can_attach(RunState.replay(read_events(tmp_path / "events.jsonl")))
+
+
+def test_a_worker_the_dead_client_had_not_placed_yet_is_attached_and_joins_the_run(tmp_path):
+    """A worker relaunched (or joined) that registered just before its client died outlives it (its grace came
+    with its registration's answer): the restarted client attaches it and warms it as a newcomer."""
+    group, path = _client_dies_after(tmp_path, 3)
+    events = EventLog(path)
+    group.replicas["w3"] = None   # registered, never loaded: the dead client had not warmed it yet
+    events.emit("worker_registered", worker="w3", address="fake:w3", devices=2, platform="cpu", pid=2, host="")
+    events.close()
+    result, new, log = _restart(tmp_path, group, path)
+    assert result.losses == expected_losses(STEPS)
+    [attached] = kinds(new, "client_attached")
+    assert sorted(attached["workers"]) == ["w0", "w1", "w2", "w3"] and attached["lost"] == []
+    assert [e["worker"] for e in kinds(new, "worker_warmed")] == ["w3"]
+    assert "w3" in kinds(new, "placement_changed")[-1]["spares"]

@@ -181,9 +181,9 @@ def test_a_slice_stub_calls_each_host():
     assert reply.state_bytes == 21 and calls == [(0, 7, 3.0), (1, 7, 3.0)]
 
 
-def test_a_slice_registers_once_all_its_hosts_did(tmp_path):
+def test_a_slice_registers_once_all_its_hosts_did_and_each_host_learns_the_client_grace(tmp_path):
     events = EventLog(tmp_path / "events.jsonl")
-    registry = Registry("run", events, refuse=lambda w: "", hosts_per_slice=2)
+    registry = Registry("run", events, refuse=lambda w: "", hosts_per_slice=2, client_grace=45.0)
 
     class Context:
         def abort(self, code, details):
@@ -195,11 +195,14 @@ def test_a_slice_registers_once_all_its_hosts_did(tmp_path):
                                                     platform="cpu", pid=1000 + k, slice_host=k, slice_hosts=hosts),
                                  Context())
 
-    assert register(1).accepted and "w0" not in registry.workers   # forming: host 0 has not come
+    first = register(1)
+    assert first.accepted and "w0" not in registry.workers   # forming: host 0 has not come
     assert not register(1).accepted   # host 1 twice
     refused = register(0, hosts=1, wid="w1")
     assert not refused.accepted and "slices have 2 host(s)" in refused.reason
-    assert register(0).accepted
+    last = register(0)
+    assert last.accepted and first.client_grace_seconds == last.client_grace_seconds == 45.0
+    assert not refused.client_grace_seconds   # (a worker refused joins nothing)
     info = registry.workers["w0"]
     assert info.address == "127.0.0.1:100,127.0.0.1:101" and info.data_address == "127.0.0.1:200,127.0.0.1:201"
     assert [h.worker_id for h in info.hosts] == ["w0/0", "w0/1"] and info.pid == 1000

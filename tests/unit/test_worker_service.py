@@ -428,22 +428,24 @@ def test_attach_with_other_programs_is_refused_and_changes_nothing(worker):
     assert reply.fingerprint == "a" * 64 and service.lease.generation == 1
 
 
-def test_only_a_worker_holding_a_state_waits_out_its_grace(monkeypatch):
+def test_a_worker_with_a_grace_waits_it_out_whatever_it_holds(monkeypatch):
+    """The grace comes with the registration's answer (``joined``): a worker relaunched, a spare, a newcomer not
+    loaded yet outlives its client for it as one holding a state does; without a grace every worker exits."""
     import types
 
     service = WorkerService("run", "w")
     try:
-        service.lease.client_grace = 0.0
+        service.lease.joined(0, client_grace=0.0)
         service.replica.executor = types.SimpleNamespace(state=object())
         assert not service.lease.lose_client("gone")   # no grace: it exits at once, as before
-        service.lease.client_grace = 30.0
-        service.replica.executor = types.SimpleNamespace(state=None)
-        assert not service.lease.lose_client("gone")   # programs but no state: nothing to wait with
-        service.replica.executor = types.SimpleNamespace(state=object())
         clock = [100.0]
         monkeypatch.setattr("runtime.worker.lease.time.monotonic", lambda: clock[0])
-        assert service.lease.lose_client("the run's owner is gone")
-        assert service.lease.fenced == "the run's owner is gone" and not service.lease.grace_over()
+        for executor in (None, types.SimpleNamespace(state=None)):   # nothing loaded yet; programs, no state
+            service.lease.joined(0, client_grace=30.0)
+            service.lease.client_lost_at, service.lease.fenced = None, ""
+            service.replica.executor = executor
+            assert service.lease.lose_client("the run's owner is gone")
+            assert service.lease.fenced == "the run's owner is gone" and not service.lease.grace_over()
         clock[0] += 30.5
         assert service.lease.grace_over()
     finally:
