@@ -63,7 +63,8 @@ def _cmd_run(args) -> int:
 
     with progress(cfg.steps, args.quiet) as on_step:
         try:
-            report = trainer.fit(reference=args.reference, on_step=on_step)
+            report = trainer.fit(reference=args.reference, on_step=on_step,
+                                 on_event=getattr(on_step, "observe", None))   # (an RL run's bar: its rewards)
         except ClientSupersededError as e:   # another client drives the run: nothing of it is this one's
             print(f"elastic: this client stops, another one took the run over: {e}", file=sys.stderr)
             return 1

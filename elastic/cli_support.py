@@ -288,7 +288,9 @@ def progress(steps: int, quiet: bool):
     """A context giving an ``on_step`` callback that drives a rich progress bar (or nothing when quiet).
 
     The bar appears with the first committed step, so a run refused or stopped before it (a one-line error, a
-    finished run with nothing to do) prints no empty bar."""
+    finished run with nothing to do) prints no empty bar. ``on_step.observe`` takes the run's events
+    (``Trainer.fit(on_event=...)``): an RL run's bar shows each step's mean reward (its ``rl_step``, written
+    before the step's ``on_step``) instead of its loss, which is about 0 whatever the policy learns."""
     if quiet:
         return contextlib.nullcontext(None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -296,15 +298,28 @@ def progress(steps: int, quiet: bool):
     @contextlib.contextmanager
     def bar():
         shown: list = []   # [(progress, task)] once the first step committed
+        rewards: dict = {}   # an RL run's: step -> its mean reward (None: not known to this client)
+
+        def observe(e):
+            if e.get("kind") == "rl_step":
+                rewards.clear()
+                rewards[e.get("step")] = e.get("mean_reward")
 
         def on_step(step, loss):
             if not shown:
                 p = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), transient=False)
+                             TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), transient=False)
                 p.start()
-                shown.append((p, p.add_task("train", total=steps, loss="-")))
+                shown.append((p, p.add_task("train", total=steps, metric="")))
             p, task = shown[0]
-            p.update(task, completed=step + 1, loss="-" if loss is None else f"{loss:.4f}")
+            if rewards:
+                reward = rewards.get(step)
+                metric = f"reward {'-' if reward is None else f'{reward:.3f}'}"
+            else:
+                metric = f"loss {'-' if loss is None else f'{loss:.4f}'}"
+            p.update(task, completed=step + 1, metric=metric)
+
+        on_step.observe = observe
         try:
             yield on_step
         finally:

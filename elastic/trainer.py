@@ -148,7 +148,8 @@ class _Job:
         return self._run_dir
 
     def fit(self, *, reference: bool = False, on_step: Callable[[int, float], None] | None = None,
-            observer=None, max_seconds: float | None = None, fresh: bool = False) -> dict:
+            observer=None, max_seconds: float | None = None, fresh: bool = False,
+            on_event: Callable[[dict], None] | None = None) -> dict:
         """Trains ``config.steps`` steps; writes the run directory; returns the report.
 
         ``reference=True`` runs the canonical math without workers: in this
@@ -159,7 +160,10 @@ class _Job:
         the same job must match it bit for bit (losses and final state
         digest).
         ``observer``: a :class:`runtime.ControllerObserver` (the chaos
-        harness) told about commits and transfers. ``max_seconds``: stop
+        harness) told about commits and transfers. ``on_event(event)``: each
+        event of this attempt as the run's log writes it (under the log's
+        lock: it must be quick and must not raise; ``elastic run``'s progress
+        bar takes an RL run's rewards from it). ``max_seconds``: stop
         dispatching after this long of training and finish at the last
         committed step (soak runs). ``fresh``: the run starts anew whatever
         the run directory's log holds (a chaos run, judged as one attempt
@@ -258,6 +262,8 @@ class _Job:
                                devices_per_slice=settings.devices_per_slice, fresh=not append, history=history)
         if metrics is not None:
             events.subscribe(metrics.observe)
+        if on_event is not None:
+            events.subscribe(on_event)
         superseded = False
         try:
             events.emit("job_started", t=t0, mode="reference" if reference else "distributed",

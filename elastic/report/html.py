@@ -17,7 +17,7 @@ import time
 from elastic.report.charts import (COLORS, PHASE_COLORS, bar_svg, esc, finite, first_time, fmt_seconds, loss_svg,
                                    phase_color, reward_svg, slice_counts, timeline_svg)
 from elastic.report.goodput import BADPUT_LABELS, goodput as compute_goodput, idle_gaps, intervals
-from elastic.report.summary import bubble_text, pool_text, resumed_text
+from elastic.report.summary import bubble_text, failures_text, pool_text, resumed_text
 
 __all__ = ["render_html", "write_html"]
 
@@ -75,7 +75,13 @@ def _header(report: dict, events: list[dict]) -> str:
     mode = report.get("mode") or "unknown"
     slices = report.get("slices")
     dps = report.get("devices_per_slice")
-    where = "one process (reference)" if mode == "reference" or slices == 0 else f"{slices} slices × {dps} devices"
+    rl = report.get("rl") if isinstance(report.get("rl"), dict) else None
+    where = ("one process (reference)" if mode == "reference" or slices == 0
+             else f"{_count(slices, 'trainer slice' if rl else 'slice')} × {_count(dps, 'device')}")
+    if rl is not None and mode != "reference" and slices != 0:   # the samplers are slices of their own
+        sampler_devices = cfg.get("rl_sampler_devices")
+        where += f" + {_count(rl.get('samplers'), 'sampler')}" + (
+            f" × {_count(sampler_devices, 'device')}" if sampler_devices is not None else "")
     started = _date(first_time(events)) if events else "no events"
     parts = [f"mode <b>{esc(mode)}</b>", f"run name <b>{esc(cfg.get('run_name') or '?')}</b>", esc(where),
              f"{esc(report.get('steps_completed', 0))}/{esc(report.get('steps_requested'))} steps",
@@ -87,6 +93,11 @@ def _header(report: dict, events: list[dict]) -> str:
         parts.insert(-1, f"{esc(len(attempts))} attempts")
     return (f"<h1>jax-elastic run <code style='font-size:20px'>{esc(report.get('run_id') or '?')}</code></h1>"
             f"<div class='sub'>{' · '.join(parts)}</div>")
+
+
+def _count(n: object, word: str) -> str:
+    """``n`` and ``word``, plural unless ``n`` is 1 ("?" for a count the report does not have)."""
+    return f"{'?' if n is None else n} {word}{'' if n == 1 else 's'}"
 
 
 def _banner(report: dict) -> str:
@@ -131,7 +142,7 @@ def _facts(report: dict, gp: dict) -> str:
         ("wall time", fmt_seconds(report.get("wall_seconds") if report.get("wall_seconds") is not None
                             else gp["wall_seconds"])),
         ("goodput", f"{100 * gp['goodput_fraction']:.1f} %"),
-        ("failures", str(len(report.get("failures") or []))),
+        ("failures", failures_text(report)),
         ("steps lost", str(report.get("steps_lost", 0))),
         ("snapshot / checkpoint restores", restores),
         ("exactly once", "—" if exactly is None else ("yes" if exactly else "NO")),
@@ -219,13 +230,32 @@ def _timelines(report: dict, events: list[dict], ivs: list) -> str:
     return "".join(out)
 
 
-def _loss(report: dict) -> str:
+def _loss_chart(report: dict) -> str:
     reference = report.get("reference")
     ref = reference.get("losses") if isinstance(reference, dict) else None
     ref = ref if isinstance(ref, list) else None   # the fold copies the verdict's reference verbatim
     fail_steps = [f.get("step") for f in report.get("failures") or [] if f.get("step") is not None]
-    svg = loss_svg(report.get("losses") or [], ref, fail_steps, report.get("first_diverging_step"), svg_id="loss")
-    return f"<div class='card'><h2>Loss</h2>{svg}</div>"
+    return loss_svg(report.get("losses") or [], ref, fail_steps, report.get("first_diverging_step"), svg_id="loss")
+
+
+def _loss(report: dict) -> str:
+    """The card beside goodput: the loss curve; for an RL run its reward curve instead (its loss is in the RL
+    card: about 0 whatever the policy learns)."""
+    rl = report.get("rl")
+    if isinstance(rl, dict):
+        return _reward(report, rl)
+    return f"<div class='card'><h2>Loss</h2>{_loss_chart(report)}</div>"
+
+
+def _reward(report: dict, rl: dict) -> str:
+    """An RL run's mean reward per step, each step's weights version under it, faults marked."""
+    steps = [s for s in rl.get("steps") or [] if isinstance(s, dict)]
+    fail_steps = [f.get("step") for f in report.get("failures") or [] if isinstance(f, dict)]
+    sampler_steps = [f.get("step") for f in report.get("faults") or [] if isinstance(f, dict)
+                     and f.get("path") == "reassign"]
+    return (f"<div class='card' id='reward-card'><h2>Reward</h2><div class='sub'>Mean reward per step; under each "
+            f"step the weights version its rollouts were made with (hover a point for its own)</div>"
+            f"{reward_svg(steps, fail_steps, sampler_steps, svg_id='reward')}</div>")
 
 
 def _goodput(gp: dict) -> str:
@@ -339,10 +369,6 @@ def _rl(report: dict) -> str:
     def num(x: object, fmt: str = ".3f") -> str:
         return format(x, fmt) if finite(x) else "—"
 
-    steps = [s for s in rl.get("steps") or [] if isinstance(s, dict)]
-    fail_steps = [f.get("step") for f in report.get("failures") or [] if isinstance(f, dict)]
-    sampler_steps = [f.get("step") for f in report.get("faults") or [] if isinstance(f, dict)
-                     and f.get("path") == "reassign"]
     failed = [str(x) for x in rl.get("weight_sync_sources_failed") or []]
     distinct = list(dict.fromkeys(failed))
     passed_over = _Markup(esc(len(failed)) + "".join(
@@ -350,6 +376,8 @@ def _rl(report: dict) -> str:
         for why in distinct[:3]) + (f"<span class='note'>… {len(distinct) - 3} more</span>" if len(distinct) > 3
                                     else ""))
     overlap = rl.get("overlap")
+    kl = (" plus the KL penalty (rl_kl_coef)" if finite((report.get("config") or {}).get("rl_kl_coef"))
+          and (report.get("config") or {}).get("rl_kl_coef") > 0 else "")
     rows = [
         ("samplers", rl.get("samplers") if rl.get("samplers") is not None else "—"),
         ("rl_off_policy_steps", rl.get("off_policy_steps") if rl.get("off_policy_steps") is not None else "—"),
@@ -369,9 +397,9 @@ def _rl(report: dict) -> str:
     ]
     body = "".join(f"<tr><td>{esc(k)}</td><td>{v if isinstance(v, _Markup) else esc(v)}</td></tr>" for k, v in rows)
     return (f"<div class='card' id='rl'><h2>RL post-training</h2><div class='split'><div>"
-            f"<div class='sub'>Mean reward per step; under each step the weights version its rollouts were made "
-            f"with (hover a point for its own)</div>{reward_svg(steps, fail_steps, sampler_steps, svg_id='reward')}"
-            f"</div><table class='kv'>{body}</table></div></div>")
+            f"<div class='sub'>The trainers' loss: the clipped policy-gradient loss, about 0 whatever the policy "
+            f"learns (the advantages are zero-mean within each prompt's group){kl}; the reward above is what "
+            f"training improves</div>{_loss_chart(report)}</div><table class='kv'>{body}</table></div></div>")
 
 
 #: At most this many entries of a pool run's lease timeline are listed (a long wait in the queue adds one a move).

@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["attempt_text", "bubble_text", "pool_text", "print_summary", "resumed_text", "rl_text",
+__all__ = ["attempt_text", "bubble_text", "failures_text", "pool_text", "print_summary", "resumed_text", "rl_text",
            "summary_panel", "summary_text"]
 
 _VERDICT_STYLE = {"pass": "bold white on green", "fail": "bold white on red"}
@@ -27,9 +27,12 @@ def _hit(fault: dict) -> str:
     if not fault["workers"]:
         return "client"
     hosts, retired = fault.get("hosts") or {}, fault.get("retired") or {}
-    return ",".join(w + (f" host {hosts[w]}" if w in hosts else "")
-                    + (f" (retired {'+'.join(map(str, retired[w]))})" if retired.get(w) else "")
-                    for w in fault["workers"])
+
+    def others(w) -> str:   # the slice's other hosts, stopped with it: "(host 0 retired with it)"
+        names = list(map(str, retired.get(w) or []))
+        return f" (host{'s' if len(names) > 1 else ''} {'+'.join(names)} retired with it)" if names else ""
+
+    return ",".join(w + (f" host {hosts[w]}" if w in hosts else "") + others(w) for w in fault["workers"])
 
 
 def _seconds(x: float | None) -> str:
@@ -135,28 +138,41 @@ def eval_text(evals: list) -> str:
     return text + (f", {skipped} skipped" if skipped else "")
 
 
+def failures_text(report: dict) -> str:
+    """How many failures the run met, by the path each took: the step loop's (``failures``) and an RL run's
+    samplers lost (``rl.samplers_lost``: no failure of the step loop, their rollouts were made by the other
+    samplers, path ``reassign``, as their faults say)."""
+    failures = [f for f in report.get("failures") or [] if isinstance(f, dict)]
+    paths = collections.Counter(f.get("path") or "undecided" for f in failures)
+    rl = report.get("rl")
+    lost = rl.get("samplers_lost") if isinstance(rl, dict) else None
+    if _number(lost) and lost > 0:
+        paths["reassign"] += int(lost)
+    total = sum(paths.values())
+    return f"{total}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")" if total else "")
+
+
 def _checkpoint_failures(report: dict) -> str:
     errors = "; ".join(report.get("checkpoint_errors") or ["no error recorded"])
     return f"{report['checkpoints_failed']} saves ({errors[:160]})"
 
 
 def _rows(report: dict) -> list[tuple[str, str]]:
-    failures = report.get("failures") or []
-    paths = collections.Counter(f.get("path") or "undecided" for f in failures)
+    rl = report.get("rl") if isinstance(report.get("rl"), dict) else None
     gp = report.get("goodput") or {}
     wall = report.get("wall_seconds")
     if wall is None:
         wall = gp.get("wall_seconds")
     rows = [
         ("steps", f"{report.get('steps_completed', 0)} / {report.get('steps_requested', '—')}"),
-        ("loss", loss_text(report.get("losses") or [])),
+        # an RL run's loss is the clipped policy-gradient loss, about 0 whatever the policy learns: its reward says
+        # how training goes (report.json keeps the losses)
+        ("reward", rl_text(rl)) if rl is not None else ("loss", loss_text(report.get("losses") or [])),
         *([("eval loss", eval_text(report["evals"]))] if report.get("evals") else []),
-        *([("reward", rl_text(report["rl"]))] if isinstance(report.get("rl"), dict) else []),
         ("slices at end", "—" if report.get("slices_at_end") is None
          else f"{report['slices_at_end']} of {report.get('slices', '—')}"),
         *([("pool", pool_text(report["pool"]))] if isinstance(report.get("pool"), dict) else []),
-        ("failures", f"{len(failures)}" + (" (" + ", ".join(f"{n} {p}" for p, n in sorted(paths.items())) + ")"
-                                           if failures else "")),
+        ("failures", failures_text(report)),
         ("steps lost", str(report.get("steps_lost", 0))),
         *([("resumed from", resumed_text(report))] if resumed_text(report) else []),
         *[(f"attempt {a.get('attempt')}", attempt_text(a)[:160]) for a in (report.get("attempts") or [])[1:]],

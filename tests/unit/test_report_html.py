@@ -233,7 +233,7 @@ def rl_events(faults=True):
     on version 0), weight syncs (one passing a lost trainer over), and with ``faults`` sampler s3 killed at step 2
     (reassign, relaunched as s4)."""
     events = [ev(0, "job_started", mode="distributed", config={"run_name": "rl", "steps": 6, "rl_samplers": 2,
-                                                               "rl_off_policy_steps": 1},
+                                                               "rl_sampler_devices": 1, "rl_off_policy_steps": 1},
                  global_batch_size=8, microbatches=2),
               ev(0.1, "run_started", run_id="r-rl", slices=2, devices_per_slice=1, steps=6),
               ev(0.2, "placement", active=["w0", "w1"]), ev(0.3, "samplers_started", workers=["s2", "s3"]),
@@ -264,6 +264,12 @@ def rl_card(page):
     return page[start:page.index("<div class='card'>", start)]
 
 
+def reward_card(page):
+    """An RL run's reward curve: the card beside goodput, where a training run has its loss."""
+    start = page.index("<div class='card' id='reward-card'>")
+    return page[start:page.index("<div class='card'>", start)]
+
+
 def test_an_rl_run_renders_its_reward_curve_with_each_steps_weights_version_and_its_table():
     from elastic.report import build_report
 
@@ -271,14 +277,17 @@ def test_an_rl_run_renders_its_reward_curve_with_each_steps_weights_version_and_
     report = build_report(events)
     validate(report)
     assert report["rl"]["samplers_lost"] == 1 and report["faults"][0]["path"] == "reassign"
-    card = rl_card(render_html(report, events))
-    assert "<h2>RL post-training</h2>" in card and "<svg id='reward'" in card
+    page = render_html(report, events)
+    curve, card = reward_card(page), rl_card(page)
+    assert "<h2>Reward</h2>" in curve and "<svg id='reward'" in curve and "<h2>Loss</h2>" not in page
     # the curve: one point per step, each with its reward and weights version; the version row under the steps
-    points = re.findall(r"<circle [^>]*><title>([^<]*)</title></circle>", card)
+    points = re.findall(r"<circle [^>]*><title>([^<]*)</title></circle>", curve)
     assert len(points) == 6 and points[0] == "step 0: mean reward 0.125, weights v0"
     assert points[5] == "step 5: mean reward 0.875, weights v4, 1 behind"
-    assert ">version</text>" in card and "<polyline" in card
-    assert "sampler lost at step 3" in card   # the reassigned fault's step is marked
+    assert ">version</text>" in curve and "<polyline" in curve
+    assert "sampler lost at step 3" in curve   # the reassigned fault's step is marked
+    # the loss, about 0 whatever the policy learns, is in the RL card, said so
+    assert "<h2>RL post-training</h2>" in card and "<svg id='loss'" in card and "about 0 whatever" in card
     # the table
     for text in ("samplers</td><td>2<", "rl_off_policy_steps</td><td>1<", "0.250 → 0.667",
                  "weight syncs</td><td>6 (12.0 KiB; median 7 ms, total 42 ms)", "10.0.0.1:7: ConnectionRefusedError",
@@ -306,8 +315,8 @@ def test_a_run_without_rl_renders_no_rl_section_and_no_reward_line():
     assert "reward" not in summary_text(report, width=120)
     # a fault-free RL run: the section without the fault marks
     events = rl_events(faults=False)
-    card = rl_card(render_html(build_report(events), events))
-    assert "sampler lost" not in card and "samplers lost / relaunched</td><td>0 / 0" in card
+    page = render_html(build_report(events), events)
+    assert "sampler lost" not in reward_card(page) and "samplers lost / relaunched</td><td>0 / 0" in rl_card(page)
 
 
 def test_the_summary_of_an_rl_run_has_its_reward_line():
@@ -319,6 +328,35 @@ def test_the_summary_of_an_rl_run_has_its_reward_line():
     assert line.split() == ["│", "reward", "0.250", "→", "0.667", "(6", "steps;", "overlap",
                             f"{100 * overlap:.0f}", "%)", "│"], line
     assert "(reassign)" in summary_text(report, width=160)
+
+
+def test_an_rl_run_shows_its_reward_not_its_loss_counts_a_lost_sampler_and_names_its_samplers():
+    """An RL run's loss is about 0 whatever the policy learns (here -0.00 -> -0.05): the summary has no loss row
+    but its reward; a sampler lost is a failure, reassigned (the summary and the key facts said 0, as they count
+    the step loop's failures only); the page's header counts the samplers beside the trainer slices."""
+    from elastic.report import build_report
+
+    events = rl_events()
+    report = build_report(events)
+    rows = [line.split()[1] for line in summary_text(report, width=120).splitlines()[1:-1]]
+    assert "loss" not in rows and "reward" in rows
+    line = next(line for line in summary_text(report, width=120).splitlines() if " failures " in line)
+    assert line.split()[1:-1] == ["failures", "1", "(1", "reassign)"], line
+    page = render_html(report, events)
+    assert "<td>failures</td><td>1 (1 reassign)</td>" in page
+    assert "2 trainer slices × 1 device + 2 samplers × 1 device" in page
+    plain = [e for e in rl_events(faults=False) if e["kind"] not in {"samplers_started", "weights_synced",
+                                                                     "rollouts_made", "rl_step"}]
+    plain[0] = {**plain[0], "config": {"run_name": "plain", "steps": 6}}
+    assert "2 slices × 1 device ·" in render_html(build_report(plain), plain)
+
+
+def test_a_fault_line_names_the_hosts_retired_with_the_slice():
+    """``w1 host 1 (retired 0)`` read as "0 hosts retired": the retired are named as hosts."""
+    from elastic.report.summary import _hit
+
+    fault = {"workers": ["w1", "w2"], "hosts": {"w1": 1, "w2": 0}, "retired": {"w1": [0], "w2": [1, 2]}}
+    assert _hit(fault) == "w1 host 1 (host 0 retired with it),w2 host 0 (hosts 1+2 retired with it)"
 
 
 def test_timeline_marker_labels_near_the_right_edge_do_not_overlap_in_a_row():
