@@ -6,7 +6,7 @@ the programs. A new client of the same run (the same command, the same
 ``run_name``) rebuilds the run's state from the event log alone
 (:meth:`~runtime.control.run_state.RunState.replay`), then :func:`attach`:
 
-1. asks every worker the log names (registered and not dead) to take its new
+1. asks every worker the log names (registered, not dead, not let go) to take its new
    generation (``Attach``): from then on each refuses the old client, should
    it wake; each answers its applied steps, state hash, recent loss sums and
    snapshots. A worker that loaded other programs refuses, with nothing
@@ -69,9 +69,11 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     replayed one) over from its dead client; see the module docstring. ``first=False``: the client takes its
     own run back (its workers fenced themselves while it was silent; its observer is attached already)."""
     s, group, o = ctl.state, ctl.group, ctl.opts
-    # (the fenced are not dead; an RL run's samplers are taken over by its sampling, after)
+    # (the fenced are not dead; those the run let go, given back to a pool or sent home, are no members; an RL
+    # run's samplers are taken over by its sampling, after)
     rl = ctl.sampling is not None
-    known = {w: info for w, info in s.registered.items() if w not in s.dead and not (rl and is_sampler(w))}
+    known = {w: info for w, info in s.registered.items()
+             if w not in s.dead and w not in s.left and not (rl and is_sampler(w))}
     pipelined = s.placement is not None and s.placement.stages > 1
     replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None,
                            placed=s.placement.members)

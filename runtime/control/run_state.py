@@ -124,6 +124,8 @@ class RunState:
     # attaches them from here): {worker: WorkerInfo}.
     registered: Mapping[str, WorkerInfo] = dataclasses.field(default_factory=dict)
     generation: int = 0                          # the client generation driving the run (a restart: one more)
+    left: frozenset[str] = frozenset()           # workers the run let go alive (given back to a pool, a straggler
+    #                                            sent home): no member any more, never attached again
     # A pipelined run: the stage each worker's programs are for ({worker: stage}, from programs_loaded,
     # stage_loaded and a stage's shadow_synced), and its backups by stage: (tier, stage, step) of each snapshot
     # ("snapshot": saved or copied) and checkpoint ("checkpoint") a worker of a known stage reported. A step is a
@@ -300,6 +302,13 @@ def _remapped(s: RunState, e) -> RunState:
                     swaps=tuple(w for w in s.swaps if w != e.get("slow")))
 
 
+def _let_go(s: RunState, e) -> RunState:
+    """A boundary change that sent workers home (``released``: given back to a pool; ``straggler_replaced``: the
+    slow one)."""
+    gone = e.get("given") or ([e["slow"]] if e.get("slow") else [])
+    return _replace(_remapped(s, e), left=s.left | frozenset(gone))
+
+
 def _straggler(s: RunState, e) -> RunState:
     if e.get("queued") and e["worker"] not in s.swaps:
         return _replace(s, swaps=s.swaps + (e["worker"],))
@@ -365,7 +374,8 @@ _FOLDS = {
     "relaunch_deferred": _deferred,
     "recovered": _recovered,
     "grown": _remapped,
-    "straggler_replaced": _remapped,
+    "straggler_replaced": _let_go,
+    "released": _let_go,
     "straggler": _straggler,
     "straggler_kept": _straggler_kept,
     "checkpoint_saved": _checkpoint_saved,

@@ -263,8 +263,10 @@ class WorkerCalls:
         Not cancelled by a death declared meanwhile (the health monitor may find a fenced worker NOT_SERVING
         while its Attach is on the way): the answer decides, and one that answers is alive again."""
         futs = {w: self._stubs[w].Attach.future(request, timeout=timeout) for w in workers}
+        # (a restarted client, or this one taking its run back after its workers fenced themselves: the generation)
+        taker = f"client generation {request.fence.generation}"
         out, raised = collect(futs, lambda w, error: self._declare_dead(
-            w, f"did not answer the restarted client: {error}"[:300], cause="crash"))
+            w, f"did not answer {taker} taking the run over: {error}"[:300], cause="crash"))
         if raised is not None:
             raise raised
         return out   # those that answered are alive: client_attached says so (the run state folds it)

@@ -166,6 +166,7 @@ class FakeGroup:
         self._eval_orders: dict[int, object] = {}   # step -> its EvalOrder (eval_interval)
         self._running: list[_Future] = []   # shadow steps not ended
         self.epoch = 0
+        self.generation = opts.generation
         self.dead: dict[str, str] = {}
         self.fenced: set[str] = set()
         self.replicas: dict[str, _Replica | None] = {}   # registered workers; None until initialized
@@ -221,7 +222,8 @@ class FakeGroup:
         out = {}
         for w in known:
             if w not in self.replicas or not self._reachable(w):
-                self.declare_dead(w, "did not answer the restarted client", cause="crash")
+                self.declare_dead(w, f"did not answer client generation {self.generation} taking the run over",
+                                  cause="crash")
                 continue
             r = self.replicas[w]
             if placed is None or w in placed:

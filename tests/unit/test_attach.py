@@ -132,3 +132,24 @@ def test_a_worker_the_dead_client_had_not_placed_yet_is_attached_and_joins_the_r
     assert sorted(attached["workers"]) == ["w0", "w1", "w2", "w3"] and attached["lost"] == []
     assert [e["worker"] for e in kinds(new, "worker_warmed")] == ["w3"]
     assert "w3" in kinds(new, "placement_changed")[-1]["spares"]
+
+
+
+def test_a_worker_given_back_to_the_pool_is_not_asked_to_attach_nor_recorded_dead(tmp_path):
+    """A pool took w2 back (``lease_preempted``, ``released``: it went home). A restarted client (or one taking its
+    run back) asks only the run's members: nothing says w2 "did not answer", for nothing asked it."""
+    options = _options(tmp_path)
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path)
+    group = FakeGroup(options, events, faults={2: ("give_back", 1)})
+    ctl = Controller(PROGRAMS, b"", options, events, group=group)
+    ctl.begin(STEPS, seed=0)
+    while not ctl.state.left or ctl.state.committed < 4:
+        ctl.advance()
+    events.close()
+    assert ctl.state.left == {"w2"} and ("release", "w2") in group.calls
+    del group.replicas["w2"]   # it went home
+    result, new, log = _restart(tmp_path, group, path)
+    assert result.losses == expected_losses(STEPS)
+    [attached] = kinds(new, "client_attached")
+    assert "w2" not in attached["workers"] and attached["lost"] == [] and not kinds(new, "worker_dead")
