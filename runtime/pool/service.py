@@ -13,7 +13,8 @@ decided in the pool's event log (``<dir>/events.jsonl``) before it is applied:
   runs and the free capacity.
 
 A call with neither credential is refused (UNAUTHENTICATED) and counted
-(``pool_calls_refused``). The pool's directory holds its secret and client
+(``pool_calls_refused``), its reason naming the credential it lacked (the pool
+secret, a client token), never the run secret. The pool's directory holds its secret and client
 tokens (created on first start, mode 0600; ``$ELASTIC_POOL_SECRET`` and
 ``$ELASTIC_POOL_TOKENS``, ``name=token,...``, take precedence), its address
 (``pool.json``: a restarted pool binds the same port, so its agents and clients
@@ -270,9 +271,10 @@ def serve(directory: str, *, host: str = "127.0.0.1", port: int = 0, local_hosts
                            host_silent_seconds=host_silent_seconds)
     events = EventLog(log_path)
     service = PoolService(ledger, events, secret, tokens)
-    server, bound = rpc.make_server(host, port, secret=secret, refusals=service.refusals,
-                                    per_method={_RUN: lambda: service.tokens,
-                                                _STATUS: lambda: [*service.tokens, service.secret]})
+    server, bound = rpc.make_server(host, port, secret=secret, refusals=service.refusals, credential="pool secret",
+                                    per_method={_RUN: auth.Credential("client token", lambda: service.tokens),
+                                                _STATUS: auth.Credential("pool secret or client token",
+                                                                         lambda: [*service.tokens, service.secret])})
     pb_grpc.add_PoolServicer_to_server(service, server)
     server.start()
     address = f"{host}:{bound}"

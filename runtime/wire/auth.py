@@ -10,7 +10,10 @@ Contract:
   lacks the key, or carries any other value, fails with ``UNAUTHENTICATED``
   ("missing or wrong run secret for <method>") before the real handler runs,
   whatever the method's arity, and is told to ``on_refused(method, peer,
-  reason)``. Methods named in ``exempt`` (full names such as
+  reason)``. The refusal names the credential the method takes: the run
+  secret, or what the server calls its own (``credential``: a pool's "pool
+  secret"), or a method's own (``per_method``: a :class:`Credential`, a pool's
+  "client token"). Methods named in ``exempt`` (full names such as
   ``"/grpc.health.v1.Health/Check"``) need no secret. Unknown methods still get
   ``UNIMPLEMENTED``.
 * :class:`Refusals` counts refused calls per (method, peer host, reason) for
@@ -36,7 +39,7 @@ from typing import Callable
 import grpc
 
 __all__ = [
-    "METADATA_KEY", "new_secret", "SecretServerInterceptor", "Refusals", "peer_host",
+    "METADATA_KEY", "new_secret", "Credential", "SecretServerInterceptor", "Refusals", "peer_host",
     "secure_channel", "server_credentials", "channel_credentials", "handler_like", "TlsFiles",
 ]
 
@@ -114,13 +117,23 @@ class Refusals:
         return sorted(((m, p, r, n) for (m, p, r), n in counts.items()), key=lambda x: (-x[3], x[:3]))
 
 
+@dataclasses.dataclass(frozen=True)
+class Credential:
+    """What a method takes instead of the server's secret: its ``name`` (in refusals: "wrong client token") and
+    ``secrets()``, the values accepted, asked at each call (a pool's client tokens may change)."""
+
+    name: str
+    secrets: Callable[[], Iterable[str]]
+
+
 class SecretServerInterceptor(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call that does not carry the run secret.
 
     ``on_refused(method, peer, reason)`` is called for each refused call
-    (``reason``: "missing run secret" or "wrong run secret"; ``peer``: gRPC's
-    peer string); an exception it raises is logged and does not change the
-    status.
+    (``reason``: "missing run secret" or "wrong run secret", the credential
+    named as ``credential`` or the method's :class:`Credential` names it;
+    ``peer``: gRPC's peer string); an exception it raises is logged and does
+    not change the status.
     """
 
     def __init__(
@@ -128,28 +141,33 @@ class SecretServerInterceptor(grpc.ServerInterceptor):
         secret: str,
         on_refused: Callable[[str, str, str], None] | None = None,
         exempt: frozenset[str] = frozenset(),
-        per_method: Mapping[str, Callable[[], Iterable[str]]] | None = None,
+        per_method: Mapping[str, Credential] | None = None,
+        credential: str = "run secret",
     ):
         if not secret:
             raise ValueError("run secret must be a non-empty string")
         self._secret = secret.encode()
         self._on_refused = on_refused
         self._exempt = frozenset(exempt)
-        # method -> the secrets it takes instead (asked at each call: a pool's client tokens may change)
-        self._per_method = dict(per_method or {})
+        self._per_method = dict(per_method or {})   # method -> what it takes instead
+        self._credential = credential
+
+    def _name(self, method: str) -> str:
+        own = self._per_method.get(method)
+        return own.name if own is not None else self._credential
 
     def _authentic(self, metadata, method: str = "") -> str | None:
         """None when the metadata carries the secret (one of ``method``'s own, if it has any), else the reason
-        it does not."""
+        it does not, naming the credential ("missing pool secret", "wrong client token")."""
         values = [v for k, v in (metadata or ()) if k == METADATA_KEY]
         if not values:
-            return "missing run secret"
+            return f"missing {self._name(method)}"
         own = self._per_method.get(method)
-        accepted = [s.encode() for s in own()] if own is not None else [self._secret]
+        accepted = [s.encode() for s in own.secrets()] if own is not None else [self._secret]
         for v in values:
             v = v if isinstance(v, bytes) else v.encode("utf-8", "replace")
             if not any(hmac.compare_digest(v, a) for a in accepted):
-                return "wrong run secret"
+                return f"wrong {self._name(method)}"
         return None
 
     def intercept_service(self, continuation, handler_call_details):
@@ -171,7 +189,7 @@ class SecretServerInterceptor(grpc.ServerInterceptor):
                     self._on_refused(method, context.peer(), reason)
                 except Exception:  # a logging hook must not change the status
                     _log.exception("on_refused hook failed for %s", method)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong run secret for {method}")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {self._name(method)} for {method}")
 
         return handler_like(handler, refuse)
 

@@ -67,14 +67,16 @@ _CODES = {
 def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
                 secret: str = "", interceptors=(), tls: auth.TlsFiles | None = None, *,
                 refusals: auth.Refusals | None = None, on_authenticated: Callable[[str], None] | None = None,
-                max_message: int = MAX_MESSAGE, per_method=None) -> tuple[grpc.Server, int]:
+                max_message: int = MAX_MESSAGE, per_method=None, credential: str = "run secret"
+                ) -> tuple[grpc.Server, int]:
     """A server on ``host:port`` (0: any free port); with ``secret``, every RPC must carry it;
     with ``tls``, only mutual-TLS connections are accepted.
 
     ``interceptors`` run before the secret check (the chaos partition drops
     calls before anything else sees them). A call refused for its secret is
-    counted in ``refusals`` (which logs it, rate-limited); ``per_method`` names methods that take other
-    secrets instead (``{method: () -> secrets}``: a pool's clients call with their tokens). ``on_authenticated(method)``
+    counted in ``refusals`` (which logs it, rate-limited), its reason naming the credential: ``credential``
+    (what ``secret`` is: a pool's "pool secret"), or for the methods ``per_method`` names, the
+    :class:`~runtime.wire.auth.Credential` they take instead (a pool's clients call with their tokens). ``on_authenticated(method)``
     is called when a call that passed every check (transport, secret, the
     interceptors) reaches its handler: a call that was refused or dropped
     never calls it. Requests and replies over ``max_message`` bytes are
@@ -83,7 +85,8 @@ def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
     interceptors = list(interceptors)
     if secret:
         refusals = refusals if refusals is not None else auth.Refusals(log)
-        interceptors.append(auth.SecretServerInterceptor(secret, on_refused=refusals.record, per_method=per_method))
+        interceptors.append(auth.SecretServerInterceptor(secret, on_refused=refusals.record, per_method=per_method,
+                                                         credential=credential))
     interceptors.append(_Handled(on_authenticated))   # innermost: sees only calls that got through
     options = [("grpc.max_send_message_length", max_message), ("grpc.max_receive_message_length", max_message),
                ("grpc.max_metadata_size", MAX_METADATA)]

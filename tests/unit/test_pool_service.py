@@ -127,7 +127,7 @@ def test_a_run_s_poll_without_a_client_token_is_refused_and_counted(pool):
     assert refused_code(pool.stub("").Run, poll) == grpc.StatusCode.UNAUTHENTICATED
     assert refused_code(pool.stub("tok-wrong").Run, poll) == grpc.StatusCode.UNAUTHENTICATED
     assert refused_code(pool.stub(SECRET).Run, poll) == grpc.StatusCode.UNAUTHENTICATED   # a host's credential
-    expected = {"missing run secret": 1, "wrong run secret": 2}
+    expected = {"missing client token": 1, "wrong client token": 2}   # (not the run secret: no run's is asked)
     assert eventually(lambda: pool.status()["refused"] == expected), pool.status()["refused"]
     assert pool.status()["runs"] == []   # none of them reached the ledger
     refused = [e for e in read_events(os.path.join(pool.directory, "events.jsonl"))
@@ -137,9 +137,12 @@ def test_a_run_s_poll_without_a_client_token_is_refused_and_counted(pool):
 
 
 def test_a_host_s_poll_with_a_client_token_is_refused(pool):
-    assert refused_code(pool.stub("tok-a").Host, host_poll("h0")) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        pool.stub("tok-a").Host(host_poll("h0"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert info.value.details() == "missing or wrong pool secret for /jax_elastic.Pool/Host"
     assert refused_code(pool.stub("").Host, host_poll("h0")) == grpc.StatusCode.UNAUTHENTICATED
-    assert eventually(lambda: pool.status()["refused"] == {"wrong run secret": 1, "missing run secret": 1})
+    assert eventually(lambda: pool.status()["refused"] == {"wrong pool secret": 1, "missing pool secret": 1})
     assert pool.status()["hosts"] == 0
     # the status needs a credential too
     assert refused_code(pool.stub("").Status, pb.PoolStatusRequest()) == grpc.StatusCode.UNAUTHENTICATED
