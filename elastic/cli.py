@@ -3,7 +3,9 @@ packages plug in.
 
 Bad input (config, arguments, fault specs, files) prints one line,
 ``elastic: error: ...``, and exits with status 2; a run that fails, or a
-chaos run whose verdict is "fail", exits with status 1.
+chaos run whose verdict is "fail", exits with status 1. ``run`` and ``chaos``
+stopped by Ctrl-C or SIGTERM (one stop, :func:`elastic.cli_support.stop_on_sigterm`)
+say one line and exit 130 or 143.
 
 Plug-in contract: every entry point of the group ``elastic.commands`` (the
 ``chaos`` package declares ``chaos = "chaos.cli:register"``) names a callable
@@ -20,13 +22,14 @@ Shared helpers for subcommands live in :mod:`elastic.cli_support`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
 from importlib.metadata import entry_points
 
 from elastic.cli_support import (OneLineParser, config_loader, finish, make_job, progress, set_device_count,
-                                 usage_error)
+                                 stop_on_sigterm, stopped_by, usage_error)
 from elastic.config import ConfigError
 from elastic.config_loading import load_config
 from elastic.pool_commands import register as pool_commands
@@ -73,13 +76,14 @@ def _cmd_run(args) -> int:
             print(f"elastic: run failed: {in_config_terms(str(e))}", file=sys.stderr)
             _report_link(trainer.run_dir())
             return 1
-        except KeyboardInterrupt:
-            print(f"elastic: stopped (Ctrl-C); the workers were sent home. Run the same command again to continue "
+        except KeyboardInterrupt as stop:   # Ctrl-C, or SIGTERM (stop_on_sigterm): the same stop
+            _, said, status = stopped_by(stop)
+            print(f"elastic: stopped ({said}); the workers were sent home. Run the same command again to continue "
                   f"run {trainer.run_dir().name}"
                   + (" from its newest checkpoint" if cfg.enable_checkpointing else " (from step 0: it has no "
                      "checkpoints)"), file=sys.stderr)
             _report_link(trainer.run_dir())
-            return 130
+            return status
     finish(report, trainer.run_dir(), args.quiet)
     return 0
 
@@ -250,13 +254,16 @@ def main(argv=None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     if takes_overrides:
         args.overrides = list(args.overrides) + extra
+    drives_a_run = args.command in ("run", "chaos")   # SIGTERM stops them as Ctrl-C does (docs/failure-semantics.md)
     try:
-        return args.handler(args)
+        with stop_on_sigterm() if drives_a_run else contextlib.nullcontext():
+            return args.handler(args)
     except ConfigError as e:
         return usage_error(str(e))
-    except KeyboardInterrupt:   # before or after a run (a run stopped by Ctrl-C says more where it is caught)
-        print("elastic: stopped (Ctrl-C)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:   # before or after a run (a run stopped by Ctrl-C says more where it is caught)
+        _, said, status = stopped_by(stop)
+        print(f"elastic: stopped ({said})", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -16,13 +16,14 @@ import importlib
 import io
 import os
 import pathlib
+import signal
 import sys
 
 from elastic.config import ConfigError
 
-__all__ = ["CONFIGS_GROUP", "OneLineParser", "bundled_trainer", "config_loader", "factory_job", "finish",
+__all__ = ["CONFIGS_GROUP", "OneLineParser", "Stopped", "bundled_trainer", "config_loader", "factory_job", "finish",
            "kept_library_output", "make_job", "make_trainer", "progress", "set_device_count", "set_platform",
-           "usage_error"]
+           "stop_on_sigterm", "stopped_by", "usage_error"]
 
 #: The entry-point group of loaders of other config formats (MaxText's: ``integrations.maxtext.cli``).
 CONFIGS_GROUP = "elastic.configs"
@@ -40,6 +41,43 @@ def usage_error(message: str) -> int:
     """Prints ``elastic: error: MESSAGE`` to stderr; returns 2, the exit status of bad input."""
     print(f"elastic: error: {message}", file=sys.stderr)
     return 2
+
+
+class Stopped(KeyboardInterrupt):
+    """A run stopped by a signal other than Ctrl-C's: SIGTERM, what schedulers and ``kill`` send.
+
+    Raised in the main thread where Ctrl-C's ``KeyboardInterrupt`` would be, so it takes Ctrl-C's path:
+    ``Trainer.fit`` records ``run_stopped`` (with ``signal_name``), the controller sends the workers home on
+    its way out, and the command says one line and exits ``exit_status`` (128 + the signal's number)."""
+
+    def __init__(self, signum: int):
+        self.signal_name = signal.Signals(signum).name
+        self.exit_status = 128 + signum
+        super().__init__(self.signal_name)
+
+
+def stopped_by(interrupt: KeyboardInterrupt) -> tuple[str, str, int]:
+    """``(signal name, how the user reads it, exit status)`` of a stop: Ctrl-C's (SIGINT, 130) or a
+    :class:`Stopped`'s."""
+    if isinstance(interrupt, Stopped):
+        return interrupt.signal_name, interrupt.signal_name, interrupt.exit_status
+    return "SIGINT", "Ctrl-C", 128 + signal.SIGINT
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Within: SIGTERM stops the command as Ctrl-C does (it raises :class:`Stopped` in the main thread), once: a
+    second SIGTERM while the run sends its workers home is ignored (a scheduler that insists sends SIGKILL).
+    For the commands that drive a run (``run``, ``chaos``); the previous handler is put back on the way out."""
+    def stop(signum, _frame):
+        signal.signal(signum, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def set_device_count(n: int) -> None:
@@ -74,7 +112,7 @@ def bundled_trainer(cfg):
     import optax
 
     from elastic.metrics import ModelMetrics
-    from elastic.models import make_model
+    from elastic.models import TransformerConfig, make_model, training_tflops
     from elastic.trainer import Trainer
 
     init, loss, data = make_model(cfg)
@@ -84,7 +122,9 @@ def bundled_trainer(cfg):
     trainer.reports_model_keys = True   # its config's model keys are its own: the report shows them
     rate = schedule if callable(schedule) else lambda step: schedule
     trainer.model_metrics = ModelMetrics(learning_rate=rate,
-                                         tokens_per_step=cfg.global_batch_size * cfg.max_target_length)
+                                         tokens_per_step=cfg.global_batch_size * cfg.max_target_length,
+                                         tflops_per_step=training_tflops(TransformerConfig.from_config(cfg),
+                                                                         cfg.global_batch_size))
     return trainer
 
 

@@ -120,7 +120,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("run_failed", "the attempt ended with an error", {"error": TEXT}),
     EventKind("attach_refused", "a restarted client was refused by its run's live workers (other programs): the "
               "attempt ends, nothing changed on them", {"error": TEXT}),
-    EventKind("run_stopped", "the user stopped the attempt (Ctrl-C): its workers were sent home", {"signal": TEXT}),
+    EventKind("run_stopped", "the attempt was stopped on purpose (Ctrl-C: SIGINT; the command's SIGTERM): its workers "
+              "were sent home", {"signal": TEXT}),
     # -- the controller's run ------------------------------------------------------------------------
     EventKind("run_started", "the controller (or the reference path) starts its run",
               {"run_id": TEXT, "slices": COUNT, "devices_per_slice": COUNT, "microbatches": COUNT, "steps": COUNT},

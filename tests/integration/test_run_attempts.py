@@ -107,40 +107,61 @@ def test_the_same_command_on_a_finished_checkpointed_run_ends_at_once_and_writes
 
 def test_ctrl_c_on_elastic_run_stops_it_in_one_line_sends_the_workers_home_and_records_it(tmp_path):
     """SIGINT to the command's process group (a terminal's Ctrl-C): exit 130 with one line and no traceback;
-    the log says the user stopped the attempt (not that its client died), and no worker outlives it."""
+    the log says the user stopped the attempt (not that its client died), and no worker outlives it. The same
+    command again continues the run, and SIGTERM to its process alone (a scheduler's stop, ``kill``) stops
+    that attempt the same way, exit 143. The child gets SIGINT's default disposition: started from a shell's
+    background job the suite's own SIGINT is ignored, and so would the child's be."""
     import os
     import signal
     import subprocess
     import sys
-    import time
+
+    from tests.support.signals import default_sigint
 
     run_dir = tmp_path / "stop"
-    proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "run", "tiny", "dcn_data_parallelism=2",
-                             "ici_fsdp_parallelism=1", "elastic_microbatches=2", "steps=100000", "run_name=stop",
-                             f"base_output_directory={tmp_path}", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while '"step_committed"' not in _read(run_dir / "events.jsonl") and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, (out, err)
-    assert "Traceback" not in err and "elastic: stopped (Ctrl-C); the workers were sent home" in err, err
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert events[-1]["kind"] == "run_stopped" and events[-1]["signal"] == "SIGINT"
-    report = json.loads((run_dir / "report.json").read_text())
-    assert report["attempts"][-1]["end"] == "stopped" and "stopped by the user" in report["failure_reason"]
-    workers = [e["pid"] for e in events if e["kind"] == "worker_registered" and e.get("pid")]
-    assert workers, "the log names the workers' pids"
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+    command = [sys.executable, "-m", "elastic.cli", "run", "tiny", "dcn_data_parallelism=2", "ici_fsdp_parallelism=1",
+               "elastic_microbatches=2", "steps=100000", "run_name=stop", f"base_output_directory={tmp_path}",
+               "--quiet"]
+    stops = [(signal.SIGINT, os.killpg, 130, "Ctrl-C"), (signal.SIGTERM, os.kill, 143, "SIGTERM")]
+    for attempt, (sig, send, status, said) in enumerate(stops):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, preexec_fn=default_sigint)
+        try:
+            _wait_for(lambda: _committed_in_attempt(run_dir, attempt), proc)   # this attempt trains
+            send(proc.pid, sig)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == status, (sig, out, err)
+        assert "Traceback" not in err and f"elastic: stopped ({said}); the workers were sent home" in err, err
+        assert len(err.strip().splitlines()) == 2 and err.strip().splitlines()[1].startswith("report: "), err
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert events[-1]["kind"] == "run_stopped" and events[-1]["signal"] == sig.name
+        report = json.loads((run_dir / "report.json").read_text())
+        assert len(report["attempts"]) == attempt + 1 and report["attempts"][-1]["end"] == "stopped"
+        assert f"({sig.name})" in report["failure_reason"]
+        started = max(i for i, e in enumerate(events) if e["kind"] == "job_started")
+        workers = [e["pid"] for e in events[started:] if e["kind"] == "worker_registered" and e.get("pid")]
+        assert workers, "the log names the workers' pids"
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), None, seconds=30)
+        assert not any(_alive(pid) for pid in workers), f"a worker outlived the run stopped by {sig.name}"
+
+
+def _committed_in_attempt(run_dir, attempt: int) -> bool:
+    """Whether attempt ``attempt`` (0: the first) of the run's log committed a step."""
+    attempts = _read(run_dir / "events.jsonl").split('"job_started"')[1:]
+    return len(attempts) == attempt + 1 and '"step_committed"' in attempts[-1]
+
+
+def _wait_for(condition, proc, seconds: float = 240) -> None:
+    """Polls ``condition`` until it holds or ``seconds`` pass; ``proc`` (when given) must run meanwhile."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, proc.communicate()
         time.sleep(0.2)
-    assert not any(_alive(pid) for pid in workers), "a worker outlived the stopped run"
 
 
 def _read(path) -> str:

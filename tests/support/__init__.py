@@ -4,5 +4,6 @@ A test module (``test_*.py``) is never imported by another; what two of them nee
 ``events`` (building and reading run logs), ``worker_harness`` (one real worker process driven over real gRPC),
 ``fake_group`` (the one worker group the unit tests step the controller and its modules against),
 ``fake_controller`` (the controller as the fault injector sees it), ``controller_run`` (the fake group's
-expected results) and ``example_diff`` (how an example differs from its original loop).
+expected results), ``example_diff`` (how an example differs from its original loop) and ``signals`` (a child
+stopped by SIGINT however the suite was started).
 """
