@@ -76,8 +76,8 @@ def make_server(host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
     calls before anything else sees them). A call refused for its secret is
     counted in ``refusals`` (which logs it, rate-limited), its reason naming the credential: ``credential``
     (what ``secret`` is: a pool's "pool secret"), or for the methods ``per_method`` names, the
-    :class:`~runtime.wire.auth.Credential` they take instead (a pool's clients call with their tokens). ``on_authenticated(method)``
-    is called when a call that passed every check (transport, secret, the
+    :class:`~runtime.wire.auth.Credential` they take instead (a pool's clients call with their tokens).
+    ``on_authenticated(method)`` is called when a call that passed every check (transport, secret, the
     interceptors) reaches its handler: a call that was refused or dropped
     never calls it. Requests and replies over ``max_message`` bytes are
     refused with RESOURCE_EXHAUSTED. ``OSError`` when it cannot listen there.
