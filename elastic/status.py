@@ -13,6 +13,8 @@ replayed from it (:class:`runtime.RunState`: who serves which slice, who
 died, what is committed), the recovery in progress (the last failure not yet
 followed by ``recovered``) and the goodput so far (:func:`elastic.report.goodput`).
 When the client is gone (finished, killed) the view is the log's alone.
+On a terminal the view is redrawn in place; written to a file or a pipe it
+is plain text, one frame per interval, flushed as written (:func:`watch`).
 
 :func:`status_view` is pure (events, the client's answer, the time in); the
 rest reads files and calls the client.
@@ -31,7 +33,7 @@ import time
 from elastic import client_record
 
 __all__ = ["BadRunDirError", "RunDir", "ask_client", "cmd_stacks", "cmd_status", "gather", "open_run_dir", "register",
-           "render", "status_view"]
+           "render", "status_view", "watch"]
 
 #: Event kinds that end an attempt: after one, no client drives it.
 _ENDS = ("run_finished", "run_failed", "run_stopped", "attach_refused")
@@ -275,8 +277,13 @@ def render(view: dict):
     return Group(*lines, table)
 
 
+#: ``--interval``'s default: a terminal's live view, and the plain frames written to a file or a pipe.
+_INTERVAL_SECONDS = {"terminal": 1.0, "plain": 10.0}
+
+
 def cmd_status(args) -> int:
-    """``elastic status``: once as JSON, else a live view until the run ends (or Ctrl-C)."""
+    """``elastic status``: once as JSON (``--json``) or as one frame (``--once``); else, until the run ends (or
+    Ctrl-C), a live view on a terminal, or plain frames to a file or a pipe (:func:`watch`)."""
     from elastic.cli_support import usage_error
 
     try:
@@ -286,22 +293,51 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(view, indent=1))
         return 0
+    once = args.once or view["ended"] or not view["client"]["answered"]
+    watch(view, lambda: gather(args.run_dir), sys.stdout, interval=args.interval, once=once)
+    return 0
+
+
+def watch(view: dict, next_view, out, *, interval: float | None = None, once: bool = False, sleep=time.sleep) -> None:
+    """Shows ``view``, then ``next_view()`` every ``interval`` seconds until the run ends or its client stops
+    answering (``once``: ``view`` alone). On a terminal (``out.isatty()``) a live view redrawn in place; to a file
+    or a pipe plain frames, each a line with the time and then the view as text (no colour, no cursor moves),
+    written and flushed as it comes (default: one per 10 s), so a CI log or ``| cat`` shows the run as it goes,
+    and whatever stops the command (SIGTERM, Ctrl-C) leaves every frame it wrote. Ctrl-C ends it quietly; a
+    reader that went away (``| head``) ends it too."""
     from rich.console import Console
+
+    terminal = out.isatty()
+    interval = interval or _INTERVAL_SECONDS["terminal" if terminal else "plain"]
+    if not terminal:
+        console = Console(file=out, width=160, color_system=None, force_terminal=False, soft_wrap=True)
+        try:
+            while True:
+                console.print(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} ==", highlight=False)
+                console.print(render(view), highlight=False)
+                out.flush()
+                if once or view["ended"] or not view["client"]["answered"]:
+                    return
+                sleep(interval)
+                view = next_view()
+        except KeyboardInterrupt:
+            return
+        except BrokenPipeError:
+            return
     from rich.live import Live
 
-    console = Console()
-    if view["ended"] or not view["client"]["answered"]:
+    console = Console(file=out)
+    if once:
         console.print(render(view))
-        return 0
+        return
     try:
         with Live(render(view), console=console, refresh_per_second=4) as screen:
             while not view["ended"] and view["client"]["answered"]:
-                time.sleep(args.interval)
-                view = gather(args.run_dir)
+                sleep(interval)
+                view = next_view()
                 screen.update(render(view))
     except KeyboardInterrupt:
         pass
-    return 0
 
 
 def cmd_stacks(args) -> int:
@@ -334,7 +370,12 @@ def register(sub) -> None:
                                     "run directory names it), else from its event log.")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="print once as JSON (for scripts)")
-    st.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default: 1)")
+    st.add_argument("--once", action="store_true", help="print the view once, as text, and exit")
+    from runtime import positive_seconds   # (no JAX)
+
+    st.add_argument("--interval", type=positive_seconds, default=None, metavar="SECONDS",
+                    help="refresh period (default: 1 on a terminal; 10 for the plain frames written to a file or "
+                         "a pipe)")
     st.set_defaults(handler=cmd_status)
     sk = sub.add_parser("stacks", help="the Python stacks of every worker and of the client of a running run",
                         description="Prints the Python stacks of a running run's processes, the threads that wait "

@@ -3,6 +3,7 @@ a run's log (with and without its client's answer), the fold of the stacks a fai
 directory that is not a run's."""
 
 import json
+import os
 import sys
 import threading
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 
 from elastic.cli import main
 from elastic.report import build_report, render_html
-from elastic.status import render, status_view
+from elastic.status import render, status_view, watch
 from runtime.control.watchdog import SlowSteps
 from runtime.core.stacks import file_name, format_stacks, stacks_path, stacks_text, thread_stacks
 from tests.support.events import ev
@@ -165,6 +166,25 @@ def test_a_recovery_in_progress_says_since_when_and_what_it_is_doing_and_the_dea
     console.print(render(done))
     out = console.export_text()
     assert "ended (run_finished)" in out and "w1" in out and "dead" in out
+
+
+def test_to_a_pipe_status_writes_plain_frames_as_the_run_goes_and_ends_with_the_last():
+    """Not a terminal (``| cat``, a CI log): each frame is plain text, written when it is made (a live view would
+    write only when it stops: nothing at all when SIGTERM stops it)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    written = []   # what the pipe held each time the command waited for its next frame
+    with os.fdopen(write_end, "w") as out:
+        running = status_view(_log(), {"workers": {}}, now=ev(10, "x")["t"])
+        ended = status_view(_log(failed=True, recovered=True, ended=True), None, now=ev(10, "x")["t"])
+        watch(running, lambda: ended, out, interval=5.0, sleep=lambda s: written.append(os.read(read_end, 1 << 16)))
+    last = os.read(read_end, 1 << 16).decode()
+    os.close(read_end)
+    assert len(written) == 1, written
+    first = written[0].decode()
+    assert first.startswith("== ") and "run r1: 4 of 10 steps committed" in first and "client pid" in first, first
+    assert "slice 0" in first and "spare" in first and "\x1b" not in first + last, (first, last)
+    assert last.startswith("== ") and "ended (run_finished)" in last and "dead" in last, last
 
 
 def test_the_report_links_the_stacks_a_failure_kept():
