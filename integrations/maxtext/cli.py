@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import sys
 
 import elastic
 
@@ -88,6 +89,9 @@ def build_job(path, overrides: list[str]):
     if job is None:   # the user's code: what it prints is theirs to see
         job = factory_job(ec, mt)
     _write_client_log(job, kept)
+    for split, source in (("train", getattr(job, "data", None)), ("eval", getattr(job, "eval_data", None))):
+        if getattr(source, "index_origin", ""):   # real data's packing index: built now, or a cached one's file
+            print(f"elastic: the {split} data's packing index: {source.index_origin}", file=sys.stderr)
     return job
 
 

@@ -229,7 +229,7 @@ class DataFiles:
             raise
         except Exception as e:  # noqa: BLE001 - every failure of the storage client becomes one line naming the key
             tries = f" (after {self.attempts} attempt{'s' * (self.attempts > 1)})" if _transient(e) else ""
-            raise elastic.ConfigError(f"config key {self.key!r}: {what}: {_reason(e)}{tries}") from e
+            raise elastic.ConfigError(f"config key {self.key!r}: {what}: {_reason(e, self.endpoint)}{tries}") from e
         raise AssertionError("unreachable")   # tenacity either returns or raises
 
     def __repr__(self) -> str:
@@ -281,15 +281,46 @@ def _transient(e: BaseException) -> bool:
                           api.TooManyRequests, api.ServerError))
 
 
-def _reason(e: BaseException) -> str:
+def _reason(e: BaseException, endpoint: str = "") -> str:
+    """What went wrong, in one line: a connection that failed says where it went and its innermost cause
+    whole (``[Errno 111] Connection refused``, a name not resolved), not the client library's wrapping of it;
+    other text is cut at a word, never inside one."""
+    import requests
     from google.api_core import exceptions as api
 
     if isinstance(e, api.NotFound):
         return "not found (no such bucket, object or generation: missing, or changed since the client listed it)"
     if isinstance(e, api.Forbidden):
         return "access denied"
+    if isinstance(e, (ConnectionError, requests.ConnectionError)):
+        where = f"the storage endpoint {endpoint} (${GCS_ENDPOINT_ENV})" if endpoint else "GCS"
+        return f"cannot reach {where}: {_innermost(e)}"
+    return f"{type(e).__name__}: {_cut(' '.join(str(e).split()), 300)}"
+
+
+def _innermost(e: BaseException) -> str:
+    """The deepest cause of ``e``: urllib3's ``reason`` inside requests' error inside the storage client's, the
+    ``__cause__`` chain, less the ``HTTPConnection(host=..., port=...): `` that urllib3 puts before it."""
+    seen = {id(e)}
+    while True:
+        inner = getattr(e, "reason", None)
+        if not isinstance(inner, BaseException):
+            inner = next((a for a in e.args if isinstance(a, BaseException)), None) or e.__cause__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        e = inner
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}"
+    text = re.sub(r"^\w*Connection(?:Pool)?\(host=[^)]*\): ", "", text)
+    return _cut(text or type(e).__name__, 300)
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` as is when it fits in ``limit`` characters, else cut at the last space before it, marked."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit].rsplit(" ", 1)[0]
+    return f"{head} ... ({len(text) - len(head)} more characters)"
 
 
 def gcs_glob_regex(glob: str) -> re.Pattern:

@@ -91,6 +91,7 @@ import math
 import os
 import pathlib
 import threading
+import time
 
 import numpy as np
 
@@ -124,6 +125,7 @@ class TextSource(Unshipped):
     """
 
     _unshipped = (("_perms", dict), ("_tokens", collections.OrderedDict))   # caches
+    index_origin = ""   # how build() got the packing index: "built (...)" or "read from its cache <file>"
 
     def __init__(self, documents, tokenizer: Tokenizer, index: PackedIndex, *, length: int, microbatch_size: int,
                  microbatches: int, packing: bool, shuffle_seed: int | None = None, once: bool = False):
@@ -165,16 +167,26 @@ class TextSource(Unshipped):
                 cached = None   # not this reader's layout: build anew
             else:
                 if index.documents == len(documents):
-                    return cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
-                               microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+                    source = cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
+                                 microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+                    source.index_origin = f"read from its cache {os.path.join(cache_dir, key)}.npz"
+                    return source
+        t0 = time.perf_counter()
         index = cls._index(documents, tokenizer, **settings)
+        origin = f"built ({len(documents)} documents read in {time.perf_counter() - t0:.1f} s"
         if cache_dir:
             try:
                 save_index(cache_dir, key, index, documents.layout())
+                origin += f"), stored in {os.path.join(cache_dir, key)}.npz"
             except OSError as e:   # the cache is an optimisation: the run goes on without it
                 logging.getLogger(__name__).warning("could not store the packing index in %s: %s", cache_dir, e)
-        return cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
-                   microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+                origin += f"), not stored: {e.strerror or e}"
+        else:
+            origin += "; no cache: base_output_directory is not local)"
+        source = cls(documents, tokenizer, index, length=length, microbatch_size=microbatch_size,
+                     microbatches=microbatches, packing=packing, shuffle_seed=shuffle_seed, once=once)
+        source.index_origin = origin
+        return source
 
     @staticmethod
     def _index(documents, tokenizer: Tokenizer, *, length: int, packing: bool, chunk: bool, shuffle_seed: int | None,

@@ -2,6 +2,7 @@
 
 import pathlib
 import pickle
+import socket
 
 import numpy as np
 import pytest
@@ -28,3 +29,17 @@ def test_microbatches_tile_maxtexts_global_batch_and_every_step_is_the_same():
     assert whole["inputs"].max() < mt.vocab_size and len(np.unique(whole["inputs"])) > 10
     with pytest.raises(ValueError, match="microbatch 4"):
         source.batch(0, 4)
+
+
+def test_an_unreachable_storage_endpoint_is_one_whole_line_with_its_cause():
+    import elastic
+    from integrations.maxtext.data_files import DataFiles
+
+    with socket.socket() as s:   # a port nothing listens on: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(elastic.ConfigError) as e:
+        DataFiles("grain_train_files", endpoint=f"127.0.0.1:{port}", attempts=2, timeout_s=5).glob("gs://b/*.rec")
+    assert str(e.value) == (f"config key 'grain_train_files': listing gs://b/*.rec: cannot reach the storage endpoint "
+                            f"http://127.0.0.1:{port} ($STORAGE_EMULATOR_HOST): [Errno 111] Connection refused "
+                            "(after 2 attempts)")

@@ -154,9 +154,12 @@ def test_the_packing_index_is_built_once_and_a_bad_cache_file_is_rebuilt(gcs, co
     assert len(encoded) == 40   # every document, once
     cache = pathlib.Path(index_cache_dir(ec))
     (stored,) = cache.glob("*.npz")
+    assert first.index_origin.startswith("built (40 documents read in ") and first.index_origin.endswith(
+        f"), stored in {stored}")
     encoded.clear()
     again = source_for(ec, mt)   # a restarted client: the index and the files' layout from the cache
     assert not encoded and again.index.rows == first.index.rows
+    assert again.index_origin == f"read from its cache {stored}"
     encoded.clear()
     same_batches(again, first)
     assert encoded   # batches tokenize their own documents, as always
