@@ -31,7 +31,7 @@ from importlib.metadata import entry_points
 from elastic.cli_support import (OneLineParser, config_loader, finish, make_job, progress, set_device_count,
                                  stop_on_sigterm, stopped_by, usage_error)
 from elastic.config import ConfigError
-from elastic.config_loading import load_config
+from elastic.config_loading import bundled_configs, load_config
 from elastic.pool_commands import register as pool_commands
 from elastic.status import register as status_commands
 from runtime import positive_seconds, slice_flags_problem   # no JAX: the device count is set after parsing
@@ -176,7 +176,7 @@ def _count(text: str) -> int:
 def _add_builtins(sub) -> None:
     run = sub.add_parser("run", help="train a config on local workers")
     run.add_argument("config", help="YAML config file (jax-elastic's, or MaxText's with MaxText installed), "
-                                    "or a bundled name (tiny, base)")
+                                    f"or a bundled name ({', '.join(bundled_configs())})")
     run.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     run.add_argument("--reference", action="store_true", help="the canonical math in this process, no workers")
     run.add_argument("--quiet", action="store_true", help="no per-step lines")

@@ -112,7 +112,7 @@ def bundled_trainer(cfg):
     import optax
 
     from elastic.metrics import ModelMetrics
-    from elastic.models import make_model
+    from elastic.models import TransformerConfig, make_model, training_tflops
     from elastic.trainer import Trainer
 
     init, loss, data = make_model(cfg)
@@ -122,7 +122,9 @@ def bundled_trainer(cfg):
     trainer.reports_model_keys = True   # its config's model keys are its own: the report shows them
     rate = schedule if callable(schedule) else lambda step: schedule
     trainer.model_metrics = ModelMetrics(learning_rate=rate,
-                                         tokens_per_step=cfg.global_batch_size * cfg.max_target_length)
+                                         tokens_per_step=cfg.global_batch_size * cfg.max_target_length,
+                                         tflops_per_step=training_tflops(TransformerConfig.from_config(cfg),
+                                                                         cfg.global_batch_size))
     return trainer
 
 

@@ -28,9 +28,14 @@ import yaml
 
 from elastic.config import Config, ConfigError, coerce, config_from_entries, key_field
 
-__all__ = ["builtin_config_path", "load_config", "parse_overrides", "read_config_file", "yaml_problem"]
+__all__ = ["builtin_config_path", "bundled_configs", "load_config", "parse_overrides", "read_config_file", "yaml_problem"]
 
 _CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """The names of the bundled configs (``elastic/configs/*.yml``), sorted: what every listing of them shows."""
+    return sorted(p.stem for p in _CONFIG_DIR.glob("*.yml"))
 
 
 def load_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> Config:
@@ -78,7 +83,7 @@ def builtin_config_path(name: str) -> pathlib.Path:
     """Path of the config shipped as ``elastic/configs/<name>.yml``."""
     path = _CONFIG_DIR / (name if name.endswith(".yml") else f"{name}.yml")
     if "/" in name or not path.is_file():
-        known = ", ".join(sorted(p.stem for p in _CONFIG_DIR.glob("*.yml")))
+        known = ", ".join(bundled_configs())
         raise ConfigError(f"no builtin config {name!r}; builtin configs: {known}")
     return path
 
@@ -117,7 +122,7 @@ def _base_path(path: pathlib.Path, base: str) -> pathlib.Path:
     try:
         return builtin_config_path(base)
     except ConfigError:
-        bundled = ", ".join(sorted(p.stem for p in _CONFIG_DIR.glob("*.yml")))
+        bundled = ", ".join(bundled_configs())
         raise ConfigError(f"config file not found: {beside} (base_config of {path}); not beside it, nor a bundled "
                           f"config ({bundled})") from None
 

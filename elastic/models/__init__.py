@@ -7,6 +7,7 @@ from elastic.models.transformer import (
     init_params,
     loss_fn,
     make_model,
+    training_tflops,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "init_params",
     "loss_fn",
     "make_model",
+    "training_tflops",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "init_params",
     "loss_fn",
     "make_model",
+    "training_tflops",
 ]
 
 Params = dict[str, Any]
@@ -100,6 +101,17 @@ def init_params(rng: jax.Array, tcfg: TransformerConfig) -> Params:
             "mlp_out": normal((f, e), 1 / math.sqrt(f)),
         }
     return params
+
+
+def training_tflops(tcfg: TransformerConfig, sequences: int) -> float:
+    """TFLOPs of one training step over ``sequences`` sequences of ``max_target_length`` tokens (forward and
+    backward, every device together), as MaxText estimates its own: 6 per weight of each matrix product per token
+    (the embedding is a lookup: none), and the attention's two products over the whole ``T x T`` score matrix
+    (this model computes it all, then masks), 3 x 4 x T x emb_dim per token and layer."""
+    e, f, v, t, n = tcfg.emb_dim, tcfg.mlp_dim, tcfg.vocab_size, tcfg.max_target_length, tcfg.num_layers
+    tokens = sequences * t
+    weights = n * (3 * e * e + e * e + 2 * e * f) + e * v
+    return (6 * weights + 12 * n * t * e) * tokens / 1e12
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:

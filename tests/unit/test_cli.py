@@ -197,3 +197,11 @@ def test_bad_worker_flags_are_one_line_before_jax_starts(tmp_path, args, needle)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("elastic: error:") and needle in line, line
+
+
+def test_elastic_run_help_names_every_bundled_config():
+    from elastic.cli import parser
+
+    (run,) = [a for a in parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" run")]
+    text = " ".join(run.format_help().split())
+    assert "or a bundled name (base, rl_tiny, tiny)" in text

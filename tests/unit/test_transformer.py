@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from elastic.models import SyntheticTokens, TransformerConfig, forward, init_params, loss_fn, make_model
+from elastic.models import (SyntheticTokens, TransformerConfig, forward, init_params, loss_fn, make_model,
+                            training_tflops)
 
 TINY = TransformerConfig(vocab_size=64, max_target_length=32, emb_dim=32, num_layers=2, num_heads=2, mlp_dim=64)
 
@@ -95,3 +96,20 @@ def test_make_model_pickles_and_rejects_fractional_batch():
     assert jax.tree.structure(init(jax.random.key(0))) == jax.tree.structure(init_params(jax.random.key(0), TINY))
     with pytest.raises(ValueError, match="positive integer"):
         make_model(_maxtext_like(per_device_batch_size=0.5, ici_fsdp_parallelism=1))
+
+
+def test_training_tflops_is_what_xla_counts_for_a_step_and_the_bundled_run_writes_it():
+    # perf/per_device_tflops of the bundled model: its estimate, against XLA's count of the compiled grad step
+    # (a shape where the matrix products dominate, as in any model worth measuring).
+    import elastic
+    from elastic.cli_support import bundled_trainer
+
+    t = TransformerConfig(vocab_size=256, max_target_length=64, emb_dim=128, num_layers=2, num_heads=4, mlp_dim=512)
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), t))
+    batch = {k: jax.ShapeDtypeStruct((4, 64), jnp.int32) for k in ("inputs", "targets")}
+    cost = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, t))).lower(params, batch).compile().cost_analysis()
+    counted = (cost[0] if isinstance(cost, list) else cost)["flops"] / 1e12
+    assert 0.9 < counted / training_tflops(t, 4) < 1.1
+    cfg = elastic.load_config("tiny", [])
+    assert bundled_trainer(cfg).model_metrics.tflops_per_step == training_tflops(
+        TransformerConfig.from_config(cfg), cfg.global_batch_size) > 0
