@@ -48,7 +48,9 @@ def _pool_of(where: str) -> tuple[str, str]:
 def render(status: dict, now: float | None = None) -> list[str]:
     """The status as lines: capacity, each host, each run, the queue."""
     now = time.time() if now is None else now
-    lines = [f"pool: {status['hosts']} host(s), {status['free']} free ({status['free_devices']} device(s))"]
+    lines = [f"pool: {status['hosts']} host(s), {status['free']} free ({status['free_devices']} device(s))"
+             + (f"; {status['unheard']} more not heard since the pool started (gone, or about to poll)"
+                if status.get("unheard") else "")]
     for w in status.get("workers", []):
         lease = f" -> run {w['run']} as {w['worker']} ({w['lease']})" if w.get("run") else ""
         heard = "" if w.get("heard_seconds") is None or w["heard_seconds"] < 2 else \

@@ -10,7 +10,11 @@ log (:meth:`Ledger.replay`) stands where the old one stood: the same hosts, the
 same leases. What is not an event is not kept across a restart, on purpose:
 when each host and client was last heard (a restarted pool gives each a fresh
 ``silent`` window) and the runs' secrets and addresses (each client's next poll
-brings them again; a grant waits for it).
+brings them again; a grant waits for it). A host the log knows is ``unheard``
+until it polls the restarted pool: it may have left while the pool was down
+(one started by hand, say), so it is neither free nor counted among the
+pool's hosts, and is granted nothing until it polls (or is lost once silent
+past ``host_silent_seconds``).
 
 Scheduling (:meth:`Ledger.schedule`), each time anything changed:
 
@@ -186,8 +190,14 @@ class Ledger:
         return [x for x in self._of_run.get(run_id, {}).values() if x.state != "reclaimed"]
 
     def free_hosts(self) -> list[Host]:
-        return sorted((h for h in self.hosts.values() if not h.lease and h.host_id not in self.stale),
+        """The hosts a run may be granted: free, and heard by this pool process (see the module's contract)."""
+        return sorted((h for h in self.hosts.values()
+                       if not h.lease and h.host_id not in self.stale and h.heard is not None),
                       key=lambda h: h.host_id)
+
+    def heard_hosts(self) -> int:
+        """How many hosts have polled this pool process: the pool's hosts (a restarted pool's others may be gone)."""
+        return sum(1 for h in self.hosts.values() if h.heard is not None)
 
     def queue(self) -> list[Run]:
         """The runs waiting for hosts, in the order they are served."""
@@ -280,9 +290,15 @@ class Ledger:
             del run.ended_workers[w]
         return (run.wanted, True) != before
 
-    def host_heard(self, host_id: str, now: float) -> None:
-        if host_id in self.hosts:
-            self.hosts[host_id].seen = self.hosts[host_id].heard = now
+    def host_heard(self, host_id: str, now: float) -> bool:
+        """A host polled at ``now``; answers whether that is its first poll of this pool process (a free host
+        becomes grantable then: the caller decides)."""
+        host = self.hosts.get(host_id)
+        if host is None:
+            return False
+        first = host.heard is None
+        host.seen = host.heard = now
+        return first
 
     def schedule(self, now: float) -> list[dict]:
         """Timeouts, grants and give-backs, decided from the state as it stands (see the module's contract).
@@ -359,16 +375,16 @@ class Ledger:
         run = self.runs.get(run_id)
         if run is None:
             return "not known to the pool"
-        held, free = len(self.held(run_id)), len(self.free_hosts())
+        held, free, hosts = len(self.held(run_id)), len(self.free_hosts()), self.heard_hosts()
         if not run.wanted:
-            return f"holds {held} host(s); {free} of {len(self.hosts)} free in the pool"
+            return f"holds {held} host(s); {free} of {hosts} free in the pool"
         queue = self.queue()
         ahead = [r for r in queue[:queue.index(run)]]
         waiting = f" for {max(now - run.queued_since, 0.0):.0f} s" if run.queued_since is not None else ""
         own = [f"{r.run_id} (priority {r.priority})" for r in ahead if r.tenant == run.tenant]
         others = len(ahead) - len(own)
         names = own + ([f"{others} run(s) of other clients"] if others else [])
-        why = f"behind {', '.join(names)}" if ahead else f"{free} of {len(self.hosts)} host(s) free"
+        why = f"behind {', '.join(names)}" if ahead else f"{free} of {hosts} host(s) free"
         if self.hosts and not any(_fits(h, run) for h in self.hosts.values()):
             kinds = sorted({f"{h.devices} {h.platform}" for h in self.hosts.values()})
             why += (f"; no host of the pool fits it: its slices need {run.devices} {run.platform or 'any'} "
@@ -380,7 +396,7 @@ class Ledger:
         """Everything, or (``tenant``) that client's runs and the pool's free capacity only."""
         runs = [r for r in self.runs.values() if tenant is None or r.tenant == tenant]
         queue = [r.run_id for r in self.queue() if tenant is None or r.tenant == tenant]
-        out = {"hosts": len(self.hosts), "free": len(self.free_hosts()),
+        out = {"hosts": self.heard_hosts(), "free": len(self.free_hosts()),
                "free_devices": sum(h.devices for h in self.free_hosts()),
                "runs": [{"run": r.run_id, "name": r.name, "priority": r.priority, "min_hosts": r.min_hosts,
                          "held": sorted(x.worker_id for x in self.held(r.run_id)),
@@ -398,12 +414,13 @@ class Ledger:
             out["leases"] = sorted(({"lease": x.lease_id, "run": x.run_id, "worker": x.worker_id, "host": x.host_id,
                                      "state": x.state} for x in self.leases.values()), key=lambda x: x["lease"])
             out["refused"] = dict(self.refused)
+            out["unheard"] = len(self.hosts) - out["hosts"]
         return out
 
     def _host_state(self, h: Host) -> str:
         lease = self.leases.get(h.lease) if h.lease else None
         if lease is None:
-            return "free"
+            return "free" if h.heard is not None else "unheard"
         return "wiping" if lease.state == "reclaimed" else "leased"
 
     def _lease_of(self, h: Host) -> dict:

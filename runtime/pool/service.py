@@ -148,8 +148,8 @@ class PoolService(pb_grpc.PoolServicer):
         with self.lock:
             events = self.ledger.host_polled(request, now)
             self._record(events)
-            self.ledger.host_heard(request.host_id, now)
-            if events:   # a poll that changed nothing decides nothing (the tick handles time): O(1) at any size
+            first = self.ledger.host_heard(request.host_id, now)   # (a restarted pool's host: grantable now)
+            if events or first:   # a poll that changed nothing decides nothing (the tick handles time): O(1)
                 self._decide(now)
             lease, reclaim = self.ledger.host_orders(request.host_id)
             order = pb.HostOrder(reclaim=reclaim, stop=self.stopping)

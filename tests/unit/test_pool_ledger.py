@@ -15,6 +15,7 @@ tenant's status shows.
 
 import pytest
 
+from elastic.pool_commands import render
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.event_kinds import check_event
 from runtime.pool.ledger import HOST_SILENT_SECONDS, Ledger
@@ -635,6 +636,8 @@ def _standing(ledger: Ledger, now: float) -> dict:
 def test_a_replay_of_the_recorded_events_stands_where_the_live_ledger_stood():
     live = _history()
     replayed = Ledger.replay(live.log, 6.0, host_silent_seconds=5.0)
+    for h in replayed.hosts:   # once its hosts poll it again (until then each is unheard: the next test)
+        replayed.host_heard(h, 6.0)
     assert _standing(replayed, 6.0) == _standing(live.ledger, 6.0)
     assert replayed.leases == live.ledger.leases
     assert {h: (x.devices, x.platform, x.address, x.pid, x.lease) for h, x in replayed.hosts.items()} == {
@@ -650,6 +653,32 @@ def test_a_replay_of_the_recorded_events_stands_where_the_live_ledger_stood():
     # what the live pool shows (the non-pool events of a log are skipped)
     assert Ledger.replay([{"t": 0.0, "kind": "run_started"}, *live.log], 6.0).status(6.0)["leases"] == \
         live.ledger.status(6.0)["leases"]
+
+
+def test_a_restarted_pool_neither_counts_nor_grants_a_host_until_it_polls_and_loses_one_that_never_does():
+    """h1, a host started by hand, left while the pool was down: the restarted pool listed it free and counted it
+    until its silence ran out (and could grant it). A host known from the log is unheard until it polls: neither
+    free nor counted nor granted; h0 polls and is granted; h1 is lost once silent past host_silent_seconds."""
+    pool = Pool(host_silent_seconds=5.0)
+    hosts(pool, ["h0", "h1"])
+    pool.run("A", 1.0, wanted=["a0"])
+    pool.run("A", 2.0, returned=["a0"])
+    pool.host("h0", 2.5, ended=[ended("lease-0")])
+    restarted = Pool(host_silent_seconds=5.0)
+    restarted.ledger = Ledger.replay(pool.log, 10.0, host_silent_seconds=5.0)
+    status = restarted.ledger.status(10.0)
+    assert (status["hosts"], status["free"], status["unheard"]) == (0, 0, 2)
+    assert [(w["host"], w["state"]) for w in status["workers"]] == [("h0", "unheard"), ("h1", "unheard")]
+    assert render(status, now=10.0)[0] == ("pool: 0 host(s), 0 free (0 device(s)); 2 more not heard since the pool "
+                                           "started (gone, or about to poll)")   # elastic pool status
+    assert grants(restarted.run("B", 10.5, wanted=["b0", "b1"])) == []
+    assert restarted.ledger.run_status("B", 10.5).endswith("0 of 0 host(s) free")
+    restarted.host("h0", 11.0)
+    assert restarted.held("B") == {"b0": "h0"}
+    status = restarted.ledger.status(11.0)
+    assert (status["hosts"], status["free"], status["unheard"]) == (1, 0, 1)
+    assert [e["host"] for e in restarted.tick(15.5) if e["kind"] == "pool_host_lost"] == ["h1"]
+    assert restarted.ledger.status(15.5)["unheard"] == 0 and "b1" not in restarted.held("B")
 
 
 def test_a_replayed_pool_grants_nothing_to_a_run_until_its_client_polls_again():

@@ -248,14 +248,22 @@ def test_a_pool_served_again_from_its_directory_binds_the_same_port_and_stands_w
         assert again.address == first.address
         after = again.status()
         assert after["leases"] == before["leases"]
-        same = lambda workers: [{k: v for k, v in w.items() if k != "heard_seconds"} for w in workers]
+        same = lambda workers: [{k: v for k, v in w.items() if k not in ("heard_seconds", "state")} for w in workers]
         assert same(after["workers"]) == same(before["workers"])
         assert all(w["heard_seconds"] is None for w in after["workers"])   # (not polled this pool process yet)
+        # h1 may have left while the pool was down: not free, not counted, until it polls
+        assert [w["state"] for w in after["workers"]] == ["leased", "unheard"]
+        assert (after["hosts"], after["free"], after["unheard"]) == (0, 0, 2)
         assert [(r["run"], r["tenant"], r["held"], r["hosts"]) for r in after["runs"]] == [
             ("run-a", "alice", ["w0"], ["h0"])]
         # the host's next poll changes nothing: it serves its lease on
         assert again.stub(SECRET).Host(host_poll("h0", lease_id="lease-0"), timeout=5).reclaim == ""
         assert again.status()["leases"] == before["leases"]
+        orders = again.stub("tok-a").Run(run_poll("run-a", wanted=["w1"], held=["w0"]), timeout=5)
+        assert [g.worker_id for g in orders.granted] == ["w0"]   # not h1: it may be gone
+        # h1's first poll of this pool process makes it free, and it is granted at once
+        assert again.stub(SECRET).Host(host_poll("h1"), timeout=5).lease.worker_id == "w1"
+        assert [w["state"] for w in again.status()["workers"]] == ["leased", "leased"]
     finally:
         again.stop()
     events = read_events(tmp_path / "pool" / "events.jsonl")
