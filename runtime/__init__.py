@@ -9,6 +9,13 @@ tests/unit/test_layout.py keeps it that way.
 """
 
 import importlib
+import os
+
+# gRPC's C core writes its INFO lines (``Got goaway`` when a peer stops, fork notices) to stderr unless told
+# otherwise: every process of a run imports this package before gRPC, so each of them (and every process it
+# starts, which inherits the variable) keeps only its errors, as gRPC did by default before it logged through absl.
+# A GRPC_VERBOSITY the user set wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # The public names and the submodule each comes from, imported on first use (PEP 562): a worker process
 # (and the zygote every local worker is forked from) imports ``runtime.worker.worker_process`` through this
