@@ -166,7 +166,7 @@ class FakeGroup:
         self._eval_orders: dict[int, object] = {}   # step -> its EvalOrder (eval_interval)
         self._running: list[_Future] = []   # shadow steps not ended
         self.epoch = 0
-        self.generation = opts.generation
+        self.generation = getattr(opts, "generation", 0)
         self.dead: dict[str, str] = {}
         self.fenced: set[str] = set()
         self.replicas: dict[str, _Replica | None] = {}   # registered workers; None until initialized
