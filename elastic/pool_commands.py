@@ -106,7 +106,12 @@ def _cmd_status(args) -> int:
     try:
         status = pool_status(address, credential, timeout=args.timeout)
     except grpc.RpcError as e:
-        print(f"elastic: error: the pool at {address} did not answer: {e.code().name} {e.details()}", file=sys.stderr)
+        if e.code() is grpc.StatusCode.UNAUTHENTICATED:   # it answered: not with what this credential may see
+            print(f"elastic: error: the pool at {address} refused this credential ({e.details()}): the pool's "
+                  "directory has its secret in 'secret' and the client tokens in 'tokens'", file=sys.stderr)
+        else:
+            print(f"elastic: error: the pool at {address} did not answer: {e.code().name} {e.details()}",
+                  file=sys.stderr)
         return 1
     print(json.dumps(status, indent=1, sort_keys=True) if args.json else "\n".join(render(status)))
     return 0

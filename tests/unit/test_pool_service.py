@@ -136,6 +136,20 @@ def test_a_run_s_poll_without_a_client_token_is_refused_and_counted(pool):
     assert sum(e["count"] for e in refused) == 3
 
 
+def test_elastic_pool_status_with_a_wrong_token_says_the_pool_refused_it_naming_the_credential(pool, monkeypatch,
+                                                                                               capsys):
+    from argparse import Namespace
+
+    from elastic.pool_commands import _cmd_status
+    from runtime import POOL_TOKEN_ENV
+
+    monkeypatch.setenv(POOL_TOKEN_ENV, "tok-wrong")
+    assert _cmd_status(Namespace(pool=pool.address, timeout=5.0, json=False)) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"elastic: error: the pool at {pool.address} refused this credential (missing or wrong "
+                           "pool secret or client token for /jax_elastic.Pool/Status)"), line
+
+
 def test_a_host_s_poll_with_a_client_token_is_refused(pool):
     with pytest.raises(grpc.RpcError) as info:
         pool.stub("tok-a").Host(host_poll("h0"), timeout=5)
