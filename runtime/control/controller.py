@@ -148,7 +148,8 @@ class Controller:
         self.shadows = Shadows(self.group, events, self.ledger, options.shadow_spares)
         self.evals = Evaluations(options, programs, events)
         # An RL run's samplers (None otherwise): the rollouts each step trains on, the weights versions they use.
-        self.sampling = Sampling(self.group, options, events, samplers) if samplers is not None else None
+        self.sampling = Sampling(self.group, options, events, samplers, self.ledger) if samplers is not None \
+            else None
         self._trainers_seen: tuple = ()
         self.executor = PlanExecutor(self.group, options, events, self.ledger, checkpoints=self.checkpoints,
                                      snapshots=self.snapshots, shadows=self.shadows,
@@ -329,6 +330,7 @@ class Controller:
         self.pending.clear()
         self.plans.clear()
         self.evals.forget()
+        self._trainers_seen = ()   # an RL run's trainers answer which weights versions they hold, as after a restart
         attach(self, time.time() - self.ledger.last_event_t, os.getpid(), first=False)
         self.slow.restart()
         return Running()
@@ -410,7 +412,7 @@ class Controller:
         changed since (a recovery) publish the version the run stands at."""
         s = self.state
         if self.placement.active != self._trainers_seen:
-            self.sampling.trainers_changed([w for w in self.placement.active if w not in self.dead], s.committed)
+            self.sampling.trainers_changed([w for w in self.placement.active if w not in self.dead])
             self._trainers_seen = self.placement.active
         self.sampling.pump(s.committed, s.steps, self.dead)
         if self.sampling.starved(self.dead):

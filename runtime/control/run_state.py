@@ -4,8 +4,9 @@
 placement and its epoch, the committed and dispatched frontiers, the losses
 (and the workers' loss sums), the replicas, the dead, the recovery count,
 the relaunches deferred to the next commit, the stragglers waiting for a
-swap, and the backups known to be complete (checkpoints, snapshots, shadow
-spares).
+swap, the backups known to be complete (checkpoints, snapshots, shadow
+spares), and an RL run's weights versions: which live trainer and sampler
+holds which, and the version each sampler has installed.
 
 It changes in one way only: an event. :meth:`RunState.apply` folds one event
 (as written to ``events.jsonl``: JSON-decoded) into a new value, and the
@@ -35,6 +36,7 @@ from typing import Any
 from runtime.core.hosts import host_id
 from runtime.control.placement import Placement, WorkerInfo
 from runtime.core.events import read_events
+from runtime.core.programs import SAMPLER_WEIGHTS_KEPT, TRAINER_WEIGHTS_KEPT
 from runtime.state.snapshot import KEEP as KEPT
 
 __all__ = ["RunLedger", "RunState", "Series", "replay_file"]
@@ -132,6 +134,13 @@ class RunState:
     # copy of the whole state once every stage holds one.
     stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
     stage_backups: frozenset[tuple[str, int, int]] = frozenset()
+    # An RL run's weights versions (runtime.control.sampling): the versions each live trainer and sampler holds for
+    # others to pull ({worker: versions, ascending}; its newest, as its outbox keeps them), and the version each
+    # sampler has installed, which its rollouts use ({sampler: version}). A restarted client reads them here: the
+    # trainers' answers to PublishWeights (weights_published), the trainers that applied a step (rl_step: they
+    # hold the version after it), the samplers' syncs (weights_synced); a death forgets what the dead held.
+    weights: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    installed: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     # -- what the controller reads --------------------------------------------
 
@@ -269,7 +278,12 @@ def _committed(s: RunState, e) -> RunState:
 
 
 def _worker_dead(s: RunState, e) -> RunState:
-    return _replace(s, dead={**s.dead, e["worker"]: e.get("reason") or e.get("cause") or "dead"})
+    w = e["worker"]
+    s = _replace(s, dead={**s.dead, w: e.get("reason") or e.get("cause") or "dead"})
+    if w in s.weights or w in s.installed:   # (an RL run: what it held is held no longer)
+        s = _replace(s, weights={k: v for k, v in s.weights.items() if k != w},
+                     installed={k: v for k, v in s.installed.items() if k != w})
+    return s
 
 
 def _failure(s: RunState, e) -> RunState:
@@ -357,6 +371,39 @@ def _shadow_dropped(s: RunState, e) -> RunState:
     return _replace(s, shadows=s.shadows - {e["worker"]})
 
 
+def _newest(held: tuple[int, ...], versions, keep: int) -> tuple[int, ...]:
+    """``held`` with ``versions`` added, the newest ``keep`` (as a worker's outbox keeps them)."""
+    return tuple(sorted({*held, *versions})[-keep:])
+
+
+def _weights_published(s: RunState, e) -> RunState:
+    """Trainers kept their current weights as a version: each one's answer names every version it holds now
+    (``held``; an older log: the version alone, added to what it held)."""
+    held = e.get("held")
+    if held is None:
+        held = {w: _newest(s.weights.get(w, ()), (e["version"],), TRAINER_WEIGHTS_KEPT) for w in e["workers"]}
+    return _replace(s, weights={**s.weights, **{w: tuple(sorted(v)) for w, v in held.items() if w not in s.dead}})
+
+
+def _weights_synced(s: RunState, e) -> RunState:
+    """A sampler installed a version: its rollouts use it, and it holds it for its peers."""
+    w, v = e["worker"], e["version"]
+    if w in s.dead:
+        return s
+    return _replace(s, weights={**s.weights, w: _newest(s.weights.get(w, ()), (v,), SAMPLER_WEIGHTS_KEPT)},
+                    installed={**s.installed, w: v})
+
+
+def _rl_step(s: RunState, e) -> RunState:
+    """An RL step committed: the trainers that applied it hold the version after it."""
+    trainers = [w for w in e.get("trainers", ()) if w not in s.dead]
+    if not trainers:
+        return s
+    v = e["step"] + 1
+    return _replace(s, weights={**s.weights, **{w: _newest(s.weights.get(w, ()), (v,), TRAINER_WEIGHTS_KEPT)
+                                                 for w in trainers}})
+
+
 _FOLDS = {
     "run_started": _run_started,
     "client_attached": _client_attached,
@@ -386,6 +433,9 @@ _FOLDS = {
     "shadow_synced": _shadow_synced,
     "shadow_behind": _shadow_dropped,
     "shadows_started": _shadows_started,
+    "weights_published": _weights_published,
+    "weights_synced": _weights_synced,
+    "rl_step": _rl_step,
 }
 
 

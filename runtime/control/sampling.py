@@ -28,10 +28,17 @@ work into the run's one schedule:
   (a recovery re-sends them with the step); a sampler lost drops only the
   microbatches it had not answered, which go to the others, and a fresh
   process is launched in its place.
+- **Who holds which version** is the run state's
+  (:attr:`runtime.control.run_state.RunState.weights` and ``installed``, a
+  fold of this module's events), never a copy here: a restarted client reads
+  it from the log, and the trainers' answers to the ``PublishWeights`` after
+  every change of the trainers (a recovery, a re-attach) bring it up to date
+  with what their outboxes hold.
 
-Events: ``weights_published``, ``weights_synced``, ``rollouts_made`` (a step's
-rollouts complete) and ``rl_step`` (at the step's commit: its weights version,
-mean reward, rollout seconds), from this module alone.
+Events: ``weights_published`` (each trainer's versions held), ``weights_synced``,
+``rollouts_made`` (a step's rollouts complete) and ``rl_step`` (at the step's
+commit: its weights version, the trainers that applied it, mean reward,
+rollout seconds), from this module alone.
 """
 
 from __future__ import annotations
@@ -100,21 +107,20 @@ class _Call:
 
 class Sampling:
     """The samplers of one RL run, driven by the controller's loop (:meth:`pump`, :meth:`ready`, :meth:`feed`,
-    :meth:`committed`, :meth:`lost`). Not thread-safe: the controller's thread calls it."""
+    :meth:`committed`, :meth:`lost`). Not thread-safe: the controller's thread calls it. ``ledger``: the run's
+    :class:`~runtime.control.run_state.RunLedger` (its ``state`` says who holds which weights version)."""
 
-    def __init__(self, group, opts, events, programs: SamplerPrograms):
-        self.group, self.opts, self.events, self.programs = group, opts, events, programs
+    def __init__(self, group, opts, events, programs: SamplerPrograms, ledger):
+        self.group, self.opts, self.events, self.programs, self.ledger = group, opts, events, programs, ledger
         self.count = opts.rl_samplers
         self.off = opts.rl_off_policy_steps
         self.num_microbatches = int(programs.layout["num_microbatches"])
         self.seed = 0
         self.live: list[str] = []                    # loaded samplers, in launch order
         self.launching: list[str] = []               # launched, not registered yet
-        self.installed: dict[str, int] = {}          # sampler -> the version it holds
-        self.held: dict[str, list[int]] = {}         # sampler -> the versions it can send peers (its last two)
         self.calls: dict[str, _Call] = {}            # sampler -> its one call in flight
         self.made: dict[int, dict[int, pb.FedBatch]] = {}   # step -> microbatch -> its rollout
-        self.published: dict[int, set[str]] = {}     # version -> trainers that hold it
+        self.resync: set[str] = set()                # samplers whose rollout failed: they sync before the next
         self.step_seconds: dict[int, float] = {}     # step -> seconds from its first rollout call to its last answer
         self._first_call: dict[int, float] = {}
         self.relaunched = 0
@@ -138,10 +144,11 @@ class Sampling:
 
     def reattach(self, known: dict, seed: int) -> None:
         """A restarted client takes the samplers of ``known`` (``{worker: WorkerInfo}`` from the log) over; the
-        ones that answer keep serving (they sync again: the version they hold is not known here), fresh ones
-        are launched for the rest."""
+        ones that answer keep serving with the versions the run state says they hold, fresh ones are launched
+        for the rest. (The trainers answer what they hold when the first turn of the loop sees them:
+        :meth:`trainers_changed`.)"""
         self.seed = seed
-        self.live, self.installed, self.held, self.calls, self.made, self.published = [], {}, {}, {}, {}, {}
+        self.live, self.calls, self.made, self.resync = [], {}, {}, set()
         if known:
             fingerprint = programs_fingerprint(self.programs.programs())
             self.live = self.group.attach_samplers(known, fingerprint)
@@ -150,15 +157,19 @@ class Sampling:
         self.events.emit("samplers_attached", workers=list(self.live), launched=list(self.launching))
 
     def publish(self, trainers) -> None:
-        """``trainers`` keep their current weights as the version they stand at (the run's start, a recovery)."""
+        """``trainers`` keep their current weights as the version they stand at (the run's start, a recovery, a
+        re-attach), and answer every version they hold (``weights_published``'s ``held``: the run state's)."""
         replies = self.group.publish_weights(list(trainers), list(self.programs.weight_leaves),
-                                                   self.programs.weights_dtype)
-        for w, r in replies.items():
-            for v in {r.version, *r.held}:
-                self.published.setdefault(v, set()).add(w)
+                                             self.programs.weights_dtype)
         if replies:
             r = next(iter(replies.values()))
-            self.events.emit("weights_published", version=r.version, workers=sorted(replies), bytes=r.bytes)
+            self.events.emit("weights_published", version=r.version, workers=sorted(replies), bytes=r.bytes,
+                             held={w: sorted({x.version, *x.held}) for w, x in sorted(replies.items())})
+
+    def _installed(self, worker: str) -> int | None:
+        """The version ``worker`` (a sampler) has installed, as the run state knows it (None: none, or it must
+        sync again)."""
+        return None if worker in self.resync else self.ledger.state.installed.get(worker)
 
     # -- the schedule ---------------------------------------------------------------
 
@@ -186,32 +197,34 @@ class Sampling:
             if not missing:
                 continue
             free = [w for w in self.live if w not in self.calls and w not in dead and self._retry_at.get(w, 0) <= now]
-            ready = [w for w in free if self.installed.get(w) == version]
+            ready = [w for w in free if self._installed(w) == version]
             if ready:
                 for w, mbs in zip(ready, split(missing, len(ready))):
                     self.calls[w] = _Call("rollout", self.group.start_rollout(w, step, mbs, version, self.seed),
                                           now, version, step, tuple(mbs))
                     self._first_call.setdefault(step, now)
-            for w in [w for w in free if w not in self.calls and self.installed.get(w) != version]:
+            for w in [w for w in free if w not in self.calls and self._installed(w) != version]:
                 sources = self._sources(version, w, dead)
                 if sources:   # (the earliest step's version first: a sampler moves back to it if it must)
                     self.calls[w] = _Call("sync", self.group.start_sync(w, version, sources), now, version)
             if step == committed and version < committed and not self._sources(version, "", dead) and not any(
                     c.version == version for c in self.calls.values()) and \
-                    not any(self.installed.get(w) == version for w in self.live if w not in dead):
+                    not any(self._installed(w) == version for w in self.live if w not in dead):
                 raise StateLostError(
                     f"step {step}'s rollouts need weights version {version}, and every trainer and sampler that "
                     f"held it was lost (rl_off_policy_steps={self.off}: the run stands at version {committed}); its "
                     "rollouts cannot be made again bit for bit")
 
     def _sources(self, version: int, worker: str, dead) -> list[str]:
-        """Who can send ``version``: the trainers that published it (rotated per sampler, so syncs spread), then
-        the samplers holding it."""
-        trainers = sorted(w for w in self.published.get(version, ()) if w not in dead)
+        """Who can send ``version``: the active trainers that hold it (rotated per sampler, so syncs spread), then
+        the samplers holding it (the run state's ``weights``)."""
+        s = self.ledger.state
+        active = s.placement.active if s.placement is not None else ()
+        trainers = sorted(w for w in active if version in s.weights.get(w, ()) and w not in dead)
         if trainers:
             k = self.live.index(worker) % len(trainers) if worker in self.live else 0
             trainers = trainers[k:] + trainers[:k]
-        peers = [w for w in self.live if w != worker and version in self.held.get(w, ()) and w not in dead]
+        peers = [w for w in self.live if w != worker and version in s.weights.get(w, ()) and w not in dead]
         return trainers + peers
 
     def _take_in(self, dead) -> None:
@@ -235,15 +248,14 @@ class Sampling:
                         self.group.declare_dead(w, f"{self.failed[w]} calls in a row failed, the last: "
                                                    f"{self.last_error}", cause="failed")
                     elif call.kind == "rollout":
-                        self.installed.pop(w, None)   # sync again before its next rollout
+                        self.resync.add(w)   # sync again before its next rollout
                 continue
             self.failed.pop(w, None)
             if call.kind == "load":
                 self.live.append(w)
                 self.events.emit("sampler_joined", worker=w)
             elif call.kind == "sync":
-                self.installed[w] = reply.version
-                self.held[w] = [*self.held.get(w, [])[-1:], reply.version]
+                self.resync.discard(w)
                 self.events.emit("weights_synced", worker=w, version=reply.version, bytes=reply.bytes,
                                  seconds=reply.seconds, source=reply.source, failed=list(reply.failed))
             else:
@@ -277,11 +289,8 @@ class Sampling:
     # -- commits and losses -----------------------------------------------------------
 
     def committed(self, step: int, workers) -> None:
-        """Step ``step`` committed on ``workers``: they hold version ``step + 1``; its rollouts are let go, and
-        its ``rl_step`` recorded."""
-        self.published.setdefault(step + 1, set()).update(workers)
-        for v in [v for v in self.published if v < step - 1]:
-            del self.published[v]
+        """Step ``step`` committed on ``workers``: its ``rl_step`` is recorded (they hold version ``step + 1``),
+        and its rollouts are let go."""
         batches = self.made.pop(step, {})
         self._first_call.pop(step, None)   # (a step whose rollouts were not all made here)
         rewards = [decode_batch(b)["rewards"] for _, b in sorted(batches.items()) if
@@ -291,7 +300,7 @@ class Sampling:
         # its version is the rule's, its reward is not known here.
         reward = {"mean_reward": float(np.mean(np.concatenate(rewards)))} if rewards else {}
         self.events.emit("rl_step", step=step, version=versions[0] if versions else weights_version(step, self.off),
-                         rollout_seconds=self.step_seconds.pop(step, 0.0),
+                         trainers=sorted(workers), rollout_seconds=self.step_seconds.pop(step, 0.0),
                          rollout_bytes=sum(b.ByteSize() for b in batches.values()), **reward)
 
     def lost(self, worker: str) -> None:
@@ -304,21 +313,18 @@ class Sampling:
         if worker in self.live:
             self.live.remove(worker)
         self.calls.pop(worker, None)
-        self.installed.pop(worker, None)
-        self.held.pop(worker, None)
+        self.resync.discard(worker)
         if self.opts.relaunch and self.relaunched < self.opts.max_retries:
             self.relaunched += 1
             wid = self.group.launch(sampler=True)
             self.launching.append(wid)
             self.events.emit("sampler_relaunched", replaces=worker, worker=wid)
 
-    def trainers_changed(self, trainers, committed: int) -> None:
-        """The trainers changed (a recovery): the ones now active publish the version the run stands at, and the
-        versions only the lost ones held are forgotten."""
-        for holders in self.published.values():
-            holders.intersection_update(trainers)
-        if not self.published.get(committed):
-            self.publish(trainers)
+    def trainers_changed(self, trainers) -> None:
+        """The trainers changed (a recovery, a restarted client's first turn): the ones now active publish the
+        version the run stands at and answer every version they hold, which the run state takes as theirs (a trainer that applied steps its client never recorded holds versions the log does not
+        name; a spare promoted holds none)."""
+        self.publish(trainers)
 
 
 def _why(e) -> str:

@@ -77,6 +77,9 @@ NUMBERS_BY_NAME = FieldType("an object of numbers",
                             lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()))
 NUMBERS_BY_NAME_BY_NAME = FieldType("an object of objects of numbers",
                                     lambda v: isinstance(v, dict) and all(NUMBERS_BY_NAME.ok(x) for x in v.values()))
+COUNTS_BY_NAME = FieldType("an object of lists of whole numbers >= 0",
+                           lambda v: isinstance(v, dict) and all(isinstance(x, list) and all(map(_is_count, x))
+                                                                 for x in v.values()))
 
 #: Fields of every event: when (unix seconds) and what.
 COMMON_FIELDS: Mapping[str, FieldType] = MappingProxyType({"t": FINITE, "kind": TEXT})
@@ -167,7 +170,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("sampler_relaunched", "a fresh sampler process was launched in a lost one's place",
               {"replaces": TEXT, "worker": TEXT}),
     EventKind("weights_published", "trainers kept their current policy weights as a version for the samplers",
-              {"version": COUNT, "workers": NAMES, "bytes": COUNT}),
+              {"version": COUNT, "workers": NAMES, "bytes": COUNT},
+              {"held": COUNTS_BY_NAME}),   # each trainer's answer: every version it holds now (older logs: none)
     EventKind("weights_synced", "a sampler installed a weights version, pulled whole from a trainer or a peer",
               {"worker": TEXT, "version": COUNT, "bytes": COUNT, "seconds": NUMBER, "source": TEXT},
               {"failed": NAMES}),   # the sources tried first (lost midway, or without that version), and why
@@ -175,9 +179,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               {"step": COUNT, "version": COUNT, "seconds": NUMBER}),
     EventKind("rl_step", "an RL step committed: the weights version its rollouts were made with, their reward",
               {"step": COUNT, "version": COUNT, "rollout_seconds": NUMBER, "rollout_bytes": COUNT},
-              # absent for a step a restarted client committed from its workers' reports (an earlier client held
-              # its rollouts)
-              {"mean_reward": NUMBER}),
+              # mean_reward: absent for a step a restarted client committed from its workers' reports (an earlier
+              # client held its rollouts); trainers: those that applied the step, which hold the version after it
+              {"mean_reward": NUMBER, "trainers": NAMES}),
     # -- the shared pool: a pool's own log (runtime.pool.ledger folds it) --------------------------------------
     EventKind("pool_started", "a pool serves (again, after a restart: restarted), with the hosts and leases its log had",
               {"address": TEXT, "hosts": COUNT, "leases": COUNT, "restarted": BOOL}),

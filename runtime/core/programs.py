@@ -49,10 +49,17 @@ import dataclasses
 import hashlib
 import json
 
-__all__ = ["MESH_AXIS", "ProgramSet", "SamplerPrograms", "StagePrograms", "stages_digest"]
+__all__ = ["MESH_AXIS", "SAMPLER_WEIGHTS_KEPT", "TRAINER_WEIGHTS_KEPT", "ProgramSet", "SamplerPrograms", "StagePrograms",
+           "stages_digest"]
 
 #: Name of the mesh axis inside a virtual slice.
 MESH_AXIS = "fsdp"
+
+#: An RL run's weights versions a trainer keeps for the samplers to pull (its newest), and a sampler keeps for its
+#: peers (the newest it installed): the workers' outboxes (``runtime.worker.weights``) keep these many, and the run
+#: state's record of who holds which (``runtime.control.run_state``) follows the same rule.
+TRAINER_WEIGHTS_KEPT = 3
+SAMPLER_WEIGHTS_KEPT = 2
 
 # Layout keys only a stage of a pipeline has: a one-stage run's layout is without them.
 _PIPELINE_KEYS = ("stage", "num_stages", "activation_in", "activation_out")

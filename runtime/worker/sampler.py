@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError, StaleEpochError
 from runtime.core.platforms import check_runnable, local_platform
-from runtime.core.programs import MESH_AXIS
+from runtime.core.programs import MESH_AXIS, SAMPLER_WEIGHTS_KEPT
 from runtime.wire.batches import encode_batch
 from runtime.worker.weights import WeightOutbox
 
@@ -92,7 +92,7 @@ class Sampler:
         self.mesh = Mesh(np.array(devices[:d]), (MESH_AXIS,))
         self.weights_layout = [(tuple(s), np.dtype(t)) for s, t, _ in layout["weights"]]
         self.num_microbatches = int(layout["num_microbatches"])
-        self.outbox = WeightOutbox(keep=2)   # what it installed, for peer samplers (the newest two)
+        self.outbox = WeightOutbox(keep=SAMPLER_WEIGHTS_KEPT)   # what it installed, for peer samplers (the newest)
         self._lock = threading.Lock()
         self._installed: tuple[int, list] | None = None   # (version, device arrays)
         self._reference: list = []   # the frozen initial policy's weights (a KL term), made here from the seed
@@ -147,15 +147,16 @@ class Sampler:
 
     def install(self, version: int, leaves: list[np.ndarray], digest: str) -> None:
         """Places ``leaves`` (host arrays of the layout's weights) on the devices and makes them the version
-        rollouts use from now on; the host arrays are kept to serve peers."""
+        rollouts use from now on, older or newer than the one before (the client asks for the version a step
+        needs: a restarted client may need the one before the newest back); the host arrays are kept to serve
+        peers."""
         if len(leaves) != len(self.weights_layout):
             raise ProtocolError(f"{len(leaves)} weights leaves, the sampler's layout has {len(self.weights_layout)}")
         placed = [jax.device_put(x, s) for x, s in zip(leaves, self._weight_shardings)]
         jax.block_until_ready(placed)
         self.outbox.put(version, leaves, digest)
         with self._lock:
-            if self._installed is None or version >= self._installed[0]:
-                self._installed = (version, placed)
+            self._installed = (version, placed)
 
     def rollout(self, step: int, microbatches, version: int, seed: int) -> list[pb.FedBatch]:
         """The rollout of each of ``microbatches`` of ``step`` with weights ``version``: the trainer's batches,

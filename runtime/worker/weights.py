@@ -24,6 +24,7 @@ import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import ProtocolError, StaleEpochError
+from runtime.core.programs import TRAINER_WEIGHTS_KEPT
 from runtime.state.state_copy import assemble_state, state_chunks, state_digest
 from runtime.wire.dataplane_client import DataClient, RemoteError
 from runtime.wire.parts import Part
@@ -55,7 +56,7 @@ class WeightOutbox:
     version's digest is taken when it is first asked for (a trainer keeps a version after every step, and most
     are never sent)."""
 
-    def __init__(self, keep: int = 3):
+    def __init__(self, keep: int = TRAINER_WEIGHTS_KEPT):
         self.keep = keep
         self._lock = threading.Lock()
         self._versions: dict[int, tuple[list[np.ndarray], str]] = {}   # digest "" until first asked for

@@ -2,6 +2,7 @@
 fake group, weights versions held and pulled over real loopback data planes (runtime.worker.weights), and the
 batches the client carries (runtime.wire.batches)."""
 
+import json
 import socket
 import types
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
+from runtime.control.run_state import RunState
 from runtime.control.sampling import Sampling, is_sampler, split, weights_version
+from runtime.core.event_kinds import check_event
 from runtime.core.errors import ProtocolError, StaleEpochError, StateLostError
 from runtime.core.programs import SamplerPrograms
 from runtime.state.state_copy import state_digest
@@ -156,11 +159,17 @@ def test_a_sampler_pulls_a_version_whole_from_the_first_source_that_has_it():
 # -- the samplers' schedule ---------------------------------------------------------------------------------
 
 class _Events:
-    def __init__(self):
+    """The run's event log and its ledger as sampling sees them: each event checked against its kind, kept, and
+    folded into the run state (placed on trainers ``w0`` and ``w1``)."""
+
+    def __init__(self, trainers=("w0", "w1")):
         self.emitted = []
+        self.state = RunState().apply({"kind": "placement", "epoch": 1, "active": list(trainers), "spares": []})
 
     def emit(self, kind, **fields):
+        check_event({"t": 0.0, "kind": kind, **fields})
         self.emitted.append((kind, fields))
+        self.state = self.state.apply(json.loads(json.dumps({"kind": kind, **fields})))
 
 
 def _sampling(samplers=2, off=0, microbatches=4):
@@ -169,7 +178,7 @@ def _sampling(samplers=2, off=0, microbatches=4):
     programs = SamplerPrograms(rollout=b"", layout={"num_microbatches": microbatches}, prompts=b"",
                                weight_leaves=(0,))
     group, events = SamplerGroup(), _Events()
-    sampling = Sampling(group, opts, events, programs)
+    sampling = Sampling(group, opts, events, programs, events)
     sampling.start(["w0", "w1"], seed=0)
     return sampling, group, events
 
@@ -253,7 +262,7 @@ def test_a_step_commits_its_rewards_and_version_once():
     sampling.committed(0, ["w0", "w1"])
     [(kind, fields)] = [e for e in events.emitted if e[0] == "rl_step"]
     assert fields["step"] == 0 and fields["version"] == 0 and fields["mean_reward"] == 1.0
-    assert not sampling.ready(0) and sampling.published[1] == {"w0", "w1"}
+    assert not sampling.ready(0) and events.state.weights == {"w0": (0, 1), "w1": (0, 1), "s10": (0,), "s11": (0,)}
 
 
 def test_with_every_sampler_lost_and_none_on_the_way_the_run_is_starved():
@@ -278,9 +287,10 @@ def test_a_restarted_client_learns_the_older_versions_the_trainers_hold_and_samp
                                  max_retries=3)
     programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
     group = SamplerGroup(publish_version=14, held=(12, 13, 14))
-    sampling = Sampling(group, opts, _Events(), programs)
+    events = _Events()
+    sampling = Sampling(group, opts, events, programs, events)
     sampling.reattach({"s2": None, "s3": None}, seed=0)
-    sampling.trainers_changed(["w0", "w1"], committed=14)
+    sampling.trainers_changed(["w0", "w1"])
     sampling.pump(committed=14, steps=30, dead={})
     assert [(w, r["version"]) for w, r, _ in group.open("SyncWeights")] == [("s2", 13), ("s3", 13)]
 
@@ -289,9 +299,10 @@ def test_a_version_an_uncommitted_step_needs_held_nowhere_fails_the_run_in_one_l
     opts = types.SimpleNamespace(rl_samplers=1, rl_off_policy_steps=1, register_timeout_seconds=1.0, relaunch=True,
                                  max_retries=3)
     programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
-    sampling = Sampling(SamplerGroup(publish_version=14, held=(14,)), opts, _Events(), programs)
+    events = _Events(trainers=("w0",))
+    sampling = Sampling(SamplerGroup(publish_version=14, held=(14,)), opts, events, programs, events)
     sampling.reattach({"s2": None}, seed=0)
-    sampling.trainers_changed(["w0"], committed=14)
+    sampling.trainers_changed(["w0"])
     with pytest.raises(StateLostError, match="step 14's rollouts need weights version 13") as err:
         sampling.pump(committed=14, steps=30, dead={})
     assert "\n" not in str(err.value)
@@ -317,3 +328,57 @@ def test_a_sampler_that_answers_but_cannot_sync_is_replaced_after_three_failures
         assert group.dead == []
     sampling.pump(committed=0, steps=1, dead={})
     assert group.dead == ["s10"] and sampling.last_error.startswith("sync on s10")
+
+
+def test_a_restarted_client_reads_who_holds_which_weights_version_from_the_log():
+    """One step off-policy. The dead client's log says the trainers hold versions up to 9 and each sampler has 9
+    installed; the trainers applied step 9 after it died, so the restarted client commits step 9 from their
+    reports, and step 10's rollouts need version 9: the samplers make them with it at once (the dead client's
+    facts were the client's memory alone, and the run failed 'every trainer and sampler that held it was lost')."""
+    old = _Events()
+    old.emit("weights_published", version=8, workers=["w0", "w1"], bytes=8, held={"w0": [6, 7, 8], "w1": [7, 8]})
+    old.emit("rl_step", step=8, version=7, trainers=["w0", "w1"], rollout_seconds=0.0, rollout_bytes=0)
+    for s in ("s2", "s3", "s4"):
+        old.emit("weights_synced", worker=s, version=9, bytes=8, seconds=0.0, source="w0")
+    old.emit("worker_dead", worker="s4", reason="killed", cause="crash")
+    assert old.state.weights == {"w0": (7, 8, 9), "w1": (7, 8, 9), "s2": (9,), "s3": (9,)}
+    new = _Events()
+    new.state = RunState.replay([{"kind": "placement", "epoch": 1, "active": ["w0", "w1"], "spares": []},
+                                 *({"kind": k, **f} for k, f in old.emitted)])
+    opts = types.SimpleNamespace(rl_samplers=2, rl_off_policy_steps=1, register_timeout_seconds=1.0, relaunch=True,
+                                 max_retries=3)
+    programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
+    group = SamplerGroup()
+    sampling = Sampling(group, opts, new, programs, new)
+    sampling.reattach({"s2": None, "s3": None}, seed=0)
+    sampling.committed(9, ["w0", "w1"])   # from the trainers' reports: they hold version 10 now
+    sampling.pump(committed=10, steps=30, dead={})
+    assert [(w, r["step"], r["version"]) for w, r, _ in group.open("Rollout")] == [("s2", 10, 9), ("s3", 10, 9)]
+    assert new.state.weights["w0"] == (8, 9, 10)
+
+
+def test_a_sampler_installs_the_version_it_is_asked_for_even_an_older_one():
+    """A restarted client's first step may need the version before the one a sampler installed last (the dead
+    client had it sample a step ahead): the sampler installs it and samples with it (it refused to go back, so its
+    rollouts were refused until it was declared dead)."""
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.worker.sampler import Sampler
+
+    def rollout(w, prompts, seed, step, microbatch):
+        return {"out": prompts * w[0] + step}
+
+    exported = jax.export.export(jax.jit(rollout))([jax.ShapeDtypeStruct((2,), jnp.int32)],
+                                                   jax.ShapeDtypeStruct((2,), jnp.int32),
+                                                   *[jax.ShapeDtypeStruct((), jnp.int32)] * 3)
+    layout = {"devices_per_slice": 1, "weights": [[[2], "int32", None]], "prompt": [[2], "int32"],
+              "outputs": [["out", [2], "int32"]], "num_microbatches": 1}
+    source = types.SimpleNamespace(prompts=lambda step, m: np.ones(2, np.int32))
+    sampler = Sampler(layout, {"rollout": bytes(exported.serialize())}, source, jax.devices()[:1])
+    sampler.load()
+    for v in (5, 4):
+        sampler.install(v, [np.full(2, v, np.int32)], f"d{v}")
+    [batch] = sampler.rollout(3, [0], 4, seed=0)
+    assert sampler.version == 4 and batch.version == 4
+    assert list(decode_batch(batch)["out"]) == [7, 7] and sampler.outbox.versions() == [4, 5]
