@@ -164,22 +164,29 @@ class WorkerCalls:
         except Exception:   # noqa: BLE001 -- any failure means "no answer"; the caller probes it next
             return None
 
-    def stacks(self, workers, timeout: float) -> dict[str, list[pb.ProcessStacks]]:
+    def stacks(self, workers, timeout: float, silent: Mapping[str, str] | None = None
+               ) -> dict[str, list[pb.ProcessStacks]]:
         """Thread-safe. Every thread's Python stack of each of ``workers``, asked of each host of a slice on its own
         and all at once: ``{worker: [one ProcessStacks per host, in host order]}``. A host that does not answer
-        within ``timeout`` seconds (hung, stopped, gone) has ``error`` instead of ``text``; never waits longer."""
+        within ``timeout`` seconds (hung, stopped, gone) has ``error`` instead of ``text``; never waits longer.
+        A host in ``silent`` (``{host id: why}``: known not to answer) is not asked: its ``error`` says why."""
+        silent = silent or {}
         calls = {}
         for w in workers:
             stub = self._stubs.get(w)
             hosts = stub.hosts if isinstance(stub, SliceStub) else [stub] if stub is not None else []
-            calls[w] = [(host_id(w, k, len(hosts)), h.Stacks.future(pb.StacksRequest(), timeout=timeout))
-                        for k, h in enumerate(hosts)]
-        wait_until({(w, k): f for w, fs in calls.items() for k, (_, f) in enumerate(fs)},
+            names = [host_id(w, k, len(hosts)) for k in range(len(hosts))]
+            calls[w] = [(name, None if name in silent else h.Stacks.future(pb.StacksRequest(), timeout=timeout))
+                        for name, h in zip(names, hosts)]
+        wait_until({(w, k): f for w, fs in calls.items() for k, (_, f) in enumerate(fs) if f is not None},
                    time.monotonic() + timeout)
         out = {}
         for w, fs in calls.items():
             out[w] = []
             for name, f in fs:
+                if f is None:
+                    out[w].append(pb.ProcessStacks(name=name, error=silent[name]))
+                    continue
                 try:
                     for process in f.result(timeout=0).processes:   # named by its host id (host_id)
                         process.name = name

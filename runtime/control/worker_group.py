@@ -133,7 +133,7 @@ class WorkerGroup:
                                       on_lost=lambda w, why: self.declare_dead(w, why, cause="crash"),
                                       events=events, snapshot_root=self.snapshot_root)
         self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
-        self.monitor = HealthMonitor(Dialer(secret, opts.tls), self.declare_dead, interval=opts.heartbeat_seconds,
+        self.monitor = HealthMonitor(Dialer(secret, opts.tls), self._host_lost, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
         self.fenced: set[str] = set()            # members that fenced themselves and wait: this client takes them back
         self._deaths: queue.Queue[Death] = queue.Queue()
@@ -509,6 +509,25 @@ class WorkerGroup:
         if hosts > 1:
             self._retire(worker_id)
 
+    def _host_lost(self, host: str, reason: str, cause: str) -> None:
+        """The health monitor's finding of ``host`` (on the monitor's thread): declared dead at once, but for one
+        host of a slice of several that went silent (``hang``: stopped, hung): its peers wait for it in the
+        slice's collective and can show where the slice hung, so their stacks are kept first (as the step
+        watchdog keeps a stuck worker's) and named in the slice's ``worker_dead``. That is done on a thread of its
+        own, bounded by ``STACKS_SECONDS``: the monitor's loop never waits for it. (A crash is declared at once:
+        its step fails at once too, and the death must name the host that crashed.)"""
+        slice_id, _ = slice_of_host(host)
+        info = self.registry.workers.get(slice_id)
+        if cause != "hang" or info is None or not info.hosts or slice_id in self._dead() or not self.opts.run_dir:
+            self.declare_dead(host, reason, cause)
+            return
+
+        def keep_then_declare():
+            kept = self.keep_stacks([slice_id], self.ledger.state.committed, silent={host: f"declared hung: {reason}"})
+            self.declare_dead(host, reason, cause, stacks=kept.get(slice_id, ""))
+
+        threading.Thread(target=keep_then_declare, name=f"hung-{slice_id}", daemon=True).start()
+
     def _retire(self, slice_id: str) -> None:
         """A slice of several hosts lost one: every host of it stops (a new distributed system needs fresh
         processes, jax#11222), told to go home (best effort, on a thread: a host may be stuck) and killed where
@@ -592,16 +611,18 @@ class WorkerGroup:
         r = self.calls.progress(worker_id)
         return None if r is None else (r.step, r.phase, r.seconds)
 
-    def keep_stacks(self, workers, step: int, timeout: float = STACKS_SECONDS) -> dict[str, str]:
+    def keep_stacks(self, workers, step: int, timeout: float = STACKS_SECONDS,
+                    silent: Mapping[str, str] | None = None) -> dict[str, str]:
         """Before ``workers`` (found hung or stuck at ``step``) are replaced: asks each for its Python stacks
-        (every host of a slice), waiting at most ``timeout`` seconds in all, and keeps what came back as
+        (every host of a slice, but the hosts of ``silent``, ``{host id: why it is not asked}``, which the file
+        names with why), waiting at most ``timeout`` seconds in all, and keeps what came back as
         ``<run_dir>/stacks/<worker>-<step>.txt``; ``{worker: path in the run directory}`` of the files written
         (a worker whose hosts all stayed silent leaves none). A file it cannot write is a warning, never an error:
         the recovery goes on."""
         if not workers or not self.opts.run_dir:
             return {}
         kept = {}
-        for w, processes in self.calls.stacks(list(workers), timeout).items():
+        for w, processes in self.calls.stacks(list(workers), timeout, silent or {}).items():
             if not any(p.text for p in processes):
                 continue
             path = stacks_path(w, step)

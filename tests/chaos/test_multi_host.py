@@ -3,7 +3,8 @@ devices a host, one JAX distributed system a slice, gloo between its hosts) and 
 
 One host of a slice is killed (the spare slice takes the slice's place; its other host is retired with it), then
 the client is killed (the harness starts it again and it re-attaches both slices, every host of each), then one
-host of another slice is cut off (no spare is left warm: the run shrinks). The run ends bit-identical to the
+host of another slice is stopped (SIGSTOP: its peer, waiting in the slice's collective, leaves its stacks; no
+spare is left warm: the run shrinks). The run ends bit-identical to the
 fault-free reference, itself run as one slice of 2 processes (the same host count: collectives across processes
 sum in their own order), with no step lost; the report names each slice's hosts, the host each fault hit and the
 hosts retired with it, and no process of the run is left. Its checkpoints are each host's blocks, and a run of
@@ -27,7 +28,7 @@ def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_s
     run_cli(["chaos", "tiny", "dcn_data_parallelism=2", "elastic_hosts_per_slice=2", "ici_fsdp_parallelism=4",
              "elastic_spares=1", f"steps={STEPS}", "run_name=faulted", "elastic_client_grace_seconds=20",
              "enable_checkpointing=true", "checkpoint_period=4", "eval_interval=3", "eval_steps=1",
-             "--faults", "kill:slice=1,host=1@step=3,kill:client@step=6,partition:slice=0,host=0@step=9"], tmp_path)
+             "--faults", "kill:slice=1,host=1@step=3,kill:client@step=6,hang:slice=0,host=0@step=9"], tmp_path)
     run_dir = pathlib.Path(tmp_path) / "faulted"
     report = json.loads((run_dir / "report.json").read_text())
     events = run_events(run_dir)
@@ -51,6 +52,10 @@ def test_a_host_lost_loses_its_slice_which_a_spare_slice_replaces_then_the_run_s
     assert client["workers"] == [] and client["path"] == "retry"
     assert killed["workers"] == ["w1"] and killed["hosts"] == {"w1": 1} and killed["retired"] == {"w1": [0]}
     assert cut["workers"] == ["w0"] and cut["hosts"] == {"w0": 0} and cut["retired"] == {"w0": [1]}
+    # Its peer, waiting for it in the slice's collective, said where the slice hung before both were stopped.
+    [cut_dead] = [e for e in kinds(events, "worker_dead") if e["worker"] == "w0"]
+    peer = (run_dir / cut_dead["stacks"]).read_text()
+    assert "== w0/1" in peer and "Thread MainThread" in peer and "(no stacks: declared hung: " in peer
     hosts = report["slice_hosts"]
     assert {"w0", "w1", "w2"} <= set(hosts) and all(len(h) == 2 for h in hosts.values())
     [placed, *_] = kinds(events, "placement")

@@ -340,7 +340,7 @@ class FakeGroup:
     def probe(self, workers):
         return {w: self._reachable(w) for w in workers}
 
-    def keep_stacks(self, workers, step, timeout=2.0):
+    def keep_stacks(self, workers, step, timeout=2.0, silent=None):
         """Stacks kept only of the reachable (a hung worker does not answer): ``{worker: path}``, no file."""
         return {w: f"stacks/{w}-{step}.txt" for w in workers if self._reachable(w)}
 
