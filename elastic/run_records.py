@@ -210,11 +210,11 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
 
 
 def open_log(run_dir: pathlib.Path, *, append: bool, take_over: bool = False, why: str = "",
-             also: tuple[str, ...] = ()) -> EventLog:
+             also: tuple[str, ...] = (), since: float | None = None) -> EventLog:
     """The run's event log: appended to (this attempt continues the run it holds), or new: an earlier run's
     records under the same name (its log, worker logs, report, TensorBoard files, kept stacks, and the files
     named in ``also``, such as its ``metrics_file``) are first moved aside (:func:`keep_aside`, saying ``why``
-    in one line), never deleted.
+    in one line; the logs this attempt wrote since ``since`` stay), never deleted.
 
     ``take_over`` (a restarted client taking the run back): the log is copied to a new file that replaces
     it, so an earlier client of the run that still has the old one open (a stopped process that wakes up)
@@ -226,43 +226,60 @@ def open_log(run_dir: pathlib.Path, *, append: bool, take_over: bool = False, wh
             shutil.copyfile(path, tmp)
             os.replace(tmp, path)
         if not append:
-            keep_aside(run_dir, why, also)
+            keep_aside(run_dir, why, also, since)
         return EventLog(run_dir / "events.jsonl")
     except OSError as e:
         raise ConfigError(f"cannot write run files to {run_dir}: {e.strerror or e}; choose a writable "
                           "directory (config key 'base_output_directory')") from None
 
 
-def keep_aside(run_dir: pathlib.Path, why: str, also: tuple[str, ...] = ()) -> pathlib.Path | None:
+def keep_aside(run_dir: pathlib.Path, why: str, also: tuple[str, ...] = (), since: float | None = None) -> pathlib.Path | None:
     """Moves the records of an earlier run in ``run_dir`` that this one does not continue into
     ``<run_dir>/earlier/<n>`` (``n`` the first free number from 1) and says so in one line on stderr; returns
-    where they went (None: there were none).
+    where they went (None: there were none). An earlier run is one whose event log is there.
 
     Records are everything the run directory holds but its own files (its lock and secret, ``client.json``,
     its checkpoints, ``earlier``): the event log, reports, logs, TensorBoard files, kept stacks; and each path
-    of ``also`` that holds something (a ``metrics_file`` outside the directory). Renames only: nothing is
-    copied, nothing deleted; ``elastic report <run_dir>/earlier/<n>`` renders the earlier run again. Raises
-    ``OSError`` when a move fails (what moved stays where it went)."""
-    names = sorted(p.name for p in run_dir.iterdir()
-                   if not p.name.startswith(".") and p.name not in _RUN_FILES and not _holds_checkpoints(p)) \
-        if run_dir.is_dir() else []
+    of ``also`` that holds something (a ``metrics_file`` outside the directory). A log this attempt wrote to
+    already (modified at or after ``since``, its start: the zygote's, started before the log opens) stays.
+    Renames only: nothing is copied, nothing deleted; ``elastic report <run_dir>/earlier/<n>`` renders the
+    earlier run again. Raises ``OSError`` when a move fails (what moved stays where it went)."""
+    log = run_dir / "events.jsonl"
+    earlier = log.is_file() and log.stat().st_size > 0   # (what a directory holds without one is this attempt's)
+    moved = _records(run_dir, since) if earlier else []
     extra = [pathlib.Path(a) for a in also if a and os.path.isfile(a) and os.path.getsize(a) > 0
              and pathlib.Path(a).resolve().parent != run_dir.resolve()]
-    if not names and not extra:
+    if not moved and not extra:
         return None
     n = 1
     while (run_dir / EARLIER / str(n)).exists():
         n += 1
     aside = run_dir / EARLIER / str(n)
     aside.mkdir(parents=True)
-    for name in names:
+    for name in moved:
+        (aside / name).parent.mkdir(parents=True, exist_ok=True)
         os.replace(run_dir / name, aside / name)
     for path in extra:
         os.replace(path, aside / path.name)
-    what = ", ".join(names + [str(p) for p in extra])
+    what = ", ".join(moved + [str(p) for p in extra])
     print(f"elastic: {run_dir} holds the records of an earlier run that this one does not continue"
           f"{f' ({why})' if why else ''}: moved {what} to {aside}", file=sys.stderr)
     return aside
+
+
+def _records(run_dir: pathlib.Path, since: float | None) -> list[str]:
+    """The paths, relative to ``run_dir``, that :func:`keep_aside` moves: its entries, and the logs in ``logs``
+    one by one (but those written to at or after ``since``)."""
+    out = []
+    for p in sorted(run_dir.iterdir()):
+        if p.name.startswith(".") or p.name in _RUN_FILES or _holds_checkpoints(p) or \
+                (p.is_file() and p.stat().st_size == 0):   # (an empty file records nothing)
+            continue
+        if p.name == "logs" and p.is_dir():
+            out += [f"logs/{c.name}" for c in sorted(p.iterdir()) if since is None or c.stat().st_mtime < since]
+        else:
+            out.append(p.name)
+    return out
 
 
 def _holds_checkpoints(path: pathlib.Path) -> bool:

@@ -253,7 +253,7 @@ class _Job:
                    else f"its last attempt ended, and no checkpoint of it at or before step {settings.steps} is "
                         "left to resume from")
             events = run_records.open_log(run_dir, append=append, take_over=again is not None, why=why,
-                                          also=(settings.metrics_file,))
+                                          also=(settings.metrics_file,), since=t0)
         except BaseException:
             claim.release()
             raise

@@ -103,7 +103,8 @@ def _write_client_log(job, kept: list[str]) -> None:
     logs = job.run_dir() / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
-        (logs / "client.log").write_text(text, encoding="utf-8")
+        with open(logs / "client.log", "a", encoding="utf-8") as log:   # an earlier run's is never overwritten
+            log.write(text)
     except OSError as e:   # the run's own check of its directory comes next and names the problem
         raise elastic.ConfigError(f"cannot write run files to {logs}: {e.strerror or e}; choose a writable "
                                   "directory (config key 'base_output_directory')") from None

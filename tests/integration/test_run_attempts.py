@@ -61,6 +61,7 @@ def test_a_resume_with_a_schedule_built_from_steps_is_refused_before_anything_is
     before = cfg(tmp_path, "steps=4")
     run_dir = tmp_path / "ext"
     (run_dir / "checkpoints" / "4").mkdir(parents=True)
+    (run_dir / "checkpoints" / "4" / "commit_success.txt").write_text("")   # complete, as a listing sees it
     # The finished first attempt, as its log recorded it: the real fingerprints of its (steps=4) programs.
     history = [{"t": 1.0, "kind": "job_started", "mode": "distributed", "config": before.to_dict(model_keys=False),
                 "global_batch_size": before.global_batch_size, "microbatches": 1},

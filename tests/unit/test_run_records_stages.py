@@ -3,6 +3,7 @@ writes into <checkpoint dir>/stage<k>, and a slice of several hosts', each host 
 attempt continues the run's log (it does not start a new one over it) and is refused early, in one line, when the
 programs changed; a run that does not continue moves the earlier records aside, never deletes them."""
 
+import os
 import pathlib
 import types
 
@@ -93,13 +94,27 @@ def test_a_run_that_does_not_continue_keeps_the_earlier_records_aside(tmp_path, 
     assert (aside / "logs" / "worker-w0.log").read_text() == "w0\n" and (aside / "report.json").exists()
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and not metrics.exists()
     assert all((run_dir / own).exists() for own in (".lock", ".secret", "client.json", "checkpoints", "mine"))
-    assert not (run_dir / "logs").exists()
+    assert not any((run_dir / "logs").iterdir())   # the logs moved one by one
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "(a reason)" in err and str(aside) in err
+    # A log this attempt wrote to already (its zygote's, started before the log opens) stays where it is.
+    (run_dir / "logs" / "worker-w0.log").write_text("earlier\n")
+    os.utime(run_dir / "logs" / "worker-w0.log", (1.0, 1.0))
+    (run_dir / "logs" / "zygote.log").write_text("this attempt's\n")
+    (run_dir / "events.jsonl").write_text("{}\n")
+    run_records.open_log(run_dir, append=False, since=2.0).close()
+    assert (run_dir / "earlier" / "2" / "logs" / "worker-w0.log").read_text() == "earlier\n"
+    assert (run_dir / "logs" / "zygote.log").read_text() == "this attempt's\n"
+    assert not (run_dir / "earlier" / "2" / "logs" / "zygote.log").exists()
+    # Nothing of an earlier run (no event log: a MaxText client's log written before the run): nothing moved.
+    (run_dir / "logs" / "client.log").write_text("this attempt's\n")
+    os.utime(run_dir / "logs" / "client.log", (1.0, 1.0))
+    assert run_records.keep_aside(run_dir, "", since=2.0) is None and not (run_dir / "earlier" / "3").exists()
+    (run_dir / "logs" / "client.log").unlink()
     # Again: the next number; a run that continues moves nothing.
     (run_dir / "events.jsonl").write_text("{}\n")
     run_records.open_log(run_dir, append=False).close()
-    assert (run_dir / "earlier" / "2" / "events.jsonl").exists() and (aside / "events.jsonl").exists()
+    assert (run_dir / "earlier" / "3" / "events.jsonl").exists() and (aside / "events.jsonl").exists()
     (run_dir / "events.jsonl").write_text("{}\n")
     run_records.open_log(run_dir, append=True).close()
-    assert (run_dir / "events.jsonl").read_text() == "{}\n" and not (run_dir / "earlier" / "3").exists()
+    assert (run_dir / "events.jsonl").read_text() == "{}\n" and not (run_dir / "earlier" / "4").exists()
