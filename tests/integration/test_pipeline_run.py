@@ -76,9 +76,10 @@ def test_one_replica_per_stage_comes_back_from_its_stages_shadow_spare_then_from
     assert [(e["restore_tier"], e["bytes_moved"]) for e in log if e["kind"] == "recovered"][:2] == [("shadow", 0)] * 2
     assert [e["active"] for e in log if e["kind"] == "recovery_decision"][:2] == [["w0", "w3"], ["w2", "w3"]]
     attached = [e for e in log if e["kind"] == "client_attached"]
-    # Both active workers are taken back. A replacement spare the dead client had just launched (w4) may not have
-    # joined yet on a loaded host; it is then recorded lost, which costs the run nothing.
-    assert len(attached) == 1 and sorted(attached[0]["workers"]) == ["w2", "w3"]
+    # Both active workers are taken back, and the replacement spare the dead client had just launched (w4) too when
+    # it joined before the restart (every worker outlives its client for the grace); on a loaded host it may not
+    # have joined yet: it is then recorded lost, which costs the run nothing.
+    assert len(attached) == 1 and {"w2", "w3"} <= set(attached[0]["workers"]) <= {"w2", "w3", "w4"}, attached[0]
     assert not set(attached[0]["lost"]) & {"w0", "w1", "w2", "w3"}, attached[0]
     restored = [e for e in log if e["kind"] == "checkpoint_restored"]
     # The kill comes once step 6's checkpoint is complete; the steps after it run meanwhile, so the newest

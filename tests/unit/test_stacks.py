@@ -7,6 +7,7 @@ is not a library's (as a step waits for a peer), read back through
 """
 
 import concurrent.futures
+import re
 import selectors
 import socket
 import threading
@@ -63,7 +64,9 @@ def test_idle_threads_are_counted_by_place_and_a_wait_in_the_runs_own_code_is_sh
         busy = stacks_text([{"name": "w0", "host": "h", "pid": 3, "text": text}], idle=False)
         shown = _blocks(busy.split("\n", 1)[1])
         assert "step" in shown and "MainThread" in shown and not {"spare_0", "acceptor", "event-loop"} & set(shown)
-        assert "idle threads hidden: " in busy and "1 accepting connections" in busy
+        # (at least ours: pytest-xdist's own threads in this process may wait in the same places)
+        hidden = dict((place, int(n)) for n, place in re.findall(r"(\d+) ([a-z -]+?)(?:,|;)", busy))
+        assert "idle threads hidden: " in busy and hidden.get("accepting connections", 0) >= 1, busy
         assert "--all shows them" in busy
         assert stacks_text([{"name": "w0", "text": text}]).count("Thread ") == text.count("Thread ")   # all: as is
     finally:
