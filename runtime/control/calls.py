@@ -31,7 +31,7 @@ from runtime.core.programs import ProgramSet
 from runtime.pipeline.schedule import compile_schedule
 
 __all__ = ["Death", "LoadResult", "Stalled", "StepResult", "WorkerStatus", "collect", "gather", "load_request",
-           "load_result", "step_outcomes", "step_requests", "step_result", "wait_until", "worker_status"]
+           "load_result", "settled", "step_outcomes", "step_requests", "step_result", "wait_until", "worker_status"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +255,13 @@ def gather(futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[
         except grpc.RpcError as e:
             raise rpc.to_error(w, e) from None
     return out
+
+
+def settled(futs: dict[str, grpc.Future]) -> bool:
+    """Whether a step's futures need no more waiting: every one is done, or one failed (its error is the step's,
+    which :func:`gather` raises at once; the others would only wait for the lost one)."""
+    done = [f for f in futs.values() if f.done()]
+    return len(done) == len(futs) or any(f.cancelled() or f.exception() is not None for f in done)
 
 
 def wait_any(futs, timeout: float) -> None:

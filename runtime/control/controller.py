@@ -43,7 +43,7 @@ import numpy as np
 
 from runtime.wire import auth
 from runtime.control.attach import Reattach, attach
-from runtime.control.calls import Stalled
+from runtime.control.calls import Stalled, settled
 from runtime.control.checkpointing import Checkpointing
 from runtime.control.controller_options import ControllerObserver, ControllerOptions, RunResult, peak_rss_bytes
 from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, ReplicaDivergenceError, StaleEpochError,
@@ -401,9 +401,11 @@ class Controller:
     def _samplers_during(self, futs) -> None:
         """An RL run: while the trainers' step ``futs`` is in flight, the samplers' calls are taken in as they end
         and the next ones started (so step s+1's rollouts are made while step s trains), until the step's
-        workers all answered or the step watchdog's deadline came (``_collect`` then waits and judges as ever)."""
+        workers all answered, one of them failed (a trainer lost: its peers would wait for it in the reduction
+        until their own timeout, 10 s) or the step watchdog's deadline came (``_collect`` then waits and judges as
+        ever)."""
         deadline, _ = self.slow.deadline()
-        while not all(f.done() for f in futs.values()) and (deadline is None or time.monotonic() < deadline):
+        while not settled(futs) and (deadline is None or time.monotonic() < deadline):
             self._pump_samplers()   # (a trainer that answered already wakes no one: the others are waited for)
             self.sampling.wait(0.05, also=[f for f in futs.values() if not f.done()])
 
