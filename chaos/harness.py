@@ -230,7 +230,8 @@ def run_chaos(trainer_for, cfg: Config, options: ChaosOptions, *, on_step=None) 
     else:
         injector = FaultInjector(faults, seed=options.seed, info=info)
         try:
-            trainer.fit(on_step=on_step, observer=injector, max_seconds=soak, fresh=True)
+            trainer.fit(on_step=on_step, observer=injector, max_seconds=soak, fresh=True,
+                        on_event=getattr(on_step, "observe", None))   # (an RL run's bar: its rewards)
         except ElasticError:
             pass   # recorded as run_failed; the verdict says why
         live = injector.ctl.state if injector.ctl is not None else None   # the controller is closed: its final state

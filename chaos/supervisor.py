@@ -149,7 +149,8 @@ def run_clients(job, faults, *, seed: int, info: dict, run_dir: pathlib.Path, on
 
     Returns ``(state, ends)``: the final :class:`~runtime.RunState` of the client that ended the run (None when
     it sent none: it died) and a :class:`ClientEnd` per client. Raises what the last client raised (exit 1).
-    ``on_step(step, loss)`` is called here for each step committed, from the run's log.
+    ``on_step(step, loss)`` is called here for each step committed, from the run's log, and ``on_step.observe(e)``
+    (when it has one: the command's progress bar) for each of its events, as ``Trainer.fit(on_event=)`` does.
     """
     import multiprocessing
 
@@ -250,8 +251,11 @@ class _Supervision:
 
     def _read(self) -> None:
         """Follows the run's log: steps for ``on_step``, the client faults recorded, the attaches."""
+        observe = getattr(self.on_step, "observe", None)   # (the command's bar: an RL run's rewards)
         for e in self.tail.read():
             kind = e.get("kind")
+            if observe is not None:
+                observe(e)
             if kind == "step_committed" and self.on_step is not None:
                 self.on_step(e["step"], e["loss"])
             elif kind == "client_attached":
