@@ -95,6 +95,8 @@ READS: dict[str, tuple[dict[str, EventFieldType | None], dict[str, EventFieldTyp
     "samplers_started": ({"workers": TYPED}, {}),
     "samplers_attached": ({"workers": TYPED, "launched": TYPED}, {}),
     "sampler_relaunched": ({"worker": TYPED}, {}),
+    "worker_launched": ({"worker": TYPED}, {"role": TYPED}),
+    "worker_relaunched": ({"worker": TYPED}, {"role": TYPED}),
     "sampler_joined": ({"worker": TYPED}, {}),
     "step_dispatched": ({"step": TYPED}, {}),
     # a shared pool's run (elastic.report.pool): its lease timeline

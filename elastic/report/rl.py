@@ -40,9 +40,14 @@ def samplers_of(events: list[dict]) -> set[str]:
             out.update(e["workers"])
         elif e["kind"] == "samplers_attached":
             out.update(e["workers"], e["launched"])
-        elif e["kind"] in ("sampler_relaunched", "sampler_joined"):
+        elif e["kind"] in ("sampler_relaunched", "sampler_joined") or (
+                e["kind"] in ("worker_launched", "worker_relaunched") and e.get("role") == "sampler"):
             out.add(e["worker"])
     return out
+
+
+def _sampler_relaunch(e: dict) -> bool:
+    return e["kind"] == "sampler_relaunched" or (e["kind"] == "worker_relaunched" and e.get("role") == "sampler")
 
 
 def rl_section(config: dict | None, events: list[dict]) -> dict | None:
@@ -100,7 +105,7 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
         "overlap": max(1 - span / sequential, 0.0) if span is not None and sequential > 0 else None,
         "steady_steps": steady,
         "samplers_lost": len([e for e in events if e["kind"] == "worker_dead" and e["worker"] in samplers]),
-        "samplers_relaunched": len([e for e in events if e["kind"] == "sampler_relaunched"]),
+        "samplers_relaunched": len([e for e in events if _sampler_relaunch(e)]),
     }
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.control.sampling import is_sampler
+from runtime.control.run_state import SAMPLER
 from runtime.core.errors import ClientLostError
 
 __all__ = ["Reattach", "attach", "can_attach"]
@@ -73,7 +73,7 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     # run's samplers are taken over by its sampling, after)
     rl = ctl.sampling is not None
     known = {w: info for w, info in s.registered.items()
-             if w not in s.dead and w not in s.left and not (rl and is_sampler(w))}
+             if w not in s.dead and w not in s.left and not (rl and s.role_of(w) == SAMPLER)}
     pipelined = s.placement is not None and s.placement.stages > 1
     replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None,
                            placed=s.placement.members)
@@ -86,7 +86,8 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
         ctl.observer.attach(ctl)
     alive = sorted(replies)
     if rl:
-        ctl.sampling.reattach({w: info for w, info in s.registered.items() if w not in s.dead and is_sampler(w)},
+        ctl.sampling.reattach({w: info for w, info in s.registered.items()
+                               if w not in s.dead and s.role_of(w) == SAMPLER},
                               ctl.attempt.seed)
     ctl.recover(ClientLostError(
         f"the run's client was lost; client generation {o.generation} attached {len(alive)} of {len(known)} "

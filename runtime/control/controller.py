@@ -51,14 +51,14 @@ from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, 
                                  WorkerFencedError, WorkerLostError)
 from runtime.control.evaluation import Evaluations
 from runtime.core.events import EventLog
-from runtime.control.plan import (Action, Plan, Wait, membership_change_due, plan_grow, plan_recovery, plan_release,
-                                  plan_start, plan_swap)
+from runtime.control.plan import (Action, Plan, Wait, decide_launch, membership_change_due, plan_grow, plan_recovery,
+                                  plan_release, plan_start, plan_swap)
 from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.placement import StepPlan, plan_step
 from runtime.core.programs import ProgramSet, SamplerPrograms
-from runtime.control.sampling import Sampling, is_sampler
+from runtime.control.sampling import Sampling
 from runtime.core.programs import stages_digest
-from runtime.control.run_state import RunLedger, RunState
+from runtime.control.run_state import SAMPLER, RunLedger, RunState
 from runtime.control.shadows import Shadows
 from runtime.control.snapshotting import Snapshotting
 from runtime.control.startup import start
@@ -364,7 +364,7 @@ class Controller:
                 continue
             if death.worker not in self.dead:   # answered an Attach since: alive after all
                 continue
-            if self.sampling is not None and is_sampler(death.worker):
+            if self.sampling is not None and self.state.role_of(death.worker) == SAMPLER:
                 self.sampling.lost(death.worker)
                 continue
             if death.worker in self.placement.active:
@@ -484,8 +484,9 @@ class Controller:
             self.attempt.on_step(step, loss)
         self.observer.step_committed(step)
         if deferred and not fields.get("recovered"):
-            for w in deferred:   # the recovery's first step is done: replacements may start now
-                self.group.relaunch(w)
+            for w in deferred:   # the recovery's first step is done: the replacements its plan decided start now
+                if (launch := decide_launch(self.state, self.opts, w)) is not None:
+                    self.group.relaunch(launch)
 
     def mean_loss(self, loss_sum: float, microbatches: int | None = None) -> float:
         """The step's loss: the workers' canonical sum over microbatches, averaged in float32 as a plain loop would."""
@@ -579,8 +580,9 @@ class Controller:
         o = self.opts
         limit = "capacity_timeout_seconds" if o.capacity_timeout_seconds else "register_timeout_seconds"
         timeout = getattr(o, limit)
-        for w in plan.relaunch_now:
-            self.group.relaunch(w)
+        for launch in plan.launches:
+            if not launch.later:
+                self.group.relaunch(launch)
         self.events.emit("capacity_wait", needed=o.min_slices, timeout_seconds=timeout)
         return Wait(time.monotonic() + timeout, limit, timeout)
 

@@ -39,11 +39,12 @@ import enum
 from collections.abc import Iterable, Mapping
 
 from runtime.control.placement import Placement, WorkerInfo, place
+from runtime.control.run_state import SAMPLER
 from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots, grow_replicas,
                                         stage_without_replica, unmatched_stages)
 from runtime.control.tiers import Holding, TierChoice, choose_source, stage_snapshot
 
-__all__ = ["Action", "Copy", "Failure", "Plan", "Restore", "Survey", "Wait", "capacity_timed_out",
+__all__ = ["Action", "Copy", "Failure", "Launch", "decide_launch", "launches_for", "Plan", "Restore", "Survey", "Wait", "capacity_timed_out",
            "decide_grow", "decide_recovery", "decide_release", "decide_swap", "membership_change_due", "plan_grow", "realign",
            "plan_recovery", "plan_release", "plan_start", "plan_swap"]
 
@@ -79,6 +80,48 @@ class Copy:
     source: str
     dest: str
     stage: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One process to start: a ``role`` member in place of dead member ``replaces``, on ``host`` ("": a host of
+    its own); ``later``: after the next commit (a replacement's program load would compete with the step that
+    recovers)."""
+
+    replaces: str
+    role: str = "trainer"
+    host: str = ""
+    later: bool = False
+
+
+def decide_launch(state, opts, dead: str, *, later: bool = False) -> Launch | None:
+    """Whether a fresh process starts in dead member ``dead``'s place, and where: once per dead member, when the
+    run launches its workers itself (``opts.launcher`` not "none": whoever starts them restarts them, and
+    they join as newcomers) and relaunches (``opts.relaunch``), at most ``opts.max_retries`` per role in an
+    attempt (the run state's ``relaunches``, those decided and not started yet included). A trainer's on the
+    host it ran on (:attr:`~runtime.control.run_state.Member.home`). Pure."""
+    if not opts.relaunch or opts.launcher == "none" or state.replaced(dead):
+        return None
+    m = state.members.get(dead)
+    role = m.role if m is not None else "trainer"
+    if state.relaunches(role) >= opts.max_retries:
+        return None
+    # A trainer's replacement goes where it ran (it finds the snapshots left on that host); a sampler keeps no
+    # state on its host: anywhere.
+    host = "" if role == SAMPLER else m.home if m is not None else dead
+    return Launch(dead, role, host, later)
+
+
+def launches_for(state, opts, dead, *, later: bool = False) -> tuple[Launch, ...]:
+    """:func:`decide_launch` for each of ``dead`` in turn, each counting those before it."""
+    out = []
+    for w in dead:
+        pending = state if not out else dataclasses.replace(state, deferred=state.deferred + tuple(
+            x.replaces for x in out))
+        launch = decide_launch(pending, opts, w, later=later)
+        if launch is not None:
+            out.append(launch)
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +190,9 @@ class Plan:
     ``loads``: ``(worker, stage)`` whose stage programs are loaded first; ``restore``: the backup loaded;
     ``copies``: then carried out in order, each replica's hash checked after. ``resurvey``: the facts this
     plan needs are known only once its ``loads`` are done (a pipelined restore lists each stage's snapshots
-    with that stage's programs): carry them out, survey again and plan again. ``relaunch_now`` and
-    ``relaunch_later`` (after the next commit: a replacement's program load would compete with the step that
-    recovers): the dead to start again.
+    with that stage's programs): carry them out, survey again and plan again. ``retired``: the dead members the
+    plan leaves (no longer watched); ``launches``: the processes started in their place, now or after the next
+    commit (:func:`decide_launch`).
     """
 
     action: Action
@@ -165,8 +208,18 @@ class Plan:
     restore: Restore | None = None
     copies: tuple[Copy, ...] = ()
     resurvey: bool = False
-    relaunch_now: tuple[str, ...] = ()
-    relaunch_later: tuple[str, ...] = ()
+    retired: tuple[str, ...] = ()
+    launches: tuple[Launch, ...] = ()
+
+    @property
+    def relaunch_now(self) -> tuple[str, ...]:
+        """The dead replaced by a process started now."""
+        return tuple(x.replaces for x in self.launches if not x.later)
+
+    @property
+    def relaunch_later(self) -> tuple[str, ...]:
+        """The dead replaced by a process started after the next commit."""
+        return tuple(x.replaces for x in self.launches if x.later)
 
 
 # -- the first placement --------------------------------------------------------
@@ -248,17 +301,18 @@ def plan_recovery(state, survey: Survey, opts, now: float = 0.0) -> Plan:
     wait = survey.wait
     if d.action is Action.WAIT and wait is not None and now >= wait.until:
         d = capacity_timed_out(d, wait.seconds, wait.limit)
+    now_ = dict(retired=tuple(dead), launches=launches_for(state, opts, dead))
     if d.action is Action.WAIT:
-        return dataclasses.replace(d, relaunch_now=tuple(dead))
+        return dataclasses.replace(d, **now_)
     if d.action is Action.FAIL:
         return d
     if not survey.has_state:   # nothing to copy: every live member counts as a replica; the dead start again now
-        return dataclasses.replace(d, relaunch_now=tuple(dead))
+        return dataclasses.replace(d, **now_)
+    later = dict(retired=tuple(dead), launches=launches_for(state, opts, dead, later=True))
     if d.action is Action.RESTORE:
-        return _plan_restore(d, state, survey, opts, now, dead, may_wait)
+        return _plan_restore(dataclasses.replace(d, **later), state, survey, opts, now, dead, may_wait)
     tier = copy_source(d.placement, old, replicas, spare_stages, committed)
-    return _plan_realign(dataclasses.replace(d, tier=tier, relaunch_later=tuple(dead)), state, survey, replicas,
-                         spare_stages)
+    return _plan_realign(dataclasses.replace(d, tier=tier, **later), state, survey, replicas, spare_stages)
 
 
 def _holders(placement: Placement, replicas, loaded: Mapping[str, int]) -> list[str]:
@@ -334,15 +388,14 @@ def _plan_restore(d: Plan, state, survey: Survey, opts, now: float, dead, may_wa
     worker where its snapshot lies when one can be."""
     committed, old = state.committed, survey.placement or state.placement
     stages = old.stages
-    d = dataclasses.replace(d, tier=choose_source({}, {}, survey.snapshots, survey.checkpoints, committed),
-                            relaunch_later=tuple(dead))
+    d = dataclasses.replace(d, tier=choose_source({}, {}, survey.snapshots, survey.checkpoints, committed))
     if stages > 1 and survey.snapshot_hosts:
         d = dataclasses.replace(d, placement=arrange_stages(d.placement, survey.snapshot_hosts, survey.hosts))
         missing = unmatched_stages(d.placement, survey.snapshot_hosts, survey.hosts)
         if missing and may_wait and (survey.wait is None or now < survey.wait.until):
             return Plan(Action.WAIT, old, f"{d.reason.split(':')[0]}: waiting for a worker on a host holding the "
                                           f"snapshot of stage {missing[0]}", limit="min_slices",
-                        relaunch_now=tuple(dead))
+                        retired=tuple(dead), launches=launches_for(state, opts, dead))
     new = d.placement
     if stages == 1:
         held = [Holding(w, max(steps)) for w in new.members if w in survey.statuses and w not in survey.unreadable

@@ -194,14 +194,15 @@ class PlanExecutor:
             self.recovered(plan, sorted(lost), started, 0, p.epoch)
 
     def adopt(self, plan: Plan, deferred=()) -> None:
-        """Fences the plan's epoch, stops watching the dead it relaunches, relaunches those it starts now and
-        records those that start after the next commit (``deferred``: already recorded)."""
+        """Fences the plan's epoch, stops watching the dead it retires, launches what it starts now and records the
+        dead replaced after the next commit (``deferred``: already recorded)."""
         group = self.group
         group.fence_at(plan.placement.epoch)
-        for w in plan.relaunch_now + plan.relaunch_later:
+        for w in plan.retired:
             group.forget(w)
-        for w in plan.relaunch_now:
-            group.relaunch(w)
+        for launch in plan.launches:
+            if not launch.later:
+                group.relaunch(launch)
         if later := [w for w in plan.relaunch_later if w not in deferred]:
             self.events.emit("relaunch_deferred", workers=later)
 

@@ -39,7 +39,10 @@ from runtime.core.events import read_events
 from runtime.core.programs import SAMPLER_WEIGHTS_KEPT, TRAINER_WEIGHTS_KEPT
 from runtime.state.snapshot import KEEP as KEPT
 
-__all__ = ["RunLedger", "RunState", "Series", "replay_file"]
+__all__ = ["Member", "RunLedger", "RunState", "SAMPLER", "Series", "TRAINER", "replay_file"]
+
+#: A member's role: a trainer slice (a cell of the placement grid, or a spare) or an RL run's sampler.
+TRAINER, SAMPLER = "trainer", "sampler"
 
 #: Recovery decisions that leave the placement as it was (the run waits, or ends).
 _UNADOPTED = ("wait", "fail")
@@ -47,6 +50,35 @@ _UNADOPTED = ("wait", "fail")
 
 def _loss(x: Any) -> float:
     return float("nan") if x is None else float(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One process (slice) of the run, as the log knows it: its ``role``, the host it was launched on, the dead
+    member it was launched in place of (``replaces``, "" for none), where it serves once it registered
+    (``info``: its :class:`~runtime.control.placement.WorkerInfo`, with each host of its slice; None until then)
+    and whether it loaded its role's programs (``loaded``). Its cell is the placement's
+    (``Placement.stage_of``); a spare or a sampler has none."""
+
+    worker: str
+    role: str = TRAINER
+    host: str = ""
+    replaces: str = ""
+    info: WorkerInfo | None = None
+    loaded: bool = False
+
+    @property
+    def registered(self) -> bool:
+        return self.info is not None
+
+    @property
+    def home(self) -> str:
+        """The host a process launched in this one's place goes to (it finds the snapshots left there): where this
+        one registered, else where it was launched (a slice of several hosts: where it was launched, its hosts'
+        base), else its id."""
+        if self.info is not None and self.info.hosts:
+            return self.host or self.info.host or self.worker
+        return (self.info.host if self.info is not None else "") or self.host or self.worker
 
 
 class Series(Sequence):
@@ -122,9 +154,9 @@ class RunState:
     snapshots: tuple[tuple[int, str, int | None], ...] = ()
     shadows: frozenset[str] = frozenset()        # spares given a copy of the committed state to shadow
     state_bytes: int = 0
-    # The workers registered in this attempt, by id: where they serve and who they are (a restarted client
-    # attaches them from here): {worker: WorkerInfo}.
-    registered: Mapping[str, WorkerInfo] = dataclasses.field(default_factory=dict)
+    # Every process of this attempt, by id, in launch order: its role, where it was launched, whom it replaces,
+    # where it serves once registered (a restarted client attaches them from here): {worker: Member}.
+    members: Mapping[str, Member] = dataclasses.field(default_factory=dict)
     generation: int = 0                          # the client generation driving the run (a restart: one more)
     left: frozenset[str] = frozenset()           # workers the run let go alive (given back to a pool, a straggler
     #                                            sent home): no member any more, never attached again
@@ -153,6 +185,30 @@ class RunState:
     def in_flight(self) -> range:
         """The steps dispatched and not committed."""
         return range(self.committed, max(self.dispatched, self.committed))
+
+    @property
+    def registered(self) -> dict[str, WorkerInfo]:
+        """The members that registered: ``{worker: WorkerInfo}``."""
+        return {w: m.info for w, m in self.members.items() if m.info is not None}
+
+    def role_of(self, worker: str) -> str:
+        """``worker``'s role (a worker the log never saw launched, one that joined by hand: a trainer)."""
+        m = self.members.get(worker)
+        return m.role if m is not None else TRAINER
+
+    def of_role(self, role: str) -> list[str]:
+        """The members of ``role`` not declared dead, in launch order."""
+        return [w for w, m in self.members.items() if m.role == role and w not in self.dead]
+
+    def relaunches(self, role: str) -> int:
+        """Members of ``role`` launched in a dead one's place in this attempt, and those decided and not launched
+        yet (``deferred``)."""
+        return sum(1 for m in self.members.values() if m.replaces and m.role == role) + \
+            sum(1 for w in self.deferred if self.role_of(w) == role)
+
+    def replaced(self, worker: str) -> bool:
+        """A member was launched in ``worker``'s place, or is decided to be (``deferred``)."""
+        return worker in self.deferred or any(m.replaces == worker for m in self.members.values())
 
     @property
     def epoch(self) -> int:
@@ -229,17 +285,46 @@ def _worker_info(w: str, i) -> WorkerInfo:
                                        h.get("data_address", ""), h.get("host") or "") for k, h in enumerate(hosts)))
 
 
+def _member(s: RunState, worker: str, **changes) -> RunState:
+    """``s`` with member ``worker`` changed (a member the log never saw launched: added, a trainer)."""
+    m = s.members.get(worker) or Member(worker)
+    return _replace(s, members={**s.members, worker: dataclasses.replace(m, **changes)})
+
+
+def _launched(s: RunState, e) -> RunState:
+    """A process was launched (``worker_launched``; ``worker_relaunched``: in a dead member's place)."""
+    return _member(s, e["worker"], role=e.get("role", TRAINER), host=e.get("host") or "",
+                   replaces=e.get("replaces", ""))
+
+
+def _sampler_relaunched(s: RunState, e) -> RunState:   # (older logs: a sampler's relaunch had its own kind)
+    return _member(s, e["worker"], role=SAMPLER, replaces=e["replaces"])
+
+
 def _registered(s: RunState, e) -> RunState:
-    info = _worker_info(e["worker"], e)
-    return _replace(s, registered={**s.registered, info.worker_id: info})
+    return _member(s, e["worker"], info=_worker_info(e["worker"], e))
+
+
+def _loaded(*fields: str):
+    """Members that loaded their programs: the ``workers`` (or ``worker``, or keys of ``compile_seconds``) of an
+    event; ``role``: a sampler's events say so (older logs recorded no sampler's launch)."""
+    def fold(s: RunState, e) -> RunState:
+        names = e.get("worker")
+        names = [names] if isinstance(names, str) else list(e.get(fields[0], ()))
+        role = SAMPLER if e["kind"].startswith("sampler") else None
+        for w in names:
+            s = _member(s, w, loaded=True, **({"role": role} if role else {}))
+        return s
+    return fold
 
 
 def _client_attached(s: RunState, e) -> RunState:
     """A restarted client took the run over: the same attempt goes on (nothing reset), the workers that
     answered it registered anew (their addresses), those that did not are dead (their own events say so)."""
-    workers = {w: _worker_info(w, i) for w, i in e["workers"].items()}
-    return _replace(s, steps=e["steps"], generation=e["generation"], registered={**s.registered, **workers},
-                    dead={w: why for w, why in s.dead.items() if w not in workers})
+    for w, i in e["workers"].items():
+        s = _member(s, w, info=_worker_info(w, i))
+    return _replace(s, steps=e["steps"], generation=e["generation"],
+                    dead={w: why for w, why in s.dead.items() if w not in e["workers"]})
 
 
 def _first_placement(s: RunState, e) -> RunState:
@@ -408,6 +493,13 @@ _FOLDS = {
     "run_started": _run_started,
     "client_attached": _client_attached,
     "worker_registered": _registered,
+    "worker_launched": _launched,
+    "worker_relaunched": _launched,
+    "sampler_relaunched": _sampler_relaunched,
+    "samplers_started": _loaded("workers"),
+    "samplers_attached": _loaded("workers"),
+    "sampler_joined": _loaded("worker"),
+    "worker_warmed": _loaded("worker"),
     "placement": _first_placement,
     "placement_changed": _placement_changed,
     "state_initialized": _state_initialized,
@@ -442,6 +534,7 @@ _FOLDS = {
 # -- a pipelined run's stages and backups by stage ----------------------------------------------------------------
 
 def _programs_loaded(s: RunState, e) -> RunState:
+    s = _loaded("compile_seconds")(s, e)
     return _replace(s, stages={**s.stages, **e["stages"]}) if e.get("stages") else s
 
 

@@ -2,7 +2,7 @@
 
 An RL run's trainers are the training grid as any run's (placement, tiers,
 recoveries: nothing changes for them). Its samplers are worker processes of
-their own (ids ``s<n>``, :func:`is_sampler`),
+their own (members of role ``sampler``, ids ``s<n>``),
 never placed in the grid, each holding one weights version and the
 ``rollout`` program (:mod:`runtime.worker.sampler`). This module orders their
 work into the run's one schedule:
@@ -52,17 +52,14 @@ import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.control.calls import wait_any
+from runtime.control.plan import decide_launch
+from runtime.control.run_state import SAMPLER
 from runtime.core.errors import CapacityExhaustedError, StateLostError
 from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import SamplerPrograms
 from runtime.wire.batches import decode_batch
 
-__all__ = ["Feed", "Sampling", "is_sampler", "split", "weights_version"]
-
-
-def is_sampler(worker_id: str) -> bool:
-    """An RL run's sampler: launched as one (``s<n>``), never placed in the training grid."""
-    return worker_id[:1] == "s" and worker_id[1:].isdigit()
+__all__ = ["Feed", "Sampling", "split", "weights_version"]
 
 
 #: A live sampler whose calls fail this many times in a row (it answers, but cannot sync or sample) is replaced.
@@ -116,30 +113,38 @@ class Sampling:
         self.off = opts.rl_off_policy_steps
         self.num_microbatches = int(programs.layout["num_microbatches"])
         self.seed = 0
-        self.live: list[str] = []                    # loaded samplers, in launch order
-        self.launching: list[str] = []               # launched, not registered yet
         self.calls: dict[str, _Call] = {}            # sampler -> its one call in flight
         self.made: dict[int, dict[int, pb.FedBatch]] = {}   # step -> microbatch -> its rollout
         self.resync: set[str] = set()                # samplers whose rollout failed: they sync before the next
         self.step_seconds: dict[int, float] = {}     # step -> seconds from its first rollout call to its last answer
         self._first_call: dict[int, float] = {}
-        self.relaunched = 0
         self._retry_at: dict[str, float] = {}
         self.failed: dict[str, int] = {}             # sampler -> its calls failed in a row (it answered each)
         self.last_error = ""                         # the last of them, for the run's error if none is left
+
+    @property
+    def live(self) -> list[str]:
+        """The samplers that loaded their program and are not declared dead, in launch order (the run state's)."""
+        s = self.ledger.state
+        return [w for w in s.of_role(SAMPLER) if s.members[w].loaded]
+
+    @property
+    def launching(self) -> list[str]:
+        """The samplers launched and not loaded yet, none of their loads in flight (the run state's)."""
+        s = self.ledger.state
+        return [w for w in s.of_role(SAMPLER) if not s.members[w].loaded and w not in self.calls]
 
     # -- start --------------------------------------------------------------------
 
     def start(self, trainers, seed: int) -> None:
         """Launches and loads the samplers, and has ``trainers`` publish the version the run stands at."""
         self.seed = seed
-        ids = [self.group.launch(sampler=True) for _ in range(self.count)]
-        for w in self.group.wait_for_samplers(ids, self.opts.register_timeout_seconds):
-            if self.group.load_sampler(w, self.programs) is not None:
-                self.live.append(w)
-        if not self.live:
+        ids = [self.group.launch(role=SAMPLER) for _ in range(self.count)]
+        live = [w for w in self.group.wait_for_samplers(ids, self.opts.register_timeout_seconds)
+                if self.group.load_sampler(w, self.programs) is not None]
+        if not live:
             raise CapacityExhaustedError(f"none of the {self.count} samplers registered and loaded its program")
-        self.events.emit("samplers_started", workers=list(self.live))
+        self.events.emit("samplers_started", workers=live)
         self.publish(trainers)
 
     def reattach(self, known: dict, seed: int) -> None:
@@ -148,13 +153,10 @@ class Sampling:
         for the rest. (The trainers answer what they hold when the first turn of the loop sees them:
         :meth:`trainers_changed`.)"""
         self.seed = seed
-        self.live, self.calls, self.made, self.resync = [], {}, {}, set()
-        if known:
-            fingerprint = programs_fingerprint(self.programs.programs())
-            self.live = self.group.attach_samplers(known, fingerprint)
-        for _ in range(self.count - len(self.live)):
-            self.launching.append(self.group.launch(sampler=True))
-        self.events.emit("samplers_attached", workers=list(self.live), launched=list(self.launching))
+        self.calls, self.made, self.resync = {}, {}, set()
+        live = self.group.attach_samplers(known, programs_fingerprint(self.programs.programs())) if known else []
+        launched = [self.group.launch(role=SAMPLER) for _ in range(self.count - len(live))]
+        self.events.emit("samplers_attached", workers=live, launched=launched)
 
     def publish(self, trainers) -> None:
         """``trainers`` keep their current weights as the version they stand at (the run's start, a recovery, a
@@ -252,8 +254,7 @@ class Sampling:
                 continue
             self.failed.pop(w, None)
             if call.kind == "load":
-                self.live.append(w)
-                self.events.emit("sampler_joined", worker=w)
+                self.events.emit("sampler_joined", worker=w)   # (live from now on: the run state's)
             elif call.kind == "sync":
                 self.resync.discard(w)
                 self.events.emit("weights_synced", worker=w, version=reply.version, bytes=reply.bytes,
@@ -269,11 +270,10 @@ class Sampling:
 
     def _adopt_launched(self) -> None:
         """Relaunched samplers that registered start loading their program."""
-        if not self.launching:
+        launching = self.launching
+        if not launching:
             return
-        up = self.group.wait_for_samplers(self.launching, 0.0)
-        for w in up:
-            self.launching.remove(w)
+        for w in self.group.wait_for_samplers(launching, 0.0):
             self.calls[w] = _Call("load", self.group.start_sampler_load(w, self.programs), time.monotonic())
 
     def wait(self, timeout: float, also=()) -> None:
@@ -305,20 +305,13 @@ class Sampling:
 
     def lost(self, worker: str) -> None:
         """Sampler ``worker`` was declared dead: its unanswered microbatches go to the others; a fresh process is
-        launched in its place (within ``elastic_max_retries``)."""
-        if worker in self.launching:
-            self.launching.remove(worker)
-        if worker not in self.live and worker not in self.calls:
-            return
-        if worker in self.live:
-            self.live.remove(worker)
+        launched in its place when the run's one rule says so (:func:`runtime.control.plan.decide_launch`: within
+        ``max_retries`` relaunches of samplers)."""
         self.calls.pop(worker, None)
         self.resync.discard(worker)
-        if self.opts.relaunch and self.relaunched < self.opts.max_retries:
-            self.relaunched += 1
-            wid = self.group.launch(sampler=True)
-            self.launching.append(wid)
-            self.events.emit("sampler_relaunched", replaces=worker, worker=wid)
+        launch = decide_launch(self.ledger.state, self.opts, worker)
+        if launch is not None:
+            self.group.relaunch(launch)
 
     def trainers_changed(self, trainers) -> None:
         """The trainers changed (a recovery, a restarted client's first turn): the ones now active publish the

@@ -38,7 +38,6 @@ import grpc
 from runtime.wire import rpc
 from runtime._proto import elastic_pb2 as pb
 from runtime._proto import elastic_pb2_grpc as pb_grpc
-from runtime.control.sampling import is_sampler
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 from runtime.core.errors import AttachRefusedError, ElasticError, ProtocolError, RegistrationTimeoutError
 from runtime.core.events import EventLog
@@ -47,6 +46,8 @@ from runtime.control.inspect import Inspector, process_dicts
 from runtime.launch.pool_launcher import PoolLauncher
 from runtime.launch.launcher import LocalLauncher, listen_host, make_launcher
 from runtime.control.placement import StepPlan, WorkerInfo
+from runtime.control.plan import Launch, decide_launch
+from runtime.control.run_state import SAMPLER, TRAINER
 from runtime.core.fingerprint import programs_fingerprint
 from runtime.core.programs import ProgramSet
 from runtime.control.registry import Registry
@@ -56,12 +57,7 @@ from runtime.core.stacks import STACKS_DIR, stacks_path, stacks_text, thread_sta
 
 log = logging.getLogger("jax_elastic.worker_group")
 
-__all__ = ["ATTACH_SECONDS", "join_command", "may_relaunch", "WorkerGroup"]
-
-
-def may_relaunch(relaunch: bool, launched: int, slices: int, spares: int, max_retries: int) -> bool:
-    """Whether a fresh process may be launched for a dead one: at most ``max_retries`` beyond the initial set."""
-    return relaunch and launched < slices + spares + max_retries
+__all__ = ["ATTACH_SECONDS", "join_command", "WorkerGroup"]
 
 
 #: How long a worker found hung or stuck may take to give its stacks before it is replaced (and ``elastic stacks``
@@ -139,9 +135,7 @@ class WorkerGroup:
         self._deaths: queue.Queue[Death] = queue.Queue()
         self._channels: dict[str, grpc.Channel] = {}
         self._warming: dict[str, grpc.Future] = {}
-        self._relaunched: set[str] = set()
-        self._launched = 0
-        self._samplers_launched = 0
+        self._launched = 0                       # processes launched (the next one's number)
         self._hosts: dict[str, str] = {}         # worker -> the (simulated) host it was launched on
         # Every call to an adopted worker: its stub, the fence it carries, the calls in flight.
         self.calls = WorkerCalls(opts, self.registry, programs, data_source, self.snapshot_root, self._fence,
@@ -211,16 +205,19 @@ class WorkerGroup:
 
     # -- membership ----------------------------------------------------------
 
-    def launch(self, host: str = "", sampler: bool = False) -> str:
-        """Starts one worker process on ``host`` (default: a simulated host of its own); returns its id (it
-        registers by itself). ``sampler``: an RL run's sampler (its id ``s<n>``: :func:`is_sampler`), which the
-        placement never takes."""
-        wid = f"{'s' if sampler else 'w'}{self._launched}"
-        self._samplers_launched += sampler   # (the samplers' relaunch limit is the sampling's own)
+    def launch(self, host: str = "", role: str = TRAINER, replaces: str = "") -> str:
+        """Starts one worker process of ``role`` on ``host`` (default: a simulated host of its own); returns its
+        id (it registers by itself) and records it (``worker_launched``; ``worker_relaunched`` in dead member
+        ``replaces``'s place). An RL run's sampler (``role`` ``sampler``, id ``s<n>``) the placement never takes."""
+        wid = f"{'s' if role == SAMPLER else 'w'}{self._launched}"
         # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
         self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
         self._launched += 1
-        self.launcher.launch(wid, self._hosts[wid], devices=self.opts.rl_sampler_devices if sampler else 0)
+        if replaces:
+            self.events.emit("worker_relaunched", replaces=replaces, worker=wid, host=self._hosts[wid], role=role)
+        else:
+            self.events.emit("worker_launched", worker=wid, host=self._hosts[wid], role=role)
+        self.launcher.launch(wid, self._hosts[wid], devices=self.opts.rl_sampler_devices if role == SAMPLER else 0)
         return wid
 
     def attach(self, known: dict[str, WorkerInfo], registered, stages: Mapping[str, int] | None = None,
@@ -235,7 +232,6 @@ class WorkerGroup:
         slice's), else of the stage whose programs it answers it runs (a spare)."""
         numbers = [int(w[1:]) for w in registered if w[:1] in "ws" and w[1:].isdigit()]
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
-        self._samplers_launched = max(self._samplers_launched, sum(self.is_sampler(w) for w in registered))
         self._reach(known)
         per_stage = ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
                      if self.programs.pipelined else [])
@@ -301,21 +297,9 @@ class WorkerGroup:
             return self._hosts.get(worker_id) or info.host
         return (info.host if info is not None and info.host else "") or self._hosts.get(worker_id, worker_id)
 
-    def relaunch(self, dead_worker: str) -> str | None:
-        """Starts a fresh process (a new worker id) in place of a dead one, once per dead worker, within limits.
-
-        None when nothing was started: already relaunched, past the limits, or
-        the workers are started by someone else (``elastic_launcher=none``:
-        the scheduler restarts them and they join as newcomers)."""
-        if dead_worker in self._relaunched or self.launcher.external:
-            return None
-        self._relaunched.add(dead_worker)
-        o = self.opts
-        if not may_relaunch(o.relaunch, self._launched - self._samplers_launched, o.slices, o.spares, o.max_retries):
-            return None
-        wid = self.launch(self.host_of(dead_worker))   # on the same host: it finds the snapshots left there
-        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid, host=self._hosts[wid])
-        return wid
+    def relaunch(self, launch: Launch) -> str:
+        """Starts the fresh process (a new worker id) a plan decided (:func:`runtime.control.plan.decide_launch`)."""
+        return self.launch(launch.host, launch.role, replaces=launch.replaces)
 
     def wait_for_workers(self, n: int, timeout: float) -> list[WorkerInfo]:
         """Blocks until ``n`` live workers registered, or no launched process is left to register; adopts them.
@@ -348,7 +332,8 @@ class WorkerGroup:
                 code = proc.poll()
                 if code is not None and wid not in self.registry.workers and wid not in self._dead():
                     self.declare_dead(wid, f"exited with status {code} before registering", cause="crash")
-                    self.relaunch(wid)
+                    if (launch := decide_launch(self.ledger.state, self.opts, wid)) is not None:
+                        self.relaunch(launch)
             with self.registry.cond:
                 live = [w for w in self.registry.workers.values()
                         if w.worker_id not in self._dead() and not self.is_sampler(w.worker_id)]
@@ -376,9 +361,9 @@ class WorkerGroup:
         return live
 
     def is_sampler(self, worker_id: str) -> bool:
-        """``worker_id`` is one of this RL run's samplers (never in a training run: a worker that joined by hand
-        may be named ``s1``)."""
-        return self.opts.rl_samplers > 0 and is_sampler(worker_id)
+        """``worker_id`` is one of this RL run's samplers (the run state's role: a worker that joined by hand is
+        a trainer, whatever its name)."""
+        return self.ledger.state.role_of(worker_id) == SAMPLER
 
     def wait_for_samplers(self, workers, timeout: float) -> list[str]:
         """Blocks until each of ``workers`` (samplers launched) registered or ended, at most ``timeout``; adopts

@@ -167,7 +167,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("samplers_attached", "a restarted client took over the samplers that answered, and launched the rest",
               {"workers": NAMES, "launched": NAMES}),
     EventKind("sampler_joined", "a sampler launched in a lost one's place loaded its program", {"worker": TEXT}),
-    EventKind("sampler_relaunched", "a fresh sampler process was launched in a lost one's place",
+    EventKind("sampler_relaunched", "a fresh sampler process was launched in a lost one's place (older logs: "
+              "``worker_relaunched`` with ``role`` sampler now)",
               {"replaces": TEXT, "worker": TEXT}),
     EventKind("weights_published", "trainers kept their current policy weights as a version for the samplers",
               {"version": COUNT, "workers": NAMES, "bytes": COUNT},
@@ -295,8 +296,10 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
               "failed, ``retired`` the others, stopped with their slice)",
               {**_W, "reason": TEXT, "cause": TEXT_OR_NULL},
               {"host": COUNT, "retired": LIST, "stacks": TEXT}),   # stacks: the file its stacks were kept in
-    EventKind("worker_relaunched", "a dead worker was replaced by a new one",
-              {"replaces": TEXT, **_W}, {"host": TEXT_OR_NULL}),
+    EventKind("worker_launched", "a worker process was launched (``role``: trainer or an RL run's sampler)",
+              {**_W, "host": TEXT_OR_NULL, "role": TEXT}),
+    EventKind("worker_relaunched", "a dead worker was replaced by a new one (``role``: trainer or sampler)",
+              {"replaces": TEXT, **_W}, {"host": TEXT_OR_NULL, "role": TEXT}),
     EventKind("security_refused", "calls refused for want of credentials (a worker may batch them)",
               {**_W, "method": TEXT_OR_NULL, "peer": TEXT_OR_NULL, "count": COUNT, "reason": TEXT_OR_NULL}),
     # -- the log itself ------------------------------------------------------------------------------
@@ -317,7 +320,7 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
 
 #: Kinds declared for the readers of old logs and emitted nowhere today (the source-walking test checks
 #: every other declared kind is emitted somewhere).
-LEGACY_KINDS: frozenset[str] = frozenset()
+LEGACY_KINDS: frozenset[str] = frozenset({"sampler_relaunched"})
 
 
 def check_event(event: Mapping[str, Any]) -> None:

@@ -60,7 +60,8 @@ import time
 from runtime._proto import elastic_pb2 as pb
 from runtime.core.errors import RegistrationTimeoutError, StepAbortedError, WorkerLostError
 from runtime.control.placement import WorkerInfo
-from runtime.control.worker_group import may_relaunch
+from runtime.control.plan import decide_launch
+from runtime.control.run_state import RunLedger
 from runtime.control.calls import Death, LoadResult, Stalled, StepResult, WorkerStatus
 
 #: The bytes of one replica's state: what an init, a copy or a load moves.
@@ -177,7 +178,9 @@ class FakeGroup:
         self.stages: dict[str, int] = {}   # the pipeline stage each worker loaded (loaded_stage)
         self._deaths: queue.Queue = queue.Queue()
         self._launched = 0
-        self._relaunched: set[str] = set()
+        # The run's state as the real group reads it (the controller's events folded): who is who, for the one
+        # launch rule (runtime.control.plan.decide_launch).
+        self.ledger = RunLedger(events) if hasattr(events, "subscribe") else None
 
     # -- state a test places, as the workers would hold it -------------------------
 
@@ -239,28 +242,25 @@ class FakeGroup:
         assert epoch >= self.epoch, f"epoch went back from {self.epoch} to {epoch}"
         self.epoch = epoch
 
-    def launch(self, host="", sampler=False):
+    def launch(self, host="", role="trainer", replaces=""):
         wid = f"w{self._launched}"
         self._launched += 1
         self.replicas[wid] = None
+        if replaces:
+            self.events.emit("worker_relaunched", replaces=replaces, worker=wid, host=host, role=role)
+        else:
+            self.events.emit("worker_launched", worker=wid, host=host, role=role)
         return wid
 
-    def relaunch(self, dead_worker):
-        if dead_worker in self._relaunched:
-            return None
-        self._relaunched.add(dead_worker)
-        o = self.opts
-        if not may_relaunch(o.relaunch, self._launched, o.slices, o.spares, o.max_retries):
-            return None
-        wid = self.launch()
-        self.events.emit("worker_relaunched", replaces=dead_worker, worker=wid)
-        return wid
+    def relaunch(self, launch):
+        return self.launch(launch.host, launch.role, replaces=launch.replaces)
 
     def wait_for_workers(self, n, timeout):
         kind, target = self.faults.pop("register", (None, None))
         if kind == "kill":
             self.declare_dead(target, "exited with status -9 before registering", cause="crash")
-            self.relaunch(target)
+            if (launch := decide_launch(self.ledger.state, self.opts, target)) is not None:
+                self.relaunch(launch)
         live = [w for w in self.replicas if w not in self.dead]
         if not live:
             raise RegistrationTimeoutError(f"0 of {n}")

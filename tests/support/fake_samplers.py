@@ -2,7 +2,8 @@
 
 ``SamplerGroup`` has the group's sampler-facing methods and nothing else: each call it is asked to start is kept
 in ``sent`` as ``(worker, method, request fields, future)``, its :class:`Future` answered by the test; launches
-get ids ``s10``, ``s11``, ...; every launched sampler registers at once.
+get ids ``s10``, ``s11``, ...; every launched sampler registers at once. Given the run's ``events``, it records
+launches and deaths there as the real group does.
 """
 
 
@@ -25,7 +26,8 @@ class Future:
 
 
 class SamplerGroup:
-    def __init__(self, publish_version=0, held=()):
+    def __init__(self, publish_version=0, held=(), events=None):
+        self.events = events   # the run's log: launches and deaths are recorded there, as the real group does
         self.sent = []       # (worker, method, fields, future)
         self.launched = []
         self.dead = []
@@ -42,11 +44,19 @@ class SamplerGroup:
 
     # -- what runtime.control.sampling calls ------------------------------------------------------
 
-    def launch(self, host="", sampler=False):
-        assert sampler
+    def launch(self, host="", role="trainer", replaces=""):
+        assert role == "sampler"
         w = f"s{10 + len(self.launched)}"
         self.launched.append(w)
+        if self.events is not None:
+            if replaces:
+                self.events.emit("worker_relaunched", replaces=replaces, worker=w, host=host, role=role)
+            else:
+                self.events.emit("worker_launched", worker=w, host=host, role=role)
         return w
+
+    def relaunch(self, launch):
+        return self.launch(launch.host, launch.role, launch.replaces)
 
     def wait_for_samplers(self, workers, timeout):
         return list(workers)
@@ -74,6 +84,8 @@ class SamplerGroup:
 
     def declare_dead(self, worker, reason, cause=""):
         self.dead.append(worker)
+        if self.events is not None:
+            self.events.emit("worker_dead", worker=worker, reason=reason, cause=cause or None)
 
     def attach_samplers(self, known, fingerprint):
         return sorted(known)

@@ -18,7 +18,7 @@ LIMITS = {"slices": 2, "min_slices": 1, "max_retries": 5, "recoveries": 1, "comm
 
 
 def plan(*, placement=P, dead=frozenset(), replicas=frozenset(), recoveries=1, committed=7, slices=2, min_slices=1,
-         max_retries=5, may_wait=False, stages=1, now=0.0, statuses=None, applied=None, **survey):
+         max_retries=5, may_wait=False, stages=1, now=0.0, statuses=None, applied=None, relaunch=True, **survey):
     """plan_recovery over a RunState of ``placement`` (``committed`` steps, ``dead``, ``replicas``), a Survey in
     which every live member answered it applied ``applied`` (default: ``committed``) steps, and options; the
     placement grid has ``stages`` rows."""
@@ -26,7 +26,7 @@ def plan(*, placement=P, dead=frozenset(), replicas=frozenset(), recoveries=1, c
     state = RunState(placement=placement, losses=Series([1.0] * committed), dead={w: "lost" for w in dead},
                      recoveries=recoveries, replicas=frozenset(replicas))
     opts = ControllerOptions(slices=slices, devices_per_slice=1, run_dir="", min_slices=min_slices,
-                             max_retries=max_retries, pipeline_stages=stages, relaunch=may_wait,
+                             max_retries=max_retries, pipeline_stages=stages, relaunch=may_wait if relaunch is None else relaunch,
                              capacity_timeout_seconds=60.0 if may_wait else 0.0)
     if statuses is None:
         statuses = {w: WorkerStatus(committed if applied is None else applied.get(w, committed), {})
@@ -193,8 +193,8 @@ def test_a_pipelined_recovery_puts_the_spare_in_the_lost_slices_stage():
 @pytest.mark.parametrize("facts, action, failure, reason", [
     # both replicas of stage 1 lost: stage 0's replicas cannot supply stage 1's state, a spare or not
     ({"dead": frozenset({"c", "d"})}, Action.FAIL, Failure.STATE_LOST, "pipeline stage 1 lost every replica (c, d)"),
-    # no spare, every slice asked for (min_slices 4): fail ...
-    ({"dead": frozenset({"a", "s"})}, Action.FAIL, Failure.CAPACITY, "min_slices is 4"),
+    # no spare, every slice asked for (min_slices 4), no worker relaunched: fail ...
+    ({"dead": frozenset({"a", "s"}), "relaunch": False}, Action.FAIL, Failure.CAPACITY, "min_slices is 4"),
     # ... or wait for capacity when a relaunched worker may take the slice
     ({"dead": frozenset({"a", "s"}), "may_wait": True}, Action.WAIT, None, "waiting for capacity"),
     # a lower minimum: a whole pipeline replica is dropped

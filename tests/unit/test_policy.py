@@ -1,6 +1,8 @@
 import pathlib
 import re
 
+import types
+
 import pytest
 
 from runtime.core.microbatch import Node
@@ -60,7 +62,8 @@ from runtime.control.plan import (Action, Failure, Plan, capacity_timed_out, dec
 from runtime.control.health_schedule import is_suspect, reprobe_wait  # noqa: E402
 from runtime.control.placement import Placement  # noqa: E402
 from runtime.control.watchdog import watchdog_limit  # noqa: E402
-from runtime.control.worker_group import may_relaunch  # noqa: E402
+from runtime.control.plan import Launch, decide_launch, launches_for  # noqa: E402
+from runtime.control.run_state import RunState  # noqa: E402
 
 P = Placement(epoch=3, active=("a", "b", "c"), spares=("s", "t"))
 ALL = set(P.members)
@@ -207,9 +210,44 @@ def test_membership_change_due(placement, dead, flags, due):
     assert membership_change_due(placement, 2, dead, **facts) is due
 
 
-@pytest.mark.parametrize("relaunch,launched,expected", [(True, 4, True), (True, 5, False), (False, 0, False)])
-def test_may_relaunch_at_most_max_retries_beyond_the_initial_set(relaunch, launched, expected):
-    assert may_relaunch(relaunch, launched, slices=2, spares=1, max_retries=2) is expected
+def _launch_log(*relaunches, deferred=()):
+    """A run state: trainers w0..w2 and samplers s3, s4 launched, the ``relaunches`` (dead, new, role) done."""
+    events = [{"kind": "run_started", "run_id": "r", "steps": 9}]
+    events += [{"kind": "worker_launched", "worker": f"w{k}", "host": f"h{k}", "role": "trainer"} for k in range(3)]
+    events += [{"kind": "worker_launched", "worker": f"s{k}", "host": "", "role": "sampler"} for k in (3, 4)]
+    for dead, new, role in relaunches:
+        events += [{"kind": "worker_dead", "worker": dead, "reason": "killed"},
+                   {"kind": "worker_relaunched", "replaces": dead, "worker": new, "host": "h", "role": role}]
+    if deferred:
+        events += [{"kind": "worker_dead", "worker": w, "reason": "killed"} for w in deferred]
+        events.append({"kind": "relaunch_deferred", "workers": list(deferred)})
+    return RunState.replay(events)
+
+
+@pytest.mark.parametrize("state,dead,opts,expected", [
+    # a trainer lost: a fresh one on its host; a sampler: a sampler
+    (_launch_log(), "w1", {}, Launch("w1", "trainer", "h1")),
+    (_launch_log(), "s3", {}, Launch("s3", "sampler", "")),
+    # once per dead member, also when decided and not started yet (deferred)
+    (_launch_log(("w1", "w5", "trainer")), "w1", {}, None),
+    (_launch_log(deferred=("w1",)), "w1", {}, None),
+    # at most max_retries per role: the samplers' relaunches do not use the trainers' budget
+    (_launch_log(("w1", "w5", "trainer"), ("w2", "w6", "trainer")), "w0", {}, None),
+    (_launch_log(("s3", "s5", "sampler"), ("s4", "s6", "sampler")), "w0", {}, Launch("w0", "trainer", "h0")),
+    (_launch_log(("w1", "w5", "trainer"), deferred=("w2",)), "w0", {}, None),
+    # no relaunch, or workers started by someone else: nothing
+    (_launch_log(), "w1", {"relaunch": False}, None),
+    (_launch_log(), "w1", {"launcher": "none"}, None),
+])
+def test_one_rule_decides_each_launch_in_a_dead_members_place(state, dead, opts, expected):
+    o = types.SimpleNamespace(**{"relaunch": True, "launcher": "local", "max_retries": 2, **opts})
+    assert decide_launch(state, o, dead) == expected
+
+
+def test_launches_of_one_plan_count_each_other_against_the_budget():
+    o = types.SimpleNamespace(relaunch=True, launcher="local", max_retries=2)
+    got = launches_for(_launch_log(), o, ["w0", "w1", "w2"], later=True)
+    assert got == (Launch("w0", "trainer", "h0", True), Launch("w1", "trainer", "h1", True))
 
 
 def _workers(*devices):

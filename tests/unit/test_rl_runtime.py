@@ -13,7 +13,7 @@ import pytest
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.control.run_state import RunState
-from runtime.control.sampling import Sampling, is_sampler, split, weights_version
+from runtime.control.sampling import Sampling, split, weights_version
 from runtime.core.event_kinds import check_event
 from runtime.core.errors import ProtocolError, StaleEpochError, StateLostError
 from runtime.core.programs import SamplerPrograms
@@ -45,11 +45,6 @@ def test_a_steps_rollouts_use_the_weights_of_off_policy_steps_before(step, off, 
 ])
 def test_missing_microbatches_split_into_contiguous_even_runs(items, parts, expected):
     assert split(items, parts) == expected
-
-
-def test_samplers_are_named_apart_from_trainers():
-    assert is_sampler("s3") and is_sampler("s12")
-    assert not is_sampler("w3") and not is_sampler("s") and not is_sampler("stage1") and not is_sampler("s1x")
 
 
 # -- the batches the client carries -------------------------------------------------------------------------
@@ -174,10 +169,11 @@ class _Events:
 
 def _sampling(samplers=2, off=0, microbatches=4):
     opts = types.SimpleNamespace(rl_samplers=samplers, rl_off_policy_steps=off, register_timeout_seconds=1.0,
-                                 relaunch=True, max_retries=3)
+                                 relaunch=True, max_retries=3, launcher="local")
     programs = SamplerPrograms(rollout=b"", layout={"num_microbatches": microbatches}, prompts=b"",
                                weight_leaves=(0,))
-    group, events = SamplerGroup(), _Events()
+    events = _Events()
+    group = SamplerGroup(events=events)
     sampling = Sampling(group, opts, events, programs, events)
     sampling.start(["w0", "w1"], seed=0)
     return sampling, group, events
@@ -240,7 +236,7 @@ def test_a_lost_samplers_microbatches_go_to_the_others_and_a_fresh_one_is_launch
     dead = {"s11": "killed"}
     sampling.pump(committed=0, steps=2, dead=dead)
     assert [(w, r["microbatches"]) for w, r, _ in group.open("Rollout")] == [("s10", [2, 3])]
-    assert ("sampler_relaunched", {"replaces": "s11", "worker": "s12"}) in events.emitted
+    assert ("worker_relaunched", {"replaces": "s11", "worker": "s12", "host": "", "role": "sampler"}) in events.emitted
     _answer_rollouts(group)
     sampling.pump(committed=0, steps=2, dead=dead)
     assert sampling.ready(0) and sorted(sampling.feed(0).batches) == [0, 1, 2, 3]
