@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from runtime import RunState
+from runtime import Backup, RunState
 
 __all__ = ["KINDS", "Promise", "promises"]
 
@@ -210,21 +210,17 @@ def promises(events: list[dict], config: dict | None) -> list[Promise]:
 
 
 def _checkpoints(state: RunState) -> set:
-    """The checkpoints ``state`` holds, as the judge keeps them across attempts: ``(None, step)`` and, for each
-    stage's, ``(stage, step)``."""
-    return {(None, step) for step in state.checkpoints} | \
-        {(k, step) for tier, k, step in state.stage_backups if tier == "checkpoint"}
+    """The checkpoints ``state`` holds, as the judge keeps them across attempts: ``(stage, step)`` (stage None: an
+    unpipelined run's)."""
+    return {(b.stage, b.step) for b in state.backups if b.tier == "checkpoint"}
 
 
 def _copies(state: RunState, kept: set, pipeline: int) -> dict[str, set]:
     """``{tier: steps}`` of the complete copies of the state in place: those ``state`` holds and the checkpoints
-    ``kept``; a pipelined run's step is a copy once every stage holds one."""
-    if pipeline > 1:
-        held = state.stage_backups | {("checkpoint", k, step) for k, step in kept if k is not None}
-        return {tier: set.intersection(*({step for t, k, step in held if t == tier and k == stage}
-                                         for stage in range(pipeline))) for tier in ("snapshot", "checkpoint")}
-    return {"snapshot": {step for step, *_ in state.snapshots},
-            "checkpoint": set(state.checkpoints) | {step for k, step in kept if k is None}}
+    ``kept`` (from earlier attempts); a pipelined run's step is a copy once every stage holds one."""
+    earlier = {Backup("checkpoint", step, k) for k, step in kept}
+    whole = dataclasses.replace(state, backups=state.backups | earlier, pipeline_stages=pipeline)
+    return {tier: set(whole.complete(tier)) for tier in ("snapshot", "checkpoint")}
 
 
 def _close(r: _Recovery, state: RunState, copies: dict, corrupt: set, *, recovered: bool) -> None:

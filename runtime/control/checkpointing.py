@@ -36,7 +36,6 @@ import dataclasses
 import time
 
 from runtime.core.errors import BadInputError
-from runtime.control.tiers import EveryStage
 
 __all__ = ["checkpoint_steps", "checkpoint_writer", "Checkpointing", "Loaded", "locate_checkpoint", "newest_checkpoint",
            "stage_steps"]
@@ -76,16 +75,18 @@ class Checkpointing:
     """The controller's side of persistent checkpoints (see the module docstring).
 
     ``opts``: the run's ``ControllerOptions`` (``checkpoint_directory``,
-    ``checkpoint_period``, ``rpc_timeout_seconds``); ``notify(step)``: called
-    for each checkpoint reported complete (the controller's observer).
+    ``checkpoint_period``, ``rpc_timeout_seconds``); ``ledger``: the run's
+    :class:`~runtime.control.run_state.RunLedger`, whose ``RunState.backups``
+    is the one record of the checkpoints saved; ``notify(step)``: called once
+    a step's checkpoint is complete there (a pipelined run's: every stage's;
+    the controller's observer).
     """
 
-    def __init__(self, group, opts, events, notify=None):
-        self.group, self.opts, self.events = group, opts, events
+    def __init__(self, group, opts, events, ledger, notify=None):
+        self.group, self.opts, self.events, self.ledger = group, opts, events, ledger
         self.notify = notify or (lambda step: None)
         # (checkpoint step, pipeline stage: 0 when unpipelined) -> its writer: ordered, not reported complete
         self._ordered: dict[tuple[int, int], str] = {}
-        self._complete = EveryStage(opts.pipeline_stages)   # a step is checkpointed once every stage's is
 
     @property
     def directory(self) -> str:
@@ -144,8 +145,10 @@ class Checkpointing:
                 for done in [key for key, writer in self._ordered.items() if writer == w and key[0] <= step]:
                     del self._ordered[done]
                 stage = self.group.loaded_stage(w)
-                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.stage_directory(stage))
-                if self._complete.saved(step, stage):
+                was = step in self.ledger.state.complete("checkpoint")
+                self.events.emit("checkpoint_saved", worker=w, step=step, directory=self.stage_directory(stage),
+                                 **({"stage": stage} if stage is not None else {}))
+                if not was and step in self.ledger.state.complete("checkpoint"):
                     self.notify(step)
             if error:
                 self.events.emit("checkpoint_failed", worker=w, error=error[:500])

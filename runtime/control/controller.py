@@ -141,7 +141,7 @@ class Controller:
         self.group = group or WorkerGroup(self.run_id, options.secret or auth.new_secret(), programs, data_source,
                                           options, events, self.ledger)
         self.observer = observer or ControllerObserver()
-        self.checkpoints = Checkpointing(self.group, options, events,
+        self.checkpoints = Checkpointing(self.group, options, events, self.ledger,
                                          notify=lambda step: self.observer.checkpoint_saved(step))
         self.snapshots = Snapshotting(self.group, options, events, self.ledger,
                                       notify=lambda step: self.observer.snapshot_saved(step))

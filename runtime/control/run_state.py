@@ -39,7 +39,7 @@ from runtime.core.events import read_events
 from runtime.core.programs import SAMPLER_WEIGHTS_KEPT, TRAINER_WEIGHTS_KEPT
 from runtime.state.snapshot import KEEP as KEPT
 
-__all__ = ["Member", "RunLedger", "RunState", "SAMPLER", "Series", "TRAINER", "replay_file"]
+__all__ = ["Backup", "Member", "RunLedger", "RunState", "SAMPLER", "Series", "TRAINER", "replay_file"]
 
 #: A member's role: a trainer slice (a cell of the placement grid, or a spare) or an RL run's sampler.
 TRAINER, SAMPLER = "trainer", "sampler"
@@ -79,6 +79,25 @@ class Member:
         if self.info is not None and self.info.hosts:
             return self.host or self.info.host or self.worker
         return (self.info.host if self.info is not None else "") or self.host or self.worker
+
+
+@dataclasses.dataclass(frozen=True)
+class Backup:
+    """One backup of the state known complete: ``tier`` ("snapshot" or "checkpoint") of ``step`` (the state
+    after that many steps), of pipeline ``stage`` (None: an unpipelined run's whole state, or one reported by a
+    worker of no known stage), held on ``host`` (a snapshot: the host whose memory keeps it; a checkpoint: "",
+    the run's checkpoint directory)."""
+
+    tier: str
+    step: int
+    stage: int | None = None
+    host: str = ""
+
+    def _key(self):
+        return (self.tier, self.step, -1 if self.stage is None else self.stage, self.host)
+
+    def __lt__(self, other):
+        return self._key() < other._key()
 
 
 class Series(Sequence):
@@ -147,11 +166,11 @@ class RunState:
     recoveries: int = 0                          # recovery attempts so far (failures detected)
     deferred: tuple[str, ...] = ()               # dead workers whose replacements start after the next commit
     swaps: tuple[str, ...] = ()                  # stragglers to move onto spares at the next boundary
-    checkpoints: tuple[int, ...] = ()            # steps of the checkpoints reported complete, ascending
     evaluated: frozenset[int] = frozenset()      # steps whose eval is recorded (eval_completed or eval_skipped)
-    # (step, host, pipeline stage or None) of the in-memory snapshots reported kept: written there, or copied
-    # there from their writer; the newest KEPT of each host's stage directory, as its SnapshotStore keeps them.
-    snapshots: tuple[tuple[int, str, int | None], ...] = ()
+    # The run's one record of backups: each checkpoint a worker reported saved (of its stage), each in-memory
+    # snapshot reported kept on a host (written there, or copied there from its writer; the newest KEPT of each
+    # host's stage directory, as its SnapshotStore keeps them). ``complete(tier)``: the steps a whole copy is of.
+    backups: frozenset[Backup] = frozenset()
     shadows: frozenset[str] = frozenset()        # spares given a copy of the committed state to shadow
     state_bytes: int = 0
     # Every process of this attempt, by id, in launch order: its role, where it was launched, whom it replaces,
@@ -161,11 +180,8 @@ class RunState:
     left: frozenset[str] = frozenset()           # workers the run let go alive (given back to a pool, a straggler
     #                                            sent home): no member any more, never attached again
     # A pipelined run: the stage each worker's programs are for ({worker: stage}, from programs_loaded,
-    # stage_loaded and a stage's shadow_synced), and its backups by stage: (tier, stage, step) of each snapshot
-    # ("snapshot": saved or copied) and checkpoint ("checkpoint") a worker of a known stage reported. A step is a
-    # copy of the whole state once every stage holds one.
+    # stage_loaded and a stage's shadow_synced); a backup it reports is of that stage.
     stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    stage_backups: frozenset[tuple[str, int, int]] = frozenset()
     # An RL run's weights versions (runtime.control.sampling): the versions each live trainer and sampler holds for
     # others to pull ({worker: versions, ascending}; its newest, as its outbox keeps them), and the version each
     # sampler has installed, which its rollouts use ({sampler: version}). A restarted client reads them here: the
@@ -209,6 +225,25 @@ class RunState:
     def replaced(self, worker: str) -> bool:
         """A member was launched in ``worker``'s place, or is decided to be (``deferred``)."""
         return worker in self.deferred or any(m.replaces == worker for m in self.members.values())
+
+    def complete(self, tier: str, at_most: int | None = None) -> frozenset[int]:
+        """The steps (at or before ``at_most``) of which ``tier`` holds a whole copy of the state: a backup of
+        the step, or in a pipelined run one of every stage."""
+        held = [b for b in self.backups if b.tier == tier and (at_most is None or b.step <= at_most)]
+        if self.pipeline_stages == 1:
+            return frozenset(b.step for b in held)
+        return frozenset.intersection(*(frozenset(b.step for b in held if b.stage == k)
+                                        for k in range(self.pipeline_stages)))
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        """The steps of the complete checkpoints, ascending."""
+        return tuple(sorted(self.complete("checkpoint")))
+
+    @property
+    def snapshots(self) -> tuple[tuple[int, str, int | None], ...]:
+        """``(step, host, stage)`` of each snapshot known kept, ascending."""
+        return tuple((b.step, b.host, b.stage) for b in sorted(b for b in self.backups if b.tier == "snapshot"))
 
     @property
     def epoch(self) -> int:
@@ -418,8 +453,14 @@ def _straggler_kept(s: RunState, e) -> RunState:
     return _replace(s, swaps=tuple(w for w in s.swaps if w != e["worker"]))
 
 
+def _stage(s: RunState, e, worker: str | None = None) -> int | None:
+    """The pipeline stage a backup reported by ``e`` is of: the event's, else its worker's (None: unpipelined)."""
+    stage = e.get("stage")
+    return stage if stage is not None else s.stages.get(worker or e["worker"])
+
+
 def _checkpoint_saved(s: RunState, e) -> RunState:
-    return _replace(s, checkpoints=tuple(sorted({*s.checkpoints, e["step"]})))
+    return _replace(s, backups=s.backups | {Backup("checkpoint", e["step"], _stage(s, e))})
 
 
 def _evaluated(s: RunState, e) -> RunState:
@@ -427,21 +468,19 @@ def _evaluated(s: RunState, e) -> RunState:
 
 
 def _snapshot_saved(s: RunState, e) -> RunState:
-    return _replace(s, snapshots=_kept(s.snapshots, (e["step"], e.get("host") or e["worker"], e.get("stage"))))
+    return _kept(s, Backup("snapshot", e["step"], _stage(s, e), e.get("host") or e["worker"]))
 
 
 def _snapshot_copied(s: RunState, e) -> RunState:
-    if not e.get("peer"):
-        return s
-    return _replace(s, snapshots=_kept(s.snapshots, (e["step"], e.get("host") or e["peer"], e.get("stage"))))
+    """A copy to a peer (``host``: "" when the client that ordered it is gone and its peer unknown)."""
+    return _kept(s, Backup("snapshot", e["step"], _stage(s, e), e.get("host") or e.get("peer") or ""))
 
 
-def _kept(snapshots, new) -> tuple:
-    """``snapshots`` with ``new`` (step, host, stage), each host's stage directory keeping its newest KEPT."""
-    _, host, stage = new
-    here = sorted({new, *(x for x in snapshots if x[1:] == (host, stage))})[-KEPT:]
-    return tuple(sorted({*(x for x in snapshots if x[1:] != (host, stage)), *here},
-                        key=lambda x: (x[0], x[1], -1 if x[2] is None else x[2])))
+def _kept(s: RunState, new: Backup) -> RunState:
+    """``s`` with snapshot ``new``, each host's stage directory keeping its newest KEPT."""
+    here = {b for b in s.backups if b.tier == "snapshot" and (b.host, b.stage) == (new.host, new.stage)} | {new}
+    drop = set(sorted(here, key=lambda b: b.step)[:-KEPT])
+    return _replace(s, backups=(s.backups | {new}) - drop)
 
 
 def _shadow_synced(s: RunState, e) -> RunState:
@@ -531,7 +570,7 @@ _FOLDS = {
 }
 
 
-# -- a pipelined run's stages and backups by stage ----------------------------------------------------------------
+# -- a pipelined run's stages ----------------------------------------------------------------
 
 def _programs_loaded(s: RunState, e) -> RunState:
     s = _loaded("compile_seconds")(s, e)
@@ -548,21 +587,10 @@ def _stage_shadowed(s: RunState, e) -> RunState:
     return _replace(s, stages={**s.stages, e["dest"]: e["stage"]}) if "stage" in e else s
 
 
-def _by_stage(tier: str, fold):
-    """``fold``, and the backup under the stage of the worker that reported it (a worker of no known stage: none)."""
-    def staged(s: RunState, e) -> RunState:
-        s, stage = fold(s, e), s.stages.get(e["worker"])
-        return s if stage is None else _replace(s, stage_backups=s.stage_backups | {(tier, stage, e["step"])})
-    return staged
-
-
 _FOLDS.update({
     "programs_loaded": _programs_loaded,
     "stage_loaded": _stage_loaded,
     "shadow_synced": _stage_shadowed,
-    "checkpoint_saved": _by_stage("checkpoint", _checkpoint_saved),
-    "snapshot_saved": _by_stage("snapshot", _snapshot_saved),
-    "snapshot_copied": _by_stage("snapshot", _snapshot_copied),
 })
 
 

@@ -13,12 +13,12 @@ and records:
   by any worker on another host (in that stage's directory of its host);
 - :meth:`Snapshotting.note`: ``snapshot_saved`` / ``snapshot_copied`` /
   ``snapshot_failed`` events for what the workers report (the run state
-  folds where each snapshot lies: ``RunState.snapshots``), and the
+  folds where each snapshot lies: ``RunState.backups``), and the
   observer's hook;
 - :meth:`Snapshotting.holdings`: which members' hosts hold which snapshot
   (their own answer, from ``Abort``), for :func:`runtime.control.tiers.choose_source`.
 
-It keeps no record of what is held: the run state does (``RunState.snapshots``); only the orders it gave that
+It keeps no record of what is held: the run state does (``RunState.backups``); only the orders it gave that
 no report answered yet.
 """
 
@@ -121,22 +121,16 @@ class Snapshotting:
         (:meth:`holdings`) decide what is restored. A pipelined run's: a step every stage may hold. ``reported``:
         only snapshots reported written or copied count."""
         ordered = {s for s in self._ordered if s <= at_most} if not reported else set()
-        by_stage: dict[int | None, set[int]] = {}
-        for step, _, stage in self.ledger.state.snapshots:
-            if step <= at_most:
-                by_stage.setdefault(stage, set()).add(step)
-        stages = self.opts.pipeline_stages
-        keys = [None] if stages == 1 else range(stages)
-        steps = set.intersection(*(by_stage.get(k, set()) | ordered for k in keys))
+        steps = self.ledger.state.complete("snapshot", at_most) | ordered   # (an order is every stage's)
         return max(steps) if steps else None
 
     def stage_hosts(self, step: int) -> tuple[frozenset[str], ...]:
         """A pipelined run's: for each stage, the hosts its snapshot of ``step`` was reported written or copied
         to (an ordered one not reported may never have been written: its writer died)."""
         out = [set() for _ in range(self.opts.pipeline_stages)]
-        for held, host, stage in self.ledger.state.snapshots:
-            if stage is not None and held == step:
-                out[stage].add(host)
+        for b in self.ledger.state.backups:
+            if b.tier == "snapshot" and b.stage is not None and b.step == step:
+                out[b.stage].add(b.host)
         return tuple(frozenset(hosts) for hosts in out)
 
     @staticmethod

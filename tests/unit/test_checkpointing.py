@@ -9,6 +9,7 @@ import pytest
 
 from runtime.state.checkpoint import CheckpointStore
 from runtime.control.checkpointing import Checkpointing
+from runtime.control.run_state import RunLedger, RunState
 from runtime.state.state_copy import state_digest
 from tests.support.fake_group import STATE_BYTES, FakeGroup, loss_sum
 
@@ -24,13 +25,24 @@ class Opts:
 
 class Events:
     def __init__(self):
-        self.log = []
+        self.log, self._folds = [], []
 
     def emit(self, kind, **fields):
         self.log.append((kind, fields))
+        for fold in self._folds:
+            fold({"kind": kind, **fields})
+
+    def subscribe(self, fold):
+        self._folds.append(fold)
 
     def kinds(self):
         return [k for k, _ in self.log]
+
+
+def checkpointing(group, opts, events, notify=None):
+    """The controller's Checkpointing over ``events``, its ledger folding them (a run of ``opts``' stages)."""
+    return Checkpointing(group, opts, events, RunLedger(events, RunState(pipeline_stages=opts.pipeline_stages)),
+                         notify=notify)
 
 
 def fake_group(stages=None):
@@ -52,19 +64,19 @@ def flushes(group):
 
 
 def test_the_writer_rotates_and_the_order_carries_the_committed_loss_sums():
-    ck = Checkpointing(fake_group(), Opts(checkpoint_directory="/ck"), Events())
+    ck = checkpointing(fake_group(), Opts(checkpoint_directory="/ck"), Events())
     assert ck.order_for(2, 10, (("a", "b"),), [1.0]) == {}
     assert ck.order_for(3, 10, (("a", "b"),), [1.0, 2.0]) == {"b": ("/ck", [1.0, 2.0])}
     assert ck.order_for(7, 10, (("a", "b"),), []) == {"a": ("/ck", [])}
     assert set(ck.order_for(9, 10, (("a", "b"),), [])) <= {"a", "b"}   # the last step is always saved
     assert ck.next_writer(4, 10, (("a", "b"),)) == "a" and ck.next_writer(10, 10, (("a", "b"),)) is None
-    off = Checkpointing(fake_group(), Opts(), Events())
+    off = checkpointing(fake_group(), Opts(), Events())
     assert off.order_for(3, 10, (("a",),), []) == {} and off.next_writer(0, 10, (("a",),)) is None
 
 
 def test_saved_checkpoints_become_events_and_reach_the_observer():
     seen, events = [], Events()
-    ck = Checkpointing(fake_group(), Opts(checkpoint_directory="/ck"), events, notify=seen.append)
+    ck = checkpointing(fake_group(), Opts(checkpoint_directory="/ck"), events, notify=seen.append)
     ck.note({"a": ([4, 8], ""), "b": ([], "disk full")})
     assert seen == [4, 8]
     assert events.kinds() == ["checkpoint_saved", "checkpoint_saved", "checkpoint_failed"]
@@ -76,13 +88,13 @@ def test_workers_that_skipped_a_corrupt_checkpoint_all_load_the_same_older_one()
         group.checkpoint("a", "/ck", step)
     group.checkpoint("b", "/ck", 4)
     group.checkpoint("b", "/ck", 8, spoiled=True)   # b's 8 does not read back (a lost write, say)
-    loaded = Checkpointing(group, Opts(checkpoint_directory="/ck"), events).load(["a", "b"], 8)
+    loaded = checkpointing(group, Opts(checkpoint_directory="/ck"), events).load(["a", "b"], 8)
     assert loaded.step == 4 and loaded.bytes == {"a": STATE_BYTES, "b": STATE_BYTES}
     assert loaded.loss_sums == [loss_sum(s) for s in range(4)] and loaded.written_on is None
     assert group.hashes(["a", "b"])["a"] == group.hashes(["a", "b"])["b"]   # both hold step 4's state
     resharded = fake_group()
     resharded.checkpoint("a", "/ck", 4, written_on=(2, 4))   # the same model, written on another mesh
-    assert Checkpointing(resharded, Opts(checkpoint_directory="/ck"), events).load(["a"], 4).written_on == (2, 4)
+    assert checkpointing(resharded, Opts(checkpoint_directory="/ck"), events).load(["a"], 4).written_on == (2, 4)
     assert loads(group) == [(("a", "b"), "/ck", 8), (("a", "b"), "/ck", 4)]
     assert [f["worker"] for k, f in events.log if k == "checkpoint_skipped"] == ["b"]
 
@@ -94,10 +106,10 @@ def test_newest_lists_complete_checkpoints_and_an_unreadable_store_is_none(tmp_p
     for step in (4, 8, 12):
         store.save(step, leaves, digest=state_digest(leaves))
     events = Events()
-    ck = Checkpointing(fake_group(), Opts(checkpoint_directory=directory), events)
+    ck = checkpointing(fake_group(), Opts(checkpoint_directory=directory), events)
     assert ck.newest(12) == 12 and ck.newest(11) == 8 and ck.newest(3) is None
-    assert Checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "none")), events).newest(9) is None
-    assert Checkpointing(fake_group(), Opts(), events).newest(9) is None and events.log == []
+    assert checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "none")), events).newest(9) is None
+    assert checkpointing(fake_group(), Opts(), events).newest(9) is None and events.log == []
 
 
 def test_finish_removes_the_leftovers_of_cut_saves_only_when_nobody_writes(tmp_path):
@@ -107,20 +119,20 @@ def test_finish_removes_the_leftovers_of_cut_saves_only_when_nobody_writes(tmp_p
     (directory / "8.orbax-checkpoint-tmp").mkdir()   # what a writer killed mid-save leaves
     busy, events = fake_group(), Events()
     busy.writing("b", str(directory), 8, rounds=None)   # b writes on past the deadline
-    Checkpointing(busy, Opts(checkpoint_directory=str(directory), rpc_timeout_seconds=0.2),
+    checkpointing(busy, Opts(checkpoint_directory=str(directory), rpc_timeout_seconds=0.2),
                   events).finish([("a", "b")], [0.5] * 8)
     assert (directory / "8.orbax-checkpoint-tmp").exists()   # b may be writing it
     assert [f["error"] for k, f in events.log if k == "checkpoint_failed"] == ["still writing after 0.2 s"]
     idle = fake_group()
     idle.writing("a", str(directory), 8)
-    Checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish([("a", "b")], [0.5] * 8)
+    checkpointing(idle, Opts(checkpoint_directory=str(directory)), events).finish([("a", "b")], [0.5] * 8)
     assert not (directory / "8.orbax-checkpoint-tmp").exists() and (directory / "4").exists()
     removed = [f for k, f in events.log if k == "checkpoint_leftovers_removed"]
     assert len(removed) == 1 and removed[0]["paths"][0].endswith("8.orbax-checkpoint-tmp")
     failed = fake_group()
     failed.writing("a", str(directory), 12, error="disk full")
     (directory / "12.orbax-checkpoint-tmp").mkdir()
-    Checkpointing(failed, Opts(checkpoint_directory=str(directory)), events).finish([("a",)], [0.5] * 8)
+    checkpointing(failed, Opts(checkpoint_directory=str(directory)), events).finish([("a",)], [0.5] * 8)
     assert (directory / "12.orbax-checkpoint-tmp").exists()   # kept for whoever looks into the failure
 
 
@@ -137,7 +149,7 @@ def test_finish_reports_each_save_as_it_completes_while_the_next_is_written(tmp_
         seen.append(step)
         rounds.append(len(flushes(group)))
 
-    ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path)), Events(), notify=notify)
+    ck = checkpointing(group, Opts(checkpoint_directory=str(tmp_path)), Events(), notify=notify)
     ck.finish([("a", "b")], [0.5] * 8)
     assert sorted(seen) == [4, 6, 8] and rounds[seen.index(4)] == 1 and rounds[seen.index(8)] == 3
     assert [workers for workers, _ in flushes(group)] == [("a", "b"), ("a",), ("a",)]   # the idle not asked again
@@ -146,7 +158,7 @@ def test_finish_reports_each_save_as_it_completes_while_the_next_is_written(tmp_
 def test_a_last_checkpoint_cut_off_with_its_writer_is_saved_again_by_a_survivor(tmp_path):
     group = fake_group()
     group.hold("a", 12)
-    ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path), checkpoint_period=4), Events())
+    ck = checkpointing(group, Opts(checkpoint_directory=str(tmp_path), checkpoint_period=4), Events())
     for step in range(12):   # checkpoints of 4 (b), 8 (a), 12 (b: the last)
         ck.order_for(step, 12, (("a", "b"),), [])
     ck.note({"a": ([8], "")})
@@ -155,12 +167,12 @@ def test_a_last_checkpoint_cut_off_with_its_writer_is_saved_again_by_a_survivor(
     assert flush == (("a",), {"a": (str(tmp_path), [0.5] * 12)}) and ck.unfinished_writer(("a",)) is None
     assert 12 in group.checkpoints["a", str(tmp_path)]   # a's state, saved
     again = fake_group()
-    Checkpointing(again, Opts(checkpoint_directory=str(tmp_path)), Events()).finish([("a",)], [0.5] * 12)
+    checkpointing(again, Opts(checkpoint_directory=str(tmp_path)), Events()).finish([("a",)], [0.5] * 12)
     assert flushes(again) == [(("a",), {})]   # nothing was cut off: no save asked
 
 
 def test_the_unfinished_writer_is_the_newest_order_not_reported_complete():
-    ck = Checkpointing(fake_group(), Opts(checkpoint_directory="/ck", checkpoint_period=2), Events())
+    ck = checkpointing(fake_group(), Opts(checkpoint_directory="/ck", checkpoint_period=2), Events())
     for step in range(10):   # checkpoints of 2 (b), 4 (a), 6 (b), 8 (a), 10 (b)
         ck.order_for(step, 10, (("a", "b"),), [])
     assert ck.unfinished_writer(("a", "b")) == "b" and ck.unfinished_writer(("a",)) == "a"
@@ -176,7 +188,7 @@ def test_each_pipeline_stage_writes_and_loads_its_own_checkpoints(tmp_path):
     group = fake_group(stages={"a": 0, "b": 0, "c": 1, "d": 1})
     group.checkpoint("a", f"{tmp_path}/stage0", 4, [0.0] * 4)   # stage 0 computes no loss: its sums are 0
     group.checkpoint("c", f"{tmp_path}/stage1", 4, [0.5] * 4)
-    ck = Checkpointing(group, Opts(checkpoint_directory=str(tmp_path), pipeline_stages=2), Events())
+    ck = checkpointing(group, Opts(checkpoint_directory=str(tmp_path), pipeline_stages=2), Events())
     assert ck.order_for(3, 10, (("a", "b"), ("c", "d")), [1.0]) == {"b": (f"{tmp_path}/stage0", [1.0]),
                                                                  "d": (f"{tmp_path}/stage1", [1.0])}
     leaves = [np.arange(4, dtype=np.float32)]
@@ -239,13 +251,13 @@ def test_load_full_state_path_of_a_pipelined_run_is_its_stages_newest_common_ste
     run = str(tmp_path / "run")
     assert stage_steps(run) == [[2, 4], [2, 4, 6]] and locate_checkpoint(run) == (run, 4)
     assert newest_checkpoint(run, 3) == 2
-    two = Checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "own"), pipeline_stages=2), Events())
+    two = checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "own"), pipeline_stages=2), Events())
     assert two.locate(run) == (run, 4)
-    three = Checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "own"), pipeline_stages=3), Events())
+    three = checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "own"), pipeline_stages=3), Events())
     with pytest.raises(BadInputError, match="holds checkpoints of 2 pipeline stages, and this run has 3 pipeline "
                                             r"stages \(dcn_pipeline_parallelism=3\)"):
         three.locate(run)
-    plain = Checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "own")), Events())
+    plain = checkpointing(fake_group(), Opts(checkpoint_directory=str(tmp_path / "own")), Events())
     with pytest.raises(BadInputError, match="holds checkpoints of 2 pipeline stages, and this run has no pipeline"):
         plain.locate(run)
     CheckpointStore(f"{tmp_path}/flat", async_save=False).save(2, leaves, digest=state_digest(leaves))

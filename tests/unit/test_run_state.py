@@ -6,7 +6,7 @@ import math
 import pytest
 
 from chaos.verdict import judge
-from runtime import EventLog, RunState, read_events
+from runtime import Backup, EventLog, RunState, read_events
 from runtime.control.placement import Placement
 from tests.support.events import timeless as ev
 
@@ -148,7 +148,8 @@ def test_a_series_appends_without_changing_the_views_it_came_from():
 
 
 def test_a_pipelined_run_folds_each_workers_stage_and_its_backups_by_stage():
-    s = RunState.replay(START + [
+    s = RunState.replay([ev("run_started", run_id="r", slices=1, stages=2, devices_per_slice=1, microbatches=2,
+                            steps=6)] + START[1:] + [
         ev("programs_loaded", compile_seconds={}, program_bytes=0, stages={"a": 0, "b": 1, "s": 0}),
         ev("snapshot_saved", worker="a", host=None, step=4),
         ev("stage_loaded", worker="s", stage=1, compile_seconds=0.1, seconds=0.1),
@@ -156,5 +157,7 @@ def test_a_pipelined_run_folds_each_workers_stage_and_its_backups_by_stage():
         ev("checkpoint_saved", worker="b", step=4, directory="/ck"),
         ev("snapshot_saved", worker="nobody", host=None, step=5)])
     assert s.stages == {"a": 0, "b": 1, "s": 1}, "stage_loaded moves a spare to its stage"
-    assert s.stage_backups == {("snapshot", 0, 4), ("snapshot", 1, 4), ("checkpoint", 1, 4)}
-    assert s.snapshots == ((4, "a", None), (5, "nobody", None)) and s.checkpoints == (4,)
+    assert s.backups == {Backup("snapshot", 4, 0, "a"), Backup("snapshot", 4, 1, ""), Backup("checkpoint", 4, 1),
+                         Backup("snapshot", 5, None, "nobody")}
+    assert s.complete("snapshot") == {4}, "every stage holds step 4"
+    assert s.checkpoints == () and s.complete("checkpoint", at_most=9) == set(), "stage 0 saved no checkpoint"

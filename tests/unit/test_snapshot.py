@@ -154,6 +154,7 @@ def test_each_pipeline_stage_snapshots_its_own_state_and_a_step_counts_when_ever
     group = _group({"w0": 0, "w1": 0, "w2": 1, "w3": 1, "w4": 0})
     events = EventLog(str(tmp_path / "events.jsonl"))
     ledger = RunLedger(events)
+    events.emit("run_started", run_id="r", slices=2, stages=2, devices_per_slice=1, microbatches=2, steps=10)
     snaps = Snapshotting(group, Opts(), events, ledger)
     placement = Placement(epoch=1, active=("w0", "w1", "w2", "w3"), spares=("w4",), stages=2)
     assert snaps.order_for(1, 10, placement, shadows=0) == {"w1": "w4", "w3": "w4"}
