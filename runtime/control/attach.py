@@ -53,9 +53,14 @@ def can_attach(state) -> bool:
     return state.placement is not None and bool(state.replicas) and state.committed < state.steps
 
 
-def _attached(reply, info) -> dict:
+def _attached(reply, info, stage: int | None) -> dict:
     """How ``client_attached`` records a worker that answered: as it answered, or a slice of several hosts as
-    the log knows it (its hosts keep their processes and addresses: it answered as all of them)."""
+    the log knows it (its hosts keep their processes and addresses: it answered as all of them); a pipelined
+    run's with the stage it is of."""
+    return {**_answered(reply, info), **({"stage": stage} if stage is not None else {})}
+
+
+def _answered(reply, info) -> dict:
     if info.hosts:
         return {"address": info.address, "data_address": info.data_address, "devices": reply.num_devices,
                 "platform": reply.platform, "pid": info.hosts[0].pid, "host": info.host,
@@ -75,11 +80,12 @@ def attach(ctl, downtime_seconds: float, previous_pid: int | None = None, *, fir
     known = {w: info for w, info in s.registered.items()
              if w not in s.dead and w not in s.left and not (rl and s.role_of(w) == SAMPLER)}
     pipelined = s.placement is not None and s.placement.stages > 1
-    replies = group.attach(known, s.registered, dict(s.placement.stage_of) if pipelined else None,
-                           placed=s.placement.members)
+    stages = dict(s.placement.stage_of) if pipelined else None
+    replies = group.attach(known, s.registered, stages, placed=s.placement.members)
     ctl.events.emit("client_attached", run_id=ctl.run_id, generation=o.generation, steps=ctl.attempt.steps or s.steps,
                     controller=ctl.address, previous_pid=previous_pid,
-                    workers={w: _attached(r, known[w]) for w, r in sorted(replies.items())},
+                    workers={w: _attached(r, known[w], group.stage_answered(w, r, stages))
+                             for w, r in sorted(replies.items())},
                     lost=sorted(set(known) - set(replies)), committed=s.committed,
                     downtime_seconds=max(downtime_seconds, 0.0))
     if first:

@@ -180,7 +180,8 @@ class RunState:
     left: frozenset[str] = frozenset()           # workers the run let go alive (given back to a pool, a straggler
     #                                            sent home): no member any more, never attached again
     # A pipelined run: the stage each worker's programs are for ({worker: stage}, from programs_loaded,
-    # stage_loaded and a stage's shadow_synced); a backup it reports is of that stage.
+    # worker_warmed, stage_loaded, a stage's shadow_synced and client_attached); a backup it reports is of that
+    # stage. The one record of it: the group and checkpointing read it here.
     stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
     # An RL run's weights versions (runtime.control.sampling): the versions each live trainer and sampler holds for
     # others to pull ({worker: versions, ascending}; its newest, as its outbox keeps them), and the version each
@@ -358,7 +359,8 @@ def _client_attached(s: RunState, e) -> RunState:
     answered it registered anew (their addresses), those that did not are dead (their own events say so)."""
     for w, i in e["workers"].items():
         s = _member(s, w, info=_worker_info(w, i))
-    return _replace(s, steps=e["steps"], generation=e["generation"],
+    answered = {w: i["stage"] for w, i in e["workers"].items() if i.get("stage") is not None}
+    return _replace(s, steps=e["steps"], generation=e["generation"], stages={**s.stages, **answered},
                     dead={w: why for w, why in s.dead.items() if w not in e["workers"]})
 
 
@@ -577,6 +579,12 @@ def _programs_loaded(s: RunState, e) -> RunState:
     return _replace(s, stages={**s.stages, **e["stages"]}) if e.get("stages") else s
 
 
+def _warmed(s: RunState, e) -> RunState:
+    """A newcomer loaded its programs (a pipelined run's spare: stage 0's)."""
+    s = _loaded("worker")(s, e)
+    return _replace(s, stages={**s.stages, e["worker"]: e["stage"]}) if "stage" in e else s
+
+
 def _stage_loaded(s: RunState, e) -> RunState:
     return _replace(s, stages={**s.stages, e["worker"]: e["stage"]})
 
@@ -590,6 +598,7 @@ def _stage_shadowed(s: RunState, e) -> RunState:
 _FOLDS.update({
     "programs_loaded": _programs_loaded,
     "stage_loaded": _stage_loaded,
+    "worker_warmed": _warmed,
     "shadow_synced": _stage_shadowed,
 })
 

@@ -60,7 +60,6 @@ class WorkerCalls:
         self._inflight: dict[str, list[grpc.Future]] = {}
         self._side_calls: dict[str, list[grpc.Future]] = {}   # an RL sampler's calls (start_call), by worker
         self._lock = threading.Lock()
-        self.loaded_stage: dict[str, int] = {}   # a pipelined run: the stage whose programs each worker loaded
         # Steps go on one stream per worker: on its data plane where it serves one (the run secret's handshake).
         dialer = DataClient(secret, opts.tls)
         self._streams = StepStreams(opts.rpc_timeout_seconds, heard=heard,
@@ -220,14 +219,13 @@ class WorkerCalls:
 
     def start_load(self, worker_id: str) -> grpc.Future:
         """The Load call to one worker (a newcomer warming: a spare), without waiting and not tracked in flight."""
-        if self.pipelined:
-            self.loaded_stage[worker_id] = 0
         return self._stubs[worker_id].Load.future(self._load_request(spare=True), timeout=self.opts.rpc_timeout_seconds)
 
     def load(self, workers, spares=(), stages: dict[str, int] | None = None) -> dict[str, LoadResult]:
         """Ships programs and the data source to ``workers``; each compiles them and probes its devices.
         Those in ``spares`` start as spares (:meth:`_load_request`); in a pipelined run each worker gets the
-        programs of its stage in ``stages`` (a spare not in it: stage 0's), recorded in ``loaded_stage``.
+        programs of its stage in ``stages`` (a spare not in it: stage 0's; the caller records which, in an event
+        the run state folds).
 
         Returns the workers that loaded. One that fails (or dies: its call is
         cancelled when it is declared dead) is declared dead and left out.
@@ -246,7 +244,6 @@ class WorkerCalls:
             kinds = {key: self._load_request(spare=key[1], stage=key[0])
                      for key in {(stage_of[w], w in spares) for w in workers}}
             requests = {w: kinds[stage_of[w], w in spares] for w in workers}
-            self.loaded_stage.update(stage_of)
         else:   # one request of each kind, shared (the programs' bytes are not copied per worker)
             kinds = {False: self._load_request(), True: self._load_request(spare=True)}
             requests = {w: kinds[w in spares] for w in workers}
@@ -305,8 +302,6 @@ class WorkerCalls:
         (:class:`runtime.control.evaluation.EvalOrder`: the eval microbatches of each rank), or None. ``feed``:
         an RL run's batches and weights to publish (:class:`runtime.control.sampling.Feed`), or None.
         """
-        if plan.stages > 1:   # each shadow shadows the stage its programs are for
-            shadows = {w: self.loaded_stage.get(w, 0) for w in shadows}
         requests = step_requests(self._fence(), plan, self._addresses, checkpoints, shadows, snapshots,
                                  self.opts.pipeline_schedule, evals, feed)
         futs = {}

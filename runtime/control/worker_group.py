@@ -245,8 +245,6 @@ class WorkerGroup:
                                      "client died (the model, or a config key they depend on): run the same "
                                      "command again, or start afresh with another run_name") from None
         for w, r in replies.items():
-            if per_stage and r.fingerprint in per_stage:
-                self.calls.loaded_stage[w] = (stages or {}).get(w, per_stage.index(r.fingerprint))
             # A slice of several hosts answered as all of them: its hosts are the log's (same processes).
             info = known[w] if known[w].hosts else WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid,
                                                                r.data_address, r.host)
@@ -438,7 +436,8 @@ class WorkerGroup:
                 continue
             self.events.emit("device_probe", worker=wid, ok=True, devices=reply.devices_probed,
                              seconds=reply.probe_seconds)
-            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds)
+            self.events.emit("worker_warmed", worker=wid, compile_seconds=reply.compile_seconds,
+                             **({"stage": 0} if self.calls.pipelined else {}))   # a spare warms with stage 0's
             warmed.append(wid)
         return warmed
 
@@ -638,9 +637,21 @@ class WorkerGroup:
         ``stages``, each gets its pipeline stage's programs); see :meth:`WorkerCalls.load`."""
         return self.calls.load(workers, spares, stages)
 
+    def stage_answered(self, worker_id: str, reply, stages: Mapping[str, int] | None) -> int | None:
+        """A pipelined run's worker that answered :meth:`attach`: the stage it is of, the one ``stages`` gives it
+        (its slice's), else the one whose programs it answers it runs (a spare); None when unpipelined (the
+        caller records it: ``client_attached``)."""
+        if not self.programs.pipelined:
+            return None
+        per_stage = [programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
+        if worker_id in (stages or {}):
+            return stages[worker_id]
+        return per_stage.index(reply.fingerprint) if reply.fingerprint in per_stage else None
+
     def loaded_stage(self, worker_id: str) -> int | None:
-        """The pipeline stage whose programs ``worker_id`` loaded (None: an unpipelined run, or not loaded)."""
-        return self.calls.loaded_stage.get(worker_id)
+        """The pipeline stage whose programs ``worker_id`` loaded (None: an unpipelined run, or not loaded): the
+        run state's (``RunState.stages``, folded from the events that say so)."""
+        return self.ledger.state.stages.get(worker_id)
 
     def init(self, workers, seed: int) -> dict[str, int]:
         """Each worker initializes its replica from ``seed``; see :meth:`WorkerCalls.init`."""
@@ -707,7 +718,10 @@ class WorkerGroup:
     def dispatch(self, plan: StepPlan, checkpoints: Mapping[str, tuple[str, list[float]]] | None = None,
                  shadows=(), snapshots: Mapping[str, str | None] | None = None, evals=None,
                  feed=None) -> dict[str, grpc.Future]:
-        """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch`."""
+        """Sends step ``plan.step`` to its workers without waiting; see :meth:`WorkerCalls.dispatch` (a pipelined
+        run's shadows each shadow the stage its programs are for)."""
+        if plan.stages > 1:
+            shadows = {w: self.loaded_stage(w) or 0 for w in shadows}
         return self.calls.dispatch(plan, checkpoints, shadows, snapshots, evals, feed)
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:

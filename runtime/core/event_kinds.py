@@ -289,7 +289,8 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("register_refused", "a registration was refused", {**_W, "rejoin": BOOL, "reason": TEXT}),
     EventKind("device_probe", "a worker's devices were probed",
               {**_W, "ok": BOOL, "devices": COUNT, "seconds": FINITE}, {"error": TEXT}),
-    EventKind("worker_warmed", "a newcomer compiled the programs", {**_W, "compile_seconds": FINITE}),
+    EventKind("worker_warmed", "a newcomer compiled the programs (a pipelined run's: stage 0's)",
+              {**_W, "compile_seconds": FINITE}, {"stage": COUNT}),
     EventKind("worker_suspect", "a worker went silent", {**_W, "silent_seconds": NUMBER}),
     EventKind("worker_fenced", "a member fenced itself (its client was silent past its lease) and waits: the client "
               "takes it back (a new generation)", {**_W, "reason": TEXT}),

@@ -387,6 +387,9 @@ class FakeGroup:
     def loaded_stage(self, worker_id):
         return self.stages.get(worker_id)
 
+    def stage_answered(self, worker_id, reply, stages):
+        return (stages or {}).get(worker_id, self.stages.get(worker_id))
+
     def init(self, workers, seed):
         ok = self._each("init", workers)
         for w in ok:
