@@ -52,7 +52,7 @@ from runtime.core.errors import (CapacityExhaustedError, ClientSupersededError, 
 from runtime.control.evaluation import Evaluations
 from runtime.core.events import EventLog
 from runtime.control.plan import (Action, Plan, Wait, decide_launch, membership_change_due, plan_grow, plan_recovery,
-                                  plan_release, plan_start, plan_swap)
+                                  plan_release, plan_sampler_loss, plan_start, plan_swap)
 from runtime.control.plan_executor import Done, PlanExecutor, failed
 from runtime.control.placement import StepPlan, plan_step
 from runtime.core.programs import ProgramSet, SamplerPrograms
@@ -365,7 +365,7 @@ class Controller:
             if death.worker not in self.dead:   # answered an Attach since: alive after all
                 continue
             if self.sampling is not None and self.state.role_of(death.worker) == SAMPLER:
-                self.sampling.lost(death.worker)
+                self._sampler_lost(death.worker)
                 continue
             if death.worker in self.placement.active:
                 raise WorkerLostError(death.worker, death.reason)
@@ -418,9 +418,25 @@ class Controller:
             self._trainers_seen = self.placement.active
         self.sampling.pump(s.committed, s.steps, self.dead)
         if self.sampling.starved(self.dead):
-            last = f"; the last failure: {self.sampling.last_error}" if self.sampling.last_error else ""
-            raise CapacityExhaustedError("every sampler is lost and none can be launched in its place "
-                                         f"(elastic_max_retries={self.opts.max_retries} relaunches used){last}")
+            raise self._no_sampler()
+
+    def _sampler_lost(self, worker: str) -> None:
+        """An RL run's sampler was lost: the one planner decides (:func:`~runtime.control.plan.plan_sampler_loss`:
+        its rollouts to the others, a fresh one in its place, or the end), the decision is recorded
+        (``sampler_lost``), then carried out; the trainers' step goes on."""
+        plan = plan_sampler_loss(self.state, self.opts, worker)
+        self.events.emit("sampler_lost", worker=worker, action=plan.action.value, reason=plan.reason,
+                         relaunched=bool(plan.launches))
+        self.sampling.forget(worker)
+        if plan.action is Action.FAIL:
+            raise self._no_sampler()
+        for launch in plan.launches:
+            self.group.relaunch(launch)
+
+    def _no_sampler(self) -> CapacityExhaustedError:
+        last = f"; the last failure: {self.sampling.last_error}" if self.sampling.last_error else ""
+        return CapacityExhaustedError("every sampler is lost and none can be launched in its place "
+                                      f"(elastic_max_retries={self.opts.max_retries} relaunches used){last}")
 
     def _dispatch(self, plan: StepPlan) -> None:
         shadows = self.shadows.feeding(self.state)

@@ -17,7 +17,11 @@ entry points, one per moment a run's membership can change:
   the pipeline stages to load, the backup to restore and who loads it, the
   dead to relaunch now or after the next commit, the tier and the reason;
 - :func:`plan_grow` and :func:`plan_swap`: at a step boundary, spares are
-  promoted, or a straggler's slice moves onto one.
+  promoted, or a straggler's slice moves onto one;
+- :func:`plan_sampler_loss`: an RL run's sampler was lost. Its rollouts go
+  to the samplers left (``REASSIGN``: the trainers' placement stays, no step
+  is stopped) and a fresh one is launched in its place by the one launch rule
+  (:func:`decide_launch`), or the run ends when no sampler is left or coming.
 
 A plan that cannot be carried out as it stands (a snapshot that does not
 read, a pipeline stage's programs that must be loaded before its snapshots
@@ -46,7 +50,7 @@ from runtime.control.tiers import Holding, TierChoice, choose_source, stage_snap
 
 __all__ = ["Action", "Copy", "Failure", "Launch", "decide_launch", "launches_for", "Plan", "Restore", "Survey", "Wait", "capacity_timed_out",
            "decide_grow", "decide_recovery", "decide_release", "decide_swap", "membership_change_due", "plan_grow", "realign",
-           "plan_recovery", "plan_release", "plan_start", "plan_swap"]
+           "plan_recovery", "plan_release", "plan_sampler_loss", "plan_start", "plan_swap"]
 
 
 class Action(enum.Enum):
@@ -62,6 +66,7 @@ class Action(enum.Enum):
     SWAP = "swap"         # at a boundary: a straggler's slice moved onto a spare
     KEEP = "keep"         # at a boundary: nothing changes (the reason says why)
     RELEASE = "release"   # at a boundary: slices given back (a shared pool asked for them): spares, then the run shrinks
+    REASSIGN = "reassign" # an RL run's sampler lost: its rollouts go to the other samplers, the trainers go on
 
 
 class Failure(enum.Enum):
@@ -220,6 +225,26 @@ class Plan:
     def relaunch_later(self) -> tuple[str, ...]:
         """The dead replaced by a process started after the next commit."""
         return tuple(x.replaces for x in self.launches if x.later)
+
+
+# -- a sampler lost ---------------------------------------------------------------
+
+
+def plan_sampler_loss(state, opts, lost: str) -> Plan:
+    """An RL run's sampler ``lost`` was declared dead (the run state holds it so): ``REASSIGN``, its
+    microbatches to the samplers left, a fresh sampler launched in its place when :func:`decide_launch` says
+    so; ``FAIL`` (capacity) when no sampler is left, loading or launched. The trainers' placement is not
+    touched: the step in flight goes on. Pure."""
+    launches = launches_for(state, opts, [lost])
+    left = [w for w in state.of_role(SAMPLER) if w != lost]   # (the dead are no members: of_role skips them)
+    if not left and not launches:
+        why = ("no sampler is left and none is relaunched" + (f" (max_retries={opts.max_retries} used)"
+                                                            if opts.relaunch and opts.launcher != "none" else ""))
+        return Plan(Action.FAIL, state.placement, why, failure=Failure.CAPACITY, limit="max_retries",
+                    retired=(lost,))
+    reason = (f"sampler {lost} lost: its rollouts go to " + (", ".join(left) if left else "its replacement")
+              + (f"; a fresh sampler replaces it" if launches else ""))
+    return Plan(Action.REASSIGN, state.placement, reason, retired=(lost,), launches=launches)
 
 
 # -- the first placement --------------------------------------------------------

@@ -52,7 +52,6 @@ import numpy as np
 
 from runtime._proto import elastic_pb2 as pb
 from runtime.control.calls import wait_any
-from runtime.control.plan import decide_launch
 from runtime.control.run_state import SAMPLER
 from runtime.core.errors import CapacityExhaustedError, StateLostError
 from runtime.core.fingerprint import programs_fingerprint
@@ -303,15 +302,14 @@ class Sampling:
                          trainers=sorted(workers), rollout_seconds=self.step_seconds.pop(step, 0.0),
                          rollout_bytes=sum(b.ByteSize() for b in batches.values()), **reward)
 
-    def lost(self, worker: str) -> None:
-        """Sampler ``worker`` was declared dead: its unanswered microbatches go to the others; a fresh process is
-        launched in its place when the run's one rule says so (:func:`runtime.control.plan.decide_launch`: within
-        ``max_retries`` relaunches of samplers)."""
+    def forget(self, worker: str) -> None:
+        """Sampler ``worker`` was lost: its call in flight is dropped, so its unanswered microbatches go to the
+        others at the next :meth:`pump` (what else follows is the planner's:
+        :func:`runtime.control.plan.plan_sampler_loss`)."""
         self.calls.pop(worker, None)
         self.resync.discard(worker)
-        launch = decide_launch(self.ledger.state, self.opts, worker)
-        if launch is not None:
-            self.group.relaunch(launch)
+        self.failed.pop(worker, None)
+        self._retry_at.pop(worker, None)
 
     def trainers_changed(self, trainers) -> None:
         """The trainers changed (a recovery, a restarted client's first turn): the ones now active publish the

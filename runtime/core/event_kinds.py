@@ -167,6 +167,9 @@ EVENT_KINDS: Mapping[str, EventKind] = _kinds(
     EventKind("samplers_attached", "a restarted client took over the samplers that answered, and launched the rest",
               {"workers": NAMES, "launched": NAMES}),
     EventKind("sampler_joined", "a sampler launched in a lost one's place loaded its program", {"worker": TEXT}),
+    EventKind("sampler_lost", "the planner's decision for a lost sampler (runtime.control.plan.plan_sampler_loss): "
+              "its rollouts to the others and a fresh one in its place (reassign), or the end (fail)",
+              {"worker": TEXT, "action": TEXT, "reason": TEXT, "relaunched": BOOL}),
     EventKind("sampler_relaunched", "a fresh sampler process was launched in a lost one's place (older logs: "
               "``worker_relaunched`` with ``role`` sampler now)",
               {"replaces": TEXT, "worker": TEXT}),

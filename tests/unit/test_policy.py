@@ -250,6 +250,24 @@ def test_launches_of_one_plan_count_each_other_against_the_budget():
     assert got == (Launch("w0", "trainer", "h0", True), Launch("w1", "trainer", "h1", True))
 
 
+def test_a_lost_sampler_is_a_plan_of_the_one_planner():
+    """Its rollouts to the samplers left, the trainers' placement untouched, a fresh sampler by the one launch
+    rule; the end only when no sampler is left or coming."""
+    from runtime.control.plan import Failure, plan_sampler_loss
+
+    o = types.SimpleNamespace(relaunch=True, launcher="local", max_retries=2)
+    dead = _launch_log().apply({"kind": "worker_dead", "worker": "s3", "reason": "killed"})
+    plan = plan_sampler_loss(dead, o, "s3")
+    assert (plan.action, plan.retired, plan.launches) == (Action.REASSIGN, ("s3",), (Launch("s3", "sampler", ""),))
+    assert plan.placement is dead.placement and "s4" in plan.reason
+    spent = _launch_log(("s3", "s5", "sampler"), ("s5", "s6", "sampler"))   # the samplers' relaunches used up
+    last = spent.apply({"kind": "worker_dead", "worker": "s4", "reason": "killed"})
+    assert plan_sampler_loss(last, o, "s4").action is Action.REASSIGN, "s6 serves still"
+    none = last.apply({"kind": "worker_dead", "worker": "s6", "reason": "killed"})
+    failed = plan_sampler_loss(none, o, "s6")
+    assert (failed.action, failed.failure, failed.launches) == (Action.FAIL, Failure.CAPACITY, ())
+
+
 def _workers(*devices):
     return [WorkerInfo(f"w{i}", f"h:{i}", d) for i, d in enumerate(devices)]
 

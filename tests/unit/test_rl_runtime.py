@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from runtime._proto import elastic_pb2 as pb
+from runtime.control.plan import Action, Failure, plan_sampler_loss
 from runtime.control.run_state import RunState
 from runtime.control.sampling import Sampling, split, weights_version
 from runtime.core.event_kinds import check_event
@@ -232,7 +233,11 @@ def test_a_lost_samplers_microbatches_go_to_the_others_and_a_fresh_one_is_launch
     _answer_rollouts(group, only={"s10"})   # s11 dies before it answers microbatches 2 and 3
     for w, r, f in group.open("Rollout"):
         f.answer(error=grpc.FutureCancelledError())
-    sampling.lost("s11")
+    plan = plan_sampler_loss(events.state, sampling.opts, "s11")   # the planner's, as the controller asks it
+    assert plan.action is Action.REASSIGN and plan.retired == ("s11",) and plan.placement is events.state.placement
+    assert [(x.replaces, x.role, x.host) for x in plan.launches] == [("s11", "sampler", "")]
+    sampling.forget("s11")
+    group.relaunch(plan.launches[0])
     dead = {"s11": "killed"}
     sampling.pump(committed=0, steps=2, dead=dead)
     assert [(w, r["microbatches"]) for w, r, _ in group.open("Rollout")] == [("s10", [2, 3])]
@@ -262,9 +267,11 @@ def test_a_step_commits_its_rewards_and_version_once():
 
 
 def test_with_every_sampler_lost_and_none_on_the_way_the_run_is_starved():
-    sampling, group, _ = _sampling(samplers=1)
+    sampling, group, events = _sampling(samplers=1)
     sampling.opts.relaunch = False
-    sampling.lost("s10")
+    plan = plan_sampler_loss(events.state, sampling.opts, "s10")
+    assert plan.action is Action.FAIL and plan.failure is Failure.CAPACITY and not plan.launches
+    sampling.forget("s10")
     assert sampling.starved({"s10": "killed"})
 
 
