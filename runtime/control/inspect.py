@@ -68,7 +68,7 @@ class Inspector(pb_grpc.InspectorServicer):
 def _host_ids(group, worker_id: str) -> list[str]:
     """The ids the health monitor watches ``worker_id`` by: each host of its slice's, or its own."""
     info = group.registry.workers.get(worker_id)
-    return [h.worker_id for h in info.hosts] if info is not None and info.hosts else [worker_id]
+    return [h.worker_id for h in info.slice_hosts] if info is not None else [worker_id]
 
 
 def inspect_run(address: str, secret: str, *, stacks: bool = False, timeout: float = DEFAULT_SECONDS,

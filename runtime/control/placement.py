@@ -49,6 +49,11 @@ class WorkerInfo:
     host: str = ""           # the host it runs on (where its in-memory snapshots live)
     hosts: tuple = ()        # a slice of several hosts: each host's WorkerInfo, in host order
 
+    @property
+    def slice_hosts(self) -> tuple:
+        """Every host of the slice, in host order: each host's ``WorkerInfo`` (a slice of one host: itself)."""
+        return self.hosts or (self,)
+
     def host_records(self) -> list[dict]:
         """How the event log records a slice's hosts (``worker_registered``, ``client_attached``: ``hosts``), in
         host order; ``run_state`` reads them back. Empty for a slice of one host."""

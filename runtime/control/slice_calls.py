@@ -6,7 +6,8 @@ call of the run (load the programs, initialize, a step, abort, pull a state,
 a digest) is made to each of its hosts with the same request, and they
 answer together. :class:`SliceStub` has a ``WorkerStub``'s interface
 (``stub.Method(request, timeout=...)`` and ``stub.Method.future(...)``) over
-the H hosts' stubs; :class:`SliceFuture` is the ``grpc.Future`` of one call
+the H hosts' stubs, and is every slice's stub, a slice of one host's too
+(its calls are that host's own, unwrapped); :class:`SliceFuture` is the ``grpc.Future`` of one call
 to them all. It fails as soon as one host's call fails (the others may be
 stuck in a collective with the failed one: waiting for them would wait for
 gloo's or NCCL's timeout), and it succeeds once every host answered, with
@@ -20,7 +21,7 @@ import grpc
 from runtime.control.settled import SettledFuture
 from runtime.state.state_copy import slice_digest
 
-__all__ = ["SliceFuture", "SliceStub", "merge_replies"]
+__all__ = ["SliceFuture", "SliceStub", "merge_replies", "slice_future"]
 
 #: Reply fields that are each host's part of the slice's: summed.
 _SUMMED = {"bytes", "state_bytes", "devices_probed", "bytes_sent", "rss_bytes"}
@@ -118,21 +119,29 @@ class _Unmerged(grpc.RpcError):
         return self._details
 
 
+def slice_future(futures: list[grpc.Future]) -> grpc.Future:
+    """One call to a slice's hosts as one future: a slice of one host's is its host's own."""
+    return futures[0] if len(futures) == 1 else SliceFuture(futures)
+
+
 class _FanOut:
     """One method of a :class:`SliceStub`: called (blocking) or ``.future(...)``, on every host at once."""
 
     def __init__(self, methods: list):
         self._methods = methods
 
-    def future(self, request, timeout: float | None = None, **kwargs) -> SliceFuture:
-        return SliceFuture([m.future(request, timeout=timeout, **kwargs) for m in self._methods])
+    def future(self, request, timeout: float | None = None, **kwargs) -> grpc.Future:
+        return slice_future([m.future(request, timeout=timeout, **kwargs) for m in self._methods])
 
     def __call__(self, request, timeout: float | None = None, **kwargs):
+        if len(self._methods) == 1:   # a slice of one host: its own call (its errors as they are)
+            return self._methods[0](request, timeout=timeout, **kwargs)
         return self.future(request, timeout=timeout, **kwargs).result()
 
 
 class SliceStub:
-    """A ``WorkerStub`` of a whole slice: ``stub.Method`` calls ``Method`` on each host's stub (in host order)."""
+    """A ``WorkerStub`` of a whole slice: ``stub.Method`` calls ``Method`` on each host's stub (in host order);
+    ``hosts``: those stubs (one for a slice of one host)."""
 
     def __init__(self, stubs: list):
         if not stubs:

@@ -26,7 +26,7 @@ from runtime._proto import elastic_pb2_grpc as pb_grpc
 from runtime.control.calls import (LoadResult, Stalled, StepResult, WorkerStatus, collect, gather, load_request,
                                    load_result, step_outcomes, step_requests, step_result, wait_until, worker_status)
 from runtime.control.placement import StepPlan
-from runtime.control.slice_calls import SliceFuture, SliceStub
+from runtime.control.slice_calls import SliceStub, slice_future
 from runtime.core.hosts import host_addresses, host_id
 from runtime.core.programs import ProgramSet, SamplerPrograms
 from runtime.control.registry import Registry
@@ -70,8 +70,7 @@ class WorkerCalls:
     def adopt(self, worker_id: str, channels: list[grpc.Channel]) -> None:
         """Later calls reach ``worker_id`` over ``channels``, one per host of its slice (in host order): a slice
         of several hosts is called on all of them at once (:class:`~runtime.control.slice_calls.SliceStub`)."""
-        stubs = [pb_grpc.WorkerStub(ch) for ch in channels]
-        self._stubs[worker_id] = stubs[0] if len(stubs) == 1 else SliceStub(stubs)
+        self._stubs[worker_id] = SliceStub([pb_grpc.WorkerStub(ch) for ch in channels])
 
     def reaches(self, worker_id: str) -> bool:
         """``worker_id`` was adopted."""
@@ -96,7 +95,7 @@ class WorkerCalls:
     def _host_ids(self, worker_id: str) -> list[str]:
         """The ids of ``worker_id``'s hosts (its own, for a slice of one): their step streams' keys."""
         stub = self._stubs.get(worker_id)
-        hosts = len(stub.hosts) if isinstance(stub, SliceStub) else 1
+        hosts = len(stub.hosts) if stub is not None else 1
         return [host_id(worker_id, k, hosts) for k in range(hosts)]
 
     def close(self) -> None:
@@ -107,7 +106,7 @@ class WorkerCalls:
         """The Shutdown call (best effort: a worker that does not answer is fenced either way), to each host of
         a slice of several on its own (one lost host must not keep the others from hearing it)."""
         stub = self._stubs[worker_id]
-        for host in stub.hosts if isinstance(stub, SliceStub) else [stub]:
+        for host in stub.hosts:
             try:
                 host.Shutdown(pb.ShutdownRequest(fence=self._fence(), run_ended=run_ended), timeout=2.0)
             except grpc.RpcError:
@@ -173,7 +172,7 @@ class WorkerCalls:
         calls = {}
         for w in workers:
             stub = self._stubs.get(w)
-            hosts = stub.hosts if isinstance(stub, SliceStub) else [stub] if stub is not None else []
+            hosts = stub.hosts if stub is not None else []
             names = [host_id(w, k, len(hosts)) for k in range(len(hosts))]
             calls[w] = [(name, None if name in silent else h.Stacks.future(pb.StacksRequest(), timeout=timeout))
                         for name, h in zip(names, hosts)]
@@ -317,11 +316,9 @@ class WorkerCalls:
             futs[w] = self._streams.cancelled(req)
             return
         stub, data = self._stubs[w], self._data_address(w)
-        if isinstance(stub, SliceStub):   # each host on its own stream; the slice's step is all of theirs
-            futs[w] = SliceFuture([self._streams.send(h, s, req, a) for h, s, a in
-                                   zip(self._host_ids(w), stub.hosts, host_addresses(data) or [""] * len(stub.hosts))])
-        else:
-            futs[w] = self._streams.send(w, stub, req, data)
+        # each host on its own stream; the slice's step is all of theirs
+        futs[w] = slice_future([self._streams.send(h, s, req, a) for h, s, a in
+                                zip(self._host_ids(w), stub.hosts, host_addresses(data) or [""] * len(stub.hosts))])
         self._inflight.setdefault(w, []).append(futs[w])
 
     def poll(self, futs: dict[str, grpc.Future], deadline: float | None = None) -> dict[str, StepResult | Exception]:
@@ -464,7 +461,7 @@ class WorkerCalls:
                      phase: str = "", after_step: int = 0, host: int | None = None) -> None:
         """A chaos fault on ``worker_id`` (``host``: on that host of its slice alone; None: on every host)."""
         stub = self._stubs[worker_id]
-        if host is not None and isinstance(stub, SliceStub):
+        if host is not None:
             stub = stub.hosts[host]
         try:
             stub.Chaos(pb.ChaosRequest(action=action, factor=factor or 0.0, seconds=seconds or 0.0, phase=phase,

@@ -190,11 +190,11 @@ class WorkerGroup:
 
     def _channels_of(self, w: WorkerInfo) -> list[grpc.Channel]:
         """One channel to each host of ``w``'s slice, in host order (one for a slice of one host)."""
-        return [self._channel(h.address) for h in (w.hosts or (w,))]
+        return [self._channel(h.address) for h in w.slice_hosts]
 
     def _watch(self, w: WorkerInfo) -> None:
         """The health monitor watches each host of ``w``'s slice (by its host id)."""
-        for h in w.hosts or (w,):
+        for h in w.slice_hosts:
             self.monitor.watch(h.worker_id, h.address)
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -251,7 +251,7 @@ class WorkerGroup:
             self.fenced.discard(w)   # alive, a member again (client_attached, written next, takes it off the dead)
             self.registry.add(info)
             self._watch(info)
-            self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else r.pid)
+            self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else info.pid)
             if placed is not None and w not in placed:
                 self._warming[w] = self.calls.start_load(w)
         return replies
@@ -472,7 +472,7 @@ class WorkerGroup:
         """
         worker_id, host = slice_of_host(worker_id)
         info = self.registry.workers.get(worker_id)
-        hosts = len(info.hosts) if info is not None and info.hosts else 1
+        hosts = len(info.slice_hosts) if info is not None else 1
         if cause == "fenced" and self._may_take_back(worker_id):
             # Alive, holding its state, waiting for a client: not a death; this client takes it back.
             if worker_id not in self.fenced:
@@ -533,8 +533,8 @@ class WorkerGroup:
     def forget(self, worker_id: str) -> None:
         """Stops watching a worker that left the placement (dead or sent home): each host of its slice."""
         info = self.registry.workers.get(worker_id)
-        for h in (info.hosts if info is not None and info.hosts else ()) or (worker_id,):
-            self.monitor.unwatch(h if isinstance(h, str) else h.worker_id)
+        for h in [h.worker_id for h in info.slice_hosts] if info is not None else [worker_id]:
+            self.monitor.unwatch(h)
 
     def release_due(self) -> int:
         """How many workers a shared pool asked back (a run of a higher priority needs them); 0 off a pool."""
@@ -745,12 +745,12 @@ class WorkerGroup:
     def pid(self, worker_id: str, host: int = 0) -> int:
         """The process of ``worker_id`` (of host ``host`` of its slice)."""
         info = self.registry.workers[worker_id]
-        return info.hosts[host].pid if info.hosts else info.pid
+        return info.slice_hosts[host].pid
 
     def hosts_of(self, worker_id: str) -> int:
         """How many hosts ``worker_id``'s slice has."""
         info = self.registry.workers.get(worker_id)
-        return len(info.hosts) if info is not None and info.hosts else 1
+        return len(info.slice_hosts) if info is not None else 1
 
     def inject_fault(self, worker_id: str, action: str, *, factor: float = 0.0, seconds: float = 0.0,
                      phase: str = "", after_step: int = 0, host: int | None = None) -> None:
