@@ -20,7 +20,7 @@ import sys
 
 from elastic.config import ConfigError
 from elastic.report import build_report, render_run
-from runtime import READ_ONLY_PROGRAMS, ElasticError, EventLog, ProgramSet, checkpoint_steps, read_events
+from runtime import READ_ONLY_PROGRAMS, ElasticError, EventLog, ProgramSet, attempts, checkpoint_steps, read_events
 
 _STAGE = re.compile(r"stage\d+")   # a pipeline stage's checkpoint directory, inside the run's
 EARLIER = "earlier"   # <run dir>/earlier/<n>: the records of a run this one did not continue, kept aside
@@ -73,16 +73,6 @@ def read_history(run_dir: pathlib.Path) -> list[dict]:
                           "'base_output_directory') or another run_name") from None
 
 
-def _attempts(events: list[dict]) -> list[list[dict]]:
-    """``events`` cut into attempts, each starting at its ``job_started`` (see ``attempts`` in docs/report.md)."""
-    out: list[list[dict]] = []
-    for e in events:
-        if not out or e.get("kind") == "job_started":
-            out.append([])
-        out[-1].append(e)
-    return out
-
-
 def _checkpoints_recorded(history: list[dict], directory: str, steps: int) -> list[tuple[int, int]]:
     """``(step, attempt index)`` of each ``checkpoint_saved`` in ``directory`` (or, for a pipelined run, in one
     of its ``stage<k>`` directories) at or before ``steps``; in a local directory only those still complete
@@ -100,7 +90,7 @@ def _checkpoints_recorded(history: list[dict], directory: str, steps: int) -> li
                 held[saved] = set()   # unreadable: nothing to resume from (the controller says why)
         return step in held[saved]
 
-    return [(e["step"], i) for i, attempt in enumerate(_attempts(history)) for e in attempt
+    return [(e["step"], i) for i, attempt in enumerate(attempts(history)) for e in attempt
             if e.get("kind") == "checkpoint_saved" and _within(e.get("directory"), directory)
             and isinstance(e.get("step"), int) and e["step"] <= steps and there(e["directory"], e["step"])]
 
@@ -122,7 +112,7 @@ def continues(history: list[dict], opts, steps: int) -> bool:
     a checkpoint an earlier attempt recorded (the controller resumes from it: a finished run extended)."""
     if not history:
         return False
-    last = _attempts(history)[-1]
+    last = attempts(history)[-1]
     started = next((e for e in last if e.get("kind") == "job_started"), {})
     if started.get("mode") == "distributed" and not any(e.get("kind") == "run_finished" for e in last):
         return True
@@ -135,7 +125,7 @@ def finished_already(history: list[dict], opts, steps: int) -> bool:
     once (no worker started, nothing written)."""
     if not history or not opts.checkpoint_directory:
         return False
-    last = _attempts(history)[-1]
+    last = attempts(history)[-1]
     done = next((e for e in last if e.get("kind") == "run_finished"), None)
     return (done is not None and done.get("steps_completed") == steps
             and any(step == steps for step, _ in _checkpoints_recorded(history, opts.checkpoint_directory, steps)))
@@ -145,10 +135,10 @@ def client_died(history: list[dict]) -> bool:
     """Whether the log's last attempt was a distributed one whose client died: it neither finished nor failed
     (a failed attempt sent its workers home; a dead client's may still wait for a new one). Attempts that
     were refused the re-attach (other programs: nothing changed on the workers) are passed over."""
-    attempts = [a for a in _attempts(history) if not _refused_attach(a)]
-    if not attempts:
+    kept = [a for a in attempts(history) if not _refused_attach(a)]
+    if not kept:
         return False
-    last = attempts[-1]
+    last = kept[-1]
     started = next((e for e in last if e.get("kind") == "job_started"), {})
     ended = ("run_finished", "run_failed", "run_stopped")   # a stopped attempt sent its workers home too
     return started.get("mode") == "distributed" and not any(e.get("kind") in ended for e in last)
@@ -176,7 +166,7 @@ def refuse_other_programs(history: list[dict], fingerprints: dict | None, progra
     if not saved:
         return
     step, index = max(saved)
-    writer = _attempts(history)[index]
+    writer = attempts(history)[index]
     recorded = next((e.get("fingerprints") for e in writer if e.get("kind") == "programs_built"), None)
     started = next((e for e in writer if e.get("kind") == "job_started"), {})
     run = next((e for e in writer if e.get("kind") == "run_started"), {})

@@ -29,7 +29,7 @@ from elastic.report.goodput import goodput
 from elastic.report.pipeline import pipeline_section
 from elastic.report.pool import pool_section
 from elastic.report.rl import rl_section, sampler_fault, samplers_of
-from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, RunState, read_events
+from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, read_events, transitions
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
 
@@ -211,19 +211,18 @@ def build_report(events_or_path) -> dict:
         "pool": None,
     }
     dead_at: dict[str, float] = {}   # worker -> when RunState first held it dead (s since start)
-    state = RunState()   # the run's facts (placement, deaths) are RunState's: the report reads its transitions
     step_seconds, latencies = [], []
     last_commit_t = None   # None after a failure: the interval that spans it is recovery, not a step
     t_first = events[0]["t"] if events else None
     attempt: dict | None = None   # the attempt the events belong to (see _new_attempt)
-    for e in events:
-        kind = e["kind"]
-        before, state = state, state.apply(e)
+    # The run's facts (placement, deaths, attempts) are RunState's: the report reads its transitions.
+    for t in transitions(events):
+        e, before, state, kind = t.event, t.before, t.after, t.event["kind"]
         for w in state.dead.keys() - before.dead.keys():
             dead_at[w] = e["t"] - t_first
         if state.placement is not before.placement and state.placement is not None:
             report["slices_at_end"] = len(state.placement.active)
-        if attempt is None or kind == "job_started":
+        if t.attempt == len(report["attempts"]):   # (a refused attach's attempt is one too)
             attempt = _new_attempt(report, e, t_first)
             last_commit_t = None
         attempt["ended_at"] = e["t"] - t_first

@@ -56,6 +56,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from runtime import attempts
+
 __all__ = ["BADPUT_LABELS", "LABELS", "goodput", "idle_gaps", "intervals"]
 
 #: Every badput label, in display order; ``goodput()["badput_seconds"]`` has exactly these keys.
@@ -227,8 +229,8 @@ def _merge(ivs: list[Interval]) -> list[Interval]:
 
 
 def _last_attempt(events: list[dict]) -> int:
-    """Index of the last attempt's first event: its ``job_started`` (0 when there is none but the first)."""
-    return max((i for i, e in enumerate(events) if e["kind"] == "job_started"), default=0)
+    """Index of the last attempt's first event (:func:`runtime.attempts`)."""
+    return len(events) - len(attempts(events)[-1]) if events else 0
 
 
 def _end_time(events: list[dict]) -> float:

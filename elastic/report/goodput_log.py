@@ -33,6 +33,7 @@ import json
 import pathlib
 
 from elastic.report.goodput import intervals
+from runtime import attempts
 
 __all__ = ["GOODPUT_LOG", "recorder_calls", "write_goodput_log"]
 
@@ -59,7 +60,7 @@ def recorder_calls(events: list[dict]) -> list[tuple[str, tuple]]:
     if first is not None:
         next_step, interrupted = 0, False
         calls.append(("record_step_start_time", (0, t0 + first)))
-        last = max((i for i, e in enumerate(events) if e["kind"] == "job_started"), default=0)
+        last = len(events) - len(attempts(events)[-1])   # the last attempt's first event
         for i, e in enumerate(events):
             kind = e["kind"]
             if kind == "run_finished" and i >= last:   # the last attempt's (an earlier one was extended later)

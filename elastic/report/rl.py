@@ -29,21 +29,15 @@ from __future__ import annotations
 
 import statistics
 
+from runtime import transitions
+
 __all__ = ["rl_section", "sampler_fault", "samplers_of"]
 
 
 def samplers_of(events: list[dict]) -> set[str]:
-    """Every worker that served the run as a sampler."""
-    out = set()
-    for e in events:
-        if e["kind"] == "samplers_started":
-            out.update(e["workers"])
-        elif e["kind"] == "samplers_attached":
-            out.update(e["workers"], e["launched"])
-        elif e["kind"] in ("sampler_relaunched", "sampler_joined") or (
-                e["kind"] in ("worker_launched", "worker_relaunched") and e.get("role") == "sampler"):
-            out.add(e["worker"])
-    return out
+    """Every worker that served the run as a sampler, in any attempt (the run state's members of that role)."""
+    return {w for t in transitions(events) if t.after.members is not t.before.members
+            for w, m in t.after.members.items() if m.role == "sampler"}
 
 
 def _sampler_relaunch(e: dict) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from runtime.core.hosts import host_id
@@ -39,7 +39,8 @@ from runtime.core.events import read_events
 from runtime.core.programs import SAMPLER_WEIGHTS_KEPT, TRAINER_WEIGHTS_KEPT
 from runtime.state.snapshot import KEEP as KEPT
 
-__all__ = ["Backup", "Member", "RunLedger", "RunState", "SAMPLER", "Series", "TRAINER", "replay_file"]
+__all__ = ["Backup", "Member", "RunLedger", "RunState", "SAMPLER", "Series", "TRAINER", "Transition", "attempts",
+           "replay_file", "transitions"]
 
 #: A member's role: a trainer slice (a cell of the placement grid, or a spare) or an RL run's sampler.
 TRAINER, SAMPLER = "trainer", "sampler"
@@ -626,6 +627,44 @@ class RunLedger:
     def close(self) -> None:
         """Stops folding (the client is done with the run)."""
         self._events.unsubscribe(self._fold)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """One event of a log with the run state just before and just after it, and the attempt it belongs to
+    (:func:`attempts`: 0 for the first)."""
+
+    event: Mapping[str, Any]
+    before: RunState
+    after: RunState
+    attempt: int
+
+
+def transitions(events: Iterable[Mapping[str, Any]]) -> Iterator[Transition]:
+    """The run's log as its run state's transitions, one per event, in order: what every reader of a log
+    (the report, the judge, ``elastic status``, the resume logic) folds from, so a fact has one reading."""
+    state, attempt = RunState(), -1
+    for e in events:
+        if _opens_attempt(attempt < 0, e):
+            attempt += 1
+        after = state.apply(e)
+        yield Transition(e, state, after, attempt)
+        state = after
+
+
+def attempts(events: Iterable[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """A run's log cut into its attempts (each ``elastic run`` of the run directory): each starts at its
+    ``job_started`` (the first at the log's first event). The one rule of where an attempt starts."""
+    out: list[list] = []
+    for e in events:
+        if _opens_attempt(not out, e):
+            out.append([])
+        out[-1].append(e)
+    return out
+
+
+def _opens_attempt(first: bool, e: Mapping[str, Any]) -> bool:
+    return first or e.get("kind") == "job_started"
 
 
 def replay_file(path) -> RunState:

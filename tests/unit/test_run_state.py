@@ -161,3 +161,15 @@ def test_a_pipelined_run_folds_each_workers_stage_and_its_backups_by_stage():
                          Backup("snapshot", 5, None, "nobody")}
     assert s.complete("snapshot") == {4}, "every stage holds step 4"
     assert s.checkpoints == () and s.complete("checkpoint", at_most=9) == set(), "stage 0 saved no checkpoint"
+
+
+def test_a_logs_transitions_are_its_run_states_one_per_event_and_its_attempts_cut_at_each_job_started():
+    from runtime import attempts, transitions
+
+    job = ev("job_started", mode="distributed", config={}, global_batch_size=2, microbatches=2)
+    log = [ev("programs_built", program_bytes=1, state_bytes=1)] + START + commit(0) + [job] + START + commit(0)
+    steps = list(transitions(log))
+    assert [t.event for t in steps] == log and all(a.after is b.before for a, b in zip(steps, steps[1:]))
+    assert steps[-1].after == RunState.replay(log) and steps[0].before == RunState()
+    assert [t.attempt for t in steps] == [0] * (len(log) - len(START) - 3) + [1] * (len(START) + 3)
+    assert [len(a) for a in attempts(log)] == [1 + len(START) + 2, 1 + len(START) + 2] and attempts([]) == []
