@@ -23,7 +23,7 @@ from integrations.maxtext.data_files import DataFiles, gcs_glob_regex  # noqa: E
 from integrations.maxtext.documents import Tokenizer  # noqa: E402
 from integrations.maxtext.text_data import index_cache_dir, source_for  # noqa: E402
 from tests.gcs_emulator import GcsEmulator, emulator_binary  # noqa: E402
-from tests.maxtext.test_maxtext_text_data import LLAMA2, QWEN3, TINY, Over  # noqa: E402
+from tests.maxtext.maxtext_assets import LLAMA2, QWEN3, TINY, Over  # noqa: E402
 from tests.maxtext.text_files import documents, upload, write_arrayrecord, write_parquet  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not emulator_binary(), reason="fake-gcs-server is not installed (the dev extra)")

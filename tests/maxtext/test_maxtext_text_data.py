@@ -1,7 +1,6 @@
 """integrations.maxtext.text_data: MaxText's grain and hf pipelines on real files, indexable by (step, microbatch)."""
 
 import dataclasses
-import pathlib
 import pickle
 import re
 
@@ -15,22 +14,8 @@ import elastic  # noqa: E402
 from integrations.maxtext import load_maxtext_config  # noqa: E402
 from integrations.maxtext.data import KEYS  # noqa: E402
 from integrations.maxtext.text_data import PackedIndex, TextSource, _packed, source_for  # noqa: E402
+from tests.maxtext.maxtext_assets import LENGTH, LLAMA2, QWEN3, TINY, Over  # noqa: E402
 from tests.maxtext.text_files import documents, write_arrayrecord, write_parquet  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ROOT / "integrations" / "maxtext" / "configs" / "tiny.yml"
-TOKENIZERS = pathlib.Path(__import__("maxtext").__file__).parent / "assets" / "tokenizers"
-LLAMA2 = TOKENIZERS / "tokenizer.llama2"   # sentencepiece, 32000 pieces, pad id -1 (MaxText pads with -1)
-QWEN3 = TOKENIZERS / "qwen3-tokenizer"     # a Hugging Face tokenizer directory
-LENGTH = 32                                # max_target_length of these tests
-class Over:
-    """MaxText's config with some keys changed (only read here), so most tests share one load of it."""
-
-    def __init__(self, mt, **keys):
-        self._mt, self._keys = mt, keys
-
-    def __getattr__(self, key):
-        return self._keys[key] if key in self._keys else getattr(self._mt, key)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The unit tests' one worker group: an in-process model of ``runtime.control.group.Group`` (what
 ``runtime.control.worker_group.WorkerGroup`` does over gRPC), so the controller's state machine and the modules it
-drives (checkpointing, snapshotting, shadows) are stepped without processes.
+drives (checkpointing, snapshotting, shadows, an RL run's sampling) are stepped without processes.
 
 Each fake worker holds a replica as a hash chain over the steps it applied,
 so two replicas agree exactly when they applied the same steps. A step's
@@ -152,7 +152,7 @@ class FakeGroup:
     client_host = ""
 
     def __init__(self, opts, events, faults: dict | None = None, devices: int = 2,
-                 hosts: dict[str, str] | None = None):
+                 hosts: dict[str, str] | None = None, first_worker: int = 0):
         self.opts, self.events, self.faults, self.devices = opts, events, dict(faults or {}), devices
         self.hosts = dict(hosts or {})     # worker -> its host (default: a host of its own)
         # In-memory snapshots (with ``snapshot_interval``): each host keeps the state histories it was given, by
@@ -177,7 +177,11 @@ class FakeGroup:
         self.calls: list[tuple] = []
         self.stages: dict[str, int] = {}   # the pipeline stage each worker loaded (loaded_stage)
         self._deaths: queue.Queue = queue.Queue()
-        self._launched = 0
+        self._launched = first_worker   # the next launch's number (w<n>, a sampler s<n>)
+        # An RL run's samplers: each call a sampler is asked to start, (worker, method, request fields, future);
+        # what trainers answer a PublishWeights (their version, and the versions they hold).
+        self.sent: list[tuple] = []
+        self.publish_version, self.held_versions = 0, ()
         # The run's state as the real group reads it (the controller's events folded): who is who, for the one
         # launch rule (runtime.control.plan.decide_launch).
         self.ledger = RunLedger(events) if hasattr(events, "subscribe") else None
@@ -243,7 +247,7 @@ class FakeGroup:
         self.epoch = epoch
 
     def launch(self, host="", role="trainer", replaces=""):
-        wid = f"w{self._launched}"
+        wid = f"{'s' if role == 'sampler' else 'w'}{self._launched}"
         self._launched += 1
         self.replicas[wid] = None
         if replaces:
@@ -595,3 +599,59 @@ class FakeGroup:
         if not all(idle for _, _, idle in out.values()):
             time.sleep(wait_seconds)
         return out
+
+    # -- an RL run's samplers (runtime.control.sampling) ------------------------------------------------------
+    # A sampler's calls are kept in ``sent``, each answered by the test (:meth:`open`, ``_Future.answer``); every
+    # launched sampler registers at once.
+
+    def _start(self, worker, method, **fields):
+        fut = SamplerCall()
+        self.sent.append((worker, method, fields, fut))
+        return fut
+
+    def open(self, method):
+        """The sampler calls of ``method`` not answered yet: ``[(worker, request fields, future)]``."""
+        return [(w, f, fut) for w, m, f, fut in self.sent if m == method and not fut.done()]
+
+    def wait_for_samplers(self, workers, timeout):
+        return list(workers)
+
+    def load_sampler(self, worker_id, programs):
+        return object()
+
+    def start_sampler_load(self, worker_id, programs):
+        return self._start(worker_id, "Load")
+
+    def publish_weights(self, trainers, leaves, dtype):
+        return {w: pb.PublishWeightsReply(version=self.publish_version, bytes=8, held=list(self.held_versions))
+                for w in trainers}
+
+    def start_sync(self, worker_id, version, sources):
+        return self._start(worker_id, "SyncWeights", version=version, sources=list(sources))
+
+    def start_rollout(self, worker_id, step, microbatches, version, seed):
+        return self._start(worker_id, "Rollout", step=step, microbatches=list(microbatches), version=version, seed=seed)
+
+    def settle(self, worker_id, fut):
+        pass
+
+    def attach_samplers(self, known, fingerprint):
+        return sorted(known)
+
+
+class SamplerCall:
+    """A sampler's call in flight, answered by the test (``answer``)."""
+
+    def __init__(self):
+        self._result, self._error, self._done = None, None, False
+
+    def done(self):
+        return self._done
+
+    def result(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def answer(self, result=None, error=None):
+        self._result, self._error, self._done = result, error, True

@@ -25,7 +25,7 @@ from runtime.wire.dataplane import DataServer
 from runtime.wire.dataplane_client import DataClient
 from runtime.wire.peers import PeerChannels
 from runtime.worker.weights import WeightOutbox, cast_weights, pull_weights
-from tests.support.fake_samplers import SamplerGroup
+from tests.support.fake_group import FakeGroup
 
 FENCE = pb.Fence(run_id="r", epoch=1)
 SECRET = "s3cret"
@@ -174,10 +174,18 @@ def _sampling(samplers=2, off=0, microbatches=4):
     programs = SamplerPrograms(rollout=b"", layout={"num_microbatches": microbatches}, prompts=b"",
                                weight_leaves=(0,))
     events = _Events()
-    group = SamplerGroup(events=events)
+    group = _group(opts, events)
     sampling = Sampling(group, opts, events, programs, events)
     sampling.start(["w0", "w1"], seed=0)
     return sampling, group, events
+
+
+def _group(opts, events, publish_version=0, held=()):
+    """The one fake group, its samplers numbered from s10, its trainers answering ``publish_version`` and
+    ``held`` to a PublishWeights."""
+    group = FakeGroup(types.SimpleNamespace(snapshot_interval=0, **vars(opts)), events, first_worker=10)
+    group.publish_version, group.held_versions = publish_version, tuple(held)
+    return group
 
 
 def _answer_syncs(group):
@@ -289,8 +297,8 @@ def test_a_restarted_client_learns_the_older_versions_the_trainers_hold_and_samp
     opts = types.SimpleNamespace(rl_samplers=2, rl_off_policy_steps=1, register_timeout_seconds=1.0, relaunch=True,
                                  max_retries=3)
     programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
-    group = SamplerGroup(publish_version=14, held=(12, 13, 14))
     events = _Events()
+    group = _group(opts, events, publish_version=14, held=(12, 13, 14))
     sampling = Sampling(group, opts, events, programs, events)
     sampling.reattach({"s2": None, "s3": None}, seed=0)
     sampling.trainers_changed(["w0", "w1"])
@@ -303,7 +311,7 @@ def test_a_version_an_uncommitted_step_needs_held_nowhere_fails_the_run_in_one_l
                                  max_retries=3)
     programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
     events = _Events(trainers=("w0",))
-    sampling = Sampling(SamplerGroup(publish_version=14, held=(14,)), opts, events, programs, events)
+    sampling = Sampling(_group(opts, events, publish_version=14, held=(14,)), opts, events, programs, events)
     sampling.reattach({"s2": None}, seed=0)
     sampling.trainers_changed(["w0"])
     with pytest.raises(StateLostError, match="step 14's rollouts need weights version 13") as err:
@@ -328,9 +336,9 @@ def test_a_sampler_that_answers_but_cannot_sync_is_replaced_after_three_failures
         sampling.pump(committed=0, steps=1, dead={})
         [(w, r, f)] = group.open("SyncWeights")
         f.answer(error=refused)
-        assert group.dead == []
+        assert not group.dead
     sampling.pump(committed=0, steps=1, dead={})
-    assert group.dead == ["s10"] and sampling.last_error.startswith("sync on s10")
+    assert list(group.dead) == ["s10"] and sampling.last_error.startswith("sync on s10")
 
 
 def test_a_restarted_client_reads_who_holds_which_weights_version_from_the_log():
@@ -351,7 +359,7 @@ def test_a_restarted_client_reads_who_holds_which_weights_version_from_the_log()
     opts = types.SimpleNamespace(rl_samplers=2, rl_off_policy_steps=1, register_timeout_seconds=1.0, relaunch=True,
                                  max_retries=3)
     programs = SamplerPrograms(rollout=_exported(), layout={"num_microbatches": 4}, prompts=b"", weight_leaves=(0,))
-    group = SamplerGroup()
+    group = _group(opts, new)
     sampling = Sampling(group, opts, new, programs, new)
     sampling.reattach({"s2": None, "s3": None}, seed=0)
     sampling.committed(9, ["w0", "w1"])   # from the trainers' reports: they hold version 10 now
