@@ -632,6 +632,8 @@ class Controller:
         self.executor.remap(plan, self.state, given=given)
         for w in given:
             self.group.release(w)
+        for launch in plan.launches:
+            self.group.relaunch(launch)
 
     def _boundary(self, _: Boundary) -> Phase:
         """No step in flight: warm newcomers into spares, drop dead spares, swap stragglers out, grow."""

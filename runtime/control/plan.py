@@ -606,14 +606,16 @@ def decide_release(placement: Placement, count: int, min_slices: int, dead: Iter
 
 def plan_release(state, opts, loaded: Mapping[str, int], count: int) -> tuple[Plan, list[str]]:
     """``count`` slices given back at a boundary (``RELEASE``: spares first, then a shrink that keeps at least
-    ``opts.min_slices``; the survivors hold the committed state, so nothing is copied), and which; ``KEEP`` and
-    why not."""
+    ``opts.min_slices``; the survivors hold the committed state, so nothing is copied), and which, each with a
+    host asked for again in its place (``launches``: the pool grants it once one is free and the run grows back;
+    nothing died, so it uses no relaunch of ``max_retries``); ``KEEP`` and why not."""
     decided = decide_release(state.placement, count, opts.min_slices, state.dead)
     if decided is None:
         return Plan(Action.KEEP, None, f"nothing to give back: {len(state.placement.active)} slice(s) run, the "
                                        f"minimum is {opts.min_slices}, no spare"), []
     placement, given = decided
-    return _remap(Plan(Action.RELEASE, placement, f"{', '.join(given)} given back"), state, loaded), given
+    plan = Plan(Action.RELEASE, placement, f"{', '.join(given)} given back", launches=tuple(Launch(w) for w in given))
+    return _remap(plan, state, loaded), given
 
 
 def plan_swap(state, opts, loaded: Mapping[str, int], slow: str) -> Plan:

@@ -220,8 +220,8 @@ class RunState:
 
     def relaunches(self, role: str) -> int:
         """Members of ``role`` launched in a dead one's place in this attempt, and those decided and not launched
-        yet (``deferred``)."""
-        return sum(1 for m in self.members.values() if m.replaces and m.role == role) + \
+        yet (``deferred``); not those asked for in place of one the run let go (``left``: nothing died)."""
+        return sum(1 for m in self.members.values() if m.replaces and m.replaces not in self.left and m.role == role) + \
             sum(1 for w in self.deferred if self.role_of(w) == role)
 
     def replaced(self, worker: str) -> bool:

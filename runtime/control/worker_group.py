@@ -541,12 +541,11 @@ class WorkerGroup:
         return self.launcher.give_back_due() if isinstance(self.launcher, PoolLauncher) else 0
 
     def release(self, worker_id: str) -> None:
-        """A worker given back to the pool, which left the placement: sent home, its host returned, and a host
-        asked for again (it joins as a newcomer, and the run grows back, once the pool has one free)."""
+        """A worker given back to the pool, which left the placement: sent home, its host returned (a host asked
+        for again in its place is the plan's: ``Plan.launches``)."""
         self.forget(worker_id)
         self.calls.send_home(worker_id)
         self.launcher.release(worker_id)
-        self.launch()
 
     def release_refused(self, count: int) -> None:
         """Nothing could be given back now (every slice needed, no spare): the pool is told so and asks others."""

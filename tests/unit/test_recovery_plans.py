@@ -184,3 +184,23 @@ def test_a_release_gives_live_spares_first_then_the_last_slices_down_to_the_mini
     assert decide_release(Placement(1, ("w0",), (), 1), 1, 1) is None
     piped = Placement(1, ("a0", "a1", "b0", "b1"), ("s0",), 2)   # a pipeline of 2 stages: whole replicas only
     assert decide_release(piped, 2, 1) == (Placement(2, piped.active, (), 2), ["s0"])
+
+
+def test_a_release_asks_a_host_again_in_each_ones_place_and_uses_no_relaunch_of_the_runs_budget():
+    import types
+
+    from runtime.control.plan import Action, Launch, decide_launch, plan_release
+    from runtime.control.run_state import RunState
+
+    state = RunState.replay([{"kind": "run_started", "run_id": "r", "steps": 9},
+                             *({"kind": "worker_launched", "worker": w, "host": "", "role": "trainer"}
+                               for w in ("w0", "w1", "w2")),
+                             {"kind": "placement", "epoch": 1, "active": ["w0", "w1"], "spares": ["w2"]},
+                             {"kind": "state_initialized", "seed": 0, "state_bytes": 1}])
+    opts = types.SimpleNamespace(min_slices=1, relaunch=True, launcher="pool", max_retries=1)
+    plan, given = plan_release(state, opts, {}, 1)
+    assert (plan.action, given, plan.launches) == (Action.RELEASE, ["w2"], (Launch("w2"),))
+    after = state.apply({"kind": "released", "epoch": 2, "active": ["w0", "w1"], "spares": [], "given": ["w2"],
+                         "promoted": [], "bytes_moved": 0, "step": 0}).apply(
+        {"kind": "worker_relaunched", "replaces": "w2", "worker": "w3", "host": "", "role": "trainer"})
+    assert after.relaunches("trainer") == 0 and decide_launch(after, opts, "w0") == Launch("w0", "trainer", "w0")
