@@ -25,8 +25,9 @@ class Group(Protocol):
     client_host: str
     #: Where this run's in-memory snapshots live on the client's host ("" when it takes none).
     snapshot_root: str
-    #: Members that fenced themselves and wait, holding their state, for this client to take them back.
-    fenced: set[str]
+    #: Members that fenced themselves and wait, holding their state, for this client to take them back (the run
+    #: state's: ``RunState.fenced``).
+    fenced: frozenset[str]
 
     # -- lifecycle and membership
     def start(self) -> None: ...

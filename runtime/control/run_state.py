@@ -178,6 +178,8 @@ class RunState:
     # where it serves once registered (a restarted client attaches them from here): {worker: Member}.
     members: Mapping[str, Member] = dataclasses.field(default_factory=dict)
     generation: int = 0                          # the client generation driving the run (a restart: one more)
+    fenced: frozenset[str] = frozenset()         # members that fenced themselves (their client was silent past their
+    #                                            lease) and wait, holding their state, to be taken back
     left: frozenset[str] = frozenset()           # workers the run let go alive (given back to a pool, a straggler
     #                                            sent home): no member any more, never attached again
     # A pipelined run: the stage each worker's programs are for ({worker: stage}, from programs_loaded,
@@ -362,6 +364,7 @@ def _client_attached(s: RunState, e) -> RunState:
         s = _member(s, w, info=_worker_info(w, i))
     answered = {w: i["stage"] for w, i in e["workers"].items() if i.get("stage") is not None}
     return _replace(s, steps=e["steps"], generation=e["generation"], stages={**s.stages, **answered},
+                    fenced=s.fenced - set(e["workers"]),
                     dead={w: why for w, why in s.dead.items() if w not in e["workers"]})
 
 
@@ -402,11 +405,21 @@ def _committed(s: RunState, e) -> RunState:
 
 def _worker_dead(s: RunState, e) -> RunState:
     w = e["worker"]
-    s = _replace(s, dead={**s.dead, w: e.get("reason") or e.get("cause") or "dead"})
+    s = _replace(s, dead={**s.dead, w: e.get("reason") or e.get("cause") or "dead"}, fenced=s.fenced - {w})
     if w in s.weights or w in s.installed:   # (an RL run: what it held is held no longer)
         s = _replace(s, weights={k: v for k, v in s.weights.items() if k != w},
                      installed={k: v for k, v in s.installed.items() if k != w})
     return s
+
+
+def _samplers_attached(s: RunState, e) -> RunState:
+    """A restarted client took over the samplers that answered (fenced no more)."""
+    s = _loaded("workers")(s, e)
+    return _replace(s, fenced=s.fenced - set(e["workers"]))
+
+
+def _fenced(s: RunState, e) -> RunState:
+    return _replace(s, fenced=s.fenced | {e["worker"]})
 
 
 def _failure(s: RunState, e) -> RunState:
@@ -539,7 +552,7 @@ _FOLDS = {
     "worker_relaunched": _launched,
     "sampler_relaunched": _sampler_relaunched,
     "samplers_started": _loaded("workers"),
-    "samplers_attached": _loaded("workers"),
+    "samplers_attached": _samplers_attached,
     "sampler_joined": _loaded("worker"),
     "worker_warmed": _loaded("worker"),
     "placement": _first_placement,
@@ -550,6 +563,7 @@ _FOLDS = {
     "step_dispatched": _dispatched,
     "step_committed": _committed,
     "worker_dead": _worker_dead,
+    "worker_fenced": _fenced,
     "failure_detected": _failure,
     "recovery_decision": _decision,
     "relaunch_deferred": _deferred,

@@ -131,7 +131,6 @@ class WorkerGroup:
         self.client_host = self.launcher.host   # the Ray node of this client; "" for other launchers
         self.monitor = HealthMonitor(Dialer(secret, opts.tls), self._host_lost, interval=opts.heartbeat_seconds,
                                      lease=opts.lease_seconds, retries=opts.probe_retries, events=events)
-        self.fenced: set[str] = set()            # members that fenced themselves and wait: this client takes them back
         self._deaths: queue.Queue[Death] = queue.Queue()
         self._channels: dict[str, grpc.Channel] = {}
         self._warming: dict[str, grpc.Future] = {}
@@ -248,7 +247,6 @@ class WorkerGroup:
             # A slice of several hosts answered as all of them: its hosts are the log's (same processes).
             info = known[w] if known[w].hosts else WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid,
                                                                r.data_address, r.host)
-            self.fenced.discard(w)   # alive, a member again (client_attached, written next, takes it off the dead)
             self.registry.add(info)
             self._watch(info)
             self.launcher.adopt(w, [h.pid for h in info.hosts] if info.hosts else info.pid)
@@ -282,7 +280,6 @@ class WorkerGroup:
             return []
         for w, r in replies.items():
             info = WorkerInfo(w, r.address, r.num_devices, r.platform, r.pid, r.data_address, r.host)
-            self.fenced.discard(w)
             self.registry.add(info)
             self._watch(info)
             self.launcher.adopt(w, r.pid)
@@ -441,6 +438,12 @@ class WorkerGroup:
             warmed.append(wid)
         return warmed
 
+    @property
+    def fenced(self) -> frozenset[str]:
+        """Members that fenced themselves and wait for this client to take them back (the run state's; a
+        restarted client's attach, ``client_attached``, takes them off)."""
+        return self.ledger.state.fenced
+
     def _dead(self):
         """The run's ``{worker: why}`` of the workers declared dead, as it is now (the run state's)."""
         return self.ledger.state.dead
@@ -476,8 +479,7 @@ class WorkerGroup:
         if cause == "fenced" and self._may_take_back(worker_id):
             # Alive, holding its state, waiting for a client: not a death; this client takes it back.
             if worker_id not in self.fenced:
-                self.fenced.add(worker_id)
-                self.events.emit("worker_fenced", worker=worker_id, reason=reason)
+                self.events.emit("worker_fenced", worker=worker_id, reason=reason)   # (the run state's from now)
                 self._deaths.put(Death(worker_id, reason, cause))
             return
         retired = [k for k in range(hosts) if k != host]

@@ -169,7 +169,7 @@ class FakeGroup:
         self.epoch = 0
         self.generation = getattr(opts, "generation", 0)
         self.dead: dict[str, str] = {}
-        self.fenced: set[str] = set()
+        self.fenced_procs: set[str] = set()   # workers that fenced themselves (they answer no probe)
         self.replicas: dict[str, _Replica | None] = {}   # registered workers; None until initialized
         self.crashed: set[str] = set()
         self.hung: set[str] = set()
@@ -209,6 +209,11 @@ class FakeGroup:
 
     def _stored(self, worker_id: str, directory: str) -> dict[int, _Checkpoint]:
         return self.checkpoints.setdefault((self.host_of(worker_id), directory), {})
+
+    @property
+    def fenced(self):
+        """Members that fenced themselves and wait for this client (the run state's, as the real group's)."""
+        return self.ledger.state.fenced if self.ledger is not None else frozenset(self.fenced_procs)
 
     # -- lifecycle and membership ---------------------------------------------
 
@@ -336,7 +341,7 @@ class FakeGroup:
     # -- health ---------------------------------------------------------------
 
     def _reachable(self, w) -> bool:
-        return w not in self.dead and w not in self.crashed and w not in self.hung and w not in self.fenced
+        return w not in self.dead and w not in self.crashed and w not in self.hung and w not in self.fenced_procs
 
     def is_alive(self, worker_id):
         return self._reachable(worker_id)
@@ -469,7 +474,9 @@ class FakeGroup:
         assert plan.epoch == self.epoch, f"step {plan.step} of epoch {plan.epoch} waited on in epoch {self.epoch}"
         kind, target = self.faults.pop(plan.step, (None, None))
         if kind == "fence":
-            self.fenced.update(plan.workers)
+            self.fenced_procs.update(plan.workers)
+            for w in plan.workers:   # the "health monitor" finds each fenced, waiting for this client
+                self.events.emit("worker_fenced", worker=w, reason="no word from the controller past its lease")
             raise StepAbortedError(plan.step, "its workers fenced themselves")
         if kind == "kill":
             self.crashed.add(target)
