@@ -135,7 +135,6 @@ class WorkerGroup:
         self._channels: dict[str, grpc.Channel] = {}
         self._warming: dict[str, grpc.Future] = {}
         self._launched = 0                       # processes launched (the next one's number)
-        self._hosts: dict[str, str] = {}         # worker -> the (simulated) host it was launched on
         # Every call to an adopted worker: its stub, the fence it carries, the calls in flight.
         self.calls = WorkerCalls(opts, self.registry, programs, data_source, self.snapshot_root, self._fence,
                                  self._dead, self.declare_dead, heard=self.monitor.heard, secret=secret)
@@ -210,13 +209,13 @@ class WorkerGroup:
         ``replaces``'s place). An RL run's sampler (``role`` ``sampler``, id ``s<n>``) the placement never takes."""
         wid = f"{'s' if role == SAMPLER else 'w'}{self._launched}"
         # A local launch simulates one host per worker slot; elsewhere the worker names its own (Ray: its node).
-        self._hosts[wid] = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
+        host = host or (f"local{self._launched}" if isinstance(self.launcher, LocalLauncher) else "")
         self._launched += 1
-        if replaces:
-            self.events.emit("worker_relaunched", replaces=replaces, worker=wid, host=self._hosts[wid], role=role)
+        if replaces:   # (where it was launched is the run state's from now: Member.host)
+            self.events.emit("worker_relaunched", replaces=replaces, worker=wid, host=host, role=role)
         else:
-            self.events.emit("worker_launched", worker=wid, host=self._hosts[wid], role=role)
-        self.launcher.launch(wid, self._hosts[wid], devices=self.opts.rl_sampler_devices if role == SAMPLER else 0)
+            self.events.emit("worker_launched", worker=wid, host=host, role=role)
+        self.launcher.launch(wid, host, devices=self.opts.rl_sampler_devices if role == SAMPLER else 0)
         return wid
 
     def attach(self, known: dict[str, WorkerInfo], registered, stages: Mapping[str, int] | None = None,
@@ -257,7 +256,6 @@ class WorkerGroup:
     def _reach(self, known: dict[str, WorkerInfo]) -> None:
         """A restarted client's calls reach the workers of ``known`` (from the log), on the hosts they registered."""
         for w, info in known.items():
-            self._hosts[w] = info.host
             if not self.calls.reaches(w):
                 self.calls.adopt(w, self._channels_of(info))
 
@@ -286,11 +284,14 @@ class WorkerGroup:
         return sorted(replies)
 
     def host_of(self, worker_id: str) -> str:
-        """The host a worker runs on (as it registered; else where it was launched; else its id)."""
+        """The host a worker runs on (as it registered; else where it was launched, the run state's; else its
+        id). A slice of several hosts: where it was launched (its hosts' base), the same for a restarted client."""
         info = self.registry.workers.get(worker_id)
-        if info is not None and info.hosts:   # a slice of several hosts: where it was launched (its hosts' base)
-            return self._hosts.get(worker_id) or info.host
-        return (info.host if info is not None and info.host else "") or self._hosts.get(worker_id, worker_id)
+        member = self.ledger.state.members.get(worker_id)
+        launched = member.host if member is not None else ""
+        if info is not None and info.hosts:
+            return launched or info.host
+        return (info.host if info is not None and info.host else "") or launched or worker_id
 
     def relaunch(self, launch: Launch) -> str:
         """Starts the fresh process (a new worker id) a plan decided (:func:`runtime.control.plan.decide_launch`)."""
