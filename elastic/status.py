@@ -150,24 +150,8 @@ def status_view(events: list, live: dict | None, *, now: float, client: dict | N
         "slices": [{"slice": i, "worker": w} for i, w in enumerate(active)],
         "spares": spares,
         "workers": workers,
-        "pool": _pool(events),
+        "pool": {"hosts": len(state.leases), "waiting": state.pool_waiting} if state.pooled else None,
     }
-
-
-def _pool(events: list) -> dict | None:
-    """A pool's run (docs/pool.md): the hosts it holds, and where it waits in the pool's queue (None: not
-    waiting); None for a run on its own workers."""
-    held, waiting, seen = set(), None, False
-    for e in events:
-        kind = e.get("kind")
-        if kind == "lease_granted":
-            held.add(e["worker"])
-            waiting, seen = None, True
-        elif kind == "lease_returned":
-            held.discard(e["worker"])
-        elif kind == "pool_waiting":
-            waiting, seen = e["status"], True
-    return {"hosts": len(held), "waiting": waiting} if seen else None
 
 
 def _secret(run_dir: pathlib.Path) -> str:

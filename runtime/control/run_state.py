@@ -178,6 +178,12 @@ class RunState:
     # where it serves once registered (a restarted client attaches them from here): {worker: Member}.
     members: Mapping[str, Member] = dataclasses.field(default_factory=dict)
     generation: int = 0                          # the client generation driving the run (a restart: one more)
+    # A shared pool's run (runtime.pool): the hosts leased to it ({worker: (pool host, lease id)}), whether it
+    # waits in the pool's queue now (the pool's last word on where, None: not waiting) and whether it ever did
+    # either in this attempt (``pooled``).
+    leases: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    pool_waiting: str | None = None
+    pooled: bool = False
     fenced: frozenset[str] = frozenset()         # members that fenced themselves (their client was silent past their
     #                                            lease) and wait, holding their state, to be taken back
     left: frozenset[str] = frozenset()           # workers the run let go alive (given back to a pool, a straggler
@@ -418,6 +424,18 @@ def _samplers_attached(s: RunState, e) -> RunState:
     return _replace(s, fenced=s.fenced - set(e["workers"]))
 
 
+def _lease_granted(s: RunState, e) -> RunState:
+    return _replace(s, leases={**s.leases, e["worker"]: (e["host"], e["lease"])}, pool_waiting=None, pooled=True)
+
+
+def _lease_returned(s: RunState, e) -> RunState:
+    return _replace(s, leases={w: x for w, x in s.leases.items() if w != e["worker"]})
+
+
+def _pool_waiting(s: RunState, e) -> RunState:
+    return _replace(s, pool_waiting=e["status"], pooled=True)
+
+
 def _fenced(s: RunState, e) -> RunState:
     return _replace(s, fenced=s.fenced | {e["worker"]})
 
@@ -564,6 +582,9 @@ _FOLDS = {
     "step_committed": _committed,
     "worker_dead": _worker_dead,
     "worker_fenced": _fenced,
+    "lease_granted": _lease_granted,
+    "lease_returned": _lease_returned,
+    "pool_waiting": _pool_waiting,
     "failure_detected": _failure,
     "recovery_decision": _decision,
     "relaunch_deferred": _deferred,

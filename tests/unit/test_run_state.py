@@ -173,3 +173,14 @@ def test_a_logs_transitions_are_its_run_states_one_per_event_and_its_attempts_cu
     assert steps[-1].after == RunState.replay(log) and steps[0].before == RunState()
     assert [t.attempt for t in steps] == [0] * (len(log) - len(START) - 3) + [1] * (len(START) + 3)
     assert [len(a) for a in attempts(log)] == [1 + len(START) + 2, 1 + len(START) + 2] and attempts([]) == []
+
+
+def test_a_pool_runs_leases_and_its_wait_in_the_queue_are_facts_of_the_run():
+    s = RunState.replay(START + [ev("pool_waiting", status="2nd in the queue"),
+                                 ev("lease_granted", worker="a", host="h1", lease="L1"),
+                                 ev("lease_granted", worker="b", host="h2", lease="L2"),
+                                 ev("lease_returned", worker="a", why="preempted")])
+    assert (s.leases, s.pool_waiting, s.pooled) == ({"b": ("h2", "L2")}, None, True)
+    assert not RunState.replay(START).pooled
+    waiting = s.apply({"kind": "pool_waiting", "status": "1st in the queue"})
+    assert waiting.pool_waiting == "1st in the queue" and waiting.leases == s.leases
