@@ -26,6 +26,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 
+from runtime.core.hosts import Layout
 from runtime.core.microbatch import Node, assign_microbatches
 
 __all__ = ["Placement", "StepPlan", "WorkerInfo", "place", "plan_step"]
@@ -48,6 +49,11 @@ class WorkerInfo:
     data_address: str = ""   # its data plane (runtime.wire.dataplane); "" when it serves none
     host: str = ""           # the host it runs on (where its in-memory snapshots live)
     hosts: tuple = ()        # a slice of several hosts: each host's WorkerInfo, in host order
+
+    @property
+    def layout(self) -> Layout:
+        """The slice's shape: its devices over its hosts."""
+        return Layout(self.num_devices, len(self.slice_hosts))
 
     @property
     def slice_hosts(self) -> tuple:

@@ -42,7 +42,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-from runtime.control.placement import Placement, WorkerInfo, place
+from runtime.control.placement import Layout, Placement, WorkerInfo, place
 from runtime.control.run_state import SAMPLER
 from runtime.control.stage_plan import (arrange_stages, copy_source, fill_slots, grow_replicas,
                                         stage_without_replica, unmatched_stages)
@@ -80,11 +80,33 @@ class Failure(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-    """One state copy: ``dest`` pulls the state of ``source`` (both of pipeline stage ``stage``)."""
+    """One state copy: ``dest`` pulls the state of ``source`` (both of pipeline stage ``stage``), from the
+    source's layout to the destination's (``source_layout``, ``dest_layout``: their slices' shapes, None where
+    the run state does not know it yet). A copy is the same copy whatever the layouts (they are not compared):
+    today both are the run's one slice shape; a copy between two shapes is where a live reshard plugs in."""
 
     source: str
     dest: str
     stage: int = 0
+    source_layout: Layout | None = dataclasses.field(default=None, compare=False)
+    dest_layout: Layout | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def reshards(self) -> bool:
+        """The copy moves the state between slices of two shapes."""
+        return None not in (self.source_layout, self.dest_layout) and self.source_layout != self.dest_layout
+
+
+def _laid_out(plan, state):
+    """``plan`` with each copy's layouts, as the run state knows its members' slices."""
+    def layout(w: str) -> Layout | None:
+        m = state.members.get(w)
+        return m.info.layout if m is not None and m.info is not None else None
+    if not plan.copies:
+        return plan
+    return dataclasses.replace(plan, copies=tuple(dataclasses.replace(c, source_layout=layout(c.source),
+                                                                      dest_layout=layout(c.dest))
+                                                  for c in plan.copies))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +327,10 @@ def plan_recovery(state, survey: Survey, opts, now: float = 0.0) -> Plan:
     """The whole recovery from ``state`` (the run's ``RunState``), ``survey`` and ``opts`` (the run's
     ``ControllerOptions``: ``slices``, ``min_slices``, ``max_retries``, ``capacity_timeout_seconds``,
     ``relaunch``); see the module docstring. ``now``: the clock a ``survey.wait`` deadline is in."""
+    return _laid_out(_plan_recovery(state, survey, opts, now), state)
+
+
+def _plan_recovery(state, survey: Survey, opts, now: float) -> Plan:
     committed = state.committed
     old = survey.placement or state.placement
     stages = old.stages
@@ -635,4 +661,4 @@ def _remap(plan: Plan, state, loaded: Mapping[str, int]) -> Plan:
     holders = [w for w in new.active if w in state.replicas]
     source = next(w for w in state.placement.active if w in state.replicas and w in new.active)
     loads, copies = _copies(new, holders, source, loaded)
-    return dataclasses.replace(plan, resume=state.committed, loads=loads, copies=copies)
+    return _laid_out(dataclasses.replace(plan, resume=state.committed, loads=loads, copies=copies), state)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.core.errors import ReplicaDivergenceError, WorkerLostError
+from runtime.core.errors import DeviceMismatchError, ReplicaDivergenceError, WorkerLostError
 from collections.abc import Mapping
 
 
@@ -42,6 +42,10 @@ class StateCopies:
         lost raises ``WorkerLostError`` (the controller plans again from the new facts)."""
         moved = 0
         for c in copies:
+            if c.reshards:   # (the planner places only slices of the run's one shape: never yet)
+                raise DeviceMismatchError(f"the state of {c.source} ({c.source_layout}) cannot be copied to "
+                                          f"{c.dest} ({c.dest_layout}): this runtime copies the state between "
+                                          "slices of one shape only")
             t0 = time.time()
             self.before_transfer(c.source, c.dest)
             self.events.emit("transfer_started", source=c.source, dest=c.dest, step=step)

@@ -22,8 +22,23 @@ Pure.
 
 from __future__ import annotations
 
-__all__ = ["block_of", "host_address", "host_addresses", "host_id", "host_layout", "join_blocks", "slice_address",
+import dataclasses
+
+__all__ = ["Layout", "block_of", "host_address", "host_addresses", "host_id", "host_layout", "join_blocks", "slice_address",
            "slice_of_host", "take_blocks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A slice's shape as the control plane knows it: its ``devices`` over its ``hosts``. A copy of the state
+    moves from one layout to another (:class:`runtime.control.plan.Copy`); programs are exported for one."""
+
+    devices: int
+    hosts: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.devices} device(s)" + (f" on {self.hosts} hosts" if self.hosts > 1 else "")
+
 
 _JOIN = ","
 _HOST = "/"   # a host's id: "<slice id>/<host index>" (a one-host slice's is the slice's id)

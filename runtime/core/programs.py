@@ -164,6 +164,21 @@ class ProgramSet:
     def num_microbatches(self) -> int:
         return self.by_stage[0].num_microbatches
 
+    def keys(self) -> list[tuple[str, int, int]]:
+        """What each set of programs is for: ``(role, stage, devices of the mesh it was exported for)``. Today a
+        run's trainers have one set per stage, all for one mesh (a sampler's are :class:`SamplerPrograms`);
+        programs for another mesh would be more keys."""
+        return [("trainer", s.stage, s.devices_per_slice) for s in self.by_stage]
+
+    def for_key(self, role: str, stage: int, devices: int) -> StagePrograms:
+        """The programs of ``(role, stage, devices)`` (:meth:`keys`); a ``KeyError`` naming those exported when
+        there are none for it (a slice of another mesh: they were not exported)."""
+        for key, programs in zip(self.keys(), self.by_stage):
+            if key == (role, stage, devices):
+                return programs
+        raise KeyError(f"no programs exported for {role} stage {stage} on a mesh of {devices} device(s); exported: "
+                       + ", ".join(f"{r} stage {k} on {d}" for r, k, d in self.keys()))
+
     @property
     def devices_per_slice(self) -> int:
         return self.by_stage[0].devices_per_slice

@@ -326,3 +326,41 @@ def test_a_pipelined_restore_waits_for_a_worker_where_a_stages_snapshot_lies_unt
     assert plan(**late, now=11.0).action is Action.RESTORE   # past the deadline: what the members hold
     came = {**late, "joined": ("t",), "hosts": {**facts["hosts"], "t": "h9"}}
     assert plan(**came, now=5.0).placement.active == ("p", "q", "t", "r")
+
+
+def test_room_for_shape_a_copy_says_its_layouts_and_programs_are_keyed_by_role_stage_and_mesh():
+    """No reshard is built: a copy between two slice shapes is refused where it would plug in, and the
+    programs of a mesh not exported are named missing."""
+    import dataclasses as dc
+
+    import pytest as pt
+
+    from runtime.control.placement import Layout, WorkerInfo
+    from runtime.control.plan import Copy
+    from runtime.control.state_copies import StateCopies
+    from runtime.core.errors import DeviceMismatchError
+
+    two = WorkerInfo("w0", "a,b", 4, hosts=(WorkerInfo("w0/0", "a", 4), WorkerInfo("w0/1", "b", 4)))
+    assert two.layout == Layout(4, 2) and WorkerInfo("w1", "c", 4).layout == Layout(4) and str(Layout(4, 2)) == \
+        "4 device(s) on 2 hosts"
+    same = Copy("w0", "w1", 0, Layout(4), Layout(4))
+    assert same == Copy("w0", "w1") and not same.reshards and not Copy("w0", "w1").reshards
+    other = dc.replace(same, dest_layout=Layout(2))
+    assert other.reshards
+    copies = StateCopies.__new__(StateCopies)
+    with pt.raises(DeviceMismatchError, match=r"w0 \(4 device\(s\)\) cannot be copied to w1 \(2 device\(s\)\)"):
+        copies.carry_out([other], 3)
+
+    from runtime.control.plan import Action, Plan, _laid_out
+    from runtime.control.run_state import RunState
+    from runtime.core.programs import ProgramSet, StagePrograms
+
+    state = RunState.replay([{"kind": "worker_registered", "worker": w, "address": w, "devices": 4,
+                              "platform": "cpu", "pid": 1} for w in ("w0", "w1")])
+    [laid] = _laid_out(Plan(Action.REPLACE, None, "", copies=(Copy("w0", "w1"),)), state).copies
+    assert (laid.source_layout, laid.dest_layout) == (Layout(4), Layout(4))
+    stages = tuple(StagePrograms({}, 4, 2, 1, 1, {}, {}, stage=k, num_stages=2) for k in range(2))
+    programs = ProgramSet(stages)
+    assert programs.keys() == [("trainer", 0, 4), ("trainer", 1, 4)] and programs.for_key("trainer", 1, 4) is stages[1]
+    with pt.raises(KeyError, match="no programs exported for trainer stage 0 on a mesh of 2 device"):
+        programs.for_key("trainer", 0, 2)
