@@ -110,15 +110,17 @@ def status_view(events: list, live: dict | None, *, now: float, client: dict | N
     ``heard_seconds``, ``rss_bytes`` and ``hosts`` (a slice of several). From the log alone, ``step`` is the committed step of the active workers.
     """
     from elastic.report import goodput
-    from elastic.report.rl import samplers_of
-    from runtime import RunState
+    from elastic.report.rl import samplers_in
+    from runtime import RunState, transitions
 
-    state = RunState.replay(events)
+    state, served = RunState(), set()   # the run state the log leaves, and every worker that served as a sampler
+    for t in transitions(events):
+        state, served = t.after, served | samplers_in(t)
     placement = state.placement
     active = list(placement.active) if placement is not None else []
     spares = list(placement.spares) if placement is not None else []
     live_workers = (live or {}).get("workers", {})
-    samplers = sorted(samplers_of(events) - set(state.dead), key=lambda w: (len(w), w))   # an RL run's
+    samplers = sorted(served - set(state.dead), key=lambda w: (len(w), w))   # an RL run's
     workers = {}
     for w in [*active, *spares, *samplers, *sorted(state.dead)]:
         if w in workers:

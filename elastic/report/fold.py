@@ -28,7 +28,7 @@ from typing import Any
 from elastic.report.goodput import goodput
 from elastic.report.pipeline import pipeline_section
 from elastic.report.pool import pool_section
-from elastic.report.rl import rl_section, sampler_fault, samplers_of
+from elastic.report.rl import rl_section, sampler_fault, samplers_in
 from runtime import EVENT_COMMON_FIELDS, EVENT_KINDS, EventFieldType, read_events, transitions
 
 __all__ = ["EVENT_FIELDS", "FAILURE_KIND_OF_FAULT", "READS", "REPORT_VERSION", "build_report"]
@@ -215,9 +215,11 @@ def build_report(events_or_path) -> dict:
     last_commit_t = None   # None after a failure: the interval that spans it is recovery, not a step
     t_first = events[0]["t"] if events else None
     attempt: dict | None = None   # the attempt the events belong to (see _new_attempt)
+    samplers: set[str] = set()    # every worker that served an RL run as a sampler, in any attempt
     # The run's facts (placement, deaths, attempts) are RunState's: the report reads its transitions.
     for t in transitions(events):
         e, before, state, kind = t.event, t.before, t.after, t.event["kind"]
+        samplers |= samplers_in(t)
         for w in state.dead.keys() - before.dead.keys():
             dead_at[w] = e["t"] - t_first
         if state.placement is not before.placement and state.placement is not None:
@@ -380,10 +382,10 @@ def build_report(events_or_path) -> dict:
         report["step_seconds_median"] = sorted(step_seconds)[len(step_seconds) // 2]
     if latencies:
         report["step_latency_seconds_median"] = sorted(latencies)[len(latencies) // 2]
-    _attribute(report, events, dead_at, t_first)
+    _attribute(report, events, dead_at, t_first, samplers)
     report["goodput"] = goodput(events)   # an empty log: all zeros
     report["pipeline"] = pipeline_section(report["config"], report["microbatches"], events)
-    report["rl"] = rl_section(report["config"], events)
+    report["rl"] = rl_section(report["config"], events, samplers)
     report["pool"] = pool_section(report["config"], events)
     if report["finished"] and len(report["attempts"]) > 1:
         # First event to the last run_finished, less the idle time between a finished attempt and the next.
@@ -458,7 +460,8 @@ FAILURE_KIND_OF_FAULT = {"kill": "crash", "hang": "hang", "partition": "partitio
                          "straggle": "straggler", "kill_save": "crash"}
 
 
-def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_first: float) -> None:
+def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_first: float,
+               samplers: set[str]) -> None:
     """Matches each injected fault to the failure it caused; fills kinds and latencies.
 
     A fault causes the first failure detected after it that lost one of its
@@ -475,7 +478,6 @@ def _attribute(report: dict, events: list[dict], dead_at: dict[str, float], t_fi
             f["kind"] = "client"
         elif causes:
             f["kind"] = "hang" if "hang" in causes else "straggler" if "stuck" in causes else "crash"
-    samplers = samplers_of(events) if report["faults"] else set()   # an RL run's (elastic.report.rl)
     for fault in report["faults"]:
         if fault["injected_at"] is None:
             continue

@@ -29,23 +29,25 @@ from __future__ import annotations
 
 import statistics
 
-from runtime import transitions
-
-__all__ = ["rl_section", "sampler_fault", "samplers_of"]
+__all__ = ["rl_section", "sampler_fault", "samplers_in"]
 
 
-def samplers_of(events: list[dict]) -> set[str]:
-    """Every worker that served the run as a sampler, in any attempt (the run state's members of that role)."""
-    return {w for t in transitions(events) if t.after.members is not t.before.members
-            for w, m in t.after.members.items() if m.role == "sampler"}
+def samplers_in(t) -> set[str]:
+    """The samplers among the run state's members after transition ``t`` (a :class:`runtime.Transition`), when
+    it changed the members (else none: they were counted before). Their union over a log's transitions is every
+    worker that served the run as a sampler, in any attempt."""
+    if t.after.members is t.before.members:
+        return set()
+    return {w for w, m in t.after.members.items() if m.role == "sampler"}
 
 
 def _sampler_relaunch(e: dict) -> bool:
     return e["kind"] == "sampler_relaunched" or (e["kind"] == "worker_relaunched" and e.get("role") == "sampler")
 
 
-def rl_section(config: dict | None, events: list[dict]) -> dict | None:
-    """The ``rl`` section of a run's report; None for a run that is not RL."""
+def rl_section(config: dict | None, events: list[dict], samplers: set[str]) -> dict | None:
+    """The ``rl`` section of a run's report; None for a run that is not RL. ``samplers``: every worker that
+    served as one (:func:`samplers_in`)."""
     steps = {}
     for e in events:
         if e["kind"] == "rl_step":
@@ -76,7 +78,6 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
     sequential = sampler + trainer
     span = span if steady else None
     rewards = [s["mean_reward"] for _, s in sorted(steps.items()) if s["mean_reward"] is not None]
-    samplers = samplers_of(events)
     head, tail = rewards[:3], rewards[-3:]
     return {
         "samplers": (config or {}).get("rl_samplers"),
@@ -105,7 +106,7 @@ def rl_section(config: dict | None, events: list[dict]) -> dict | None:
 
 def sampler_fault(fault: dict, events: list[dict], samplers: set[str], dead_at: dict[str, float],
                   t_first: float) -> bool:
-    """Fills ``fault`` (a report's fault) when it hit samplers only (``samplers``: :func:`samplers_of` the
+    """Fills ``fault`` (a report's fault) when it hit samplers only (``samplers``: :func:`samplers_in` the
     events): detected when the first was declared dead, recovered when the next step's rollouts were all made
     after that, path ``reassign``. False (nothing filled) for a fault that hit a trainer."""
     if not fault["workers"] or not set(fault["workers"]) <= samplers:

@@ -487,10 +487,10 @@ def _straggler_kept(s: RunState, e) -> RunState:
     return _replace(s, swaps=tuple(w for w in s.swaps if w != e["worker"]))
 
 
-def _stage(s: RunState, e, worker: str | None = None) -> int | None:
+def _stage(s: RunState, e) -> int | None:
     """The pipeline stage a backup reported by ``e`` is of: the event's, else its worker's (None: unpipelined)."""
     stage = e.get("stage")
-    return stage if stage is not None else s.stages.get(worker or e["worker"])
+    return stage if stage is not None else s.stages.get(e["worker"])
 
 
 def _checkpoint_saved(s: RunState, e) -> RunState:
@@ -572,7 +572,6 @@ _FOLDS = {
     "samplers_started": _loaded("workers"),
     "samplers_attached": _samplers_attached,
     "sampler_joined": _loaded("worker"),
-    "worker_warmed": _loaded("worker"),
     "placement": _first_placement,
     "placement_changed": _placement_changed,
     "state_initialized": _state_initialized,

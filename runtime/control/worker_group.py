@@ -22,6 +22,7 @@ A test drives the controller with a fake group offering the same methods.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -231,8 +232,7 @@ class WorkerGroup:
         numbers = [int(w[1:]) for w in registered if w[:1] in "ws" and w[1:].isdigit()]
         self._launched = max([self._launched, *(n + 1 for n in numbers)])
         self._reach(known)
-        per_stage = ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
-                     if self.programs.pipelined else [])
+        per_stage = self._stage_fingerprints
         request = self._attach_request("" if per_stage else programs_fingerprint(self.programs.programs()),
                                        per_stage)
         timeout = min(self.opts.rpc_timeout_seconds, ATTACH_SECONDS)
@@ -645,10 +645,17 @@ class WorkerGroup:
         caller records it: ``client_attached``)."""
         if not self.programs.pipelined:
             return None
-        per_stage = [programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
         if worker_id in (stages or {}):
             return stages[worker_id]
+        per_stage = self._stage_fingerprints
         return per_stage.index(reply.fingerprint) if reply.fingerprint in per_stage else None
+
+    @functools.cached_property
+    def _stage_fingerprints(self) -> list[str]:
+        """A pipelined run's programs' fingerprint per stage ([] unpipelined), taken once (the programs do not
+        change in a client's life)."""
+        return ([programs_fingerprint(stage.programs()) for stage in self.programs.by_stage]
+                if self.programs.pipelined else [])
 
     def loaded_stage(self, worker_id: str) -> int | None:
         """The pipeline stage whose programs ``worker_id`` loaded (None: an unpipelined run, or not loaded): the
